@@ -1,0 +1,82 @@
+"""What a fit measured: per step, per epoch and per phase, saved as JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class History:
+    """``steps``: loss, samples, seconds per global step; ``epochs``: mean train loss and
+    evaluation metrics; ``phases``: global batch, lr, split, per-replica samples/s."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    phases: list[dict[str, Any]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_json_safe(self.to_dict()), indent=1))
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> History:
+        return cls(**json.loads(Path(path).read_text()))
+
+    @property
+    def losses(self) -> list[float]:
+        return [s["loss"] for s in self.steps]
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+@dataclass
+class FitResult:
+    """The trained model (synchronized weights, on the driver's CPU) and its history."""
+
+    model: torch.nn.Module
+    history: History
+
+    def summary(self) -> str:
+        h = self.history
+        info = h.info
+        samples = sum(s["samples"] for s in h.steps)
+        seconds = info.get("train_seconds", 0.0) or float("nan")
+        lines = [
+            f"trained {info.get('epochs')} epoch(s), {len(h.steps)} steps, {samples} samples "
+            f"on {info.get('replicas')} replica(s) in {seconds:.1f} s "
+            f"({samples / seconds:.0f} samples/s)",
+        ]
+        for phase in h.phases:
+            lines.append(
+                f"  phase {phase['phase']}: epochs {phase['start_epoch']}-{phase['end_epoch'] - 1}"
+                f", global batch {phase['global_batch']}, lr {phase['lr']}, split "
+                f"{phase['local_batches']}, samples/s per replica "
+                f"{[round(v) for v in phase['samples_per_second']]}"
+            )
+        if h.epochs:
+            last = h.epochs[-1]
+            metrics = ", ".join(
+                f"{k} {v:.4g}" for k, v in last.items() if k != "epoch" and isinstance(v, float)
+            )
+            lines.append(f"  epoch {last['epoch']}: {metrics}")
+        return "\n".join(lines)

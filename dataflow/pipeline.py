@@ -1,0 +1,75 @@
+"""``Pipeline``: the standard training graph from a model, a loss and an optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from dataflow.errors import ConfigError
+from dataflow.graph import Graph
+from dataflow.history import FitResult
+from dataflow.schedule import Fixed, Schedule
+from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
+from dataflow.trainer import Trainer
+
+
+class Pipeline:
+    """Load -> Transform* -> Forward -> Backward -> AllReduce -> Update [-> Evaluate].
+
+    ``model`` is a factory called once per replica (a class, or ``lambda: Net()``);
+    ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
+    ``eval_source`` with ``metrics`` evaluates at the end of every epoch.
+    Everything else (``replicas``, ``device``, ``window_seconds``, ``balancer``,
+    ``progress`` ...) is a :class:`~dataflow.trainer.TrainerConfig` field.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Callable[[], torch.nn.Module] | torch.nn.Module,
+        loss: Callable[..., torch.Tensor],
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+        source: Any,
+        transforms: Sequence[Callable[[Any], Any]] = (),
+        schedule: Schedule | None = None,
+        seed: int = 0,
+        eval_source: Any = None,
+        metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
+        bucket_mb: float = 25.0,
+        prefetch: int = 2,
+        drop_last: bool = False,
+        **trainer_options: Any,
+    ) -> None:
+        if schedule is None:
+            raise ConfigError(
+                "Pipeline(schedule=...) is required, e.g. dataflow.schedule.Fixed(batch_size=64)"
+            )
+        if isinstance(transforms, Callable):  # a single transform
+            transforms = [transforms]
+        graph = Graph()
+        node = graph.add(Load(source, prefetch=prefetch, drop_last=drop_last))
+        for fn in transforms:
+            node = graph.add(Transform(fn), node)
+        node = graph.add(Forward(model, loss), node)
+        node = graph.add(Backward(), node)
+        node = graph.add(AllReduce(bucket_mb=bucket_mb), node)
+        node = graph.add(Update(optimizer), node)
+        if eval_source is not None:
+            graph.add(Evaluate(eval_source, metrics=metrics or {"loss": loss}), node)
+        elif metrics:
+            raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
+        self.graph = graph
+        self.trainer = Trainer(graph, schedule=schedule, seed=seed, **trainer_options)
+
+    def fit(self, epochs: int, client: Any = None) -> FitResult:
+        """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster)."""
+        return self.trainer.fit(epochs, client)
+
+    def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list:
+        """The phase plans, without a cluster (``print`` them, or ``to_dot()``)."""
+        return self.trainer.plan(epochs, replicas, step_seconds=step_seconds)
+
+
+__all__ = ["Fixed", "Pipeline"]

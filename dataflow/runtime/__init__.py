@@ -1,0 +1,1 @@
+"""Worker-side runtime: the plugin, replicas, process groups and the allreduce."""

@@ -1,0 +1,108 @@
+"""The process group that joins the replicas of one fit.
+
+It is built directly from c10d classes rather than ``init_process_group``, so it is
+not process-global: it lives in the worker plugin's per-run state, several fits can
+share a cluster, and a failing fit can abort exactly its own group. Rank 0 opens a
+``TCPStore`` on a free port chosen by the OS (never hard-coded) and the others
+connect to it at rank 0's worker address.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dataflow.errors import CollectiveError
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store on rank 0's worker, listening on an OS-chosen port."""
+    return dist.TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+class Collective:
+    """Allreduce and broadcast over one fit's replicas (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        host: str,
+        timeout_s: float,
+        prefix: str,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(prefix, store)
+        try:
+            if device.type == "cuda":
+                self.backend = "nccl"
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            else:
+                self.backend = "gloo"
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = timeout
+                options._devices = [_gloo_device(host)]
+                self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        except Exception as exc:  # surfaced with the rank and address that failed
+            raise CollectiveError(
+                f"replica {rank} of {world_size} could not join the process group at "
+                f"{host}: {exc}. Check that workers can reach each other on TCP ports"
+            ) from exc
+
+    def allreduce_async(self, tensor: torch.Tensor) -> Any:
+        """Start a sum-allreduce in place; returns a work handle with ``wait()``."""
+        return self._group.allreduce([tensor])
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.allreduce_async(tensor).wait()
+        return tensor
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        for tensor in tensors:
+            self._group.broadcast([tensor], opts).wait()
+
+    def abort(self) -> None:
+        """Break any collective in flight (used when another replica failed)."""
+        try:
+            self._group.abort()
+        except Exception:  # already broken or backend without abort: nothing to do
+            pass
+
+
+def _gloo_device(host: str) -> Any:
+    """Bind gloo to the interface the worker itself listens on."""
+    try:
+        return dist.ProcessGroupGloo.create_device(hostname=host)
+    except Exception:
+        return dist.ProcessGroupGloo.create_default_device()

@@ -1,0 +1,52 @@
+"""Per-worker state: the replicas (and rendezvous stores) of the fits in progress.
+
+Lives in a ``distributed.WorkerPlugin`` rather than module globals, so state is
+tied to the worker's lifetime, torn down with it, and several fits can share a
+worker process without stepping on each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import WorkerPlugin, get_worker
+
+PLUGIN_NAME = "dataflow"
+
+
+class DataflowWorkerPlugin(WorkerPlugin):
+    name = PLUGIN_NAME
+
+    def setup(self, worker: Any) -> None:
+        self.worker = worker
+        self.replicas: dict[str, Any] = {}  # run id -> ReplicaRuntime
+        self.stores: dict[str, Any] = {}  # run id -> rank 0's TCPStore until the group forms
+
+    def teardown(self, worker: Any) -> None:
+        for run_id in list(self.replicas):
+            self.close_run(run_id)
+
+    def replica(self, run_id: str) -> Any:
+        try:
+            return self.replicas[run_id]
+        except KeyError:
+            raise KeyError(
+                f"worker {self.worker.address} holds no replica of fit {run_id!r}; the worker "
+                "may have restarted since the fit began"
+            ) from None
+
+    def abort_run(self, run_id: str) -> None:
+        runtime = self.replicas.get(run_id)
+        if runtime is not None:
+            runtime.abort()
+
+    def close_run(self, run_id: str) -> None:
+        self.stores.pop(run_id, None)
+        runtime = self.replicas.pop(run_id, None)
+        if runtime is not None:
+            runtime.close()
+
+
+def current_plugin() -> DataflowWorkerPlugin:
+    """The plugin of the worker running the calling task."""
+    return get_worker().plugins[PLUGIN_NAME]

@@ -1,0 +1,113 @@
+"""Bucketed, overlapped, sample-weighted gradient allreduce.
+
+Each parameter's gradient is copied into its bucket's flat buffer, scaled by this
+replica's share of the global batch ``b_r / B``, as soon as autograd has
+accumulated it; a full bucket starts its allreduce (a sum) at once, so
+communication overlaps the rest of backward. The sum of the weighted gradients is
+the mean gradient of the global batch, whatever the split, including replicas with
+no samples (they contribute zeros). Buckets start strictly in index order on every
+replica, as collectives must be issued in the same order everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dataflow.buckets import assign_buckets
+
+
+class BucketReducer:
+    def __init__(self, params: list[torch.nn.Parameter], collective: Any, *, cap_bytes: int):
+        self.collective = collective
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets = assign_buckets(
+            [p.numel() * p.element_size() for p in self.params],
+            [(p.dtype, p.device) for p in self.params],
+            cap_bytes=cap_bytes,
+        )
+        self._flat: list[torch.Tensor] = []
+        self._views: dict[int, torch.Tensor] = {}
+        self._bucket_of: dict[int, int] = {}
+        for b, members in enumerate(self.buckets):
+            first = self.params[members[0]]
+            total = sum(self.params[i].numel() for i in members)
+            flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                self._views[i] = flat[offset : offset + n]
+                self._bucket_of[i] = b
+                offset += n
+            self._flat.append(flat)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._armed = False
+        self._weight = 1.0
+
+    @property
+    def bucket_bytes(self) -> list[int]:
+        return [f.numel() * f.element_size() for f in self._flat]
+
+    def begin_step(self, weight: float) -> None:
+        """Arm the hooks for this step's backward with this replica's weight ``b_r / B``."""
+        self._weight = weight
+        self._pending = [len(m) for m in self.buckets]
+        self._packed = [False] * len(self.buckets)
+        self._works: list[Any] = [None] * len(self.buckets)
+        self._next_launch = 0
+        self._armed = True
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        i = self._index[id(param)]
+        b = self._bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._pack(b)
+            self._launch_ready()
+
+    def _pack(self, b: int) -> None:
+        for i in self.buckets[b]:
+            grad = self.params[i].grad
+            view = self._views[i]
+            if grad is None:
+                view.zero_()
+            elif self._weight == 1.0:
+                view.copy_(grad.reshape(-1))
+            else:
+                torch.mul(grad.reshape(-1), self._weight, out=view)
+        self._packed[b] = True
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self._packed[self._next_launch]:
+            self._works[self._next_launch] = self.collective.allreduce_async(
+                self._flat[self._next_launch]
+            )
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Reduce what backward did not (unused params, zero-sample replicas); write back.
+
+        Afterwards every parameter's ``.grad`` is the global-batch mean gradient.
+        """
+        for b in range(len(self.buckets)):
+            if not self._packed[b]:
+                self._pack(b)
+        self._launch_ready()
+        for work in self._works:
+            work.wait()
+        for i, param in enumerate(self.params):
+            reduced = self._views[i].view_as(param)
+            if param.grad is None:
+                param.grad = reduced.clone()
+            else:
+                param.grad.copy_(reduced)
+        self._armed = False
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

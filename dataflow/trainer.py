@@ -1,0 +1,498 @@
+"""The driver: runs a graph phase by phase on a Dask cluster.
+
+For each phase it asks the schedule for the global batch and LR, the balancer
+for the split, builds the :class:`~dataflow.plan.Plan`, submits one task per
+window per replica (pinned to the replica's worker, chained behind its previous
+window), and folds the small per-window results into the history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from distributed import Client, as_completed
+from tqdm.auto import tqdm
+
+from dataflow.balance import Balancer, Even
+from dataflow.errors import BatchSizeError, ConfigError, LossError, ReplicaError
+from dataflow.graph import Graph
+from dataflow.history import FitResult, History
+from dataflow.plan import Plan, phase_steps
+from dataflow.runtime import replica as remote
+from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.runtime.plugin import DataflowWorkerPlugin
+from dataflow.schedule import PhaseSpec, Schedule
+from dataflow.stages import Forward, Load
+from dataflow.stages.base import PhaseContext
+from dataflow.stages.forward import build_model
+
+CALIBRATION_STEPS = 2
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """How a fit runs (what it computes is the graph and the schedule)."""
+
+    seed: int = 0
+    replicas: int | None = None  # default: every worker of the client
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
+    threads_per_replica: int | None = None  # torch intra-op threads; default: torch's
+    window_seconds: float = 1.0  # work fused into one Dask task
+    collective_timeout_s: float = 300.0
+    balancer: Balancer = field(default_factory=Even)
+    progress: bool = True
+    dry_run: bool = True  # one tiny step on the driver first, for early clear errors
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):
+            raise ConfigError(f"replicas must be an int >= 1 or None, got {self.replicas!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
+        if not self.window_seconds > 0:
+            raise ConfigError(
+                f"window_seconds must be > 0 (seconds of work per Dask task), got "
+                f"{self.window_seconds}"
+            )
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if not isinstance(self.balancer, Balancer):
+            raise ConfigError(
+                f"balancer must have a split(global_batch, replicas) method, got "
+                f"{type(self.balancer).__name__}"
+            )
+
+
+class Trainer:
+    """Runs ``graph`` under ``schedule``; see :class:`dataflow.Pipeline` for the usual graph."""
+
+    def __init__(self, graph: Graph, *, schedule: Schedule, **config: Any) -> None:
+        if not isinstance(graph, Graph):
+            raise ConfigError(f"Trainer(graph=...) expects a dataflow.Graph, got {type(graph)}")
+        if not isinstance(schedule, Schedule):
+            raise ConfigError(
+                f"schedule must be a dataflow.schedule schedule such as Fixed(64), got "
+                f"{type(schedule).__name__}"
+            )
+        self.graph = graph
+        self.schedule = schedule
+        self.config = TrainerConfig(**config)
+        loads = [s for s in graph if isinstance(s, Load)]
+        if not loads:
+            raise ConfigError("the graph has no Load stage: add g.add(stages.Load(source))")
+        self.source = loads[0].source
+        self.drop_last = loads[0].config.drop_last
+        forwards = [s for s in graph if isinstance(s, Forward)]
+        self.model_factory = forwards[0].config.model if forwards else None
+
+    # -- inspection, no cluster ---------------------------------------------------------
+    def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list[Plan]:
+        """The plans a fit of ``epochs`` on ``replicas`` would run (first phase's view)."""
+        _check_epochs(epochs)
+        order = self.graph.validate(replicas=replicas)
+        plans, epoch, previous, index = [], 0, None, 0
+        while epoch < epochs:
+            phase = self.schedule.next_phase(
+                start_epoch=epoch, total_epochs=epochs, previous=previous
+            )
+            steps = self._phase_steps(phase, replicas, index)
+            plans.append(
+                Plan.build(
+                    order,
+                    phase,
+                    steps,
+                    replicas,
+                    step_seconds=step_seconds,
+                    window_seconds=self.config.window_seconds,
+                )
+            )
+            epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+        return plans
+
+    def _phase_steps(self, phase: PhaseSpec, replicas: int, first_index: int) -> tuple:
+        def split(size: int) -> tuple[int, ...]:
+            return self.config.balancer.split(size, replicas)
+
+        return phase_steps(
+            num_samples=self.source.num_samples,
+            phase=phase,
+            split=split,
+            drop_last=self.drop_last,
+            first_index=first_index,
+        )
+
+    # -- fitting --------------------------------------------------------------------
+    def fit(self, epochs: int, client: Client | None = None) -> FitResult:
+        _check_epochs(epochs)
+        if self.schedule.max_batch() > self.source.num_samples:
+            raise BatchSizeError(
+                f"schedule asks for a global batch of {self.schedule.max_batch()} but the "
+                f"dataset has {self.source.num_samples} samples; use a batch size <= "
+                f"{self.source.num_samples}"
+            )
+        self.graph.validate(replicas=self.config.replicas or 1)
+        if self.config.dry_run:
+            self._dry_run()
+        with client_or_local_cluster(client, announce=self.config.progress) as active:
+            return _Fit(self, active, epochs).run()
+
+    def _dry_run(self) -> None:
+        """One step of two samples through the whole graph on the driver, no cluster.
+
+        A factory that returns no module, a loss that is not a scalar, a transform
+        that fails: each surfaces here, before any worker starts, with a plain traceback.
+        Stages are shallow-copied, so what their setup stores never reaches the workers.
+        """
+        graph = self.graph.shallow_copy()
+        order = graph.validate(replicas=1)
+        size = min(2, self.source.num_samples)
+        phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=size)
+        first = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))[0]
+        step = dataclasses.replace(first, last_in_epoch=False)  # no end-of-epoch evaluation
+        spec = remote.ReplicaSpec(run_id="dry-run", graph=graph, order=order, seed=self.config.seed)
+        runtime = remote.ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+        try:
+            runtime.begin_phase(PhaseContext(index=0, steps=(step,), lr=None))
+            runtime.run_window(step.index, step.index + 1)
+        finally:
+            runtime.close()
+
+
+def _check_epochs(epochs: Any) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ConfigError(f"fit(epochs={epochs!r}): epochs must be an int >= 1")
+
+
+class _Fit:
+    """The state of one fit on the driver."""
+
+    def __init__(self, trainer: Trainer, client: Client, epochs: int) -> None:
+        self.trainer = trainer
+        self.config = trainer.config
+        self.client = client
+        self.epochs = epochs
+        self.run_id = f"fit{uuid.uuid4().hex[:12]}"
+        self.history = History()
+
+    def _workers(self) -> list[str]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        addresses = sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
+        wanted = self.config.replicas or len(addresses)
+        if wanted > len(addresses):
+            raise ConfigError(
+                f"replicas={wanted} but the client has {len(addresses)} worker(s); start more "
+                "workers or lower replicas"
+            )
+        if not addresses:
+            raise ConfigError("the client has no workers; start some before fit()")
+        return addresses[:wanted]
+
+    def run(self) -> FitResult:
+        client = self.client
+        self.workers = workers = self._workers()
+        world = len(workers)
+        order = self.trainer.graph.validate(replicas=world)
+        self.order = order
+        if not all(client.run(remote.has_plugin, workers=workers).values()):
+            client.register_plugin(DataflowWorkerPlugin(), name="dataflow")
+        spec = remote.ReplicaSpec(
+            run_id=self.run_id,
+            graph=self.trainer.graph,
+            order=order,
+            seed=self.config.seed,
+            device=self.config.device,
+            threads=self.config.threads_per_replica,
+            collective_timeout_s=self.config.collective_timeout_s,
+        )
+        started = time.perf_counter()
+        try:
+            [spec_future] = client.scatter([spec], broadcast=True, workers=workers, hash=False)
+            host = port = None
+            if world > 1:
+                host, port = client.submit(
+                    remote.open_rendezvous,
+                    self.run_id,
+                    world,
+                    self.config.collective_timeout_s,
+                    workers=[workers[0]],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"rendezvous-{self.run_id}",
+                ).result()
+            setups = [
+                client.submit(
+                    remote.setup_replica,
+                    spec_future,
+                    rank,
+                    world,
+                    host,
+                    port,
+                    workers=[address],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"setup@replica{rank}-{self.run_id}",
+                )
+                for rank, address in enumerate(workers)
+            ]
+            self.history.info = {
+                "run_id": self.run_id,
+                "epochs": self.epochs,
+                "replicas": world,
+                "seed": self.config.seed,
+                "stages": list(order),
+                "workers": client.gather(setups),
+                "dashboard": client.dashboard_link,
+            }
+            self.last_futures: list[Any] = [None] * world
+            self.train_started = time.perf_counter()
+            self._run_phases()
+            self.history.info["train_seconds"] = time.perf_counter() - self.train_started
+            state = client.submit(
+                remote.replica_state_dict,
+                self.run_id,
+                workers=[workers[0]],
+                allow_other_workers=False,
+                pure=False,
+                key=f"weights@replica0-{self.run_id}",
+            ).result()
+        except BaseException:
+            _quietly(lambda: client.run(remote.abort_run, self.run_id, workers=workers))
+            raise
+        finally:
+            _quietly(lambda: client.run(remote.close_run, self.run_id, workers=workers))
+        self.history.info["fit_seconds"] = time.perf_counter() - started
+        model = build_model(self.trainer.model_factory, self.config.seed)
+        model.load_state_dict(state)
+        result = FitResult(model=model, history=self.history)
+        if self.config.progress:
+            print(result.summary())
+        return result
+
+    def _submit(self, fn: Any, rank: int, *args: Any, key: str) -> Any:
+        return self.client.submit(
+            fn,
+            self.run_id,
+            *args,
+            workers=[self.workers[rank]],
+            allow_other_workers=False,
+            pure=False,
+            key=key,
+        )
+
+    def _run_phases(self) -> None:
+        epoch, previous, index = 0, None, 0
+        step_seconds: float | None = None
+        world = len(self.workers)
+        while epoch < self.epochs:
+            phase = self.trainer.schedule.next_phase(
+                start_epoch=epoch, total_epochs=self.epochs, previous=previous
+            )
+            steps = self.trainer._phase_steps(phase, world, index)
+            phase_started = time.perf_counter()
+            context = PhaseContext(index=phase.index, steps=steps, lr=phase.lr)
+            self.last_futures = [
+                self._submit(
+                    remote.begin_phase,
+                    r,
+                    context,
+                    key=f"begin-phase@replica{r}-{self.run_id}-p{phase.index}",
+                )
+                for r in range(world)
+            ]
+            results: list[list[Any]] = [[] for _ in range(world)]
+            bar = tqdm(
+                total=len(steps),
+                desc=f"phase {phase.index} (B={phase.global_batch})",
+                unit="step",
+                disable=not self.config.progress,
+                dynamic_ncols=True,
+            )
+            try:
+                done = 0
+                if step_seconds is None:  # measure before fusing steps into windows
+                    calibration = Plan.build(
+                        self.order, phase, steps[:CALIBRATION_STEPS], world, tag="calibrate"
+                    )
+                    self._run_plan(calibration, results, bar)
+                    done = len(calibration.steps)
+                    step_seconds = self._measured_step_seconds(results)
+                if done < len(steps):
+                    plan = Plan.build(
+                        self.order,
+                        phase,
+                        steps[done:],
+                        world,
+                        step_seconds=step_seconds,
+                        window_seconds=self.config.window_seconds,
+                        tag="train",
+                    )
+                    self._run_plan(plan, results, bar)
+                step_seconds = self._measured_step_seconds(results)
+            finally:
+                bar.close()
+            ends = self.client.gather(
+                [
+                    self._submit(
+                        remote.end_phase,
+                        r,
+                        self.last_futures[r],
+                        key=f"end-phase@replica{r}-{self.run_id}-p{phase.index}",
+                    )
+                    for r in range(world)
+                ]
+            )
+            digests = {end["weights_digest"] for end in ends}
+            if len(digests) != 1:
+                raise ReplicaError(
+                    f"replica weights diverged after phase {phase.index}: digests {digests}"
+                )
+            self._record_phase(phase, steps, results, ends, time.perf_counter() - phase_started)
+            epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+
+    def _measured_step_seconds(self, results: list[list[Any]]) -> float:
+        """The median over recent steps of the slowest replica's step time."""
+        per_step = [max(values) for values in zip(*(r[-1].step_seconds for r in results), strict=True)]
+        tail = per_step[1:] if len(per_step) > 1 else per_step
+        return statistics.median(tail)
+
+    def _run_plan(self, plan: Plan, results: list[list[Any]], bar: Any) -> None:
+        futures = {}
+        for task in plan.tasks():
+            window = task.window
+            first = plan.steps[window.first].index
+            stop = plan.steps[window.stop - 1].index + 1
+            future = self._submit(
+                remote.run_window, task.replica, first, stop, self.last_futures[task.replica],
+                key=task.key,
+            )
+            self.last_futures[task.replica] = future
+            futures[future] = (task.replica, window.index)
+        pending: dict[int, dict[int, Any]] = defaultdict(dict)
+        next_window = 0
+        for future in as_completed(list(futures)):
+            rank, window_index = futures[future]
+            if future.status == "error":
+                raise _replica_failure(future, rank, self.workers[rank])
+            pending[window_index][rank] = future.result()
+            while len(pending.get(next_window, {})) == plan.replicas:
+                window_results = pending.pop(next_window)
+                for r in range(plan.replicas):
+                    results[r].append(window_results[r])
+                self._record_steps(plan, [window_results[r] for r in range(plan.replicas)], bar)
+                next_window += 1
+
+    def _record_steps(self, plan: Plan, window: list[Any], bar: Any) -> None:
+        first = window[0].first_step
+        offset = first - plan.steps[0].index
+        for i in range(len(window[0].samples)):
+            spec = plan.steps[offset + i]
+            local = [(w.losses[i], w.samples[i]) for w in window]
+            total = sum(n for _, n in local)
+            loss = sum(value * n for value, n in local if n) / total
+            if loss != loss or loss in (float("inf"), float("-inf")):
+                raise LossError(
+                    f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "
+                    "diverged: lower the learning rate or check the inputs for NaN/inf"
+                )
+            self.history.steps.append(
+                {
+                    "step": spec.index,
+                    "phase": plan.phase.index,
+                    "epoch": spec.epoch,
+                    "loss": loss,
+                    "samples": total,
+                    "seconds": max(w.step_seconds[i] for w in window),
+                    "time": time.perf_counter() - self.train_started,
+                }
+            )
+            if spec.last_in_epoch:
+                self._record_epoch(spec, window)
+        elapsed = time.perf_counter() - self.train_started
+        samples = sum(s["samples"] for s in self.history.steps)
+        bar.update(len(window[0].samples))
+        bar.set_postfix(
+            epoch=self.history.steps[-1]["epoch"],
+            loss=f"{self.history.steps[-1]['loss']:.4g}",
+            samples_s=f"{samples / elapsed:.0f}",
+            refresh=False,
+        )
+
+    def _record_epoch(self, spec: Any, window: list[Any]) -> None:
+        losses = [s for s in self.history.steps if s["epoch"] == spec.epoch]
+        row: dict[str, Any] = {
+            "epoch": spec.epoch,
+            "train_loss": sum(s["loss"] * s["samples"] for s in losses)
+            / sum(s["samples"] for s in losses),
+        }
+        evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
+        if evals:
+            count = sum(e["count"] for e in evals)
+            for key in evals[0]:
+                if key != "count":
+                    row[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
+        self.history.epochs.append(row)
+
+    def _record_phase(
+        self, phase: PhaseSpec, steps: tuple, results: list[list[Any]], ends: list[dict],
+        seconds: float,
+    ) -> None:
+        rates, task_seconds, stage_seconds = [], [], []
+        for r, windows in enumerate(results):
+            samples = sum(sum(w.samples) for w in windows)
+            stages = defaultdict(float)
+            for w in windows:
+                for name, value in w.stage_seconds.items():
+                    stages[name] += value
+            compute = sum(v for name, v in stages.items() if not _is_waiting(self.trainer.graph[name]))
+            rates.append(samples / compute if compute > 0 else 0.0)
+            task_seconds.append(sum(w.task_seconds for w in windows))
+            stage_seconds.append(dict(stages))
+            del r
+        self.history.phases.append(
+            {
+                "phase": phase.index,
+                "start_epoch": phase.start_epoch,
+                "end_epoch": phase.end_epoch,
+                "global_batch": phase.global_batch,
+                "lr": ends[0].get("lr", phase.lr),
+                "local_batches": list(self.trainer.config.balancer.split(phase.global_batch, len(results))),
+                "samples_per_second": rates,
+                "steps": len(steps),
+                "windows": len(results[0]),
+                "seconds": seconds,
+                "task_seconds": task_seconds,
+                "stage_seconds": stage_seconds,
+            }
+        )
+
+
+def _is_waiting(stage: Any) -> bool:
+    """Stages whose time is waiting on data or peers, not this replica's compute."""
+    from dataflow.stages import AllReduce, Load
+
+    return isinstance(stage, Load | AllReduce)
+
+
+def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
+    exc = future.exception()
+    if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
+        return exc
+    error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _quietly(action: Any) -> None:
+    try:
+        action()
+    except Exception:  # cleanup after the real error, which is what the user must see
+        pass

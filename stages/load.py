@@ -1,0 +1,100 @@
+"""Load: read this replica's share of each global batch, prefetched on a thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataflow.errors import ConfigError
+from dataflow.io.prefetch import Prefetcher
+from dataflow.io.sampler import epoch_order
+from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, StepContext
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoadConfig:
+    prefetch: int = 2
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 1:
+            raise ConfigError(
+                f"Load(prefetch={self.prefetch!r}): prefetch is the number of batches read "
+                "ahead and must be an int >= 1"
+            )
+
+
+class Load(Stage):
+    """Reads samples ``[lo, hi)`` of the epoch order for each step (see ``StepSpec``)."""
+
+    def __init__(
+        self, source: Any, *, prefetch: int = 2, drop_last: bool = False, name: str | None = None
+    ) -> None:
+        super().__init__(name)
+        for attribute in ("num_samples", "read"):
+            if not hasattr(source, attribute):
+                raise ConfigError(
+                    f"Load(source=...): {type(source).__name__} has no {attribute!r}; pass a "
+                    "dataflow.io source such as ArraySource(x, y)"
+                )
+        self.source = source
+        self.config = LoadConfig(prefetch=prefetch, drop_last=drop_last)
+
+    def setup(self, replica: ReplicaContext) -> None:
+        self._replica = replica
+        self._prefetcher: Prefetcher | None = None
+        self._order_epoch = -1
+        self._order = None
+
+    def _indices(self, epoch: int, lo: int, hi: int) -> Any:
+        if epoch != self._order_epoch:  # once per epoch, on the loader thread
+            self._order = epoch_order(
+                self.source.num_samples,
+                seed=self._replica.seed,
+                epoch=epoch,
+                shuffle=getattr(self.source, "shuffle", True),
+            )
+            self._order_epoch = epoch
+        return self._order[lo:hi]
+
+    def _load(self, spec: Any) -> tuple[int, Batch]:
+        lo, hi = spec.local_range(self._replica.rank)
+        batch = self.source.read(self._indices(spec.epoch, lo, hi))
+        device = self._replica.device
+        if device.type != "cpu":
+            batch.x = _to_device(batch.x, device)
+            batch.y = _to_device(batch.y, device)
+        return spec.index, batch
+
+    def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
+        self._close()
+        self._prefetcher = Prefetcher(self._load, phase.steps, depth=self.config.prefetch)
+
+    def run(self, step: StepContext, *inputs: Any) -> Batch:
+        index, batch = self._prefetcher.get()
+        if index != step.spec.index:  # the plan and the loader disagree: never train on it
+            raise RuntimeError(f"Load: expected step {step.spec.index}, loader produced {index}")
+        return batch
+
+    def _close(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
+        self._close()
+        return {}
+
+    def teardown(self, replica: ReplicaContext) -> None:
+        self._close()
+
+    def __getstate__(self) -> dict[str, Any]:  # runtime state stays on the worker
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory().to(device, non_blocking=True)
+    return value

@@ -1,0 +1,63 @@
+"""Update: apply the optimizer to the reduced gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataflow.errors import ConfigError, ModelError
+from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
+
+
+@dataclass(kw_only=True, frozen=True)
+class UpdateConfig:
+    optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+    def __post_init__(self) -> None:
+        if not callable(self.optimizer):
+            raise ConfigError(
+                "Update(optimizer=...): expected a factory taking the parameters, e.g. "
+                "lambda params: torch.optim.SGD(params, lr=0.1)"
+            )
+
+
+def build_optimizer(factory: Callable[..., Any], model: torch.nn.Module) -> torch.optim.Optimizer:
+    optimizer = factory(model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ModelError(
+            f"optimizer factory returned {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer; pass e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
+    return optimizer
+
+
+class Update(Stage):
+    """``optimizer.step()`` then clears the gradients; sets the phase's LR if it has one."""
+
+    def __init__(
+        self,
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+        *,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name)
+        self.config = UpdateConfig(optimizer=optimizer)
+
+    def setup(self, replica: ReplicaContext) -> None:
+        if replica.model is None:
+            raise ConfigError(f"{self.name}: needs a Forward stage upstream to build the model")
+        replica.optimizer = build_optimizer(self.config.optimizer, replica.model)
+
+    def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
+        if phase.lr is not None:
+            for group in replica.optimizer.param_groups:
+                group["lr"] = phase.lr
+
+    def run(self, step: StepContext, grads: Gradients) -> Gradients:
+        optimizer = step.replica.optimizer
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grads
