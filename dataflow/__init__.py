@@ -1,15 +1,15 @@
 """dataflow: CNN training as a task graph on a Dask cluster.
 
-    import dataflow as dfl
-    pipe = dfl.Pipeline(model=Net, loss=F.cross_entropy,
-                        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                        source=dfl.io.ArraySource(x, y),
-                        schedule=dfl.schedule.Fixed(64))
-    result = pipe.fit(epochs=5)          # an embedded LocalCluster
+import dataflow as dfl
+pipe = dfl.Pipeline(model=Net, loss=F.cross_entropy,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                    source=dfl.io.ArraySource(x, y),
+                    schedule=dfl.schedule.Fixed(64))
+result = pipe.fit(epochs=5)          # an embedded LocalCluster
 """
 
 from dataflow import balance, errors, schedule
-from dataflow import io as io  # noqa: PLC0414  (dataflow.io, never the stdlib io)
+from dataflow import io as io
 from dataflow import ops as ops
 from dataflow import stages as stages
 from dataflow.errors import (

@@ -10,6 +10,7 @@ meet in collectives.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -182,7 +183,7 @@ class Plan:
                 first, last = self.steps[w.first].index, self.steps[w.stop - 1].index
                 lines.append(f'    "r{r}w{w.index}" [label="steps {first}-{last}"];')
             lines.append("  }")
-            for a, b in zip(windows, windows[1:], strict=False):
+            for a, b in itertools.pairwise(windows):
                 lines.append(f'  "r{r}w{a.index}" -> "r{r}w{b.index}";')
         for w in windows:
             for r in range(1, self.replicas):

@@ -16,11 +16,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from distributed import Client, as_completed
+from distributed import Client, as_completed, wait
 from tqdm.auto import tqdm
 
 from dataflow.balance import Balancer, Even
-from dataflow.errors import BatchSizeError, ConfigError, LossError, ReplicaError
+from dataflow.errors import (
+    BatchSizeError,
+    CollectiveError,
+    ConfigError,
+    LossError,
+    ReplicaError,
+)
 from dataflow.graph import Graph
 from dataflow.history import FitResult, History
 from dataflow.plan import Plan, phase_steps
@@ -33,6 +39,7 @@ from dataflow.stages.base import PhaseContext
 from dataflow.stages.forward import build_model
 
 CALIBRATION_STEPS = 2
+FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 
 
 @dataclass(kw_only=True)
@@ -156,7 +163,9 @@ class Trainer:
         order = graph.validate(replicas=1)
         size = min(2, self.source.num_samples)
         phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=size)
-        first = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))[0]
+        first = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))[
+            0
+        ]
         step = dataclasses.replace(first, last_in_epoch=False)  # no end-of-epoch evaluation
         spec = remote.ReplicaSpec(run_id="dry-run", graph=graph, order=order, seed=self.config.seed)
         runtime = remote.ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
@@ -360,7 +369,9 @@ class _Fit:
 
     def _measured_step_seconds(self, results: list[list[Any]]) -> float:
         """The median over recent steps of the slowest replica's step time."""
-        per_step = [max(values) for values in zip(*(r[-1].step_seconds for r in results), strict=True)]
+        per_step = [
+            max(values) for values in zip(*(r[-1].step_seconds for r in results), strict=True)
+        ]
         tail = per_step[1:] if len(per_step) > 1 else per_step
         return statistics.median(tail)
 
@@ -371,17 +382,31 @@ class _Fit:
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
             future = self._submit(
-                remote.run_window, task.replica, first, stop, self.last_futures[task.replica],
+                remote.run_window,
+                task.replica,
+                first,
+                stop,
+                self.last_futures[task.replica],
                 key=task.key,
             )
             self.last_futures[task.replica] = future
             futures[future] = (task.replica, window.index)
+        try:
+            self._collect(plan, futures, results, bar)
+        except BaseException:
+            self.client.cancel(list(futures))
+            raise
+
+    def _collect(
+        self, plan: Plan, futures: dict[Any, tuple[int, int]], results: list[list[Any]], bar: Any
+    ) -> None:
+        """Fold window results into the history in step order, as they arrive."""
         pending: dict[int, dict[int, Any]] = defaultdict(dict)
         next_window = 0
         for future in as_completed(list(futures)):
             rank, window_index = futures[future]
             if future.status == "error":
-                raise _replica_failure(future, rank, self.workers[rank])
+                raise self._root_cause(futures)
             pending[window_index][rank] = future.result()
             while len(pending.get(next_window, {})) == plan.replicas:
                 window_results = pending.pop(next_window)
@@ -389,6 +414,21 @@ class _Fit:
                     results[r].append(window_results[r])
                 self._record_steps(plan, [window_results[r] for r in range(plan.replicas)], bar)
                 next_window += 1
+
+    def _root_cause(self, futures: dict[Any, tuple[int, int]]) -> BaseException:
+        """The first real failure: a peer's "connection closed" is only its echo."""
+        try:
+            wait(list(futures), timeout=FAILURE_GRACE_S)
+        except TimeoutError:
+            pass
+        failed = sorted(
+            ((window, rank), future)
+            for future, (rank, window) in futures.items()
+            if future.status == "error"
+        )
+        real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
+        (_, rank), future = (real or failed)[0]
+        return _replica_failure(future, rank, self.workers[rank])
 
     def _record_steps(self, plan: Plan, window: list[Any], bar: Any) -> None:
         first = window[0].first_step
@@ -442,7 +482,11 @@ class _Fit:
         self.history.epochs.append(row)
 
     def _record_phase(
-        self, phase: PhaseSpec, steps: tuple, results: list[list[Any]], ends: list[dict],
+        self,
+        phase: PhaseSpec,
+        steps: tuple,
+        results: list[list[Any]],
+        ends: list[dict],
         seconds: float,
     ) -> None:
         rates, task_seconds, stage_seconds = [], [], []
@@ -452,7 +496,9 @@ class _Fit:
             for w in windows:
                 for name, value in w.stage_seconds.items():
                     stages[name] += value
-            compute = sum(v for name, v in stages.items() if not _is_waiting(self.trainer.graph[name]))
+            compute = sum(
+                v for name, v in stages.items() if not _is_waiting(self.trainer.graph[name])
+            )
             rates.append(samples / compute if compute > 0 else 0.0)
             task_seconds.append(sum(w.task_seconds for w in windows))
             stage_seconds.append(dict(stages))
@@ -464,7 +510,9 @@ class _Fit:
                 "end_epoch": phase.end_epoch,
                 "global_batch": phase.global_batch,
                 "lr": ends[0].get("lr", phase.lr),
-                "local_batches": list(self.trainer.config.balancer.split(phase.global_batch, len(results))),
+                "local_batches": list(
+                    self.trainer.config.balancer.split(phase.global_batch, len(results))
+                ),
                 "samples_per_second": rates,
                 "steps": len(steps),
                 "windows": len(results[0]),

@@ -27,9 +27,7 @@ def _as_tensor(name: str, array: Any) -> torch.Tensor:
             f"got {type(array).__name__}; wrap it with numpy.asarray({name})"
         )
     if tensor.ndim == 0:
-        raise DataError(
-            f"ArraySource: {name} is a scalar; it needs a leading sample dimension"
-        )
+        raise DataError(f"ArraySource: {name} is a scalar; it needs a leading sample dimension")
     return tensor
 
 

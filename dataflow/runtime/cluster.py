@@ -30,5 +30,8 @@ def client_or_local_cluster(
         Client(cluster) as local,
     ):
         if announce:
-            print(f"dataflow: LocalCluster with {n} worker process(es); dashboard {local.dashboard_link}")
+            print(
+                f"dataflow: LocalCluster with {n} worker process(es); "
+                f"dashboard {local.dashboard_link}"
+            )
         yield local

@@ -79,7 +79,7 @@ class Collective:
 
     def allreduce_async(self, tensor: torch.Tensor) -> Any:
         """Start a sum-allreduce in place; returns a work handle with ``wait()``."""
-        return self._group.allreduce([tensor])
+        return self._live_group().allreduce([tensor])
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.allreduce_async(tensor).wait()
@@ -90,14 +90,35 @@ class Collective:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         for tensor in tensors:
-            self._group.broadcast([tensor], opts).wait()
+            self._live_group().broadcast([tensor], opts).wait()
+
+    def _live_group(self) -> Any:
+        if self._group is None:
+            raise CollectiveError(
+                f"replica {self.rank}: the process group of this fit was aborted because "
+                "another replica or the driver failed; see the first error of the fit"
+            )
+        return self._group
 
     def abort(self) -> None:
-        """Break any collective in flight (used when another replica failed)."""
+        """Leave the group so that peers blocked in a collective fail at once.
+
+        Gloo's ``abort()`` does not wake a pending wait; closing the connections
+        does, and that happens when the group object is destroyed, so the last
+        reference is dropped here. Collectives on this replica fail afterwards.
+        """
+        group, self._group = self._group, None
+        if group is None:
+            return
         try:
-            self._group.abort()
-        except Exception:  # already broken or backend without abort: nothing to do
+            group.abort()
+        except Exception:  # backends without abort: dropping the group is what counts
             pass
+        del group
+
+    @property
+    def closed(self) -> bool:
+        return self._group is None
 
 
 def _gloo_device(host: str) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dataflow.buckets import assign_buckets
+from dataflow.errors import CollectiveError
 
 
 class BucketReducer:
@@ -97,8 +98,15 @@ class BucketReducer:
             if not self._packed[b]:
                 self._pack(b)
         self._launch_ready()
-        for work in self._works:
-            work.wait()
+        works, self._works = self._works, []
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:  # a peer left: name it as such, the driver looks further
+            raise CollectiveError(
+                f"allreduce failed on replica {self.collective.rank}: {exc}; another replica "
+                "(or the driver) most likely failed first"
+            ) from exc
         for i, param in enumerate(self.params):
             reduced = self._views[i].view_as(param)
             if param.grad is None:

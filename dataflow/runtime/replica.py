@@ -107,6 +107,7 @@ class ReplicaRuntime:
                     values[name] = self.stages[name].run(step, *args)
                 except Exception as exc:
                     _add_note(exc, f"in stage {name!r} on replica {rank}, step {index}")
+                    self.abort()  # peers waiting on this replica in a collective fail now
                     raise
                 stage_seconds[name] += time.perf_counter() - t
             seconds.append(time.perf_counter() - step_start)

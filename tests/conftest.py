@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny CNNs and data, and one real LocalCluster for the session."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import dataflow as dfl
+
+
+class TinyCNN(torch.nn.Module):
+    """Small enough to train in milliseconds, with conv, bias and linear parameters."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3)
+        self.head = torch.nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x))
+        x = torch.relu(self.conv2(x))
+        return self.head(x.flatten(1))
+
+
+def make_data(n: int = 160, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, size=n).astype(np.int64)
+    return x, y
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference_training(
+    x, y, *, batch, epochs, seed, optimizer=sgd, after_backward=None
+) -> torch.nn.Module:
+    """The plain single-process torch loop over the same global batches as a fit."""
+    torch.manual_seed(seed)
+    model = TinyCNN()
+    opt = optimizer(model.parameters())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    n = len(x)
+    for epoch in range(epochs):
+        order = dfl.io.epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
+        for start in range(0, n, batch):
+            index = torch.from_numpy(order[start : start + batch])
+            loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+            opt.zero_grad()
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            opt.step()
+    return model
+
+
+def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+@pytest.fixture(scope="session")
+def client():
+    """A real LocalCluster: two single-threaded worker processes."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster) as c,
+    ):
+        yield c

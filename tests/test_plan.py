@@ -1,0 +1,111 @@
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dataflow as dfl
+from dataflow.balance import Proportional, proportional_split
+from dataflow.plan import Plan, phase_steps, steps_per_window
+from dataflow.schedule import PhaseSpec
+
+STAGES = ("Load", "Forward", "Backward", "AllReduce", "Update")
+
+
+def phase(batch: int, epochs: int = 1) -> PhaseSpec:
+    return PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    batch=st.integers(1, 300),
+    weights=st.lists(st.integers(0, 5), min_size=1, max_size=6).filter(lambda w: sum(w) > 0),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_every_sample_once_per_epoch_for_any_split(n, batch, weights, drop_last, seed):
+    batch = min(batch, n)
+    steps = phase_steps(
+        num_samples=n,
+        phase=phase(batch, epochs=2),
+        split=lambda size: proportional_split(size, weights),
+        drop_last=drop_last,
+    )
+    for epoch in (0, 1):
+        order = dfl.io.epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
+        seen = Counter()
+        for spec in (s for s in steps if s.epoch == epoch):
+            assert sum(spec.local_batches) == spec.global_batch
+            for rank in range(len(weights)):
+                lo, hi = spec.local_range(rank)
+                seen.update(order[lo:hi].tolist())
+        expected = n - n % batch if drop_last else n
+        assert sum(seen.values()) == expected
+        assert all(count == 1 for count in seen.values())
+        assert [s.last_in_epoch for s in steps if s.epoch == epoch][-1]
+
+
+def test_short_last_step_is_kept_or_dropped():
+    kept = phase_steps(num_samples=10, phase=phase(4), split=lambda s: (s,))
+    assert [s.global_batch for s in kept] == [4, 4, 2]
+    dropped = phase_steps(num_samples=10, phase=phase(4), split=lambda s: (s,), drop_last=True)
+    assert [s.global_batch for s in dropped] == [4, 4]
+
+
+def test_batch_larger_than_dataset_is_refused():
+    with pytest.raises(dfl.BatchSizeError, match=r"global batch size 11 .*\(10 samples\)"):
+        phase_steps(num_samples=10, phase=phase(11), split=lambda s: (s,))
+
+
+def test_phase_rejects_nonpositive_batch():
+    with pytest.raises(dfl.BatchSizeError, match="global_batch must be > 0"):
+        phase(0)
+
+
+@pytest.mark.parametrize(
+    ("step_seconds", "expected"), [(None, 1), (0.3, 4), (2.0, 1), (1e-6, 10_000)]
+)
+def test_steps_per_window_reaches_the_target(step_seconds, expected):
+    assert steps_per_window(step_seconds, 1.0, 10_000) == expected
+
+
+@given(
+    n_steps=st.integers(1, 200),
+    step_seconds=st.floats(1e-4, 3.0),
+    replicas=st.integers(1, 4),
+)
+def test_windows_tile_the_steps_and_tasks_chain(n_steps, step_seconds, replicas):
+    steps = phase_steps(
+        num_samples=n_steps * 4,
+        phase=phase(4),
+        split=lambda s: Proportional((1.0,) * replicas).split(s, replicas),
+    )
+    plan = Plan.build(STAGES, phase(4), steps, replicas, step_seconds=step_seconds)
+    covered = [i for w in plan.windows for i in range(w.first, w.stop)]
+    assert covered == list(range(len(steps)))
+    size = steps_per_window(step_seconds, 1.0, 10_000)
+    assert all(w.n_steps == size for w in plan.windows[:-1])
+    tasks = plan.tasks()
+    assert len(tasks) == len(plan.windows) * replicas
+    assert len({t.key for t in tasks}) == len(tasks)
+    for t in tasks:
+        assert t.key.startswith(f"Load+Forward+Backward+AllReduce+Update@replica{t.replica}-")
+        assert (t.after is None) == (t.window.index == 0)
+
+
+def test_plan_prints_and_draws():
+    steps = phase_steps(
+        num_samples=64, phase=phase(8, epochs=3), split=lambda s: (s - s // 2, s // 2)
+    )
+    plan = Plan.build(STAGES, phase(8, epochs=3), steps, 2, step_seconds=0.25)
+    text = str(plan)
+    assert "24 steps" in text and "6 window(s) of [4] steps" in text and "12 tasks" in text
+    dot = plan.to_dot()
+    assert '"r0w0" -> "r0w1"' in dot and "allreduce" in dot
+
+
+def test_plan_rejects_split_of_wrong_width():
+    steps = phase_steps(num_samples=8, phase=phase(4), split=lambda s: (s,))
+    with pytest.raises(dfl.ConfigError, match="split over 1 replicas, the plan has 2"):
+        Plan.build(STAGES, phase(4), steps, 2)
