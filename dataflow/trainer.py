@@ -344,6 +344,8 @@ class _Fit:
                         window_seconds=self.config.window_seconds,
                         tag="train",
                     )
+                    if self.config.progress:
+                        bar.write(str(plan).splitlines()[0])
                     self._run_plan(plan, results, bar)
                 step_seconds = self._measured_step_seconds(results)
             finally:
