@@ -49,7 +49,7 @@ class TrainerConfig:
     seed: int = 0
     replicas: int | None = None  # default: every worker of the client
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
-    threads_per_replica: int | None = None  # torch intra-op threads; default: torch's
+    threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
     window_seconds: float = 1.0  # work fused into one Dask task
     collective_timeout_s: float = 300.0
     balancer: Balancer = field(default_factory=Even)

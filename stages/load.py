@@ -33,7 +33,7 @@ class Load(Stage):
         self, source: Any, *, prefetch: int = 2, drop_last: bool = False, name: str | None = None
     ) -> None:
         super().__init__(name)
-        for attribute in ("num_samples", "read"):
+        for attribute in ("num_samples", "read"):  # the dataflow.protocols.Source contract
             if not hasattr(source, attribute):
                 raise ConfigError(
                     f"Load(source=...): {type(source).__name__} has no {attribute!r}; pass a "

@@ -191,8 +191,9 @@ def setup_replica(
 ) -> dict[str, Any]:
     """Join the process group and build the replica (model, optimizer, hooks)."""
     plugin = current_plugin()
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
+    # Default: the worker's own thread budget (1 per process on the default LocalCluster),
+    # so replicas sharing a node do not oversubscribe its cores.
+    torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
     collective = None
     if world_size > 1:
         if rank == 0:

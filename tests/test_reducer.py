@@ -1,0 +1,92 @@
+"""The bucketed allreduce on a real (single-rank) gloo process group."""
+
+import pytest
+import torch
+from conftest import TinyCNN
+
+from dataflow.runtime.collective import Collective, open_store
+from dataflow.runtime.reducer import BucketReducer
+
+
+class LaunchRecorder:
+    """A real gloo collective that also records, at each launch, how many grads were missing."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        store = open_store("127.0.0.1", 1, 30.0)
+        self.inner = Collective(
+            store,
+            rank=0,
+            world_size=1,
+            device=torch.device("cpu"),
+            host="127.0.0.1",
+            timeout_s=30.0,
+            prefix="test",
+        )
+        self.rank = 0
+        self.model = model
+        self.missing_at_launch: list[int] = []
+
+    def allreduce_async(self, tensor):
+        self.missing_at_launch.append(sum(p.grad is None for p in self.model.parameters()))
+        return self.inner.allreduce_async(tensor)
+
+
+def grads_of(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_buckets_launch_during_backward_and_weight_the_gradient():
+    torch.manual_seed(0)
+    model = TinyCNN()
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected = grads_of(model)
+    model.zero_grad(set_to_none=True)
+
+    recorder = LaunchRecorder(model)
+    reducer = BucketReducer(list(model.parameters()), recorder, cap_bytes=600)
+    assert len(reducer.buckets) >= 3
+    reducer.begin_step(weight=0.25)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    # The first bucket started while backward still had gradients to produce: overlap.
+    assert recorder.missing_at_launch[0] > 0
+    assert len(recorder.missing_at_launch) == len(reducer.buckets)
+    reducer.finish()
+    for got, want in zip(grads_of(model), expected, strict=True):
+        torch.testing.assert_close(got, 0.25 * want, rtol=1e-6, atol=1e-8)
+    reducer.close()
+
+
+def test_replica_without_samples_contributes_zeros_and_gets_grads():
+    model = TinyCNN()
+    recorder = LaunchRecorder(model)
+    reducer = BucketReducer(list(model.parameters()), recorder, cap_bytes=10**6)
+    reducer.begin_step(weight=0.0)
+    reducer.finish()  # no backward at all
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert len(recorder.missing_at_launch) == len(reducer.buckets) == 1
+
+
+def test_hooks_are_inert_outside_a_step():
+    model = TinyCNN()
+    recorder = LaunchRecorder(model)
+    BucketReducer(list(model.parameters()), recorder, cap_bytes=600)
+    model(torch.randn(2, 1, 8, 8)).sum().backward()  # e.g. a user's own backward
+    assert recorder.missing_at_launch == []
+
+
+def test_aborted_group_refuses_collectives():
+    store = open_store("127.0.0.1", 1, 30.0)
+    collective = Collective(
+        store,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        host="127.0.0.1",
+        timeout_s=30.0,
+        prefix="abort",
+    )
+    collective.abort()
+    assert collective.closed
+    with pytest.raises(Exception, match="was aborted because another replica"):
+        collective.allreduce_async(torch.ones(2))
