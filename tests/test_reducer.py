@@ -8,20 +8,24 @@ from dataflow.runtime.collective import Collective, open_store
 from dataflow.runtime.reducer import BucketReducer
 
 
+def single_rank_collective(prefix: str) -> Collective:
+    store = open_store("127.0.0.1", 1, 30.0)
+    return Collective(
+        store,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        host="127.0.0.1",
+        timeout_s=30.0,
+        prefix=prefix,
+    )
+
+
 class LaunchRecorder:
     """A real gloo collective that also records, at each launch, how many grads were missing."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        store = open_store("127.0.0.1", 1, 30.0)
-        self.inner = Collective(
-            store,
-            rank=0,
-            world_size=1,
-            device=torch.device("cpu"),
-            host="127.0.0.1",
-            timeout_s=30.0,
-            prefix="test",
-        )
+        self.inner = single_rank_collective("test")
         self.rank = 0
         self.model = model
         self.missing_at_launch: list[int] = []
@@ -76,16 +80,7 @@ def test_hooks_are_inert_outside_a_step():
 
 
 def test_aborted_group_refuses_collectives():
-    store = open_store("127.0.0.1", 1, 30.0)
-    collective = Collective(
-        store,
-        rank=0,
-        world_size=1,
-        device=torch.device("cpu"),
-        host="127.0.0.1",
-        timeout_s=30.0,
-        prefix="abort",
-    )
+    collective = single_rank_collective("abort")
     collective.abort()
     assert collective.closed
     with pytest.raises(Exception, match="was aborted because another replica"):
