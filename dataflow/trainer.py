@@ -52,6 +52,7 @@ class TrainerConfig:
     threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
     window_seconds: float = 1.0  # work fused into one Dask task
     collective_timeout_s: float = 300.0
+    relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
     balancer: Balancer = field(default_factory=Even)
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
@@ -221,6 +222,7 @@ class _Fit:
             device=self.config.device,
             threads=self.config.threads_per_replica,
             collective_timeout_s=self.config.collective_timeout_s,
+            relax_malloc=self.config.relax_malloc,
         )
         started = time.perf_counter()
         try:

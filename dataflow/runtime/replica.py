@@ -17,6 +17,7 @@ import torch
 
 from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective, connect_store, open_store
+from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
 from dataflow.stages.base import PhaseContext, ReplicaContext, StepContext
 
@@ -32,6 +33,7 @@ class ReplicaSpec:
     device: str = "auto"
     threads: int | None = None
     collective_timeout_s: float = 300.0
+    relax_malloc: bool = True
 
 
 @dataclass
@@ -194,6 +196,7 @@ def setup_replica(
     # Default: the worker's own thread budget (1 per process on the default LocalCluster),
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
+    malloc_relaxed = spec.relax_malloc and needs_relaxing() and relax_malloc()
     collective = None
     if world_size > 1:
         if rank == 0:
@@ -219,6 +222,7 @@ def setup_replica(
         "device": str(runtime.context.device),
         "torch_threads": torch.get_num_threads(),
         "backend": None if collective is None else collective.backend,
+        "malloc_relaxed": malloc_relaxed,
     }
 
 
