@@ -27,8 +27,8 @@ def proportional_split(total: int, weights: Sequence[float]) -> tuple[int, ...]:
         raise ConfigError(
             f"proportional_split: weights must be >= 0 with a positive sum, got {list(weights)}"
         )
-    scale = total / float(sum(weights))
-    exact = [w * scale for w in weights]
+    weight_sum = float(sum(weights))
+    exact = [w / weight_sum * total for w in weights]  # divide first: tiny weights stay finite
     shares = [int(e) for e in exact]
     short = total - sum(shares)
     by_remainder = sorted(range(len(weights)), key=lambda r: (-(exact[r] - shares[r]), r))

@@ -53,6 +53,7 @@ class TrainerConfig:
     window_seconds: float = 1.0  # work fused into one Dask task
     collective_timeout_s: float = 300.0
     relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
+    freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     balancer: Balancer = field(default_factory=Even)
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
@@ -223,6 +224,7 @@ class _Fit:
             threads=self.config.threads_per_replica,
             collective_timeout_s=self.config.collective_timeout_s,
             relax_malloc=self.config.relax_malloc,
+            freeze_gc=self.config.freeze_gc,
         )
         started = time.perf_counter()
         try:

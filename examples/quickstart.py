@@ -1,7 +1,7 @@
 """Train a small CNN data-parallel on a local Dask cluster (or yours, with --scheduler).
 
-    python examples/quickstart.py                     # embedded LocalCluster
-    python examples/quickstart.py --scheduler tcp://head-node:8786
+python examples/quickstart.py                     # embedded LocalCluster
+python examples/quickstart.py --scheduler tcp://head-node:8786
 """
 
 import argparse

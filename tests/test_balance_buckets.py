@@ -14,8 +14,8 @@ from dataflow.buckets import assign_buckets
 def test_split_sums_and_is_proportional(total, weights):
     shares = proportional_split(total, weights)
     assert sum(shares) == total and len(shares) == len(weights)
-    scale = total / sum(weights)
-    assert all(abs(s - w * scale) < 1 + 1e-9 for s, w in zip(shares, weights, strict=True))
+    exact = [w / sum(weights) * total for w in weights]
+    assert all(abs(s - e) < 1 + 1e-9 for s, e in zip(shares, exact, strict=True))
     assert all(s == 0 for s, w in zip(shares, weights, strict=True) if w == 0)
 
 
@@ -49,3 +49,11 @@ def test_buckets_cover_every_parameter_once_within_the_cap(sizes, cap, two_dtype
 
 def test_buckets_start_from_the_last_parameter():
     assert assign_buckets([4, 4, 4, 4], [0] * 4, cap_bytes=8) == [[3, 2], [1, 0]]
+
+
+def test_first_bucket_is_small_so_communication_starts_early():
+    mib = 1 << 20
+    buckets = assign_buckets([mib // 2] * 8, [0] * 8, cap_bytes=25 * mib)
+    assert buckets == [[7, 6], [5, 4, 3, 2, 1, 0]]  # 1 MiB first, then up to 25 MiB
+    two_keys = assign_buckets([mib] * 4, [0, 1, 0, 1], cap_bytes=25 * mib)
+    assert two_keys == [[3], [2], [1], [0]]  # each key gets its own small first bucket
