@@ -9,6 +9,7 @@ window), and folds the small per-window results into the history.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 import uuid
@@ -54,6 +55,7 @@ class TrainerConfig:
     collective_timeout_s: float = 300.0
     relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
+    pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
     balancer: Balancer = field(default_factory=Even)
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
@@ -193,6 +195,8 @@ class _Fit:
         self.epochs = epochs
         self.run_id = f"fit{uuid.uuid4().hex[:12]}"
         self.history = History()
+        self.samples_seen = 0  # running totals: the history is not rescanned per window
+        self.epoch_loss_sum, self.epoch_samples = 0.0, 0
 
     def _workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -225,6 +229,7 @@ class _Fit:
             collective_timeout_s=self.config.collective_timeout_s,
             relax_malloc=self.config.relax_malloc,
             freeze_gc=self.config.freeze_gc,
+            pause_dask_profiler=self.config.pause_dask_profiler,
         )
         started = time.perf_counter()
         try:
@@ -444,7 +449,7 @@ class _Fit:
             local = [(w.losses[i], w.samples[i]) for w in window]
             total = sum(n for _, n in local)
             loss = sum(value * n for value, n in local if n) / total
-            if loss != loss or loss in (float("inf"), float("-inf")):
+            if not math.isfinite(loss):
                 raise LossError(
                     f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "
                     "diverged: lower the learning rate or check the inputs for NaN/inf"
@@ -460,25 +465,26 @@ class _Fit:
                     "time": time.perf_counter() - self.train_started,
                 }
             )
+            self.samples_seen += total
+            self.epoch_loss_sum += loss * total
+            self.epoch_samples += total
             if spec.last_in_epoch:
                 self._record_epoch(spec, window)
         elapsed = time.perf_counter() - self.train_started
-        samples = sum(s["samples"] for s in self.history.steps)
         bar.update(len(window[0].samples))
         bar.set_postfix(
             epoch=self.history.steps[-1]["epoch"],
             loss=f"{self.history.steps[-1]['loss']:.4g}",
-            samples_s=f"{samples / elapsed:.0f}",
+            samples_s=f"{self.samples_seen / elapsed:.0f}",
             refresh=False,
         )
 
     def _record_epoch(self, spec: Any, window: list[Any]) -> None:
-        losses = [s for s in self.history.steps if s["epoch"] == spec.epoch]
         row: dict[str, Any] = {
             "epoch": spec.epoch,
-            "train_loss": sum(s["loss"] * s["samples"] for s in losses)
-            / sum(s["samples"] for s in losses),
+            "train_loss": self.epoch_loss_sum / self.epoch_samples,
         }
+        self.epoch_loss_sum, self.epoch_samples = 0.0, 0
         evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
         if evals:
             count = sum(e["count"] for e in evals)
@@ -496,7 +502,7 @@ class _Fit:
         seconds: float,
     ) -> None:
         rates, task_seconds, stage_seconds = [], [], []
-        for r, windows in enumerate(results):
+        for windows in results:
             samples = sum(sum(w.samples) for w in windows)
             stages = defaultdict(float)
             for w in windows:
@@ -508,7 +514,6 @@ class _Fit:
             rates.append(samples / compute if compute > 0 else 0.0)
             task_seconds.append(sum(w.task_seconds for w in windows))
             stage_seconds.append(dict(stages))
-            del r
         self.history.phases.append(
             {
                 "phase": phase.index,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
@@ -66,17 +64,8 @@ def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 @pytest.fixture(scope="session")
 def client():
-    """A real LocalCluster: two single-threaded worker processes."""
-    from distributed import Client, LocalCluster
+    """A real LocalCluster, as fit() starts one: two single-threaded worker processes."""
+    from dataflow.runtime.cluster import client_or_local_cluster
 
-    with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as c,
-    ):
+    with client_or_local_cluster(None, n_workers=2, announce=False) as c:
         yield c

@@ -137,6 +137,9 @@ def test_evaluate_and_history_json(client, tmp_path):
     assert len(phase["samples_per_second"]) == 2 and min(phase["samples_per_second"]) > 0
     # The session cluster's workers start with Dask's MALLOC_TRIM_THRESHOLD_: undone.
     assert all(w["malloc_relaxed"] for w in history.info["workers"])
+    # The Dask profiler, paused on the replica workers during the fit, runs again.
+    running = client.run(lambda dask_worker: dask_worker.periodic_callbacks["profile"].is_running())
+    assert all(running.values())
     path = history.to_json(tmp_path / "history.json")
     again = dfl.History.from_json(path)
     assert again.steps == history.steps and again.info["replicas"] == 2

@@ -36,6 +36,7 @@ class ReplicaSpec:
     collective_timeout_s: float = 300.0
     relax_malloc: bool = True
     freeze_gc: bool = True
+    pause_dask_profiler: bool = True
 
 
 @dataclass
@@ -218,6 +219,8 @@ def setup_replica(
         collective.store = store  # keep rank 0's server alive as long as the group
     runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
     plugin.replicas[spec.run_id] = runtime
+    if spec.pause_dask_profiler:
+        plugin.pause_profiler(spec.run_id)
     if spec.freeze_gc:
         # A worker holds ~350k long-lived objects (torch, dask); each full collection
         # walks them all and stalls the step (or the event loop) for 100-200 ms, and the
