@@ -167,10 +167,8 @@ class Trainer:
         order = graph.validate(replicas=1)
         size = min(2, self.source.num_samples)
         phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=size)
-        first = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))[
-            0
-        ]
-        step = dataclasses.replace(first, last_in_epoch=False)  # no end-of-epoch evaluation
+        steps = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))
+        step = dataclasses.replace(steps[0], last_in_epoch=False)  # no end-of-epoch evaluation
         spec = remote.ReplicaSpec(run_id="dry-run", graph=graph, order=order, seed=self.config.seed)
         runtime = remote.ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
         try:
