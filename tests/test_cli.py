@@ -36,3 +36,28 @@ def test_help_lists_the_demo():
     assert "demo" in build_parser().format_help()
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
+
+
+UNGUARDED_SCRIPT = """
+import numpy as np, torch, torch.nn.functional as F
+import dataflow as dfl
+x = np.zeros((8, 1, 4, 4), np.float32); y = np.zeros(8, np.int64)
+dfl.Pipeline(model=lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2)),
+             loss=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+             source=dfl.io.ArraySource(x, y), schedule=dfl.schedule.Fixed(4)).fit(epochs=1)
+"""
+
+
+@pytest.mark.slow
+def test_script_without_main_guard_gets_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "ConfigError: the embedded LocalCluster's worker processes failed" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
