@@ -56,6 +56,19 @@ class AllReduce(Stage):
             self._reducer.finish()
         return Gradients(samples=grads.samples, reduced=True)
 
+    def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
+        """Average floating-point buffers (BatchNorm running statistics) over replicas.
+
+        Each replica updates its running statistics from its own local batches, so
+        they drift apart; the mean is the best estimate, and afterwards every replica
+        (and the model returned to the driver) holds the same state.
+        """
+        if self._reducer is not None:
+            buffers = [b for b in replica.model.buffers() if b.is_floating_point()]
+            for buffer in buffers:
+                replica.collective.allreduce(buffer.data).div_(replica.world_size)
+        return {}
+
     def teardown(self, replica: ReplicaContext) -> None:
         if getattr(self, "_reducer", None) is not None:
             self._reducer.close()

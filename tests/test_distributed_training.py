@@ -193,3 +193,28 @@ def test_embedded_local_cluster_when_no_client(capsys):
     assert result.history.info["replicas"] >= 1
     workers = result.history.info["workers"]
     assert all(w["torch_threads"] == 1 and w["device"] == "cpu" for w in workers)
+
+
+class TinyBatchNormCNN(TinyCNN):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.conv(x)))
+        return self.head(torch.relu(self.conv2(x)).flatten(1))
+
+
+def test_batchnorm_statistics_are_averaged_over_replicas(client):
+    x, y = make_data(64)
+    result = dfl.Pipeline(
+        model=TinyBatchNormCNN,
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+    ).fit(epochs=2, client=client)  # would raise ReplicaError if replicas' buffers differed
+    norm = result.model.norm
+    assert norm.num_batches_tracked.item() == 8
+    assert torch.isfinite(norm.running_mean).all() and norm.running_mean.abs().sum() > 0

@@ -132,9 +132,10 @@ class ReplicaRuntime:
         )
 
     def end_phase(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"weights_digest": self.weights_digest()}
+        stats: dict[str, Any] = {}
         for name in self.order:
             stats.update(self.stages[name].end_phase(self.context))
+        stats["weights_digest"] = self.weights_digest()  # after stages synced their state
         if self.context.optimizer is not None:
             stats["lr"] = self.context.optimizer.param_groups[0].get("lr")
         return stats
