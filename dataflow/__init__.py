@@ -15,6 +15,7 @@ from dataflow import stages as stages
 from dataflow.errors import (
     BatchSizeError,
     ChunkMissingError,
+    ChunkReadError,
     CollectiveError,
     ConfigError,
     DataError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchSizeError",
     "ChunkMissingError",
+    "ChunkReadError",
     "CollectiveError",
     "ConfigError",
     "DataError",

@@ -43,6 +43,10 @@ class ChunkMissingError(DataflowError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ChunkReadError(DataflowError, OSError):
+    """A chunk exists in the store but could not be read or decoded (corrupt, truncated)."""
+
+
 class ReplicaError(DataflowError, RuntimeError):
     """A replica failed on its worker, or the replicas' weights diverged."""
 

@@ -1,7 +1,17 @@
-"""Data sources for the Load stage: in-memory arrays now, zarr stores next."""
+"""Data sources for the Load stage: in-memory arrays and zarr stores."""
 
 from dataflow.io.array_source import ArraySource
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sampler import epoch_order, steps_per_epoch
+from dataflow.io.writer import to_zarr
+from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
 
-__all__ = ["ArraySource", "Prefetcher", "epoch_order", "steps_per_epoch"]
+__all__ = [
+    "ArraySource",
+    "Prefetcher",
+    "VariableNotFoundError",
+    "ZarrSource",
+    "epoch_order",
+    "steps_per_epoch",
+    "to_zarr",
+]
