@@ -1,0 +1,42 @@
+"""Training from a real zarr store on disk, on the real LocalCluster."""
+
+import shutil
+
+import pytest
+import torch.nn.functional as F
+from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
+
+import dataflow as dfl
+
+pytestmark = pytest.mark.slow
+
+
+def zarr_pipeline(path, **options):
+    return dfl.Pipeline(
+        model=TinyCNN,
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ZarrSource(path, x="x", y="y"),
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+        **options,
+    )
+
+
+def test_training_from_zarr_equals_training_from_memory(client, tmp_path):
+    x, y = make_data(64)
+    path = dfl.io.to_zarr(tmp_path / "train.zarr", x, y, chunk_mb=0.001)  # many chunks
+    result = zarr_pipeline(path).fit(epochs=2, client=client)
+    expected = reference_training(x, y, batch=16, epochs=2, seed=0)
+    assert max_abs_diff(result.model, expected) <= 1e-5
+
+
+def test_a_missing_chunk_stops_training_instead_of_feeding_zeros(client, tmp_path):
+    x, y = make_data(64)
+    path = dfl.io.to_zarr(tmp_path / "train.zarr", x, y, chunk_mb=0.001)
+    chunk_dirs = sorted((p for p in (tmp_path / "train.zarr" / "x" / "c").iterdir()), key=str)
+    victim = chunk_dirs[len(chunk_dirs) // 2]
+    shutil.rmtree(victim) if victim.is_dir() else victim.unlink()
+    pipe = zarr_pipeline(path, dry_run=False)  # a worker meets the hole, not the driver
+    with pytest.raises(dfl.ChunkMissingError, match=r"x/c/\d+"):
+        pipe.fit(epochs=1, client=client)
