@@ -3,6 +3,7 @@
 from dataflow.io.array_source import ArraySource
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sampler import epoch_order, steps_per_epoch
+from dataflow.io.sharding import chunk_sizes, shard_epoch
 from dataflow.io.writer import to_zarr
 from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
 
@@ -11,7 +12,9 @@ __all__ = [
     "Prefetcher",
     "VariableNotFoundError",
     "ZarrSource",
+    "chunk_sizes",
     "epoch_order",
+    "shard_epoch",
     "steps_per_epoch",
     "to_zarr",
 ]
