@@ -57,6 +57,19 @@ def reference_training(
     return model
 
 
+def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:
+    """The Pipeline most tests train: TinyCNN, cross entropy, SGD with momentum."""
+    defaults = dict(
+        model=TinyCNN,
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(batch),
+        progress=False,
+    )
+    return dfl.Pipeline(**{**defaults, **options})
+
+
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyCNN, make_data, sgd
+from conftest import TinyCNN, make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow import stages
@@ -12,16 +12,7 @@ from dataflow import stages
 
 def pipeline(**overrides):
     x, y = make_data(64)
-    options = dict(
-        model=TinyCNN,
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(16),
-        progress=False,
-    )
-    options.update(overrides)
-    return dfl.Pipeline(**options)
+    return tiny_pipeline(x, y, **overrides)
 
 
 def test_model_factory_returning_no_module():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
+from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow import stages
@@ -11,19 +11,9 @@ from dataflow import stages
 pytestmark = pytest.mark.slow
 
 
-def fit(client, x, y, *, batch, epochs, seed=0, balancer=None, **options):
+def fit(client, x, y, *, batch, epochs, **options):
     options.setdefault("bucket_mb", 0.0005)  # ~500 B: several buckets, real overlap
-    return dfl.Pipeline(
-        model=TinyCNN,
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(batch),
-        seed=seed,
-        progress=False,
-        balancer=balancer or dfl.balance.Even(),
-        **options,
-    ).fit(epochs=epochs, client=client)
+    return tiny_pipeline(x, y, batch=batch, **options).fit(epochs=epochs, client=client)
 
 
 def test_two_replicas_equal_single_process_training(client):
@@ -38,28 +28,11 @@ def test_two_replicas_equal_single_process_training(client):
 def test_uneven_split_and_a_replica_with_zero_samples(client):
     # 36 samples at B=32 split 3:29: steps of (3, 29) then a short step of (0, 4).
     x, y = make_data(36)
-    steps = (
-        dfl.Pipeline(
-            model=TinyCNN,
-            loss=F.cross_entropy,
-            optimizer=sgd,
-            source=dfl.io.ArraySource(x, y),
-            schedule=dfl.schedule.Fixed(32),
-            balancer=dfl.balance.Proportional((3, 29)),
-        )
-        .plan(epochs=1, replicas=2)[0]
-        .steps
-    )
+    split = dfl.balance.Proportional((3, 29))
+    steps = tiny_pipeline(x, y, batch=32, balancer=split).plan(epochs=1, replicas=2)[0].steps
     assert [s.local_batches for s in steps] == [(3, 29), (0, 4)]
-    result = fit(
-        client,
-        x,
-        y,
-        batch=32,
-        epochs=10,
-        balancer=dfl.balance.Proportional((3, 29)),
-        window_seconds=1e-4,  # one step per task: many windows, still exact
-    )
+    # One step per task (tiny window_seconds): many windows, still exact.
+    result = fit(client, x, y, batch=32, epochs=10, balancer=split, window_seconds=1e-4)
     expected = reference_training(x, y, batch=32, epochs=10, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
     assert result.history.phases[0]["windows"] >= 19
@@ -181,13 +154,7 @@ def test_nan_loss_stops_training(client):
 
 def test_embedded_local_cluster_when_no_client(capsys):
     x, y = make_data(48)
-    result = dfl.Pipeline(
-        model=TinyCNN,
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(16),
-    ).fit(epochs=1)
+    result = tiny_pipeline(x, y, progress=True).fit(epochs=1)
     out = capsys.readouterr().out
     assert "LocalCluster with" in out and "dashboard" in out and "trained 1 epoch(s)" in out
     assert result.history.info["replicas"] >= 1
@@ -207,14 +174,8 @@ class TinyBatchNormCNN(TinyCNN):
 
 def test_batchnorm_statistics_are_averaged_over_replicas(client):
     x, y = make_data(64)
-    result = dfl.Pipeline(
-        model=TinyBatchNormCNN,
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(16),
-        progress=False,
-    ).fit(epochs=2, client=client)  # would raise ReplicaError if replicas' buffers differed
+    # fit raises ReplicaError if the replicas' buffers differ after a phase.
+    result = tiny_pipeline(x, y, model=TinyBatchNormCNN).fit(epochs=2, client=client)
     norm = result.model.norm
     assert norm.num_batches_tracked.item() == 8
     assert torch.isfinite(norm.running_mean).all() and norm.running_mean.abs().sum() > 0

@@ -2,10 +2,7 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
-from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
-
-import dataflow as dfl
+from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,16 +12,7 @@ pytestmark = [
 
 def test_one_cuda_replica_matches_the_cpu_loop():
     x, y = make_data(64)
-    result = dfl.Pipeline(
-        model=TinyCNN,
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(16),
-        device="cuda",
-        replicas=1,
-        progress=False,
-    ).fit(epochs=2)
+    result = tiny_pipeline(x, y, device="cuda", replicas=1).fit(epochs=2)
     assert result.history.info["workers"][0]["device"].startswith("cuda")
     expected = reference_training(x, y, batch=16, epochs=2, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-4  # cuDNN vs CPU kernels
