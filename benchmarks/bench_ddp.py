@@ -53,6 +53,7 @@ from common import (
     median,
     parameter_count,
     pin_process,
+    planned_batches,
     print_gc,
     print_threads,
     relax_malloc,
@@ -136,7 +137,6 @@ def ddp_rank(
     from torch.nn.parallel import DistributedDataParallel
 
     from dataflow.balance import Even
-    from dataflow.io import epoch_order
 
     if relax:
         relax_malloc()
@@ -150,32 +150,26 @@ def ddp_rank(
     model = DistributedDataParallel(ModelFactory(work.model)().train())
     optimizer = OptimizerFactory(work.optim)(model.parameters())
     split = Even().split
+    batches = planned_batches(work, WORLD)
     loads, seconds, ends, losses, samples = [], [], [], [], []
     dist.barrier()
     started = time.perf_counter()
-    for epoch in range(work.epochs):
-        order = torch.from_numpy(
-            epoch_order(work.samples, seed=work.seed, epoch=epoch, shuffle=True)
-        )
-        for s in range(work.steps_per_epoch):
-            t0 = time.perf_counter()
-            start = s * work.batch
-            size = min(work.batch, work.samples - start)
-            local = split(size, WORLD)
-            lo = start + sum(local[:rank])
-            index = order[lo : lo + local[rank]]
-            xb, yb = x.index_select(0, index), y.index_select(0, index)
-            t1 = time.perf_counter()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t2 = time.perf_counter()
-            losses.append(loss.detach())
-            loads.append(t1 - t0)
-            seconds.append(t2 - t0)
-            ends.append(t2 - started)
-            samples.append(size)
+    for parts in batches:
+        t0 = time.perf_counter()
+        size = sum(len(part) for part in parts)
+        index = parts[rank]
+        xb, yb = x.index_select(0, index), y.index_select(0, index)
+        t1 = time.perf_counter()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        losses.append(loss.detach())
+        loads.append(t1 - t0)
+        seconds.append(t2 - t0)
+        ends.append(t2 - started)
+        samples.append(size)
     dist.barrier()
     result = {
         "rank": rank,

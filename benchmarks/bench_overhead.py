@@ -1,7 +1,7 @@
 """Engine overhead: a 1-replica dataflow fit vs the same training as a plain torch loop.
 
 Both sides: the same CNN and initial weights, the same in-memory data, the same global
-batches in the same order (``dataflow.io.epoch_order``), SGD with momentum, one torch
+batches in the same order (``dataflow.io.replica_streams``), SGD with momentum, one torch
 thread, and nothing else running (the sides run one after the other).
 
 * hand loop: a spawned process with ``torch.set_num_threads(1)`` (and OMP/MKL = 1).

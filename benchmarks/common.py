@@ -140,6 +140,21 @@ class Workload:
         return self.steps_per_epoch * self.epochs
 
 
+def planned_batches(work: Workload, replicas: int) -> list[list[torch.Tensor]]:
+    """Per step, each replica's sample indices, exactly as a dataflow fit reads them."""
+    from dataflow.balance import Even
+    from dataflow.io import replica_streams
+    from dataflow.plan import phase_steps
+    from dataflow.schedule import PhaseSpec
+
+    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=work.epochs, global_batch=work.batch)
+    steps = phase_steps(
+        num_samples=work.samples, phase=phase, split=lambda n: Even().split(n, replicas)
+    )
+    streams = replica_streams(steps, num_samples=work.samples, seed=work.seed)
+    return [[torch.from_numpy(part) for part in parts] for _, parts in streams]
+
+
 def hand_loop(work: Workload, threads: int, relax: bool = False) -> dict[str, Any]:
     """The plain torch loop over exactly the batches a dataflow fit visits.
 
@@ -147,11 +162,10 @@ def hand_loop(work: Workload, threads: int, relax: bool = False) -> dict[str, An
     ``SGD.step()``, ``zero_grad(set_to_none=True)``. ``ends[i]`` is the time at the end
     of step ``i`` since the loop started. ``relax``: call :func:`relax_malloc` first.
     """
-    from dataflow.io import epoch_order
-
     if relax:
         relax_malloc()
     torch.set_num_threads(threads)
+    batches = planned_batches(work, replicas=1)
     x_np, y_np = make_data(work.samples, work.model, work.seed)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     torch.manual_seed(work.seed)  # what dataflow's build_model does before the factory
@@ -159,24 +173,20 @@ def hand_loop(work: Workload, threads: int, relax: bool = False) -> dict[str, An
     optimizer = OptimizerFactory(work.optim)(model.parameters())
     loads, seconds, ends, losses = [], [], [], []
     started = time.perf_counter()
-    for epoch in range(work.epochs):
-        order = torch.from_numpy(
-            epoch_order(work.samples, seed=work.seed, epoch=epoch, shuffle=True)
-        )
-        for s in range(work.steps_per_epoch):
-            t0 = time.perf_counter()
-            index = order[s * work.batch : (s + 1) * work.batch]
-            xb, yb = x.index_select(0, index), y.index_select(0, index)
-            t1 = time.perf_counter()
-            loss = F.cross_entropy(model(xb), yb)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            t2 = time.perf_counter()
-            losses.append(loss.detach())
-            loads.append(t1 - t0)
-            seconds.append(t2 - t0)
-            ends.append(t2 - started)
+    for parts in batches:
+        t0 = time.perf_counter()
+        index = torch.cat(parts)
+        xb, yb = x.index_select(0, index), y.index_select(0, index)
+        t1 = time.perf_counter()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        losses.append(loss.detach())
+        loads.append(t1 - t0)
+        seconds.append(t2 - t0)
+        ends.append(t2 - started)
     return {
         "torch_threads": torch.get_num_threads(),
         "total_seconds": time.perf_counter() - started,

@@ -40,6 +40,7 @@ class Pipeline:
         bucket_mb: float = 25.0,
         prefetch: int = 2,
         drop_last: bool = False,
+        buffer_chunks: int = 4,
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -49,7 +50,9 @@ class Pipeline:
         if isinstance(transforms, Callable):  # a single transform
             transforms = [transforms]
         graph = Graph()
-        node = graph.add(Load(source, prefetch=prefetch, drop_last=drop_last))
+        node = graph.add(
+            Load(source, prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks)
+        )
         for fn in transforms:
             node = graph.add(Transform(fn), node)
         node = graph.add(Forward(model, loss), node)
@@ -66,6 +69,10 @@ class Pipeline:
     def fit(self, epochs: int, client: Any = None) -> FitResult:
         """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster)."""
         return self.trainer.fit(epochs, client)
+
+    def sample_plan(self, epochs: int, replicas: int) -> list:
+        """Per global step, each replica's sample indices (see ``Trainer.sample_plan``)."""
+        return self.trainer.sample_plan(epochs, replicas)
 
     def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list:
         """The phase plans, without a cluster (``print`` them, or ``to_dot()``)."""

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from distributed import Client, as_completed, wait
 from tqdm.auto import tqdm
 
@@ -100,6 +101,7 @@ class Trainer:
         loads = [s for s in graph if isinstance(s, Load)]
         if not loads:
             raise ConfigError("the graph has no Load stage: add g.add(stages.Load(source))")
+        self.load = loads[0]
         self.source = loads[0].source
         self.drop_last = loads[0].config.drop_last
         forwards = [s for s in graph if isinstance(s, Forward)]
@@ -128,6 +130,15 @@ class Trainer:
             )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
         return plans
+
+    def sample_plan(self, epochs: int, replicas: int) -> list[list[np.ndarray]]:
+        """Per global step, each replica's sample indices, exactly as ``fit`` reads them.
+
+        Concatenated over replicas they are the step's global batch: a single
+        process training on them reproduces the fit (the equivalence tests do).
+        """
+        steps = [spec for plan in self.plan(epochs, replicas) for spec in plan.steps]
+        return [parts for _, parts in self.load.streams(steps, self.config.seed)]
 
     def _phase_steps(self, phase: PhaseSpec, replicas: int, first_index: int) -> tuple:
         def split(size: int) -> tuple[int, ...]:

@@ -2,8 +2,8 @@
 
 from dataflow.io.array_source import ArraySource
 from dataflow.io.prefetch import Prefetcher
-from dataflow.io.sampler import epoch_order, steps_per_epoch
-from dataflow.io.sharding import chunk_sizes, shard_epoch
+from dataflow.io.sampler import steps_per_epoch
+from dataflow.io.sharding import chunk_sizes, replica_streams, shard_epoch
 from dataflow.io.writer import to_zarr
 from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
 
@@ -13,7 +13,7 @@ __all__ = [
     "VariableNotFoundError",
     "ZarrSource",
     "chunk_sizes",
-    "epoch_order",
+    "replica_streams",
     "shard_epoch",
     "steps_per_epoch",
     "to_zarr",

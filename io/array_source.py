@@ -54,6 +54,11 @@ class ArraySource:
     def num_samples(self) -> int:
         return len(self.x)
 
+    @property
+    def chunk_samples(self) -> int:
+        """In memory every sample is its own chunk: the shuffle is a full permutation."""
+        return 1
+
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch."""
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))

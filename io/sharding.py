@@ -1,7 +1,7 @@
 """Chunk-aware sharding of an epoch over replicas (a pure function).
 
-The building block of streaming from chunked stores (issue 3): not yet wired into
-``stages.Load``, which still slices ``epoch_order`` per step.
+``stages.Load`` reads through :func:`replica_streams`; an in-memory source is the
+case of one sample per chunk.
 
 One epoch, in two shuffle levels seeded by (seed, epoch):
 
@@ -19,11 +19,15 @@ Replica ``r`` then takes the next ``b_r`` samples of its stream at every step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from dataflow.errors import ConfigError
+from dataflow.stages.base import StepSpec
+
+DEFAULT_BUFFER_CHUNKS = 4
 
 
 def chunk_sizes(num_samples: int, chunk_samples: int) -> list[int]:
@@ -61,22 +65,53 @@ def shard_epoch(
         )
     if buffer_chunks < 1:
         raise ConfigError(f"shard_epoch: buffer_chunks must be >= 1, got {buffer_chunks}")
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    sizes_arr = np.asarray(sizes, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes_arr)[:-1]]).astype(np.int64)
     rng = np.random.default_rng([int(seed), int(epoch)])
-    order = rng.permutation(len(sizes)) if shuffle else np.arange(len(sizes))
-    stream = (
-        np.concatenate([np.arange(starts[c], starts[c] + sizes[c]) for c in order])
-        if len(sizes)
-        else np.empty(0, np.int64)
-    )
-    group = buffer_chunks * (max(sizes) if len(sizes) else 1)
+    order = rng.permutation(len(sizes_arr)) if shuffle else np.arange(len(sizes_arr))
+    # Vectorised: position p of the stream holds sample start(chunk) + (p - where chunk begins).
+    placed = np.concatenate([[0], np.cumsum(sizes_arr[order])[:-1]]).astype(np.int64)
+    stream = np.arange(total, dtype=np.int64) + np.repeat(starts[order] - placed, sizes_arr[order])
+    group = buffer_chunks * (int(sizes_arr.max()) if len(sizes_arr) else 1)
     shards, offset = [], 0
     for rank, n in enumerate(replica_samples):
-        segment = stream[offset : offset + n].copy()
+        segment = stream[offset : offset + n]
         offset += n
-        if shuffle:
-            local = np.random.default_rng([int(seed), int(epoch), rank])
-            for lo in range(0, n, group):
-                local.shuffle(segment[lo : lo + group])
-        shards.append(segment)
+        if shuffle and n:  # permute within each group: random keys, sorted per group
+            keys = np.random.default_rng([int(seed), int(epoch), rank]).random(n)
+            segment = segment[np.lexsort((keys, np.arange(n) // group))]
+        shards.append(segment.copy())
     return shards
+
+
+def replica_streams(
+    steps: Sequence[StepSpec],
+    *,
+    num_samples: int,
+    chunk_samples: int = 1,
+    seed: int,
+    shuffle: bool = True,
+    buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+) -> Iterator[tuple[StepSpec, list[np.ndarray]]]:
+    """For each step (whole epochs, in order): every replica's sample indices.
+
+    Replica ``r`` takes the next ``local_batches[r]`` samples of its epoch stream at
+    each step, so batches have exactly the planned sizes across chunk boundaries.
+    The concatenation over replicas is the step's global batch: a single process
+    that trains on those batches computes the same mean gradients.
+    """
+    sizes = chunk_sizes(num_samples, chunk_samples)
+    for epoch, group in itertools.groupby(steps, key=lambda spec: spec.epoch):
+        epoch_steps = list(group)
+        width = len(epoch_steps[0].local_batches)
+        wanted = [sum(spec.local_batches[r] for spec in epoch_steps) for r in range(width)]
+        streams = shard_epoch(
+            sizes, wanted, seed=seed, epoch=epoch, shuffle=shuffle, buffer_chunks=buffer_chunks
+        )
+        position = [0] * width
+        for spec in epoch_steps:
+            parts = []
+            for r, size in enumerate(spec.local_batches):
+                parts.append(streams[r][position[r] : position[r] + size])
+                position[r] += size
+            yield spec, parts

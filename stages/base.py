@@ -65,8 +65,8 @@ class ReplicaContext:
 class StepSpec:
     """One global training step, identical on every replica (pure data).
 
-    ``start`` is the offset of this global batch in the epoch's sample order;
-    replica ``r`` takes ``local_batches[r]`` samples after those of replicas < r.
+    ``start`` counts the samples of the epoch before this step; replica ``r`` takes
+    the next ``local_batches[r]`` samples of its epoch stream (``io.replica_streams``).
     """
 
     index: int
@@ -76,10 +76,6 @@ class StepSpec:
     global_batch: int
     local_batches: tuple[int, ...]
     last_in_epoch: bool
-
-    def local_range(self, rank: int) -> tuple[int, int]:
-        lo = self.start + sum(self.local_batches[:rank])
-        return lo, lo + self.local_batches[rank]
 
 
 @dataclass

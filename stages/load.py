@@ -9,7 +9,7 @@ import torch
 
 from dataflow.errors import ConfigError
 from dataflow.io.prefetch import Prefetcher
-from dataflow.io.sampler import epoch_order
+from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, replica_streams
 from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, StepContext
 
 
@@ -17,8 +17,14 @@ from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, Ste
 class LoadConfig:
     prefetch: int = 2
     drop_last: bool = False
+    buffer_chunks: int = DEFAULT_BUFFER_CHUNKS  # shuffle buffer, in chunks of the source
 
     def __post_init__(self) -> None:
+        if not isinstance(self.buffer_chunks, int) or self.buffer_chunks < 1:
+            raise ConfigError(
+                f"Load(buffer_chunks={self.buffer_chunks!r}): the shuffle buffer mixes samples "
+                "across this many chunks; it must be an int >= 1"
+            )
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ConfigError(
                 f"Load(prefetch={self.prefetch!r}): prefetch is the number of batches read "
@@ -27,10 +33,21 @@ class LoadConfig:
 
 
 class Load(Stage):
-    """Reads samples ``[lo, hi)`` of the epoch order for each step (see ``StepSpec``)."""
+    """Reads this replica's share of each step from its epoch stream.
+
+    The streams come from :func:`dataflow.io.replica_streams`: each replica reads
+    whole chunks in a shuffled order, mixed by a shuffle buffer of ``buffer_chunks``
+    chunks, ``prefetch`` batches ahead on a background thread.
+    """
 
     def __init__(
-        self, source: Any, *, prefetch: int = 2, drop_last: bool = False, name: str | None = None
+        self,
+        source: Any,
+        *,
+        prefetch: int = 2,
+        drop_last: bool = False,
+        buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+        name: str | None = None,
     ) -> None:
         super().__init__(name)
         for attribute in ("num_samples", "read"):  # the dataflow.protocols.Source contract
@@ -40,28 +57,28 @@ class Load(Stage):
                     "dataflow.io source such as ArraySource(x, y)"
                 )
         self.source = source
-        self.config = LoadConfig(prefetch=prefetch, drop_last=drop_last)
+        self.config = LoadConfig(
+            prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks
+        )
 
     def setup(self, replica: ReplicaContext) -> None:
         self._replica = replica
         self._prefetcher: Prefetcher | None = None
-        self._order_epoch = -1
-        self._order = None
 
-    def _indices(self, epoch: int, lo: int, hi: int) -> Any:
-        if epoch != self._order_epoch:  # once per epoch, on the loader thread
-            self._order = epoch_order(
-                self.source.num_samples,
-                seed=self._replica.seed,
-                epoch=epoch,
-                shuffle=getattr(self.source, "shuffle", True),
-            )
-            self._order_epoch = epoch
-        return self._order[lo:hi]
+    def streams(self, steps: Any, seed: int) -> Any:
+        """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
+        return replica_streams(
+            steps,
+            num_samples=self.source.num_samples,
+            chunk_samples=getattr(self.source, "chunk_samples", 1),
+            seed=seed,
+            shuffle=getattr(self.source, "shuffle", True),
+            buffer_chunks=self.config.buffer_chunks,
+        )
 
-    def _load(self, spec: Any) -> tuple[int, Batch]:
-        lo, hi = spec.local_range(self._replica.rank)
-        batch = self.source.read(self._indices(spec.epoch, lo, hi))
+    def _load(self, item: Any) -> tuple[int, Batch]:
+        spec, parts = item
+        batch = self.source.read(parts[self._replica.rank])
         device = self._replica.device
         if device.type != "cpu":
             batch.x = _to_device(batch.x, device)
@@ -70,7 +87,9 @@ class Load(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._close()
-        self._prefetcher = Prefetcher(self._load, phase.steps, depth=self.config.prefetch)
+        self._prefetcher = Prefetcher(
+            self._load, self.streams(phase.steps, replica.seed), depth=self.config.prefetch
+        )
 
     def run(self, step: StepContext, *inputs: Any) -> Batch:
         index, batch = self._prefetcher.get()

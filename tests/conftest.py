@@ -36,24 +36,21 @@ def sgd(params):
 
 
 def reference_training(
-    x, y, *, batch, epochs, seed, optimizer=sgd, after_backward=None
+    x, y, *, batches, seed, optimizer=sgd, after_backward=None
 ) -> torch.nn.Module:
-    """The plain single-process torch loop over the same global batches as a fit."""
+    """The plain single-process torch loop over ``batches`` (global batches of indices)."""
     torch.manual_seed(seed)
     model = TinyCNN()
     opt = optimizer(model.parameters())
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    n = len(x)
-    for epoch in range(epochs):
-        order = dfl.io.epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
-        for start in range(0, n, batch):
-            index = torch.from_numpy(order[start : start + batch])
-            loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
-            opt.zero_grad()
-            loss.backward()
-            if after_backward is not None:
-                after_backward(model)
-            opt.step()
+    for parts in batches:
+        index = torch.from_numpy(np.concatenate(parts))
+        loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        opt.zero_grad()
+        loss.backward()
+        if after_backward is not None:
+            after_backward(model)
+        opt.step()
     return model
 
 

@@ -19,7 +19,8 @@ def fit(client, x, y, *, batch, epochs, **options):
 def test_two_replicas_equal_single_process_training(client):
     x, y = make_data(160)  # 5 steps of 32 per epoch, 4 epochs: 20 steps
     result = fit(client, x, y, batch=32, epochs=4)
-    expected = reference_training(x, y, batch=32, epochs=4, seed=0)
+    batches = tiny_pipeline(x, y, batch=32).sample_plan(epochs=4, replicas=2)
+    expected = reference_training(x, y, batches=batches, seed=0)
     assert len(result.history.steps) == 20
     assert result.history.phases[0]["local_batches"] == [16, 16]
     assert max_abs_diff(result.model, expected) <= 1e-5
@@ -33,7 +34,9 @@ def test_uneven_split_and_a_replica_with_zero_samples(client):
     assert [s.local_batches for s in steps] == [(3, 29), (0, 4)]
     # One step per task (tiny window_seconds): many windows, still exact.
     result = fit(client, x, y, batch=32, epochs=10, balancer=split, window_seconds=1e-4)
-    expected = reference_training(x, y, batch=32, epochs=10, seed=0)
+    batches = tiny_pipeline(x, y, batch=32, balancer=split).sample_plan(epochs=10, replicas=2)
+    assert [len(part) for part in batches[1]] == [0, 4]
+    expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
     assert result.history.phases[0]["windows"] >= 19
 
@@ -70,18 +73,17 @@ def test_custom_stage_between_allreduce_and_update(client):
     reduced = g.add(stages.AllReduce(bucket_mb=0.001), grads)
     clipped = g.add(ClipGradNorm(0.05), reduced)
     g.add(stages.Update(sgd), clipped)
-    result = dfl.Trainer(g, schedule=dfl.schedule.Fixed(16), progress=False).fit(
-        epochs=2, client=client
-    )
+    trainer = dfl.Trainer(g, schedule=dfl.schedule.Fixed(16), progress=False)
+    result = trainer.fit(epochs=2, client=client)
+    batches = trainer.sample_plan(epochs=2, replicas=2)
     expected = reference_training(
         x,
         y,
-        batch=16,
-        epochs=2,
+        batches=batches,
         seed=0,
         after_backward=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05),
     )
-    unclipped = reference_training(x, y, batch=16, epochs=2, seed=0)
+    unclipped = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
     assert max_abs_diff(result.model, unclipped) > 1e-3  # the stage really ran
     assert "ClipGradNorm" in result.history.info["stages"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dataflow as dfl
-from dataflow.io import ArraySource, Prefetcher, epoch_order
+from dataflow.io import ArraySource, Prefetcher
 
 
 def test_read_returns_the_asked_samples_in_order():
@@ -29,14 +29,6 @@ def test_non_numeric_and_non_array_inputs():
         ArraySource(np.zeros((2, 1)), [0, 1])
     with pytest.raises(dfl.DataError, match="no samples"):
         ArraySource(np.zeros((0, 3)))
-
-
-def test_epoch_order_is_a_seeded_permutation():
-    a = epoch_order(100, seed=3, epoch=1, shuffle=True)
-    assert sorted(a.tolist()) == list(range(100))
-    assert np.array_equal(a, epoch_order(100, seed=3, epoch=1, shuffle=True))
-    assert not np.array_equal(a, epoch_order(100, seed=3, epoch=2, shuffle=True))
-    assert epoch_order(5, seed=3, epoch=1, shuffle=False).tolist() == [0, 1, 2, 3, 4]
 
 
 def test_prefetcher_keeps_order_and_stops():

@@ -20,11 +20,12 @@ def phase(batch: int, epochs: int = 1) -> PhaseSpec:
 @given(
     n=st.integers(1, 300),
     batch=st.integers(1, 300),
+    chunk=st.integers(1, 40),
     weights=st.lists(st.integers(0, 5), min_size=1, max_size=6).filter(lambda w: sum(w) > 0),
     drop_last=st.booleans(),
     seed=st.integers(0, 3),
 )
-def test_every_sample_once_per_epoch_for_any_split(n, batch, weights, drop_last, seed):
+def test_every_sample_once_per_epoch_for_any_split(n, batch, chunk, weights, drop_last, seed):
     batch = min(batch, n)
     steps = phase_steps(
         num_samples=n,
@@ -32,14 +33,14 @@ def test_every_sample_once_per_epoch_for_any_split(n, batch, weights, drop_last,
         split=lambda size: proportional_split(size, weights),
         drop_last=drop_last,
     )
+    streams = list(dfl.io.replica_streams(steps, num_samples=n, chunk_samples=chunk, seed=seed))
     for epoch in (0, 1):
-        order = dfl.io.epoch_order(n, seed=seed, epoch=epoch, shuffle=True)
         seen = Counter()
-        for spec in (s for s in steps if s.epoch == epoch):
+        for spec, parts in (item for item in streams if item[0].epoch == epoch):
             assert sum(spec.local_batches) == spec.global_batch
-            for rank in range(len(weights)):
-                lo, hi = spec.local_range(rank)
-                seen.update(order[lo:hi].tolist())
+            assert [len(p) for p in parts] == list(spec.local_batches)  # sizes as planned
+            for part in parts:
+                seen.update(part.tolist())
         expected = n - n % batch if drop_last else n
         assert sum(seen.values()) == expected
         assert all(count == 1 for count in seen.values())

@@ -26,8 +26,11 @@ def zarr_pipeline(path, **options):
 def test_training_from_zarr_equals_training_from_memory(client, tmp_path):
     x, y = make_data(64)
     path = dfl.io.to_zarr(tmp_path / "train.zarr", x, y, chunk_mb=0.001)  # many chunks
-    result = zarr_pipeline(path).fit(epochs=2, client=client)
-    expected = reference_training(x, y, batch=16, epochs=2, seed=0)
+    pipe = zarr_pipeline(path)
+    result = pipe.fit(epochs=2, client=client)
+    batches = pipe.sample_plan(epochs=2, replicas=2)
+    assert all(len(p) == 8 for parts in batches for p in parts)
+    expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
 
 
