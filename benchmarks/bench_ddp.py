@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from common import (
     SINGLE_THREAD_ENV,
     START_ENV,
@@ -47,6 +46,7 @@ from common import (
     Workload,
     add_quiet_args,
     add_worker_args,
+    add_workload_args,
     environment,
     make_data,
     measure_side,
@@ -64,6 +64,7 @@ from common import (
     steady_fit,
     steady_loop,
     table,
+    timed_steps,
 )
 
 NAME = "bench_ddp"
@@ -74,25 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--samples", type=int, default=1024, help="dataset size (default 1024)")
-    p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--epochs", type=int, default=8, help="epochs per side (default 8)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=10,
-        help="steps excluded at the start, rounded up to a window end (default 10)",
-    )
-    p.add_argument(
-        "--channels", default="32,64,128", help="conv widths per stage (default 32,64,128)"
-    )
-    p.add_argument("--convs", type=int, default=2, help="3x3 convs per stage (default 2)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden units of the head (256)")
-    p.add_argument("--image", type=int, default=32, help="image side, 3 channels (default 32)")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--window-seconds", type=float, default=1.0, help="dataflow window_seconds")
+    add_workload_args(p, samples=1024, epochs=8, channels="32,64,128", convs=2, hidden=256)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="dataflow AllReduce bucket_mb")
     p.add_argument(
         "--order",
@@ -151,35 +134,18 @@ def ddp_rank(
     optimizer = OptimizerFactory(work.optim)(model.parameters())
     split = Even().split
     batches = planned_batches(work, WORLD)
-    loads, seconds, ends, losses, samples = [], [], [], [], []
     dist.barrier()
-    started = time.perf_counter()
-    for parts in batches:
-        t0 = time.perf_counter()
-        size = sum(len(part) for part in parts)
-        index = parts[rank]
-        xb, yb = x.index_select(0, index), y.index_select(0, index)
-        t1 = time.perf_counter()
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        losses.append(loss.detach())
-        loads.append(t1 - t0)
-        seconds.append(t2 - t0)
-        ends.append(t2 - started)
-        samples.append(size)
+    steps = timed_steps(model, optimizer, x, y, batches, lambda parts: parts[rank])
     dist.barrier()
     result = {
         "rank": rank,
         "torch_threads": torch.get_num_threads(),
-        "total_seconds": time.perf_counter() - started,
-        "load_seconds": loads,
-        "step_seconds": seconds,
-        "ends": ends,
-        "samples": samples,
-        "losses": torch.stack(losses).tolist(),
+        "total_seconds": time.perf_counter() - steps["started"],
+        "load_seconds": steps["loads"],
+        "step_seconds": steps["seconds"],
+        "ends": steps["ends"],
+        "samples": steps["samples"],
+        "losses": torch.stack(steps["losses"]).tolist(),
         "local_batches": [
             split(min(work.batch, work.samples - s * work.batch), WORLD)[rank]
             for s in range(work.steps_per_epoch)

@@ -40,6 +40,7 @@ from common import (
     Workload,
     add_quiet_args,
     add_worker_args,
+    add_workload_args,
     hand_loop,
     in_subprocess,
     measure_side,
@@ -63,23 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--samples", type=int, default=2048, help="dataset size (default 2048)")
-    p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
-    p.add_argument("--epochs", type=int, default=25, help="epochs per side (default 25)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=10,
-        help="steps excluded at the start, rounded up to a window end (default 10)",
-    )
-    p.add_argument("--channels", default="16,32", help="conv widths per stage (default 16,32)")
-    p.add_argument("--convs", type=int, default=1, help="3x3 convs per stage (default 1)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units of the head (default 64)")
-    p.add_argument("--image", type=int, default=32, help="image side, 3 channels (default 32)")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--window-seconds", type=float, default=1.0, help="dataflow window_seconds")
+    add_workload_args(p, samples=2048, epochs=25, channels="16,32", convs=1, hidden=64)
     p.add_argument(
         "--order",
         choices=("hand-first", "dataflow-first"),

@@ -140,6 +140,42 @@ class Workload:
         return self.steps_per_epoch * self.epochs
 
 
+def timed_steps(
+    model: Any, optimizer: Any, x: torch.Tensor, y: torch.Tensor, batches: list, pick: Any
+) -> dict[str, Any]:
+    """The plain training loop both baselines run, timed per step.
+
+    ``pick(parts)`` gives a step's sample indices from each replica's parts. Per step:
+    index the tensors (timed as ``load``), forward, loss, backward, ``step()``,
+    ``zero_grad(set_to_none=True)``; ``ends[i]``: end of step ``i`` since the start.
+    """
+    loads, seconds, ends, losses, samples = [], [], [], [], []
+    started = time.perf_counter()
+    for parts in batches:
+        t0 = time.perf_counter()
+        index = pick(parts)
+        xb, yb = x.index_select(0, index), y.index_select(0, index)
+        t1 = time.perf_counter()
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t2 = time.perf_counter()
+        losses.append(loss.detach())
+        loads.append(t1 - t0)
+        seconds.append(t2 - t0)
+        ends.append(t2 - started)
+        samples.append(sum(len(part) for part in parts))
+    return {
+        "started": started,
+        "loads": loads,
+        "seconds": seconds,
+        "ends": ends,
+        "losses": losses,
+        "samples": samples,
+    }
+
+
 def planned_batches(work: Workload, replicas: int) -> list[list[torch.Tensor]]:
     """Per step, each replica's sample indices, exactly as a dataflow fit reads them."""
     from dataflow.balance import Even
@@ -156,12 +192,8 @@ def planned_batches(work: Workload, replicas: int) -> list[list[torch.Tensor]]:
 
 
 def hand_loop(work: Workload, threads: int, relax: bool = False) -> dict[str, Any]:
-    """The plain torch loop over exactly the batches a dataflow fit visits.
-
-    Per step: index the in-memory tensors (timed as ``load``), forward, loss, backward,
-    ``SGD.step()``, ``zero_grad(set_to_none=True)``. ``ends[i]`` is the time at the end
-    of step ``i`` since the loop started. ``relax``: call :func:`relax_malloc` first.
-    """
+    """The plain torch loop (:func:`timed_steps`) over exactly the batches a dataflow
+    fit visits. ``relax``: call :func:`relax_malloc` first."""
     if relax:
         relax_malloc()
     torch.set_num_threads(threads)
@@ -171,29 +203,14 @@ def hand_loop(work: Workload, threads: int, relax: bool = False) -> dict[str, An
     torch.manual_seed(work.seed)  # what dataflow's build_model does before the factory
     model = ModelFactory(work.model)().train()
     optimizer = OptimizerFactory(work.optim)(model.parameters())
-    loads, seconds, ends, losses = [], [], [], []
-    started = time.perf_counter()
-    for parts in batches:
-        t0 = time.perf_counter()
-        index = torch.cat(parts)
-        xb, yb = x.index_select(0, index), y.index_select(0, index)
-        t1 = time.perf_counter()
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t2 = time.perf_counter()
-        losses.append(loss.detach())
-        loads.append(t1 - t0)
-        seconds.append(t2 - t0)
-        ends.append(t2 - started)
+    steps = timed_steps(model, optimizer, x, y, batches, torch.cat)
     return {
         "torch_threads": torch.get_num_threads(),
-        "total_seconds": time.perf_counter() - started,
-        "load_seconds": loads,
-        "step_seconds": seconds,
-        "ends": ends,
-        "losses": torch.stack(losses).tolist(),
+        "total_seconds": time.perf_counter() - steps["started"],
+        "load_seconds": steps["loads"],
+        "step_seconds": steps["seconds"],
+        "ends": steps["ends"],
+        "losses": torch.stack(steps["losses"]).tolist(),
     }
 
 
@@ -738,6 +755,31 @@ def print_threads(quiet: dict[str, Any]) -> None:
     print(f"CPU cores used per process during steady training ({span} of each side's wall):")
     header = ["side", "process", "cores", "busiest thread", "other threads", "threads"]
     print(table(rows, header))
+
+
+def add_workload_args(
+    p: Any, *, samples: int, epochs: int, channels: str, convs: int, hidden: int
+) -> None:
+    """The model, data and optimizer options both benchmarks share (defaults differ)."""
+    p.add_argument("--samples", type=int, default=samples, help=f"dataset size ({samples})")
+    p.add_argument("--batch", type=int, default=64, help="global batch (default 64)")
+    p.add_argument("--epochs", type=int, default=epochs, help=f"epochs per side ({epochs})")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=10,
+        help="steps excluded at the start, rounded up to a window end (default 10)",
+    )
+    p.add_argument("--channels", default=channels, help=f"conv widths per stage ({channels})")
+    p.add_argument("--convs", type=int, default=convs, help=f"3x3 convs per stage ({convs})")
+    p.add_argument(
+        "--hidden", type=int, default=hidden, help=f"hidden units of the head ({hidden})"
+    )
+    p.add_argument("--image", type=int, default=32, help="image side, 3 channels (default 32)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window-seconds", type=float, default=1.0, help="dataflow window_seconds")
 
 
 def add_worker_args(p: Any) -> None:

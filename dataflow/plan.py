@@ -146,10 +146,6 @@ class Plan:
                 previous = key
         return out
 
-    @property
-    def samples(self) -> int:
-        return sum(s.global_batch for s in self.steps)
-
     def __str__(self) -> str:
         sizes = sorted({w.n_steps for w in self.windows})
         splits = sorted({s.local_batches for s in self.steps})

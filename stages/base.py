@@ -57,7 +57,6 @@ class ReplicaContext:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     collective: Any = None  # dataflow.runtime.collective.Collective when world_size > 1
-    lr: float | None = None
     state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
 
 

@@ -47,10 +47,6 @@ class BucketReducer:
         self._armed = False
         self._weight = 1.0
 
-    @property
-    def bucket_bytes(self) -> list[int]:
-        return [f.numel() * f.element_size() for f in self._flat]
-
     def begin_step(self, weight: float) -> None:
         """Arm the hooks for this step's backward with this replica's weight ``b_r / B``."""
         self._weight = weight

@@ -87,7 +87,6 @@ class ReplicaRuntime:
             self.stages[name].setup(self.context)
 
     def begin_phase(self, phase: PhaseContext) -> None:
-        self.context.lr = phase.lr
         self.steps = {spec.index: spec for spec in phase.steps}
         for name in self.order:
             self.stages[name].begin_phase(self.context, phase)
