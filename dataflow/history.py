@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from dataflow.io.ledger import SampleLedger
+
 
 @dataclass
 class History:
@@ -51,10 +53,12 @@ def _json_safe(value: Any) -> Any:
 
 @dataclass
 class FitResult:
-    """The trained model (synchronized weights, on the driver's CPU) and its history."""
+    """The trained model (synchronized weights, on the driver's CPU), its history, and the
+    sample ledger (which sample indices each replica trained on in each epoch)."""
 
     model: torch.nn.Module
     history: History
+    ledger: SampleLedger | None = None
 
     def summary(self) -> str:
         h = self.history

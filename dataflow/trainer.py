@@ -26,11 +26,13 @@ from dataflow.errors import (
     BatchSizeError,
     CollectiveError,
     ConfigError,
+    DataError,
     LossError,
     ReplicaError,
 )
 from dataflow.graph import Graph
 from dataflow.history import FitResult, History
+from dataflow.io.ledger import SampleLedger
 from dataflow.plan import Plan, phase_steps
 from dataflow.runtime import replica as remote
 from dataflow.runtime.cluster import client_or_local_cluster
@@ -204,6 +206,7 @@ class _Fit:
         self.epochs = epochs
         self.run_id = f"fit{uuid.uuid4().hex[:12]}"
         self.history = History()
+        self.ledger = SampleLedger(trainer.load.source.num_samples)
         self.samples_seen = 0  # running totals: the history is not rescanned per window
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
 
@@ -299,7 +302,7 @@ class _Fit:
         self.history.info["fit_seconds"] = time.perf_counter() - started
         model = build_model(self.trainer.model_factory, self.config.seed)
         model.load_state_dict(state)
-        result = FitResult(model=model, history=self.history)
+        result = FitResult(model=model, history=self.history, ledger=self.ledger)
         if self.config.progress:
             print(result.summary())
         return result
@@ -384,8 +387,27 @@ class _Fit:
                 raise ReplicaError(
                     f"replica weights diverged after phase {phase.index}: digests {digests}"
                 )
+            self._record_consumed(steps, ends)
             self._record_phase(phase, steps, results, ends, time.perf_counter() - phase_started)
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+
+    def _record_consumed(self, steps: tuple, ends: list[dict]) -> None:
+        """Fold each replica's consumed indices into the ledger, which refuses a repeat;
+        then check each epoch trained on exactly the samples the plan gave it."""
+        for rank, end in enumerate(ends):
+            for epoch, indices in end.get("consumed", {}).items():
+                self.ledger.record(epoch, rank, indices)
+        planned: dict[int, int] = defaultdict(int)
+        for spec in steps:
+            planned[spec.epoch] += spec.global_batch
+        for epoch, count in planned.items():
+            consumed = len(self.ledger.consumed(epoch))
+            if consumed != count:
+                raise DataError(
+                    f"epoch {epoch}: the replicas trained on {consumed} distinct samples but the "
+                    f"plan gave them {count}; the loader lost or repeated data: please report "
+                    "this with the plan (Pipeline.plan())"
+                )
 
     def _measured_step_seconds(self, results: list[list[Any]]) -> float:
         """The median over recent steps of the slowest replica's step time."""

@@ -84,23 +84,29 @@ def shard_epoch(
     return shards
 
 
-def replica_streams(
+def source_chunk_sizes(source: object) -> list[int]:
+    """Samples per chunk of a source: its ``chunk_bounds`` if it has them (zarr, dask:
+    possibly irregular), else ``chunk_samples`` per chunk (1 for in-memory arrays)."""
+    bounds = getattr(source, "chunk_bounds", None)
+    if bounds is not None:
+        return np.diff(np.asarray(bounds, dtype=np.int64)).tolist()
+    return chunk_sizes(source.num_samples, getattr(source, "chunk_samples", 1))
+
+
+def replica_epochs(
     steps: Sequence[StepSpec],
     *,
-    num_samples: int,
-    chunk_samples: int = 1,
+    sizes: Sequence[int],
     seed: int,
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
-) -> Iterator[tuple[StepSpec, list[np.ndarray]]]:
-    """For each step (whole epochs, in order): every replica's sample indices.
+) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
+    """Per epoch of ``steps`` (whole epochs, in order): the epoch, its steps, and for
+    every step every replica's sample indices (``parts[step][replica]``).
 
     Replica ``r`` takes the next ``local_batches[r]`` samples of its epoch stream at
     each step, so batches have exactly the planned sizes across chunk boundaries.
-    The concatenation over replicas is the step's global batch: a single process
-    that trains on those batches computes the same mean gradients.
     """
-    sizes = chunk_sizes(num_samples, chunk_samples)
     for epoch, group in itertools.groupby(steps, key=lambda spec: spec.epoch):
         epoch_steps = list(group)
         width = len(epoch_steps[0].local_batches)
@@ -109,9 +115,38 @@ def replica_streams(
             sizes, wanted, seed=seed, epoch=epoch, shuffle=shuffle, buffer_chunks=buffer_chunks
         )
         position = [0] * width
+        parts = []
         for spec in epoch_steps:
-            parts = []
+            step_parts = []
             for r, size in enumerate(spec.local_batches):
-                parts.append(streams[r][position[r] : position[r] + size])
+                step_parts.append(streams[r][position[r] : position[r] + size])
                 position[r] += size
-            yield spec, parts
+            parts.append(step_parts)
+        yield epoch, epoch_steps, parts
+
+
+def replica_streams(
+    steps: Sequence[StepSpec],
+    *,
+    num_samples: int | None = None,
+    chunk_samples: int = 1,
+    sizes: Sequence[int] | None = None,
+    seed: int,
+    shuffle: bool = True,
+    buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+) -> Iterator[tuple[StepSpec, list[np.ndarray]]]:
+    """For each step (whole epochs, in order): every replica's sample indices.
+
+    Chunks are ``sizes`` (samples per chunk, possibly irregular) or ``num_samples``
+    cut into chunks of ``chunk_samples``. The concatenation over replicas is the
+    step's global batch: a single process that trains on those batches computes
+    the same mean gradients.
+    """
+    if sizes is None:
+        if num_samples is None:
+            raise ConfigError("replica_streams: give sizes= or num_samples=")
+        sizes = chunk_sizes(num_samples, chunk_samples)
+    for _, epoch_steps, parts in replica_epochs(
+        steps, sizes=sizes, seed=seed, shuffle=shuffle, buffer_chunks=buffer_chunks
+    ):
+        yield from zip(epoch_steps, parts, strict=True)

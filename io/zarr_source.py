@@ -1,297 +1,356 @@
-"""A source over arrays in a zarr store (format 2 or 3), read by sample index.
+"""A source over chunked arrays: a zarr store (format 2 or 3), an xarray Dataset or dask arrays.
 
-Reads are chunk-aware only in the small sense: the samples asked for are grouped
-by chunk so each chunk is fetched and decoded once per ``read``. Which samples a
-replica asks for (sharding, shuffle buffers) is decided elsewhere.
+Accepted ``store`` values: a local path or an fsspec URL (``file://``, ``memory://``,
+``s3://`` with ``storage_options``) to a zarr group or array; an opened
+``zarr.Group`` / ``zarr.Array``; an ``xarray.Dataset`` (variables by name, the
+sample dimension by name); a ``dask.array.Array``. An xarray Dataset opened from
+a zarr store (``xarray.open_zarr``) is read from that store directly, so missing
+chunks are caught; one holding dask or numpy data is read through those.
 
-Never train on missing data: zarr returns the fill value for a chunk absent from
-the store, so every chunk a read touches is checked first (ChunkMissingError),
-and a chunk that fails to decode is named (ChunkReadError).
+The source is chunk-aware (``chunk_bounds``, ``check_chunks``, ``read_chunks``):
+``io.chunk_reader`` decodes every chunk once per epoch. Never train on missing
+data: zarr returns the fill value for a chunk absent from the store, so every
+chunk an epoch reads is checked to exist first (``ChunkMissingError``), and a
+chunk that fails to decode is named (``ChunkReadError``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import zarr
-from zarr.core.sync import sync
 
-from dataflow.errors import ChunkMissingError, ChunkReadError, DataError
+from dataflow.errors import DataError
+from dataflow.io.array_readers import (
+    RESIDENT_BYTES,
+    ArrayReader,
+    DaskArrayReader,
+    MemoryArrayReader,
+    ZarrArrayReader,
+    missing_chunk_error,
+)
 from dataflow.stages.base import Batch
 
 
 class VariableNotFoundError(DataError, KeyError):
-    """``x`` or ``y`` names an array that is not in the zarr group."""
+    """``x`` or ``y`` names an array that is not in the store or Dataset."""
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
         return str(self.args[0]) if self.args else ""
 
 
-def _store_label(store: Any) -> str:
+def _is_xarray_dataset(value: Any) -> bool:
+    return type(value).__name__ == "Dataset" and hasattr(value, "data_vars")
+
+
+def _is_dask_array(value: Any) -> bool:
+    return type(value).__module__.startswith("dask.array") and hasattr(value, "chunks")
+
+
+def _label(store: Any) -> str:
     if isinstance(store, (zarr.Array, zarr.Group)):
         return str(store.store_path)
+    if _is_xarray_dataset(store):
+        return f"xarray.Dataset({', '.join(map(str, store.data_vars))})"
+    if _is_dask_array(store):
+        return f"dask.array{tuple(store.shape)}"
     return str(store)
 
 
-def _open(store: Any, storage_options: dict[str, Any] | None) -> zarr.Array | zarr.Group:
-    """Open ``store`` read-only; a path, an fsspec URL, or an already opened array/group."""
-    if isinstance(store, (zarr.Array, zarr.Group)):
-        return store
-    if isinstance(store, Path):
-        store = str(store)
-    if not isinstance(store, str):
-        raise DataError(
-            f"ZarrSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL "
-            "such as 'file:///data/x.zarr', or an opened zarr.Array / zarr.Group"
-        )
+def _open_zarr(store: str | Path, storage_options: dict[str, Any] | None) -> Any:
     options = {} if storage_options is None else {"storage_options": storage_options}
     try:
-        return zarr.open(store=store, mode="r", **options)
+        return zarr.open(store=str(store), mode="r", **options)
     except FileNotFoundError as exc:
         raise DataError(
-            f"ZarrSource(store={store!r}): no zarr array or group there; check the path "
+            f"ZarrSource(store={str(store)!r}): no zarr array or group there; check the path "
             "(write one with dataflow.io.to_zarr)"
         ) from exc
 
 
-def _member(root: zarr.Array | zarr.Group, field: str, name: Any, label: str) -> zarr.Array:
-    """The array ``name`` in the group ``root`` (validated: exists, numeric)."""
-    if isinstance(root, zarr.Array):
-        raise DataError(
-            f"ZarrSource({field}={name!r}): store {label} is a single array, not a group; "
-            f"open its group to name {field}, or pass {field}=None"
-        )
-    if not isinstance(name, str):
-        raise DataError(f"ZarrSource({field}=...): must be an array name (str), got {name!r}")
-    existing = sorted(root.array_keys())
+def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
+    """The zarr store an xarray Dataset was opened from, if reading it raw gives the same
+    values: same shapes, and no CF scaling (xarray would apply it, raw zarr would not)."""
+    source = dataset.encoding.get("source")
+    if not isinstance(source, str):
+        return None
     try:
-        array = root[name]
-    except KeyError:
-        array = None
-    if not isinstance(array, zarr.Array):
-        raise VariableNotFoundError(
-            f"ZarrSource({field}={name!r}): no array {name!r} in {label}; "
-            f"the arrays there are {existing}"
-        )
-    return array
+        group = zarr.open_group(source, mode="r")
+    except Exception:  # not a zarr store, or gone: read through xarray
+        return None
+    for name in names:
+        variable = dataset.variables.get(name)
+        if variable is None or name not in group.array_keys():
+            return None
+        if tuple(group[name].shape) != tuple(variable.shape):
+            return None
+        if {"scale_factor", "add_offset"} & set(variable.encoding):
+            return None
+    return source
 
 
-def _check_array(field: str, array: zarr.Array, sample_dim: int, label: str) -> int:
-    """Validate dtype and ``sample_dim``; return the normalized sample dim."""
-    dtype = np.dtype(array.dtype)
-    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+def _dimension_names(array: Any) -> tuple[str, ...] | None:
+    if isinstance(array, zarr.Array):
+        names = getattr(array.metadata, "dimension_names", None)
+        if names is None:
+            names = array.attrs.get("_ARRAY_DIMENSIONS")
+        return None if names is None else tuple(names)
+    return getattr(array, "dims", None)
+
+
+def _sample_axis(field: str, name: str, array: Any, sample_dim: int | str, label: str) -> int:
+    ndim = len(array.shape)
+    if isinstance(sample_dim, str):
+        dims = _dimension_names(array)
+        if dims is None or sample_dim not in dims:
+            raise DataError(
+                f"ZarrSource(sample_dim={sample_dim!r}): {field} ({name!r} in {label}) has "
+                f"dimensions {dims}; name one of those, or give the sample axis as an int"
+            )
+        return dims.index(sample_dim)
+    if ndim == 0 or not -ndim <= sample_dim < ndim:
         raise DataError(
-            f"ZarrSource({field}={array.path or '<array>'!r}) in {label} has dtype {dtype}, "
-            "which is not numeric; rewrite it as numbers (e.g. with dataflow.io.to_zarr)"
-        )
-    ndim = array.ndim
-    if not -ndim <= sample_dim < ndim or ndim == 0:
-        raise DataError(
-            f"ZarrSource(sample_dim={sample_dim}): out of range for {field} "
-            f"({array.path or '<array>'!r}, shape {array.shape}); use 0..{ndim - 1}"
+            f"ZarrSource(sample_dim={sample_dim}): out of range for {field} ({name!r}, shape "
+            f"{tuple(array.shape)}); use 0..{max(ndim - 1, 0)}"
         )
     return sample_dim % ndim
 
 
-def _chunk_key(array: zarr.Array, coords: tuple[int, ...]) -> str:
-    """The store key of the storage object at ``coords`` (a chunk, or a shard if sharded)."""
-    key = array.metadata.encode_chunk_key(coords)
-    return f"{array.path}/{key}" if array.path else key
+def _check_dtype(field: str, name: str, dtype: Any, label: str) -> None:
+    dtype = np.dtype(dtype)
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        raise DataError(
+            f"ZarrSource({field}={name!r}) in {label} has dtype {dtype}, which is not numeric; "
+            "rewrite it as numbers (e.g. with dataflow.io.to_zarr)"
+        )
 
 
-def missing_chunk_keys(array: zarr.Array, sample_dim: int, sample_chunks: list[int]) -> list[str]:
-    """Keys of stored objects absent from the store among chunks ``sample_chunks`` (along
-    ``sample_dim``, all chunks across the other dims).
-
-    Why this and not ``array.nchunks_initialized``: that lists every key under the
-    array (a full listing on object stores) and only counts. One ``store.exists(key)``
-    per touched object, run concurrently, is cheap and names the missing key. The
-    unit of storage is the shard when the array is sharded (a shard holds many chunks).
-    """
-    unit = array.shards or array.chunks
-    grid = [range(math.ceil(s / c)) for s, c in zip(array.shape, unit, strict=True)]
-    keys = []
-    for c in sample_chunks:
-        grid[sample_dim] = [c]
-        keys.extend(_chunk_key(array, coords) for coords in itertools.product(*grid))
-    store = array.store_path.store
-
-    async def exists_all() -> list[bool]:
-        return await asyncio.gather(*(store.exists(key) for key in keys))
-
-    return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
-
-
-def _to_tensor(block: np.ndarray) -> torch.Tensor:
-    if not block.dtype.isnative:  # zarr v2 may store big-endian; torch needs native order
-        block = block.astype(block.dtype.newbyteorder("="))
-    return torch.from_numpy(np.ascontiguousarray(block))
-
-
-class _Reader:
-    """Reads samples of one array by index, one decode per storage object touched."""
-
-    def __init__(self, field: str, array: zarr.Array, sample_dim: int) -> None:
-        self.field = field
-        self.array = array
-        self.sample_dim = sample_dim
-        self.name = array.path or "<array>"
-        self.unit = (array.shards or array.chunks)[sample_dim]
-
-    def _select(self, rows: Any) -> tuple[Any, ...]:
-        selection: list[Any] = [slice(None)] * self.array.ndim
-        selection[self.sample_dim] = rows
-        return tuple(selection)
-
-    def read(self, indices: np.ndarray) -> torch.Tensor:
-        if len(indices) == 0:
-            shape = list(self.array.shape)
-            shape.pop(self.sample_dim)
-            return _to_tensor(np.empty((0, *shape), dtype=self.array.dtype))
-        unique, inverse = np.unique(indices, return_inverse=True)
-        touched = np.unique(unique // self.unit).tolist()
-        missing = missing_chunk_keys(self.array, self.sample_dim, touched)
-        if missing:
-            raise ChunkMissingError(
-                f"ZarrSource: array {self.name!r} has no chunk {missing[0]!r} "
-                f"({len(missing)} missing among those read); the store is incomplete, and "
-                "zarr would return fill values instead. Re-write or re-copy the store (zarr "
-                "skips all-fill-value chunks unless written with write_empty_chunks=True, "
-                "as dataflow.io.to_zarr does)"
-            )
-        try:  # one orthogonal selection: zarr fetches each chunk once, concurrently
-            block = self.array.get_orthogonal_selection(self._select(unique))
-        except Exception as exc:
-            self._raise_read_error(touched, exc)
-        block = np.moveaxis(block, self.sample_dim, 0)[inverse.reshape(-1)]
-        return _to_tensor(block)
-
-    def _raise_read_error(self, touched: list[int], exc: Exception) -> None:
-        """Re-read chunk by chunk to name the one that fails to decode."""
-        unit = self.array.shards or self.array.chunks
-        other = [range(math.ceil(s / c)) for s, c in zip(self.array.shape, unit, strict=True)]
-        for c in touched:
-            other[self.sample_dim] = [c]
-            for coords in itertools.product(*other):
-                region = tuple(
-                    slice(i * u, min((i + 1) * u, s))
-                    for i, u, s in zip(coords, unit, self.array.shape, strict=True)
-                )
-                try:
-                    self.array[region]
-                except Exception as chunk_exc:
-                    raise ChunkReadError(
-                        f"ZarrSource: chunk {_chunk_key(self.array, coords)!r} of array "
-                        f"{self.name!r} could not be read or decoded ({chunk_exc}); the file "
-                        "is corrupt or truncated: re-write or re-copy the store"
-                    ) from chunk_exc
-        raise ChunkReadError(
-            f"ZarrSource: reading array {self.name!r} failed ({exc}); every chunk read alone "
-            "succeeded, so the store may be changing underneath: retry, or re-copy it"
-        ) from exc
+def _names(field: str, value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise DataError(f"ZarrSource({field}=()): name at least one array, or pass None")
+        return list(value)
+    return [value]
 
 
 class ZarrSource:
-    """Samples along ``sample_dim`` of array ``x`` (and ``y``) of a zarr store.
+    """Samples along ``sample_dim`` of arrays ``x`` (and ``y``) of a chunked store.
 
-    ``store``: a local path or fsspec URL to a group or array (``storage_options``
-    go to fsspec), or an opened ``zarr.Group`` / ``zarr.Array`` (an array is ``x``
-    itself). ``sample_dim`` applies to ``x`` and ``y`` alike and is moved to axis 0
-    in each batch. Pickles by its open parameters and reopens lazily on a worker.
+    ``x``: an array name, or a list of names for several inputs (batches then hold
+    a tuple, and the model is called as ``model(*x)``). ``y``: a name, or None for
+    unsupervised training. ``sample_dim``: the axis (int) or dimension name (str,
+    from xarray's dimension names) that indexes samples; it is moved to axis 0.
+    Pickles by its open parameters and reopens lazily on a worker.
     """
 
     def __init__(
         self,
         store: Any,
-        x: str | None = "x",
+        x: str | Sequence[str] | None = "x",
         y: str | None = None,
         *,
-        sample_dim: int = 0,
+        sample_dim: int | str = 0,
         shuffle: bool = True,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        if not isinstance(sample_dim, int) or isinstance(sample_dim, bool):
-            raise DataError(f"ZarrSource(sample_dim={sample_dim!r}): must be an int, e.g. 0")
+        if isinstance(sample_dim, bool) or not isinstance(sample_dim, (int, str)):
+            raise DataError(
+                f"ZarrSource(sample_dim={sample_dim!r}): must be an axis (int, e.g. 0) or a "
+                "dimension name (str, e.g. 'sample')"
+            )
+        if isinstance(y, (list, tuple)):
+            raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
+        if _is_xarray_dataset(store):
+            backing = _zarr_backing(store, [*_names("x", x), *_names("y", y)])
+            if backing is not None:
+                store = backing  # read raw zarr: chunk-aware, and missing chunks are caught
         self.store = store
         self.x_name = x
         self.y_name = y
         self.sample_dim = sample_dim
         self.shuffle = bool(shuffle)
         self.storage_options = storage_options
-        self._open()
-        x_arr, y_arr = self._x.array, None if self._y is None else self._y.array
-        self._num_samples = x_arr.shape[self._x.sample_dim]
-        if y_arr is not None and y_arr.shape[self._y.sample_dim] != self._num_samples:
+        self._readers: list[ArrayReader] | None = None
+        readers = self._open()
+        if len({r.num_samples for r in readers}) != 1:
+            counts = ", ".join(f"{r.field} ({r.name!r}) has {r.num_samples}" for r in readers)
             raise DataError(
-                f"ZarrSource: x ({self._x.name!r}) has {self._num_samples} samples but y "
-                f"({self._y.name!r}) has {y_arr.shape[self._y.sample_dim]} along "
-                f"sample_dim={sample_dim}; both need the same sample count"
+                f"ZarrSource: sample counts differ along sample_dim={sample_dim!r}: {counts}; "
+                "every input and target needs the same count"
             )
+        self._num_samples = readers[0].num_samples
         if self._num_samples == 0:
-            raise DataError(f"ZarrSource: x ({self._x.name!r}) has no samples along sample_dim")
+            raise DataError(f"ZarrSource: x ({readers[0].name!r}) has no samples along sample_dim")
 
-    def _open(self) -> None:
-        root = _open(self.store, self.storage_options)
-        label = _store_label(self.store)
-        if isinstance(root, zarr.Array):
-            x_arr = root
-        else:
-            if self.x_name is None:
+    # -- opening ----------------------------------------------------------------
+    def _open(self) -> list[ArrayReader]:
+        """Readers for the x arrays then y (None-free), validated."""
+        if self._readers is not None:
+            return self._readers
+        store, label = self.store, _label(self.store)
+        if isinstance(store, (str, Path)):
+            store = _open_zarr(store, self.storage_options)
+        elif not isinstance(store, (zarr.Array, zarr.Group)) and not (
+            _is_xarray_dataset(store) or _is_dask_array(store)
+        ):
+            raise DataError(
+                f"ZarrSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL "
+                "such as 'file:///data/x.zarr', an opened zarr.Array / zarr.Group, an "
+                "xarray.Dataset or a dask.array"
+            )
+        single = isinstance(store, zarr.Array) or _is_dask_array(store)
+        x_names = _names("x", self.x_name)
+        if single:
+            if self.y_name is not None or len(x_names) > 1:
                 raise DataError(
-                    f"ZarrSource(x=None): store {label} is a group; name the input array, "
-                    f"one of {sorted(root.array_keys())}"
+                    f"ZarrSource: store {label} is a single array, which is x itself; open its "
+                    "group (or pass an xarray.Dataset) to name x and y"
                 )
-            x_arr = _member(root, "x", self.x_name, label)
-        self._x = _Reader("x", x_arr, _check_array("x", x_arr, self.sample_dim, label))
-        self._y = None
-        if self.y_name is not None:
-            y_arr = _member(root, "y", self.y_name, label)
-            self._y = _Reader("y", y_arr, _check_array("y", y_arr, self.sample_dim, label))
+            readers = [self._reader("x", "<array>", store, label)]
+        else:
+            if not x_names:
+                raise DataError(
+                    f"ZarrSource(x=None): store {label} holds several arrays; name the input(s), "
+                    f"from {self._available(store)}"
+                )
+            fields = ["x"] if len(x_names) == 1 else [f"x[{i}]" for i in range(len(x_names))]
+            readers = [
+                self._reader(field, name, self._member(store, field, name, label), label)
+                for field, name in zip(fields, x_names, strict=True)
+            ]
+            if self.y_name is not None:
+                y_array = self._member(store, "y", self.y_name, label)
+                readers.append(self._reader("y", self.y_name, y_array, label))
+        main = max((r for r in readers if r.field != "y"), key=lambda r: r.nbytes)
+        for reader in readers:
+            reader.resident = reader is not main and reader.nbytes <= RESIDENT_BYTES
+        self._main = main
+        self._readers = readers
+        return readers
 
+    @staticmethod
+    def _available(store: Any) -> list[str]:
+        if _is_xarray_dataset(store):
+            return sorted(map(str, store.variables))
+        return sorted(store.array_keys())
+
+    def _member(self, store: Any, field: str, name: Any, label: str) -> Any:
+        if not isinstance(name, str):
+            raise DataError(f"ZarrSource({field}=...): must be an array name (str), got {name!r}")
+        available = self._available(store)
+        if name not in available:
+            raise VariableNotFoundError(
+                f"ZarrSource({field}={name!r}): no array {name!r} in {label}; "
+                f"the arrays there are {available}"
+            )
+        return store.variables[name] if _is_xarray_dataset(store) else store[name]
+
+    def _reader(self, field: str, name: str, array: Any, label: str) -> ArrayReader:
+        _check_dtype(field, name, array.dtype, label)
+        axis = _sample_axis(field, name, array, self.sample_dim, label)
+        if isinstance(array, zarr.Array):
+            return ZarrArrayReader(field, array, axis)
+        data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
+        if _is_dask_array(data):
+            return DaskArrayReader(field, name, data, axis)
+        chunks = getattr(array, "encoding", {}).get("chunks")
+        unit = chunks[axis] if chunks else max(1, (8 * 2**20) // max(1, _sample_bytes(array, axis)))
+        return MemoryArrayReader(field, name, getattr(array, "values", data), axis, unit)
+
+    # -- the Source contract ---------------------------------------------------
     @property
     def num_samples(self) -> int:
         return self._num_samples
 
     @property
-    def chunk_samples(self) -> int:
-        """Samples per chunk of ``x`` along the sample dim (per shard, if it is sharded:
-        the unit of storage a read fetches and checks for existence)."""
-        return self._readers()[0].unit
+    def chunk_bounds(self) -> np.ndarray:
+        """Chunk offsets along the sample dim: those of the (largest) input array, the one
+        whose chunks are worth decoding only once."""
+        self._open()
+        return self._main.bounds
 
-    def _readers(self) -> tuple[_Reader, _Reader | None]:
-        if self._x is None:  # unpickled: reopen on first use
-            self._open()
-        return self._x, self._y
+    @property
+    def chunk_samples(self) -> int:
+        """Samples in the largest chunk (the unit the shuffle buffer counts in)."""
+        return int(np.diff(self.chunk_bounds).max())
+
+    def check_chunks(self, chunks: Sequence[int]) -> None:
+        """Raise ``ChunkMissingError`` naming the first absent stored object among the
+        objects that hold ``chunks`` (in :attr:`chunk_bounds` numbering), in every array."""
+        bounds = self.chunk_bounds
+        chunks = np.asarray(sorted(chunks), dtype=np.int64)
+        if len(chunks) == 0:
+            return
+        starts, stops = bounds[chunks], bounds[chunks + 1]
+        for reader in self._open():
+            missing = reader.missing(reader.chunks_covering(starts, stops))
+            if missing:
+                raise missing_chunk_error(reader, missing)
+
+    def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
+        """Decode ``chunks`` (each run of consecutive chunks in one read, so zarr
+        fetches and decodes them concurrently); each value is one chunk's samples."""
+        bounds = self.chunk_bounds
+        ordered = sorted(int(c) for c in chunks)
+        out: dict[int, Batch] = {}
+        run_start = 0
+        for i in range(1, len(ordered) + 1):
+            if i < len(ordered) and ordered[i] == ordered[i - 1] + 1:
+                continue
+            run = ordered[run_start:i]
+            first = int(bounds[run[0]])
+            slabs = [r.read_slab(first, int(bounds[run[-1] + 1])) for r in self._open()]
+            for chunk in run:
+                a, b = int(bounds[chunk]) - first, int(bounds[chunk + 1]) - first
+                out[chunk] = self._batch([torch.from_numpy(s[a:b]) for s in slabs], b - a)
+            run_start = i
+        return out
 
     def read(self, indices: np.ndarray) -> Batch:
-        """The samples at ``indices`` (in that order) as one batch, sample dim first."""
-        x_reader, y_reader = self._readers()
+        """The samples at ``indices`` (in that order) as one batch, sample dim first.
+
+        For random access (evaluation, the dry run); training reads whole chunks
+        through ``io.chunk_reader``. Missing chunks are checked here too.
+        """
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         if len(index) and (index.min() < 0 or index.max() >= self._num_samples):
             raise DataError(
                 f"ZarrSource.read: indices must lie in [0, {self._num_samples}); "
                 f"got {index.min()}..{index.max()}"
             )
-        x = x_reader.read(index)
-        y = None if y_reader is None else y_reader.read(index)
-        return Batch(x=x, y=y, size=len(index), indices=indices)
+        bounds = self.chunk_bounds
+        self.check_chunks(np.unique(np.searchsorted(bounds, index, side="right") - 1).tolist())
+        tensors = [torch.from_numpy(np.ascontiguousarray(r.read(index))) for r in self._open()]
+        batch = self._batch(tensors, len(index))
+        batch.indices = indices
+        return batch
 
+    def _batch(self, tensors: list[torch.Tensor], size: int) -> Batch:
+        has_y = self.y_name is not None
+        xs = tensors[:-1] if has_y else tensors
+        x = tuple(xs) if isinstance(self.x_name, (list, tuple)) else xs[0]
+        return Batch(x=x, y=tensors[-1] if has_y else None, size=size)
+
+    # -- pickling ----------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_x"] = state["_y"] = None  # open handles stay behind; reopened in read()
+        state["_readers"] = state["_main"] = None  # open handles stay behind; reopened on first use
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return (
-            f"ZarrSource({_store_label(self.store)!r}, x={self.x_name!r}, y={self.y_name!r}, "
+            f"ZarrSource({_label(self.store)!r}, x={self.x_name!r}, y={self.y_name!r}, "
             f"num_samples={self._num_samples}, shuffle={self.shuffle})"
         )
+
+
+def _sample_bytes(array: Any, axis: int) -> int:
+    shape = list(array.shape)
+    shape.pop(axis)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(array.dtype).itemsize

@@ -15,6 +15,7 @@ import torch
 
 from dataflow.errors import ConfigError
 from dataflow.stages.base import Stage, StepContext
+from dataflow.stages.forward import call_model
 
 
 def accuracy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -78,7 +79,7 @@ class Evaluate(Stage):
         with torch.no_grad():
             for start in range(lo, hi, self.config.batch_size):
                 batch = self.source.read(np.arange(start, min(hi, start + self.config.batch_size)))
-                output = model(batch.x.to(replica.device))
+                output = call_model(model, batch.x, replica.device)
                 y = None if batch.y is None else batch.y.to(replica.device)
                 for key, fn in self.config.metrics.items():
                     value = fn(output) if y is None else fn(output, y)

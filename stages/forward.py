@@ -13,6 +13,13 @@ from dataflow.errors import ConfigError, LossError, ModelError
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
 
 
+def call_model(model: torch.nn.Module, x: Any, device: torch.device | None = None) -> Any:
+    """``model(x)``, or ``model(*x)`` for several inputs (``ZarrSource(x=[...])``)."""
+    if isinstance(x, tuple):
+        return model(*(v if device is None else v.to(device) for v in x))
+    return model(x if device is None else x.to(device))
+
+
 def build_model(factory: Callable[[], Any], seed: int) -> torch.nn.Module:
     """Call the model factory under ``seed``; refuse anything but an ``nn.Module``."""
     torch.manual_seed(seed)
@@ -83,7 +90,7 @@ class Forward(Stage):
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:
         if batch.size == 0:  # this replica has no samples in this step
             return ForwardOutput(loss=None, output=None, batch=batch)
-        output = step.replica.model(batch.x)
+        output = call_model(step.replica.model, batch.x)
         loss = compute_loss(self.config.loss, output, batch.y)
         step.metrics["loss"] = loss.detach()
         return ForwardOutput(loss=loss, output=output, batch=batch)

@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataflow.errors import ConfigError
+from dataflow.io.chunk_reader import EpochChunkReader, is_chunked
 from dataflow.io.prefetch import Prefetcher
-from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, replica_streams
+from dataflow.io.sharding import (
+    DEFAULT_BUFFER_CHUNKS,
+    replica_epochs,
+    replica_streams,
+    source_chunk_sizes,
+)
 from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, StepContext
 
 
@@ -37,7 +44,10 @@ class Load(Stage):
 
     The streams come from :func:`dataflow.io.replica_streams`: each replica reads
     whole chunks in a shuffled order, mixed by a shuffle buffer of ``buffer_chunks``
-    chunks, ``prefetch`` batches ahead on a background thread.
+    chunks, ``prefetch`` batches ahead on a background thread. A chunked source
+    (zarr, dask) is read through :class:`dataflow.io.EpochChunkReader`, which decodes
+    each chunk once per epoch. The indices of every batch trained on are reported at
+    the end of each phase, for the driver's sample ledger.
     """
 
     def __init__(
@@ -64,37 +74,59 @@ class Load(Stage):
     def setup(self, replica: ReplicaContext) -> None:
         self._replica = replica
         self._prefetcher: Prefetcher | None = None
+        self._consumed: dict[int, list[Any]] = {}
 
     def streams(self, steps: Any, seed: int) -> Any:
         """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
         return replica_streams(
             steps,
-            num_samples=self.source.num_samples,
-            chunk_samples=getattr(self.source, "chunk_samples", 1),
+            sizes=source_chunk_sizes(self.source),
             seed=seed,
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,
         )
 
-    def _load(self, item: Any) -> tuple[int, Batch]:
-        spec, parts = item
-        batch = self.source.read(parts[self._replica.rank])
+    def _batches(self, steps: Any, seed: int) -> Any:
+        """(step index, batch) for this replica, epoch by epoch; runs on the loader thread."""
+        rank = self._replica.rank
+        epochs = replica_epochs(
+            steps,
+            sizes=source_chunk_sizes(self.source),
+            seed=seed,
+            shuffle=getattr(self.source, "shuffle", True),
+            buffer_chunks=self.config.buffer_chunks,
+        )
+        for _, epoch_steps, parts in epochs:
+            mine = [step_parts[rank] for step_parts in parts]
+            if is_chunked(self.source):  # checks the epoch's chunks exist, then decodes once
+                batches = iter(EpochChunkReader(self.source, mine))
+            else:
+                batches = (self.source.read(indices) for indices in mine)
+            for spec, batch in zip(epoch_steps, batches, strict=False):
+                batch.indices = mine[spec.index - epoch_steps[0].index]
+                yield spec.index, batch
+
+    def _stage(self, item: Any) -> tuple[int, Batch]:
+        """On CUDA: pinned host memory, then an asynchronous copy (on the loader thread)."""
+        index, batch = item
         device = self._replica.device
         if device.type != "cpu":
             batch.x = _to_device(batch.x, device)
             batch.y = _to_device(batch.y, device)
-        return spec.index, batch
+        return index, batch
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._close()
+        self._consumed = {}
         self._prefetcher = Prefetcher(
-            self._load, self.streams(phase.steps, replica.seed), depth=self.config.prefetch
+            self._stage, self._batches(phase.steps, replica.seed), depth=self.config.prefetch
         )
 
     def run(self, step: StepContext, *inputs: Any) -> Batch:
         index, batch = self._prefetcher.get()
         if index != step.spec.index:  # the plan and the loader disagree: never train on it
             raise RuntimeError(f"Load: expected step {step.spec.index}, loader produced {index}")
+        self._consumed.setdefault(step.spec.epoch, []).append(batch.indices)
         return batch
 
     def _close(self) -> None:
@@ -103,8 +135,14 @@ class Load(Stage):
             self._prefetcher = None
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
+        """Report the sample indices consumed per epoch of the phase (the ledger's input)."""
         self._close()
-        return {}
+        consumed = {
+            epoch: np.concatenate([np.asarray(i, dtype=np.int64) for i in parts])
+            for epoch, parts in self._consumed.items()
+        }
+        self._consumed = {}
+        return {"consumed": consumed}
 
     def teardown(self, replica: ReplicaContext) -> None:
         self._close()
@@ -114,6 +152,8 @@ class Load(Stage):
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
     if isinstance(value, torch.Tensor):
         return value.pin_memory().to(device, non_blocking=True)
     return value

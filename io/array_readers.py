@@ -1,0 +1,217 @@
+"""Read one array of a source by chunk along its sample dimension.
+
+Three kinds, one interface (``bounds``, ``missing``, ``read_slab``, ``read``):
+
+- :class:`ZarrArrayReader`: a ``zarr.Array``. Zarr returns the fill value for a
+  chunk absent from the store, so ``missing`` asks the store whether each stored
+  object exists, and a chunk that fails to decode is named (``ChunkReadError``).
+- :class:`DaskArrayReader`: a ``dask.array`` (e.g. an xarray variable opened with
+  dask chunks). Computed chunk by chunk with the synchronous scheduler: it runs
+  inside a Dask worker, where a nested distributed compute would deadlock.
+- :class:`MemoryArrayReader`: a numpy array (or anything ``numpy.asarray`` takes).
+
+Small arrays beside the inputs (labels, parameters: at most ``RESIDENT_BYTES``)
+are made ``resident`` by the source: read whole on first use and kept, because
+their chunks rarely line up with those of the inputs, and re-decoding a label
+chunk for every input chunk would waste the read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.core.sync import sync
+
+from dataflow.errors import ChunkMissingError, ChunkReadError
+
+RESIDENT_BYTES = 64 * 2**20
+
+
+def regular_bounds(num_samples: int, unit: int) -> np.ndarray:
+    """Chunk offsets along the sample dim for chunks of ``unit`` samples (last may be short)."""
+    return np.append(np.arange(0, num_samples, unit, dtype=np.int64), num_samples)
+
+
+def native(block: np.ndarray) -> np.ndarray:
+    """Native byte order (zarr v2 may store big-endian; torch needs native)."""
+    if not block.dtype.isnative:
+        block = block.astype(block.dtype.newbyteorder("="))
+    return block
+
+
+class ArrayReader:
+    """Common part: sample dim, names, residency of small arrays, reads by index."""
+
+    def __init__(self, field: str, name: str, array: Any, sample_dim: int) -> None:
+        self.field = field  # "x", "y", "x[1]": how the user named it in ZarrSource(...)
+        self.name = name
+        self.array = array
+        self.sample_dim = sample_dim
+        self.shape = tuple(int(s) for s in array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.num_samples = self.shape[sample_dim]
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.resident = False  # set by the source for small arrays beside the inputs
+        self._resident: np.ndarray | None = None
+
+    @property
+    def bounds(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def missing(self, chunks: Sequence[int]) -> list[str]:
+        """Names of stored objects absent among ``chunks`` (by this array's bounds)."""
+        return []
+
+    def chunks_covering(self, starts: np.ndarray, stops: np.ndarray) -> list[int]:
+        """This array's chunks that hold any sample of the ranges ``[starts[i], stops[i])``."""
+        bounds = self.bounds
+        first = np.searchsorted(bounds, starts, side="right") - 1
+        last = np.searchsorted(bounds, np.asarray(stops) - 1, side="right") - 1
+        covered: set[int] = set()
+        for a, b in zip(first.tolist(), last.tolist(), strict=True):
+            covered.update(range(a, b + 1))
+        return sorted(covered)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """Samples ``[start, stop)`` in storage layout (sample dim where it is)."""
+        raise NotImplementedError
+
+    def read_slab(self, start: int, stop: int) -> np.ndarray:
+        """Samples ``[start, stop)``, sample dim first, native byte order."""
+        if self.resident:
+            if self._resident is None:
+                whole = self._read(0, self.num_samples)
+                self._resident = native(np.moveaxis(whole, self.sample_dim, 0))
+            return self._resident[start:stop]
+        return native(np.moveaxis(self._read(start, stop), self.sample_dim, 0))
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """The samples at ``indices`` in that order, each storage chunk decoded once."""
+        if len(indices) == 0:
+            shape = list(self.shape)
+            shape.pop(self.sample_dim)
+            return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
+        bounds = self.bounds
+        owner = np.searchsorted(bounds, indices, side="right") - 1
+        out = None
+        for chunk in np.unique(owner).tolist():
+            where = np.flatnonzero(owner == chunk)
+            slab = self.read_slab(int(bounds[chunk]), int(bounds[chunk + 1]))
+            if out is None:
+                out = np.empty((len(indices), *slab.shape[1:]), dtype=slab.dtype)
+            out[where] = slab[indices[where] - bounds[chunk]]
+        return out
+
+
+class ZarrArrayReader(ArrayReader):
+    """A zarr array; the storage unit is the shard when the array is sharded."""
+
+    def __init__(self, field: str, array: zarr.Array, sample_dim: int) -> None:
+        super().__init__(field, array.path or "<array>", array, sample_dim)
+        self.unit = (array.shards or array.chunks)[sample_dim]
+
+    @property
+    def bounds(self) -> np.ndarray:
+        return regular_bounds(self.num_samples, self.unit)
+
+    def _key(self, coords: tuple[int, ...]) -> str:
+        key = self.array.metadata.encode_chunk_key(coords)
+        return f"{self.array.path}/{key}" if self.array.path else key
+
+    def _grid(self, chunks: Sequence[int]) -> list[tuple[int, ...]]:
+        unit = self.array.shards or self.array.chunks
+        grid: list[Any] = [range(math.ceil(s / c)) for s, c in zip(self.shape, unit, strict=True)]
+        coords = []
+        for chunk in chunks:
+            grid[self.sample_dim] = [chunk]
+            coords.extend(itertools.product(*grid))
+        return coords
+
+    def missing(self, chunks: Sequence[int]) -> list[str]:
+        """One concurrent ``store.exists`` per stored object, not a listing of the whole
+        array (``nchunks_initialized`` lists every key, slow on object stores)."""
+        keys = [self._key(coords) for coords in self._grid(chunks)]
+        store = self.array.store_path.store
+
+        async def exists_all() -> list[bool]:
+            return await asyncio.gather(*(store.exists(key) for key in keys))
+
+        return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        region: list[Any] = [slice(None)] * len(self.shape)
+        region[self.sample_dim] = slice(start, stop)
+        try:
+            return self.array[tuple(region)]
+        except Exception as exc:
+            self._raise_read_error(start, stop, exc)
+            raise  # unreachable: _raise_read_error always raises
+
+    def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
+        """Re-read object by object to name the one that fails to decode."""
+        unit = self.array.shards or self.array.chunks
+        first, last = start // self.unit, (stop - 1) // self.unit
+        for coords in self._grid(range(first, last + 1)):
+            region = tuple(
+                slice(i * u, min((i + 1) * u, s))
+                for i, u, s in zip(coords, unit, self.shape, strict=True)
+            )
+            try:
+                self.array[region]
+            except Exception as chunk_exc:
+                raise ChunkReadError(
+                    f"ZarrSource: chunk {self._key(coords)!r} of array {self.name!r} could not "
+                    f"be read or decoded ({chunk_exc}); the file is corrupt or truncated: "
+                    "re-write or re-copy the store"
+                ) from chunk_exc
+        raise ChunkReadError(
+            f"ZarrSource: reading array {self.name!r} failed ({exc}); every chunk read alone "
+            "succeeded, so the store may be changing underneath: retry, or re-copy it"
+        ) from exc
+
+
+class DaskArrayReader(ArrayReader):
+    """A dask array, computed one block row along the sample dim at a time."""
+
+    @property
+    def bounds(self) -> np.ndarray:
+        sizes = self.array.chunks[self.sample_dim]
+        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        region: list[Any] = [slice(None)] * len(self.shape)
+        region[self.sample_dim] = slice(start, stop)
+        return np.asarray(self.array[tuple(region)].compute(scheduler="synchronous"))
+
+
+class MemoryArrayReader(ArrayReader):
+    """An in-memory array: chunks are only a reading granularity here."""
+
+    def __init__(self, field: str, name: str, array: Any, sample_dim: int, unit: int) -> None:
+        super().__init__(field, name, array, sample_dim)
+        self.unit = max(1, int(unit))
+
+    @property
+    def bounds(self) -> np.ndarray:
+        return regular_bounds(self.num_samples, self.unit)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        region: list[Any] = [slice(None)] * len(self.shape)
+        region[self.sample_dim] = slice(start, stop)
+        return np.asarray(self.array[tuple(region)])
+
+
+def missing_chunk_error(reader: ArrayReader, missing: list[str]) -> ChunkMissingError:
+    return ChunkMissingError(
+        f"ZarrSource: array {reader.name!r} has no chunk {missing[0]!r} "
+        f"({len(missing)} missing among those this epoch reads); the store is incomplete, and "
+        "zarr would return fill values instead. Re-write or re-copy the store (zarr skips "
+        "all-fill-value chunks unless written with write_empty_chunks=True, as "
+        "dataflow.io.to_zarr does)"
+    )
