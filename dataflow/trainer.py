@@ -532,7 +532,8 @@ class _Fit:
         ends: list[dict],
         seconds: float,
     ) -> None:
-        rates, task_seconds, stage_seconds = [], [], []
+        rates, task_seconds, stage_seconds, data_wait = [], [], [], []
+        loads = {name for name in self.order if isinstance(self.trainer.graph[name], Load)}
         for windows in results:
             samples = sum(sum(w.samples) for w in windows)
             stages = defaultdict(float)
@@ -545,6 +546,8 @@ class _Fit:
             rates.append(samples / compute if compute > 0 else 0.0)
             task_seconds.append(sum(w.task_seconds for w in windows))
             stage_seconds.append(dict(stages))
+            total = sum(stages.values())
+            data_wait.append(sum(stages[n] for n in loads) / total if total > 0 else 0.0)
         self.history.phases.append(
             {
                 "phase": phase.index,
@@ -561,6 +564,9 @@ class _Fit:
                 "seconds": seconds,
                 "task_seconds": task_seconds,
                 "stage_seconds": stage_seconds,
+                "data_wait_fraction": data_wait,  # per replica: share of step time in Load
+                "chunks_decoded": [end.get("chunks_decoded", 0) for end in ends],
+                "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],
             }
         )
 

@@ -12,6 +12,7 @@ from dataflow.io.sharding import (
     shard_epoch,
     source_chunk_sizes,
 )
+from dataflow.io.stream import stream_batches
 from dataflow.io.writer import to_zarr
 from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
 
@@ -28,5 +29,6 @@ __all__ = [
     "shard_epoch",
     "source_chunk_sizes",
     "steps_per_epoch",
+    "stream_batches",
     "to_zarr",
 ]

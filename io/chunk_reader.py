@@ -85,7 +85,7 @@ class EpochChunkReader:
         self.bounds = np.asarray(source.chunk_bounds, dtype=np.int64)
         self.last_use = last_uses(self.bounds, self.batches)
         self.decoded = 0  # chunks decoded so far: the test of "once per epoch"
-        self.peak_live = 0  # most chunks held at once: the memory bound
+        self.peak_live_samples = 0  # most decoded samples held at once: the memory bound
 
     def __iter__(self) -> Iterator[Batch]:
         self.source.check_chunks(sorted(self.last_use))
@@ -97,7 +97,8 @@ class EpochChunkReader:
             if new:
                 live.update(self.source.read_chunks(new))
                 self.decoded += len(new)
-            self.peak_live = max(self.peak_live, len(live))
+            held = sum(int(self.bounds[c + 1] - self.bounds[c]) for c in live)
+            self.peak_live_samples = max(self.peak_live_samples, held)
             yield self._assemble(indices, chunks, touched, live)
             for chunk in touched:
                 if self.last_use[chunk] == position:

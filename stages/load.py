@@ -75,6 +75,7 @@ class Load(Stage):
         self._replica = replica
         self._prefetcher: Prefetcher | None = None
         self._consumed: dict[int, list[Any]] = {}
+        self._readers = []
 
     def streams(self, steps: Any, seed: int) -> Any:
         """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
@@ -99,7 +100,9 @@ class Load(Stage):
         for _, epoch_steps, parts in epochs:
             mine = [step_parts[rank] for step_parts in parts]
             if is_chunked(self.source):  # checks the epoch's chunks exist, then decodes once
-                batches = iter(EpochChunkReader(self.source, mine))
+                reader = EpochChunkReader(self.source, mine)
+                self._readers.append(reader)
+                batches = iter(reader)
             else:
                 batches = (self.source.read(indices) for indices in mine)
             for spec, batch in zip(epoch_steps, batches, strict=False):
@@ -118,6 +121,7 @@ class Load(Stage):
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._close()
         self._consumed = {}
+        self._readers: list[EpochChunkReader] = []
         self._prefetcher = Prefetcher(
             self._stage, self._batches(phase.steps, replica.seed), depth=self.config.prefetch
         )
@@ -142,7 +146,12 @@ class Load(Stage):
             for epoch, parts in self._consumed.items()
         }
         self._consumed = {}
-        return {"consumed": consumed}
+        readers, self._readers = self._readers, []
+        return {
+            "consumed": consumed,
+            "chunks_decoded": sum(r.decoded for r in readers),
+            "peak_buffered_samples": max((r.peak_live_samples for r in readers), default=0),
+        }
 
     def teardown(self, replica: ReplicaContext) -> None:
         self._close()
