@@ -8,6 +8,7 @@ default), so ZarrSource can treat any absent chunk as an incomplete store.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +44,6 @@ def _as_numpy(name: str, array: Any) -> np.ndarray:
     return array
 
 
-def samples_per_chunk(array: np.ndarray, chunk_mb: float) -> int:
-    """Whole samples per chunk so a chunk is about ``chunk_mb`` MB (at least 1)."""
-    sample_bytes = max(1, array[:1].nbytes)
-    return int(min(len(array), max(1, (chunk_mb * 1e6) // sample_bytes)))
-
-
 def to_zarr(
     path: str | Path,
     x: Any,
@@ -56,11 +51,17 @@ def to_zarr(
     *,
     x_name: str = "x",
     y_name: str = "y",
+    sample_dim: str | None = None,
     chunk_mb: float = 8.0,
     compressor: str | None = "zstd",
 ) -> str | Path:
     """Write ``x`` (and ``y``) as arrays ``x_name`` (``y_name``) of a zarr v3 group at ``path``.
 
+    ``x`` is a numpy array or torch tensor (samples along the first axis), or an
+    ``xarray.Dataset``: then every data variable with dimension ``sample_dim`` is
+    written under its own name, with its dimension names, chunked along
+    ``sample_dim`` (read it back with ``ZarrSource(path, x=..., sample_dim=...)``).
+    Dask-backed variables are written a slab at a time, never whole in memory.
     An existing zarr store at ``path`` is replaced; any other existing, non-empty
     directory is refused (so a wrong path never deletes unrelated files).
     ``compressor`` is "zstd", "blosc", "gzip" or None. Returns ``path``.
@@ -71,16 +72,24 @@ def to_zarr(
         raise ConfigError(
             f"to_zarr(compressor={compressor!r}): use one of {sorted(_COMPRESSORS)} or None"
         )
-    if y is not None and x_name == y_name:
-        raise ConfigError(f"to_zarr: x_name and y_name are both {x_name!r}; give y another name")
-    arrays = {x_name: _as_numpy("x", x)}
-    if y is not None:
-        arrays[y_name] = _as_numpy("y", y)
-        if len(arrays[y_name]) != len(arrays[x_name]):
-            raise DataError(
-                f"to_zarr: x has {len(arrays[x_name])} samples but y has "
-                f"{len(arrays[y_name])}; both need the same length along their first dimension"
+    if type(x).__name__ == "Dataset" and hasattr(x, "data_vars"):
+        if y is not None:
+            raise ConfigError("to_zarr(dataset, y): a Dataset carries its targets as variables")
+        arrays = _dataset_arrays(x, sample_dim)
+    else:
+        if y is not None and x_name == y_name:
+            raise ConfigError(
+                f"to_zarr: x_name and y_name are both {x_name!r}; give y another name"
             )
+        arrays = {x_name: (_as_numpy("x", x), 0, None)}
+        if y is not None:
+            arrays[y_name] = (_as_numpy("y", y), 0, None)
+            if len(arrays[y_name][0]) != len(arrays[x_name][0]):
+                raise DataError(
+                    f"to_zarr: x has {len(arrays[x_name][0])} samples but y has "
+                    f"{len(arrays[y_name][0])}; both need the same length along their first "
+                    "dimension"
+                )
     target = Path(path)
     is_zarr = (target / "zarr.json").exists() or (target / ".zgroup").exists()
     if target.is_dir() and any(target.iterdir()) and not is_zarr:
@@ -90,15 +99,63 @@ def to_zarr(
         )
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
     codecs = () if compressor is None else (_COMPRESSORS[compressor](),)
-    for name, array in arrays.items():
-        chunks = (samples_per_chunk(array, chunk_mb), *(max(1, d) for d in array.shape[1:]))
-        out = group.create_array(
-            name,
-            shape=array.shape,
-            dtype=array.dtype,
-            chunks=chunks,
-            compressors=codecs,
-            config={"write_empty_chunks": True},  # an absent chunk always means incomplete
-        )
-        out[...] = array
+    for name, (array, axis, dims) in arrays.items():
+        _write_array(group, name, array, axis, dims, chunk_mb, codecs)
     return path
+
+
+def _dataset_arrays(dataset: Any, sample_dim: str | None) -> dict[str, tuple[Any, int, Any]]:
+    """The data variables of an xarray Dataset that have ``sample_dim``, validated."""
+    dims = sorted(map(str, dataset.dims))
+    if sample_dim is None or sample_dim not in dataset.dims:
+        raise ConfigError(
+            f"to_zarr(dataset, sample_dim={sample_dim!r}): name the dimension that indexes "
+            f"samples, one of {dims}"
+        )
+    arrays = {}
+    for name, variable in dataset.data_vars.items():
+        if sample_dim not in variable.dims:
+            continue
+        dtype = np.dtype(variable.dtype)
+        if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+            raise DataError(
+                f"to_zarr: variable {name!r} has dtype {dtype}, which is not numeric; "
+                f"convert it first, e.g. dataset[{name!r}].astype('float32')"
+            )
+        arrays[str(name)] = (variable.data, variable.dims.index(sample_dim), variable.dims)
+    if not arrays:
+        raise DataError(f"to_zarr: no data variable of the dataset has dimension {sample_dim!r}")
+    return arrays
+
+
+def _write_array(
+    group: zarr.Group,
+    name: str,
+    array: Any,
+    axis: int,
+    dims: Any,
+    chunk_mb: float,
+    codecs: tuple,
+) -> None:
+    """Create ``name`` chunked by whole samples along ``axis``; write ~64 MB slabs."""
+    shape = tuple(int(s) for s in array.shape)
+    n = shape[axis]
+    if n == 0:
+        raise DataError(f"to_zarr: {name} has no samples along its sample dimension")
+    sample_bytes = max(1, math.prod(shape) * np.dtype(array.dtype).itemsize // n)
+    per_chunk = int(min(n, max(1, (chunk_mb * 1e6) // sample_bytes)))
+    chunks = tuple(per_chunk if i == axis else max(1, d) for i, d in enumerate(shape))
+    out = group.create_array(
+        name,
+        shape=shape,
+        dtype=np.dtype(array.dtype),
+        chunks=chunks,
+        compressors=codecs,
+        dimension_names=None if dims is None else [str(d) for d in dims],
+        config={"write_empty_chunks": True},  # an absent chunk always means incomplete
+    )
+    step = per_chunk * max(1, int(64e6 // (per_chunk * sample_bytes)))
+    for start in range(0, n, step):
+        region: list[Any] = [slice(None)] * len(shape)
+        region[axis] = slice(start, min(n, start + step))
+        out[tuple(region)] = np.asarray(array[tuple(region)])
