@@ -2,6 +2,7 @@
 
 import shutil
 
+import numpy as np
 import pytest
 import torch.nn.functional as F
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
@@ -32,6 +33,15 @@ def test_training_from_zarr_equals_training_from_memory(client, tmp_path):
     assert all(len(p) == 8 for parts in batches for p in parts)
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
+    # The ledger: each sample exactly once per epoch, each replica what the plan gave it.
+    for epoch in range(2):
+        assert result.ledger.consumed(epoch).tolist() == list(range(64))
+        for rank in range(2):
+            planned = np.concatenate([parts[rank] for parts in batches[epoch * 4 : epoch * 4 + 4]])
+            assert result.ledger.consumed(epoch, rank).tolist() == sorted(planned.tolist())
+    # Whole chunks: per epoch, at most one chunk (the cut between the replicas) twice.
+    chunks = len(dfl.io.ZarrSource(path, "x").chunk_bounds) - 1
+    assert sum(result.history.phases[0]["chunks_decoded"]) <= 2 * (chunks + 1)
 
 
 def test_a_missing_chunk_stops_training_instead_of_feeding_zeros(client, tmp_path):
