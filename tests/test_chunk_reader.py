@@ -128,3 +128,11 @@ def test_ledger_refuses_a_repeat_and_reports_what_was_used():
     assert ledger.unused(0).tolist() == [0, 4, 5, 6, 8, 9]
     assert ledger.replicas(0) == [0, 1]
     assert ledger.summary()[0] == {"consumed": 4, "unused": 6}
+
+
+def test_a_corrupt_chunk_in_the_stream_is_named(tmp_path):
+    x = np.ones((40, 3), dtype=np.float32)
+    path = dfl.io.to_zarr(tmp_path / "s.zarr", x, chunk_mb=4 * 12 / 1e6)
+    (path / "x" / "c" / "3" / "0").write_bytes(b"garbage" * 10)
+    with pytest.raises(dfl.ChunkReadError, match=r"'x/c/3/0'.*corrupt"):
+        list(dfl.io.stream_batches(ZarrSource(path, "x"), 4))
