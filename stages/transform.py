@@ -25,7 +25,12 @@ class TransformConfig:
 
 
 class Transform(Stage):
-    """``batch.x = fn(batch.x)`` (or ``y`` with ``apply_to="y"``); empty batches pass."""
+    """``batch.x = fn(batch.x)`` (or ``y`` with ``apply_to="y"``); empty batches pass.
+
+    A ``fn`` with ``wants_seed = True`` (the random ops of ``dataflow.ops``) is called
+    as ``fn(x, seed=(fit seed, step index, replica rank))``, so its random choices are
+    reproducible and differ per step and replica.
+    """
 
     def __init__(self, fn: Callable[[Any], Any], *, apply_to: str = "x", name: str | None = None):
         super().__init__(name or f"Transform[{getattr(fn, '__name__', type(fn).__name__)}]")
@@ -34,5 +39,10 @@ class Transform(Stage):
     def run(self, step: StepContext, batch: Batch) -> Batch:
         if batch.size:
             value = getattr(batch, self.config.apply_to)
-            setattr(batch, self.config.apply_to, self.config.fn(value))
+            fn = self.config.fn
+            if getattr(fn, "wants_seed", False):  # random ops: reproducible per step and replica
+                seed = (step.replica.seed, step.spec.index, step.replica.rank)
+                setattr(batch, self.config.apply_to, fn(value, seed=seed))
+            else:
+                setattr(batch, self.config.apply_to, fn(value))
         return batch

@@ -1,0 +1,122 @@
+"""One op = a CPU kernel, a CUDA kernel and a reference, behind one dispatching call.
+
+Adding an op means writing its two kernels and its reference and registering
+them; :func:`launch` does the rest: it checks device, dtype and layout, passes
+tensors zero-copy (``tensor.numpy()`` on CPU, ``numba.cuda.as_cuda_array`` on
+CUDA) and launches CUDA kernels on torch's current stream, so they are ordered
+with torch's own kernels.
+
+Layout: kernels index flat or C-contiguous memory. A non-contiguous input is
+copied to a contiguous one (correct, not free); an argument the kernel writes in
+place (``inplace=``) must already be contiguous, else the op raises, because
+writing into a copy would silently lose the result.
+
+CUDA kernels are compiled lazily (numba-cuda imported on first CUDA use), so CPU
+users never pay for it, and under ``NUMBA_ENABLE_CUDASIM=1`` they run on the CPU
+simulator, which is how CI tests them against the same references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataflow.errors import ConfigError
+
+
+class OpError(ConfigError):
+    """An op was given a dtype, device or layout it does not support."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """``cpu(*arrays, **params)`` takes numpy arrays; ``cuda(*device_arrays, stream=,
+    **params)`` takes numba device arrays; ``reference`` is the plain torch/numpy
+    definition both are tested against."""
+
+    name: str
+    cpu: Callable[..., Any]
+    cuda: Callable[..., Any] | None
+    reference: Callable[..., Any]
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+REGISTRY: dict[str, Op] = {}
+
+
+def register(op: Op) -> Op:
+    if op.name in REGISTRY:
+        raise ConfigError(f"ops: an op named {op.name!r} is already registered")
+    REGISTRY[op.name] = op
+    return op
+
+
+def _supported(op: Op) -> str:
+    names = ", ".join(str(d).removeprefix("torch.") for d in op.dtypes)
+    devices = "cpu, cuda" if op.cuda is not None else "cpu"
+    return f"dtypes {names} on {devices}"
+
+
+def check(op: Op, tensors: Sequence[torch.Tensor], inplace: Sequence[int] = ()) -> torch.device:
+    """The common device of ``tensors``; raise OpError naming what is unsupported."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise OpError(
+            f"{op.name}: all tensors must be on one device, got {sorted(map(str, devices))}"
+        )
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and op.cuda is None):
+        raise OpError(f"{op.name}: device {device} is not supported; supported: {_supported(op)}")
+    for t in tensors:
+        if t.dtype not in op.dtypes:
+            raise OpError(
+                f"{op.name}: dtype {t.dtype} is not supported; supported: {_supported(op)}"
+            )
+    for i in inplace:
+        if not tensors[i].is_contiguous():
+            raise OpError(
+                f"{op.name}: argument {i} is written in place and must be contiguous "
+                f"(shape {tuple(tensors[i].shape)}, stride {tensors[i].stride()}); pass "
+                "tensor.contiguous() and use the result"
+            )
+    return device
+
+
+def as_arrays(tensors: Sequence[torch.Tensor], device: torch.device) -> list[Any]:
+    """Zero-copy views for the kernels (contiguous copies of non-contiguous inputs)."""
+    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    if device.type == "cpu":
+        return [t.detach().numpy() for t in tensors]
+    from numba import cuda
+
+    return [cuda.as_cuda_array(t.detach()) for t in tensors]
+
+
+def torch_stream() -> Any:
+    """Torch's current CUDA stream as a numba stream (kernels queue behind torch's)."""
+    from numba import cuda
+
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+def launch(op: Op, *tensors: torch.Tensor, inplace: Sequence[int] = (), **params: Any) -> Any:
+    """Run ``op`` on ``tensors`` with the kernel for their device."""
+    device = check(op, tensors, inplace)
+    arrays = as_arrays(tensors, device)
+    if device.type == "cpu":
+        return op.cpu(*arrays, **params)
+    return op.cuda(*arrays, stream=torch_stream(), **params)
+
+
+def blocks(n: int, threads: int = 256) -> tuple[int, int]:
+    """A 1D launch configuration covering ``n`` elements."""
+    return max(1, (n + threads - 1) // threads), threads
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
