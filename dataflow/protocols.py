@@ -1,8 +1,11 @@
 """The contracts between layers, apart from their implementations.
 
 A new data source, collective or schedule implements one of these; the engine
-depends only on them. (Stages subclass :class:`dataflow.stages.Stage`, whose
-methods all have defaults.)
+depends only on them. A source that stores samples in chunks also implements
+:class:`ChunkedSource`, and Load then decodes each chunk once per epoch; a
+kernel is a :class:`Kernel` (``dataflow.ops.registry.Op``): a CPU kernel, a CUDA
+kernel and the reference both are tested against. (Stages subclass
+:class:`dataflow.stages.Stage`, whose methods all have defaults.)
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import numpy as np
 import torch
 
 from dataflow.balance import Balancer
+from dataflow.io.chunk_reader import ChunkedSource
+from dataflow.ops.registry import Op as Kernel
 from dataflow.schedule import Schedule
 from dataflow.stages.base import Batch, Stage
 
@@ -47,4 +52,4 @@ class Collective(Protocol):
     def abort(self) -> None: ...
 
 
-__all__ = ["Balancer", "Collective", "Schedule", "Source", "Stage"]
+__all__ = ["Balancer", "ChunkedSource", "Collective", "Kernel", "Schedule", "Source", "Stage"]
