@@ -1,0 +1,527 @@
+"""Raw kernels of the data-path ops (``ops/transforms.py``) on flat C-contiguous arrays.
+
+Each op has a CPU entry (numpy arrays in, ``numba.njit(parallel=True)`` kernel) and a
+CUDA entry (numba device arrays and ``stream=``, kernel built on first use, so CPU users
+never import numba-cuda). Both write the output dtype directly: the cast is fused.
+
+Arithmetic runs in float32, or float64 when the input or the output is float64
+(:func:`compute_dtype`), and is rounded once to the output dtype (a float64 value meant
+for float16 goes through float32, as torch's own cast does).
+
+float16 on the CPU: numba has no float16 arithmetic there, so float16 arrays reach the
+kernels as their uint16 bits and are converted by LLVM's half<->float instructions
+(:func:`load`, :func:`store`). In a CPU kernel a uint16 array therefore always means
+float16; a copy between equal dtypes moves raw bits through signed-integer views.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from dataflow.ops.registry import blocks
+
+HALF_BITS = np.dtype(np.uint16)  # how a float16 array reaches a CPU kernel
+_RAW = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # bit-copy views by item size
+_MAX_BLOCKS = 1 << 16  # CUDA grid cap; kernels loop grid-stride over the rest
+_ROW_BLOCK = 4096  # elements per parallel work item of Standardize
+_TILE = 16  # side of the square tiles RandomRotate90 transposes through
+
+
+def compute_dtype(x: np.dtype, out: np.dtype) -> np.dtype:
+    """float64 when either side is float64, else float32 (float16 is widened)."""
+    wide = np.dtype(np.float64) in (np.dtype(x), np.dtype(out))
+    return np.dtype(np.float64 if wide else np.float32)
+
+
+# -- bit-level helpers (CPU) -----------------------------------------------------------
+
+
+@intrinsic
+def _as_bits(typingctx: Any, x: Any) -> Any:
+    """The bits of a float32/float64 as int32/int64 (vectorisable, unlike frexp)."""
+    width = {types.float32: 32, types.float64: 64}.get(x)
+    if width is None:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.IntType(width))
+
+    return getattr(types, f"int{width}")(x), codegen
+
+
+@intrinsic
+def _from_bits(typingctx: Any, x: Any) -> Any:
+    ret = {
+        types.int32: (types.float32, ir.FloatType()),
+        types.int64: (types.float64, ir.DoubleType()),
+    }
+    if x not in ret:
+        return None
+    nbtype, lltype = ret[x]
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], lltype)
+
+    return nbtype(x), codegen
+
+
+@intrinsic
+def _half_to_float(typingctx: Any, bits: Any) -> Any:
+    if bits != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _float_to_half(typingctx: Any, value: Any) -> Any:
+    if value != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(value), codegen
+
+
+# The stubs, overloads and implementations below stay unannotated: numba requires the
+# overload's signature to equal its implementation's, annotations included.
+
+
+def load(a, i):
+    """``a[i]``, widened to float32 when ``a`` holds float16 bits (jit only)."""
+    raise NotImplementedError
+
+
+def store(a, i, value):
+    """``a[i] = value`` cast to ``a``'s dtype, float16 bits included (jit only)."""
+    raise NotImplementedError
+
+
+def to_type(value, like):
+    """``value`` converted to the type of ``like`` (numba promotes int32*float32 to f64)."""
+    raise NotImplementedError
+
+
+@overload(load)
+def _load(a, i):
+    if a.dtype == types.uint16:
+        return lambda a, i: _half_to_float(a[i])
+    return lambda a, i: a[i]
+
+
+@overload(store)
+def _store(a, i, value):
+    if a.dtype == types.uint16:
+
+        def store_half(a, i, value):
+            a[i] = _float_to_half(np.float32(value))
+
+        return store_half
+
+    def store_plain(a, i, value):
+        a[i] = value
+
+    return store_plain
+
+
+@overload(to_type)
+def _to_type(value, like):
+    nbtype = like
+    return lambda value, like: nbtype(value)
+
+
+# -- log1p without branches (musl's log1pf/log1p), so LLVM vectorises it -----------------
+
+_F1, _F2, _FH = np.float32(1), np.float32(2), np.float32(0.5)
+_F_LN2_HI, _F_LN2_LO = np.float32(6.9313812256e-01), np.float32(9.0580006145e-06)
+_F_LG = tuple(np.float32(c) for c in (0.66666662693, 0.40000972152, 0.28498786688, 0.24279078841))
+_F_TINY = np.float32(2.0**-24)
+_D_LN2_HI, _D_LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_D_LG = (
+    6.666666666666735130e-01,
+    3.999999999940941908e-01,
+    2.857142874366239149e-01,
+    2.222219843214978396e-01,
+    1.818357216161805012e-01,
+    1.531383769920937332e-01,
+    1.479819860511658591e-01,
+)
+_D_TINY = 2.0**-53
+
+
+@njit(error_model="numpy")  # IEEE division: x/0 is inf, not an exception
+def _special(x: Any, r: Any, tiny: Any) -> Any:
+    """log1p at the edges: exact for tiny |x| and +inf, -inf at -1, nan below -1 and for nan."""
+    r = x if abs(x) < tiny or x == np.inf else r
+    r = to_type(-np.inf, x) if x == -1 else r
+    return to_type(np.nan, x) if (x < -1 or x != x) else r
+
+
+@njit(error_model="numpy")
+def _log1p32(x: Any) -> Any:
+    u = _F1 + x
+    iu = np.int64(_as_bits(u)) + (0x3F800000 - 0x3F3504F3)
+    k = (iu >> 23) - 0x7F
+    c = (_F1 - (u - x)) if k >= 2 else (x - (u - _F1))  # the rounding error of 1 + x
+    c = c / u if k < 25 else np.float32(0)
+    f = _from_bits(np.int32((iu & 0x007FFFFF) + 0x3F3504F3)) - _F1  # u reduced to [√½, √2)
+    s = f / (_F2 + f)
+    z = s * s
+    w = z * z
+    big = z * (_F_LG[0] + w * _F_LG[2]) + w * (_F_LG[1] + w * _F_LG[3])
+    hfsq = _FH * f * f
+    dk = np.float32(k)
+    r = s * (hfsq + big) + (dk * _F_LN2_LO + c) - hfsq + f + dk * _F_LN2_HI
+    return _special(x, r, _F_TINY)
+
+
+@njit(error_model="numpy")
+def _log1p64(x: Any) -> Any:
+    u = 1.0 + x
+    bits = _as_bits(u)
+    hu = (bits >> 32) + (0x3FF00000 - 0x3FE6A09E)
+    k = (hu >> 20) - 0x3FF
+    c = (1.0 - (u - x)) if k >= 2 else (x - (u - 1.0))
+    c = c / u if k < 54 else 0.0
+    f = _from_bits(np.int64((((hu & 0x000FFFFF) + 0x3FE6A09E) << 32) | (bits & 0xFFFFFFFF))) - 1.0
+    s = f / (2.0 + f)
+    z = s * s
+    w = z * z
+    t1 = w * (_D_LG[1] + w * (_D_LG[3] + w * _D_LG[5]))
+    t2 = z * (_D_LG[0] + w * (_D_LG[2] + w * (_D_LG[4] + w * _D_LG[6])))
+    hfsq = 0.5 * f * f
+    dk = np.float64(k)
+    r = s * (hfsq + t2 + t1) + (dk * _D_LN2_LO + c) - hfsq + f + dk * _D_LN2_HI
+    return _special(x, r, _D_TINY)
+
+
+def fast_log1p(x):
+    """log1p within an ulp of libm's, branch-free (jit only; float32 or float64)."""
+    raise NotImplementedError
+
+
+@overload(fast_log1p)
+def _fast_log1p(x):
+    if x == types.float32:
+        return lambda x: _log1p32(x)
+    if x == types.float64:
+        return lambda x: _log1p64(x)
+    return None
+
+
+# -- CPU kernels -----------------------------------------------------------------------
+
+
+def _parallel(fn: Any) -> Any:
+    """``njit(parallel=True)``, cached on disk where the package folder (or numba's user
+    cache) is writable: each Dask worker process would otherwise compile every kernel
+    again (about a second per kernel and dtype)."""
+    try:
+        return njit(parallel=True, error_model="numpy", cache=True)(fn)
+    except RuntimeError:  # numba found no writable cache location
+        return njit(parallel=True, error_model="numpy")(fn)
+
+
+@_parallel
+def _log1p_cpu(x: Any, out: Any, scale: Any) -> None:
+    for i in prange(x.size):
+        store(out, i, fast_log1p(to_type(load(x, i), scale) * scale))
+
+
+@_parallel
+def _standardize_cpu(x: Any, out: Any, mean: Any, std: Any, inner: int) -> None:
+    channels = mean.size
+    rows = x.size // inner
+    per_row = (inner + _ROW_BLOCK - 1) // _ROW_BLOCK  # rows split, so N*C = 1 still fans out
+    for t in prange(rows * per_row):
+        row = t // per_row
+        start = row * inner + (t - row * per_row) * _ROW_BLOCK
+        stop = min(start + _ROW_BLOCK, (row + 1) * inner)
+        m = mean[row % channels]
+        s = std[row % channels]
+        for i in range(start, stop):
+            store(out, i, (to_type(load(x, i), m) - m) / s)
+
+
+@_parallel
+def _flip_cpu(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
+    for t in prange(x.size // w):  # one output row of the innermost axis each
+        nc = t // (d * h)
+        n = nc // channels
+        sd = (t // h) % d
+        sh = t % h
+        sd = d - 1 - sd if flags[n, 0] else sd
+        sh = h - 1 - sh if flags[n, 1] else sh
+        src = ((nc * d + sd) * h + sh) * w
+        dst = t * w
+        if flags[n, 2]:  # branch per row, not per element
+            last = src + w - 1
+            for j in range(w):
+                store(out, dst + j, load(x, last - j))
+        else:
+            for j in range(w):
+                store(out, dst + j, load(x, src + j))
+
+
+@njit(error_model="numpy")
+def _rot_source(k: int, i: int, j: int, side: int) -> tuple[int, int]:
+    """Where ``torch.rot90(., k, (a, b))`` takes output ``[i, j]`` from, in the (a, b) plane."""
+    if k == 1:
+        return j, side - 1 - i
+    if k == 2:
+        return side - 1 - i, side - 1 - j
+    if k == 3:
+        return side - 1 - j, i
+    return i, j
+
+
+@_parallel
+def _rot90_rows_cpu(x: Any, out: Any, ks: Any, channels: int, dims: Any) -> None:
+    """Plane axes above the innermost one: whole rows of the last ``r`` axis are copied."""
+    nc_, l_, p, m_, q, r = dims
+    for t in prange(nc_ * l_ * p):
+        nc = t // (l_ * p)
+        plane = (t // p) * p * m_ * q  # offset of [nc, l, 0, 0, 0] in rows of r
+        i = t % p
+        k = ks[nc // channels]
+        for m in range(m_):
+            for j in range(q):
+                si, sj = _rot_source(k, i, j, p)
+                src = (plane + (si * m_ + m) * q + sj) * r
+                dst = (plane + (i * m_ + m) * q + j) * r
+                for e in range(r):
+                    store(out, dst + e, load(x, src + e))
+
+
+@_parallel
+def _rot90_last_cpu(x: Any, out: Any, ks: Any, channels: int, dims: Any) -> None:
+    """Plane ending at the innermost axis: copy, reverse, or a tiled transpose per k."""
+    nc_, l_, p, m_, q, _ = dims
+    stripes = (p + _TILE - 1) // _TILE
+    pitch = m_ * q  # distance between consecutive i
+    for t in prange(nc_ * l_ * m_ * stripes):
+        stripe = t % stripes
+        m = (t // stripes) % m_
+        block = t // (stripes * m_)  # index over (nc, l)
+        k = ks[block // l_ // channels]
+        base = block * p * pitch + m * q
+        i0 = stripe * _TILE
+        i1 = min(i0 + _TILE, p)
+        if k == 0:
+            for i in range(i0, i1):
+                row = base + i * pitch
+                for j in range(q):
+                    store(out, row + j, load(x, row + j))
+        elif k == 2:
+            for i in range(i0, i1):
+                dst = base + i * pitch
+                src = base + (p - 1 - i) * pitch + q - 1
+                for j in range(q):
+                    store(out, dst + j, load(x, src - j))
+        else:
+            for j0 in range(0, q, _TILE):
+                j1 = min(j0 + _TILE, q)
+                for i in range(i0, i1):
+                    dst = base + i * pitch
+                    if k == 1:  # out[i, j] = x[j, side-1-i]
+                        src = base + p - 1 - i
+                        for j in range(j0, j1):
+                            store(out, dst + j, load(x, src + j * pitch))
+                    else:  # out[i, j] = x[side-1-j, i]
+                        src = base + (p - 1) * pitch + i
+                        for j in range(j0, j1):
+                            store(out, dst + j, load(x, src - j * pitch))
+
+
+# -- CPU entries (what the registry calls with numpy arrays) ---------------------------
+
+
+def _cpu_view(a: np.ndarray) -> np.ndarray:
+    a = a.reshape(-1)
+    return a.view(HALF_BITS) if a.dtype == np.float16 else a
+
+
+def _copy_views(x: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Raw-bit views for a same-dtype copy, else the kernels' usual views."""
+    if x.dtype == out.dtype:
+        raw = _RAW[x.dtype.itemsize]
+        return x.reshape(-1).view(raw), out.reshape(-1).view(raw)
+    return _cpu_view(x), _cpu_view(out)
+
+
+def log1p_cpu(x: np.ndarray, out: np.ndarray, *, scale: float) -> None:
+    ct = compute_dtype(x.dtype, out.dtype)
+    _log1p_cpu(_cpu_view(x), _cpu_view(out), ct.type(scale))
+
+
+def standardize_cpu(x: np.ndarray, out: np.ndarray, *, mean: Any, std: Any) -> None:
+    ct = compute_dtype(x.dtype, out.dtype)
+    inner = math.prod(x.shape[2:])
+    if x.size:
+        m, s = np.asarray(mean, dtype=ct), np.asarray(std, dtype=ct)
+        _standardize_cpu(_cpu_view(x), _cpu_view(out), m, s, inner)
+
+
+def flip_cpu(x: np.ndarray, out: np.ndarray, *, flags: np.ndarray) -> None:
+    """``x`` as [N, C, D, H, W]; ``flags[n]``: flip D, H, W of sample n (uint8 0/1)."""
+    if x.size:
+        xf, of = _copy_views(x, out)
+        _flip_cpu(xf, of, np.ascontiguousarray(flags, dtype=np.uint8), *x.shape[1:])
+
+
+def rot90_cpu(x: np.ndarray, out: np.ndarray, *, ks: np.ndarray) -> None:
+    """``x`` as [N, C, L, P, M, Q, R], rotated in the (P, Q) plane by ``ks[n]`` quarter turns."""
+    if x.size:
+        xf, of = _copy_views(x, out)
+        n, c, *rest = x.shape
+        dims = np.array([n * c, *rest], dtype=np.int64)
+        kernel = _rot90_last_cpu if rest[-1] == 1 else _rot90_rows_cpu
+        kernel(xf, of, np.ascontiguousarray(ks, dtype=np.int64), c, dims)
+
+
+# -- CUDA kernels (built on first use) -------------------------------------------------
+
+
+def _nb(dtype: np.dtype) -> Any:
+    return numba.from_dtype(np.dtype(dtype))
+
+
+def _final_type(x: np.dtype, out: np.dtype) -> Any:
+    """The type a value passes through before the store: float32 next to float16."""
+    half = np.dtype(np.float16)
+    if np.dtype(out) == half or (np.dtype(x) == half and np.dtype(x) != np.dtype(out)):
+        return numba.float32
+    return _nb(out)
+
+
+@functools.cache
+def _cuda_log1p(ct: Any, final: Any) -> Any:
+    from numba import cuda
+
+    @cuda.jit
+    def kernel(x: Any, out: Any, scale: Any) -> None:
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            out[i] = final(math.log1p(ct(x[i]) * scale))
+
+    return kernel
+
+
+@functools.cache
+def _cuda_standardize(ct: Any, final: Any) -> Any:
+    from numba import cuda
+
+    @cuda.jit
+    def kernel(x: Any, out: Any, mean: Any, std: Any, inner: int) -> None:
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            c = (i // inner) % mean.size
+            out[i] = final((ct(x[i]) - mean[c]) / std[c])
+
+    return kernel
+
+
+@functools.cache
+def _cuda_flip(final: Any) -> Any:
+    from numba import cuda
+
+    @cuda.jit
+    def kernel(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            sw = i % w
+            sh = (i // w) % h
+            sd = (i // (w * h)) % d
+            nc = i // (w * h * d)
+            n = nc // channels
+            sd = d - 1 - sd if flags[n, 0] else sd
+            sh = h - 1 - sh if flags[n, 1] else sh
+            sw = w - 1 - sw if flags[n, 2] else sw
+            out[i] = final(x[((nc * d + sd) * h + sh) * w + sw])
+
+    return kernel
+
+
+@functools.cache
+def _cuda_rot90(final: Any) -> Any:
+    from numba import cuda
+
+    @cuda.jit
+    def kernel(x: Any, out: Any, ks: Any, channels: int, l_: int, p: int, m_: int, r: int):
+        for e in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            t = e // r
+            j = t % p
+            m = (t // p) % m_
+            i = (t // (p * m_)) % p
+            block = t // (p * m_ * p)  # over (nc, l)
+            k = ks[block // l_ // channels]
+            si, sj = i, j
+            if k == 1:
+                si, sj = j, p - 1 - i
+            elif k == 2:
+                si, sj = p - 1 - i, p - 1 - j
+            elif k == 3:
+                si, sj = p - 1 - j, i
+            src = (((block * p + si) * m_ + m) * p + sj) * r + e % r
+            out[e] = final(x[src])
+
+    return kernel
+
+
+def _flat(a: Any) -> Any:
+    return a.reshape(a.size)
+
+
+def _device(a: Any, stream: Any) -> Any:
+    """A host array's copy on the device (ordered on ``stream``); device arrays as they are."""
+    from numba import cuda
+
+    if cuda.is_cuda_array(a):
+        return cuda.as_cuda_array(a)
+    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+
+
+def _config(n: int, stream: Any) -> tuple[int, int, Any]:
+    """Launch configuration: capped grid (the kernels loop grid-stride), threads, stream."""
+    count, threads = blocks(n)
+    return min(count, _MAX_BLOCKS), threads, stream
+
+
+def log1p_cuda(x: Any, out: Any, *, scale: float, stream: Any = 0) -> None:
+    ct = compute_dtype(x.dtype, out.dtype)
+    kernel = _cuda_log1p(_nb(ct), _final_type(ct, out.dtype))
+    kernel[_config(x.size, stream)](_flat(x), _flat(out), ct.type(scale))
+
+
+def standardize_cuda(x: Any, out: Any, *, mean: Any, std: Any, stream: Any = 0) -> None:
+    ct = compute_dtype(x.dtype, out.dtype)
+    if x.size:
+        m = _device(np.asarray(mean, dtype=ct), stream)
+        s = _device(np.asarray(std, dtype=ct), stream)
+        kernel = _cuda_standardize(_nb(ct), _final_type(ct, out.dtype))
+        inner = math.prod(x.shape[2:])
+        kernel[_config(x.size, stream)](_flat(x), _flat(out), m, s, inner)
+
+
+def flip_cuda(x: Any, out: Any, *, flags: Any, stream: Any = 0) -> None:
+    if x.size:
+        f = _device(np.asarray(flags, dtype=np.uint8), stream)
+        kernel = _cuda_flip(_final_type(x.dtype, out.dtype))
+        kernel[_config(x.size, stream)](_flat(x), _flat(out), f, *x.shape[1:])
+
+
+def rot90_cuda(x: Any, out: Any, *, ks: Any, stream: Any = 0) -> None:
+    if x.size:
+        k = _device(np.asarray(ks, dtype=np.int64), stream)
+        kernel = _cuda_rot90(_final_type(x.dtype, out.dtype))
+        c, l_, p, m_, _, r = x.shape[1:]
+        kernel[_config(x.size, stream)](_flat(x), _flat(out), k, c, l_, p, m_, r)
