@@ -394,6 +394,22 @@ def rot90_cpu(x: np.ndarray, out: np.ndarray, *, ks: np.ndarray) -> None:
 # -- CUDA kernels (built on first use) -------------------------------------------------
 
 
+cuda: Any = None  # numba.cuda, bound by _import_cuda() on first CUDA use
+
+
+def _import_cuda() -> Any:
+    """Import numba.cuda and bind it as this module's global ``cuda`` for the kernels.
+
+    A global, not a closure variable: the CUDA simulator swaps a kernel's globals that
+    are ``numba.cuda`` for its fake module, and would miss a closure's.
+    """
+    global cuda
+    from numba import cuda as module
+
+    cuda = module
+    return module
+
+
 def _nb(dtype: np.dtype) -> Any:
     return numba.from_dtype(np.dtype(dtype))
 
@@ -408,7 +424,7 @@ def _final_type(x: np.dtype, out: np.dtype) -> Any:
 
 @functools.cache
 def _cuda_log1p(ct: Any, final: Any) -> Any:
-    from numba import cuda
+    _import_cuda()
 
     @cuda.jit
     def kernel(x: Any, out: Any, scale: Any) -> None:
@@ -420,7 +436,7 @@ def _cuda_log1p(ct: Any, final: Any) -> Any:
 
 @functools.cache
 def _cuda_standardize(ct: Any, final: Any) -> Any:
-    from numba import cuda
+    _import_cuda()
 
     @cuda.jit
     def kernel(x: Any, out: Any, mean: Any, std: Any, inner: int) -> None:
@@ -433,7 +449,7 @@ def _cuda_standardize(ct: Any, final: Any) -> Any:
 
 @functools.cache
 def _cuda_flip(final: Any) -> Any:
-    from numba import cuda
+    _import_cuda()
 
     @cuda.jit
     def kernel(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
@@ -453,7 +469,7 @@ def _cuda_flip(final: Any) -> Any:
 
 @functools.cache
 def _cuda_rot90(final: Any) -> Any:
-    from numba import cuda
+    _import_cuda()
 
     @cuda.jit
     def kernel(x: Any, out: Any, ks: Any, channels: int, l_: int, p: int, m_: int, r: int):
@@ -481,13 +497,9 @@ def _flat(a: Any) -> Any:
     return a.reshape(a.size)
 
 
-def _device(a: Any, stream: Any) -> Any:
-    """A host array's copy on the device (ordered on ``stream``); device arrays as they are."""
-    from numba import cuda
-
-    if cuda.is_cuda_array(a):
-        return cuda.as_cuda_array(a)
-    return cuda.to_device(np.ascontiguousarray(a), stream=stream)
+def _device(a: Any, dtype: Any, stream: Any) -> Any:
+    """Host data (the per-sample choices, per-channel statistics) copied on ``stream``."""
+    return _import_cuda().to_device(np.ascontiguousarray(a, dtype=dtype), stream=stream)
 
 
 def _config(n: int, stream: Any) -> tuple[int, int, Any]:
@@ -505,8 +517,8 @@ def log1p_cuda(x: Any, out: Any, *, scale: float, stream: Any = 0) -> None:
 def standardize_cuda(x: Any, out: Any, *, mean: Any, std: Any, stream: Any = 0) -> None:
     ct = compute_dtype(x.dtype, out.dtype)
     if x.size:
-        m = _device(np.asarray(mean, dtype=ct), stream)
-        s = _device(np.asarray(std, dtype=ct), stream)
+        m = _device(mean, ct, stream)
+        s = _device(std, ct, stream)
         kernel = _cuda_standardize(_nb(ct), _final_type(ct, out.dtype))
         inner = math.prod(x.shape[2:])
         kernel[_config(x.size, stream)](_flat(x), _flat(out), m, s, inner)
@@ -514,14 +526,14 @@ def standardize_cuda(x: Any, out: Any, *, mean: Any, std: Any, stream: Any = 0) 
 
 def flip_cuda(x: Any, out: Any, *, flags: Any, stream: Any = 0) -> None:
     if x.size:
-        f = _device(np.asarray(flags, dtype=np.uint8), stream)
+        f = _device(flags, np.uint8, stream)
         kernel = _cuda_flip(_final_type(x.dtype, out.dtype))
         kernel[_config(x.size, stream)](_flat(x), _flat(out), f, *x.shape[1:])
 
 
 def rot90_cuda(x: Any, out: Any, *, ks: Any, stream: Any = 0) -> None:
     if x.size:
-        k = _device(np.asarray(ks, dtype=np.int64), stream)
+        k = _device(ks, np.int64, stream)
         kernel = _cuda_rot90(_final_type(x.dtype, out.dtype))
         c, l_, p, m_, _, r = x.shape[1:]
         kernel[_config(x.size, stream)](_flat(x), _flat(out), k, c, l_, p, m_, r)
