@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import float64, njit, prange
 
 from dataflow.ops.registry import (
     Op,
@@ -183,15 +183,15 @@ def _sum_of_squares_kernel(arena, table, bounds, out):
         a0 = a1 = a2 = a3 = 0.0  # four chains: the adds overlap instead of queueing
         k = 0
         while k + 4 <= n:
-            x0, x1 = float(arena[src + k]), float(arena[src + k + 1])
-            x2, x3 = float(arena[src + k + 2]), float(arena[src + k + 3])
+            x0, x1 = float64(arena[src + k]), float64(arena[src + k + 1])
+            x2, x3 = float64(arena[src + k + 2]), float64(arena[src + k + 3])
             a0 += x0 * x0
             a1 += x1 * x1
             a2 += x2 * x2
             a3 += x3 * x3
             k += 4
         while k < n:
-            x0 = float(arena[src + k])
+            x0 = float64(arena[src + k])
             a0 += x0 * x0
             k += 1
         partial[c] = (a0 + a1) + (a2 + a3)
@@ -261,28 +261,6 @@ def _cuda_kernels() -> Any:
                     out[dst + k] = arena[src + k] * factor
 
     @cuda.jit
-    def squares(arena, table, partial):
-        shared = cuda.shared.array(THREADS, dtype=np.float64)
-        tid = cuda.threadIdx.x
-        for c in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
-            src, n = table[c, 1], table[c, 3]
-            acc = 0.0
-            for k in range(tid, n, THREADS):
-                x = float(arena[src + k])
-                acc += x * x
-            shared[tid] = acc
-            cuda.syncthreads()
-            half = THREADS // 2
-            while half > 0:
-                if tid < half:
-                    shared[tid] += shared[tid + half]
-                cuda.syncthreads()
-                half //= 2
-            if tid == 0:
-                partial[c] = shared[0]
-            cuda.syncthreads()
-
-    @cuda.jit
     def segment_sums(partial, bounds, out):
         for s in range(cuda.grid(1), out.size, cuda.gridsize(1)):
             acc = 0.0
@@ -306,9 +284,45 @@ def _cuda_kernels() -> Any:
     return locals()
 
 
+@functools.cache
+def _squares_kernel(threads: int) -> Any:
+    """Per-chunk float64 sums of squares, a block of ``threads`` (a power of 2) per chunk."""
+    _cuda_kernels()
+
+    @cuda.jit
+    def squares(arena, table, partial):
+        shared = cuda.shared.array(threads, dtype=np.float64)
+        tid = cuda.threadIdx.x
+        for c in range(cuda.blockIdx.x, table.shape[0], cuda.gridDim.x):
+            src, n = table[c, 1], table[c, 3]
+            acc = 0.0
+            for k in range(tid, n, threads):
+                x = float64(arena[src + k])
+                acc += x * x
+            shared[tid] = acc
+            cuda.syncthreads()
+            half = threads // 2
+            while half > 0:
+                if tid < half:
+                    shared[tid] += shared[tid + half]
+                cuda.syncthreads()
+                half //= 2
+            if tid == 0:
+                partial[c] = shared[0]
+            cuda.syncthreads()
+
+    return squares
+
+
+def _threads(n: int) -> int:
+    """Threads per block for ``n`` work elements: a warp multiple, at most THREADS."""
+    return min(THREADS, max(32, -(-n // 32) * 32))
+
+
 def _grid(n: int, stream: Any) -> tuple[int, int, Any]:
     """A grid-stride launch over ``n`` elements on ``stream``."""
-    return min(blocks(n, THREADS)[0], MAX_BLOCKS), THREADS, stream
+    threads = _threads(n)
+    return min(blocks(n, threads)[0], MAX_BLOCKS), threads, stream
 
 
 def _device(array: Any, stream: Any) -> Any:
@@ -344,7 +358,8 @@ def _pack_cpu(out: np.ndarray, arena: np.ndarray, table: np.ndarray, *, factor: 
 
 
 def _pack_cuda(out: Any, arena: Any, table: Any, *, stream: Any, factor: float) -> None:
-    grid = (min(max(table.shape[0], 1), MAX_BLOCKS), THREADS, stream)
+    longest = int(table[:, 3].max()) if isinstance(table, np.ndarray) and table.size else THREADS
+    grid = (min(max(table.shape[0], 1), MAX_BLOCKS), _threads(longest), stream)
     _cuda_kernels()["pack"][grid](out, arena, _device(table, stream), out.dtype.type(factor))
 
 
@@ -355,11 +370,13 @@ def _sum_of_squares_cpu(arena: np.ndarray, table: np.ndarray, bounds: np.ndarray
 def _sum_of_squares_cuda(arena: Any, table: Any, bounds: Any, out: Any, *, stream: Any) -> None:
     from numba import cuda
 
-    kernels = _cuda_kernels()
+    longest = int(table[:, 3].max()) if isinstance(table, np.ndarray) and table.size else THREADS
+    threads = min(THREADS, 1 << max(5, (longest - 1).bit_length()))  # a power of 2 >= 32
     partial = cuda.device_array(max(table.shape[0], 1), dtype=np.float64, stream=stream)
-    grid = (min(max(table.shape[0], 1), MAX_BLOCKS), THREADS, stream)
-    kernels["squares"][grid](arena, _device(table, stream), partial)
-    kernels["segment_sums"][_grid(out.size, stream)](partial, _device(bounds, stream), out)
+    grid = (min(max(table.shape[0], 1), MAX_BLOCKS), threads, stream)
+    _squares_kernel(threads)[grid](arena, _device(table, stream), partial)
+    segment_sums = _cuda_kernels()["segment_sums"]
+    segment_sums[_grid(out.size, stream)](partial, _device(bounds, stream), out)
 
 
 def _as_3d(x: Any, slab: Any, axis: int) -> tuple[Any, Any]:

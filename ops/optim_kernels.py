@@ -241,7 +241,9 @@ def _adamw_cuda_kernel(maximize: bool, lerp_from_end: bool) -> Any:
 
 
 def _grid(n: int, stream: Any) -> tuple[int, int, Any]:
-    return min(blocks(n, THREADS)[0], MAX_BLOCKS), THREADS, stream
+    """A grid-stride launch over ``n`` elements: warp-multiple blocks of <= THREADS."""
+    threads = min(THREADS, max(32, -(-n // 32) * 32))
+    return min(blocks(n, threads)[0], MAX_BLOCKS), threads, stream
 
 
 def sgd_cuda(p: Any, g: Any, m: Any, *, stream: Any, **params: Any) -> None:

@@ -1,0 +1,238 @@
+"""The CUDA kernels of the flat-buffer ops and of the fused optimizers.
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported, so in a subprocess) each
+op's ``Op.cuda`` entry runs on numba's CPU simulator with simulated device arrays and
+``stream=0``, against the op's reference; tiny sizes, the simulator is slow. The ``gpu``
+tests run the same ops and both optimizers on real CUDA tensors against torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dataflow.ops import flat
+from dataflow.ops.optim import FusedAdam, FusedSGD
+from dataflow.ops.optim_kernels import ADAMW_STEP, SGD_STEP
+
+F32_RTOL = 1e-5  # the simulator rounds a * b + c twice where the device fuses it
+F64_RTOL = 1e-12
+
+
+def _close(got, expected, dtype) -> None:
+    rtol = F32_RTOL if dtype == np.float32 else F64_RTOL
+    np.testing.assert_allclose(got, np.asarray(expected), rtol=rtol, atol=rtol)
+
+
+def _arena(parts, rng, dtype):
+    """Concatenate ``parts`` with random gaps: an arena and each part's start in it."""
+    pieces, starts, at = [], [], 0
+    for p in parts:
+        gap = rng.normal(size=int(rng.integers(0, 4))).astype(dtype)
+        pieces += [gap, p]
+        starts.append(at + gap.size)
+        at += gap.size + p.size
+    return np.concatenate(pieces), np.array(starts, dtype=np.int64)
+
+
+def simulated_flat_ops() -> None:
+    """Every flat op's CUDA entry vs its reference (run under the simulator)."""
+    from numba import config, cuda
+
+    assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64):
+        x = rng.normal(size=29).astype(dtype)
+        d = cuda.to_device(x)
+        flat.SCALE.cuda(d, stream=0, factor=-1.5)
+        _close(d.copy_to_host(), flat.SCALE.reference(torch.from_numpy(x), factor=-1.5), dtype)
+
+        inputs = [rng.normal(size=23).astype(dtype) for _ in range(3)]
+        arena, starts = _arena(inputs, rng, dtype)
+        out = cuda.to_device(np.full(23, np.nan, dtype))
+        flat.WEIGHTED_SUM.cuda(out, cuda.to_device(arena), starts, [0.5, 0.3, 0.2], stream=0)
+        weights = [0.5, 0.3, 0.2]
+        expected = flat.WEIGHTED_SUM.reference([torch.from_numpy(i) for i in inputs], weights)
+        _close(out.copy_to_host(), expected, dtype)
+
+        sizes = [7, 0, 12, 5]
+        parts = [rng.normal(size=n).astype(dtype) for n in sizes]
+        arena, starts = _arena(parts, rng, dtype)
+        src = starts.copy()
+        src[2] = -1  # no gradient: zero-filled
+        dst = np.concatenate([[0], np.cumsum(sizes[:-1])])
+        table, bounds = flat.chunk_table(sizes, src, dst, 4)
+        out = cuda.to_device(np.full(sum(sizes), np.nan, dtype))
+        flat.PACK_SCALED.cuda(out, cuda.to_device(arena), table, stream=0, factor=0.25)
+        tensors = [torch.from_numpy(p) for p in parts]
+        tensors[2] = None
+        expected = flat.PACK_SCALED.reference(tensors, factor=0.25, sizes=sizes)
+        _close(out.copy_to_host(), expected, dtype)
+
+        table, bounds = flat.chunk_table(sizes, starts, np.zeros(4, np.int64), 4)
+        out = cuda.to_device(np.full(4, np.nan))
+        flat.SUM_OF_SQUARES.cuda(cuda.to_device(arena), table, bounds, out, stream=0)
+        expected = flat.SUM_OF_SQUARES.reference([torch.from_numpy(p) for p in parts])
+        np.testing.assert_allclose(out.copy_to_host(), expected.numpy(), rtol=1e-12)
+
+        x = rng.normal(size=(2, 3, 4, 2, 3)).astype(dtype)
+        for axis, start, width in ((0, 1, 1), (2, 1, 2), (4, 0, 3)):
+            shape = list(x.shape)
+            shape[axis] = width
+            slab = cuda.to_device(np.full(shape, np.nan, dtype))
+            flat.PACK_HALO.cuda(cuda.to_device(x), slab, stream=0, axis=axis, start=start)
+            xt = torch.from_numpy(x)
+            expected = flat.PACK_HALO.reference(xt, axis=axis, start=start, width=width)
+            _close(slab.copy_to_host(), expected, dtype)
+            target = cuda.to_device(np.zeros_like(x))
+            flat.UNPACK_HALO.cuda(target, slab, stream=0, axis=axis, start=start)
+            expected = flat.UNPACK_HALO.reference(
+                torch.zeros_like(xt), expected, axis=axis, start=start
+            )
+            _close(target.copy_to_host(), expected, dtype)
+        print(f"flat ops ok: {np.dtype(dtype).name}")
+
+
+SGD_CASES = [
+    dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
+    dict(momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=True, maximize=False),
+    dict(momentum=0.8, dampening=0.3, weight_decay=1e-3, nesterov=False, maximize=True),
+]
+ADAM_CASES = [
+    dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False),
+    dict(beta1=0.3, beta2=0.9, eps=1e-6, weight_decay=0.0, maximize=True),  # lerp from end
+]
+
+
+def simulated_optimizer_kernels() -> None:
+    """The SGD and AdamW CUDA kernels vs torch's update (run under the simulator)."""
+    from numba import config, cuda
+
+    assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        for case in SGD_CASES:
+            p, g, m = (rng.normal(size=37).astype(dtype) for _ in range(3))
+            for first in (True, False):
+                dp, dg, dm = (cuda.to_device(a) for a in (p, g, m))
+                SGD_STEP.cuda(dp, dg, dm, stream=0, lr=0.1, first=first, **case)
+                tensors = (torch.from_numpy(a) for a in (p, g, m))
+                ep, em = SGD_STEP.reference(*tensors, lr=0.1, first=first, **case)
+                _close(dp.copy_to_host(), ep, dtype)
+                if case["momentum"]:
+                    _close(dm.copy_to_host(), em, dtype)
+        for case in ADAM_CASES:
+            p, g, m = (rng.normal(size=37).astype(dtype) for _ in range(3))
+            v = rng.uniform(0, 1, size=37).astype(dtype)
+            for step in (1, 7):
+                arrays = [cuda.to_device(a) for a in (p, g, m, v)]
+                ADAMW_STEP.cuda(*arrays, stream=0, lr=1e-2, step=step, **case)
+                tensors = (torch.from_numpy(a) for a in (p, g, m, v))
+                expected = ADAMW_STEP.reference(*tensors, lr=1e-2, step=step, **case)
+                for got, want in zip((arrays[0], arrays[2], arrays[3]), expected, strict=True):
+                    _close(got.copy_to_host(), want, dtype)
+        print(f"optimizer kernels ok: {np.dtype(dtype).name}")
+
+
+def _run_simulated(function: str) -> subprocess.CompletedProcess:
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import test_ops_flat_cudasim as t; t.{function}()"
+    )
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.parametrize(
+    ("function", "expected"),
+    [
+        ("simulated_flat_ops", ["flat ops ok: float32", "flat ops ok: float64"]),
+        (
+            "simulated_optimizer_kernels",
+            ["optimizer kernels ok: float32", "optimizer kernels ok: float64"],
+        ),
+    ],
+)
+def test_cuda_kernels_on_the_simulator(function, expected):
+    result = _run_simulated(function)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [line for line in result.stdout.splitlines() if " ok: " in line] == expected
+
+
+# -- real CUDA -----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flat_ops_on_cuda_match_torch(dtype):
+    torch.manual_seed(0)
+    cuda = dict(dtype=dtype, device="cuda")
+    grads = [torch.randn(s, **cuda) for s in [(64, 3, 3, 3), (64,), (1000, 2048), (5,)]]
+    grads[2] = grads[2].t()  # non-contiguous input
+    sizes = [g.numel() for g in grads]
+    out = torch.empty(sum(sizes), **cuda)
+    flat.pack_scaled_(out, grads, 0.25)
+    torch.testing.assert_close(out, torch.cat([g.reshape(-1) * 0.25 for g in grads]))
+    flat.pack_scaled_(out, [grads[0], None, grads[2], grads[3]], 0.5, sizes=sizes)
+    assert out[sizes[0] : sizes[0] + sizes[1]].eq(0).all()
+
+    expected = torch.stack([g.double().pow(2).sum() for g in grads])
+    torch.testing.assert_close(flat.sum_of_squares(grads), expected, rtol=1e-10, atol=0)
+
+    a, b = torch.randn(10_000, **cuda), torch.randn(10_000, **cuda)
+    result = torch.empty_like(a)
+    flat.weighted_sum_(result, [a, b], [0.3, 0.7])
+    torch.testing.assert_close(result, 0.3 * a + 0.7 * b)
+    torch.testing.assert_close(flat.scale_(a.clone(), 3.0), a * 3.0)
+
+    x = torch.randn(2, 3, 8, 9, 10, **cuda)
+    for axis in range(5):
+        for side in flat.SIDES:
+            slab = flat.pack_halo(x, axis, 1, side)
+            start = 0 if side == "low" else x.shape[axis] - 1
+            torch.testing.assert_close(slab, x.narrow(axis, start, 1), rtol=0, atol=0)
+            target = torch.zeros_like(x)
+            flat.unpack_halo_(target, slab, axis, 1, side)
+            torch.testing.assert_close(target.narrow(axis, start, 1), slab, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (
+            lambda p: FusedSGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
+        ),
+        (lambda p: FusedAdam(p, lr=1e-2), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False)),
+    ],
+)
+def test_fused_optimizers_on_cuda_match_torch(ours, theirs):
+    torch.backends.cudnn.deterministic = True
+
+    def train(make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+        ).to(device="cuda", dtype=torch.float64)
+        opt = make(model.parameters())
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(8, 1, 8, 8, device="cuda", dtype=torch.float64, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return model
+
+    for a, b in zip(train(ours).parameters(), train(theirs).parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
