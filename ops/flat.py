@@ -38,7 +38,7 @@ from dataflow.ops.registry import (
     torch_stream,
 )
 
-CPU_CHUNK = 1 << 16  # elements per parallel work item of the many-tensor CPU kernels
+CPU_CHUNK = 1 << 14  # elements per parallel work item of the many-tensor CPU kernels
 CUDA_CHUNK = 1 << 13  # elements per CUDA block of the many-tensor kernels
 THREADS = 256  # CUDA threads per block
 MAX_BLOCKS = 1 << 14  # CUDA grid cap; kernels loop grid-stride over the rest
@@ -67,23 +67,19 @@ def _arena(tensors: Sequence[torch.Tensor]) -> tuple[Any, np.ndarray, list[torch
     Non-contiguous tensors are copied first; the copies are returned with the arena and
     must outlive the kernel. Empty tensors get start 0 (they are never read).
     """
-    keep = [t.detach() if t.is_contiguous() else t.detach().contiguous() for t in tensors]
-    live = [t for t in keep if t.numel() > 0]
+    keep = [t if t.is_contiguous() else t.detach().contiguous() for t in tensors]
     item = keep[0].element_size()
+    ptrs = np.array([t.data_ptr() for t in keep], dtype=np.int64)
+    sizes = np.array([t.numel() for t in keep], dtype=np.int64)
+    live = sizes > 0
+    starts, rest = np.divmod(ptrs - (ptrs[live].min() if live.any() else 0), item)
+    if rest[live].any():  # misaligned (a reinterpreted byte view): an aligned copy is exact
+        return _arena([t.clone() if r else t for t, r in zip(keep, rest, strict=True)])
+    starts[~live] = 0
+    n = int((starts + sizes)[live].max()) if live.any() else 0
+    base = int(ptrs[live].min()) if live.any() else 0
     dtype = np.dtype(torch.empty(0, dtype=keep[0].dtype).numpy().dtype)
-    base = min((t.data_ptr() for t in live), default=0)
-    end = max((t.data_ptr() + t.numel() * item for t in live), default=0)
-    starts = np.zeros(len(keep), dtype=np.int64)
-    for i, t in enumerate(keep):
-        if t.numel() > 0:
-            offset, rest = divmod(t.data_ptr() - base, item)
-            if rest:  # misaligned (a reinterpreted byte view): an aligned copy is exact
-                keep[i] = t = t.clone()
-                return _arena(keep)
-            starts[i] = offset
-    n = (end - base) // item
-    device = keep[0].device
-    if device.type == "cpu":
+    if keep[0].device.type == "cpu":
         arena = np.asarray(_HostSpan(base, n, dtype)) if n else np.empty(0, dtype)
     else:
         from numba import cuda
@@ -130,8 +126,8 @@ def _run(op: Op, device: torch.device, *arrays: Any, **params: Any) -> Any:
 
 
 def _one_dtype(op: Op, tensors: Sequence[torch.Tensor]) -> None:
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
-    if len(dtypes) > 1:
+    if len({t.dtype for t in tensors}) > 1:
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
         raise OpError(
             f"{op.name}: all tensors must have one dtype, got {', '.join(dtypes)}; "
             "convert them with .to(dtype) first"
@@ -153,48 +149,55 @@ def _scale_kernel(buffer, factor):
         buffer[i] = buffer[i] * factor
 
 
+# Inner loops run over slices (views) from index 0: with a plain ``range(lo, hi)`` over
+# the big array numba must allow for negative indices, and LLVM does not vectorise them.
+
+
 @njit(parallel=True, cache=True)
-def _weighted_sum_kernel(out, arena, starts, weights):
-    k = starts.size
-    for j in prange(out.size):
-        acc = weights[0] * arena[starts[0] + j]
-        for i in range(1, k):
-            acc = acc + weights[i] * arena[starts[i] + j]
-        out[j] = acc
+def _weighted_sum_kernel(out, arena, starts, weights, block):
+    # Per block: out = w0 * in0, then out += wi * ini; the block stays in cache between
+    # passes. An input aliasing out must be inputs[0] (read before out is written).
+    for b in prange((out.size + block - 1) // block):
+        lo = b * block
+        m = min(out.size - lo, block)
+        o = out[lo : lo + m]
+        x = arena[starts[0] + lo : starts[0] + lo + m]
+        w = weights[0]
+        for j in range(m):
+            o[j] = w * x[j]
+        for i in range(1, starts.size):
+            x = arena[starts[i] + lo : starts[i] + lo + m]
+            w = weights[i]
+            for j in range(m):
+                o[j] = o[j] + w * x[j]
 
 
 @njit(parallel=True, cache=True)
 def _pack_kernel(out, arena, table, factor):
     for c in prange(table.shape[0]):
         src, dst, n = table[c, 1], table[c, 2], table[c, 3]
+        o = out[dst : dst + n]
         if src < 0:
-            for k in range(n):
-                out[dst + k] = 0
+            o[:] = 0
         else:
+            x = arena[src : src + n]
             for k in range(n):
-                out[dst + k] = arena[src + k] * factor
+                o[k] = x[k] * factor
 
 
-@njit(parallel=True, cache=True)
+# reassoc: lets LLVM vectorise the float64 sum (the order within a chunk is then fixed
+# by the build, not sequential; results are still deterministic run to run).
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
 def _sum_of_squares_kernel(arena, table, bounds, out):
     partial = np.empty(table.shape[0], dtype=np.float64)
     for c in prange(table.shape[0]):
         src, n = table[c, 1], table[c, 3]
-        a0 = a1 = a2 = a3 = 0.0  # four chains: the adds overlap instead of queueing
-        k = 0
-        while k + 4 <= n:
-            x0, x1 = float64(arena[src + k]), float64(arena[src + k + 1])
-            x2, x3 = float64(arena[src + k + 2]), float64(arena[src + k + 3])
-            a0 += x0 * x0
-            a1 += x1 * x1
-            a2 += x2 * x2
-            a3 += x3 * x3
-            k += 4
-        while k < n:
-            x0 = float64(arena[src + k])
-            a0 += x0 * x0
-            k += 1
-        partial[c] = (a0 + a1) + (a2 + a3)
+        x = arena[src : src + n]
+        acc = 0.0
+        for k in range(n):
+            v = float64(x[k])
+            acc += v * v
+        partial[c] = acc
     for s in range(out.size):
         acc = 0.0
         for c in range(bounds[s], bounds[s + 1]):
@@ -213,12 +216,14 @@ def _halo_kernel(x, slab, start, to_slab):
         w = q - r * width
         lo = part * HALO_CHUNK
         hi = min(inner, lo + HALO_CHUNK)
+        s = slab[r, w, lo:hi]
+        y = x[r, start + w, lo:hi]
         if to_slab:
-            for k in range(lo, hi):
-                slab[r, w, k] = x[r, start + w, k]
+            for k in range(hi - lo):
+                s[k] = y[k]
         else:
-            for k in range(lo, hi):
-                x[r, start + w, k] = slab[r, w, k]
+            for k in range(hi - lo):
+                y[k] = s[k]
 
 
 # -- CUDA kernels (compiled on first CUDA use) -----------------------------------------
@@ -344,7 +349,7 @@ def _scale_cuda(buffer: Any, *, stream: Any, factor: float) -> None:
 
 
 def _weighted_sum_cpu(out: np.ndarray, arena: np.ndarray, starts: np.ndarray, weights: Any) -> None:
-    _weighted_sum_kernel(out, arena, starts, np.asarray(weights, dtype=out.dtype))
+    _weighted_sum_kernel(out, arena, starts, np.asarray(weights, dtype=out.dtype), CPU_CHUNK)
 
 
 def _weighted_sum_cuda(out: Any, arena: Any, starts: Any, weights: Any, *, stream: Any) -> None:
@@ -473,7 +478,8 @@ def weighted_sum_(
 
     The sample-count weighting of an allreduce done on one device: ``weights[i]`` is
     replica ``i``'s share ``b_i / B``. Every input has ``out.numel()`` elements (any
-    shape); ``out`` must be contiguous and may be one of the inputs.
+    shape); ``out`` must be contiguous and may be one of the inputs (an input that
+    overlaps ``out`` otherwise is copied first).
     """
     inputs, weights = list(inputs), [_number(WEIGHTED_SUM, "weights", w) for w in weights]
     if not inputs or len(inputs) != len(weights):
@@ -491,11 +497,36 @@ def weighted_sum_(
             )
     if out.numel() == 0:
         return out
+    inputs, weights = _out_first(out, inputs, weights)
     (flat,) = as_arrays([out.view(-1)], device)
     arena, starts, keep = _arena(inputs)
     _run(WEIGHTED_SUM, device, flat, arena, starts, weights)
     del keep  # the copies of non-contiguous inputs lived until the kernel was queued
     return out
+
+
+def _out_first(
+    out: torch.Tensor, inputs: list[torch.Tensor], weights: list[float]
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Put the input that is ``out`` itself first (the CPU kernel reads inputs[0] before
+    writing out); copy any other input that overlaps ``out``."""
+    item = out.element_size()
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * item
+    first = None
+    safe = []
+    for i, x in enumerate(inputs):
+        x_lo = x.data_ptr()
+        x_hi = x_lo + (x.numel() - 1) * max(x.stride(), default=1) * item + item
+        if x_lo < hi and lo < x_hi:
+            if first is None and x_lo == lo and x.is_contiguous():
+                first = i
+            else:
+                x = x.clone()
+        safe.append(x)
+    if first is None:
+        return safe, weights
+    order = [first, *(i for i in range(len(safe)) if i != first)]
+    return [safe[i] for i in order], [weights[i] for i in order]
 
 
 def pack_scaled_(

@@ -164,7 +164,10 @@ class _FlatOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 by_kind.setdefault((p.dtype, p.device), []).append(p)
             for same in by_kind.values():
-                check(self.op, same)
+                try:
+                    check(self.op, same)
+                except OpError as exc:
+                    raise OpError(f"{type(self).__name__}: param_groups[{index}]: {exc}") from exc
         except ConfigError:
             self.param_groups.pop()
             raise

@@ -335,8 +335,8 @@ def test_a_torch_adam_l2_or_amsgrad_state_is_refused():
 @pytest.mark.parametrize("cls", [FusedSGD, FusedAdam])
 def test_unsupported_param_dtypes_are_refused_by_name(cls, dtype):
     params = [torch.nn.Parameter(torch.zeros(3, dtype=dtype))]
-    op = cls.op.name
-    with pytest.raises(OpError, match=f"{op}: dtype {dtype} is not supported; supported: dtypes"):
+    message = f"{cls.__name__}: param_groups\\[0\\]: {cls.op.name}: dtype {dtype} is not supported"
+    with pytest.raises(OpError, match=message + "; supported: dtypes float32, float64"):
         cls(params, lr=0.1)
 
 

@@ -6,6 +6,8 @@ given non-contiguous (transposed, strided), outputs written in place must be con
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -64,22 +66,37 @@ def test_scale_refuses_a_non_contiguous_buffer():
     weights=st.lists(factors, min_size=1, max_size=4),
     dtype=dtypes,
     contiguous=st.lists(st.booleans(), min_size=4, max_size=4),
+    chunk=st.sampled_from([7, flat.CPU_CHUNK]),
     seed=st.integers(0, 99),
 )
-def test_weighted_sum_matches_the_sum_of_scaled_inputs(n, weights, dtype, contiguous, seed):
+def test_weighted_sum_matches_the_sum_of_scaled_inputs(n, weights, dtype, contiguous, chunk, seed):
     inputs = [tensor((n,), dtype, seed + i, contiguous=c) for i, c in enumerate(contiguous)]
     inputs = inputs[: len(weights)]
     out = torch.full((n,), float("nan"), dtype=dtype)
-    flat.weighted_sum_(out, inputs, weights)
+    original, flat.CPU_CHUNK = flat.CPU_CHUNK, chunk  # small blocks: many work items
+    try:
+        flat.weighted_sum_(out, inputs, weights)
+    finally:
+        flat.CPU_CHUNK = original
     expected = flat.WEIGHTED_SUM.reference(inputs, weights)
     torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=RTOL[dtype])
 
 
-def test_weighted_sum_may_write_into_one_of_its_inputs():
-    a, b = torch.randn(100), torch.randn(100)
-    expected = 0.25 * a + 0.75 * b
-    flat.weighted_sum_(a, [a, b], [0.25, 0.75])
-    torch.testing.assert_close(a, expected)
+@pytest.mark.parametrize("where", ["first", "second", "twice", "overlapping"])
+def test_weighted_sum_may_write_into_its_inputs(where, monkeypatch):
+    monkeypatch.setattr(flat, "CPU_CHUNK", 16)  # several blocks
+    base = torch.randn(130, dtype=torch.float64)
+    out, other = base[:100], torch.randn(100, dtype=torch.float64)
+    inputs = {
+        "first": [out, other],
+        "second": [other, out],
+        "twice": [out, other, out],
+        "overlapping": [base[30:130], out, other],
+    }[where]
+    weights = [0.25, 0.5, 0.125][: len(inputs)]
+    expected = flat.WEIGHTED_SUM.reference([x.clone() for x in inputs], weights)
+    flat.weighted_sum_(out, inputs, weights)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_weighted_sum_names_a_size_or_count_mismatch_and_a_strided_output():
@@ -131,6 +148,19 @@ def test_pack_scaled_reads_views_that_share_storage_in_any_order():
     out = torch.empty(200 + 300 + 7 + 50, dtype=torch.float64)
     flat.pack_scaled_(out, tensors, 0.5)
     torch.testing.assert_close(out, torch.cat([t.reshape(-1) * 0.5 for t in tensors]))
+
+
+def test_a_misaligned_source_is_read_correctly():
+    """A float32 tensor at an odd byte address (here, over a bytearray) is copied first."""
+    buffer = bytearray(4 * 10 + 1)
+    with warnings.catch_warnings():  # torch warns that the bytearray is not read-only
+        warnings.simplefilter("ignore")
+        odd = torch.frombuffer(buffer, dtype=torch.float32, offset=1, count=10)
+    odd.copy_(torch.arange(10.0))
+    assert odd.data_ptr() % 4 != 0
+    out = torch.empty(13)
+    flat.pack_scaled_(out, [torch.ones(3), odd], 2.0)
+    torch.testing.assert_close(out, torch.cat([torch.ones(3), torch.arange(10.0)]) * 2)
 
 
 def test_pack_scaled_names_its_bad_input():
