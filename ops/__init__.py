@@ -1,6 +1,41 @@
-"""Numba kernels on the data and gradient paths (CPU ``@njit`` and CUDA), one
-function per op dispatching on the tensor's device. Filled in by the ops issue;
-any callable on tensors already works as a ``stages.Transform``.
+"""Numba kernels on the data and gradient paths: a CPU kernel (``@njit``) and a CUDA
+kernel (``numba.cuda.jit``) per op, behind one call that dispatches on the tensor's
+device (``dataflow.ops.registry``).
+
+Data path, usable as ``Pipeline(transforms=[...])``: :class:`Log1p`,
+:class:`Standardize`, :class:`RandomFlip`, :class:`RandomRotate90`, each with the cast
+to the training dtype fused in. Gradient path: :func:`scale_`, :func:`weighted_sum_`,
+:func:`pack_scaled_`, :func:`sum_of_squares`, :func:`pack_halo` /
+:func:`unpack_halo_`. Optimizers: :class:`FusedSGD`, :class:`FusedAdam`, one kernel
+launch per param group.
 """
 
-__all__: list[str] = []
+from dataflow.ops.flat import (
+    pack_halo,
+    pack_scaled_,
+    scale_,
+    sum_of_squares,
+    unpack_halo_,
+    weighted_sum_,
+)
+from dataflow.ops.optim import FusedAdam, FusedSGD
+from dataflow.ops.registry import REGISTRY, Op, OpError
+from dataflow.ops.transforms import Log1p, RandomFlip, RandomRotate90, Standardize
+
+__all__ = [
+    "REGISTRY",
+    "FusedAdam",
+    "FusedSGD",
+    "Log1p",
+    "Op",
+    "OpError",
+    "RandomFlip",
+    "RandomRotate90",
+    "Standardize",
+    "pack_halo",
+    "pack_scaled_",
+    "scale_",
+    "sum_of_squares",
+    "unpack_halo_",
+    "weighted_sum_",
+]

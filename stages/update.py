@@ -59,5 +59,5 @@ class Update(Stage):
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         optimizer = step.replica.optimizer
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
