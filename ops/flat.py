@@ -119,10 +119,13 @@ def chunk_table(
 
 
 def _run(op: Op, device: torch.device, *arrays: Any, **params: Any) -> Any:
-    """Call ``op``'s kernel for ``device`` (CUDA: on torch's current stream)."""
+    """Call ``op``'s kernel for ``device``; on CUDA, on torch's current stream, with host
+    tables copied through torch's caching allocator (numba's would allocate each call)."""
     if device.type == "cpu":
         return op.cpu(*arrays, **params)
-    return op.cuda(*arrays, stream=torch_stream(), **params)
+    tables = [torch.from_numpy(a).to(device) if isinstance(a, np.ndarray) else a for a in arrays]
+    converted = [as_arrays([t], device)[0] if isinstance(t, torch.Tensor) else t for t in tables]
+    return op.cuda(*converted, stream=torch_stream(), **params)
 
 
 def _one_dtype(op: Op, tensors: Sequence[torch.Tensor]) -> None:
@@ -353,7 +356,8 @@ def _weighted_sum_cpu(out: np.ndarray, arena: np.ndarray, starts: np.ndarray, we
 
 
 def _weighted_sum_cuda(out: Any, arena: Any, starts: Any, weights: Any, *, stream: Any) -> None:
-    weights = np.asarray(weights, dtype=out.dtype)
+    if isinstance(weights, list | tuple):
+        weights = np.asarray(weights, dtype=out.dtype)
     kernel = _cuda_kernels()["weighted_sum"][_grid(out.size, stream)]
     kernel(out, arena, _device(starts, stream), _device(weights, stream))
 
@@ -372,12 +376,16 @@ def _sum_of_squares_cpu(arena: np.ndarray, table: np.ndarray, bounds: np.ndarray
     _sum_of_squares_kernel(arena, table, bounds, out)
 
 
-def _sum_of_squares_cuda(arena: Any, table: Any, bounds: Any, out: Any, *, stream: Any) -> None:
+def _sum_of_squares_cuda(
+    arena: Any, table: Any, bounds: Any, out: Any, *, stream: Any, partial: Any = None
+) -> None:
+    """``partial``: float64 scratch, one per table row (allocated here when not given)."""
     from numba import cuda
 
     longest = int(table[:, 3].max()) if isinstance(table, np.ndarray) and table.size else THREADS
     threads = min(THREADS, 1 << max(5, (longest - 1).bit_length()))  # a power of 2 >= 32
-    partial = cuda.device_array(max(table.shape[0], 1), dtype=np.float64, stream=stream)
+    if partial is None:
+        partial = cuda.device_array(max(table.shape[0], 1), dtype=np.float64, stream=stream)
     grid = (min(max(table.shape[0], 1), MAX_BLOCKS), threads, stream)
     _squares_kernel(threads)[grid](arena, _device(table, stream), partial)
     segment_sums = _cuda_kernels()["segment_sums"]
@@ -500,7 +508,8 @@ def weighted_sum_(
     inputs, weights = _out_first(out, inputs, weights)
     (flat,) = as_arrays([out.view(-1)], device)
     arena, starts, keep = _arena(inputs)
-    _run(WEIGHTED_SUM, device, flat, arena, starts, weights)
+    dtype = torch.empty(0, dtype=out.dtype).numpy().dtype
+    _run(WEIGHTED_SUM, device, flat, arena, starts, np.asarray(weights, dtype=dtype))
     del keep  # the copies of non-contiguous inputs lived until the kernel was queued
     return out
 
@@ -610,7 +619,11 @@ def sum_of_squares(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
     lengths = [b.numel() for b in buffers]
     table, bounds = chunk_table(lengths, starts, np.zeros(len(buffers), np.int64), chunk)
     (flat_out,) = as_arrays([out], device)
-    _run(SUM_OF_SQUARES, device, arena, table, bounds, flat_out)
+    scratch = {}
+    if device.type == "cuda":
+        partial = torch.empty(max(len(table), 1), dtype=torch.float64, device=device)
+        scratch["partial"] = as_arrays([partial], device)[0]
+    _run(SUM_OF_SQUARES, device, arena, table, bounds, flat_out, **scratch)
     del keep
     return out
 

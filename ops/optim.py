@@ -134,8 +134,17 @@ def runs(keys: list[Any]) -> Iterator[tuple[int, int, Any]]:
         i = j
 
 
-def _real(owner: str, where: str, name: str, value: Any, *, low: float, high: float | None = None,
-          high_open: bool = False) -> None:  # fmt: skip
+def _real(
+    owner: str,
+    where: str,
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float | None = None,
+    high_open: bool = False,
+) -> None:
+    """Raise ConfigError naming ``name`` unless ``value`` is a finite real in range."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     ok = ok and math.isfinite(value) and value >= low
     if ok and high is not None:
@@ -194,6 +203,7 @@ class _FlatOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """One update of every parameter with a gradient: one launch per flat buffer."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -359,8 +369,8 @@ class FusedAdam(_FlatOptimizer):
             _real(name, where, f"betas[{i}]", beta, low=0, high=1, high_open=True)
         if not isinstance(group["maximize"], bool):
             raise ConfigError(f"{name}: maximize={group['maximize']!r} in {where} must be a bool")
-        for key, fix in (("amsgrad", "torch.optim.AdamW(amsgrad=True)"),
-                         ("differentiable", "torch.optim.AdamW")):  # fmt: skip
+        unsupported = {"amsgrad": "torch.optim.AdamW(amsgrad=True)", "differentiable": "AdamW"}
+        for key, fix in unsupported.items():
             if group.get(key):
                 raise ConfigError(f"{name}: {key}=True in {where} is not supported; use {fix}")
         if not group.get("decoupled_weight_decay", True) and group["weight_decay"] != 0:
