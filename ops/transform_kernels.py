@@ -32,6 +32,7 @@ HALF_BITS = np.dtype(np.uint16)  # how a float16 array reaches a CPU kernel
 _RAW = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # bit-copy views by item size
 _MAX_BLOCKS = 1 << 16  # CUDA grid cap; kernels loop grid-stride over the rest
 _ROW_BLOCK = 4096  # elements per parallel work item of Standardize
+_ROWS = 16  # rows of the innermost axis per parallel work item of RandomFlip
 _TILE = 16  # side of the square tiles RandomRotate90 transposes through
 
 
@@ -116,9 +117,11 @@ def to_type(value, like):
 
 @overload(load)
 def _load(a, i):
+    # Unsigned indices: numba wraps negative signed ones around (Python semantics), a
+    # select per element that turns contiguous loads into gathers (about 10x slower).
     if a.dtype == types.uint16:
-        return lambda a, i: _half_to_float(a[i])
-    return lambda a, i: a[i]
+        return lambda a, i: _half_to_float(a[np.uint64(i)])
+    return lambda a, i: a[np.uint64(i)]
 
 
 @overload(store)
@@ -126,12 +129,12 @@ def _store(a, i, value):
     if a.dtype == types.uint16:
 
         def store_half(a, i, value):
-            a[i] = _float_to_half(np.float32(value))
+            a[np.uint64(i)] = _float_to_half(np.float32(value))
 
         return store_half
 
     def store_plain(a, i, value):
-        a[i] = value
+        a[np.uint64(i)] = value
 
     return store_plain
 
@@ -257,22 +260,25 @@ def _standardize_cpu(x: Any, out: Any, mean: Any, std: Any, inner: int) -> None:
 
 @_parallel
 def _flip_cpu(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
-    for t in prange(x.size // w):  # one output row of the innermost axis each
-        nc = t // (d * h)
-        n = nc // channels
-        sd = (t // h) % d
-        sh = t % h
+    stripes = (h + _ROWS - 1) // _ROWS
+    for t in prange(x.size // (h * w) * stripes):  # _ROWS rows of one [h, w] plane each
+        plane = t // stripes  # over (n, c, d)
+        n = plane // d // channels
+        sd = plane % d
         sd = d - 1 - sd if flags[n, 0] else sd
-        sh = h - 1 - sh if flags[n, 1] else sh
-        src = ((nc * d + sd) * h + sh) * w
-        dst = t * w
-        if flags[n, 2]:  # branch per row, not per element
-            last = src + w - 1
-            for j in range(w):
-                store(out, dst + j, load(x, last - j))
-        else:
-            for j in range(w):
-                store(out, dst + j, load(x, src + j))
+        src_plane = (plane - plane % d + sd) * h * w
+        flip_h, flip_w = flags[n, 1], flags[n, 2]
+        first = (t % stripes) * _ROWS
+        for i in range(first, min(first + _ROWS, h)):
+            src = src_plane + (h - 1 - i if flip_h else i) * w
+            dst = (plane * h + i) * w
+            if flip_w:  # branch per row, not per element
+                last = src + w - 1
+                for j in range(w):
+                    store(out, dst + j, load(x, last - j))
+            else:
+                for j in range(w):
+                    store(out, dst + j, load(x, src + j))
 
 
 @njit(error_model="numpy")
