@@ -22,6 +22,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
@@ -367,12 +368,22 @@ def _copy_views(x: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return _cpu_view(x), _cpu_view(out)
 
 
+def _match_torch_threads() -> None:
+    """Run on as many threads as torch does here: a replica sets torch's budget to its
+    Dask worker's share of the cores, which the kernels must not oversubscribe."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)
+
+
 def log1p_cpu(x: np.ndarray, out: np.ndarray, *, scale: float) -> None:
+    _match_torch_threads()
     ct = compute_dtype(x.dtype, out.dtype)
     _log1p_cpu(_cpu_view(x), _cpu_view(out), ct.type(scale))
 
 
 def standardize_cpu(x: np.ndarray, out: np.ndarray, *, mean: Any, std: Any) -> None:
+    _match_torch_threads()
     ct = compute_dtype(x.dtype, out.dtype)
     inner = math.prod(x.shape[2:])
     if x.size:
@@ -382,6 +393,7 @@ def standardize_cpu(x: np.ndarray, out: np.ndarray, *, mean: Any, std: Any) -> N
 
 def flip_cpu(x: np.ndarray, out: np.ndarray, *, flags: np.ndarray) -> None:
     """``x`` as [N, C, D, H, W]; ``flags[n]``: flip D, H, W of sample n (uint8 0/1)."""
+    _match_torch_threads()
     if x.size:
         xf, of = _copy_views(x, out)
         _flip_cpu(xf, of, np.ascontiguousarray(flags, dtype=np.uint8), *x.shape[1:])
@@ -389,6 +401,7 @@ def flip_cpu(x: np.ndarray, out: np.ndarray, *, flags: np.ndarray) -> None:
 
 def rot90_cpu(x: np.ndarray, out: np.ndarray, *, ks: np.ndarray) -> None:
     """``x`` as [N, C, L, P, M, Q, R], rotated in the (P, Q) plane by ``ks[n]`` quarter turns."""
+    _match_torch_threads()
     if x.size:
         xf, of = _copy_views(x, out)
         n, c, *rest = x.shape

@@ -10,7 +10,8 @@ int64 as input; Log1p and Standardize write a float dtype (default: the input's,
 torch's default dtype for integer input, as ``torch.log1p`` does). bfloat16 is refused
 (numba has no bfloat16). Arithmetic runs in float32, or float64 when the input or the
 output is float64, and is rounded once to the output dtype. Non-contiguous inputs are
-copied to contiguous ones first (by ``registry.launch``).
+copied to contiguous ones first (by ``registry.launch``). CPU kernels run on as many
+threads as ``torch.get_num_threads()`` (a replica's share of its node).
 
 The random ops draw their per-sample choices on the host from
 ``numpy.random.default_rng(seed)`` (:func:`draw_flips`, :func:`draw_rotations`) and one
@@ -291,6 +292,7 @@ class Standardize:
         values = {}
         for field in ("mean", "std"):
             raw = getattr(self, field)
+            raw = raw.tolist() if hasattr(raw, "tolist") else raw  # numpy, torch
             raw = (raw,) if isinstance(raw, int | float | np.number) else raw
             try:
                 values[field] = tuple(_number("Standardize", field, v) for v in raw)

@@ -310,3 +310,18 @@ def test_outputs_are_new_tensors_and_inputs_are_untouched():
         y = op(x) if not getattr(op, "wants_seed", False) else op(x, seed=0)
         assert y.data_ptr() != x.data_ptr()
     assert torch.equal(x, before)
+
+
+def test_cpu_kernels_use_as_many_threads_as_torch():
+    """A Dask replica sets torch's thread budget; the kernels must not oversubscribe it."""
+    import numba
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        T.Log1p()(torch.rand(2, 1, 4, 4))
+        assert numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    T.Log1p()(torch.rand(2, 1, 4, 4))
+    assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
