@@ -325,3 +325,23 @@ def test_cpu_kernels_use_as_many_threads_as_torch():
         torch.set_num_threads(before)
     T.Log1p()(torch.rand(2, 1, 4, 4))
     assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
+
+
+def test_float16_conversions_match_torch_for_every_bit_pattern():
+    """The CPU kernels convert float16 through LLVM: all 65536 halves widen exactly, and
+    float32 values (ties, subnormals, overflow, nan) round to float16 as torch does."""
+    halves = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = halves.reshape(16, 1, 64, 64)
+    widened = T.RandomFlip(p=0.0, dtype=torch.float32)(x, seed=0)
+    torch.testing.assert_close(widened, x.float(), rtol=0, atol=0, equal_nan=True)
+    rng = np.random.default_rng(0)
+    mags = 2.0 ** rng.uniform(-30, 18, size=65536 - 8)
+    edge = [65504.0, 65520.0, 70000.0, 2.0**-24, 2.0**-25, 1.5 * 2.0**-24, np.inf, np.nan]
+    values = torch.from_numpy(np.concatenate([mags * rng.choice([-1, 1], mags.size), edge]))
+    x32 = values.float().reshape(16, 1, 64, 64)
+    narrowed = T.RandomFlip(p=0.0, dtype=torch.float16)(x32, seed=0)
+    assert torch.equal(
+        narrowed.view(torch.int16)[~narrowed.isnan()],
+        x32.half().view(torch.int16)[~narrowed.isnan()],
+    )
+    assert torch.equal(narrowed.isnan(), x32.half().isnan())
