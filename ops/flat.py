@@ -34,6 +34,7 @@ from dataflow.ops.registry import (
     blocks,
     check,
     launch,
+    match_torch_threads,
     register,
     torch_stream,
 )
@@ -122,6 +123,7 @@ def _run(op: Op, device: torch.device, *arrays: Any, **params: Any) -> Any:
     """Call ``op``'s kernel for ``device``; on CUDA, on torch's current stream, with host
     tables copied through torch's caching allocator (numba's would allocate each call)."""
     if device.type == "cpu":
+        match_torch_threads()
         return op.cpu(*arrays, **params)
     tables = [torch.from_numpy(a).to(device) if isinstance(a, np.ndarray) else a for a in arrays]
     converted = [as_arrays([t], device)[0] if isinstance(t, torch.Tensor) else t for t in tables]
@@ -344,6 +346,7 @@ def _device(array: Any, stream: Any) -> Any:
 
 
 def _scale_cpu(buffer: np.ndarray, *, factor: float) -> None:
+    match_torch_threads()
     _scale_kernel(buffer, buffer.dtype.type(factor))
 
 
@@ -401,6 +404,7 @@ def _as_3d(x: Any, slab: Any, axis: int) -> tuple[Any, Any]:
 
 def _halo_cpu(to_slab: bool) -> Any:
     def run(x: np.ndarray, slab: np.ndarray, *, axis: int, start: int) -> None:
+        match_torch_threads()
         x3, slab3 = _as_3d(x, slab, axis)
         _halo_kernel(x3, slab3, start, to_slab)
 

@@ -23,7 +23,7 @@ import torch
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from dataflow.ops.registry import Op, blocks, register
+from dataflow.ops.registry import Op, blocks, match_torch_threads, register
 
 THREADS = 256  # CUDA threads per block
 MAX_BLOCKS = 1 << 14  # CUDA grid cap; kernels loop grid-stride over the rest
@@ -79,6 +79,7 @@ def sgd_cpu(
     ``first``: the momentum buffer is new and becomes the gradient (torch's first step);
     ``m`` may be empty when ``momentum == 0``.
     """
+    match_torch_threads()
     t = p.dtype.type
     kernel = _sgd_cpu_kernel(momentum != 0, weight_decay != 0, nesterov, maximize)
     kernel(p, g, m, t(-lr), t(weight_decay), t(momentum), t(1 - dampening), first)
@@ -163,6 +164,7 @@ def adamw_cpu(
 ) -> None:
     """One AdamW step (decoupled weight decay, bias correction at ``step``) over flat
     ``p`` with gradient ``g`` and moments ``m``, ``v``."""
+    match_torch_threads()
     s = adamw_scalars(
         p.dtype, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
     )

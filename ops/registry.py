@@ -120,3 +120,14 @@ def blocks(n: int, threads: int = 256) -> tuple[int, int]:
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def match_torch_threads() -> None:
+    """Make this thread's CPU kernels use as many threads as torch does here: a replica
+    sets torch's budget to its Dask worker's share of the cores, which numba (all cores
+    by default) must not oversubscribe. ``numba.set_num_threads`` is per calling thread."""
+    import numba
+
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if numba.get_num_threads() != threads:
+        numba.set_num_threads(threads)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import numba
 import pytest
 import torch
 from hypothesis import given, settings
@@ -295,3 +296,17 @@ def test_unsupported_devices_are_refused_by_name(name):
 def test_mixed_dtypes_are_refused():
     with pytest.raises(OpError, match="pack_scaled_: all tensors must have one dtype"):
         flat.pack_scaled_(torch.zeros(3), [torch.zeros(3, dtype=torch.float64)])
+
+
+def test_cpu_kernels_use_torchs_thread_budget():
+    """A replica limits torch's threads to its share of the node; numba must follow."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        flat.sum_of_squares([torch.ones(10)])
+        assert numba.get_num_threads() == 1
+        torch.set_num_threads(before)
+        flat.scale_(torch.ones(10), 2.0)
+        assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
+    finally:
+        torch.set_num_threads(before)
