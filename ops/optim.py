@@ -45,7 +45,6 @@ class FlatParams:
         first = params[0]
         self.param = torch.empty(self.offsets[-1], dtype=first.dtype, device=first.device)
         self.grad = torch.zeros_like(self.param)
-        self.empty = self.param.new_empty(0)
         self.buffers: dict[str, torch.Tensor] = {}
         self.param_views = self.views(self.param)
         self.grad_views = self.views(self.grad)
@@ -297,7 +296,7 @@ class FusedSGD(_FlatOptimizer):
                 self.op,
                 flat.param[span],
                 flat.grad[span],
-                buf[span] if buf is not None else flat.empty,
+                buf[span] if buf is not None else flat.grad[span],  # unread without momentum
                 inplace=(0, 2),
                 lr=float(group["lr"]),
                 weight_decay=float(group["weight_decay"]),

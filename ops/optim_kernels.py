@@ -77,7 +77,7 @@ def sgd_cpu(
     """One SGD step over flat ``p`` with gradient ``g`` and momentum buffer ``m``.
 
     ``first``: the momentum buffer is new and becomes the gradient (torch's first step);
-    ``m`` may be empty when ``momentum == 0``.
+    ``m`` is not read when ``momentum == 0`` (any array of the right dtype will do).
     """
     match_torch_threads()
     t = p.dtype.type
