@@ -4,7 +4,10 @@ Both sides get the same threads (``torch.set_num_threads`` = ``numba.set_num_thr
 = ``--threads``), the same inputs and, for the random ops, the same per-sample choices
 (drawn inside the timed call on both sides). The sides' calls are interleaved, after
 waiting for a quiet machine; CPU used meanwhile by other programs is reported as
-``foreign cores``. Per op and workload:
+``foreign cores`` and a workload it disturbed is rerun (``--retries``). Both sides
+allocate their outputs as users get them: a 3D batch (33.5 MB) lies above glibc's mmap
+threshold, so first-touch page faults are a large share of both sides' time there
+(``THP_MEM_ALLOC_ENABLE=1`` lets torch's allocator use huge pages). Per op and workload:
 
 * numba: the op, which writes the output dtype directly (cast fused);
 * torch: the plain torch expression followed by ``.to(dtype)``: ``torch.log1p(x * s)``,
@@ -144,6 +147,18 @@ def main() -> None:
         default=60.0,
         help="seconds to wait for a quiet machine before each workload (60)",
     )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="reruns of a workload disturbed by other programs on the machine (2)",
+    )
+    p.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.1,
+        help="cores used by other programs during a workload above which it is rerun (0.1)",
+    )
     p.add_argument("--out", help="JSON file (default benchmarks/results/ops_transforms.json)")
     p.add_argument("--overwrite", action="store_true", help="replace the file instead of appending")
     args = p.parse_args()
@@ -157,14 +172,20 @@ def main() -> None:
         for dtype_in, dtype in CASTS:
             x = base.to(dtype_in)
             for label, op, baselines in workloads(shape, dtype):
-                wait_quiet(args.max_wait)
                 ours = op(x)  # warm-up: numba compiles here
                 for fn in baselines.values():  # same result (torch's float16 math is coarser)
                     torch.testing.assert_close(ours, fn(x), **TOL[dtype_in])
                 sides = {"numba": lambda op=op, x=x: op(x)}
                 sides |= {name: lambda fn=fn, x=x: fn(x) for name, fn in baselines.items()}
-                with CpuMeter() as meter:
-                    times = time_ms(sides, args.repeats)
+                attempts = 0
+                while True:  # rerun what other programs disturbed
+                    attempts += 1
+                    wait_quiet(args.max_wait)
+                    with CpuMeter() as meter:
+                        times = time_ms(sides, args.repeats)
+                    foreign = meter.foreign_cpu_seconds / meter.wall_seconds
+                    if foreign <= args.max_foreign or attempts > args.retries:
+                        break
                 median = {k: statistics.median(v) for k, v in times.items()}
                 nbytes = x.nbytes + ours.nbytes
                 cast = f"{str(dtype_in)[6:]}->{str(dtype)[6:]}"
@@ -176,7 +197,8 @@ def main() -> None:
                     "median_ms": median,
                     "times_ms": times,
                     "ratio": {k: v / median["numba"] for k, v in median.items() if k != "numba"},
-                    "foreign_cores": meter.foreign_cpu_seconds / meter.wall_seconds,
+                    "foreign_cores": foreign,
+                    "attempts": attempts,
                 }
                 records.append(record)
                 for name in baselines:
@@ -200,7 +222,10 @@ def main() -> None:
     print(table(rows, HEADER))
     worst = min(r["ratio"][k] for r in records for k in r["ratio"])
     print(f"lowest ratio torch/numba: {worst:.2f}x (target >= 1.0x)")
-    print("foreign cores: CPU used by other programs meanwhile (> 0.1: a disturbed figure)")
+    print(
+        f"foreign cores: CPU used by other programs meanwhile (> {args.max_foreign}: a "
+        f"disturbed figure, kept after {args.retries} reruns)"
+    )
     run = {"args": vars(args), "threads": args.threads, "results": records}
     print(f"saved to {save_run(NAME, run, args.out, overwrite=args.overwrite)}")
 
