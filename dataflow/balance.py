@@ -39,16 +39,43 @@ def proportional_split(total: int, weights: Sequence[float]) -> tuple[int, ...]:
 
 @runtime_checkable
 class Balancer(Protocol):
-    """Chooses the per-replica split of each global batch."""
+    """Chooses the per-replica split of each global batch.
 
-    def split(self, global_batch: int, replicas: int) -> tuple[int, ...]: ...
+    ``measured`` is, per finished phase, each replica's measured samples/s (the
+    engine's view of its compute speed); balancers that ignore speed ignore it.
+    """
+
+    def split(
+        self, global_batch: int, replicas: int, measured: Sequence[Sequence[float]] = ()
+    ) -> tuple[int, ...]: ...
+
+
+def smoothed_speeds(
+    measured: Sequence[Sequence[float]], replicas: int, smoothing: float
+) -> list[float]:
+    """Per replica, an exponential moving average of its measured samples/s over phases
+    (weight ``smoothing`` on the newest). A replica with no positive measurement yet
+    (new, or idle) gets the mean of the others, hence an even share; none measured at
+    all gives equal speeds."""
+    speeds: list[float | None] = [None] * replicas
+    for phase in measured:
+        for r in range(min(replicas, len(phase))):
+            value = float(phase[r])
+            if value > 0:
+                old = speeds[r]
+                speeds[r] = value if old is None else smoothing * value + (1 - smoothing) * old
+    known = [v for v in speeds if v is not None]
+    fill = sum(known) / len(known) if known else 1.0
+    return [fill if v is None else v for v in speeds]
 
 
 @dataclass(frozen=True)
 class Even:
     """Equal shares (the remainder to the lowest ranks): the default."""
 
-    def split(self, global_batch: int, replicas: int) -> tuple[int, ...]:
+    def split(
+        self, global_batch: int, replicas: int, measured: Sequence[Sequence[float]] = ()
+    ) -> tuple[int, ...]:
         return proportional_split(global_batch, [1.0] * replicas)
 
 
@@ -69,10 +96,35 @@ class Proportional:
                 "replica, with a positive sum"
             )
 
-    def split(self, global_batch: int, replicas: int) -> tuple[int, ...]:
+    def split(
+        self, global_batch: int, replicas: int, measured: Sequence[Sequence[float]] = ()
+    ) -> tuple[int, ...]:
         if len(self.weights) != replicas:
             raise ConfigError(
                 f"Proportional(weights={self.weights}) has {len(self.weights)} weights but the "
                 f"fit has {replicas} replicas; give one weight per replica"
             )
         return proportional_split(global_batch, self.weights)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Shares proportional to each replica's measured samples/s over the past phases
+    (smoothed: ``smoothing`` is the weight of the newest phase), so a slow or shared
+    node gets a smaller share and no longer holds every step back. The first phase,
+    with nothing measured, is split evenly. The data shares follow the same split.
+    """
+
+    smoothing: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ConfigError(
+                f"Throughput(smoothing={self.smoothing}): the weight of the newest phase's "
+                "measurement, in (0, 1]"
+            )
+
+    def split(
+        self, global_batch: int, replicas: int, measured: Sequence[Sequence[float]] = ()
+    ) -> tuple[int, ...]:
+        return proportional_split(global_batch, smoothed_speeds(measured, replicas, self.smoothing))

@@ -81,6 +81,10 @@ class Graph:
     def __getitem__(self, name: str) -> Stage:
         return self._stages[name]
 
+    def __contains__(self, name: object) -> bool:
+        """Whether a stage of that name is in the graph."""
+        return name in self._stages
+
     def inputs_of(self, name: str) -> tuple[str, ...]:
         return self._inputs[name]
 

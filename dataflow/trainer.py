@@ -60,6 +60,7 @@ class TrainerConfig:
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
     balancer: Balancer = field(default_factory=Even)
+    throttle: dict[int, float] = field(default_factory=dict)  # rank -> simulated slow-down
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -79,6 +80,14 @@ class TrainerConfig:
             )
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if not isinstance(self.throttle, dict) or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 or not float(f) >= 1.0
+            for r, f in self.throttle.items()
+        ):
+            raise ConfigError(
+                f"throttle={self.throttle!r}: give {{rank: factor}} with factors >= 1, e.g. "
+                "{1: 2.0} to make replica 1 take twice its compute time (a simulated slow node)"
+            )
         if not isinstance(self.balancer, Balancer):
             raise ConfigError(
                 f"balancer must have a split(global_batch, replicas) method, got "
@@ -142,9 +151,13 @@ class Trainer:
         steps = [spec for plan in self.plan(epochs, replicas) for spec in plan.steps]
         return [parts for _, parts in self.load.streams(steps, self.config.seed)]
 
-    def _phase_steps(self, phase: PhaseSpec, replicas: int, first_index: int) -> tuple:
+    def _phase_steps(
+        self, phase: PhaseSpec, replicas: int, first_index: int, measured: Any = ()
+    ) -> tuple:
+        """The phase's steps, split by the balancer from the speeds ``measured`` so far."""
+
         def split(size: int) -> tuple[int, ...]:
-            return self.config.balancer.split(size, replicas)
+            return self.config.balancer.split(size, replicas, measured)
 
         return phase_steps(
             num_samples=self.source.num_samples,
@@ -242,6 +255,7 @@ class _Fit:
             relax_malloc=self.config.relax_malloc,
             freeze_gc=self.config.freeze_gc,
             pause_dask_profiler=self.config.pause_dask_profiler,
+            throttle={int(r): float(f) for r, f in self.config.throttle.items()},
         )
         started = time.perf_counter()
         try:
@@ -326,9 +340,16 @@ class _Fit:
             phase = self.trainer.schedule.next_phase(
                 start_epoch=epoch, total_epochs=self.epochs, previous=previous
             )
-            steps = self.trainer._phase_steps(phase, world, index)
+            measured = [p["samples_per_second"] for p in self.history.phases]
+            steps = self.trainer._phase_steps(phase, world, index, measured)
             phase_started = time.perf_counter()
-            context = PhaseContext(index=phase.index, steps=steps, lr=phase.lr)
+            context = PhaseContext(
+                index=phase.index,
+                steps=steps,
+                lr=phase.lr,
+                lr_scale=phase.lr_scale,
+                warmup_steps=phase.warmup_steps,
+            )
             self.last_futures = [
                 self._submit(
                     remote.begin_phase,
@@ -541,7 +562,9 @@ class _Fit:
                 for name, value in w.stage_seconds.items():
                     stages[name] += value
             compute = sum(
-                v for name, v in stages.items() if not _is_waiting(self.trainer.graph[name])
+                v
+                for name, v in stages.items()
+                if name not in self.trainer.graph or not _is_waiting(self.trainer.graph[name])
             )
             rates.append(samples / compute if compute > 0 else 0.0)
             task_seconds.append(sum(w.task_seconds for w in windows))
@@ -555,9 +578,7 @@ class _Fit:
                 "end_epoch": phase.end_epoch,
                 "global_batch": phase.global_batch,
                 "lr": ends[0].get("lr", phase.lr),
-                "local_batches": list(
-                    self.trainer.config.balancer.split(phase.global_batch, len(results))
-                ),
+                "local_batches": list(steps[0].local_batches),
                 "samples_per_second": rates,
                 "steps": len(steps),
                 "windows": len(results[0]),

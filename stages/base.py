@@ -101,11 +101,14 @@ class StepContext:
 
 @dataclass(frozen=True)
 class PhaseContext:
-    """What a stage sees at a phase boundary: the phase's steps and learning rate."""
+    """What a stage sees at a phase boundary: the phase's steps and learning rate
+    (``lr``, else the optimizer's initial LR × ``lr_scale``, ramped over ``warmup_steps``)."""
 
     index: int
     steps: tuple[StepSpec, ...]
     lr: float | None
+    lr_scale: float = 1.0
+    warmup_steps: int = 0
 
 
 class Stage:

@@ -36,14 +36,18 @@ def sgd(params):
 
 
 def reference_training(
-    x, y, *, batches, seed, optimizer=sgd, after_backward=None
+    x, y, *, batches, seed, optimizer=sgd, after_backward=None, lrs=None
 ) -> torch.nn.Module:
-    """The plain single-process torch loop over ``batches`` (global batches of indices)."""
+    """The plain single-process torch loop over ``batches`` (global batches of indices);
+    ``lrs``: the LR of each step, when a schedule changes it."""
     torch.manual_seed(seed)
     model = TinyCNN()
     opt = optimizer(model.parameters())
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    for parts in batches:
+    for step, parts in enumerate(batches):
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
         index = torch.from_numpy(np.concatenate(parts))
         loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
         opt.zero_grad()

@@ -22,6 +22,8 @@ from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
 from dataflow.stages.base import PhaseContext, ReplicaContext, StepContext
 
+THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
+
 
 @dataclass(frozen=True)
 class ReplicaSpec:
@@ -37,6 +39,7 @@ class ReplicaSpec:
     relax_malloc: bool = True
     freeze_gc: bool = True
     pause_dask_profiler: bool = True
+    throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
 
 
 @dataclass
@@ -72,6 +75,7 @@ class ReplicaRuntime:
         self, spec: ReplicaSpec, *, rank: int, world_size: int, collective: Collective | None
     ):
         self.spec = spec
+        self.throttle = spec.throttle.get(rank, 1.0)
         self.order = spec.order
         self.stages = {name: spec.graph[name] for name in spec.order}
         self.inputs = {name: spec.graph.inputs_of(name) for name in spec.order}
@@ -114,6 +118,10 @@ class ReplicaRuntime:
                     self.abort()  # peers waiting on this replica in a collective fail now
                     raise
                 stage_seconds[name] += time.perf_counter() - t
+            if self.throttle > 1.0:
+                stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + self._throttle(
+                    stage_seconds, step_start
+                )
             seconds.append(time.perf_counter() - step_start)
             samples.append(spec.local_batches[rank])
             losses.append(step.metrics.get("loss"))
@@ -129,6 +137,14 @@ class ReplicaRuntime:
             task_seconds=time.perf_counter() - started,
             evals=evals,
         )
+
+    def _throttle(self, stage_seconds: dict[str, float], step_start: float) -> float:
+        """Sleep (throttle - 1) x this step's compute: a slow node, simulated (tests,
+        benchmarks, demos). Counted as compute, as a slow node's time would be."""
+        step = time.perf_counter() - step_start
+        pause = (self.throttle - 1.0) * step
+        time.sleep(pause)
+        return pause
 
     def end_phase(self) -> dict[str, Any]:
         stats: dict[str, Any] = {}
