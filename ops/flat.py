@@ -119,11 +119,12 @@ def chunk_table(
     return table, bounds
 
 
-def _run(op: Op, device: torch.device, *arrays: Any, **params: Any) -> Any:
-    """Call ``op``'s kernel for ``device``; on CUDA, on torch's current stream, with host
-    tables copied through torch's caching allocator (numba's would allocate each call)."""
+def _run(op: Op, device: torch.device, work: int, *arrays: Any, **params: Any) -> Any:
+    """Call ``op``'s kernel for ``device`` on ``work`` elements: on the CPU with torch's
+    thread budget; on CUDA on torch's current stream, with host tables copied through
+    torch's caching allocator (numba's would allocate each call)."""
     if device.type == "cpu":
-        match_torch_threads()
+        match_torch_threads(work)
         return op.cpu(*arrays, **params)
     tables = [torch.from_numpy(a).to(device) if isinstance(a, np.ndarray) else a for a in arrays]
     converted = [as_arrays([t], device)[0] if isinstance(t, torch.Tensor) else t for t in tables]
@@ -346,7 +347,7 @@ def _device(array: Any, stream: Any) -> Any:
 
 
 def _scale_cpu(buffer: np.ndarray, *, factor: float) -> None:
-    match_torch_threads()
+    match_torch_threads(buffer.size)
     _scale_kernel(buffer, buffer.dtype.type(factor))
 
 
@@ -404,7 +405,7 @@ def _as_3d(x: Any, slab: Any, axis: int) -> tuple[Any, Any]:
 
 def _halo_cpu(to_slab: bool) -> Any:
     def run(x: np.ndarray, slab: np.ndarray, *, axis: int, start: int) -> None:
-        match_torch_threads()
+        match_torch_threads(slab.size)
         x3, slab3 = _as_3d(x, slab, axis)
         _halo_kernel(x3, slab3, start, to_slab)
 
@@ -513,7 +514,8 @@ def weighted_sum_(
     (flat,) = as_arrays([out.view(-1)], device)
     arena, starts, keep = _arena(inputs)
     dtype = torch.empty(0, dtype=out.dtype).numpy().dtype
-    _run(WEIGHTED_SUM, device, flat, arena, starts, np.asarray(weights, dtype=dtype))
+    work = out.numel() * len(inputs)
+    _run(WEIGHTED_SUM, device, work, flat, arena, starts, np.asarray(weights, dtype=dtype))
     del keep  # the copies of non-contiguous inputs lived until the kernel was queued
     return out
 
@@ -580,7 +582,7 @@ def pack_scaled_(
     chunk = CPU_CHUNK if device.type == "cpu" else CUDA_CHUNK
     table, _ = chunk_table(lengths, src, dst, chunk)
     (flat,) = as_arrays([out.view(-1)], device)
-    _run(PACK_SCALED, device, flat, arena, table, factor=factor)
+    _run(PACK_SCALED, device, out.numel(), flat, arena, table, factor=factor)
     del keep
     return out
 
@@ -627,7 +629,7 @@ def sum_of_squares(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
     if device.type == "cuda":
         partial = torch.empty(max(len(table), 1), dtype=torch.float64, device=device)
         scratch["partial"] = as_arrays([partial], device)[0]
-    _run(SUM_OF_SQUARES, device, arena, table, bounds, flat_out, **scratch)
+    _run(SUM_OF_SQUARES, device, sum(lengths), arena, table, bounds, flat_out, **scratch)
     del keep
     return out
 
@@ -693,5 +695,5 @@ def unpack_halo_(
     _one_dtype(UNPACK_HALO, [x, slab])
     if slab.numel():
         arrays = as_arrays([x, slab], device)
-        _run(UNPACK_HALO, device, *arrays, axis=axis, start=start)
+        _run(UNPACK_HALO, device, slab.numel(), *arrays, axis=axis, start=start)
     return x

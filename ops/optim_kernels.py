@@ -79,7 +79,7 @@ def sgd_cpu(
     ``first``: the momentum buffer is new and becomes the gradient (torch's first step);
     ``m`` is not read when ``momentum == 0`` (any array of the right dtype will do).
     """
-    match_torch_threads()
+    match_torch_threads(p.size)
     t = p.dtype.type
     kernel = _sgd_cpu_kernel(momentum != 0, weight_decay != 0, nesterov, maximize)
     kernel(p, g, m, t(-lr), t(weight_decay), t(momentum), t(1 - dampening), first)
@@ -164,7 +164,7 @@ def adamw_cpu(
 ) -> None:
     """One AdamW step (decoupled weight decay, bias correction at ``step``) over flat
     ``p`` with gradient ``g`` and moments ``m``, ``v``."""
-    match_torch_threads()
+    match_torch_threads(p.size)
     s = adamw_scalars(
         p.dtype, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step
     )

@@ -122,12 +122,20 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def match_torch_threads() -> None:
+PARALLEL_MIN = 1 << 15  # elements below which a CPU kernel runs on one thread (as torch)
+
+
+def match_torch_threads(elements: int | None = None) -> None:
     """Make this thread's CPU kernels use as many threads as torch does here: a replica
     sets torch's budget to its Dask worker's share of the cores, which numba (all cores
-    by default) must not oversubscribe. ``numba.set_num_threads`` is per calling thread."""
+    by default) must not oversubscribe. ``numba.set_num_threads`` is per calling thread.
+
+    With ``elements`` below :data:`PARALLEL_MIN` one thread runs the kernel: waking the
+    others costs more than they save, and far more on a busy machine."""
     import numba
 
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    if elements is not None and elements < PARALLEL_MIN:
+        threads = 1
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)

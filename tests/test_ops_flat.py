@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dataflow.ops import flat
-from dataflow.ops.registry import OpError
+from dataflow.ops.registry import PARALLEL_MIN, OpError
 
 DTYPES = (torch.float32, torch.float64)
 # Relative tolerances per dtype for results that are sums of several rounded terms.
@@ -298,15 +298,19 @@ def test_mixed_dtypes_are_refused():
         flat.pack_scaled_(torch.zeros(3), [torch.zeros(3, dtype=torch.float64)])
 
 
-def test_cpu_kernels_use_torchs_thread_budget():
-    """A replica limits torch's threads to its share of the node; numba must follow."""
+def test_cpu_kernels_use_torchs_thread_budget_and_one_thread_when_small():
+    """A replica limits torch's threads to its share of the node; numba must follow.
+    Small inputs run on one thread (waking others costs more than it saves)."""
     before = torch.get_num_threads()
+    big = torch.ones(PARALLEL_MIN)
     try:
         torch.set_num_threads(1)
-        flat.sum_of_squares([torch.ones(10)])
+        flat.sum_of_squares([big])
         assert numba.get_num_threads() == 1
         torch.set_num_threads(before)
-        flat.scale_(torch.ones(10), 2.0)
+        flat.scale_(big, 2.0)
         assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
+        flat.scale_(big[:10], 2.0)
+        assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
