@@ -564,7 +564,7 @@ class _Fit:
             compute = sum(
                 v
                 for name, v in stages.items()
-                if name not in self.trainer.graph or not _is_waiting(self.trainer.graph[name])
+                if name not in self.trainer.graph or not remote.is_waiting(self.trainer.graph[name])
             )
             rates.append(samples / compute if compute > 0 else 0.0)
             task_seconds.append(sum(w.task_seconds for w in windows))
@@ -590,13 +590,6 @@ class _Fit:
                 "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],
             }
         )
-
-
-def _is_waiting(stage: Any) -> bool:
-    """Stages whose time is waiting on data or peers, not this replica's compute."""
-    from dataflow.stages import AllReduce, Load
-
-    return isinstance(stage, Load | AllReduce)
 
 
 def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:

@@ -22,6 +22,14 @@ from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
 from dataflow.stages.base import PhaseContext, ReplicaContext, StepContext
 
+
+def is_waiting(stage: Any) -> bool:
+    """Stages whose time is waiting on data or peers, not this replica's compute."""
+    from dataflow.stages import AllReduce, Load
+
+    return isinstance(stage, Load | AllReduce)
+
+
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
 
@@ -75,7 +83,10 @@ class ReplicaRuntime:
         self, spec: ReplicaSpec, *, rank: int, world_size: int, collective: Collective | None
     ):
         self.spec = spec
+        # A simulated slow node (tests, benchmarks, demos): each step sleeps
+        # (throttle - 1) x its compute, i.e. the stages that do not wait on data or peers.
         self.throttle = spec.throttle.get(rank, 1.0)
+        self.waiting = {name for name in spec.order if is_waiting(spec.graph[name])}
         self.order = spec.order
         self.stages = {name: spec.graph[name] for name in spec.order}
         self.inputs = {name: spec.graph.inputs_of(name) for name in spec.order}
@@ -104,6 +115,7 @@ class ReplicaRuntime:
         for index in range(first_step, stop_step):
             spec = self.steps[index]
             step_start = time.perf_counter()
+            step_compute = 0.0
             step = StepContext(replica=self.context, spec=spec)
             for name in self.order:
                 self.stages[name].begin_step(step)
@@ -117,11 +129,14 @@ class ReplicaRuntime:
                     _add_note(exc, f"in stage {name!r} on replica {rank}, step {index}")
                     self.abort()  # peers waiting on this replica in a collective fail now
                     raise
-                stage_seconds[name] += time.perf_counter() - t
-            if self.throttle > 1.0:
-                stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + self._throttle(
-                    stage_seconds, step_start
-                )
+                elapsed = time.perf_counter() - t
+                stage_seconds[name] += elapsed
+                if name not in self.waiting:
+                    step_compute += elapsed
+            if self.throttle > 1.0:  # a slow node, simulated: counted as compute
+                pause = (self.throttle - 1.0) * step_compute
+                time.sleep(pause)
+                stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + pause
             seconds.append(time.perf_counter() - step_start)
             samples.append(spec.local_batches[rank])
             losses.append(step.metrics.get("loss"))
@@ -137,14 +152,6 @@ class ReplicaRuntime:
             task_seconds=time.perf_counter() - started,
             evals=evals,
         )
-
-    def _throttle(self, stage_seconds: dict[str, float], step_start: float) -> float:
-        """Sleep (throttle - 1) x this step's compute: a slow node, simulated (tests,
-        benchmarks, demos). Counted as compute, as a slow node's time would be."""
-        step = time.perf_counter() - step_start
-        pause = (self.throttle - 1.0) * step
-        time.sleep(pause)
-        return pause
 
     def end_phase(self) -> dict[str, Any]:
         stats: dict[str, Any] = {}
