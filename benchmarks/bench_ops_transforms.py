@@ -16,10 +16,11 @@ threshold, so first-touch page faults are a large share of both sides' time ther
   choice are gathered, flipped/rotated together and scattered back (``index_select``,
   ``flip``/``rot90``, ``index_copy_``): at most 2^axes (flip) or 4 (rotate) groups.
 
-Reported: median milliseconds over ``--repeats`` after a warm-up (numba compiles
-there), GB/s as (input + output bytes) / median time, and the ratio torch / numba
-(> 1: numba faster). Every output is checked equal to torch's before timing. Results
-are appended to ``benchmarks/results/ops_transforms.json`` (``--out``, ``--overwrite``).
+Reported: median milliseconds over ``--repeats`` after ``--warmup`` calls per side
+(numba compiles there; on a VM, memory first touched since boot is slow to back), GB/s
+as (input + output bytes) / median time, and the ratio torch / numba (> 1: numba
+faster). Every output is checked equal to torch's before timing. Results are appended
+to ``benchmarks/results/ops_transforms.json`` (``--out``, ``--overwrite``).
 
     python benchmarks/bench_ops_transforms.py                # all usable cores
     python benchmarks/bench_ops_transforms.py --threads 1
@@ -140,6 +141,12 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     p.add_argument("--threads", type=int, default=cores, help=f"torch = numba threads ({cores})")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per side (15)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed calls per side first (5): compiled kernels, allocator and page pools warm",
+    )
     p.add_argument("--shapes", default="3D,2D", help="workloads: 3D (32,1,64^3), 2D (256,3,64^2)")
     p.add_argument(
         "--max-wait",
@@ -172,11 +179,12 @@ def main() -> None:
         for dtype_in, dtype in CASTS:
             x = base.to(dtype_in)
             for label, op, baselines in workloads(shape, dtype):
-                ours = op(x)  # warm-up: numba compiles here
+                ours = op(x)  # numba compiles here
                 for fn in baselines.values():  # same result (torch's float16 math is coarser)
                     torch.testing.assert_close(ours, fn(x), **TOL[dtype_in])
                 sides = {"numba": lambda op=op, x=x: op(x)}
                 sides |= {name: lambda fn=fn, x=x: fn(x) for name, fn in baselines.items()}
+                time_ms(sides, args.warmup)
                 attempts = 0
                 while True:  # rerun what other programs disturbed
                     attempts += 1
