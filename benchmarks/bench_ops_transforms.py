@@ -5,9 +5,10 @@ Both sides get the same threads (``torch.set_num_threads`` = ``numba.set_num_thr
 (drawn inside the timed call on both sides). The sides' calls are interleaved, after
 waiting for a quiet machine; CPU used meanwhile by other programs is reported as
 ``foreign cores`` and a workload it disturbed is rerun (``--retries``). Both sides
-allocate their outputs as users get them: a 3D batch (33.5 MB) lies above glibc's mmap
-threshold, so first-touch page faults are a large share of both sides' time there
-(``THP_MEM_ALLOC_ENABLE=1`` lets torch's allocator use huge pages). Per op and workload:
+allocate their outputs with torch as users get them: a 3D batch (32 MiB) is a fresh
+mmap from glibc, whose first-touch page faults cost more than the kernels' own work;
+under ``THP_MEM_ALLOC_ENABLE=1`` torch allocates large tensors on transparent huge pages
+(both sides), which mostly leaves the kernels. Per op and workload:
 
 * numba: the op, which writes the output dtype directly (cast fused);
 * torch: the plain torch expression followed by ``.to(dtype)``: ``torch.log1p(x * s)``,
@@ -24,6 +25,7 @@ to ``benchmarks/results/ops_transforms.json`` (``--out``, ``--overwrite``).
 
     python benchmarks/bench_ops_transforms.py                # all usable cores
     python benchmarks/bench_ops_transforms.py --threads 1
+    THP_MEM_ALLOC_ENABLE=1 python benchmarks/bench_ops_transforms.py  # huge pages, both sides
 """
 
 from __future__ import annotations
@@ -234,7 +236,9 @@ def main() -> None:
         f"foreign cores: CPU used by other programs meanwhile (> {args.max_foreign}: a "
         f"disturbed figure, kept after {args.retries} reruns)"
     )
-    run = {"args": vars(args), "threads": args.threads, "results": records}
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    run = {"args": vars(args), "threads": args.threads, "thp_mem_alloc_enable": thp}
+    run["results"] = records
     print(f"saved to {save_run(NAME, run, args.out, overwrite=args.overwrite)}")
 
 

@@ -11,7 +11,10 @@ torch's default dtype for integer input, as ``torch.log1p`` does). bfloat16 is r
 (numba has no bfloat16). Arithmetic runs in float32, or float64 when the input or the
 output is float64, and is rounded once to the output dtype. Non-contiguous inputs are
 copied to contiguous ones first (by ``registry.launch``). CPU kernels run on as many
-threads as ``torch.get_num_threads()`` (a replica's share of its node).
+threads as ``torch.get_num_threads()`` (a replica's share of its node). Outputs come
+from ``torch.empty``: a large CPU one (32 MiB and more is a fresh mmap from glibc) costs
+more in first-touch page faults than the kernel's own work, unless torch allocates on
+transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``).
 
 The random ops draw their per-sample choices on the host from
 ``numpy.random.default_rng(seed)`` (:func:`draw_flips`, :func:`draw_rotations`) and one
@@ -21,11 +24,7 @@ kernel applies them; ``wants_seed = True`` makes ``stages.Transform`` pass
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
-import mmap
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -127,40 +126,6 @@ def draw_flips(n: int, axes: int, p: float, seed: Any) -> np.ndarray:
 def draw_rotations(n: int, seed: Any) -> np.ndarray:
     """Int64 ``[n]``: quarter turns per sample, uniform in 0..3."""
     return _rng("RandomRotate90", seed).integers(0, 4, size=n, dtype=np.int64)
-
-
-# -- outputs ---------------------------------------------------------------------------
-
-# glibc serves requests of 32 MiB and more (its largest dynamic mmap threshold) with a
-# fresh mmap, whose first touch costs a page fault per 4 KiB: about 3x the kernels' own
-# time for a 32 MiB output. Smaller ones reuse heap pages that are already mapped.
-_FRESH_MAPPING_BYTES = 32 << 20
-
-
-@functools.cache
-def _madvise() -> Any:
-    if sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
-def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The output: ``torch.empty`` on ``x``'s device. A large CPU one is advised to use
-    transparent huge pages before its first touch (one fault per 2 MiB, not per 4 KiB),
-    as torch's own allocator does under ``THP_MEM_ALLOC_ENABLE=1``; best effort."""
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    madvise = _madvise() if out.device.type == "cpu" else None
-    if madvise is not None and out.nbytes >= _FRESH_MAPPING_BYTES:
-        page = mmap.PAGESIZE
-        start = -(-out.data_ptr() // page) * page
-        stop = (out.data_ptr() + out.nbytes) // page * page
-        madvise(start, stop - start, mmap.MADV_HUGEPAGE)  # failure: plain pages, still correct
-    return out
 
 
 # -- validation helpers ----------------------------------------------------------------
@@ -313,7 +278,7 @@ class Log1p:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = _tensor("Log1p", x, 1)
-        out = _empty(x, _out_dtype(x, self.dtype, True))
+        out = torch.empty(x.shape, dtype=_out_dtype(x, self.dtype, True), device=x.device)
         launch(LOG1P, x, out, scale=self.scale)
         return out
 
@@ -360,7 +325,7 @@ class Standardize:
                 f"{tuple(x.shape)}) but mean/std have {len(self.mean)}; pass one mean and "
                 "std per channel, e.g. Standardize.fit(source) on the same data"
             )
-        out = _empty(x, _out_dtype(x, self.dtype, True))
+        out = torch.empty(x.shape, dtype=_out_dtype(x, self.dtype, True), device=x.device)
         launch(STANDARDIZE, x, out, mean=self.mean, std=self.std)
         return out
 
@@ -413,7 +378,7 @@ class RandomFlip:
         for i, axis in enumerate(self.axes):
             flags[:, axis + pad - 2] = drawn[:, i]
         shape5 = (x.shape[0], x.shape[1]) + (1,) * pad + tuple(x.shape[2:])
-        out = _empty(x, _out_dtype(x, self.dtype, False))
+        out = torch.empty(x.shape, dtype=_out_dtype(x, self.dtype, False), device=x.device)
         launch(FLIP, x.reshape(shape5), out.view(shape5), flags=flags)
         return out
 
@@ -454,6 +419,6 @@ class RandomRotate90:
         s = x.shape
         shape7 = (s[0], s[1], math.prod(s[2:a]), s[a], math.prod(s[a + 1 : b]), s[b])
         shape7 += (math.prod(s[b + 1 :]),)
-        out = _empty(x, _out_dtype(x, self.dtype, False))
+        out = torch.empty(x.shape, dtype=_out_dtype(x, self.dtype, False), device=x.device)
         launch(ROT90, x.reshape(shape7), out.view(shape7), ks=ks)
         return out

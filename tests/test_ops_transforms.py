@@ -345,13 +345,3 @@ def test_float16_conversions_match_torch_for_every_bit_pattern():
         x32.half().view(torch.int16)[~narrowed.isnan()],
     )
     assert torch.equal(narrowed.isnan(), x32.half().isnan())
-
-
-def test_large_outputs_on_huge_pages_are_still_correct():
-    """Outputs of 32 MiB and more are advised to use huge pages before the kernel writes."""
-    x = torch.rand(32, 1, 64, 64, 64)  # 32 MiB
-    torch.testing.assert_close(T.Log1p()(x), torch.log1p(x), **TOL[torch.float32])
-    assert torch.equal(
-        T.RandomRotate90(axes=(3, 4))(x, seed=2)[0],
-        torch.rot90(x[0], int(T.draw_rotations(32, 2)[0]), (2, 3)),
-    )
