@@ -22,12 +22,11 @@ from typing import Any
 
 import numba
 import numpy as np
-import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from dataflow.ops.registry import blocks
+from dataflow.ops.registry import blocks, match_torch_threads
 
 HALF_BITS = np.dtype(np.uint16)  # how a float16 array reaches a CPU kernel
 _RAW = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # bit-copy views by item size
@@ -368,22 +367,14 @@ def _copy_views(x: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return _cpu_view(x), _cpu_view(out)
 
 
-def _match_torch_threads() -> None:
-    """Run on as many threads as torch does here: a replica sets torch's budget to its
-    Dask worker's share of the cores, which the kernels must not oversubscribe."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if numba.get_num_threads() != threads:
-        numba.set_num_threads(threads)
-
-
 def log1p_cpu(x: np.ndarray, out: np.ndarray, *, scale: float) -> None:
-    _match_torch_threads()
+    match_torch_threads(x.size)
     ct = compute_dtype(x.dtype, out.dtype)
     _log1p_cpu(_cpu_view(x), _cpu_view(out), ct.type(scale))
 
 
 def standardize_cpu(x: np.ndarray, out: np.ndarray, *, mean: Any, std: Any) -> None:
-    _match_torch_threads()
+    match_torch_threads(x.size)
     ct = compute_dtype(x.dtype, out.dtype)
     inner = math.prod(x.shape[2:])
     if x.size:
@@ -393,7 +384,7 @@ def standardize_cpu(x: np.ndarray, out: np.ndarray, *, mean: Any, std: Any) -> N
 
 def flip_cpu(x: np.ndarray, out: np.ndarray, *, flags: np.ndarray) -> None:
     """``x`` as [N, C, D, H, W]; ``flags[n]``: flip D, H, W of sample n (uint8 0/1)."""
-    _match_torch_threads()
+    match_torch_threads(x.size)
     if x.size:
         xf, of = _copy_views(x, out)
         _flip_cpu(xf, of, np.ascontiguousarray(flags, dtype=np.uint8), *x.shape[1:])
@@ -401,7 +392,7 @@ def flip_cpu(x: np.ndarray, out: np.ndarray, *, flags: np.ndarray) -> None:
 
 def rot90_cpu(x: np.ndarray, out: np.ndarray, *, ks: np.ndarray) -> None:
     """``x`` as [N, C, L, P, M, Q, R], rotated in the (P, Q) plane by ``ks[n]`` quarter turns."""
-    _match_torch_threads()
+    match_torch_threads(x.size)
     if x.size:
         xf, of = _copy_views(x, out)
         n, c, *rest = x.shape

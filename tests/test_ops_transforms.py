@@ -313,17 +313,19 @@ def test_outputs_are_new_tensors_and_inputs_are_untouched():
 
 
 def test_cpu_kernels_use_as_many_threads_as_torch():
-    """A Dask replica sets torch's thread budget; the kernels must not oversubscribe it."""
+    """A Dask replica sets torch's thread budget; the kernels must not oversubscribe it
+    (and tiny inputs run on one thread: registry.match_torch_threads)."""
     import numba
 
     before = torch.get_num_threads()
+    big = torch.rand(4, 1, 128, 128)  # above registry.PARALLEL_MIN elements
     try:
         torch.set_num_threads(1)
-        T.Log1p()(torch.rand(2, 1, 4, 4))
+        T.Log1p()(big)
         assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
-    T.Log1p()(torch.rand(2, 1, 4, 4))
+    T.Log1p()(big)
     assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
 
 
