@@ -1,6 +1,7 @@
 """Read one array of a source by chunk along its sample dimension.
 
-Three kinds, one interface (``bounds``, ``missing``, ``read_slab``, ``read``):
+Three kinds, one interface (``bounds``, ``missing``, ``read_slab``); reads by
+sample index go through ``io.chunk_reader`` so each chunk is decoded once:
 
 - :class:`ZarrArrayReader`: a ``zarr.Array``. Zarr returns the fill value for a
   chunk absent from the store, so ``missing`` asks the store whether each stored
@@ -19,6 +20,7 @@ chunk for every input chunk would waste the read.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -91,22 +93,11 @@ class ArrayReader:
             return self._resident[start:stop]
         return native(np.moveaxis(self._read(start, stop), self.sample_dim, 0))
 
-    def read(self, indices: np.ndarray) -> np.ndarray:
-        """The samples at ``indices`` in that order, each storage chunk decoded once."""
-        if len(indices) == 0:
-            shape = list(self.shape)
-            shape.pop(self.sample_dim)
-            return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
-        bounds = self.bounds
-        owner = np.searchsorted(bounds, indices, side="right") - 1
-        out = None
-        for chunk in np.unique(owner).tolist():
-            where = np.flatnonzero(owner == chunk)
-            slab = self.read_slab(int(bounds[chunk]), int(bounds[chunk + 1]))
-            if out is None:
-                out = np.empty((len(indices), *slab.shape[1:]), dtype=slab.dtype)
-            out[where] = slab[indices[where] - bounds[chunk]]
-        return out
+    def empty(self) -> np.ndarray:
+        """No samples, with this array's sample shape and (native) dtype."""
+        shape = list(self.shape)
+        shape.pop(self.sample_dim)
+        return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
 
 
 class ZarrArrayReader(ArrayReader):
@@ -116,7 +107,7 @@ class ZarrArrayReader(ArrayReader):
         super().__init__(field, array.path or "<array>", array, sample_dim)
         self.unit = (array.shards or array.chunks)[sample_dim]
 
-    @property
+    @functools.cached_property
     def bounds(self) -> np.ndarray:
         return regular_bounds(self.num_samples, self.unit)
 
@@ -179,7 +170,7 @@ class ZarrArrayReader(ArrayReader):
 class DaskArrayReader(ArrayReader):
     """A dask array, computed one block row along the sample dim at a time."""
 
-    @property
+    @functools.cached_property
     def bounds(self) -> np.ndarray:
         sizes = self.array.chunks[self.sample_dim]
         return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -197,7 +188,7 @@ class MemoryArrayReader(ArrayReader):
         super().__init__(field, name, array, sample_dim)
         self.unit = max(1, int(unit))
 
-    @property
+    @functools.cached_property
     def bounds(self) -> np.ndarray:
         return regular_bounds(self.num_samples, self.unit)
 

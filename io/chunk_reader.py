@@ -54,11 +54,11 @@ def chunk_of(bounds: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return np.searchsorted(bounds, indices, side="right") - 1
 
 
-def last_uses(bounds: np.ndarray, batches: Sequence[np.ndarray]) -> dict[int, int]:
+def last_uses(chunks_per_batch: Sequence[np.ndarray]) -> dict[int, int]:
     """For every chunk the batches touch, the position of the last batch touching it."""
     last: dict[int, int] = {}
-    for position, indices in enumerate(batches):
-        for chunk in np.unique(chunk_of(bounds, np.asarray(indices))).tolist():
+    for position, chunks in enumerate(chunks_per_batch):
+        for chunk in np.unique(chunks).tolist():
             last[chunk] = position
     return last
 
@@ -83,15 +83,15 @@ class EpochChunkReader:
         self.source = source
         self.batches = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
         self.bounds = np.asarray(source.chunk_bounds, dtype=np.int64)
-        self.last_use = last_uses(self.bounds, self.batches)
+        self.chunks = [chunk_of(self.bounds, indices) for indices in self.batches]
+        self.last_use = last_uses(self.chunks)
         self.decoded = 0  # chunks decoded so far: the test of "once per epoch"
         self.peak_live_samples = 0  # most decoded samples held at once: the memory bound
 
     def __iter__(self) -> Iterator[Batch]:
         self.source.check_chunks(sorted(self.last_use))
         live: dict[int, Batch] = {}
-        for position, indices in enumerate(self.batches):
-            chunks = chunk_of(self.bounds, indices)
+        for position, (indices, chunks) in enumerate(zip(self.batches, self.chunks, strict=True)):
             touched = np.unique(chunks).tolist()
             new = [c for c in touched if c not in live]
             if new:

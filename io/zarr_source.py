@@ -33,6 +33,7 @@ from dataflow.io.array_readers import (
     ZarrArrayReader,
     missing_chunk_error,
 )
+from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.stages.base import Batch
 
 
@@ -324,10 +325,10 @@ class ZarrSource:
                 f"ZarrSource.read: indices must lie in [0, {self._num_samples}); "
                 f"got {index.min()}..{index.max()}"
             )
-        bounds = self.chunk_bounds
-        self.check_chunks(np.unique(np.searchsorted(bounds, index, side="right") - 1).tolist())
-        tensors = [torch.from_numpy(np.ascontiguousarray(r.read(index))) for r in self._open()]
-        batch = self._batch(tensors, len(index))
+        if len(index) == 0:
+            batch = self._batch([torch.from_numpy(r.empty()) for r in self._open()], 0)
+        else:  # one batch of the chunk reader: checks the chunks exist, decodes each once
+            batch = next(iter(EpochChunkReader(self, [index])))
         batch.indices = indices
         return batch
 
