@@ -7,10 +7,12 @@ phase boundary, so adaptive schedules can decide from what was measured.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from dataflow.errors import BatchSizeError, ConfigError
+from dataflow.noise_scale import adascale_gain
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +22,9 @@ class PhaseSpec:
     The learning rate is ``lr`` if given, else the optimizer factory's LR times
     ``lr_scale``. With ``warmup_steps``, it ramps linearly from the previous phase's
     LR to the new one over the first steps of the phase (:func:`lr_at`), so a jump
-    in LR does not destabilise training.
+    in LR does not destabilise training. ``noise_scale`` and ``gain`` are for the
+    history: the noise-scale estimate an adaptive schedule chose the phase from, and
+    the LR gain it applied (None for schedules that do not measure).
     """
 
     index: int
@@ -30,6 +34,8 @@ class PhaseSpec:
     lr: float | None = None
     lr_scale: float = 1.0
     warmup_steps: int = 0
+    noise_scale: float | None = None
+    gain: float | None = None
 
     def __post_init__(self) -> None:
         if self.end_epoch <= self.start_epoch:
@@ -43,6 +49,45 @@ class PhaseSpec:
             raise ConfigError(f"PhaseSpec: lr_scale must be > 0, got {self.lr_scale}")
         if self.warmup_steps < 0:
             raise ConfigError(f"PhaseSpec: warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.noise_scale is not None and not self.noise_scale >= 0:
+            raise ConfigError(
+                f"PhaseSpec: noise_scale must be >= 0 or None, got {self.noise_scale}"
+            )
+        if self.gain is not None and not self.gain > 0:
+            raise ConfigError(f"PhaseSpec: gain must be > 0 or None, got {self.gain}")
+
+
+@dataclass(frozen=True)
+class PhaseMeasurement:
+    """What the driver measured in the phase that just ended, for adaptive schedules.
+
+    ``noise_scale``, ``gradient_sq`` and ``trace_cov`` come from
+    :class:`dataflow.noise_scale.NoiseScaleTracker` (None when not measured);
+    ``samples_per_second`` is the phase's global throughput, ``steps`` its step count.
+    """
+
+    noise_scale: float | None = None
+    gradient_sq: float | None = None
+    trace_cov: float | None = None
+    samples_per_second: float = 0.0
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.noise_scale is not None and not self.noise_scale >= 0:
+            raise ConfigError(
+                f"PhaseMeasurement: noise_scale must be >= 0 or None, got {self.noise_scale}; "
+                "pass NoiseScaleTracker.noise_scale, which is None when not resolved"
+            )
+        for name in ("gradient_sq", "trace_cov"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"PhaseMeasurement: {name} must be finite or None, got {value}")
+        if not self.samples_per_second >= 0:
+            raise ConfigError(
+                f"PhaseMeasurement: samples_per_second must be >= 0, got {self.samples_per_second}"
+            )
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigError(f"PhaseMeasurement: steps must be an int >= 0, got {self.steps!r}")
 
 
 def lr_at(start: float, target: float, step_in_phase: int, warmup_steps: int) -> float:
@@ -62,10 +107,22 @@ LR_RULES = {
 
 @runtime_checkable
 class Schedule(Protocol):
-    """Chooses each phase; ``previous`` is None for the first one."""
+    """Chooses each phase; ``previous`` is None for the first one.
+
+    ``measured`` is what the driver measured during ``previous`` (None for the first
+    phase, or when nothing was measured). ``measures_noise`` tells the driver whether
+    to pay for the gradient-norm measurement that feeds ``measured.noise_scale``.
+    """
+
+    measures_noise: ClassVar[bool]
 
     def next_phase(
-        self, *, start_epoch: int, total_epochs: int, previous: PhaseSpec | None
+        self,
+        *,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
     ) -> PhaseSpec: ...
 
     def max_batch(self) -> int:
@@ -80,6 +137,8 @@ class Fixed:
     ``epochs_per_phase`` cuts the fit into phases of that many epochs, so a
     speed-aware balancer (``balance.Throughput``) can re-split between them.
     """
+
+    measures_noise: ClassVar[bool] = False
 
     batch_size: int
     lr: float | None = None
@@ -101,7 +160,12 @@ class Fixed:
             _positive_int("Fixed", "epochs_per_phase", self.epochs_per_phase)
 
     def next_phase(
-        self, *, start_epoch: int, total_epochs: int, previous: PhaseSpec | None
+        self,
+        *,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
     ) -> PhaseSpec:
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
@@ -130,6 +194,8 @@ class Stepwise:
     optimizers) or "none"; ``lr`` is the base LR (default: the optimizer factory's).
     Each phase after the first ramps to its new LR over ``warmup_steps`` steps.
     """
+
+    measures_noise: ClassVar[bool] = False
 
     batches: dict[int, int]
     lr_scaling: str = "linear"
@@ -165,7 +231,12 @@ class Stepwise:
             raise ConfigError(f"Stepwise(lr={self.lr}): lr must be > 0 or None")
 
     def next_phase(
-        self, *, start_epoch: int, total_epochs: int, previous: PhaseSpec | None
+        self,
+        *,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
     ) -> PhaseSpec:
         starts = sorted(self.batches)
         current = max(e for e in starts if e <= start_epoch)
@@ -184,3 +255,213 @@ class Stepwise:
 
     def max_batch(self) -> int:
         return max(self.batches.values())
+
+
+ADAPTIVE_LR_RULES = ("adascale", *sorted(LR_RULES))
+
+
+@dataclass(frozen=True, init=False, repr=False)
+class Adaptive:
+    """The auto-tuner: grows the global batch toward the measured gradient noise scale.
+
+    Phase 0 runs at ``initial_batch``. During each phase the driver estimates the
+    noise scale ``B_noise`` (:class:`dataflow.noise_scale.NoiseScaleTracker`, the
+    critical batch size of McCandlish et al. 2018). At the boundary the next batch is
+    ``target × B_noise`` clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]``,
+    rounded down to a multiple of ``batch_multiple``: the batch never shrinks, grows by
+    at most ``max_growth`` per phase, and stays at ``B_prev`` without an estimate.
+    ``target=1`` trains at the critical batch (about 2× the minimum steps and 2× the
+    minimum samples); a smaller target favours samples, a larger one steps.
+
+    The LR is ``lr_scale`` times the base LR (``lr``, or the optimizer factory's),
+    which belongs to ``initial_batch``:
+
+    - ``"adascale"``: AdaScale's gain ``(1 + B_noise/B0)/(1 + B_noise/B)``
+      (:func:`dataflow.noise_scale.adascale_gain`), between 1 and ``B/B0``: linear
+      scaling while noise dominates, less once the batch nears the noise scale. The
+      gain is recomputed at each boundary from the latest estimate (measured at the
+      previous batch, close to the new one since growth is bounded); without an
+      estimate the previous phase's scale is kept.
+    - ``"linear"``, ``"sqrt"``, ``"none"``: the Stepwise rules on ``B/B0``.
+
+    Every rule is capped at ``max_lr_scale`` when given. Each phase after the first
+    ramps to its new LR over ``warmup_steps`` steps.
+    """
+
+    measures_noise: ClassVar[bool] = True
+
+    initial_batch: int
+    max_batch_size: int
+    epochs_per_phase: int
+    max_growth: float
+    target: float
+    lr_rule: str
+    lr: float | None
+    warmup_steps: int
+    batch_multiple: int
+    max_lr_scale: float | None
+
+    def __init__(
+        self,
+        initial_batch: int,
+        *,
+        max_batch: int,
+        epochs_per_phase: int = 1,
+        max_growth: float = 2.0,
+        target: float = 1.0,
+        lr_rule: str = "adascale",
+        lr: float | None = None,
+        warmup_steps: int = 0,
+        batch_multiple: int = 1,
+        max_lr_scale: float | None = None,
+    ) -> None:
+        # A dataclass field cannot be called max_batch: that is the protocol's method.
+        values = {
+            "initial_batch": initial_batch,
+            "max_batch_size": max_batch,
+            "epochs_per_phase": epochs_per_phase,
+            "max_growth": max_growth,
+            "target": target,
+            "lr_rule": lr_rule,
+            "lr": lr,
+            "warmup_steps": warmup_steps,
+            "batch_multiple": batch_multiple,
+            "max_lr_scale": max_lr_scale,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        _positive_int("Adaptive", "initial_batch", self.initial_batch)
+        _positive_int("Adaptive", "max_batch", self.max_batch_size)
+        _positive_int("Adaptive", "batch_multiple", self.batch_multiple)
+        if self.max_batch_size < self.initial_batch:
+            raise BatchSizeError(
+                f"Adaptive(initial_batch={self.initial_batch}, max_batch={self.max_batch_size}): "
+                "max_batch must be >= initial_batch"
+            )
+        if self.initial_batch % self.batch_multiple:
+            fix = _round_down(self.initial_batch, self.batch_multiple) or self.batch_multiple
+            raise BatchSizeError(
+                f"Adaptive(initial_batch={self.initial_batch}, batch_multiple="
+                f"{self.batch_multiple}): initial_batch must be a multiple of batch_multiple, "
+                f"e.g. Adaptive({fix}, ...)"
+            )
+        if isinstance(self.epochs_per_phase, bool) or not isinstance(self.epochs_per_phase, int):
+            raise ConfigError(
+                f"Adaptive(epochs_per_phase={self.epochs_per_phase!r}): must be an int >= 1"
+            )
+        if self.epochs_per_phase < 1:
+            raise ConfigError(
+                f"Adaptive(epochs_per_phase={self.epochs_per_phase}): must be >= 1 (the batch "
+                "can change once per phase)"
+            )
+        _finite_number("max_growth", self.max_growth)
+        if self.max_growth < 1:
+            raise ConfigError(
+                f"Adaptive(max_growth={self.max_growth}): must be >= 1, the largest factor "
+                "the batch may grow by in one phase (the batch never shrinks), e.g. 2.0"
+            )
+        _finite_number("target", self.target)
+        if not self.target > 0:
+            raise ConfigError(
+                f"Adaptive(target={self.target}): must be > 0, the next batch as a multiple "
+                "of the measured noise scale (1.0 = the critical batch)"
+            )
+        if self.lr_rule not in ADAPTIVE_LR_RULES:
+            raise ConfigError(
+                f"Adaptive(lr_rule={self.lr_rule!r}): use one of {list(ADAPTIVE_LR_RULES)}"
+            )
+        if self.lr is not None:
+            _finite_number("lr", self.lr)
+            if not self.lr > 0:
+                raise ConfigError(f"Adaptive(lr={self.lr}): lr must be > 0 or None")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
+            raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps!r}): must be an int >= 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps}): must be >= 0")
+        if self.max_lr_scale is not None:
+            _finite_number("max_lr_scale", self.max_lr_scale)
+            if self.max_lr_scale < 1:
+                raise ConfigError(
+                    f"Adaptive(max_lr_scale={self.max_lr_scale}): must be >= 1 or None; it "
+                    "caps the LR relative to the base LR at initial_batch"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"Adaptive({self.initial_batch}, max_batch={self.max_batch_size}, "
+            f"epochs_per_phase={self.epochs_per_phase}, max_growth={self.max_growth}, "
+            f"target={self.target}, lr_rule={self.lr_rule!r}, lr={self.lr}, "
+            f"warmup_steps={self.warmup_steps}, batch_multiple={self.batch_multiple}, "
+            f"max_lr_scale={self.max_lr_scale})"
+        )
+
+    def next_batch(self, previous: int, noise_scale: float | None) -> int:
+        """The batch after a phase at ``previous`` that measured ``noise_scale``."""
+        if noise_scale is None:
+            return previous
+        ceiling = min(previous * self.max_growth, self.max_batch_size)
+        wanted = min(max(self.target * noise_scale, previous), ceiling)
+        return max(_round_down(int(wanted), self.batch_multiple), previous)
+
+    def lr_scale(self, batch: int, noise_scale: float | None, previous: float = 1.0) -> float:
+        """The LR scale at ``batch`` (relative to the base LR at ``initial_batch``);
+        ``previous`` is kept by "adascale" when there is no estimate."""
+        if self.lr_rule == "adascale":
+            if noise_scale is None:
+                scale = previous
+            else:
+                scale = adascale_gain(noise_scale, self.initial_batch, batch)
+        else:
+            scale = LR_RULES[self.lr_rule](batch / self.initial_batch)
+        if self.max_lr_scale is not None:
+            scale = min(scale, self.max_lr_scale)
+        return scale
+
+    def next_phase(
+        self,
+        *,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
+    ) -> PhaseSpec:
+        end_epoch = min(total_epochs, start_epoch + self.epochs_per_phase)
+        if previous is None:
+            return PhaseSpec(
+                index=0,
+                start_epoch=start_epoch,
+                end_epoch=end_epoch,
+                global_batch=self.initial_batch,
+                lr=self.lr,
+                lr_scale=1.0,
+                gain=1.0,
+            )
+        noise = None if measured is None else measured.noise_scale
+        batch = self.next_batch(previous.global_batch, noise)
+        scale = self.lr_scale(batch, noise, previous.lr_scale)
+        return PhaseSpec(
+            index=previous.index + 1,
+            start_epoch=start_epoch,
+            end_epoch=end_epoch,
+            global_batch=batch,
+            lr=None if self.lr is None else self.lr * scale,
+            lr_scale=scale,
+            warmup_steps=self.warmup_steps,
+            noise_scale=noise,
+            gain=scale,
+        )
+
+    def max_batch(self) -> int:
+        return self.max_batch_size
+
+
+def _finite_number(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"Adaptive({field}={value!r}): must be a finite number")
+
+
+def _round_down(value: int, multiple: int) -> int:
+    return value // multiple * multiple
