@@ -53,3 +53,11 @@ class ReplicaError(DataflowError, RuntimeError):
 
 class CollectiveError(DataflowError, RuntimeError):
     """Forming or using the process group across replicas failed."""
+
+
+class CheckpointError(DataflowError, OSError):
+    """A checkpoint directory cannot be written, or a checkpoint file is corrupt or partial."""
+
+
+class IncompatibleCheckpointError(DataflowError, ValueError):
+    """A checkpoint belongs to another model, dataset or configuration than this fit."""
