@@ -37,6 +37,34 @@ def proportional_split(total: int, weights: Sequence[float]) -> tuple[int, ...]:
     return tuple(shares)
 
 
+def micro_batch_counts(
+    local_batches: Sequence[int],
+    cap: int | Sequence[int | None] | None,
+    *,
+    minimum: int = 1,
+) -> tuple[int, ...]:
+    """Per replica, how many micro-batches its local batch is run in.
+
+    ``cap`` is the most samples one forward/backward may hold in memory (one value,
+    or one per replica; None: no cap). A replica whose local batch exceeds its cap
+    accumulates gradients over ``ceil(b_r / cap)`` micro-batches, so any global batch
+    fits any device. ``minimum`` forces accumulation (the noise-scale estimate of a
+    single replica needs two micro-batches); a batch is never cut finer than one
+    sample per micro-batch.
+    """
+    caps = list(cap) if isinstance(cap, list | tuple) else [cap] * len(local_batches)
+    if len(caps) != len(local_batches):
+        raise ConfigError(
+            f"max_micro_batch has {len(caps)} values but the fit has {len(local_batches)} "
+            "replicas; give one int for all, or one per replica"
+        )
+    counts = []
+    for batch, limit in zip(local_batches, caps, strict=True):
+        count = 1 if limit is None else -(-batch // limit)
+        counts.append(max(1, min(batch, max(count, minimum))))
+    return tuple(counts)
+
+
 @runtime_checkable
 class Balancer(Protocol):
     """Chooses the per-replica split of each global batch.

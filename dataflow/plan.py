@@ -28,8 +28,10 @@ def phase_steps(
     split: Callable[[int], tuple[int, ...]],
     drop_last: bool = False,
     first_index: int = 0,
+    micro_batches: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
 ) -> tuple[StepSpec, ...]:
-    """Every global step of ``phase``: its epoch, its slice of the epoch order, its split."""
+    """Every global step of ``phase``: its epoch, its slice of the epoch order, its split,
+    and (``micro_batches`` given) each replica's number of accumulation micro-batches."""
     if phase.global_batch > num_samples:
         raise BatchSizeError(
             f"global batch size {phase.global_batch} (phase {phase.index}) is larger than the "
@@ -53,6 +55,7 @@ def phase_steps(
                     global_batch=size,
                     local_batches=local,
                     last_in_epoch=s == n_steps - 1,
+                    micro_batches=() if micro_batches is None else tuple(micro_batches(local)),
                 )
             )
     return tuple(steps)

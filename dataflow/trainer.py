@@ -21,7 +21,7 @@ import numpy as np
 from distributed import Client, as_completed, wait
 from tqdm.auto import tqdm
 
-from dataflow.balance import Balancer, Even
+from dataflow.balance import Balancer, Even, micro_batch_counts
 from dataflow.errors import (
     BatchSizeError,
     CollectiveError,
@@ -33,11 +33,12 @@ from dataflow.errors import (
 from dataflow.graph import Graph
 from dataflow.history import FitResult, History
 from dataflow.io.ledger import SampleLedger
+from dataflow.noise_scale import NoiseScaleTracker, NormPair
 from dataflow.plan import Plan, phase_steps
 from dataflow.runtime import replica as remote
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.plugin import DataflowWorkerPlugin
-from dataflow.schedule import PhaseSpec, Schedule
+from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
 from dataflow.stages import Forward, Load
 from dataflow.stages.base import PhaseContext
 from dataflow.stages.forward import build_model
@@ -60,6 +61,9 @@ class TrainerConfig:
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
     balancer: Balancer = field(default_factory=Even)
+    # Memory cap: the most samples one replica's forward/backward holds; a larger local
+    # batch is run as micro-batches with gradient accumulation. One int, or one per replica.
+    max_micro_batch: int | tuple[int, ...] | None = None
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> simulated slow-down
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
@@ -87,6 +91,19 @@ class TrainerConfig:
             raise ConfigError(
                 f"throttle={self.throttle!r}: give {{rank: factor}} with factors >= 1, e.g. "
                 "{1: 2.0} to make replica 1 take twice its compute time (a simulated slow node)"
+            )
+        caps = (
+            self.max_micro_batch
+            if isinstance(self.max_micro_batch, tuple | list)
+            else [self.max_micro_batch]
+        )
+        if self.max_micro_batch is not None and any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps
+        ):
+            raise ConfigError(
+                f"max_micro_batch={self.max_micro_batch!r}: give the most samples one replica "
+                "can hold in a forward/backward (an int >= 1, or a tuple with one per replica), "
+                "or None for no cap"
             )
         if not isinstance(self.balancer, Balancer):
             raise ConfigError(
@@ -117,6 +134,21 @@ class Trainer:
         self.drop_last = loads[0].config.drop_last
         forwards = [s for s in graph if isinstance(s, Forward)]
         self.model_factory = forwards[0].config.model if forwards else None
+        self.measures_noise = bool(getattr(schedule, "measures_noise", False))
+
+    def next_phase(
+        self,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
+    ) -> PhaseSpec:
+        """Ask the schedule for the next phase; only schedules that measure the gradient
+        noise (``measures_noise``) are given the measurement."""
+        extra = {"measured": measured} if self.measures_noise else {}
+        return self.schedule.next_phase(
+            start_epoch=start_epoch, total_epochs=total_epochs, previous=previous, **extra
+        )
 
     # -- inspection, no cluster ---------------------------------------------------------
     def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list[Plan]:
@@ -125,9 +157,7 @@ class Trainer:
         order = self.graph.validate(replicas=replicas)
         plans, epoch, previous, index = [], 0, None, 0
         while epoch < epochs:
-            phase = self.schedule.next_phase(
-                start_epoch=epoch, total_epochs=epochs, previous=previous
-            )
+            phase = self.next_phase(epoch, epochs, previous)
             steps = self._phase_steps(phase, replicas, index)
             plans.append(
                 Plan.build(
@@ -159,12 +189,19 @@ class Trainer:
         def split(size: int) -> tuple[int, ...]:
             return self.config.balancer.split(size, replicas, measured)
 
+        # One replica estimates the gradient noise from two micro-batches of each step.
+        minimum = 2 if replicas == 1 and self.measures_noise else 1
+
+        def micro_batches(local: tuple[int, ...]) -> tuple[int, ...]:
+            return micro_batch_counts(local, self.config.max_micro_batch, minimum=minimum)
+
         return phase_steps(
             num_samples=self.source.num_samples,
             phase=phase,
             split=split,
             drop_last=self.drop_last,
             first_index=first_index,
+            micro_batches=micro_batches,
         )
 
     # -- fitting --------------------------------------------------------------------
@@ -220,6 +257,7 @@ class _Fit:
         self.run_id = f"fit{uuid.uuid4().hex[:12]}"
         self.history = History()
         self.ledger = SampleLedger(trainer.load.source.num_samples)
+        self.noise = NoiseScaleTracker()  # the gradient noise scale, smoothed over steps
         self.samples_seen = 0  # running totals: the history is not rescanned per window
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
 
@@ -336,10 +374,9 @@ class _Fit:
         epoch, previous, index = 0, None, 0
         step_seconds: float | None = None
         world = len(self.workers)
+        measurement: PhaseMeasurement | None = None
         while epoch < self.epochs:
-            phase = self.trainer.schedule.next_phase(
-                start_epoch=epoch, total_epochs=self.epochs, previous=previous
-            )
+            phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
             measured = [p["samples_per_second"] for p in self.history.phases]
             steps = self.trainer._phase_steps(phase, world, index, measured)
             phase_started = time.perf_counter()
@@ -349,6 +386,7 @@ class _Fit:
                 lr=phase.lr,
                 lr_scale=phase.lr_scale,
                 warmup_steps=phase.warmup_steps,
+                measure_noise=self.trainer.measures_noise,
             )
             self.last_futures = [
                 self._submit(
@@ -409,8 +447,26 @@ class _Fit:
                     f"replica weights diverged after phase {phase.index}: digests {digests}"
                 )
             self._record_consumed(steps, ends)
+            self._track_noise(ends)
             self._record_phase(phase, steps, results, ends, time.perf_counter() - phase_started)
+            measurement = PhaseMeasurement(
+                noise_scale=self.noise.noise_scale,
+                gradient_sq=self.noise.gradient_sq,
+                trace_cov=self.noise.trace_cov,
+                samples_per_second=sum(self.history.phases[-1]["samples_per_second"]),
+                steps=len(steps),
+            )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+
+    def _track_noise(self, ends: list[dict]) -> None:
+        """Feed the replicas' per-step gradient-norm pairs to the noise-scale tracker, in
+        step order (all replicas' pairs of one step together)."""
+        by_step: dict[int, list[NormPair]] = defaultdict(list)
+        for end in ends:
+            for index, small, small_sq, big, big_sq in end.get("norm_pairs", ()):
+                by_step[index].append(NormPair(small, small_sq, big, big_sq))
+        for index in sorted(by_step):
+            self.noise.update(by_step[index])
 
     def _record_consumed(self, steps: tuple, ends: list[dict]) -> None:
         """Fold each replica's consumed indices into the ledger, which refuses a repeat;
@@ -579,6 +635,11 @@ class _Fit:
                 "global_batch": phase.global_batch,
                 "lr": ends[0].get("lr", phase.lr),
                 "local_batches": list(steps[0].local_batches),
+                "micro_batches": list(steps[0].micro_batches or [1] * len(steps[0].local_batches)),
+                "replicas": len(steps[0].local_batches),
+                "noise_scale": phase.noise_scale,  # the estimate this phase was chosen from
+                "gain": phase.gain,  # the LR gain the schedule applied (Adaptive)
+                "measured_noise_scale": self.noise.noise_scale,  # after this phase's steps
                 "samples_per_second": rates,
                 "steps": len(steps),
                 "windows": len(results[0]),

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from dataflow.errors import ConfigError
 from dataflow.runtime.reducer import BucketReducer
-from dataflow.stages.base import Gradients, ReplicaContext, Stage, StepContext
+from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -47,14 +49,57 @@ class AllReduce(Stage):
             cap_bytes=int(self.config.bucket_mb * 2**20),
         )
 
+    def regroup(self, replica: ReplicaContext) -> None:
+        """New replicas joined: rank 0's weights reach them by the same broadcast as at
+        setup (they run ``setup`` while the others run this), then new buckets."""
+        self.teardown(replica)
+        self.setup(replica)
+
+    def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
+        self._measure = phase.measure_noise
+        self._norm_pairs: list[tuple[int, float, float, float, float]] = []
+        if self._reducer is not None:
+            self._reducer.measure = phase.measure_noise
+
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
 
+    def begin_micro_batch(self, step: StepContext) -> None:
+        """Only the last micro-batch's backward reduces. Measuring noise with one replica,
+        the first micro-batch's gradient is read before the second one adds to it."""
+        if self._reducer is not None:
+            self._reducer.arm(step.last_micro_batch)
+        if not getattr(self, "_measure", False) or step.replica.world_size > 1:
+            return
+        if step.micro_index == 0:
+            self._first_micro = (step.micro_size, step.micro_weight)
+        elif step.micro_index == 1:
+            weight = self._first_micro[1]
+            self._first_micro_sq = _grad_squared_norm(step.replica.model) / weight**2
+
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         if self._reducer is not None:
             self._reducer.finish()
+        if getattr(self, "_measure", False):
+            self._record_norms(step)
         return Gradients(samples=grads.samples, reduced=True)
+
+    def _record_norms(self, step: StepContext) -> None:
+        """One (small batch, |g_small|^2, big batch, |g_big|^2) pair per step, for the
+        driver's noise-scale estimate: this replica's local batch inside the global
+        batch, or (one replica) its first micro-batch inside its local batch."""
+        index, local, total = step.spec.index, step.local_batch, step.global_batch
+        if self._reducer is not None:
+            if 0 < local < total:
+                local_sq = self._reducer.local_sq / step.weight**2
+                self._norm_pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
+        elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
+            size, _ = self._first_micro
+            if size is not None and 0 < size < local:
+                local_sq = _grad_squared_norm(step.replica.model)
+                self._norm_pairs.append((index, size, self._first_micro_sq, local, local_sq))
+            del self._first_micro
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         """Average floating-point buffers (BatchNorm running statistics) over replicas.
@@ -67,11 +112,22 @@ class AllReduce(Stage):
             buffers = [b for b in replica.model.buffers() if b.is_floating_point()]
             for buffer in buffers:
                 replica.collective.allreduce(buffer.data).div_(replica.world_size)
-        return {}
+        pairs, self._norm_pairs = getattr(self, "_norm_pairs", []), []
+        return {"norm_pairs": pairs} if pairs else {}
 
     def teardown(self, replica: ReplicaContext) -> None:
         if getattr(self, "_reducer", None) is not None:
             self._reducer.close()
+            self._reducer = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _grad_squared_norm(model: Any) -> float:
+    """Sum over parameters of |grad|^2, accumulated in float64."""
+    total = 0.0
+    for param in model.parameters():
+        if param.grad is not None:
+            total += float(torch.linalg.vector_norm(param.grad, dtype=torch.float64) ** 2)
+    return total

@@ -6,6 +6,10 @@ from dataflow.stages.base import ForwardOutput, Gradients, Stage, StepContext
 
 
 class Backward(Stage):
+    """``loss.backward()``; with micro-batches, once per micro-batch (gradients accumulate)."""
+
+    per_micro_batch = True
+
     def run(self, step: StepContext, out: ForwardOutput) -> Gradients:
         if out.loss is not None:
             out.loss.backward()

@@ -25,6 +25,23 @@ class Batch:
     size: int = 0
     indices: Any = None  # sample indices in the source, for the sample ledger
 
+    def slice(self, start: int, stop: int) -> Batch:
+        """Samples ``[start, stop)``: one micro-batch of gradient accumulation (views)."""
+        return Batch(
+            x=_slice(self.x, start, stop),
+            y=_slice(self.y, start, stop),
+            size=stop - start,
+            indices=None if self.indices is None else self.indices[start:stop],
+        )
+
+
+def _slice(value: Any, start: int, stop: int) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_slice(v, start, stop) for v in value)
+    return value[start:stop]
+
 
 @dataclass
 class ForwardOutput:
@@ -75,6 +92,10 @@ class StepSpec:
     global_batch: int
     local_batches: tuple[int, ...]
     last_in_epoch: bool
+    micro_batches: tuple[int, ...] = ()  # per replica, micro-batches per step (() = all 1)
+
+    def micro_batches_of(self, rank: int) -> int:
+        return self.micro_batches[rank] if self.micro_batches else 1
 
 
 @dataclass
@@ -84,6 +105,9 @@ class StepContext:
     replica: ReplicaContext
     spec: StepSpec
     metrics: dict[str, Any] = field(default_factory=dict)
+    micro_index: int = 0  # which micro-batch of gradient accumulation is running
+    micro_count: int = 1
+    micro_size: int | None = None  # samples in the running micro-batch (None: whole batch)
 
     @property
     def local_batch(self) -> int:
@@ -98,6 +122,19 @@ class StepContext:
         """This replica's share of the global mean: ``b_r / B``."""
         return self.local_batch / self.spec.global_batch
 
+    @property
+    def micro_weight(self) -> float:
+        """The running micro-batch's share of the local mean: ``m_k / b_r`` (1 without
+        accumulation). Forward scales the loss by it, so the accumulated gradient is the
+        mean gradient of the replica's whole local batch."""
+        if self.micro_count == 1 or self.micro_size is None:
+            return 1.0
+        return self.micro_size / self.local_batch
+
+    @property
+    def last_micro_batch(self) -> bool:
+        return self.micro_index == self.micro_count - 1
+
 
 @dataclass(frozen=True)
 class PhaseContext:
@@ -109,6 +146,7 @@ class PhaseContext:
     lr: float | None
     lr_scale: float = 1.0
     warmup_steps: int = 0
+    measure_noise: bool = False  # record gradient norms for the noise-scale estimate
 
 
 class Stage:
@@ -124,11 +162,24 @@ class Stage:
     def setup(self, replica: ReplicaContext) -> None:
         """Once per fit on the worker, in graph order (Forward builds the model first)."""
 
+    def regroup(self, replica: ReplicaContext) -> None:
+        """Between phases, after the set of replicas changed (workers joined): the
+        context has the new ``world_size`` and ``collective``. Stages that hold state
+        tied to the process group rebuild it here."""
+
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """Before the first step of each phase."""
 
     def begin_step(self, step: StepContext) -> None:
         """Before any stage runs in this step (e.g. arm gradient hooks)."""
+
+    #: Runs once per micro-batch when a replica accumulates gradients (Forward, Backward):
+    #: the runtime slices the batch and runs each contiguous run of such stages per slice.
+    per_micro_batch: bool = False
+
+    def begin_micro_batch(self, step: StepContext) -> None:
+        """Before each micro-batch of a step that accumulates gradients (e.g. only the
+        last micro-batch's backward may start the allreduce)."""
 
     def run(self, step: StepContext, *inputs: Any) -> Any:
         """Do this stage's work for one step; the return value feeds downstream stages."""

@@ -83,6 +83,8 @@ class Forward(Stage):
             model = lambda: copy.deepcopy(template)  # noqa: E731
         self.config = ForwardConfig(model=model, loss=loss)
 
+    per_micro_batch = True
+
     def setup(self, replica: ReplicaContext) -> None:
         model = build_model(self.config.model, replica.seed)
         replica.model = model.to(replica.device).train()
@@ -92,5 +94,9 @@ class Forward(Stage):
             return ForwardOutput(loss=None, output=None, batch=batch)
         output = call_model(step.replica.model, batch.x)
         loss = compute_loss(self.config.loss, output, batch.y)
-        step.metrics["loss"] = loss.detach()
+        if step.micro_count > 1:  # accumulating: each micro-batch's share of the local mean
+            loss = loss * step.micro_weight
+            step.metrics["loss"] = step.metrics.get("loss", 0.0) + loss.detach()
+        else:
+            step.metrics["loss"] = loss.detach()
         return ForwardOutput(loss=loss, output=output, batch=batch)

@@ -46,10 +46,14 @@ class BucketReducer:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._armed = False
         self._weight = 1.0
+        self.measure = False  # record squared gradient norms (for the noise-scale estimate)
+        self.local_sq = 0.0  # |w g_r|^2 of this step's packed (weighted) local gradient
+        self.reduced_sq = 0.0  # |G|^2 of this step's reduced gradient
 
     def begin_step(self, weight: float) -> None:
         """Arm the hooks for this step's backward with this replica's weight ``b_r / B``."""
         self._weight = weight
+        self.local_sq = self.reduced_sq = 0.0
         self._pending = [len(m) for m in self.buckets]
         self._packed = [False] * len(self.buckets)
         self._works: list[Any] = [None] * len(self.buckets)
@@ -76,7 +80,13 @@ class BucketReducer:
                 view.copy_(grad.reshape(-1))
             else:
                 torch.mul(grad.reshape(-1), self._weight, out=view)
+        if self.measure:  # before the allreduce overwrites the buffer with the sum
+            self.local_sq += _squared_norm(self._flat[b])
         self._packed[b] = True
+
+    def arm(self, armed: bool) -> None:
+        """Gradient accumulation: only the last micro-batch's backward packs and reduces."""
+        self._armed = armed
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._packed[self._next_launch]:
@@ -103,6 +113,8 @@ class BucketReducer:
                 f"allreduce failed on replica {self.collective.rank}: {exc}; another replica "
                 "(or the driver) most likely failed first"
             ) from exc
+        if self.measure:
+            self.reduced_sq = sum(_squared_norm(flat) for flat in self._flat)
         for i, param in enumerate(self.params):
             reduced = self._views[i].view_as(param)
             if param.grad is None:
@@ -115,3 +127,7 @@ class BucketReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _squared_norm(flat: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2)

@@ -7,6 +7,7 @@ plugin by run id; only small results (losses, timings) go back to the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import time
@@ -20,7 +21,7 @@ from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective, connect_store, open_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
-from dataflow.stages.base import PhaseContext, ReplicaContext, StepContext
+from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
 
 def is_waiting(stage: Any) -> bool:
@@ -97,6 +98,7 @@ class ReplicaRuntime:
             seed=spec.seed,
             collective=collective,
         )
+        self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}
         for name in self.order:
             self.stages[name].setup(self.context)
@@ -115,24 +117,18 @@ class ReplicaRuntime:
         for index in range(first_step, stop_step):
             spec = self.steps[index]
             step_start = time.perf_counter()
-            step_compute = 0.0
             step = StepContext(replica=self.context, spec=spec)
             for name in self.order:
                 self.stages[name].begin_step(step)
             values: dict[str, Any] = {}
-            for name in self.order:
-                args = [values[parent] for parent in self.inputs[name]]
-                t = time.perf_counter()
-                try:
-                    values[name] = self.stages[name].run(step, *args)
-                except Exception as exc:
-                    _add_note(exc, f"in stage {name!r} on replica {rank}, step {index}")
-                    self.abort()  # peers waiting on this replica in a collective fail now
-                    raise
-                elapsed = time.perf_counter() - t
-                stage_seconds[name] += elapsed
-                if name not in self.waiting:
-                    step_compute += elapsed
+            micro_batches = spec.micro_batches_of(rank)
+            step_compute = 0.0
+            for group in self.groups:
+                if micro_batches > 1 and self.stages[group[0]].per_micro_batch:
+                    step_compute += self._run_micro_batches(step, group, values, stage_seconds)
+                else:
+                    for name in group:
+                        step_compute += self._run_stage(step, name, values, stage_seconds)
             if self.throttle > 1.0:  # a slow node, simulated: counted as compute
                 pause = (self.throttle - 1.0) * step_compute
                 time.sleep(pause)
@@ -153,6 +149,67 @@ class ReplicaRuntime:
             evals=evals,
         )
 
+    def _run_stage(
+        self, step: StepContext, name: str, values: dict[str, Any], stage_seconds: dict
+    ) -> float:
+        """Run one stage on its parents' values; returns its compute seconds (0 if waiting)."""
+        args = [values[parent] for parent in self.inputs[name]]
+        t = time.perf_counter()
+        try:
+            values[name] = self.stages[name].run(step, *args)
+        except Exception as exc:
+            note = f"in stage {name!r} on replica {step.replica.rank}, step {step.spec.index}"
+            if step.micro_count > 1:
+                note += f", micro-batch {step.micro_index + 1} of {step.micro_count}"
+            _add_note(exc, note)
+            self.abort()  # peers waiting on this replica in a collective fail now
+            raise
+        elapsed = time.perf_counter() - t
+        stage_seconds[name] += elapsed
+        return 0.0 if name in self.waiting else elapsed
+
+    def _run_micro_batches(
+        self, step: StepContext, group: tuple[str, ...], values: dict[str, Any], stage_seconds: dict
+    ) -> float:
+        """Gradient accumulation: run ``group`` (Forward, Backward...) once per micro-batch.
+
+        Batches flowing into the group are sliced into ``micro_batches`` near-equal
+        parts; Forward scales each part's loss by its share, so the accumulated
+        gradient is the mean over the whole local batch, as without accumulation.
+        The group's outputs are the last micro-batch's, with Gradients' sample
+        counts summed.
+        """
+        count = step.spec.micro_batches_of(step.replica.rank)
+        members = set(group)
+        outside = {p for name in group for p in self.inputs[name] if p not in members}
+        size = next((values[p].size for p in outside if isinstance(values[p], Batch)), None)
+        if size is None or count <= 1 or size <= 1:
+            return sum(self._run_stage(step, name, values, stage_seconds) for name in group)
+        parts = micro_batch_sizes(size, count)
+        whole = {p: values[p] for p in outside}
+        compute, samples, start = 0.0, 0, 0
+        step.micro_count = len(parts)
+        try:
+            for k, part in enumerate(parts):
+                step.micro_index, step.micro_size = k, part
+                for p, value in whole.items():
+                    is_batch = isinstance(value, Batch)
+                    values[p] = value.slice(start, start + part) if is_batch else value
+                for name in self.order:
+                    self.stages[name].begin_micro_batch(step)
+                for name in group:
+                    compute += self._run_stage(step, name, values, stage_seconds)
+                last = values[group[-1]]
+                if isinstance(last, Gradients):
+                    samples += last.samples
+                start += part
+        finally:
+            values.update(whole)
+            step.micro_index, step.micro_count, step.micro_size = 0, 1, None
+        if isinstance(values[group[-1]], Gradients):
+            values[group[-1]] = dataclasses.replace(values[group[-1]], samples=samples)
+        return compute
+
     def end_phase(self) -> dict[str, Any]:
         stats: dict[str, Any] = {}
         for name in self.order:
@@ -161,6 +218,30 @@ class ReplicaRuntime:
         if self.context.optimizer is not None:
             stats["lr"] = self.context.optimizer.param_groups[0].get("lr")
         return stats
+
+    def snapshot(self) -> dict[str, Any]:
+        optimizer = self.context.optimizer
+        return {
+            "model": self.state_dict(),
+            "optimizer": None if optimizer is None else optimizer.state_dict(),
+        }
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        if self.context.model is not None:
+            self.context.model.load_state_dict(snapshot["model"])
+        if self.context.optimizer is not None and snapshot.get("optimizer") is not None:
+            self.context.optimizer.load_state_dict(snapshot["optimizer"])
+
+    def regroup(self, collective: Collective | None, world_size: int) -> None:
+        """Swap in the new process group; stages rebuild what depends on it (AllReduce
+        re-broadcasts rank 0's weights and rebuilds its buckets) in graph order."""
+        old = self.context.collective
+        self.context.collective = collective
+        self.context.world_size = world_size
+        for name in self.order:
+            self.stages[name].regroup(self.context)
+        if old is not None:
+            old.abort()
 
     def weights_digest(self) -> str:
         """A hash of every parameter's bytes: replicas must agree bit for bit."""
@@ -185,6 +266,25 @@ class ReplicaRuntime:
                 pass
 
 
+def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The stage order cut into groups: each run of consecutive ``per_micro_batch`` stages
+    (Forward, Backward) is one group, run once per micro-batch; every other stage alone."""
+    groups: list[tuple[str, ...]] = []
+    for name in order:
+        if stages[name].per_micro_batch and groups and stages[groups[-1][-1]].per_micro_batch:
+            groups[-1] = (*groups[-1], name)
+        else:
+            groups.append((name,))
+    return groups
+
+
+def micro_batch_sizes(size: int, count: int) -> list[int]:
+    """``size`` samples in ``count`` near-equal non-empty parts, larger parts first."""
+    count = max(1, min(count, size))
+    base, extra = divmod(size, count)
+    return [base + (1 if k < extra else 0) for k in range(count)]
+
+
 def _to_floats(values: list[Any]) -> list[float | None]:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
@@ -206,41 +306,68 @@ def worker_host() -> str:
 # -- Dask task functions (run on the replica's worker) --------------------------------
 
 
-def open_rendezvous(run_id: str, world_size: int, timeout_s: float) -> tuple[str, int]:
+def group_key(run_id: str, generation: int) -> str:
+    """The name of a fit's process group: a new one each time the set of workers changes."""
+    return run_id if generation == 0 else f"{run_id}/g{generation}"
+
+
+def open_rendezvous(
+    run_id: str, world_size: int, timeout_s: float, generation: int = 0
+) -> tuple[str, int]:
     """On rank 0's worker: start the store on a free port; return where to reach it."""
     host = worker_host()
     store = open_store(host, world_size, timeout_s)
-    current_plugin().stores[run_id] = store
+    current_plugin().stores[group_key(run_id, generation)] = store
     return host, store.port
 
 
+def _join_group(
+    spec: ReplicaSpec, rank: int, world_size: int, host: Any, port: Any, generation: int
+) -> Collective | None:
+    if world_size == 1:
+        return None
+    key = group_key(spec.run_id, generation)
+    if rank == 0:
+        store = current_plugin().stores.pop(key)
+    else:
+        store = connect_store(host, port, world_size, spec.collective_timeout_s)
+    collective = Collective(
+        store,
+        rank=rank,
+        world_size=world_size,
+        device=resolve_device(spec.device, rank),
+        host=worker_host(),
+        timeout_s=spec.collective_timeout_s,
+        prefix=key,
+    )
+    collective.store = store  # keep rank 0's server alive as long as the group
+    return collective
+
+
 def setup_replica(
-    spec: ReplicaSpec, rank: int, world_size: int, host: str | None, port: int | None
+    spec: ReplicaSpec,
+    rank: int,
+    world_size: int,
+    host: str | None,
+    port: int | None,
+    generation: int = 0,
+    snapshot: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Join the process group and build the replica (model, optimizer, hooks)."""
+    """Join the process group and build the replica (model, optimizer, hooks).
+
+    A replica joining a running fit (``snapshot``: rank 0's model and optimizer state
+    at the phase boundary) gets the weights by the AllReduce stage's broadcast and the
+    optimizer state (momentum, step counts) from the snapshot.
+    """
     plugin = current_plugin()
     # Default: the worker's own thread budget (1 per process on the default LocalCluster),
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
     malloc_relaxed = spec.relax_malloc and needs_relaxing() and relax_malloc()
-    collective = None
-    if world_size > 1:
-        if rank == 0:
-            store = plugin.stores.pop(spec.run_id)
-        else:
-            store = connect_store(host, port, world_size, spec.collective_timeout_s)
-        device = resolve_device(spec.device, rank)
-        collective = Collective(
-            store,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            host=worker_host(),
-            timeout_s=spec.collective_timeout_s,
-            prefix=spec.run_id,
-        )
-        collective.store = store  # keep rank 0's server alive as long as the group
+    collective = _join_group(spec, rank, world_size, host, port, generation)
     runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
+    if snapshot is not None:
+        runtime.load_snapshot(snapshot)
     plugin.replicas[spec.run_id] = runtime
     if spec.pause_dask_profiler:
         plugin.pause_profiler(spec.run_id)
@@ -258,6 +385,27 @@ def setup_replica(
         "backend": None if collective is None else collective.backend,
         "malloc_relaxed": malloc_relaxed,
     }
+
+
+def regroup_replica(
+    spec: ReplicaSpec,
+    world_size: int,
+    host: str | None,
+    port: int | None,
+    generation: int,
+    after: Any = None,
+) -> int:
+    """An existing replica joins the fit's new, larger process group (same rank)."""
+    runtime = current_plugin().replica(spec.run_id)
+    rank = runtime.context.rank
+    collective = _join_group(spec, rank, world_size, host, port, generation)
+    runtime.regroup(collective, world_size)
+    return rank
+
+
+def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
+    """Rank 0's model and optimizer state, for replicas joining at a phase boundary."""
+    return current_plugin().replica(run_id).snapshot()
 
 
 def begin_phase(run_id: str, phase: PhaseContext) -> int:
