@@ -14,6 +14,7 @@ import statistics
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,13 @@ class TrainerConfig:
     # batch is run as micro-batches with gradient accumulation. One int, or one per replica.
     max_micro_batch: int | tuple[int, ...] | None = None
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> simulated slow-down
+    # With replicas=None, workers that joined the client are used from the next phase.
+    elastic: bool = True
+    # Ask the cluster for more workers (up to max_workers) when a phase's batch per
+    # replica would exceed max_micro_batch; LocalCluster, dask-jobqueue, any cluster.scale.
+    scale_with_batch: bool = False
+    max_workers: int | None = None
+    scale_timeout_s: float = 120.0  # how long to wait for requested workers to arrive
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -105,6 +113,27 @@ class TrainerConfig:
                 "can hold in a forward/backward (an int >= 1, or a tuple with one per replica), "
                 "or None for no cap"
             )
+        if self.max_workers is not None and (
+            isinstance(self.max_workers, bool)
+            or not isinstance(self.max_workers, int)
+            or self.max_workers < 1
+        ):
+            raise ConfigError(f"max_workers must be an int >= 1 or None, got {self.max_workers!r}")
+        if self.scale_with_batch and (
+            not isinstance(self.max_micro_batch, int) or self.max_workers is None
+        ):
+            raise ConfigError(
+                "scale_with_batch=True needs max_micro_batch (an int: the samples one replica "
+                "can hold) and max_workers (the most workers to ask the cluster for), e.g. "
+                "max_micro_batch=64, max_workers=8"
+            )
+        if self.scale_with_batch and self.replicas is not None:
+            raise ConfigError(
+                f"scale_with_batch=True with replicas={self.replicas}: a fixed replica count "
+                "cannot grow; leave replicas=None"
+            )
+        if not self.scale_timeout_s > 0:
+            raise ConfigError(f"scale_timeout_s must be > 0, got {self.scale_timeout_s}")
         if not isinstance(self.balancer, Balancer):
             raise ConfigError(
                 f"balancer must have a split(global_batch, replicas) method, got "
@@ -151,20 +180,28 @@ class Trainer:
         )
 
     # -- inspection, no cluster ---------------------------------------------------------
-    def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list[Plan]:
-        """The plans a fit of ``epochs`` on ``replicas`` would run (first phase's view)."""
+    def plan(
+        self, epochs: int, replicas: int | Sequence[int], *, step_seconds: float | None = None
+    ) -> list[Plan]:
+        """The plans a fit of ``epochs`` on ``replicas`` would run (first phase's view).
+
+        ``replicas`` may list the replica count of each phase (the last one repeats), as
+        in a fit where workers joined between phases (``history.phases[i]["replicas"]``).
+        """
         _check_epochs(epochs)
-        order = self.graph.validate(replicas=replicas)
+        counts = [replicas] if isinstance(replicas, int) else list(replicas)
         plans, epoch, previous, index = [], 0, None, 0
         while epoch < epochs:
+            world = counts[min(len(plans), len(counts) - 1)]
+            order = self.graph.validate(replicas=world)
             phase = self.next_phase(epoch, epochs, previous)
-            steps = self._phase_steps(phase, replicas, index)
+            steps = self._phase_steps(phase, world, index)
             plans.append(
                 Plan.build(
                     order,
                     phase,
                     steps,
-                    replicas,
+                    world,
                     step_seconds=step_seconds,
                     window_seconds=self.config.window_seconds,
                 )
@@ -172,7 +209,7 @@ class Trainer:
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
         return plans
 
-    def sample_plan(self, epochs: int, replicas: int) -> list[list[np.ndarray]]:
+    def sample_plan(self, epochs: int, replicas: int | Sequence[int]) -> list[list[np.ndarray]]:
         """Per global step, each replica's sample indices, exactly as ``fit`` reads them.
 
         Concatenated over replicas they are the step's global batch: a single
@@ -297,34 +334,9 @@ class _Fit:
         )
         started = time.perf_counter()
         try:
-            [spec_future] = client.scatter([spec], broadcast=True, workers=workers, hash=False)
-            host = port = None
-            if world > 1:
-                host, port = client.submit(
-                    remote.open_rendezvous,
-                    self.run_id,
-                    world,
-                    self.config.collective_timeout_s,
-                    workers=[workers[0]],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"rendezvous-{self.run_id}",
-                ).result()
-            setups = [
-                client.submit(
-                    remote.setup_replica,
-                    spec_future,
-                    rank,
-                    world,
-                    host,
-                    port,
-                    workers=[address],
-                    allow_other_workers=False,
-                    pure=False,
-                    key=f"setup@replica{rank}-{self.run_id}",
-                )
-                for rank, address in enumerate(workers)
-            ]
+            [self.spec_future] = client.scatter([spec], broadcast=True, workers=workers, hash=False)
+            host, port = self._rendezvous(world, generation=0)
+            setups = self._setup_replicas(list(enumerate(workers)), world, host, port, 0, None)
             self.history.info = {
                 "run_id": self.run_id,
                 "epochs": self.epochs,
@@ -333,7 +345,9 @@ class _Fit:
                 "stages": list(order),
                 "workers": client.gather(setups),
                 "dashboard": client.dashboard_link,
+                "regroups": [],
             }
+            self.generation = 0
             self.last_futures: list[Any] = [None] * world
             self.train_started = time.perf_counter()
             self._run_phases()
@@ -347,10 +361,10 @@ class _Fit:
                 key=f"weights@replica0-{self.run_id}",
             ).result()
         except BaseException:
-            _quietly(lambda: client.run(remote.abort_run, self.run_id, workers=workers))
+            _quietly(lambda: client.run(remote.abort_run, self.run_id, workers=self.workers))
             raise
         finally:
-            _quietly(lambda: client.run(remote.close_run, self.run_id, workers=workers))
+            _quietly(lambda: client.run(remote.close_run, self.run_id, workers=self.workers))
         self.history.info["fit_seconds"] = time.perf_counter() - started
         model = build_model(self.trainer.model_factory, self.config.seed)
         model.load_state_dict(state)
@@ -358,6 +372,132 @@ class _Fit:
         if self.config.progress:
             print(result.summary())
         return result
+
+    def _rendezvous(self, world: int, generation: int) -> tuple[Any, Any]:
+        """Rank 0's worker opens the store the group ``generation`` forms at."""
+        if world == 1:
+            return None, None
+        return self.client.submit(
+            remote.open_rendezvous,
+            self.run_id,
+            world,
+            self.config.collective_timeout_s,
+            generation,
+            workers=[self.workers[0]],
+            allow_other_workers=False,
+            pure=False,
+            key=f"rendezvous-{self.run_id}-g{generation}",
+        ).result()
+
+    def _setup_replicas(
+        self,
+        ranks: list[tuple[int, str]],
+        world: int,
+        host: Any,
+        port: Any,
+        generation: int,
+        snapshot: Any,
+    ) -> list[Any]:
+        return [
+            self.client.submit(
+                remote.setup_replica,
+                self.spec_future,
+                rank,
+                world,
+                host,
+                port,
+                generation,
+                snapshot,
+                workers=[address],
+                allow_other_workers=False,
+                pure=False,
+                key=f"setup@replica{rank}-{self.run_id}-g{generation}",
+            )
+            for rank, address in ranks
+        ]
+
+    def _grow(self, phase: PhaseSpec) -> None:
+        """At a phase boundary: ask for workers if the batch outgrew the memory cap, then
+        bring every worker that joined the client into the fit (new process group, rank 0's
+        weights and optimizer state). Replicas keep their ranks; new ones come after."""
+        config = self.config
+        if config.replicas is not None or not config.elastic:
+            return
+        if isinstance(config.max_micro_batch, tuple):  # per-replica caps: a fixed set
+            return
+        if config.scale_with_batch:
+            self._request_workers(phase)
+        available = self._available_workers()
+        joined = [a for a in available if a not in self.workers]
+        if config.max_workers is not None:
+            joined = joined[: max(0, config.max_workers - len(self.workers))]
+        if not joined:
+            return
+        client, old = self.client, len(self.workers)
+        if not all(client.run(remote.has_plugin, workers=joined).values()):
+            client.register_plugin(DataflowWorkerPlugin(), name="dataflow")
+        self.generation += 1
+        world = old + len(joined)
+        snapshot = self._submit(
+            remote.replica_snapshot,
+            0,
+            self.last_futures[0],
+            key=f"snapshot@replica0-{self.run_id}-g{self.generation}",
+        )
+        self.workers = self.workers + joined
+        host, port = self._rendezvous(world, self.generation)
+        regroups = [
+            self._submit(
+                remote.regroup_replica,
+                r,
+                world,
+                host,
+                port,
+                self.generation,
+                self.last_futures[r],
+                key=f"regroup@replica{r}-{self.run_id}-g{self.generation}",
+            )
+            for r in range(old)
+        ]
+        setups = self._setup_replicas(
+            list(enumerate(joined, start=old)), world, host, port, self.generation, snapshot
+        )
+        infos = client.gather(setups)
+        client.gather(regroups)
+        self.last_futures = regroups + setups
+        self.history.info["workers"] += infos
+        self.history.info["replicas"] = world
+        self.history.info["regroups"].append(
+            {"phase": phase.index, "replicas": world, "joined": joined}
+        )
+        if config.progress:
+            print(f"dataflow: {len(joined)} worker(s) joined; phase {phase.index} runs {world}")
+
+    def _available_workers(self) -> list[str]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
+
+    def _request_workers(self, phase: PhaseSpec) -> None:
+        """``scale_with_batch``: enough workers that no replica's batch exceeds the cap."""
+        config = self.config
+        wanted = min(config.max_workers, math.ceil(phase.global_batch / config.max_micro_batch))
+        if wanted <= len(self._available_workers()):
+            return
+        cluster = getattr(self.client, "cluster", None)
+        scaling = {"phase": phase.index, "requested": wanted}
+        if cluster is None or not hasattr(cluster, "scale"):
+            scaling["error"] = (
+                "the client has no cluster object to scale (connected by address?); start "
+                "more workers yourself, they join at the next phase"
+            )
+        else:
+            cluster.scale(wanted)
+            try:
+                self.client.wait_for_workers(wanted, timeout=config.scale_timeout_s)
+            except TimeoutError:
+                scaling["error"] = f"only some workers arrived in {config.scale_timeout_s} s"
+        scaling["workers"] = len(self._available_workers())
+        self.history.info.setdefault("scaling", []).append(scaling)
 
     def _submit(self, fn: Any, rank: int, *args: Any, key: str) -> Any:
         return self.client.submit(
@@ -377,6 +517,9 @@ class _Fit:
         measurement: PhaseMeasurement | None = None
         while epoch < self.epochs:
             phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
+            if previous is not None:
+                self._grow(phase)
+                world = len(self.workers)
             measured = [p["samples_per_second"] for p in self.history.phases]
             steps = self.trainer._phase_steps(phase, world, index, measured)
             phase_started = time.perf_counter()

@@ -388,7 +388,7 @@ def setup_replica(
 
 
 def regroup_replica(
-    spec: ReplicaSpec,
+    run_id: str,
     world_size: int,
     host: str | None,
     port: int | None,
@@ -396,9 +396,9 @@ def regroup_replica(
     after: Any = None,
 ) -> int:
     """An existing replica joins the fit's new, larger process group (same rank)."""
-    runtime = current_plugin().replica(spec.run_id)
+    runtime = current_plugin().replica(run_id)
     rank = runtime.context.rank
-    collective = _join_group(spec, rank, world_size, host, port, generation)
+    collective = _join_group(runtime.spec, rank, world_size, host, port, generation)
     runtime.regroup(collective, world_size)
     return rank
 
