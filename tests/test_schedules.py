@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import dataflow as dfl
 from dataflow.balance import Throughput, smoothed_speeds
-from dataflow.schedule import Fixed, Stepwise, lr_at
+from dataflow.schedule import Fixed, PhaseMeasurement, Stepwise, lr_at
 
 
 def phases(schedule, epochs):
@@ -85,3 +85,14 @@ def test_throughput_balancer_cases():
     assert smooth == (63, 37)  # 100 vs (0.5 * 20 + 0.5 * 100) = 60
     with pytest.raises(dfl.ConfigError, match="smoothing"):
         Throughput(smoothing=0.0)
+
+
+def test_fixed_and_stepwise_ignore_measurements():
+    """The driver passes what it measured to every schedule; only Adaptive uses it."""
+    measured = PhaseMeasurement(noise_scale=1e6, samples_per_second=100.0, steps=3)
+    for schedule in (Fixed(8, epochs_per_phase=1), Stepwise({0: 8, 1: 16})):
+        assert not schedule.measures_noise
+        first = schedule.next_phase(start_epoch=0, total_epochs=3, previous=None)
+        plain = schedule.next_phase(start_epoch=1, total_epochs=3, previous=first)
+        told = schedule.next_phase(start_epoch=1, total_epochs=3, previous=first, measured=measured)
+        assert told == plain and told.noise_scale is None and told.gain is None

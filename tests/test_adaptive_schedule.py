@@ -1,0 +1,174 @@
+"""The Adaptive schedule: batch growth from the measured noise scale, LR rules. Pure."""
+
+import itertools
+import pickle
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dataflow as dfl
+from dataflow.noise_scale import adascale_gain
+from dataflow.schedule import Adaptive, Fixed, PhaseMeasurement, PhaseSpec, Schedule, Stepwise
+
+
+def drive(schedule, epochs, noise_scales):
+    """The driver's loop: ask for phases until the fit's epochs are covered, feeding
+    back one measured noise scale per finished phase (None: nothing measured)."""
+    out, epoch, previous, measured = [], 0, None, None
+    noise = iter(noise_scales)
+    while epoch < epochs:
+        previous = schedule.next_phase(
+            start_epoch=epoch, total_epochs=epochs, previous=previous, measured=measured
+        )
+        out.append(previous)
+        epoch = previous.end_epoch
+        measured = PhaseMeasurement(noise_scale=next(noise, None), steps=10)
+    return out
+
+
+def test_phases_chain_over_a_whole_fit():
+    schedule = Adaptive(32, max_batch=4096, epochs_per_phase=3)
+    phases = drive(schedule, 10, [1e6] * 10)
+    assert [p.index for p in phases] == [0, 1, 2, 3]
+    assert [(p.start_epoch, p.end_epoch) for p in phases] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert [p.global_batch for p in phases] == [32, 64, 128, 256]  # ×2 per phase at most
+    assert phases[0].noise_scale is None and phases[0].gain == 1.0
+    assert [p.noise_scale for p in phases[1:]] == [1e6] * 3
+
+
+def test_batch_follows_target_times_noise_scale_within_bounds():
+    schedule = Adaptive(100, max_batch=1000, max_growth=3.0, target=0.5)
+    # 0.5 × 500 = 250 is within [100, 300]: taken as is.
+    assert [p.global_batch for p in drive(schedule, 2, [500.0])] == [100, 250]
+    # 0.5 × 100 = 50 is below the current batch: the batch never shrinks.
+    assert [p.global_batch for p in drive(schedule, 3, [500.0, 100.0])] == [100, 250, 250]
+    # Growth capped at 3× per phase, then at max_batch.
+    assert [p.global_batch for p in drive(schedule, 4, [1e9] * 3)] == [100, 300, 900, 1000]
+
+
+def test_keeps_the_batch_without_an_estimate():
+    schedule = Adaptive(64, max_batch=1024, lr_rule="adascale")
+    phases = drive(schedule, 4, [400.0, None, None])
+    assert [p.global_batch for p in phases] == [64, 128, 128, 128]
+    assert [p.noise_scale for p in phases] == [None, 400.0, None, None]
+    # Without a new estimate, AdaScale keeps the last gain.
+    assert phases[2].lr_scale == phases[3].lr_scale == phases[1].lr_scale
+    # No measurement object at all (e.g. the driver measured nothing) is the same.
+    second = schedule.next_phase(start_epoch=1, total_epochs=4, previous=phases[0])
+    assert second.global_batch == 64 and second.lr_scale == 1.0
+
+
+def test_batch_multiple_rounds_down_but_never_below_the_current_batch():
+    schedule = Adaptive(96, max_batch=1000, batch_multiple=32)
+    # 150 → 128; then 2 × 128 = 256 is a multiple; then 1000 caps → 992 (multiple of 32).
+    assert [p.global_batch for p in drive(schedule, 3, [150.0, 1e9])] == [96, 128, 256]
+    assert [p.global_batch for p in drive(schedule, 6, [1e9] * 5)][-1] == 992
+    # 100 rounds down to 96, the current batch: kept.
+    assert [p.global_batch for p in drive(schedule, 2, [100.0])] == [96, 96]
+
+
+@given(
+    initial=st.integers(1, 512),
+    extra=st.integers(0, 5000),
+    growth=st.floats(1.0, 4.0),
+    multiple=st.sampled_from([1, 2, 8]),
+    noise=st.lists(st.one_of(st.none(), st.floats(0.0, 1e7)), max_size=12),
+)
+def test_growth_is_bounded_monotone_and_capped(initial, extra, growth, multiple, noise):
+    initial = initial * multiple
+    schedule = Adaptive(
+        initial, max_batch=initial + extra, max_growth=growth, batch_multiple=multiple
+    )
+    batches = [p.global_batch for p in drive(schedule, len(noise) + 1, noise)]
+    assert batches[0] == initial
+    for (before, after), measured in zip(itertools.pairwise(batches), noise, strict=True):
+        ceiling = min(before * growth, initial + extra)
+        assert before <= after <= max(before, ceiling)
+        assert after == before or after % multiple == 0
+        if measured is None:
+            assert after == before
+        else:  # as close to the noise scale as the bounds and the rounding allow
+            assert after > min(measured, ceiling) - multiple or after == before
+    assert max(batches) <= schedule.max_batch() == initial + extra
+
+
+def test_lr_rules():
+    noise = [1e9, 1e9, 1e9]  # noise dominates: AdaScale scales linearly
+    adascale = drive(Adaptive(32, max_batch=1024), 4, noise)
+    assert [p.global_batch for p in adascale] == [32, 64, 128, 256]
+    assert [p.lr_scale for p in adascale] == pytest.approx([1, 2, 4, 8], rel=1e-6)
+    assert [p.gain for p in adascale] == [p.lr_scale for p in adascale]
+    # A moderate noise scale: the gain from the estimate, relative to the initial batch.
+    moderate = drive(Adaptive(32, max_batch=1024, max_growth=4.0), 2, [100.0])
+    assert moderate[1].global_batch == 100
+    assert moderate[1].lr_scale == pytest.approx(adascale_gain(100.0, 32, 100))
+    assert 1 < moderate[1].lr_scale < 100 / 32
+    linear = drive(Adaptive(32, max_batch=1024, lr_rule="linear", lr=0.1), 4, noise)
+    assert [p.lr_scale for p in linear] == [1.0, 2.0, 4.0, 8.0]
+    assert [p.lr for p in linear] == pytest.approx([0.1, 0.2, 0.4, 0.8])
+    sqrt = drive(Adaptive(32, max_batch=1024, lr_rule="sqrt"), 3, noise)
+    assert [p.lr_scale for p in sqrt] == pytest.approx([1.0, 2**0.5, 2.0])
+    capped = drive(Adaptive(32, max_batch=1024, lr_rule="linear", max_lr_scale=3.0), 4, noise)
+    assert [p.lr_scale for p in capped] == [1.0, 2.0, 3.0, 3.0]
+    assert [p.global_batch for p in capped] == [32, 64, 128, 256]  # the batch is not capped
+    capped_ada = drive(Adaptive(32, max_batch=1024, max_lr_scale=3.0), 4, noise)
+    assert [p.lr_scale for p in capped_ada] == pytest.approx([1.0, 2.0, 3.0, 3.0])
+    assert {p.lr_scale for p in drive(Adaptive(32, max_batch=64, lr_rule="none"), 2, noise)} == {
+        1.0
+    }
+
+
+def test_warmup_applies_after_the_first_phase():
+    phases = drive(Adaptive(8, max_batch=64, warmup_steps=5), 3, [1e9, 1e9])
+    assert [p.warmup_steps for p in phases] == [0, 5, 5]
+
+
+def test_measures_noise_flags_and_protocol():
+    adaptive = Adaptive(8, max_batch=64)
+    assert Adaptive.measures_noise and adaptive.measures_noise
+    assert not Fixed.measures_noise and not Stepwise.measures_noise
+    for schedule in (adaptive, Fixed(8), Stepwise({0: 8})):
+        assert isinstance(schedule, Schedule)
+    assert adaptive.max_batch() == 64
+    assert "max_batch=64" in repr(adaptive)
+    same = pickle.loads(pickle.dumps(adaptive))  # travels to workers / checkpoints
+    assert same == adaptive and same.max_batch() == 64
+
+
+def test_phase_spec_and_measurement_validate():
+    with pytest.raises(dfl.ConfigError, match="gain must be > 0"):
+        PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=8, gain=0.0)
+    with pytest.raises(dfl.ConfigError, match="noise_scale must be >= 0"):
+        PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=8, noise_scale=-1.0)
+    with pytest.raises(dfl.ConfigError, match="noise_scale must be >= 0 or None"):
+        PhaseMeasurement(noise_scale=float("nan"))
+    with pytest.raises(dfl.ConfigError, match="samples_per_second must be >= 0"):
+        PhaseMeasurement(samples_per_second=-1.0)
+    with pytest.raises(dfl.ConfigError, match="steps must be an int >= 0"):
+        PhaseMeasurement(steps=-1)
+    assert PhaseMeasurement(gradient_sq=-3.0).gradient_sq == -3.0  # a negative estimate is data
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"initial_batch": 0}, dfl.BatchSizeError, "initial_batch must be a positive int"),
+        ({"max_batch": 16}, dfl.BatchSizeError, "max_batch must be >= initial_batch"),
+        ({"max_batch": 64.0}, dfl.BatchSizeError, "max_batch must be a positive int"),
+        ({"batch_multiple": 0}, dfl.BatchSizeError, "batch_multiple must be a positive int"),
+        ({"batch_multiple": 12}, dfl.BatchSizeError, r"multiple of batch_multiple.*Adaptive\(24"),
+        ({"epochs_per_phase": 0}, dfl.ConfigError, "epochs_per_phase=0"),
+        ({"max_growth": 0.5}, dfl.ConfigError, "max_growth=0.5.*must be >= 1"),
+        ({"max_growth": float("inf")}, dfl.ConfigError, "max_growth=inf.*finite"),
+        ({"target": 0}, dfl.ConfigError, "target=0.*must be > 0"),
+        ({"lr_rule": "cubic"}, dfl.ConfigError, r"lr_rule='cubic'.*'adascale'"),
+        ({"lr": -0.1}, dfl.ConfigError, "lr=-0.1"),
+        ({"warmup_steps": -1}, dfl.ConfigError, "warmup_steps=-1"),
+        ({"max_lr_scale": 0.5}, dfl.ConfigError, "max_lr_scale=0.5.*>= 1"),
+    ],
+)
+def test_adaptive_validates_every_field(kwargs, error, match):
+    args = {"initial_batch": 32, "max_batch": 256} | kwargs
+    with pytest.raises(error, match=match):
+        Adaptive(args.pop("initial_batch"), **args)
