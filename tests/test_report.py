@@ -1,0 +1,241 @@
+"""The training report: PNGs, CSVs and the history JSON, from real and hand-built histories."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch.nn.functional as F
+
+import dataflow as dfl
+from dataflow.history import History
+from dataflow.report import (
+    REPORT_FIELDS,
+    TERMS,
+    ReportError,
+    load_history,
+    missing_fields,
+    step_time_split,
+    step_wall_times,
+    write_report,
+    write_tensorboard,
+)
+from tests.conftest import make_data, tiny_pipeline
+
+pytest.importorskip("matplotlib")
+
+PNGS = ("training.png", "schedule.png", "replicas.png", "step_time.png")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def adaptive_history(*, optional: bool = True) -> History:
+    """A history as the trainer writes it: an Adaptive schedule growing the batch over three
+    phases on two replicas, one slower (its share shrinks), with evaluation each epoch.
+    ``optional=False`` drops the fields older trainers did not write."""
+    rng = np.random.default_rng(0)
+    phases = []
+    steps = []
+    epochs = []
+    clock, step_index = 0.0, 0
+    layout = [(0, 2, 32, [16, 16]), (2, 4, 64, [40, 24]), (4, 6, 128, [84, 44])]
+    for index, (start, end, batch, split) in enumerate(layout):
+        per_epoch = 512 // batch
+        n_steps = per_epoch * (end - start)
+        step_seconds = 0.004 + batch * 2e-4
+        phase_start = clock
+        for k in range(n_steps):
+            clock += step_seconds
+            window_end = min(k // 8 + 1, n_steps / 8) * 8 * step_seconds  # windows of 8 steps
+            steps.append(
+                {
+                    "step": step_index,
+                    "phase": index,
+                    "epoch": start + k // per_epoch,
+                    "loss": float(1.1 * math.exp(-step_index / 60) + 0.05 * rng.random()),
+                    "samples": batch,
+                    "seconds": step_seconds,
+                    "time": phase_start + window_end,  # stamped when the window arrives
+                }
+            )
+            step_index += 1
+        stages = [
+            {
+                "Load": 0.01 * n_steps * step_seconds,
+                "Forward": 0.35 * n_steps * step_seconds * local / (batch / 2),
+                "Backward": 0.3 * n_steps * step_seconds * local / (batch / 2),
+                "AllReduce": 0.15 * n_steps * step_seconds,
+                "Update": 0.03 * n_steps * step_seconds,
+                "Evaluate": 0.05 * n_steps * step_seconds,
+            }
+            for local in split
+        ]
+        phase = {
+            "phase": index,
+            "start_epoch": start,
+            "end_epoch": end,
+            "global_batch": batch,
+            "lr": 0.02 * batch / 32,
+            "local_batches": split,
+            "samples_per_second": [local / (0.65 * step_seconds) for local in split],
+            "steps": n_steps,
+            "windows": n_steps // 8,
+            "seconds": 1.1 * n_steps * step_seconds,
+            "task_seconds": [n_steps * step_seconds] * 2,
+            "stage_seconds": stages,
+            "data_wait_fraction": [0.01, 0.01],
+            "chunks_decoded": [4, 4],
+            "peak_buffered_samples": [64, 64],
+        }
+        if optional:
+            phase.update(
+                micro_batches=[1, 2] if index == 2 else [1, 1],
+                replicas=2,
+                noise_scale=None if index == 0 else 40.0 * 2**index,
+                gain=None if index == 0 else 1.0 + 0.6 * index,
+                measured_noise_scale=50.0 * 2**index,
+            )
+        phases.append(phase)
+    for epoch in range(6):
+        epochs.append(
+            {
+                "epoch": epoch,
+                "train_loss": 1.0 / (epoch + 1),
+                "eval_loss": 1.1 / (epoch + 1),
+                "eval_accuracy": 0.5 + 0.08 * epoch,
+            }
+        )
+    info = {
+        "run_id": "fit-handmade",
+        "epochs": 6,
+        "replicas": 2,
+        "seed": 0,
+        "stages": ["Load", "Forward", "Backward", "AllReduce", "Update", "Evaluate"],
+        "workers": [{"rank": r, "device": "cpu"} for r in range(2)],
+        "train_seconds": clock * 1.1,
+        "fit_seconds": clock * 1.3,
+    }
+    return History(steps=steps, epochs=epochs, phases=phases, info=info)
+
+
+def assert_report(out, written) -> None:
+    for name in PNGS:
+        path = out / name
+        assert path in written
+        data = path.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
+    assert (out / "report.md").read_text().count("![") == len(PNGS)
+
+
+def test_report_from_a_hand_built_history(tmp_path):
+    history = adaptive_history()
+    out = tmp_path / "report"
+    written = write_report(history, out)
+    assert_report(out, written)
+    rows = list(csv.DictReader((out / "steps.csv").read_text().splitlines()))
+    assert len(rows) == len(history.steps)
+    assert int(rows[-1]["samples_seen"]) == sum(s["samples"] for s in history.steps)
+    assert rows[-1]["global_batch"] == "128"
+    epochs = list(csv.DictReader((out / "epochs.csv").read_text().splitlines()))
+    accuracy = [float(r["eval_accuracy"]) for r in epochs]
+    assert accuracy == [e["eval_accuracy"] for e in history.epochs]
+    assert History.from_json(out / "history.json") == History(
+        **json.loads(json.dumps(history.to_dict()))
+    )
+
+
+def test_report_of_an_old_history_without_the_optional_fields(tmp_path):
+    history = adaptive_history(optional=False)
+    history.phases[0].pop("task_seconds")
+    for row in history.epochs:  # no evaluation
+        row.pop("eval_loss"), row.pop("eval_accuracy")
+    path = history.to_json(tmp_path / "history.json")
+    written = write_report(path, tmp_path)  # the report beside the history it reads
+    assert_report(tmp_path, written)
+    assert (tmp_path / "history.json") not in written  # never overwrites its own input
+
+
+def test_plots_lacking_their_fields_are_skipped_and_named(tmp_path):
+    history = adaptive_history()
+    for phase in history.phases:
+        del phase["stage_seconds"]
+    written = write_report(history, tmp_path)
+    assert tmp_path / "training.png" in written
+    assert tmp_path / "step_time.png" not in written
+    assert "phases[0].stage_seconds" in (tmp_path / "report.md").read_text()
+
+
+def test_step_time_split_adds_up_to_the_phase_wall_time():
+    phase = adaptive_history().phases[1]
+    info = {"stages": ["Load", "Forward", "Backward", "AllReduce", "Update", "Evaluate"]}
+    split = step_time_split(phase, info)
+    assert len(split) == 2 and set(split[0]) == set(TERMS)
+    for terms, stages in zip(split, phase["stage_seconds"], strict=True):
+        assert sum(terms.values()) * phase["steps"] == pytest.approx(phase["seconds"])
+        assert terms["data wait"] * phase["steps"] == pytest.approx(stages["Load"])
+        assert terms["exposed allreduce"] * phase["steps"] == pytest.approx(stages["AllReduce"])
+        compute = stages["Forward"] + stages["Backward"] + stages["Update"]
+        assert terms["compute"] * phase["steps"] == pytest.approx(compute)
+        assert terms["evaluation"] * phase["steps"] == pytest.approx(stages["Evaluate"])
+
+
+def test_stage_kinds_recorded_by_the_trainer_override_the_names():
+    phase = {"steps": 1, "seconds": 1.0, "stage_seconds": [{"fetch": 0.2, "sync": 0.3}]}
+    info = {"stage_kinds": {"fetch": "Load", "sync": "AllReduce"}}
+    (terms,) = step_time_split(phase, info)
+    assert terms["data wait"] == 0.2 and terms["exposed allreduce"] == 0.3
+    assert terms["engine overhead"] == pytest.approx(0.5)
+
+
+def test_wall_times_spread_a_window_of_steps_back_from_its_arrival():
+    steps = [{"seconds": 1.0, "time": 3.0}] * 3 + [{"seconds": 1.0, "time": 5.0}] * 2
+    assert step_wall_times(steps).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_missing_history_file_and_bad_json_are_clear(tmp_path):
+    with pytest.raises(ReportError, match="no history file"):
+        write_report(tmp_path / "nope.json", tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"losses": [1, 2]}')
+    with pytest.raises(ReportError, match="not a dataflow history JSON"):
+        load_history(bad)
+
+
+def test_tensorboard_is_skipped_silently_without_it(tmp_path):
+    import importlib.util
+
+    logdir = write_tensorboard(adaptive_history(), tmp_path / "tb")
+    if importlib.util.find_spec("tensorboard") is None:
+        assert logdir is None and not (tmp_path / "tb").exists()
+    else:
+        assert any(logdir.iterdir())
+
+
+@pytest.mark.slow
+def test_a_real_fit_writes_every_field_the_report_reads(client, tmp_path):
+    x, y = make_data(192)
+    history = (
+        tiny_pipeline(
+            x[:160],
+            y[:160],
+            eval_source=dfl.io.ArraySource(x[160:], y[160:], shuffle=False),
+            metrics={"loss": F.cross_entropy, "accuracy": dfl.stages.accuracy},
+            schedule=dfl.schedule.Stepwise({0: 16, 1: 32}),
+        )
+        .fit(epochs=2, client=client)
+        .history
+    )
+    assert missing_fields(history) == []
+    for section, fields in REPORT_FIELDS.items():
+        rows = [history.info] if section == "info" else getattr(history, section)
+        assert rows, section
+        for row in rows:
+            assert set(fields) <= set(row), (section, set(fields) - set(row))
+    assert {"eval_loss", "eval_accuracy"} <= set(history.epochs[-1])
+    assert len(history.phases) == 2
+    written = write_report(history, tmp_path)
+    assert_report(tmp_path, written)
+    rows = list(csv.DictReader((tmp_path / "steps.csv").read_text().splitlines()))
+    assert [int(r["step"]) for r in rows] == [s["step"] for s in history.steps]
