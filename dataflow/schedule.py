@@ -110,11 +110,11 @@ class Schedule(Protocol):
     """Chooses each phase; ``previous`` is None for the first one.
 
     ``measured`` is what the driver measured during ``previous`` (None for the first
-    phase, or when nothing was measured). ``measures_noise`` tells the driver whether
-    to pay for the gradient-norm measurement that feeds ``measured.noise_scale``.
+    phase, or when nothing was measured). A class attribute ``measures_noise = True``
+    asks the driver to pay for the gradient-norm measurement that feeds
+    ``measured.noise_scale``; it is optional (absent means False), so a schedule
+    written with only ``next_phase`` and ``max_batch`` still fits the protocol.
     """
-
-    measures_noise: ClassVar[bool]
 
     def next_phase(
         self,

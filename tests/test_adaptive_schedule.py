@@ -130,6 +130,15 @@ def test_measures_noise_flags_and_protocol():
     assert not Fixed.measures_noise and not Stepwise.measures_noise
     for schedule in (adaptive, Fixed(8), Stepwise({0: 8})):
         assert isinstance(schedule, Schedule)
+
+    class Minimal:  # a user's schedule written before measures_noise existed
+        def next_phase(self, *, start_epoch, total_epochs, previous, measured=None):
+            return PhaseSpec(index=0, start_epoch=0, end_epoch=total_epochs, global_batch=8)
+
+        def max_batch(self):
+            return 8
+
+    assert isinstance(Minimal(), Schedule)
     assert adaptive.max_batch() == 64
     assert "max_batch=64" in repr(adaptive)
     same = pickle.loads(pickle.dumps(adaptive))  # travels to workers / checkpoints
