@@ -404,3 +404,16 @@ def test_resave_of_same_step_replaces_it(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert store.load_latest().extra == {"tag": "second"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rng_round_trip(tmp_path: Path) -> None:
+    torch.cuda.manual_seed_all(3)
+    torch.rand(1, device="cuda")  # CUDA in use: its states are captured
+    store = CheckpointStore(tmp_path)
+    store.save(make_checkpoint(Net(), 1, rng=capture_rng()))
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed_all(99)
+    restore_rng(store.load_latest().rng)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
