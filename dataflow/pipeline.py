@@ -66,9 +66,27 @@ class Pipeline:
         self.graph = graph
         self.trainer = Trainer(graph, schedule=schedule, seed=seed, **trainer_options)
 
-    def fit(self, epochs: int, client: Any = None) -> FitResult:
-        """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster)."""
-        return self.trainer.fit(epochs, client)
+    def fit(
+        self,
+        epochs: int,
+        client: Any = None,
+        *,
+        checkpoint_dir: Any = None,
+        resume: bool = False,
+        keep_checkpoints: int = 3,
+    ) -> FitResult:
+        """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster).
+
+        ``checkpoint_dir``: write a checkpoint at every phase boundary there;
+        ``resume=True``: continue from the newest valid one (see ``Trainer.fit``).
+        """
+        return self.trainer.fit(
+            epochs,
+            client,
+            checkpoint_dir=checkpoint_dir,
+            resume=resume,
+            keep_checkpoints=keep_checkpoints,
+        )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:
         """Per global step, each replica's sample indices (see ``Trainer.sample_plan``)."""

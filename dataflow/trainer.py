@@ -16,6 +16,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,17 @@ from distributed import Client, as_completed, wait
 from tqdm.auto import tqdm
 
 from dataflow.balance import Balancer, Even, micro_batch_counts
+from dataflow.checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    capture_rng,
+    fingerprint,
+    ledger_from_state,
+    ledger_state,
+    phase_from_dict,
+    phase_to_dict,
+    restore_rng,
+)
 from dataflow.errors import (
     BatchSizeError,
     CollectiveError,
@@ -242,8 +254,22 @@ class Trainer:
         )
 
     # -- fitting --------------------------------------------------------------------
-    def fit(self, epochs: int, client: Client | None = None) -> FitResult:
+    def fit(
+        self,
+        epochs: int,
+        client: Client | None = None,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        resume: bool = False,
+        keep_checkpoints: int = 3,
+    ) -> FitResult:
+        """Train for ``epochs``. With ``checkpoint_dir``, a checkpoint is written
+        atomically at every phase boundary; ``resume=True`` continues from the newest
+        valid one there (refused, with the differences listed, if it belongs to another
+        model, dataset, seed or schedule). With the same replica count the resumed fit
+        ends bit-identical to an uninterrupted one."""
         _check_epochs(epochs)
+        store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:
             raise BatchSizeError(
                 f"schedule asks for a global batch of {self.schedule.max_batch()} but the "
@@ -254,7 +280,34 @@ class Trainer:
         if self.config.dry_run:
             self._dry_run()
         with client_or_local_cluster(client, announce=self.config.progress) as active:
-            return _Fit(self, active, epochs).run()
+            return _Fit(self, active, epochs, store=store, checkpoint=checkpoint).run()
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint must share with this fit to resume it (see dataflow.checkpoint)."""
+        model = build_model(self.model_factory, self.config.seed)
+        config = {"seed": self.config.seed, "schedule": self.schedule, "drop_last": self.drop_last}
+        return fingerprint(model, self.source, config)
+
+    def _open_checkpoints(
+        self, directory: Any, resume: bool, keep: int, epochs: int
+    ) -> tuple[CheckpointStore | None, Checkpoint | None]:
+        if directory is None:
+            if resume:
+                raise ConfigError(
+                    "fit(resume=True) needs checkpoint_dir=... (the folder the interrupted "
+                    "fit wrote its checkpoints to)"
+                )
+            return None, None
+        store = CheckpointStore(directory, keep=keep)  # an unwritable folder fails here
+        if not resume:  # a new run: an old run's later steps must not count as the latest
+            store.clear()
+        checkpoint = store.load_latest(self.fingerprint()) if resume else None
+        if checkpoint is not None and checkpoint.epoch >= epochs:
+            raise ConfigError(
+                f"fit(epochs={epochs}, resume=True): the checkpoint in {directory} is already "
+                f"at epoch {checkpoint.epoch}; ask for more epochs to continue training"
+            )
+        return store, checkpoint
 
     def _dry_run(self) -> None:
         """One step of two samples through the whole graph on the driver, no cluster.
@@ -286,17 +339,116 @@ def _check_epochs(epochs: Any) -> None:
 class _Fit:
     """The state of one fit on the driver."""
 
-    def __init__(self, trainer: Trainer, client: Client, epochs: int) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        client: Client,
+        epochs: int,
+        *,
+        store: CheckpointStore | None = None,
+        checkpoint: Checkpoint | None = None,
+    ) -> None:
         self.trainer = trainer
         self.config = trainer.config
         self.client = client
         self.epochs = epochs
         self.run_id = f"fit{uuid.uuid4().hex[:12]}"
+        self.store, self.resumed = store, checkpoint
         self.history = History()
         self.ledger = SampleLedger(trainer.load.source.num_samples)
         self.noise = NoiseScaleTracker()  # the gradient noise scale, smoothed over steps
         self.samples_seen = 0  # running totals: the history is not rescanned per window
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
+        # Where the phases start: epoch 0, or where the resumed checkpoint ended.
+        self.start: tuple[int, PhaseSpec | None, int, PhaseMeasurement | None] = (0, None, 0, None)
+        if checkpoint is not None:
+            self._restore_driver(checkpoint)
+
+    def _restore_driver(self, checkpoint: Checkpoint) -> None:
+        state = checkpoint.schedule_state
+        measurement = state.get("measurement")
+        self.start = (
+            checkpoint.epoch,
+            phase_from_dict(state.get("previous")),
+            checkpoint.step,
+            None if measurement is None else PhaseMeasurement(**measurement),
+        )
+        if state.get("noise") is not None:
+            self.noise.load_state_dict(state["noise"])
+        if checkpoint.ledger is not None:
+            self.ledger = ledger_from_state(checkpoint.ledger)
+        saved = History(**checkpoint.history)
+        self.history.steps, self.history.epochs = saved.steps, saved.epochs
+        self.history.phases = saved.phases
+        self.samples_seen = sum(s["samples"] for s in saved.steps)
+        restore_rng(checkpoint.rng)
+
+    def _restore_replicas(self, checkpoint: Checkpoint) -> None:
+        """Every replica takes the checkpoint's weights and optimizer state, and its own
+        saved random state (the same rank's, when the replica count is the same)."""
+        [state] = self.client.scatter(
+            [{"model": checkpoint.model_state, "optimizer": checkpoint.optimizer_state}],
+            broadcast=True,
+            workers=self.workers,
+            hash=False,
+        )
+        rngs = checkpoint.replica_rng
+        self.client.gather(
+            [
+                self._submit(
+                    remote.restore_replica,
+                    r,
+                    state,
+                    rngs[r] if r < len(rngs) else None,
+                    key=f"restore@replica{r}-{self.run_id}",
+                )
+                for r in range(len(self.workers))
+            ]
+        )
+
+    def _save_checkpoint(
+        self, phase: PhaseSpec, next_step: int, measurement: PhaseMeasurement
+    ) -> None:
+        """At a phase boundary: rank 0's synchronized weights and optimizer state, every
+        replica's random state, and the driver's schedule, balancer, ledger and history."""
+        world = len(self.workers)
+        snapshot = self._submit(
+            remote.replica_snapshot,
+            0,
+            self.last_futures[0],
+            key=f"checkpoint@replica0-{self.run_id}-p{phase.index}",
+        )
+        rngs = [
+            self._submit(
+                remote.replica_rng,
+                r,
+                self.last_futures[r],
+                key=f"rng@replica{r}-{self.run_id}-p{phase.index}",
+            )
+            for r in range(world)
+        ]
+        snapshot, rngs = self.client.gather([snapshot, rngs])
+        path = self.store.save(
+            Checkpoint(
+                model_state=snapshot["model"],
+                optimizer_state=snapshot["optimizer"] or {},
+                phase_index=phase.index,
+                epoch=phase.end_epoch,
+                step=next_step,
+                schedule_state={
+                    "previous": phase_to_dict(phase),
+                    "measurement": dataclasses.asdict(measurement),
+                    "noise": self.noise.state_dict(),
+                },
+                balancer_measured=[p["samples_per_second"] for p in self.history.phases],
+                ledger=ledger_state(self.ledger),
+                rng=capture_rng(),
+                replica_rng=rngs,
+                history=_json_plain(self.history.to_dict()),
+                fingerprint=self.trainer.fingerprint(),
+            )
+        )
+        self.history.info.setdefault("checkpoints", []).append(str(path))
 
     def _workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -349,6 +501,13 @@ class _Fit:
             }
             self.generation = 0
             self.last_futures: list[Any] = [None] * world
+            if self.resumed is not None:
+                self._restore_replicas(self.resumed)
+                self.history.info["resumed_from"] = {
+                    "epoch": self.resumed.epoch,
+                    "step": self.resumed.step,
+                    "phase": self.resumed.phase_index,
+                }
             self.train_started = time.perf_counter()
             self._run_phases()
             self.history.info["train_seconds"] = time.perf_counter() - self.train_started
@@ -511,10 +670,9 @@ class _Fit:
         )
 
     def _run_phases(self) -> None:
-        epoch, previous, index = 0, None, 0
+        epoch, previous, index, measurement = self.start
         step_seconds: float | None = None
         world = len(self.workers)
-        measurement: PhaseMeasurement | None = None
         while epoch < self.epochs:
             phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
             if previous is not None:
@@ -599,6 +757,8 @@ class _Fit:
                 samples_per_second=sum(self.history.phases[-1]["samples_per_second"]),
                 steps=len(steps),
             )
+            if self.store is not None:
+                self._save_checkpoint(phase, index + len(steps), measurement)
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
 
     def _track_noise(self, ends: list[dict]) -> None:
@@ -803,6 +963,17 @@ def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
     error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _json_plain(value: Any) -> Any:
+    """Plain containers only (tuples as lists), so a checkpoint loads with weights_only."""
+    if isinstance(value, dict):
+        return {str(k): _json_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
 
 
 def _quietly(action: Any) -> None:

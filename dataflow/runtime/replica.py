@@ -403,6 +403,22 @@ def regroup_replica(
     return rank
 
 
+def replica_rng(run_id: str, after: Any = None) -> dict[str, Any]:
+    """This worker's random state (dropout draws), for a checkpoint."""
+    from dataflow.checkpoint import capture_rng
+
+    return capture_rng()
+
+
+def restore_replica(run_id: str, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
+    """Resume: the checkpoint's weights, optimizer state and this rank's random state."""
+    from dataflow.checkpoint import restore_rng
+
+    current_plugin().replica(run_id).load_snapshot(state)
+    if rng is not None:
+        restore_rng(rng)
+
+
 def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
     """Rank 0's model and optimizer state, for replicas joining at a phase boundary."""
     return current_plugin().replica(run_id).snapshot()
