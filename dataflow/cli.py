@@ -1,4 +1,10 @@
-"""The ``dataflow`` command line: ``dataflow demo`` trains a small model end to end."""
+"""The ``dataflow`` command line: ``demo``, ``convert``, ``info`` and ``plot``.
+
+Each command is a thin layer over a library function (``dataflow.convert``,
+``dataflow.store_info``, ``dataflow.report``), so everything the CLI does is
+also a Python call. A ``DataflowError`` (a bad path, variable, argument) is
+printed as one line, without a traceback, and the command exits with status 1.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +13,27 @@ import sys
 import time
 from pathlib import Path
 
+from dataflow.errors import DataflowError
+
 
 def _demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
     import dataflow as dfl
-    from dataflow.demo import SLOPES, FieldNet, random_fields
+    from dataflow.demo import SLOPES, FieldNet, growing_batches, random_fields
+    from dataflow.report import write_report
     from dataflow.runtime.cluster import client_or_local_cluster
 
     started = time.perf_counter()
     x, y = random_fields(args.samples + args.eval_samples, size=args.size, seed=args.seed)
     train = dfl.io.ArraySource(x[: args.samples], y[: args.samples])
     held_out = dfl.io.ArraySource(x[args.samples :], y[args.samples :], shuffle=False)
+    batches = growing_batches(args.batch, args.epochs, args.samples, grow=not args.fixed_batch)
     print(
         f"dataflow demo: {args.samples} training and {args.eval_samples} held-out "
-        f"{args.size}x{args.size} random fields, classes = power-spectrum slopes {SLOPES}"
+        f"{args.size}x{args.size} random fields, classes = power-spectrum slopes {SLOPES}; "
+        f"global batch by epoch {batches}"
     )
     pipe = dfl.Pipeline(
         model=FieldNet,
@@ -31,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
         source=train,
         eval_source=held_out,
         metrics={"loss": F.cross_entropy, "accuracy": dfl.stages.accuracy},
-        schedule=dfl.schedule.Fixed(args.batch),
+        schedule=dfl.schedule.Stepwise(batches, lr_scaling="sqrt"),
         seed=args.seed,
         replicas=args.replicas,
     )
@@ -40,42 +51,188 @@ def _demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     path = result.history.to_json(out / "history.json")
     torch.save(result.model.state_dict(), out / "model.pt")
+    write_report(result.history, out / "report")
     accuracy = result.history.epochs[-1].get("eval_accuracy", float("nan"))
     print(
         f"held-out accuracy {accuracy:.1%} (chance {1 / len(SLOPES):.0%}); history in {path}, "
         f"weights in {out / 'model.pt'}; {time.perf_counter() - started:.0f} s in all"
     )
+    print(
+        f"report (plots, CSV): {out / 'report'}; open {out / 'report' / 'report.md'}, or "
+        f"re-draw it with: dataflow plot {path}"
+    )
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from dataflow.convert import convert
+
+    started = time.perf_counter()
+    done = convert(
+        args.src,
+        args.dest,
+        x=args.x,
+        y=args.y,
+        sample_dim=args.sample_dim,
+        chunk_mb=args.chunk_mb,
+        zarr_format=args.format,
+        overwrite=args.overwrite,
+    )
+    shapes = ", ".join(f"{name} {shape}" for name, shape in done.shapes.items())
+    print(f"wrote {done.dest} ({shapes}) in {time.perf_counter() - started:.1f} s")
+    print(f"read it with: {done.snippet()}")
+    print(f"check it with: dataflow info {done.dest}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from dataflow.store_info import store_info
+
+    info = store_info(
+        args.store,
+        sample_dim=args.sample_dim,
+        check_missing=not args.no_check,
+        decode_budget_s=0.0 if args.no_decode else args.decode_seconds,
+    )
+    print(info.to_json() if args.json else info.format())
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from dataflow.report import write_report
+
+    source = Path(args.history)
+    out = Path(args.out) if args.out else source.parent / "report"
+    written = write_report(source, out)
+    print(f"wrote {len(written)} files to {out}:")
+    for path in written:
+        print(f"  {path}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dataflow", description="CNN training as a task graph on a Dask cluster."
+        prog="dataflow",
+        description="CNN training as a task graph on a Dask cluster. Commands: demo (train a "
+        "small CNN end to end), convert (numpy/HDF5/netCDF to zarr), info (inspect a zarr "
+        "store), plot (a fit's report from its history.json).",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
         help="train a small CNN on synthetic random fields on a local Dask cluster",
         description="Makes a small dataset, starts a LocalCluster (one worker process per "
-        "core), trains data-parallel with progress bars, and writes the history and weights.",
+        "core), trains data-parallel with a growing global batch and progress bars, and "
+        "writes the history, the weights and a report (plots, CSV) under --out.",
     )
     demo.add_argument("--epochs", type=int, default=6)
-    demo.add_argument("--batch", type=int, default=64, help="global batch size")
-    demo.add_argument("--lr", type=float, default=0.02)
+    demo.add_argument("--batch", type=int, default=64, help="first global batch size")
+    demo.add_argument(
+        "--fixed-batch", action="store_true", help="keep --batch all along (default: double it)"
+    )
+    demo.add_argument("--lr", type=float, default=0.02, help="learning rate at --batch")
     demo.add_argument("--samples", type=int, default=4000, help="training samples")
     demo.add_argument("--eval-samples", type=int, default=1000, help="held-out samples")
     demo.add_argument("--size", type=int, default=32, help="field side length in pixels")
     demo.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
     demo.add_argument("--replicas", type=int, default=None, help="default: every worker")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="runs/demo", help="folder for history.json and model.pt")
+    demo.add_argument(
+        "--out", default="runs/demo", help="folder for history.json, model.pt and report/"
+    )
     demo.set_defaults(run=_demo)
+
+    convert = commands.add_parser(
+        "convert",
+        help="convert a numpy, HDF5 or netCDF file into a zarr store chunked for streaming",
+        description="Writes SRC's arrays into the zarr store DEST, chunked by whole samples "
+        "(about --chunk-mb MB a chunk) so training streams it chunk by chunk. Inputs: .npy "
+        "(one array), .npz (by name), HDF5 .h5/.hdf5 (dataset paths; needs h5py), netCDF .nc "
+        "(variables; needs xarray and a netCDF reader: netCDF4, h5netcdf or scipy). Large "
+        "files are read a slab at a time, never whole.",
+        epilog="examples:\n  dataflow convert fields.npz fields.zarr --x x --y y\n"
+        "  dataflow convert sim.nc sim.zarr --x density --y params --sample-dim time",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    convert.add_argument("src", metavar="SRC", help="the file to convert")
+    convert.add_argument("dest", metavar="DEST.zarr", help="the zarr store to write")
+    convert.add_argument(
+        "--x",
+        nargs="+",
+        metavar="VAR",
+        help="input variable(s) (default: 'x', the only array, or every variable with the "
+        "sample dimension)",
+    )
+    convert.add_argument("--y", metavar="VAR", help="target variable (default: 'y' if present)")
+    convert.add_argument(
+        "--sample-dim",
+        metavar="DIM",
+        help="the dimension that indexes samples: a name (netCDF) or an axis number "
+        "(numpy, HDF5; default 0)",
+    )
+    convert.add_argument(
+        "--chunk-mb", type=float, default=8.0, help="target chunk size in MB (default 8)"
+    )
+    convert.add_argument(
+        "--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)"
+    )
+    convert.add_argument(
+        "--overwrite", action="store_true", help="replace DEST if it is an existing zarr store"
+    )
+    convert.set_defaults(run=_convert)
+
+    info = commands.add_parser(
+        "info",
+        help="show a zarr store's arrays, chunks, compression, missing chunks and decode speed",
+        description="Lists each array's shape, dtype, chunks, codecs, bytes on disk and in "
+        "memory, samples, and chunks missing from the store (a quick existence check per "
+        "chunk), then estimates how many samples/s one process on this machine decodes "
+        "(timing a few whole chunks).",
+    )
+    info.add_argument("store", metavar="STORE.zarr", help="a zarr store (path or fsspec URL)")
+    info.add_argument(
+        "--sample-dim",
+        default="0",
+        metavar="DIM",
+        help="the dimension that indexes samples: a name or an axis number (default 0)",
+    )
+    info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.add_argument(
+        "--decode-seconds",
+        type=float,
+        default=0.5,
+        help="time spent decoding per array for the estimate (default 0.5)",
+    )
+    info.add_argument("--no-decode", action="store_true", help="skip the decode estimate")
+    info.add_argument(
+        "--no-check", action="store_true", help="skip the missing-chunk check (slow stores)"
+    )
+    info.set_defaults(run=_info)
+
+    plot = commands.add_parser(
+        "plot",
+        help="write the report (PNG plots, CSV) of a fit from its history.json",
+        description="Writes training.png (loss and held-out metrics vs samples seen and wall "
+        "time), schedule.png (global batch and LR per phase), replicas.png (batch split and "
+        "samples/s per replica), step_time.png (each step's time split into data wait, "
+        "compute, exposed allreduce and engine overhead), steps.csv, epochs.csv, a copy of "
+        "the history and report.md (what each plot shows).",
+    )
+    plot.add_argument("history", metavar="history.json", help="written by History.to_json")
+    plot.add_argument(
+        "--out", metavar="DIR", help="folder for the report (default: report/ beside the history)"
+    )
+    plot.set_defaults(run=_plot)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except DataflowError as exc:
+        print(f"dataflow {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -47,3 +47,14 @@ class FieldNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).flatten(1))
+
+
+def growing_batches(batch: int, epochs: int, samples: int, *, grow: bool = True) -> dict[int, int]:
+    """The demo's schedule ``{epoch: global batch}``: ``batch`` doubled at a third and again
+    at two thirds of the epochs (the adaptive-batch strategy: small batches early, when
+    the gradient is large, larger ones later), each at most a quarter of the samples."""
+    if not grow:
+        return {0: batch}
+    cap = max(batch, samples // 4)
+    starts = sorted({0, epochs // 3, 2 * epochs // 3})
+    return {start: min(batch * 2**k, cap) for k, start in enumerate(starts)}

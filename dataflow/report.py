@@ -30,6 +30,7 @@ import csv
 import importlib.util
 import itertools
 import math
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,20 @@ def _title(history: History) -> str:
     return "  ·  ".join(parts)
 
 
+def _finish(fig: Any, plt: Any, history: History, path: Path, caption: str = "") -> Path:
+    """Title with the run's summary, the caption wrapped under the plots, saved as PNG."""
+    fig.suptitle(_title(history), fontsize=10)
+    lines = textwrap.wrap(caption, width=int(fig.get_figwidth() * 15)) if caption else []
+    if lines:
+        fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=8, color="0.3")
+    bottom = (len(lines) * 0.16 + 0.1) / fig.get_figheight() if lines else 0
+    top = 1 - 0.35 / fig.get_figheight()
+    fig.tight_layout(rect=(0, bottom, 1, top))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_training(history: History, path: Path, plt: Any) -> Path:
     """Loss and each evaluation metric against samples seen (left) and wall time (right)."""
     samples = np.array([_number(s.get("samples")) for s in history.steps])
@@ -318,7 +333,6 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
             ax.set_xlabel(xlabel)
         ax.set_title(f"Loss vs {'samples seen' if col == 0 else 'wall time'}", pad=26)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
         for r, metric in enumerate(metrics, start=1):
             ax = axes[r][col]
             _shade_phases(ax, bounds, label=False)
@@ -336,24 +350,22 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
                 ax.set_xlabel(xlabel)
             ax.set_title(f"Held-out {name} vs {'samples seen' if col == 0 else 'wall time'}")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8, loc="best")
-    fig.suptitle(_title(history), fontsize=10)
-    fig.text(
-        0.5,
-        0.005,
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        ncol=len(labels),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 1 - 0.3 / fig.get_figheight()),
+    )
+    caption = (
         "Shaded bands and dotted lines: phases (a phase keeps one global batch B and one "
         "learning rate). Wall time per step is reconstructed from step durations (results "
-        "arrive one window of steps at a time).",
-        ha="center",
-        va="bottom",
-        fontsize=8,
-        color="0.3",
-        wrap=True,
+        "arrive one window of steps at a time)."
     )
-    fig.tight_layout(rect=(0, 0.03, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, plt, history, path, caption)
 
 
 def _phase_edges(history: History) -> tuple[list[float], list[float]]:
@@ -429,11 +441,7 @@ def plot_schedule(history: History, path: Path, plt: Any) -> Path:
             ax.axvline(edge, color="0.45", ls=":", lw=1)
     axes[-1].set_xlabel("epoch")
     axes[-1].set_xticks(sorted({*edges, *range(int(edges[0]), int(edges[-1]) + 1)}))
-    fig.suptitle(_title(history), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, plt, history, path)
 
 
 def _replica_labels(history: History, count: int) -> list[str]:
@@ -506,24 +514,13 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax.margins(y=0.15)
-    fig.suptitle(_title(history), fontsize=10)
-    fig.text(
-        0.5,
-        0.005,
+    caption = (
         "Left: how each phase's global batch B was split (the balancer gives faster replicas "
         'more; "k× micro": that replica accumulated its gradient over k micro-batches). '
         "Right: each replica's samples per second of its own compute (excluding waits on data "
-        "and peers); above the bars, the whole job's end-to-end samples/s in the phase.",
-        ha="center",
-        va="bottom",
-        fontsize=8,
-        color="0.3",
-        wrap=True,
+        "and peers); above the bars, the whole job's end-to-end samples/s in the phase."
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, plt, history, path, caption)
 
 
 def _batch_of(phase: dict[str, Any], rank: int) -> float:
@@ -571,8 +568,8 @@ def plot_step_time(history: History, path: Path, plt: Any) -> Path:
         (
             axes[1],
             np.array(batches),
-            "wall time per sample (per step ÷ global batch B)",
-            "Time per training sample",
+            "time per sample",
+            "Time per sample (per step ÷ B)",
         ),
     ]
     for ax, divide, ylabel, title in panels:
@@ -601,14 +598,7 @@ def plot_step_time(history: History, path: Path, plt: Any) -> Path:
         ax.margins(y=0.1)
         ax.grid(axis="y", alpha=0.3)
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="term")
-    fig.suptitle(_title(history), fontsize=10)
-    fig.text(
-        0.02, 0.01, STEP_TIME_CAPTION, ha="left", va="bottom", fontsize=8, color="0.3", wrap=True
-    )
-    fig.tight_layout(rect=(0, 0.13, 1, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, plt, history, path, STEP_TIME_CAPTION)
 
 
 # --------------------------------------------------------------------------- tables
