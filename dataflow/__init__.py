@@ -23,6 +23,7 @@ from dataflow.errors import (
     GraphError,
     LossError,
     ModelError,
+    NonFiniteError,
     ReplicaError,
 )
 from dataflow.graph import Graph, Node
@@ -48,6 +49,7 @@ __all__ = [
     "LossError",
     "ModelError",
     "Node",
+    "NonFiniteError",
     "Pipeline",
     "Plan",
     "ReplicaError",

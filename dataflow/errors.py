@@ -32,6 +32,10 @@ class LossError(DataflowError, ValueError):
     """The loss function returned something that is not a finite scalar tensor."""
 
 
+class NonFiniteError(LossError, FloatingPointError):
+    """A NaN or inf loss or gradient, caught before the update was applied."""
+
+
 class DataError(DataflowError, ValueError):
     """Input arrays are inconsistent (sample counts, dtypes, dimensions)."""
 

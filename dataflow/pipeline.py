@@ -21,6 +21,8 @@ class Pipeline:
     ``model`` is a factory called once per replica (a class, or ``lambda: Net()``);
     ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
     ``eval_source`` with ``metrics`` evaluates at the end of every epoch.
+    ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
+    (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``).
     Everything else (``replicas``, ``device``, ``window_seconds``, ``balancer``,
     ``progress`` ...) is a :class:`~dataflow.trainer.TrainerConfig` field.
     """
@@ -41,6 +43,7 @@ class Pipeline:
         prefetch: int = 2,
         drop_last: bool = False,
         buffer_chunks: int = 4,
+        on_non_finite: str = "raise",
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -58,7 +61,7 @@ class Pipeline:
         node = graph.add(Forward(model, loss), node)
         node = graph.add(Backward(), node)
         node = graph.add(AllReduce(bucket_mb=bucket_mb), node)
-        node = graph.add(Update(optimizer), node)
+        node = graph.add(Update(optimizer, on_non_finite=on_non_finite), node)
         if eval_source is not None:
             graph.add(Evaluate(eval_source, metrics=metrics or {"loss": loss}), node)
         elif metrics:

@@ -52,7 +52,7 @@ from dataflow.runtime import replica as remote
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.plugin import DataflowWorkerPlugin
 from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
-from dataflow.stages import Forward, Load
+from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
 from dataflow.stages.forward import build_model
 
@@ -176,6 +176,10 @@ class Trainer:
         forwards = [s for s in graph if isinstance(s, Forward)]
         self.model_factory = forwards[0].config.model if forwards else None
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
+        # With on_non_finite="skip", a NaN step loss is a dropped step, not a failure.
+        self.skips_non_finite = any(
+            isinstance(s, Update) and s.config.on_non_finite == "skip" for s in graph
+        )
 
     def next_phase(
         self,
@@ -860,7 +864,7 @@ class _Fit:
             local = [(w.losses[i], w.samples[i]) for w in window]
             total = sum(n for _, n in local)
             loss = sum(value * n for value, n in local if n) / total
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and not self.trainer.skips_non_finite:
                 raise LossError(
                     f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "
                     "diverged: lower the learning rate or check the inputs for NaN/inf"
@@ -877,8 +881,9 @@ class _Fit:
                 }
             )
             self.samples_seen += total
-            self.epoch_loss_sum += loss * total
-            self.epoch_samples += total
+            if math.isfinite(loss):  # a dropped non-finite step does not poison the mean
+                self.epoch_loss_sum += loss * total
+                self.epoch_samples += total
             if spec.last_in_epoch:
                 self._record_epoch(spec, window)
         elapsed = time.perf_counter() - self.train_started
@@ -893,7 +898,7 @@ class _Fit:
     def _record_epoch(self, spec: Any, window: list[Any]) -> None:
         row: dict[str, Any] = {
             "epoch": spec.epoch,
-            "train_loss": self.epoch_loss_sum / self.epoch_samples,
+            "train_loss": self.epoch_loss_sum / max(self.epoch_samples, 1),
         }
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
         evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
@@ -952,6 +957,7 @@ class _Fit:
                 "data_wait_fraction": data_wait,  # per replica: share of step time in Load
                 "chunks_decoded": [end.get("chunks_decoded", 0) for end in ends],
                 "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],
+                "skipped_steps": ends[0].get("skipped_steps", 0),  # non-finite, dropped
             }
         )
 

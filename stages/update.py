@@ -8,16 +8,24 @@ from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError, ModelError
+from dataflow.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.schedule import lr_at
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
+
+NON_FINITE_POLICIES = ("raise", "skip")
 
 
 @dataclass(kw_only=True, frozen=True)
 class UpdateConfig:
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+    on_non_finite: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_non_finite not in NON_FINITE_POLICIES:
+            raise ConfigError(
+                f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
+                "naming the step) or 'skip' (drop that step's update and go on)"
+            )
         if not callable(self.optimizer):
             raise ConfigError(
                 "Update(optimizer=...): expected a factory taking the parameters, e.g. "
@@ -36,16 +44,25 @@ def build_optimizer(factory: Callable[..., Any], model: torch.nn.Module) -> torc
 
 
 class Update(Stage):
-    """``optimizer.step()`` then clears the gradients; sets the phase's LR if it has one."""
+    """``optimizer.step()`` then clears the gradients; sets the phase's LR if it has one.
+
+    Before the step it checks that the loss and the reduced gradient are finite. The
+    reduced gradient is the same on every replica (a NaN anywhere reaches all of them
+    through the allreduce), so all replicas take the same decision without talking:
+    ``on_non_finite="raise"`` stops the fit with :class:`NonFiniteError` naming the
+    step, phase and replica before any weight changes; ``"skip"`` drops the step's
+    update (counted in the history as ``skipped_steps``) and trains on.
+    """
 
     def __init__(
         self,
         optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
         *,
+        on_non_finite: str = "raise",
         name: str | None = None,
     ) -> None:
         super().__init__(name)
-        self.config = UpdateConfig(optimizer=optimizer)
+        self.config = UpdateConfig(optimizer=optimizer, on_non_finite=on_non_finite)
 
     def setup(self, replica: ReplicaContext) -> None:
         if replica.model is None:
@@ -64,6 +81,8 @@ class Update(Stage):
             self._target_lrs = [base * phase.lr_scale for base in self._base_lrs]
         self._warmup = phase.warmup_steps
         self._first_step = phase.steps[0].index if phase.steps else 0
+        self._phase = phase.index
+        self._skipped = 0
         self._set_lrs(replica.optimizer, 0)
 
     def _set_lrs(self, optimizer: torch.optim.Optimizer, step_in_phase: int) -> None:
@@ -76,6 +95,36 @@ class Update(Stage):
         optimizer = step.replica.optimizer
         if self._warmup:
             self._set_lrs(optimizer, step.spec.index - self._first_step)
-        optimizer.step()
+        # Decided on the reduced gradient, identical on every replica, so all agree;
+        # the local loss counts too when there is no peer to disagree with.
+        loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
+        if not _finite(loss, step.replica.model):
+            if self.config.on_non_finite == "raise":
+                raise NonFiniteError(
+                    f"non-finite loss or gradient at step {step.spec.index} (epoch "
+                    f"{step.spec.epoch}, phase {getattr(self, '_phase', '?')}) on replica "
+                    f"{step.replica.rank}; no update was applied. Lower the learning rate, "
+                    "check the inputs for NaN/inf, or pass on_non_finite='skip' to drop such "
+                    "steps"
+                )
+            self._skipped += 1
+            step.metrics["skipped"] = True
+        else:
+            optimizer.step()
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
+        skipped, self._skipped = getattr(self, "_skipped", 0), 0
+        return {"skipped_steps": skipped}
+
+
+def _finite(loss: Any, model: torch.nn.Module) -> bool:
+    """The local loss and the (reduced) gradient hold no NaN or inf: one fused norm."""
+    if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss)):
+        return False
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    norms = torch._foreach_norm(grads)
+    return bool(torch.isfinite(torch.stack(norms).sum()))
