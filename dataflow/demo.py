@@ -56,5 +56,9 @@ def growing_batches(batch: int, epochs: int, samples: int, *, grow: bool = True)
     if not grow:
         return {0: batch}
     cap = max(batch, samples // 4)
-    starts = sorted({0, epochs // 3, 2 * epochs // 3})
-    return {start: min(batch * 2**k, cap) for k, start in enumerate(starts)}
+    table: dict[int, int] = {}
+    for k, start in enumerate(sorted({0, epochs // 3, 2 * epochs // 3})):
+        size = min(batch * 2**k, cap)
+        if not table or size > max(table.values()):
+            table[start] = size
+    return table

@@ -28,6 +28,8 @@ def test_demo_trains_and_writes_history_and_report(tmp_path, capsys):
             "64",
             "--epochs",
             "2",
+            "--batch",
+            "32",
             "--workers",
             "2",
             "--out",
@@ -41,7 +43,7 @@ def test_demo_trains_and_writes_history_and_report(tmp_path, capsys):
     history = json.loads((out / "history.json").read_text())
     assert [e["epoch"] for e in history["epochs"]] == [0, 1]
     assert history["info"]["replicas"] == 2
-    assert [p["global_batch"] for p in history["phases"]] == [64, 128]  # a growing batch
+    assert [p["global_batch"] for p in history["phases"]] == [32, 64]  # a growing batch
     assert (out / "model.pt").exists()
     for name in ("training.png", "schedule.png", "replicas.png", "step_time.png", "steps.csv"):
         assert (out / "report" / name).stat().st_size > 0
