@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except DataflowError as exc:
-        print(f"dataflow {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dataflow: error: {exc}", file=sys.stderr)
         return 1
 
 

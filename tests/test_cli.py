@@ -208,7 +208,7 @@ def test_convert_errors_name_the_problem_and_the_fix(tmp_path, capsys, name, opt
     code = main(["convert", str(tmp_path / name), str(tmp_path / "out.zarr"), *options])
     assert code == 1
     err = capsys.readouterr().err
-    assert err.startswith("dataflow convert: error: ") and expected in err
+    assert err.startswith("dataflow: error: convert") and expected in err
     assert not (tmp_path / "out.zarr").exists()
 
 
