@@ -499,6 +499,7 @@ class _Fit:
                 "replicas": world,
                 "seed": self.config.seed,
                 "stages": list(order),
+                "stage_kinds": {name: type(self.trainer.graph[name]).__name__ for name in order},
                 "workers": client.gather(setups),
                 "dashboard": client.dashboard_link,
                 "regroups": [],
