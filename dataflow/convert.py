@@ -10,7 +10,6 @@ wrong path, variable, dimension, or a missing reader package) is a
 
 from __future__ import annotations
 
-import inspect
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,11 +91,6 @@ def convert(
         raise ConfigError(f"convert(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8")
     if zarr_format not in (2, 3):
         raise ConfigError(f"convert(zarr_format={zarr_format!r}): use 2 or 3")
-    if zarr_format != 3 and "zarr_format" not in inspect.signature(to_zarr).parameters:
-        raise ConfigError(
-            f"convert(zarr_format={zarr_format}): this version of dataflow.io.to_zarr writes "
-            "zarr format 3 only; use --format 3 (ZarrSource reads both formats)"
-        )
     if dest.exists():
         if not overwrite:
             raise ConfigError(

@@ -26,6 +26,19 @@ _COMPRESSORS = {
 }
 
 
+def _v2_compressors() -> dict[str, Any]:
+    import numcodecs
+
+    return {
+        "zstd": lambda: numcodecs.Zstd(level=3),
+        "blosc": lambda: numcodecs.Blosc(cname="zstd", clevel=3),
+        "gzip": lambda: numcodecs.GZip(level=5),
+    }
+
+
+_V2_COMPRESSORS = _v2_compressors()
+
+
 def _as_numpy(name: str, array: Any) -> np.ndarray:
     if isinstance(array, torch.Tensor):
         array = array.detach().cpu().numpy()
@@ -54,6 +67,7 @@ def to_zarr(
     sample_dim: str | None = None,
     chunk_mb: float = 8.0,
     compressor: str | None = "zstd",
+    zarr_format: int = 3,
 ) -> str | Path:
     """Write ``x`` (and ``y``) as arrays ``x_name`` (``y_name``) of a zarr v3 group at ``path``.
 
@@ -64,8 +78,12 @@ def to_zarr(
     Dask-backed variables are written a slab at a time, never whole in memory.
     An existing zarr store at ``path`` is replaced; any other existing, non-empty
     directory is refused (so a wrong path never deletes unrelated files).
-    ``compressor`` is "zstd", "blosc", "gzip" or None. Returns ``path``.
+    ``compressor`` is "zstd", "blosc", "gzip" or None. ``zarr_format`` is 3 (default)
+    or 2, for tools that read only zarr v2; dimension names then go to the
+    ``_ARRAY_DIMENSIONS`` attribute, as xarray writes them. Returns ``path``.
     """
+    if zarr_format not in (2, 3):
+        raise ConfigError(f"to_zarr(zarr_format={zarr_format!r}): use 3 (default) or 2")
     if not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
         raise ConfigError(f"to_zarr(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8.0")
     if compressor is not None and compressor not in _COMPRESSORS:
@@ -97,8 +115,13 @@ def to_zarr(
             f"to_zarr(path={str(path)!r}): a non-empty directory that is not a zarr store; "
             "choose a new path (to_zarr replaces only zarr stores)"
         )
-    group = zarr.open_group(str(path), mode="w", zarr_format=3)
-    codecs = () if compressor is None else (_COMPRESSORS[compressor](),)
+    group = zarr.open_group(str(path), mode="w", zarr_format=zarr_format)
+    if compressor is None:
+        codecs: tuple = ()
+    elif zarr_format == 2:
+        codecs = (_V2_COMPRESSORS[compressor](),)
+    else:
+        codecs = (_COMPRESSORS[compressor](),)
     for name, (array, axis, dims) in arrays.items():
         _write_array(group, name, array, axis, dims, chunk_mb, codecs)
     return path
@@ -145,13 +168,18 @@ def _write_array(
     sample_bytes = max(1, math.prod(shape) * np.dtype(array.dtype).itemsize // n)
     per_chunk = int(min(n, max(1, (chunk_mb * 1e6) // sample_bytes)))
     chunks = tuple(per_chunk if i == axis else max(1, d) for i, d in enumerate(shape))
+    names = None if dims is None else [str(d) for d in dims]
+    v2 = group.metadata.zarr_format == 2
     out = group.create_array(
         name,
         shape=shape,
         dtype=np.dtype(array.dtype),
         chunks=chunks,
         compressors=codecs,
-        dimension_names=None if dims is None else [str(d) for d in dims],
+        dimension_names=None if v2 else names,
+        attributes={"_ARRAY_DIMENSIONS": names} if v2 and names else None,
+        # v2 readers (xarray) take a fill value as "missing" and would mask real zeros
+        **({"fill_value": None} if v2 else {}),
         config={"write_empty_chunks": True},  # an absent chunk always means incomplete
     )
     step = per_chunk * max(1, int(64e6 // (per_chunk * sample_bytes)))
