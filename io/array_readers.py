@@ -1,11 +1,13 @@
 """Read one array of a source by chunk along its sample dimension.
 
-Three kinds, one interface (``bounds``, ``missing``, ``read_slab``); reads by
+Three kinds, one interface (``bounds``, ``missing``, ``read_slabs``); reads by
 sample index go through ``io.chunk_reader`` so each chunk is decoded once:
 
 - :class:`ZarrArrayReader`: a ``zarr.Array``. Zarr returns the fill value for a
   chunk absent from the store, so ``missing`` asks the store whether each stored
   object exists, and a chunk that fails to decode is named (``ChunkReadError``).
+  Several slabs are read in one request (``read_slabs``): zarr fetches and decodes
+  all their chunks concurrently.
 - :class:`DaskArrayReader`: a ``dask.array`` (e.g. an xarray variable opened with
   dask chunks). Computed chunk by chunk with the synchronous scheduler: it runs
   inside a Dask worker, where a nested distributed compute would deadlock.
@@ -93,6 +95,10 @@ class ArrayReader:
             return self._resident[start:stop]
         return native(np.moveaxis(self._read(start, stop), self.sample_dim, 0))
 
+    def read_slabs(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """:meth:`read_slab` of every ``(start, stop)`` of ``ranges`` (here one by one)."""
+        return [self.read_slab(start, stop) for start, stop in ranges]
+
     def empty(self) -> np.ndarray:
         """No samples, with this array's sample shape and (native) dtype."""
         shape = list(self.shape)
@@ -135,14 +141,38 @@ class ZarrArrayReader(ArrayReader):
 
         return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
 
-    def _read(self, start: int, stop: int) -> np.ndarray:
+    def _region(self, start: int, stop: int) -> tuple[Any, ...]:
         region: list[Any] = [slice(None)] * len(self.shape)
         region[self.sample_dim] = slice(start, stop)
+        return tuple(region)
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
         try:
-            return self.array[tuple(region)]
+            return self.array[self._region(start, stop)]
         except Exception as exc:
             self._raise_read_error(start, stop, exc)
             raise  # unreachable: _raise_read_error always raises
+
+    def read_slabs(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+        """All ``ranges`` in one request: zarr fetches and decodes every chunk they hold
+        concurrently (its event loop and thread pool), instead of one slab after the other."""
+        if self.resident or len(ranges) <= 1:
+            return super().read_slabs(ranges)
+        array = self.array.async_array
+
+        async def read_all() -> list[Any]:
+            return await asyncio.gather(*(array.getitem(self._region(a, b)) for a, b in ranges))
+
+        try:
+            blocks = sync(read_all())
+        except Exception as exc:  # name the object that fails, range by range
+            for start, stop in ranges:
+                self._read(start, stop)
+            raise ChunkReadError(
+                f"ZarrSource: reading array {self.name!r} failed ({exc}); every chunk read "
+                "alone succeeded, so the store may be changing underneath: retry, or re-copy it"
+            ) from exc
+        return [native(np.moveaxis(np.asarray(b), self.sample_dim, 0)) for b in blocks]
 
     def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
         """Re-read object by object to name the one that fails to decode."""

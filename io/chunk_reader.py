@@ -3,11 +3,21 @@
 A chunked source (zarr, dask) decodes whole chunks whatever a read asks for, so
 reading batch by batch would decode a chunk once for every batch that touches
 it. The whole epoch's batches are known in advance (``io.sharding``), so this
-reader knows each chunk's last use: it decodes a chunk the first time a batch
-needs it, keeps the decoded chunk while later batches still need it, and drops
-it after its last use. Memory is the chunks live at once, which the shuffle
-buffer bounds (about ``buffer_chunks`` chunks plus the ones the current batch
-spans), whatever the dataset size.
+reader knows each chunk's first and last use: it decodes a chunk for the first
+batch that needs it, keeps it while later batches still need it, and drops it
+after its last use. Memory is the chunks live at once, which the shuffle buffer
+bounds (about ``buffer_chunks`` chunks plus the ones the current batch spans),
+plus the chunks decoded ahead (``decode_ahead`` batches' new chunks), whatever
+the dataset size.
+
+Speed: the new chunks of a batch are decoded in one request to the source (zarr
+fetches and decodes them concurrently, on its own threads), on a background
+thread that runs ahead of the assembly, so decoding overlaps the gather and the
+consumer. The gather copies each sample once, straight from its decoded chunk
+into the batch, with numpy (one thread: torch's intra-op threads would compete
+with the decode for the cores), into an output buffer reused from
+:class:`BatchBuffers` (fresh memory costs a page fault per 4 KiB on first touch,
+about as much as the copy itself).
 
 Before the first batch, every chunk of the epoch is checked to exist, so a
 missing chunk fails the epoch before any step trains on it.
@@ -15,7 +25,11 @@ missing chunk fails the epoch before any step trains on it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import math
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,7 +51,8 @@ class ChunkedSource(Protocol):
         ...
 
     def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
-        """Decode ``chunks``; each value holds that chunk's samples, sample dim first."""
+        """Decode ``chunks`` (ideally concurrently); each value holds that chunk's samples,
+        sample dim first, as numpy arrays or CPU tensors."""
         ...
 
     def read(self, indices: np.ndarray) -> Batch:
@@ -63,59 +78,267 @@ def last_uses(chunks_per_batch: Sequence[np.ndarray]) -> dict[int, int]:
     return last
 
 
-def _gather(values: list[Any], rows: list[np.ndarray], positions: list[np.ndarray], n: int) -> Any:
+# -- output buffers ---------------------------------------------------------------------
+
+
+def _refs(pool: list[np.ndarray], i: int) -> int:
+    return sys.getrefcount(pool[i])
+
+
+_IDLE_REFS = _refs([np.empty(0)], 0)  # a buffer only its pool list refers to
+
+
+class BatchBuffers:
+    """Output buffers of batches, reused once nothing refers to them any more.
+
+    A batch's arrays are views of a pooled numpy buffer (``torch.from_numpy``). Every
+    object made from a batch's tensor (the tensor, a view, slice or reshape of it, its
+    ``.numpy()``, its storage, a DLPack capsule) keeps a Python reference to that
+    buffer, so the buffer is handed out again only when its reference count says the
+    pool holds the last one: a consumer may keep any batch, or anything made from it,
+    as long as it likes (``list(stream_batches(...))`` is fine). Only a raw pointer
+    (``data_ptr()``) kept past the last reference is not protected. Buffers are never
+    handed out twice at once, so this needs no rule about how far the consumer lags.
+
+    The pool keeps at most ``keep`` buffers per (sample shape, dtype); when all are in
+    use, a batch gets a plain new allocation that is not kept. A buffer serves batches
+    of ``n`` samples when it holds between ``n`` and ``2 n``: varying per-replica shares
+    reuse it, and a much smaller batch does not pin a much larger buffer.
+
+    ``pin_memory=True`` (staging for CUDA): nothing is pooled here; each batch is a
+    ``torch.empty(..., pin_memory=True)``, which torch's caching host allocator serves
+    from pinned blocks it reuses (no new page-locking per batch) and hands out again
+    only after the asynchronous copies that read a block have finished.
+    """
+
+    def __init__(self, keep: int = 6, *, pin_memory: bool = False) -> None:
+        if keep < 0:
+            raise ValueError(f"BatchBuffers(keep={keep}): must be >= 0")
+        self.keep = keep
+        self.pin_memory = pin_memory
+        self.allocated = 0  # buffers allocated (fresh memory)
+        self.reused = 0  # batches served from a pooled buffer
+        self._pools: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int, shape: tuple[int, ...], dtype: np.dtype) -> tuple[torch.Tensor, Any]:
+        """A tensor of ``(n, *shape)`` samples, and a numpy view of it to write the batch in."""
+        if self.pin_memory:
+            tensor = torch.from_numpy(np.empty(0, dtype))  # the torch dtype of ``dtype``
+            tensor = torch.empty((n, *shape), dtype=tensor.dtype, pin_memory=True)
+            self.allocated += 1
+            return tensor, tensor.numpy()
+        key = (tuple(shape), np.dtype(dtype))
+        with self._lock:
+            pool = self._pools.setdefault(key, [])
+            best, spare = -1, -1
+            for i in range(len(pool)):
+                if _refs(pool, i) != _IDLE_REFS:
+                    continue  # in use: some batch, view or array still refers to it
+                rows = len(pool[i])
+                if n <= rows <= 2 * n and (best < 0 or rows < len(pool[best])):
+                    best = i
+                spare = i
+            if best >= 0:
+                self.reused += 1
+                buffer = pool[best]
+            else:
+                buffer = np.empty((n, *shape), dtype)
+                self.allocated += 1
+                if len(pool) < self.keep:
+                    pool.append(buffer)
+                elif spare >= 0:  # an idle buffer of the wrong size makes room
+                    pool[spare] = buffer
+        view = buffer[:n]
+        return torch.from_numpy(view), view
+
+
+# -- gather -----------------------------------------------------------------------------
+
+ROW_COPY_BYTES = 16 * 2**10  # samples this large are copied one by one, each exactly once
+
+
+def _numpy(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+def _gather(
+    values: list[Any],
+    rows: list[np.ndarray],
+    positions: list[np.ndarray],
+    n: int,
+    buffers: BatchBuffers,
+) -> Any:
     """Rows ``rows[i]`` of chunk value ``values[i]`` placed at ``positions[i]`` of a batch."""
     first = values[0]
     if first is None:
         return None
     if isinstance(first, tuple):
-        return tuple(_gather([v[k] for v in values], rows, positions, n) for k in range(len(first)))
-    out = torch.empty((n, *first.shape[1:]), dtype=first.dtype)
-    for value, local, where in zip(values, rows, positions, strict=True):
-        out[torch.from_numpy(where)] = value[torch.from_numpy(local)]
-    return out
+        return tuple(
+            _gather([v[k] for v in values], rows, positions, n, buffers) for k in range(len(first))
+        )
+    sources = [_numpy(v) for v in values]
+    shape, dtype = sources[0].shape[1:], sources[0].dtype
+    tensor, out = buffers.take(n, shape, dtype)
+    if math.prod(shape) * dtype.itemsize >= ROW_COPY_BYTES:
+        parts: list[Any] = [None] * n  # one view per sample, in batch order: one copy each
+        for source, local, where in zip(sources, rows, positions, strict=True):
+            for p, r in zip(where.tolist(), local.tolist(), strict=True):
+                parts[p] = source[r : r + 1]
+        np.concatenate(parts, axis=0, out=out)
+    else:  # small samples: per-sample Python work would cost more than a second copy
+        for source, local, where in zip(sources, rows, positions, strict=True):
+            out[where] = source[local]
+    return tensor
+
+
+# -- decode ahead -----------------------------------------------------------------------
+
+
+class _InlineDecoder:
+    """Decodes on the caller's thread, when there is nothing to overlap."""
+
+    def __init__(self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]]):
+        self._read = read
+        self._jobs = iter(jobs)
+
+    def get(self) -> dict[int, Batch]:
+        return self._read(next(self._jobs))
+
+    def close(self) -> None:
+        pass
+
+
+class _ThreadDecoder:
+    """Decodes each job (one batch's new chunks) on a thread, at most ``ahead`` jobs
+    decoded or decoding that the assembly has not taken yet: memory stays bounded."""
+
+    def __init__(
+        self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]], ahead: int
+    ) -> None:
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.Semaphore(ahead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._work, args=(read, jobs), name="dataflow-decode", daemon=True
+        )
+        self._thread.start()
+
+    def _work(self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]]) -> None:
+        for job in jobs:
+            while not self._slots.acquire(timeout=0.1):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                decoded = read(job)
+            except BaseException as exc:  # raised in the assembly, at the batch it belongs to
+                self._results.put((False, exc))
+                return
+            self._results.put((True, decoded))
+            del decoded
+
+    def get(self) -> dict[int, Batch]:
+        ok, value = self._results.get()
+        self._slots.release()
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+# -- the reader -------------------------------------------------------------------------
 
 
 class EpochChunkReader:
-    """Yields the batches of one replica's epoch, decoding each chunk once."""
+    """Yields the batches of one replica's epoch, decoding each chunk once.
 
-    def __init__(self, source: ChunkedSource, batches: Sequence[np.ndarray]) -> None:
+    ``buffers``: where batch outputs come from (a :class:`BatchBuffers`, shared across
+    epochs by the caller so buffers are reused from one epoch to the next; its reuse
+    rule makes handing batches on safe). ``decode_ahead``: how many batches' new chunks
+    may be decoded before the assembly needs them (0: decode on the iterating thread).
+    """
+
+    def __init__(
+        self,
+        source: ChunkedSource,
+        batches: Sequence[np.ndarray],
+        *,
+        buffers: BatchBuffers | None = None,
+        decode_ahead: int = 1,
+    ) -> None:
+        if decode_ahead < 0:
+            raise ValueError(f"EpochChunkReader(decode_ahead={decode_ahead}): must be >= 0")
         self.source = source
         self.batches = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
         self.bounds = np.asarray(source.chunk_bounds, dtype=np.int64)
         self.chunks = [chunk_of(self.bounds, indices) for indices in self.batches]
+        self.touched = [np.unique(chunks).tolist() for chunks in self.chunks]
         self.last_use = last_uses(self.chunks)
+        self.buffers = BatchBuffers() if buffers is None else buffers
+        self.decode_ahead = decode_ahead
         self.decoded = 0  # chunks decoded so far: the test of "once per epoch"
+        self.requests = 0  # read_chunks calls: one per batch that needs new chunks
         self.peak_live_samples = 0  # most decoded samples held at once: the memory bound
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def _samples(self, chunks: Sequence[int]) -> int:
+        return int(sum(int(self.bounds[c + 1] - self.bounds[c]) for c in chunks))
+
+    def _hold(self, samples: int) -> None:
+        with self._lock:
+            self._held += samples
+            self.peak_live_samples = max(self.peak_live_samples, self._held)
+
+    def _read(self, chunks: list[int]) -> dict[int, Batch]:
+        self._hold(self._samples(chunks))  # counted before decoding: the memory is coming
+        decoded = self.source.read_chunks(chunks)
+        self.decoded += len(chunks)
+        self.requests += 1
+        return decoded
 
     def __iter__(self) -> Iterator[Batch]:
         self.source.check_chunks(sorted(self.last_use))
+        seen: set[int] = set()
+        news = []  # per batch, the chunks it is the first to use
+        for touched in self.touched:
+            news.append([c for c in touched if c not in seen])
+            seen.update(touched)
+        jobs = [new for new in news if new]
+        if self.decode_ahead == 0 or len(jobs) <= 1:
+            decoder: Any = _InlineDecoder(self._read, jobs)
+        else:
+            decoder = _ThreadDecoder(self._read, jobs, self.decode_ahead)
         live: dict[int, Batch] = {}
-        for position, (indices, chunks) in enumerate(zip(self.batches, self.chunks, strict=True)):
-            touched = np.unique(chunks).tolist()
-            new = [c for c in touched if c not in live]
-            if new:
-                live.update(self.source.read_chunks(new))
-                self.decoded += len(new)
-            held = sum(int(self.bounds[c + 1] - self.bounds[c]) for c in live)
-            self.peak_live_samples = max(self.peak_live_samples, held)
-            yield self._assemble(indices, chunks, touched, live)
-            for chunk in touched:
-                if self.last_use[chunk] == position:
+        try:
+            for position, indices in enumerate(self.batches):
+                if news[position]:
+                    live.update(decoder.get())
+                yield self._assemble(indices, self.chunks[position], position, live)
+                done = [c for c in self.touched[position] if self.last_use[c] == position]
+                for chunk in done:
                     del live[chunk]
+                self._hold(-self._samples(done))
+        finally:
+            decoder.close()
 
     def _assemble(
-        self, indices: np.ndarray, chunks: np.ndarray, touched: list[int], live: dict[int, Batch]
+        self, indices: np.ndarray, chunks: np.ndarray, position: int, live: dict[int, Batch]
     ) -> Batch:
+        n = len(indices)
+        if n == 0:  # a replica with no share this step: the source's own empty batch
+            return self.source.read(indices)
         rows, positions, parts = [], [], []
-        for chunk in touched:
+        for chunk in self.touched[position]:
             where = np.flatnonzero(chunks == chunk)
             rows.append(indices[where] - self.bounds[chunk])
             positions.append(where)
             parts.append(live[chunk])
-        n = len(indices)
-        if n == 0:  # a replica with no share this step: the source's own empty batch
-            return self.source.read(indices)
-        x = _gather([p.x for p in parts], rows, positions, n)
-        y = _gather([p.y for p in parts], rows, positions, n)
+        x = _gather([p.x for p in parts], rows, positions, n, self.buffers)
+        y = _gather([p.y for p in parts], rows, positions, n, self.buffers)
         return Batch(x=x, y=y, size=n, indices=indices)

@@ -1,7 +1,10 @@
 """Background loading with a bounded queue, so reading overlaps compute.
 
 Memory stays within ``depth`` batches whatever the dataset size. An exception in
-the loader thread is re-raised in the consumer at the batch it belongs to.
+the loader thread is re-raised in the consumer at the batch it belongs to. The
+loader thread keeps no reference to a batch once it is queued, so a batch's output
+buffer (``io.chunk_reader.BatchBuffers``) is free again as soon as the consumer
+drops it.
 """
 
 from __future__ import annotations
@@ -39,8 +42,13 @@ class Prefetcher:
     def _work(self, load: Callable[[Any], Any], items: Any) -> None:
         try:
             for item in items:
-                if self._stop.is_set() or not self._put((True, load(item))):
+                if self._stop.is_set():
                     return
+                value = load(item)
+                del item  # hold nothing once it is queued: the consumer decides its lifetime
+                if not self._put((True, value)):
+                    return
+                del value
         except BaseException as exc:  # handed to the consumer, raised there
             self._put((False, exc))
             return

@@ -4,6 +4,11 @@ The same path the Load stage takes (chunk-order shuffle, shuffle buffer, each
 chunk decoded once, a background reader ``prefetch`` batches ahead), for one
 reader: to inspect a store, evaluate a model, or measure read speed
 (``benchmarks/bench_streaming.py``).
+
+A batch's tensors live in a reused output buffer that is handed out again only
+once nothing refers to the batch, or to any view or array made from it
+(``io.chunk_reader.BatchBuffers``): keeping batches (``list(stream_batches(...))``)
+is safe, and dropping each one after use lets the next reuse its memory.
 """
 
 from __future__ import annotations
@@ -12,10 +17,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataflow.errors import ConfigError
-from dataflow.io.chunk_reader import EpochChunkReader, is_chunked
+from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, shard_epoch, source_chunk_sizes
 from dataflow.stages.base import Batch
+
+# Output buffers kept beyond ``prefetch``: the batch being assembled, the one the
+# consumer holds, and one each the loader thread and the generator hand on.
+BUFFER_SLACK = 4
 
 
 def stream_batches(
@@ -45,12 +54,14 @@ def stream_batches(
 
     def produce() -> Iterator[Batch]:
         if is_chunked(source):
-            reader = EpochChunkReader(source, batches)
-            for batch, indices in zip(reader, batches, strict=True):
+            buffers = BatchBuffers(keep=prefetch + BUFFER_SLACK)
+            yield from EpochChunkReader(source, batches, buffers=buffers)
+        else:
+            for indices in batches:
+                batch = source.read(indices)
                 batch.indices = indices
                 yield batch
-        else:
-            yield from (source.read(indices) for indices in batches)
+                del batch
 
     prefetcher = Prefetcher(lambda batch: batch, produce(), depth=prefetch)
     try:

@@ -295,22 +295,24 @@ class ZarrSource:
                 raise missing_chunk_error(reader, missing)
 
     def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
-        """Decode ``chunks`` (each run of consecutive chunks in one read, so zarr
-        fetches and decodes them concurrently); each value is one chunk's samples."""
+        """Decode ``chunks`` in one request per array (each run of consecutive chunks one
+        slab; zarr fetches and decodes all of them concurrently); each value is one
+        chunk's samples, views of the slab that holds it."""
         bounds = self.chunk_bounds
         ordered = sorted(int(c) for c in chunks)
+        runs: list[list[int]] = []
+        for chunk in ordered:
+            if runs and chunk == runs[-1][-1] + 1:
+                runs[-1].append(chunk)
+            else:
+                runs.append([chunk])
+        ranges = [(int(bounds[run[0]]), int(bounds[run[-1] + 1])) for run in runs]
+        slabs = [reader.read_slabs(ranges) for reader in self._open()]  # [array][run]
         out: dict[int, Batch] = {}
-        run_start = 0
-        for i in range(1, len(ordered) + 1):
-            if i < len(ordered) and ordered[i] == ordered[i - 1] + 1:
-                continue
-            run = ordered[run_start:i]
-            first = int(bounds[run[0]])
-            slabs = [r.read_slab(first, int(bounds[run[-1] + 1])) for r in self._open()]
+        for i, (run, (first, _)) in enumerate(zip(runs, ranges, strict=True)):
             for chunk in run:
                 a, b = int(bounds[chunk]) - first, int(bounds[chunk + 1]) - first
-                out[chunk] = self._batch([torch.from_numpy(s[a:b]) for s in slabs], b - a)
-            run_start = i
+                out[chunk] = self._batch([torch.from_numpy(s[i][a:b]) for s in slabs], b - a)
         return out
 
     def read(self, indices: np.ndarray) -> Batch:

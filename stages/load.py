@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dataflow.errors import ConfigError
-from dataflow.io.chunk_reader import EpochChunkReader, is_chunked
+from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
     DEFAULT_BUFFER_CHUNKS,
@@ -18,6 +18,10 @@ from dataflow.io.sharding import (
     source_chunk_sizes,
 )
 from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, StepContext
+
+# Output buffers kept beyond ``prefetch``: the batch being assembled, the one the step's
+# stages (Transform, Forward, Backward) still hold, and the ones in hand between them.
+BUFFER_SLACK = 4
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,8 +50,16 @@ class Load(Stage):
     whole chunks in a shuffled order, mixed by a shuffle buffer of ``buffer_chunks``
     chunks, ``prefetch`` batches ahead on a background thread. A chunked source
     (zarr, dask) is read through :class:`dataflow.io.EpochChunkReader`, which decodes
-    each chunk once per epoch. The indices of every batch trained on are reported at
-    the end of each phase, for the driver's sample ledger.
+    each chunk once per epoch, the new chunks of each batch in one concurrent request
+    on a second thread that runs ahead. The indices of every batch trained on are
+    reported at the end of each phase, for the driver's sample ledger.
+
+    Batches are assembled into output buffers that are reused (no fresh memory per
+    batch), but only once nothing refers to a batch any more: stages downstream may
+    keep a batch, or views of it, as long as they like (:class:`dataflow.io.BatchBuffers`).
+    On CUDA they are assembled straight into pinned memory from torch's caching host
+    allocator, which reuses pinned blocks once the asynchronous copies reading them
+    have finished, and copied to the device with ``non_blocking=True``.
     """
 
     def __init__(
@@ -76,6 +88,9 @@ class Load(Stage):
         self._prefetcher: Prefetcher | None = None
         self._consumed: dict[int, list[Any]] = {}
         self._readers = []
+        self._buffers = BatchBuffers(
+            keep=self.config.prefetch + BUFFER_SLACK, pin_memory=replica.device.type == "cuda"
+        )
 
     def streams(self, steps: Any, seed: int) -> Any:
         """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
@@ -100,14 +115,20 @@ class Load(Stage):
         for _, epoch_steps, parts in epochs:
             mine = [step_parts[rank] for step_parts in parts]
             if is_chunked(self.source):  # checks the epoch's chunks exist, then decodes once
-                reader = EpochChunkReader(self.source, mine)
+                reader = EpochChunkReader(self.source, mine, buffers=self._buffers)
                 self._readers.append(reader)
                 batches = iter(reader)
             else:
                 batches = (self.source.read(indices) for indices in mine)
-            for spec, batch in zip(epoch_steps, batches, strict=False):
-                batch.indices = mine[spec.index - epoch_steps[0].index]
-                yield spec.index, batch
+            try:
+                for spec, batch in zip(epoch_steps, batches, strict=False):
+                    batch.indices = mine[spec.index - epoch_steps[0].index]
+                    yield spec.index, batch
+                    del batch  # the consumer decides how long it lives (buffer reuse)
+            finally:
+                close = getattr(batches, "close", None)
+                if close is not None:  # stops the reader's decode thread early
+                    close()
 
     def _stage(self, item: Any) -> tuple[int, Batch]:
         """On CUDA: pinned host memory, then an asynchronous copy (on the loader thread)."""
@@ -161,8 +182,13 @@ class Load(Stage):
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
+    """Pinned host memory, then an asynchronous copy. A chunked source's batches are
+    already pinned (assembled there); others are copied into a pinned block first. Both
+    come from torch's caching host allocator, which reuses the pinned block only after
+    the copy recorded on it has finished, so dropping the host tensor here is safe."""
     if isinstance(value, tuple):
         return tuple(_to_device(v, device) for v in value)
     if isinstance(value, torch.Tensor):
-        return value.pin_memory().to(device, non_blocking=True)
+        pinned = value if value.is_pinned() else value.pin_memory()
+        return pinned.to(device, non_blocking=True)
     return value
