@@ -56,12 +56,13 @@ NO_CLUSTER = _NoCluster()
 
 @dataclass(frozen=True)
 class Mistake:
-    """``make(tmp_path)`` makes the mistake; it must raise exactly ``error`` with a
-    message matching ``match`` (``re.search``), and, for an error raised in a stage,
-    a note (``__notes__``) matching ``note``."""
+    """``make(tmp_path)`` (on a cluster: ``make(client, empty_cluster)``) makes the
+    mistake; it must raise exactly ``error`` with a message matching ``match``
+    (``re.search``), and, for an error raised in a stage, a note (``__notes__``)
+    matching ``note``."""
 
     id: str
-    make: Callable[[Path], Any]
+    make: Callable[..., Any]
     error: type[BaseException]
     match: str
     note: str | None = None
@@ -567,12 +568,12 @@ def empty_cluster():
 
 
 def no_workers(client: Client, cluster: LocalCluster) -> Any:
-    with Client(cluster) as empty:
+    with Client(cluster, set_as_default=False) as empty:
         return pipe().fit(1, client=empty)
 
 
 def closed_client(client: Client, cluster: LocalCluster) -> Any:
-    closed = Client(cluster)
+    closed = Client(cluster, set_as_default=False)
     closed.close()
     return pipe().fit(1, client=closed)
 
