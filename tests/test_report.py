@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch.nn.functional as F
+from conftest import make_data, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.history import History
@@ -23,7 +24,6 @@ from dataflow.report import (
     write_report,
     write_tensorboard,
 )
-from tests.conftest import make_data, tiny_pipeline
 
 pytest.importorskip("matplotlib")
 
