@@ -291,7 +291,7 @@ def test_info_by_dimension_name_and_its_errors(tmp_path, capsys):
 
 def test_plot_writes_the_report_beside_the_history(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from tests.test_report import adaptive_history
+    from test_report import adaptive_history
 
     path = adaptive_history().to_json(tmp_path / "run" / "history.json")
     assert main(["plot", str(path)]) == 0
