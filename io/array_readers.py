@@ -25,16 +25,20 @@ import asyncio
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import zarr
+from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
 from dataflow.errors import ChunkMissingError, ChunkReadError
+from dataflow.io.chunk_reader import BatchBuffers
 
 RESIDENT_BYTES = 64 * 2**20
+SLAB_KEEP = 32
 
 
 def regular_bounds(num_samples: int, unit: int) -> np.ndarray:
@@ -63,6 +67,7 @@ class ArrayReader:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.resident = False  # set by the source for small arrays beside the inputs
         self._resident: np.ndarray | None = None
+        self._lock = threading.Lock()
 
     @property
     def bounds(self) -> np.ndarray:
@@ -89,9 +94,10 @@ class ArrayReader:
     def read_slab(self, start: int, stop: int) -> np.ndarray:
         """Samples ``[start, stop)``, sample dim first, native byte order."""
         if self.resident:
-            if self._resident is None:
-                whole = self._read(0, self.num_samples)
-                self._resident = native(np.moveaxis(whole, self.sample_dim, 0))
+            with self._lock:  # decode threads may ask at once: read it only once
+                if self._resident is None:
+                    whole = self._read(0, self.num_samples)
+                    self._resident = native(np.moveaxis(whole, self.sample_dim, 0))
             return self._resident[start:stop]
         return native(np.moveaxis(self._read(start, stop), self.sample_dim, 0))
 
@@ -112,6 +118,9 @@ class ZarrArrayReader(ArrayReader):
     def __init__(self, field: str, array: zarr.Array, sample_dim: int) -> None:
         super().__init__(field, array.path or "<array>", array, sample_dim)
         self.unit = (array.shards or array.chunks)[sample_dim]
+        # Decoded slabs, reused once the chunk reader has dropped every chunk of one: at most
+        # SLAB_KEEP kept, about the chunks live at once (shuffle buffer, batch, read ahead).
+        self.slabs = BatchBuffers(keep=SLAB_KEEP)
 
     @functools.cached_property
     def bounds(self) -> np.ndarray:
@@ -155,13 +164,20 @@ class ZarrArrayReader(ArrayReader):
 
     def read_slabs(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """All ``ranges`` in one request: zarr fetches and decodes every chunk they hold
-        concurrently (its event loop and thread pool), instead of one slab after the other."""
-        if self.resident or len(ranges) <= 1:
+        concurrently (its event loop and thread pool), instead of one slab after the other.
+        Each slab is decoded into a reused buffer (:attr:`slabs`) when the layout allows."""
+        if self.resident:
             return super().read_slabs(ranges)
         array = self.array.async_array
+        outs = [self._out(stop - start) for start, stop in ranges]
 
         async def read_all() -> list[Any]:
-            return await asyncio.gather(*(array.getitem(self._region(a, b)) for a, b in ranges))
+            return await asyncio.gather(
+                *(
+                    array.get_orthogonal_selection(self._region(start, stop), out=out)
+                    for (start, stop), out in zip(ranges, outs, strict=True)
+                )
+            )
 
         try:
             blocks = sync(read_all())
@@ -173,6 +189,14 @@ class ZarrArrayReader(ArrayReader):
                 "alone succeeded, so the store may be changing underneath: retry, or re-copy it"
             ) from exc
         return [native(np.moveaxis(np.asarray(b), self.sample_dim, 0)) for b in blocks]
+
+    def _out(self, rows: int) -> NDBuffer | None:
+        """A reused buffer for a slab of ``rows`` samples: memory a previous slab left,
+        already mapped (fresh memory costs a page fault per 4 KiB). Only when zarr's output
+        is the slab as is: samples first, native byte order, C order."""
+        if self.sample_dim != 0 or not self.dtype.isnative or self.array.order != "C":
+            return None
+        return NDBuffer.from_numpy_array(self.slabs.take_array(rows, self.shape[1:], self.dtype))
 
     def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
         """Re-read object by object to name the one that fails to decode."""

@@ -25,11 +25,12 @@ missing chunk fails the epoch before any step trains on it.
 
 from __future__ import annotations
 
+import collections
 import math
-import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -128,6 +129,11 @@ class BatchBuffers:
             tensor = torch.empty((n, *shape), dtype=tensor.dtype, pin_memory=True)
             self.allocated += 1
             return tensor, tensor.numpy()
+        view = self.take_array(n, shape, dtype)
+        return torch.from_numpy(view), view
+
+    def take_array(self, n: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A numpy array of ``(n, *shape)`` from the pool (never pinned)."""
         key = (tuple(shape), np.dtype(dtype))
         with self._lock:
             pool = self._pools.setdefault(key, [])
@@ -149,8 +155,7 @@ class BatchBuffers:
                     pool.append(buffer)
                 elif spare >= 0:  # an idle buffer of the wrong size makes room
                     pool[spare] = buffer
-        view = buffer[:n]
-        return torch.from_numpy(view), view
+        return buffer[:n]
 
 
 # -- gather -----------------------------------------------------------------------------
@@ -210,45 +215,35 @@ class _InlineDecoder:
 
 
 class _ThreadDecoder:
-    """Decodes each job (one batch's new chunks) on a thread, at most ``ahead`` jobs
-    decoded or decoding that the assembly has not taken yet: memory stays bounded."""
+    """Decodes jobs (each one batch's new chunks) on ``ahead`` threads, in order: at most
+    ``ahead`` jobs decoded or decoding that the assembly has not taken yet, so memory
+    stays bounded; with ``ahead >= 2`` the next request starts while the last chunks of
+    the previous one still decode, and the cores stay busy."""
 
     def __init__(
         self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]], ahead: int
     ) -> None:
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = threading.Semaphore(ahead)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._work, args=(read, jobs), name="dataflow-decode", daemon=True
-        )
-        self._thread.start()
+        self._read = read
+        self._jobs = iter(jobs)
+        self._pending: collections.deque[Future] = collections.deque()
+        self._executor = ThreadPoolExecutor(max_workers=ahead, thread_name_prefix="dataflow-decode")
+        for _ in range(ahead):
+            self._submit()
 
-    def _work(self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]]) -> None:
-        for job in jobs:
-            while not self._slots.acquire(timeout=0.1):
-                if self._stop.is_set():
-                    return
-            if self._stop.is_set():
-                return
-            try:
-                decoded = read(job)
-            except BaseException as exc:  # raised in the assembly, at the batch it belongs to
-                self._results.put((False, exc))
-                return
-            self._results.put((True, decoded))
-            del decoded
+    def _submit(self) -> None:
+        job = next(self._jobs, None)
+        if job is not None:
+            self._pending.append(self._executor.submit(self._read, job))
 
     def get(self) -> dict[int, Batch]:
-        ok, value = self._results.get()
-        self._slots.release()
-        if not ok:
-            raise value
-        return value
+        decoded = self._pending.popleft().result()  # a decode error is raised at its batch
+        self._submit()  # ``ahead`` jobs in flight again
+        return decoded
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        for future in self._pending:
+            future.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 # -- the reader -------------------------------------------------------------------------
@@ -298,8 +293,9 @@ class EpochChunkReader:
     def _read(self, chunks: list[int]) -> dict[int, Batch]:
         self._hold(self._samples(chunks))  # counted before decoding: the memory is coming
         decoded = self.source.read_chunks(chunks)
-        self.decoded += len(chunks)
-        self.requests += 1
+        with self._lock:  # decode threads may finish together
+            self.decoded += len(chunks)
+            self.requests += 1
         return decoded
 
     def __iter__(self) -> Iterator[Batch]:

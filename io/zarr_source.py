@@ -295,25 +295,17 @@ class ZarrSource:
                 raise missing_chunk_error(reader, missing)
 
     def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
-        """Decode ``chunks`` in one request per array (each run of consecutive chunks one
-        slab; zarr fetches and decodes all of them concurrently); each value is one
-        chunk's samples, views of the slab that holds it."""
+        """Decode ``chunks`` in one request per array: zarr fetches and decodes all of them
+        concurrently. Each value is one chunk's samples (in a buffer of its own, so a chunk's
+        memory is reused as soon as the chunk reader drops it)."""
         bounds = self.chunk_bounds
         ordered = sorted(int(c) for c in chunks)
-        runs: list[list[int]] = []
-        for chunk in ordered:
-            if runs and chunk == runs[-1][-1] + 1:
-                runs[-1].append(chunk)
-            else:
-                runs.append([chunk])
-        ranges = [(int(bounds[run[0]]), int(bounds[run[-1] + 1])) for run in runs]
-        slabs = [reader.read_slabs(ranges) for reader in self._open()]  # [array][run]
-        out: dict[int, Batch] = {}
-        for i, (run, (first, _)) in enumerate(zip(runs, ranges, strict=True)):
-            for chunk in run:
-                a, b = int(bounds[chunk]) - first, int(bounds[chunk + 1]) - first
-                out[chunk] = self._batch([torch.from_numpy(s[i][a:b]) for s in slabs], b - a)
-        return out
+        ranges = [(int(bounds[c]), int(bounds[c + 1])) for c in ordered]
+        slabs = [reader.read_slabs(ranges) for reader in self._open()]  # [array][chunk]
+        return {
+            chunk: self._batch([torch.from_numpy(s[i]) for s in slabs], stop - start)
+            for i, (chunk, (start, stop)) in enumerate(zip(ordered, ranges, strict=True))
+        }
 
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch, sample dim first.
