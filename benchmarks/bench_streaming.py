@@ -16,7 +16,9 @@ Contenders, one at a time (never two at once), each over one epoch in the order 
   chunk in store order: decoding alone, the ceiling.
 * (b) ``dataflow``: ``dataflow.io.stream_batches(ZarrSource(path, "x", "y"), batch,
   seed=0, prefetch=2)``: chunk-order shuffle, a shuffle buffer of 4 chunks, each chunk
-  decoded once, batches assembled on one background thread.
+  decoded once (each batch's new chunks in one concurrent zarr request, on a decode
+  thread ``--decode-ahead`` requests ahead), batches assembled on one background
+  thread into reused output buffers.
 * (c) ``DataLoader``: ``torch.utils.data.DataLoader`` over a map-style Dataset whose
   ``__getitem__`` returns ``arr[i]`` (one sample: zarr decodes its whole chunk),
   ``shuffle=True``, the same batch, ``num_workers=1`` (one reader, like (b)).
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
 import shutil
 import statistics
@@ -243,7 +246,9 @@ def zarr_in_order(path: Path) -> Pass:
     return timed(chunks, len)
 
 
-def dataflow_stream(path: Path, batch: int, seed: int, prefetch: int, buffer_chunks: int) -> Pass:
+def dataflow_stream(
+    path: Path, batch: int, seed: int, prefetch: int, buffer_chunks: int, decode_ahead: int
+) -> Pass:
     """(b) One epoch of ``dataflow.io.stream_batches`` over a ZarrSource."""
     from dataflow.io import ZarrSource, stream_batches
 
@@ -252,7 +257,12 @@ def dataflow_stream(path: Path, batch: int, seed: int, prefetch: int, buffer_chu
     def batches() -> Iterable[Any]:
         source = ZarrSource(str(path), "x", "y")
         return stream_batches(
-            source, batch, seed=seed, prefetch=prefetch, buffer_chunks=buffer_chunks
+            source,
+            batch,
+            seed=seed,
+            prefetch=prefetch,
+            buffer_chunks=buffer_chunks,
+            decode_ahead=decode_ahead,
         )
 
     def size(b: Any) -> int:
@@ -419,6 +429,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--buffer-chunks", type=int, default=4, help="shuffle buffer in chunks (default 4)"
     )
     p.add_argument(
+        "--decode-ahead",
+        type=int,
+        default=None,
+        help="stream_batches decode_ahead: decode requests in flight (default: the library's)",
+    )
+    p.add_argument(
         "--loader-workers", type=int, default=1, help="DataLoader num_workers of (c) (default 1)"
     )
     p.add_argument("--repeats", type=int, default=3, help="epochs of (a) and (b) (median; 3)")
@@ -452,6 +468,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON file (default benchmarks/results/streaming.json)")
     p.add_argument("--overwrite", action="store_true", help="replace the file instead of appending")
     args = p.parse_args(argv)
+    if args.decode_ahead is None:
+        from dataflow.io.chunk_reader import DEFAULT_DECODE_AHEAD
+
+        args.decode_ahead = DEFAULT_DECODE_AHEAD
     sample_bytes = 4 * args.channels * args.side**3
     if args.samples is None:
         args.samples = max(1, round((0.5 if args.gb is None else args.gb) * 2**30 / sample_bytes))
@@ -475,7 +495,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "max_wait": args.max_wait,
         "max_foreign": args.max_foreign,
     }
-    run: dict[str, Any] = {"args": vars(args)}
+    run: dict[str, Any] = {"args": vars(args), "load_average_start": os.getloadavg()}
     try:
         t = time.perf_counter()
         x, y = make_volumes(args.samples, args.channels, args.side, args.seed)
@@ -520,7 +540,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 (
                     "b dataflow",
                     lambda: dataflow_stream(
-                        store, args.batch, args.seed, args.prefetch, args.buffer_chunks
+                        store,
+                        args.batch,
+                        args.seed,
+                        args.prefetch,
+                        args.buffer_chunks,
+                        args.decode_ahead,
                     ),
                     args.repeats,
                 )
@@ -674,10 +699,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "pass": worst <= TARGET_WAIT,
             }
 
+        print(
+            "load average (1, 5, 15 min) at start "
+            + ", ".join(f"{v:.2f}" for v in run["load_average_start"])
+            + "; at end "
+            + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+        )
         if any(q["disturbed"] for attempts in quiet.values() for q in attempts):
             print("WARNING: a contender was disturbed by other programs; rerun before quoting it")
         run.update(
             {
+                "load_average_end": os.getloadavg(),
                 "contenders": results,
                 "failures": failures,
                 "ratios": ratios,

@@ -199,6 +199,8 @@ def _gather(
 
 # -- decode ahead -----------------------------------------------------------------------
 
+DEFAULT_DECODE_AHEAD = 1  # decode requests in flight ahead of the assembly
+
 
 class _InlineDecoder:
     """Decodes on the caller's thread, when there is nothing to overlap."""
@@ -264,7 +266,7 @@ class EpochChunkReader:
         batches: Sequence[np.ndarray],
         *,
         buffers: BatchBuffers | None = None,
-        decode_ahead: int = 1,
+        decode_ahead: int = DEFAULT_DECODE_AHEAD,
     ) -> None:
         if decode_ahead < 0:
             raise ValueError(f"EpochChunkReader(decode_ahead={decode_ahead}): must be >= 0")

@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from dataflow.errors import ConfigError
-from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
+from dataflow.io.chunk_reader import (
+    DEFAULT_DECODE_AHEAD,
+    BatchBuffers,
+    EpochChunkReader,
+    is_chunked,
+)
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, shard_epoch, source_chunk_sizes
 from dataflow.stages.base import Batch
@@ -36,8 +41,14 @@ def stream_batches(
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     prefetch: int = 2,
     drop_last: bool = False,
+    decode_ahead: int = DEFAULT_DECODE_AHEAD,
 ) -> Iterator[Batch]:
-    """Yield the batches of one epoch of ``source``; ``batch.indices`` says which samples."""
+    """Yield the batches of one epoch of ``source``; ``batch.indices`` says which samples.
+
+    ``prefetch``: batches assembled ahead (a background thread). ``decode_ahead``
+    (chunked sources): decode requests in flight ahead of the assembly, each one
+    batch's new chunks, on that many more threads.
+    """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"stream_batches(batch_size={batch_size!r}): must be an int >= 1")
     total = source.num_samples
@@ -55,7 +66,7 @@ def stream_batches(
     def produce() -> Iterator[Batch]:
         if is_chunked(source):
             buffers = BatchBuffers(keep=prefetch + BUFFER_SLACK)
-            yield from EpochChunkReader(source, batches, buffers=buffers)
+            yield from EpochChunkReader(source, batches, buffers=buffers, decode_ahead=decode_ahead)
         else:
             for indices in batches:
                 batch = source.read(indices)
