@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-wait",
         type=float,
-        default=60.0,
-        help="seconds to wait before each fit for other programs to use < --quiet-cores (60)",
+        default=30.0,
+        help="seconds to wait before each fit for other programs to use < --quiet-cores (30)",
     )
     p.add_argument("--quiet-cores", type=float, default=0.3, help="see --max-wait (0.3)")
     p.add_argument("--out", help="JSON file (default benchmarks/results/heterogeneous.json)")

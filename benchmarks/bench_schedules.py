@@ -24,7 +24,9 @@ epochs, SGD with momentum 0.9 and one base LR ``lr0`` at the small batch ``B0``:
   scaling, ``warmup_steps`` ramp at each boundary;
 * ``adaptive``: ``Adaptive(B0, max_batch=Bmax)`` with its defaults (1 epoch per phase,
   ``max_growth=2``, ``target=1``), LR by AdaScale's gain (``lr_rule="adascale"``), the
-  same ``warmup_steps``.
+  same ``warmup_steps``;
+* ``stepwise-sqrt`` (a diagnosis, no target): the Stepwise table with ``lr_scaling="sqrt"``,
+  to tell a batch that is too large from an LR rule that overshoots.
 
 Per run: the final held-out score, optimizer steps, samples, ``train_seconds`` (the
 engine's wall time of the training phases, without cluster start-up) and each phase's
@@ -59,7 +61,7 @@ NAME = "schedules"
 B0, BMAX = 16, 256
 # The base LRs at B0, from one sweep of fixed-small (python benchmarks/bench_schedules.py
 # --tune; the sweep is saved in results/schedules.json as the run with "mode": "tune").
-DEFAULT_LR = {"digits": 0.01, "cosmo": 0.01}
+DEFAULT_LR = {"digits": 0.01, "cosmo": 0.003}
 
 
 # -- the datasets --------------------------------------------------------------------------
@@ -501,7 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lrs = {"digits": args.lr_digits, "cosmo": args.lr_cosmo}
     load = os.getloadavg()
     print(
-        f"{NAME}: {'tune' if args.tune else 'compare'}, {epochs} epochs, {seeds} seed(s), "
+        f"{NAME}: {'tune' if args.tune else 'compare'}, {epochs} epochs, "
+        f"{1 if args.tune else seeds} seed(s), "
         f"B0={B0}, Bmax={BMAX}, 2 replicas; load average {load[0]:.2f} {load[1]:.2f} "
         f"{load[2]:.2f} on {os.cpu_count()} cores",
         flush=True,
