@@ -9,6 +9,7 @@ window), and folds the small per-window results into the history.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import statistics
 import time
@@ -159,6 +160,11 @@ class Trainer:
     def __init__(self, graph: Graph, *, schedule: Schedule, **config: Any) -> None:
         if not isinstance(graph, Graph):
             raise ConfigError(f"Trainer(graph=...) expects a dataflow.Graph, got {type(graph)}")
+        if isinstance(schedule, type):
+            raise ConfigError(
+                f"schedule={schedule.__name__} is a class; pass an instance, e.g. "
+                f"{schedule.__name__}(...) such as Fixed(64)"
+            )
         if not isinstance(schedule, Schedule):
             raise ConfigError(
                 f"schedule must be a dataflow.schedule schedule such as Fixed(64), got "
@@ -166,6 +172,7 @@ class Trainer:
             )
         self.graph = graph
         self.schedule = schedule
+        _check_options(config)
         self.config = TrainerConfig(**config)
         loads = [s for s in graph if isinstance(s, Load)]
         if not loads:
@@ -335,6 +342,18 @@ class Trainer:
             runtime.close()
 
 
+def _check_options(options: dict[str, Any]) -> None:
+    """Unknown options are named, with the closest valid one (a typo is the usual cause)."""
+    valid = [f.name for f in dataclasses.fields(TrainerConfig)]
+    for name, value in options.items():
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown option {name}={value!r}{hint} Valid options: {', '.join(valid)}"
+            )
+
+
 def _check_epochs(epochs: Any) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"fit(epochs={epochs!r}): epochs must be an int >= 1")
@@ -455,6 +474,11 @@ class _Fit:
         self.history.info.setdefault("checkpoints", []).append(str(path))
 
     def _workers(self) -> list[str]:
+        if str(getattr(self.client, "status", "running")) in ("closing", "closed"):
+            raise ConfigError(
+                "the client is closed; pass an open distributed.Client, or client=None for "
+                "an embedded LocalCluster"
+            )
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
         addresses = sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
         wanted = self.config.replicas or len(addresses)

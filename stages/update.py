@@ -40,6 +40,13 @@ def build_optimizer(factory: Callable[..., Any], model: torch.nn.Module) -> torc
             f"optimizer factory returned {type(optimizer).__name__}, not a "
             "torch.optim.Optimizer; pass e.g. lambda params: torch.optim.SGD(params, lr=0.1)"
         )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if not any(id(p) in held for p in model.parameters()):
+        raise ModelError(
+            "the optimizer factory built an optimizer that holds none of the model's "
+            "parameters (it ignored the parameters it was given); use them, e.g. "
+            "lambda params: torch.optim.SGD(params, lr=0.1)"
+        )
     return optimizer
 
 

@@ -410,6 +410,24 @@ CAUGHT = [
         dfl.ChunkReadError,
         r"'x/c/\d+/0/0/0'.*corrupt",
     ),
+    Mistake(
+        "optimizer-ignores-its-parameters",
+        lambda _: fit(optimizer=lambda p: torch.optim.SGD(torch.nn.Linear(2, 2).parameters())),
+        dfl.ModelError,
+        r"optimizer .*none of the model's parameters",
+    ),
+    Mistake(
+        "misspelled-pipeline-option",
+        lambda _: pipe(replica=2),
+        dfl.ConfigError,
+        r"replica=2.*did you mean 'replicas'",
+    ),
+    Mistake(
+        "schedule-class-not-instance",
+        lambda _: fit(schedule=dfl.schedule.Fixed),
+        dfl.ConfigError,
+        r"schedule=.*Fixed.* is a class; pass an instance, e\.g\. Fixed\(",
+    ),
 ]
 
 
@@ -418,16 +436,6 @@ def not_caught(mistake: Mistake, reason: str) -> Any:
 
 
 NOT_CAUGHT = [
-    not_caught(
-        Mistake(
-            "optimizer-ignores-its-parameters",
-            lambda _: fit(optimizer=lambda p: torch.optim.SGD(torch.nn.Linear(2, 2).parameters())),
-            dfl.ModelError,
-            r"optimizer .*none of the model's parameters",
-        ),
-        "build_optimizer does not check that the optimizer holds the model's parameters: "
-        "the fit trains nothing",
-    ),
     not_caught(
         Mistake(
             "window-seconds-as-string",
@@ -445,24 +453,6 @@ NOT_CAUGHT = [
             r"^Fixed\(lr='0\.1'\): lr must be a number",
         ),
         "Fixed/Stepwise compare lr without checking its type: a raw TypeError",
-    ),
-    not_caught(
-        Mistake(
-            "misspelled-pipeline-option",
-            lambda _: pipe(replica=2),
-            dfl.ConfigError,
-            r"replica=2.*did you mean 'replicas'",
-        ),
-        "an unknown option reaches TrainerConfig(**options): a TypeError naming TrainerConfig",
-    ),
-    not_caught(
-        Mistake(
-            "schedule-class-not-instance",
-            lambda _: fit(schedule=dfl.schedule.Fixed),
-            dfl.ConfigError,
-            r"schedule=.*Fixed.* is a class; pass an instance, e\.g\. Fixed\(",
-        ),
-        "a schedule class passes the Schedule protocol check: a TypeError from max_batch()",
     ),
     not_caught(
         Mistake(
@@ -607,12 +597,10 @@ CLUSTER_CAUGHT = [
     ),
 ]
 
-CLUSTER_NOT_CAUGHT = [
-    not_caught(
-        Mistake("closed-client", closed_client, dfl.ConfigError, r"client is closed"),
-        "a closed client fails with a raw KeyError 'workers' from scheduler_info()",
-    ),
-]
+CLUSTER_CAUGHT.append(
+    Mistake("closed-client", closed_client, dfl.ConfigError, r"client is closed"),
+)
+CLUSTER_NOT_CAUGHT: list = []
 
 
 @pytest.mark.slow
