@@ -56,7 +56,8 @@ class Load(Stage):
 
     Batches are assembled into output buffers that are reused (no fresh memory per
     batch), but only once nothing refers to a batch any more: stages downstream may
-    keep a batch, or views of it, as long as they like (:class:`dataflow.io.BatchBuffers`).
+    keep a batch, or views of it, as long as they like
+    (:class:`dataflow.io.chunk_reader.BatchBuffers`).
     On CUDA they are assembled straight into pinned memory from torch's caching host
     allocator, which reuses pinned blocks once the asynchronous copies reading them
     have finished, and copied to the device with ``non_blocking=True``.
