@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-wait",
         type=float,
-        default=30.0,
-        help="seconds to wait before each fit for other programs to use < --quiet-cores (30)",
+        default=None,
+        help="seconds to wait before each fit for other programs to use < --quiet-cores "
+        "(30; quick 5)",
     )
     p.add_argument("--quiet-cores", type=float, default=0.3, help="see --max-wait (0.3)")
     p.add_argument("--out", help="JSON file (default benchmarks/results/heterogeneous.json)")
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.balanced_epochs = 3 if args.quick else 5
     if args.even_epochs is None:
         args.even_epochs = 2
+    if args.max_wait is None:
+        args.max_wait = 5.0 if args.quick else 30.0
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.quick:
@@ -319,8 +322,8 @@ def explain(
     lines = [
         "compute rate per replica (samples over its own compute, throttle sleep included), "
         f"balanced fit vs alone: replica 0 {med(rates[0]):.0f} vs {med(alone_rates[0]):.0f} "
-        f"({med(slow_down[0]):+.0%} slower), replica 1 {med(rates[1]):.0f} vs "
-        f"{med(alone_rates[1]):.0f} ({med(slow_down[1]):+.0%} slower)",
+        f"({med(slow_down[0]):.0%} slower), replica 1 {med(rates[1]):.0f} vs "
+        f"{med(alone_rates[1]):.0f} ({med(slow_down[1]):.0%} slower)",
         f"a balanced step: {med(period) * 1e3:.0f} ms = slower replica's compute "
         f"{med(compute) * 1e3:.0f} ms + allreduce, waiting for the peer and per-step "
         f"overhead {wait * 1e3:.0f} ms ({wait / med(period):.0%})",

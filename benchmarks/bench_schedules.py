@@ -35,9 +35,9 @@ data and the split stay fixed) the mean and the spread (min..max) are printed. T
 (issue 5): Stepwise and Adaptive within 0.5 points of fixed-small, with >= 4x fewer
 optimizer steps and >= 1.5x less wall time in at least one of the two datasets.
 
-    python benchmarks/bench_schedules.py             # full: 3 seeds, ~12 min on 2 cores
-    python benchmarks/bench_schedules.py --quick     # smoke test, ~1.5 min
-    python benchmarks/bench_schedules.py --tune      # the one-off LR sweep of fixed-small
+    python benchmarks/bench_schedules.py             # full: 3 seeds, ~10 min on 2 cores
+    python benchmarks/bench_schedules.py --quick     # smoke test, ~1 min
+    python benchmarks/bench_schedules.py --tune      # the one-off LR sweep of fixed-small, ~5 min
 """
 
 from __future__ import annotations
