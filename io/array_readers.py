@@ -118,8 +118,10 @@ class ZarrArrayReader(ArrayReader):
     def __init__(self, field: str, array: zarr.Array, sample_dim: int) -> None:
         super().__init__(field, array.path or "<array>", array, sample_dim)
         self.unit = (array.shards or array.chunks)[sample_dim]
-        # Decoded slabs, reused once the chunk reader has dropped every chunk of one: at most
-        # SLAB_KEEP kept, about the chunks live at once (shuffle buffer, batch, read ahead).
+        # Decoded chunks, reused once the chunk reader has dropped them. The pool grows only
+        # while that many are in use at once, so it keeps at most the peak of live chunks
+        # (shuffle buffer, batch, read ahead), and never more than SLAB_KEEP, idle between
+        # epochs.
         self.slabs = BatchBuffers(keep=SLAB_KEEP)
 
     @functools.cached_property
