@@ -310,9 +310,10 @@ class Trainer:
                 )
             return None, None
         store = CheckpointStore(directory, keep=keep)  # an unwritable folder fails here
+        self.checkpoint_fingerprint = self.fingerprint()  # once per fit: it builds a model
         if not resume:  # a new run: an old run's later steps must not count as the latest
             store.clear()
-        checkpoint = store.load_latest(self.fingerprint()) if resume else None
+        checkpoint = store.load_latest(self.checkpoint_fingerprint) if resume else None
         if checkpoint is not None and checkpoint.epoch >= epochs:
             raise ConfigError(
                 f"fit(epochs={epochs}, resume=True): the checkpoint in {directory} is already "
@@ -468,7 +469,7 @@ class _Fit:
                 rng=capture_rng(),
                 replica_rng=rngs,
                 history=_json_plain(self.history.to_dict()),
-                fingerprint=self.trainer.fingerprint(),
+                fingerprint=self.trainer.checkpoint_fingerprint,
             )
         )
         self.history.info.setdefault("checkpoints", []).append(str(path))

@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from dataflow.errors import ConfigError
-from dataflow.runtime.reducer import BucketReducer
+from dataflow.runtime.reducer import BucketReducer, squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
 
@@ -125,9 +123,5 @@ class AllReduce(Stage):
 
 
 def _grad_squared_norm(model: Any) -> float:
-    """Sum over parameters of |grad|^2, accumulated in float64."""
-    total = 0.0
-    for param in model.parameters():
-        if param.grad is not None:
-            total += float(torch.linalg.vector_norm(param.grad, dtype=torch.float64) ** 2)
-    return total
+    """Sum over parameters of |grad|^2."""
+    return sum(squared_norm(p.grad) for p in model.parameters() if p.grad is not None)

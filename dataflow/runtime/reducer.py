@@ -81,7 +81,7 @@ class BucketReducer:
             else:
                 torch.mul(grad.reshape(-1), self._weight, out=view)
         if self.measure:  # before the allreduce overwrites the buffer with the sum
-            self.local_sq += _squared_norm(self._flat[b])
+            self.local_sq += squared_norm(self._flat[b])
         self._packed[b] = True
 
     def arm(self, armed: bool) -> None:
@@ -114,7 +114,7 @@ class BucketReducer:
                 "(or the driver) most likely failed first"
             ) from exc
         if self.measure:
-            self.reduced_sq = sum(_squared_norm(flat) for flat in self._flat)
+            self.reduced_sq = sum(squared_norm(flat) for flat in self._flat)
         for i, param in enumerate(self.params):
             reduced = self._views[i].view_as(param)
             if param.grad is None:
@@ -129,5 +129,6 @@ class BucketReducer:
         self._handles = []
 
 
-def _squared_norm(flat: torch.Tensor) -> float:
+def squared_norm(flat: torch.Tensor) -> float:
+    """|flat|^2, accumulated in float64 (the noise-scale estimate subtracts close values)."""
     return float(torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2)
