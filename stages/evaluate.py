@@ -2,20 +2,27 @@
 
 Each replica evaluates an equal contiguous shard; the driver combines the
 per-replica sums, so the result is the metric over the whole held-out set.
+
+The held-out batches go through the same deterministic preprocessing as the
+training batches (the graph's ``Transform`` stages before ``Forward``, e.g. ``Log1p``,
+``Standardize``), so the model is evaluated on inputs like those it was trained on;
+random augmentations (``wants_seed``: ``RandomFlip``, ``RandomRotate90``) are left out,
+so an evaluation is the same whatever the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.errors import ConfigError, GraphError
 from dataflow.stages.base import Stage, StepContext
-from dataflow.stages.forward import call_model
+from dataflow.stages.forward import Forward, call_model
+from dataflow.stages.transform import Transform
 
 
 def accuracy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -44,8 +51,73 @@ class EvaluateConfig:
             raise ConfigError(f"Evaluate(batch_size={self.batch_size!r}): must be an int >= 1")
 
 
+def is_random(fn: Any) -> bool:
+    """Whether a transform draws random choices (``wants_seed``, as ``stages.Transform``
+    reads it): an augmentation, never applied at evaluation."""
+    return bool(getattr(fn, "wants_seed", False))
+
+
+def _upstream(graph: Any, name: str) -> set[str]:
+    seen: set[str] = set()
+    frontier = [name]
+    while frontier:
+        for parent in graph.inputs_of(frontier.pop()):
+            if parent in graph and parent not in seen:
+                seen.add(parent)
+                frontier.append(parent)
+    return seen
+
+
+def _in_run_order(graph: Any, names: set[str]) -> list[str]:
+    """``names`` ordered inputs first (a topological order of the subgraph)."""
+    order: list[str] = []
+    pending = {n: {p for p in graph.inputs_of(n) if p in names} for n in names}
+    while pending:
+        ready = [n for n in (s.name for s in graph) if n in pending and not pending[n]]
+        if not ready:
+            raise GraphError(f"the stages {sorted(pending)} form a cycle")
+        for n in ready:
+            order.append(n)
+            del pending[n]
+        for deps in pending.values():
+            deps.difference_update(ready)
+    return order
+
+
+def graph_eval_transforms(graph: Any, evaluate_name: str | None = None) -> tuple[Transform, ...]:
+    """The ``Transform`` stages that feed ``graph``'s Forward, in run order, without the
+    random ones: what evaluation applies to held-out batches.
+
+    The Forward is the one upstream of the Evaluate stage ``evaluate_name`` (or, if none
+    is, the graph's only Forward). Several candidate Forwards are ambiguous: pass
+    ``Evaluate(transforms=[...])`` then.
+    """
+    forwards = [s.name for s in graph if isinstance(s, Forward)]
+    if evaluate_name is not None:
+        upstream = _upstream(graph, evaluate_name)
+        forwards = [n for n in forwards if n in upstream] or forwards
+    if not forwards:
+        return ()
+    if len(forwards) > 1:
+        raise GraphError(
+            f"Evaluate {evaluate_name!r}: the graph has several Forward stages ({forwards}), "
+            "so which transforms to apply to the held-out data is ambiguous; pass them, e.g. "
+            "Evaluate(source, metrics=..., transforms=[dfl.ops.Log1p()])"
+        )
+    names = _in_run_order(graph, _upstream(graph, forwards[0]))
+    stages = [graph[n] for n in names if isinstance(graph[n], Transform)]
+    return tuple(t for t in stages if not is_random(t.config.fn))
+
+
 class Evaluate(Stage):
-    """Adds ``{"eval": {"count": n, name: sum, ...}}`` to the metrics of an epoch's last step."""
+    """Adds ``{"eval": {"count": n, name: sum, ...}}`` to the metrics of an epoch's last step.
+
+    ``transforms``: what to apply to each held-out batch before the model, as functions
+    (applied to ``x``) or ``stages.Transform`` stages (their ``apply_to``). ``None``
+    (default) means the graph's own deterministic transforms before Forward, found by
+    :meth:`bind` (the trainer binds every Evaluate of its graph); ``()`` means none.
+    Random transforms (``wants_seed``) are refused here and skipped from the graph.
+    """
 
     def __init__(
         self,
@@ -54,6 +126,7 @@ class Evaluate(Stage):
         metrics: dict[str, Callable[..., torch.Tensor]],
         every_epochs: int = 1,
         batch_size: int = 256,
+        transforms: Sequence[Callable[[Any], Any] | Transform] | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__(name)
@@ -61,12 +134,32 @@ class Evaluate(Stage):
         self.config = EvaluateConfig(
             metrics=dict(metrics), every_epochs=every_epochs, batch_size=batch_size
         )
+        self.follows_graph = transforms is None
+        self.transforms: tuple[tuple[Callable[[Any], Any], str], ...] = ()
+        if transforms is not None:
+            self.transforms = _as_pairs(transforms)
+
+    def bind(self, graph: Any) -> None:
+        """Take the deterministic transforms of ``graph`` (the one this stage is in) that
+        precede Forward, unless ``transforms=`` was given. Called on the driver before the
+        graph is sent to the workers; calling it again re-reads the graph."""
+        if self.follows_graph:
+            self.transforms = _as_pairs(graph_eval_transforms(graph, self.name))
 
     def run(self, step: StepContext, *inputs: Any) -> Any:
         spec = step.spec
         if spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0:
             step.metrics["eval"] = self.evaluate_shard(step)
         return inputs[0] if inputs else None
+
+    def prepare(self, batch: Any, device: torch.device) -> Any:
+        """A held-out batch on ``device`` with the evaluation transforms applied, as the
+        training graph's Load and Transform stages prepare a training batch."""
+        batch.x = _to_device(batch.x, device)
+        batch.y = _to_device(batch.y, device)
+        for fn, apply_to in self.transforms:
+            setattr(batch, apply_to, fn(getattr(batch, apply_to)))
+        return batch
 
     def evaluate_shard(self, step: StepContext) -> dict[str, float]:
         replica = step.replica
@@ -79,10 +172,51 @@ class Evaluate(Stage):
         with torch.no_grad():
             for start in range(lo, hi, self.config.batch_size):
                 batch = self.source.read(np.arange(start, min(hi, start + self.config.batch_size)))
-                output = call_model(model, batch.x, replica.device)
-                y = None if batch.y is None else batch.y.to(replica.device)
+                batch = self.prepare(batch, replica.device)
+                output = call_model(model, batch.x)
+                y = batch.y
                 for key, fn in self.config.metrics.items():
                     value = fn(output) if y is None else fn(output, y)
                     sums[key] += float(value) * batch.size
         model.train()
         return {"count": hi - lo, **sums}
+
+
+def bind_evaluations(graph: Any) -> None:
+    """Bind every Evaluate stage of ``graph`` to it (:meth:`Evaluate.bind`): the driver
+    calls this once the graph is built, before it is sent to the workers."""
+    for stage in graph:
+        if isinstance(stage, Evaluate):
+            stage.bind(graph)
+
+
+def _as_pairs(
+    transforms: Sequence[Callable[[Any], Any] | Transform],
+) -> tuple[tuple[Callable[[Any], Any], str], ...]:
+    if callable(transforms) and not isinstance(transforms, Transform):
+        transforms = [transforms]  # a single function
+    pairs = []
+    for item in transforms:
+        fn, apply_to = (
+            (item.config.fn, item.config.apply_to) if isinstance(item, Transform) else (item, "x")
+        )
+        if not callable(fn):
+            raise ConfigError(
+                f"Evaluate(transforms=[..., {item!r}]): expected functions on tensors or "
+                "stages.Transform stages"
+            )
+        if is_random(fn):
+            raise ConfigError(
+                f"Evaluate(transforms=[..., {type(fn).__name__}]): a random augmentation "
+                "(wants_seed) would make evaluation depend on chance; leave it out"
+            )
+        pairs.append((fn, apply_to))
+    return tuple(pairs)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value.to(device)
