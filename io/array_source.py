@@ -12,6 +12,12 @@ from dataflow.stages.base import Batch
 
 
 def _as_tensor(name: str, array: Any) -> torch.Tensor:
+    if isinstance(array, (torch.Tensor, np.ndarray)) and array.ndim == 0:
+        # checked first: np.ascontiguousarray would turn a 0-d array into shape (1,)
+        raise DataError(
+            f"ArraySource: {name} is a scalar (a 0-d array); it needs a leading sample "
+            f"dimension: {name}[None] for one sample, numpy.stack(samples) for several"
+        )
     if isinstance(array, torch.Tensor):
         tensor = array.detach()
     elif isinstance(array, np.ndarray):
@@ -26,8 +32,6 @@ def _as_tensor(name: str, array: Any) -> torch.Tensor:
             f"ArraySource: {name} must be a numpy array or a torch tensor, "
             f"got {type(array).__name__}; wrap it with numpy.asarray({name})"
         )
-    if tensor.ndim == 0:
-        raise DataError(f"ArraySource: {name} is a scalar; it needs a leading sample dimension")
     return tensor
 
 

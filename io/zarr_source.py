@@ -16,6 +16,7 @@ chunk that fails to decode is named (``ChunkReadError``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import zarr
 
-from dataflow.errors import DataError
+from dataflow.errors import DataError, DataflowError
 from dataflow.io.array_readers import (
     RESIDENT_BYTES,
     ArrayReader,
@@ -71,6 +72,66 @@ def _open_zarr(store: str | Path, storage_options: dict[str, Any] | None) -> Any
             f"ZarrSource(store={str(store)!r}): no zarr array or group there; check the path "
             "(write one with dataflow.io.to_zarr)"
         ) from exc
+
+
+# The metadata files of a zarr node, format 3 then format 2 (.zmetadata: consolidated).
+METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+
+
+def _metadata_problem(name: str, raw: bytes) -> str | None:
+    """What is wrong with one metadata file's content, or None if it looks sound."""
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"not valid JSON ({exc})"
+    if not isinstance(document, dict):
+        return f"a JSON {type(document).__name__}, not an object"
+    required = {
+        "zarr.json": ("zarr_format", "node_type"),
+        ".zarray": ("zarr_format", "shape", "chunks", "dtype"),
+        ".zgroup": ("zarr_format",),
+    }.get(name, ())
+    missing = [key for key in required if key not in document]
+    if missing:
+        return f"the key(s) {missing} that every {name} has are missing"
+    return None
+
+
+def _store_files(store: Any, storage_options: Any) -> tuple[Any, str] | None:
+    """(fsspec filesystem, root path) of a store given as a path or URL, or of an opened
+    zarr node on a local store; None where its files cannot be reached that way."""
+    import fsspec
+
+    if isinstance(store, (zarr.Array, zarr.Group)):
+        root = getattr(store.store, "root", None)  # a LocalStore's folder
+        if root is None:
+            return None
+        path = store.store_path.path
+        return fsspec.filesystem("file"), str(Path(root, path) if path else root)
+    if isinstance(store, (str, Path)):
+        return fsspec.core.url_to_fs(str(store), **(storage_options or {}))
+    return None
+
+
+def _corrupt_metadata(store: Any, members: list[str], storage_options: Any) -> str | None:
+    """The first damaged metadata file of the store's root or of ``members``, as
+    'path is corrupt: problem'; looked for only after opening failed. None if none is found."""
+    try:
+        located = _store_files(store, storage_options)
+        if located is None:
+            return None
+        fs, root = located
+        for member in ["", *members]:
+            folder = "/".join(p for p in (root.rstrip("/"), member) if p)
+            for name in METADATA_FILES:
+                path = f"{folder}/{name}"
+                if fs.isfile(path):
+                    problem = _metadata_problem(name, fs.cat_file(path))
+                    if problem is not None:
+                        return f"{path} is corrupt: {problem}"
+    except Exception:  # the store cannot be listed: the original error is reported instead
+        return None
+    return None
 
 
 def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
@@ -191,9 +252,27 @@ class ZarrSource:
 
     # -- opening ----------------------------------------------------------------
     def _open(self) -> list[ArrayReader]:
-        """Readers for the x arrays then y (None-free), validated."""
+        """Readers for the x arrays then y (None-free), validated; a damaged metadata file
+        (``zarr.json``, ``.zarray``, ...) is named, whatever zarr raised about it."""
         if self._readers is not None:
             return self._readers
+        try:
+            return self._open_readers()
+        except Exception as exc:
+            if isinstance(exc, DataflowError) and not isinstance(exc, VariableNotFoundError):
+                raise
+            names = self.x_name if isinstance(self.x_name, (list, tuple)) else [self.x_name]
+            members = [n for n in [*names, self.y_name] if isinstance(n, str)]
+            problem = _corrupt_metadata(self.store, members, self.storage_options)
+            if problem is None:
+                raise
+            raise DataError(
+                f"ZarrSource(store={_label(self.store)!r}): the metadata file {problem}; "
+                "re-write the store (e.g. with dataflow.io.to_zarr) or restore that file from "
+                "a copy of the store"
+            ) from exc
+
+    def _open_readers(self) -> list[ArrayReader]:
         store, label = self.store, _label(self.store)
         if isinstance(store, (str, Path)):
             store = _open_zarr(store, self.storage_options)

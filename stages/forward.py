@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError, LossError, ModelError
+from dataflow.errors import ConfigError, DataError, LossError, ModelError
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
 
 
@@ -33,9 +35,103 @@ def build_model(factory: Callable[[], Any], seed: int) -> torch.nn.Module:
     return model
 
 
+def _name(fn: Any) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_mismatch(model: torch.nn.Module, x: Any) -> str | None:
+    """Why ``model(x)`` cannot work when a floating input's dtype is not the model's (torch
+    says 'Input type (double) and bias type (float)' without naming the input or the fix)."""
+    expected = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    inputs = x if isinstance(x, tuple) else (x,)
+    for i, value in enumerate(inputs):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            continue
+        if expected is None or value.dtype == expected:
+            continue
+        field = f"x[{i}]" if isinstance(x, tuple) else "x"
+        want, have = _dtype(expected), _dtype(value.dtype)
+        return (
+            f"{field} is {have} but the model's parameters are {want}; cast the data to {want} "
+            f"(when making it: x.astype(numpy.{want}), or a transform: "
+            f"transforms=[lambda x: x.to(torch.{want})]), or build the model in {have} "
+            f"(model=lambda: Net().to(torch.{have})"
+            + (", i.e. Net().double())" if have == "float64" else ")")
+        )
+    return None
+
+
+def _needs_targets(loss_fn: Callable[..., Any]) -> bool:
+    """Whether ``loss_fn(output)`` cannot bind: the loss takes targets."""
+    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    try:
+        inspect.signature(fn).bind(object())
+    except TypeError:
+        return True
+    except ValueError:  # no signature to inspect (a builtin): assume it takes one argument
+        return False
+    return False
+
+
+def _broadcast_shape(output: Any, y: Any) -> tuple[int, ...] | None:
+    """The shape ``output`` and ``y`` broadcast to when it is larger than the output's
+    (an elementwise loss would then compare every output with every target), else None."""
+    if not (isinstance(output, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return None
+    if output.shape == y.shape:
+        return None
+    try:
+        shape = tuple(torch.broadcast_shapes(output.shape, y.shape))
+    except RuntimeError:  # not broadcastable: e.g. class logits (N, C) and labels (N,)
+        return None
+    return shape if shape != tuple(output.shape) else None
+
+
+def _call_watching_broadcast(
+    loss_fn: Callable[..., Any], output: torch.Tensor, y: torch.Tensor, shape: tuple[int, ...]
+) -> Any:
+    """``loss_fn(output, y)`` for shapes that broadcast to a larger one. torch's elementwise
+    losses (mse, l1, smooth_l1, huber) then only warn and return a wrong loss; that warning
+    becomes a LossError. Losses that do not warn (e.g. they reshape themselves) pass."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = loss_fn(output, y)
+    for warning in caught:
+        if "different to the input size" in str(warning.message):
+            raise LossError(
+                f"loss function {_name(loss_fn)!r} got an output of shape "
+                f"{tuple(output.shape)} and a target of shape {tuple(y.shape)}: they broadcast "
+                f"to {shape}, so each output is compared with every target and the loss is "
+                "wrong; give them the same shape: end the model with output.squeeze(-1) (or "
+                f"output.view_as(y)), or make the targets {tuple(output.shape)} (y[:, None], in "
+                "a transform or when writing the array)"
+            )
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return loss
+
+
 def compute_loss(loss_fn: Callable[..., Any], output: Any, y: Any) -> torch.Tensor:
-    """``loss_fn(output, y)`` (``loss_fn(output)`` without targets), checked to be a scalar."""
-    loss = loss_fn(output) if y is None else loss_fn(output, y)
+    """``loss_fn(output, y)`` (``loss_fn(output)`` without targets), checked to be a scalar,
+    with output and targets of shapes that do not broadcast into a wrong loss."""
+    if y is None:
+        try:
+            loss = loss_fn(output)
+        except TypeError as exc:
+            if not _needs_targets(loss_fn):
+                raise
+            raise LossError(
+                f"loss function {_name(loss_fn)!r} needs targets, loss(output, y), but the "
+                "source has no y; give the source targets (ArraySource(x, y), "
+                "ZarrSource(store, x=..., y='name')), or use a loss of the output alone"
+            ) from exc
+    elif (broadcast := _broadcast_shape(output, y)) is not None:
+        loss = _call_watching_broadcast(loss_fn, output, y, broadcast)
+    else:
+        loss = loss_fn(output, y)
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise LossError(
@@ -92,7 +188,13 @@ class Forward(Stage):
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:
         if batch.size == 0:  # this replica has no samples in this step
             return ForwardOutput(loss=None, output=None, batch=batch)
-        output = call_model(step.replica.model, batch.x)
+        try:
+            output = call_model(step.replica.model, batch.x)
+        except (RuntimeError, TypeError) as exc:  # torch's dtype errors name no input, no fix
+            mismatch = dtype_mismatch(step.replica.model, batch.x)
+            if mismatch is None:
+                raise
+            raise DataError(f"{mismatch}. torch said: {str(exc).splitlines()[0]}") from exc
         loss = compute_loss(self.config.loss, output, batch.y)
         if step.micro_count > 1:  # accumulating: each micro-batch's share of the local mean
             loss = loss * step.micro_weight

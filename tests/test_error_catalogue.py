@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import numpy as np
 import pytest
 import torch
@@ -118,6 +119,17 @@ def corrupt_zarr_metadata(tmp_path: Path) -> Any:
     store = zarr_store(tmp_path)
     (store / "x" / "zarr.json").write_text("{not json")
     return dfl.io.ZarrSource(store, "x", "y")
+
+
+def zarr_metadata_without_its_keys(tmp_path: Path) -> Any:
+    store = zarr_store(tmp_path)
+    (store / "y" / "zarr.json").write_text('{"attributes": {}}')  # JSON, but no zarr metadata
+    return dfl.io.ZarrSource(store, "x", "y")
+
+
+def fit_on_an_unreachable_address(tmp_path: Path) -> Any:
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):  # nothing listens there
+        return pipe().fit(1, client="tcp://127.0.0.1:1")
 
 
 def checkpoint_dir_under_a_file(tmp_path: Path) -> Any:
@@ -428,6 +440,66 @@ CAUGHT = [
         dfl.ConfigError,
         r"schedule=.*Fixed.* is a class; pass an instance, e\.g\. Fixed\(",
     ),
+    Mistake(
+        "loss-broadcasts-output-and-target",
+        lambda _: fit(model=one_output, loss=F.mse_loss, source=regression_data()),
+        dfl.LossError,
+        r"^loss function 'mse_loss' got an output of shape \(2, 1\) and a target of shape "
+        r"\(2,\): they broadcast to \(2, 2\).*output\.squeeze\(-1\)",
+        note=r"^in stage 'Forward' on replica 0, step 0$",
+    ),
+    Mistake(
+        "x-dtype-differs-from-model",
+        lambda _: fit(source=float64_data()),
+        dfl.DataError,
+        r"^x is float64 but the model's parameters are float32; cast the data to float32 .*"
+        r"x\.astype\(numpy\.float32\).*Net\(\)\.double\(\)",
+    ),
+    Mistake(
+        "model-dtype-differs-from-x",
+        lambda _: fit(model=lambda: TinyCNN().double()),
+        dfl.DataError,
+        r"^x is float32 but the model's parameters are float64; cast the data to float64",
+    ),
+    Mistake(
+        "loss-needs-targets-but-source-has-none",
+        lambda _: fit(source=dfl.io.ArraySource(make_data(64)[0])),
+        dfl.LossError,
+        r"^loss function 'cross_entropy' needs targets, loss\(output, y\), but the source has "
+        r"no y",
+    ),
+    Mistake(
+        "array-source-scalar",
+        lambda _: dfl.io.ArraySource(np.array(1.5, dtype=np.float32)),
+        dfl.DataError,
+        r"^ArraySource: x is a scalar \(a 0-d array\); it needs a leading sample dimension",
+    ),
+    Mistake(
+        "zarr-corrupt-metadata",
+        corrupt_zarr_metadata,
+        dfl.DataError,
+        r"^ZarrSource\(store='.*train\.zarr'\): the metadata file .*train\.zarr/x/zarr\.json is "
+        r"corrupt: not valid JSON .*; re-write the store",
+    ),
+    Mistake(
+        "zarr-metadata-without-its-keys",
+        zarr_metadata_without_its_keys,
+        dfl.DataError,
+        r"the metadata file .*train\.zarr/y/zarr\.json is corrupt: the key\(s\) "
+        r"\['zarr_format', 'node_type'\] that every zarr\.json has are missing",
+    ),
+    Mistake(
+        "client-address-unreachable",
+        fit_on_an_unreachable_address,
+        dfl.ConfigError,
+        r"^client='tcp://127\.0\.0\.1:1': no Dask scheduler answered at that address",
+    ),
+    Mistake(
+        "client-not-a-client",
+        lambda _: pipe().fit(1, client=4),
+        dfl.ConfigError,
+        r"^client=4 \(int\) is not a client; pass a distributed\.Client, a scheduler address",
+    ),
 ]
 
 
@@ -472,62 +544,6 @@ NOT_CAUGHT = [
             r"^Load\(drop_last='no'\): must be True or False",
         ),
         "LoadConfig does not check drop_last: the string 'no' is truthy, so it drops",
-    ),
-    not_caught(
-        Mistake(
-            "loss-broadcasts-output-and-target",
-            lambda _: fit(model=one_output, loss=F.mse_loss, source=regression_data()),
-            dfl.LossError,
-            r"output .*\(2, 1\).* target .*\(2,\)",
-        ),
-        "mse_loss broadcasts (N, 1) against (N,) with only a UserWarning: silently wrong training",
-    ),
-    not_caught(
-        Mistake(
-            "x-dtype-differs-from-model",
-            lambda _: fit(source=float64_data()),
-            dfl.DataError,
-            r"x is float64 but the model's parameters are float32",
-        ),
-        "torch's 'Input type (double) and bias type (float) should be the same' does not say "
-        "which input or how to fix it",
-    ),
-    not_caught(
-        Mistake(
-            "loss-needs-targets-but-source-has-none",
-            lambda _: fit(source=dfl.io.ArraySource(make_data(64)[0])),
-            dfl.LossError,
-            r"needs targets .*no y",
-        ),
-        "the loss is called as loss(output): a TypeError about a missing positional argument",
-    ),
-    not_caught(
-        Mistake(
-            "array-source-scalar",
-            lambda _: dfl.io.ArraySource(np.array(1.5, dtype=np.float32)),
-            dfl.DataError,
-            r"^ArraySource: x is a scalar",
-        ),
-        "np.ascontiguousarray turns a 0-d array into shape (1,) before the scalar check",
-    ),
-    not_caught(
-        Mistake(
-            "zarr-corrupt-metadata",
-            corrupt_zarr_metadata,
-            dfl.DataError,
-            r"zarr\.json.*(corrupt|not valid)",
-        ),
-        "a damaged zarr.json surfaces as a raw json.JSONDecodeError naming no file",
-    ),
-    not_caught(
-        Mistake(
-            "client-as-address-string",
-            lambda _: pipe().fit(1, client="tcp://127.0.0.1:8786"),
-            dfl.ConfigError,
-            r"client=.*distributed\.Client",
-        ),
-        "a scheduler address string is used as a Client: AttributeError 'str' object has no "
-        "attribute 'scheduler_info'",
     ),
 ]
 

@@ -1,4 +1,5 @@
-"""The embedded LocalCluster used when ``fit`` gets no client."""
+"""The client a fit runs on: the caller's, one connected to an address or cluster, or an
+embedded LocalCluster."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
+import dask.config
 from distributed import Client, LocalCluster
+from distributed.comm import connect
+from distributed.deploy import Cluster
+from distributed.utils import LoopRunner, sync
 
 from dataflow.errors import ConfigError
 
@@ -32,14 +38,52 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
         raise ConfigError(MAIN_GUARD_HINT) from exc
 
 
+def check_scheduler(address: str) -> None:
+    """Connect to ``address`` once, on a loop of its own, within Dask's connect timeout
+    (``distributed.comm.timeouts.connect``). Probing first, not ``Client(address)``: a Client
+    whose connection failed blocks for twice the timeout again when it is collected."""
+    timeout = dask.config.get("distributed.comm.timeouts.connect")
+
+    async def probe() -> None:
+        comm = await connect(address, timeout=timeout)
+        await comm.close()
+
+    runner = LoopRunner(asynchronous=False)
+    runner.start()
+    try:
+        sync(runner.loop, probe)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(
+            f"client={address!r}: no Dask scheduler answered at that address ({exc}); check "
+            "the address the scheduler printed ('Scheduler at: tcp://host:8786') and that it "
+            "is running, or pass client=None for an embedded LocalCluster"
+        ) from exc
+    finally:
+        runner.stop()
+
+
 @contextlib.contextmanager
 def client_or_local_cluster(
-    client: Client | None, *, n_workers: int | None = None, announce: bool = True
+    client: Client | Cluster | str | None, *, n_workers: int | None = None, announce: bool = True
 ) -> Iterator[Client]:
-    """``client`` as is, or a LocalCluster (one single-threaded process per core) for the block."""
-    if client is not None:
+    """The client to run on, for the block:
+
+    - a ``distributed.Client``: as is (left open: it is the caller's);
+    - a scheduler address (``"tcp://10.0.0.5:8786"``) or a cluster object (``LocalCluster``,
+      dask-jobqueue's ``SLURMCluster``): a Client connected to it, closed after the block;
+    - ``None``: a LocalCluster (one single-threaded process per core), closed after.
+    """
+    if isinstance(client, Client):
         yield client
         return
+    if isinstance(client, (str, Cluster)):
+        if isinstance(client, str):
+            check_scheduler(client)
+        with Client(client, set_as_default=False) as connected:
+            yield connected
+        return
+    if client is not None:
+        raise ConfigError(_not_a_client(client))
     n = n_workers or os.cpu_count() or 1
     with start_local_cluster(n) as cluster, Client(cluster) as local:
         if announce:
@@ -48,3 +92,12 @@ def client_or_local_cluster(
                 f"dashboard {local.dashboard_link}"
             )
         yield local
+
+
+def _not_a_client(client: Any) -> str:
+    return (
+        f"client={client!r} ({type(client).__name__}) is not a client; pass a "
+        "distributed.Client, a scheduler address such as 'tcp://10.0.0.5:8786', a cluster "
+        "object (LocalCluster, dask-jobqueue's SLURMCluster), or None for an embedded "
+        "LocalCluster"
+    )
