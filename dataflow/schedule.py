@@ -64,6 +64,9 @@ class PhaseMeasurement:
     ``noise_scale``, ``gradient_sq`` and ``trace_cov`` come from
     :class:`dataflow.noise_scale.NoiseScaleTracker` (None when not measured);
     ``samples_per_second`` is the phase's global throughput, ``steps`` its step count.
+    ``measured_steps`` is how many steps the estimate rests on: the tracker's ``steps``,
+    every step whose gradient norms it took since the fit began (None: not reported;
+    :meth:`Adaptive.measured_steps` says what is assumed then).
     """
 
     noise_scale: float | None = None
@@ -71,6 +74,7 @@ class PhaseMeasurement:
     trace_cov: float | None = None
     samples_per_second: float = 0.0
     steps: int = 0
+    measured_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.noise_scale is not None and not self.noise_scale >= 0:
@@ -86,8 +90,12 @@ class PhaseMeasurement:
             raise ConfigError(
                 f"PhaseMeasurement: samples_per_second must be >= 0, got {self.samples_per_second}"
             )
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
-            raise ConfigError(f"PhaseMeasurement: steps must be an int >= 0, got {self.steps!r}")
+        for name in ("steps", "measured_steps"):
+            value = getattr(self, name)
+            if value is None and name == "measured_steps":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"PhaseMeasurement: {name} must be an int >= 0, got {value!r}")
 
 
 def lr_at(start: float, target: float, step_in_phase: int, warmup_steps: int) -> float:
@@ -269,9 +277,25 @@ class Adaptive:
     critical batch size of McCandlish et al. 2018). At the boundary the next batch is
     ``target × B_noise`` clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]``,
     rounded down to a multiple of ``batch_multiple``: the batch never shrinks, grows by
-    at most ``max_growth`` per phase, and stays at ``B_prev`` without an estimate.
+    at most ``max_growth`` per phase, and stays at ``B_prev`` without a trusted estimate.
     ``target=1`` trains at the critical batch (about 2× the minimum steps and 2× the
     minimum samples); a smaller target favours samples, a larger one steps.
+
+    An estimate is trusted once it rests on at least ``min_measured_steps`` measured
+    steps (default 20, about the tracker's smoothing horizon): an estimate from a few
+    steps can be off by orders of magnitude, and since the batch never shrinks, acting
+    on it would lock in a batch that is too big. Until then the batch and the LR are
+    kept (``noise_scale`` of the phase is None) and measuring goes on.
+
+    Phase length: ``epochs_per_phase`` epochs (default 1), or ``steps_per_phase=N``: the
+    phase spans the smallest whole number of epochs that holds at least ``N`` optimizer
+    steps at that phase's global batch ``B``, i.e. ``ceil(N / s)`` epochs with
+    ``s = ceil(n / B)`` steps per epoch (``floor`` with ``drop_last``; ``n`` samples per
+    epoch), at least 1 and cut at the end of the fit. Phases stay whole epochs: a
+    phase of 100 steps on an epoch of 30 steps at its batch lasts 4 epochs (120 steps);
+    as the batch grows, epochs have fewer steps and phases more epochs. ``n`` is
+    ``samples_per_epoch`` when given, else the engine's (``num_samples`` and
+    ``drop_last`` passed to :meth:`next_phase`, see ``needs_epoch_size``).
 
     The LR is ``lr_scale`` times the base LR (``lr``, or the optimizer factory's),
     which belongs to ``initial_batch``:
@@ -280,7 +304,7 @@ class Adaptive:
       (:func:`dataflow.noise_scale.adascale_gain`), between 1 and ``B/B0``: linear
       scaling while noise dominates, less once the batch nears the noise scale. The
       gain is recomputed at each boundary from the latest estimate (measured at the
-      previous batch, close to the new one since growth is bounded); without an
+      previous batch, close to the new one since growth is bounded); without a trusted
       estimate the previous phase's scale is kept.
     - ``"linear"``, ``"sqrt"``, ``"none"``: the Stepwise rules on ``B/B0``.
 
@@ -292,7 +316,9 @@ class Adaptive:
 
     initial_batch: int
     max_batch_size: int
-    epochs_per_phase: int
+    epochs_per_phase: int | None
+    steps_per_phase: int | None
+    samples_per_epoch: int | None
     max_growth: float
     target: float
     lr_rule: str
@@ -300,13 +326,16 @@ class Adaptive:
     warmup_steps: int
     batch_multiple: int
     max_lr_scale: float | None
+    min_measured_steps: int
 
     def __init__(
         self,
         initial_batch: int,
         *,
         max_batch: int,
-        epochs_per_phase: int = 1,
+        epochs_per_phase: int | None = None,
+        steps_per_phase: int | None = None,
+        samples_per_epoch: int | None = None,
         max_growth: float = 2.0,
         target: float = 1.0,
         lr_rule: str = "adascale",
@@ -314,12 +343,15 @@ class Adaptive:
         warmup_steps: int = 0,
         batch_multiple: int = 1,
         max_lr_scale: float | None = None,
+        min_measured_steps: int = 20,
     ) -> None:
         # A dataclass field cannot be called max_batch: that is the protocol's method.
         values = {
             "initial_batch": initial_batch,
             "max_batch_size": max_batch,
             "epochs_per_phase": epochs_per_phase,
+            "steps_per_phase": steps_per_phase,
+            "samples_per_epoch": samples_per_epoch,
             "max_growth": max_growth,
             "target": target,
             "lr_rule": lr_rule,
@@ -327,10 +359,17 @@ class Adaptive:
             "warmup_steps": warmup_steps,
             "batch_multiple": batch_multiple,
             "max_lr_scale": max_lr_scale,
+            "min_measured_steps": min_measured_steps,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._validate()
+
+    @property
+    def needs_epoch_size(self) -> bool:
+        """True when the engine must pass ``num_samples`` (and ``drop_last``) to
+        :meth:`next_phase`: phases counted in steps, without ``samples_per_epoch``."""
+        return self.steps_per_phase is not None and self.samples_per_epoch is None
 
     def _validate(self) -> None:
         _positive_int("Adaptive", "initial_batch", self.initial_batch)
@@ -348,14 +387,27 @@ class Adaptive:
                 f"{self.batch_multiple}): initial_batch must be a multiple of batch_multiple, "
                 f"e.g. Adaptive({fix}, ...)"
             )
-        if isinstance(self.epochs_per_phase, bool) or not isinstance(self.epochs_per_phase, int):
+        if self.epochs_per_phase is not None and self.steps_per_phase is not None:
             raise ConfigError(
-                f"Adaptive(epochs_per_phase={self.epochs_per_phase!r}): must be an int >= 1"
+                f"Adaptive(epochs_per_phase={self.epochs_per_phase}, steps_per_phase="
+                f"{self.steps_per_phase}): give the phase length one way, in epochs or in steps"
             )
-        if self.epochs_per_phase < 1:
+        for name, what in (
+            ("epochs_per_phase", "the batch can change once per phase"),
+            ("steps_per_phase", "the optimizer steps a phase holds at least"),
+            ("samples_per_epoch", "the training source's sample count, e.g. len(x)"),
+        ):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"Adaptive({name}={value!r}): must be an int >= 1 ({what})")
+            if value < 1:
+                raise ConfigError(f"Adaptive({name}={value}): must be >= 1 ({what})")
+        if self.samples_per_epoch is not None and self.steps_per_phase is None:
             raise ConfigError(
-                f"Adaptive(epochs_per_phase={self.epochs_per_phase}): must be >= 1 (the batch "
-                "can change once per phase)"
+                f"Adaptive(samples_per_epoch={self.samples_per_epoch}): only used to count "
+                "steps_per_phase; give steps_per_phase=... too, or leave it out"
             )
         _finite_number("max_growth", self.max_growth)
         if self.max_growth < 1:
@@ -388,14 +440,25 @@ class Adaptive:
                     f"Adaptive(max_lr_scale={self.max_lr_scale}): must be >= 1 or None; it "
                     "caps the LR relative to the base LR at initial_batch"
                 )
+        steps = self.min_measured_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ConfigError(
+                f"Adaptive(min_measured_steps={steps!r}): must be an int >= 0, the measured "
+                "steps an estimate must rest on before the batch follows it (0: any)"
+            )
 
     def __repr__(self) -> str:
+        length = (
+            f"steps_per_phase={self.steps_per_phase}, samples_per_epoch={self.samples_per_epoch}"
+            if self.steps_per_phase is not None
+            else f"epochs_per_phase={self.epochs_per_phase or 1}"
+        )
         return (
-            f"Adaptive({self.initial_batch}, max_batch={self.max_batch_size}, "
-            f"epochs_per_phase={self.epochs_per_phase}, max_growth={self.max_growth}, "
-            f"target={self.target}, lr_rule={self.lr_rule!r}, lr={self.lr}, "
-            f"warmup_steps={self.warmup_steps}, batch_multiple={self.batch_multiple}, "
-            f"max_lr_scale={self.max_lr_scale})"
+            f"Adaptive({self.initial_batch}, max_batch={self.max_batch_size}, {length}, "
+            f"max_growth={self.max_growth}, target={self.target}, lr_rule={self.lr_rule!r}, "
+            f"lr={self.lr}, warmup_steps={self.warmup_steps}, "
+            f"batch_multiple={self.batch_multiple}, max_lr_scale={self.max_lr_scale}, "
+            f"min_measured_steps={self.min_measured_steps})"
         )
 
     def next_batch(self, previous: int, noise_scale: float | None) -> int:
@@ -420,6 +483,47 @@ class Adaptive:
             scale = min(scale, self.max_lr_scale)
         return scale
 
+    @staticmethod
+    def measured_steps(measured: PhaseMeasurement, previous: PhaseSpec) -> int | None:
+        """The steps ``measured``'s estimate rests on: ``measured.measured_steps`` when the
+        driver reports it; else, after the first phase, that phase's ``steps`` (the
+        tracker has seen exactly those); else None (unknown: the estimate is trusted)."""
+        if measured.measured_steps is not None:
+            return measured.measured_steps
+        return measured.steps if previous.index == 0 else None
+
+    def trusted_noise_scale(
+        self, measured: PhaseMeasurement | None, previous: PhaseSpec
+    ) -> float | None:
+        """The estimate the next phase is chosen from: None without one, or while it rests
+        on fewer than ``min_measured_steps`` measured steps."""
+        if measured is None or measured.noise_scale is None:
+            return None
+        steps = self.measured_steps(measured, previous)
+        if steps is not None and steps < self.min_measured_steps:
+            return None
+        return measured.noise_scale
+
+    def phase_epochs(
+        self, batch: int, num_samples: int | None = None, drop_last: bool = False
+    ) -> int:
+        """Epochs in a phase at global batch ``batch`` (before the cut at the fit's end)."""
+        if self.steps_per_phase is None:
+            return self.epochs_per_phase or 1
+        if self.samples_per_epoch is not None:
+            num_samples, drop_last = self.samples_per_epoch, False
+        if num_samples is None:
+            raise ConfigError(
+                f"Adaptive(steps_per_phase={self.steps_per_phase}): counting a phase in steps "
+                "needs the samples per epoch; pass samples_per_epoch=<training samples> "
+                "(this engine did not give the schedule the source's size)"
+            )
+        full, rest = divmod(num_samples, batch)  # as dataflow.io.sampler.steps_per_epoch
+        per_epoch = full if drop_last or rest == 0 else full + 1
+        if per_epoch == 0:  # a batch beyond the data with drop_last: the engine refuses it
+            return 1
+        return max(1, math.ceil(self.steps_per_phase / per_epoch))
+
     def next_phase(
         self,
         *,
@@ -427,25 +531,31 @@ class Adaptive:
         total_epochs: int,
         previous: PhaseSpec | None,
         measured: PhaseMeasurement | None = None,
+        num_samples: int | None = None,
+        drop_last: bool = False,
     ) -> PhaseSpec:
-        end_epoch = min(total_epochs, start_epoch + self.epochs_per_phase)
+        """The next phase; ``num_samples`` and ``drop_last`` (the training source's
+        samples per epoch and the Load stage's option) count ``steps_per_phase``."""
         if previous is None:
+            batch = self.initial_batch
+            epochs = self.phase_epochs(batch, num_samples, drop_last)
             return PhaseSpec(
                 index=0,
                 start_epoch=start_epoch,
-                end_epoch=end_epoch,
-                global_batch=self.initial_batch,
+                end_epoch=min(total_epochs, start_epoch + epochs),
+                global_batch=batch,
                 lr=self.lr,
                 lr_scale=1.0,
                 gain=1.0,
             )
-        noise = None if measured is None else measured.noise_scale
+        noise = self.trusted_noise_scale(measured, previous)
         batch = self.next_batch(previous.global_batch, noise)
         scale = self.lr_scale(batch, noise, previous.lr_scale)
+        epochs = self.phase_epochs(batch, num_samples, drop_last)
         return PhaseSpec(
             index=previous.index + 1,
             start_epoch=start_epoch,
-            end_epoch=end_epoch,
+            end_epoch=min(total_epochs, start_epoch + epochs),
             global_batch=batch,
             lr=None if self.lr is None else self.lr * scale,
             lr_scale=scale,

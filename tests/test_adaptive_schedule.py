@@ -12,18 +12,22 @@ from dataflow.noise_scale import adascale_gain
 from dataflow.schedule import Adaptive, Fixed, PhaseMeasurement, PhaseSpec, Schedule, Stepwise
 
 
-def drive(schedule, epochs, noise_scales):
+def drive(schedule, epochs, noise_scales, *, steps=40, **engine):
     """The driver's loop: ask for phases until the fit's epochs are covered, feeding
-    back one measured noise scale per finished phase (None: nothing measured)."""
-    out, epoch, previous, measured = [], 0, None, None
+    back one measured noise scale per finished phase (None: nothing measured), each
+    phase of ``steps`` steps, all measured (the tracker's count, cumulative)."""
+    out, epoch, previous, measured, total = [], 0, None, None, 0
     noise = iter(noise_scales)
     while epoch < epochs:
         previous = schedule.next_phase(
-            start_epoch=epoch, total_epochs=epochs, previous=previous, measured=measured
+            start_epoch=epoch, total_epochs=epochs, previous=previous, measured=measured, **engine
         )
         out.append(previous)
         epoch = previous.end_epoch
-        measured = PhaseMeasurement(noise_scale=next(noise, None), steps=10)
+        total += steps
+        measured = PhaseMeasurement(
+            noise_scale=next(noise, None), steps=steps, measured_steps=total
+        )
     return out
 
 
@@ -156,6 +160,8 @@ def test_phase_spec_and_measurement_validate():
         PhaseMeasurement(samples_per_second=-1.0)
     with pytest.raises(dfl.ConfigError, match="steps must be an int >= 0"):
         PhaseMeasurement(steps=-1)
+    with pytest.raises(dfl.ConfigError, match="measured_steps must be an int >= 0"):
+        PhaseMeasurement(measured_steps=-1)
     assert PhaseMeasurement(gradient_sq=-3.0).gradient_sq == -3.0  # a negative estimate is data
 
 
@@ -175,9 +181,131 @@ def test_phase_spec_and_measurement_validate():
         ({"lr": -0.1}, dfl.ConfigError, "lr=-0.1"),
         ({"warmup_steps": -1}, dfl.ConfigError, "warmup_steps=-1"),
         ({"max_lr_scale": 0.5}, dfl.ConfigError, "max_lr_scale=0.5.*>= 1"),
+        ({"steps_per_phase": 0}, dfl.ConfigError, "steps_per_phase=0.*>= 1"),
+        ({"steps_per_phase": 2.5}, dfl.ConfigError, r"steps_per_phase=2.5.*int >= 1"),
+        ({"steps_per_phase": True}, dfl.ConfigError, "steps_per_phase=True"),
+        (
+            {"steps_per_phase": 50, "epochs_per_phase": 2},
+            dfl.ConfigError,
+            "one way, in epochs or in steps",
+        ),
+        ({"steps_per_phase": 50, "samples_per_epoch": 0}, dfl.ConfigError, "samples_per_epoch=0"),
+        ({"samples_per_epoch": 1000}, dfl.ConfigError, "give steps_per_phase=... too"),
+        ({"min_measured_steps": -1}, dfl.ConfigError, "min_measured_steps=-1.*int >= 0"),
+        ({"min_measured_steps": 2.0}, dfl.ConfigError, "min_measured_steps=2.0"),
     ],
 )
 def test_adaptive_validates_every_field(kwargs, error, match):
     args = {"initial_batch": 32, "max_batch": 256} | kwargs
     with pytest.raises(error, match=match):
         Adaptive(args.pop("initial_batch"), **args)
+
+
+# -- phase length in steps --------------------------------------------------------------
+
+
+def test_steps_per_phase_spans_the_fewest_whole_epochs_holding_n_steps():
+    schedule = Adaptive(32, max_batch=256, steps_per_phase=100, samples_per_epoch=1000)
+    phases = drive(schedule, 30, [1e9] * 10)
+    # B=32: ceil(1000/32) = 32 steps an epoch, 4 epochs hold 128 >= 100 (3 hold 96);
+    # B=64: 16 an epoch -> 7 epochs (112); B=128: 8 -> 13 epochs (104); cut at epoch 30.
+    assert [p.global_batch for p in phases] == [32, 64, 128, 256]
+    assert [(p.start_epoch, p.end_epoch) for p in phases] == [(0, 4), (4, 11), (11, 24), (24, 30)]
+    assert "steps_per_phase=100" in repr(schedule)
+    assert pickle.loads(pickle.dumps(schedule)) == schedule
+
+
+def test_steps_per_phase_from_the_engines_epoch_size_and_drop_last():
+    schedule = Adaptive(32, max_batch=32, steps_per_phase=94)
+    assert schedule.needs_epoch_size
+    assert not Adaptive(32, max_batch=32, steps_per_phase=94, samples_per_epoch=9).needs_epoch_size
+    assert not Adaptive(32, max_batch=32).needs_epoch_size
+    # 1000 samples at 32: 32 steps an epoch with the short last step (3 epochs = 96 >= 94),
+    # 31 without it (drop_last: 3 epochs = 93 < 94, so 4).
+    kept = drive(schedule, 12, [], num_samples=1000)
+    dropped = drive(schedule, 12, [], num_samples=1000, drop_last=True)
+    assert [p.end_epoch - p.start_epoch for p in kept] == [3, 3, 3, 3]
+    assert [p.end_epoch - p.start_epoch for p in dropped] == [4, 4, 4]
+    # An epoch longer than the phase: one epoch; samples_per_epoch wins over the engine's.
+    assert drive(schedule, 3, [], num_samples=10_000)[0].end_epoch == 1
+    explicit = Adaptive(32, max_batch=32, steps_per_phase=94, samples_per_epoch=64)
+    assert drive(explicit, 100, [], num_samples=10_000)[0].end_epoch == 47  # 2 steps an epoch
+    with pytest.raises(dfl.ConfigError, match="pass samples_per_epoch="):
+        schedule.next_phase(start_epoch=0, total_epochs=5, previous=None)
+
+
+@given(
+    n=st.integers(1, 5000),
+    initial=st.integers(1, 64),
+    steps=st.integers(1, 400),
+    drop_last=st.booleans(),
+)
+def test_steps_per_phase_is_the_smallest_sufficient_whole_number_of_epochs(
+    n, initial, steps, drop_last
+):
+    from dataflow.io.sampler import steps_per_epoch
+
+    schedule = Adaptive(initial, max_batch=initial * 8, steps_per_phase=steps)
+    for batch in (initial, initial * 2, initial * 8):
+        epochs = schedule.phase_epochs(batch, n, drop_last)
+        per_epoch = steps_per_epoch(n, batch, drop_last=drop_last)
+        if per_epoch == 0:  # a batch beyond the data: the engine refuses it; one epoch here
+            assert epochs == 1
+            continue
+        assert epochs * per_epoch >= steps
+        assert epochs == 1 or (epochs - 1) * per_epoch < steps
+
+
+def test_epochs_per_phase_default_is_one_epoch():
+    assert [(p.start_epoch, p.end_epoch) for p in drive(Adaptive(8, max_batch=8), 3, [])] == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+    ]
+
+
+# -- a minimum of measured steps before the estimate is trusted --------------------------
+
+
+def test_an_estimate_from_too_few_steps_keeps_the_batch_and_the_lr():
+    schedule = Adaptive(16, max_batch=256, min_measured_steps=20)
+    # 8 measured steps a phase, cumulative: 8, 16, 24, 32.
+    phases = drive(schedule, 5, [5000.0, 5000.0, 5000.0, 5000.0], steps=8)
+    assert [p.global_batch for p in phases] == [16, 16, 16, 32, 64]
+    assert [p.noise_scale for p in phases] == [None, None, None, 5000.0, 5000.0]
+    assert [p.lr_scale for p in phases[:3]] == [1.0, 1.0, 1.0]
+    assert phases[3].lr_scale == pytest.approx(adascale_gain(5000.0, 16, 32))
+    # min_measured_steps=0 trusts any estimate (the behaviour before the guard).
+    eager = drive(Adaptive(16, max_batch=256, min_measured_steps=0), 3, [5000.0] * 2, steps=1)
+    assert [p.global_batch for p in eager] == [16, 32, 64]
+    assert Adaptive(16, max_batch=256).min_measured_steps == 20  # the default
+
+
+def test_measured_steps_not_reported_counts_the_first_phases_steps():
+    schedule = Adaptive(16, max_batch=256)
+    first = schedule.next_phase(start_epoch=0, total_epochs=9, previous=None)
+    few = PhaseMeasurement(noise_scale=5000.0, steps=12)  # no measured_steps
+    many = PhaseMeasurement(noise_scale=5000.0, steps=30)
+    assert (
+        schedule.next_phase(
+            start_epoch=1, total_epochs=9, previous=first, measured=few
+        ).global_batch
+        == 16
+    )
+    second = schedule.next_phase(start_epoch=1, total_epochs=9, previous=first, measured=many)
+    assert second.global_batch == 32
+    # After the first phase an unreported count is unknown: the estimate is used.
+    assert (
+        schedule.next_phase(
+            start_epoch=2, total_epochs=9, previous=second, measured=few
+        ).global_batch
+        == 64
+    )
+    # A reported count wins over the phase's steps.
+    reported = PhaseMeasurement(noise_scale=5000.0, steps=30, measured_steps=10)
+    assert (
+        schedule.next_phase(
+            start_epoch=1, total_epochs=9, previous=first, measured=reported
+        ).global_batch
+        == 16
+    )
