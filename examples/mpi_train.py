@@ -161,6 +161,8 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
             "replicas": replicas,
             "replica_workers": [w["worker"] for w in result.history.info["workers"]],
             "devices": [w["device"] for w in result.history.info["workers"]],
+            # What each worker rank sees (--gpus-per-node pins one GPU per worker rank).
+            "cuda_visible_devices": client.run(os.getenv, "CUDA_VISIBLE_DEVICES"),
             "backend": [w["backend"] for w in result.history.info["workers"]],
             "num_samples": args.samples,
             "epochs": args.epochs,

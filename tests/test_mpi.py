@@ -150,6 +150,7 @@ def test_mpirun_four_ranks_trains_two_replicas(tmp_path):
             f"--samples={SAMPLES}",
             f"--batch={BATCH}",
             "--device=cpu",  # also on a GPU machine: two workers there would share one GPU
+            "--gpus-per-node=2",  # checks the per-rank pinning; the replicas stay on CPU
             "--interface=lo",  # the scheduler and workers listen on loopback only
             "--dashboard-address=:0",
             f"--local-directory={tmp_path / 'scratch'}",
@@ -172,6 +173,10 @@ def test_mpirun_four_ranks_trains_two_replicas(tmp_path):
     assert set(run["replica_workers"]) == set(run["dask_workers"])
     assert run["scheduler"] not in run["replica_workers"]
     assert run["backend"] == ["gloo", "gloo"]
+    # --gpus-per-node=2: the i-th worker rank of the node sees GPU i only.
+    assert run["cuda_visible_devices"] == {
+        addr: str(rank - 2) for addr, rank in run["dask_workers"].items()
+    }
 
     # It learned: the last epoch's mean loss well below the first's.
     losses = run["epoch_losses"]
