@@ -96,10 +96,14 @@ def pin_gpu(comm, gpus_per_node: int) -> None:
     if not is_worker:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     elif index >= len(devices):
-        raise SystemExit(
-            f"rank {comm.Get_rank()}: worker {index} on its node but only {len(devices)} GPU(s) "
-            "there; start at most one worker rank per GPU (mpirun --map-by ppr:N:node)"
+        print(
+            f"mpi_train: rank {comm.Get_rank()} is worker {index} on its node, which has "
+            f"{len(devices)} GPU(s); start at most --gpus-per-node worker ranks per node "
+            "(docs/hpc.md: place ranks 0 and 1 on the first node)",
+            file=sys.stderr,
+            flush=True,
         )
+        comm.Abort(1)  # not sys.exit: the other ranks would wait for this one forever
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices[index]
 

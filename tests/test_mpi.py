@@ -135,14 +135,17 @@ def run_mpi(args: list[str], tmp_path: Path) -> tuple[int, str, list[str]]:
     return rc, text, command
 
 
-def test_mpirun_four_ranks_trains_two_replicas(tmp_path):
+def require_mpi() -> None:
     missing = missing_mpi()
     if missing:
         reason = f"needs {', '.join(missing)}: pip install -e '.[mpi]' (see docs/hpc.md)"
         if os.environ.get("CI"):
-            pytest.fail(f"CI must run the MPI launch test; {reason} (.ci/run installs .[mpi])")
+            pytest.fail(f"CI must run the MPI launch tests; {reason} (.ci/run installs .[mpi])")
         pytest.skip(reason)
 
+
+def test_mpirun_four_ranks_trains_two_replicas(tmp_path):
+    require_mpi()
     out = tmp_path / "run"
     rc, text, command = run_mpi(
         [
@@ -198,6 +201,16 @@ def test_mpirun_four_ranks_trains_two_replicas(tmp_path):
     history = History.from_json(out / "history.json")
     assert len(history.steps) == EPOCHS * SAMPLES // BATCH
     assert sum(s["samples"] for s in history.steps) == EPOCHS * SAMPLES
+
+
+def test_more_worker_ranks_than_gpus_aborts_the_whole_job(tmp_path):
+    """Two worker ranks on a node given one GPU: the job ends at once with the reason,
+    instead of the other ranks waiting forever for the one that gave up."""
+    require_mpi()
+    rc, text, _ = run_mpi(["--gpus-per-node=1", "--interface=lo", "--device=cpu"], tmp_path)
+    assert rc != 0
+    assert "which has 1 GPU(s); start at most --gpus-per-node worker ranks per node" in text
+    assert not (tmp_path / "runs").exists()  # nothing trained
 
 
 def test_help_runs_without_mpi():
