@@ -569,7 +569,7 @@ def test_mistake(mistake: Mistake, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def empty_cluster():
     """A scheduler with no workers (in-process, nothing spawned)."""
-    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
         yield cluster
 
 
