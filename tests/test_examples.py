@@ -1,0 +1,176 @@
+"""Every example runs as a user runs it (``python examples/NAME.py``) and meets its bar.
+
+Each example writes ``result.json`` (its figures) and ``history.json`` to ``--out``; the
+tests read those numbers, not the printed text. The example runs start a real
+LocalCluster in a fresh interpreter (marked slow; CI runs them). The generators of
+``dataflow.datasets`` are checked here too: the examples' data must mean what they say.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataflow.datasets import cosmology_arrays, cosmology_fields, digits_arrays
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NAMES = ("cosmoflow", "digits", "heterogeneous", "custom_graph")
+
+
+def run_example(name: str, out: Path, *flags: str, timeout: float = 280) -> dict:
+    """``python examples/NAME.py --out OUT --no-progress FLAGS``; its result.json."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--no-progress", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out,
+    )
+    tail = (done.stdout + done.stderr)[-3000:]
+    assert done.returncode == 0, tail
+    assert (out / "history.json").is_file(), tail
+    result = json.loads((out / "result.json").read_text())
+    last_line = done.stdout.strip().splitlines()[-1]
+    assert last_line.startswith(f"{name}:") and last_line.endswith("PASS"), tail
+    return result
+
+
+def test_every_example_has_help():
+    """``--help`` of each example in a fresh interpreter (all four at once: each launch
+    imports torch and dask, a few seconds)."""
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, str(EXAMPLES / f"{name}.py"), "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in NAMES
+    }
+    for name, process in runs.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, (name, stderr)
+        assert stdout.startswith(f"usage: {name}.py"), (name, stdout)
+        assert "--out" in stdout and "python examples/" in stdout, (name, stdout)
+
+
+@pytest.mark.slow
+def test_cosmoflow_beats_predict_the_mean(tmp_path):
+    """Both parameters: held-out MSE at most 0.3 x the predict-the-mean baseline (the
+    default run reaches 0.04-0.09), with a batch that grew 16 -> 32 -> 64."""
+    result = run_example("cosmoflow", tmp_path)
+    for name in ("A", "n"):
+        figures = result["params"][name]
+        assert figures["baseline_mse"] > 0.5  # standardised targets: about 1
+        assert figures["mse"] <= 0.3 * figures["baseline_mse"], (name, figures)
+    assert [p["global_batch"] for p in result["phases"]] == [16, 32, 64]
+    assert result["passed"]
+    assert (tmp_path / "data" / "train.zarr").is_dir()  # trained from zarr
+
+
+@pytest.mark.slow
+def test_digits_reaches_95_percent_with_adaptive(tmp_path):
+    pytest.importorskip("sklearn")
+    result = run_example("digits", tmp_path)
+    assert result["test_accuracy"] >= 0.95, result["accuracy_per_epoch"]
+    batches = [p["global_batch"] for p in result["phases"]]
+    assert batches[0] == 16 and batches[-1] > 16, batches  # Adaptive grew the batch
+    assert batches == sorted(batches)  # and never shrank it
+    assert result["passed"]
+
+
+@pytest.mark.slow
+def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path):
+    """Phase 0 is split evenly (nothing measured yet); by the last phase the 2x slower
+    replica holds clearly less than half (1/3 is ideal)."""
+    result = run_example("heterogeneous", tmp_path)
+    phases = result["phases"]
+    assert len(phases) == 5
+    assert phases[0]["slow_share"] == 0.5
+    assert phases[-1]["slow_share"] < 0.42, [p["local_batches"] for p in phases]
+    for p in phases:
+        assert sum(p["local_batches"]) == 128
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert [p["local_batches"] for p in history["phases"]] == [p["local_batches"] for p in phases]
+
+
+@pytest.mark.slow
+def test_custom_graph_clips_the_reduced_gradient(tmp_path):
+    result = run_example("custom_graph", tmp_path)
+    clip = result["clip"]
+    assert clip["ok"], clip["checks"]
+    assert clip["steps_logged"] == [result["steps"], result["steps"]]
+    assert 0 < clip["clipped_steps"] < result["steps"]
+    assert clip["largest_norm_before"] > 0.5 >= clip["largest_norm_after"] - 1e-5
+    assert result["test_accuracy"] >= 0.9
+
+
+# -- dataflow.datasets ----------------------------------------------------------------
+
+
+def spectral_index(g: np.ndarray) -> float:
+    """The slope of log P(k) against log k of one 3D field, over 2 <= |k| <= side/2 - 1."""
+    side = g.shape[0]
+    power = np.abs(np.fft.rfftn(g)) ** 2
+    k1 = np.fft.fftfreq(side) * side
+    k1r = np.fft.rfftfreq(side) * side
+    k = np.sqrt(k1[:, None, None] ** 2 + k1[None, :, None] ** 2 + k1r[None, None, :] ** 2)
+    shells = np.rint(k).astype(int)
+    ks = np.arange(2, side // 2)
+    mean_power = [power[shells == s].mean() for s in ks]
+    return float(np.polyfit(np.log(ks), np.log(mean_power), 1)[0])
+
+
+def test_cosmology_fields_are_lognormal_with_the_requested_spectrum():
+    x, params = cosmology_fields(40, side=16, seed=3)
+    assert x.shape == (40, 1, 16, 16, 16) and x.dtype == np.float32
+    assert params.shape == (40, 2) and params.dtype == np.float32
+    assert (x >= -1).all()  # a density contrast
+    assert abs(float(x.mean())) < 0.05
+    g = np.log1p(x[:, 0].astype(np.float64))
+    a, n = params[:, 0], params[:, 1]
+    assert a.min() >= 0.5 and a.max() <= 1.5 and n.min() >= -3 and n.max() <= -1
+    # the Gaussian field's spectral slope follows n; its variance grows with A (at fixed n)
+    slopes = np.array([spectral_index(field - field.mean()) for field in g])
+    assert np.corrcoef(slopes, n)[0, 1] > 0.9
+    assert np.abs(slopes - n).mean() < 0.5
+    variance = g.reshape(40, -1).var(axis=1)
+    residual = np.log(variance) - np.polyval(np.polyfit(n, np.log(variance), 2), n)
+    assert np.corrcoef(residual, np.log(a))[0, 1] > 0.5
+
+
+def test_cosmology_arrays_split_and_standardise_deterministically():
+    one = cosmology_arrays(30, 10, side=8, seed=1)
+    two = cosmology_arrays(30, 10, side=8, seed=1)
+    other = cosmology_arrays(30, 10, side=8, seed=2)
+    assert np.array_equal(one["x_train"], two["x_train"])
+    assert not np.array_equal(one["x_train"], other["x_train"])
+    assert one["x_train"].shape == (30, 1, 8, 8, 8) and one["y_test"].shape == (10, 2)
+    np.testing.assert_allclose(one["y_train"].mean(axis=0), 0.0, atol=1e-5)
+    np.testing.assert_allclose(one["y_train"].std(axis=0), 1.0, atol=1e-5)
+    restored = one["y_test"] * one["target_std"] + np.asarray(one["target_mean"])
+    np.testing.assert_allclose(restored, one["params_test"], rtol=1e-5)
+
+
+def test_cosmology_fields_refuses_bad_arguments():
+    from dataflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="side"):
+        cosmology_fields(4, side=2)
+    with pytest.raises(ConfigError, match="amplitude_range"):
+        cosmology_fields(4, amplitude_range=(1.0, 0.5))
+
+
+def test_digits_arrays_is_the_real_dataset_split_80_20():
+    pytest.importorskip("sklearn")
+    data = digits_arrays(seed=0)
+    assert data["x_train"].shape == (1437, 1, 8, 8) and data["x_test"].shape == (360, 1, 8, 8)
+    assert data["x_train"].min() == 0.0 and data["x_train"].max() == 1.0
+    assert set(np.unique(data["y_test"])) == set(range(10))
+    both = np.concatenate([data["y_train"], data["y_test"]])
+    assert np.bincount(both).sum() == 1797
