@@ -319,6 +319,7 @@ def explain(
                 slow_down[rank].append(1 - rates[rank][-1] / alone_rates[rank][-1])
     wait = med(period) - med(compute)
     split = summary["balanced_splits"][-1]
+    fits = [affine_fits(r["balanced"]["phases"]) for r in rounds]
     lines = [
         "compute rate per replica (samples over its own compute, throttle sleep included), "
         f"balanced fit vs alone: replica 0 {med(rates[0]):.0f} vs {med(alone_rates[0]):.0f} "
@@ -332,6 +333,14 @@ def explain(
         "is the compute slow-down above",
         f"slow replica's share of the batch {split[1] / sum(split):.3f} (1/(1+factor) = "
         f"{1 / (1 + factor):.3f} if all were per-sample compute)",
+        "step-time model t_r(b) = a_r + c_r b fitted per round to each replica's compute per "
+        "step over the balanced fit's phases (ms, ms/sample): "
+        + "; ".join(
+            ", ".join(f"r{rank} a={a * 1e3:.0f} c={c * 1e3:.2f}" for rank, (a, c) in enumerate(f))
+            for f in fits
+        )
+        + " (a fixed cost a_r would move samples away from the slow replica; the per-step "
+        "work outside the per-sample compute, Update and Load, is ~2 ms)",
     ]
     if summary["balanced_over_ideal"] < 0.95:
         lines.append(
@@ -343,6 +352,20 @@ def explain(
             "split, and speeds that vary from step to step, leave one replica waiting)."
         )
     return lines
+
+
+def affine_fits(phases: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Per replica, least-squares ``(a, c)`` in seconds of ``compute per step = a + c b``
+    over the phases (``b`` its local batch; compute = b / the engine's samples/s)."""
+    fits = []
+    for rank in range(len(phases[0]["local_batches"])):
+        b = [p["local_batches"][rank] for p in phases]
+        t = [n / p["engine_samples_per_second"][rank] for n, p in zip(b, phases, strict=True)]
+        mb, mt = statistics.fmean(b), statistics.fmean(t)
+        var = sum((x - mb) ** 2 for x in b)
+        c = sum((x - mb) * (y - mt) for x, y in zip(b, t, strict=True)) / var if var else 0.0
+        fits.append((mt - c * mb, c))
+    return fits
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
