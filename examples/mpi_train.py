@@ -8,7 +8,7 @@ the scheduler and the workers down, so the MPI job ends with it.
 
   mpirun -np 4 python examples/mpi_train.py               # 2 workers on this machine
   srun -n 6 --gpus-per-task=1 python examples/mpi_train.py --epochs 20   # 4 GPU workers
-  mpirun -np 10 python examples/mpi_train.py --gpus-per-node 4           # mpirun, 2 GPU nodes
+  mpirun -np 6 python examples/mpi_train.py --gpus-per-node 4   # one node with 4 GPUs
 
 See docs/hpc.md for SLURM batch scripts, dask-jobqueue and troubleshooting.
 """
@@ -93,6 +93,7 @@ def pin_gpu(comm, gpus_per_node: int) -> None:
     node.Free()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(gpus_per_node)]
+    devices = devices[:gpus_per_node]
     if not is_worker:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     elif index >= len(devices):
@@ -112,7 +113,6 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
     """Rank 1: connect to the dask-mpi cluster and fit; return what happened."""
     # Imported here, after dask_mpi.initialize(): the scheduler rank never needs torch,
     # and the worker ranks import it when their first task arrives.
-    import numpy as np
     import torch
     import torch.nn.functional as F
     from distributed import Client
@@ -149,14 +149,6 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
         print(result.summary(), flush=True)
 
         replicas = result.history.info["replicas"]
-        # Which samples each replica was meant to read (the plan, pure) and did read (the
-        # ledger the workers reported), per epoch: with an even split they must agree.
-        specs = [spec for plan in pipe.plan(args.epochs, replicas) for spec in plan.steps]
-        planned: dict[tuple[int, int], list] = {}
-        for spec, parts in zip(specs, pipe.sample_plan(args.epochs, replicas), strict=True):
-            for rank, part in enumerate(parts):
-                planned.setdefault((spec.epoch, rank), []).append(np.asarray(part))
-        ledger = result.ledger
         report = {
             "mpi_world_size": world_size,
             "client_rank": CLIENT_RANK,
@@ -173,20 +165,7 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
             "epoch_losses": [e["train_loss"] for e in result.history.epochs],
             "step_losses": result.history.losses,
             "fit_seconds": seconds,
-            "ledger": {
-                str(epoch): {
-                    str(r): ledger.consumed(epoch, r).tolist() for r in ledger.replicas(epoch)
-                }
-                for epoch in ledger.epochs
-            },
-            "plan": {
-                str(epoch): {
-                    str(r): np.sort(np.concatenate(parts)).tolist()
-                    for (e, r), parts in sorted(planned.items())
-                    if e == epoch
-                }
-                for epoch in sorted({e for e, _ in planned})
-            },
+            **sample_accounting(pipe, result, args.epochs),
         }
         # Close the workers before the scheduler (dask-mpi shuts that down when this script
         # ends), so their ranks exit quietly instead of reporting a lost scheduler.
@@ -196,6 +175,30 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
     (out / "run.json").write_text(json.dumps(report))
     print(f"mpi_train: wrote {out / 'history.json'} and {out / 'run.json'}", flush=True)
     return report
+
+
+def sample_accounting(pipe, result, epochs: int) -> dict:
+    """Per epoch and replica, the sample indices the plan gave it ("plan": computed on
+    this rank, no cluster) and those its worker reported training on ("ledger")."""
+    import numpy as np
+
+    replicas = result.history.info["replicas"]
+    specs = [spec for plan in pipe.plan(epochs, replicas) for spec in plan.steps]
+    planned: dict[int, dict[int, list]] = {}
+    for spec, parts in zip(specs, pipe.sample_plan(epochs, replicas), strict=True):
+        for rank, part in enumerate(parts):
+            planned.setdefault(spec.epoch, {}).setdefault(rank, []).append(part)
+    ledger = result.ledger
+    return {
+        "plan": {
+            str(epoch): {str(r): np.sort(np.concatenate(p)).tolist() for r, p in ranks.items()}
+            for epoch, ranks in planned.items()
+        },
+        "ledger": {
+            str(epoch): {str(r): ledger.consumed(epoch, r).tolist() for r in ledger.replicas(epoch)}
+            for epoch in ledger.epochs
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
