@@ -25,6 +25,7 @@ from dataflow.errors import (
     ModelError,
     NonFiniteError,
     ReplicaError,
+    WorkerLostError,
 )
 from dataflow.graph import Graph, Node
 from dataflow.history import FitResult, History
@@ -55,6 +56,7 @@ __all__ = [
     "ReplicaError",
     "Trainer",
     "TrainerConfig",
+    "WorkerLostError",
     "balance",
     "errors",
     "io",

@@ -65,3 +65,7 @@ class CheckpointError(DataflowError, OSError):
 
 class IncompatibleCheckpointError(DataflowError, ValueError):
     """A checkpoint belongs to another model, dataset or configuration than this fit."""
+
+
+class WorkerLostError(ReplicaError):
+    """Workers died and too few remain to go on (``min_workers``)."""

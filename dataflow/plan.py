@@ -10,6 +10,7 @@ meet in collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -59,6 +60,49 @@ def phase_steps(
                 )
             )
     return tuple(steps)
+
+
+def resplit_steps(
+    steps: tuple[StepSpec, ...],
+    commit: int,
+    split: Callable[[int], tuple[int, ...]],
+    micro_batches: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+) -> tuple[StepSpec, ...]:
+    """The steps of ``steps`` from index ``commit`` on, split anew (other replicas).
+
+    Used when workers are lost mid-phase: the steps before ``commit`` were trained
+    and stay; the rest keep their global batches and get a new split. The epoch in
+    progress records how far each replica had read under the old split
+    (``StepSpec.earlier_splits``), so the new split reads exactly the samples the
+    epoch has not trained on yet, and later epochs are sharded as usual.
+    """
+    rest = [spec for spec in steps if spec.index >= commit]
+    if not rest:
+        return ()
+    current = (rest[0].epoch, rest[0].earlier_splits)
+    segment = [s for s in steps if (s.epoch, s.earlier_splits) == current]
+    width = len(segment[0].local_batches)
+    given = tuple(sum(s.local_batches[r] for s in segment) for r in range(width))
+    consumed = tuple(
+        sum(s.local_batches[r] for s in segment if s.index < commit) for r in range(width)
+    )
+    out = []
+    for spec in rest:
+        local = tuple(split(spec.global_batch))
+        if sum(local) != spec.global_batch:
+            raise ConfigError(f"the balancer split {spec.global_batch} samples into {local}")
+        earlier = spec.earlier_splits
+        if (spec.epoch, earlier) == current and any(consumed):
+            earlier = (*earlier, (given, consumed))
+        out.append(
+            dataclasses.replace(
+                spec,
+                local_batches=local,
+                micro_batches=() if micro_batches is None else tuple(micro_batches(local)),
+                earlier_splits=earlier,
+            )
+        )
+    return tuple(out)
 
 
 def steps_per_window(step_seconds: float | None, window_seconds: float, max_steps: int) -> int:

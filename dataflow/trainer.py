@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from distributed import Client, as_completed, wait
+from distributed import Client, wait
 from tqdm.auto import tqdm
 
 from dataflow.balance import Balancer, Even, micro_batch_counts
@@ -43,15 +43,15 @@ from dataflow.errors import (
     DataError,
     LossError,
     ReplicaError,
+    WorkerLostError,
 )
 from dataflow.graph import Graph
 from dataflow.history import FitResult, History
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
-from dataflow.plan import Plan, phase_steps
+from dataflow.plan import Plan, phase_steps, resplit_steps
 from dataflow.runtime import replica as remote
 from dataflow.runtime.cluster import client_or_local_cluster
-from dataflow.runtime.plugin import DataflowWorkerPlugin
 from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
 from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
@@ -59,6 +59,15 @@ from dataflow.stages.forward import build_model
 
 CALIBRATION_STEPS = 2
 FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
+LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+
+
+class WorkersLost(Exception):
+    """Internal: workers of the fit are gone; the driver recovers on the survivors."""
+
+    def __init__(self, workers: list[str]) -> None:
+        super().__init__(f"lost workers {workers}")
+        self.workers = workers
 
 
 @dataclass(kw_only=True)
@@ -70,7 +79,13 @@ class TrainerConfig:
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
     threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
     window_seconds: float = 1.0  # work fused into one Dask task
-    collective_timeout_s: float = 300.0
+    # A collective that waits longer fails (a peer died or hangs); the driver also
+    # watches the workers, so a lost worker is usually noticed within a second or two.
+    collective_timeout_s: float = 30.0
+    # Keep training when workers die: survivors roll back to the last window every
+    # replica finished and go on; below min_workers the fit stops with WorkerLostError.
+    recover_lost_workers: bool = True
+    min_workers: int = 1
     relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
@@ -105,6 +120,15 @@ class TrainerConfig:
             )
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if (
+            isinstance(self.min_workers, bool)
+            or not isinstance(self.min_workers, int)
+            or self.min_workers < 1
+        ):
+            raise ConfigError(
+                f"min_workers must be an int >= 1 (the fewest workers a fit goes on with "
+                f"after losing some), got {self.min_workers!r}"
+            )
         if not isinstance(self.throttle, dict) or any(
             isinstance(r, bool) or not isinstance(r, int) or r < 0 or not float(f) >= 1.0
             for r, f in self.throttle.items()
@@ -249,20 +273,27 @@ class Trainer:
         def split(size: int) -> tuple[int, ...]:
             return self.config.balancer.split(size, replicas, measured)
 
-        # One replica estimates the gradient noise from two micro-batches of each step.
-        minimum = 2 if replicas == 1 and self.measures_noise else 1
-
-        def micro_batches(local: tuple[int, ...]) -> tuple[int, ...]:
-            return micro_batch_counts(local, self.config.max_micro_batch, minimum=minimum)
-
         return phase_steps(
             num_samples=self.source.num_samples,
             phase=phase,
             split=split,
             drop_last=self.drop_last,
             first_index=first_index,
-            micro_batches=micro_batches,
+            micro_batches=self._micro_batches(replicas),
         )
+
+    def _micro_batches(self, replicas: int, after_loss: bool = False) -> Any:
+        """Each replica's micro-batches for a split: above the memory cap, accumulate; one
+        replica estimates the gradient noise from two micro-batches of each step."""
+        minimum = 2 if replicas == 1 and self.measures_noise else 1
+
+        def micro_batches(local: tuple[int, ...]) -> tuple[int, ...]:
+            caps = self.config.max_micro_batch
+            if after_loss and isinstance(caps, tuple) and len(caps) != len(local):
+                caps = min(caps)  # after a lost worker: the tightest cap for every replica
+            return micro_batch_counts(local, caps, minimum=minimum)
+
+        return micro_batches
 
     # -- fitting --------------------------------------------------------------------
     def fit(
@@ -451,7 +482,7 @@ class _Fit:
             )
             for r in range(world)
         ]
-        snapshot, rngs = self.client.gather([snapshot, rngs])
+        snapshot, *rngs = self._gather([snapshot, *rngs])
         path = self.store.save(
             Checkpoint(
                 model_state=snapshot["model"],
@@ -498,8 +529,7 @@ class _Fit:
         world = len(workers)
         order = self.trainer.graph.validate(replicas=world)
         self.order = order
-        if not all(client.run(remote.has_plugin, workers=workers).values()):
-            client.register_plugin(DataflowWorkerPlugin(), name="dataflow")
+        client.run(remote.ensure_plugin, workers=workers)
         spec = remote.ReplicaSpec(
             run_id=self.run_id,
             graph=self.trainer.graph,
@@ -512,6 +542,7 @@ class _Fit:
             freeze_gc=self.config.freeze_gc,
             pause_dask_profiler=self.config.pause_dask_profiler,
             throttle={int(r): float(f) for r, f in self.config.throttle.items()},
+            commit_windows=self.config.recover_lost_workers,
         )
         started = time.perf_counter()
         try:
@@ -531,6 +562,11 @@ class _Fit:
             }
             self.generation = 0
             self.last_futures: list[Any] = [None] * world
+            # (future, worker) of the phase: what a lost worker's recovery must stop
+            self.in_flight: list[tuple[Any, str]] = []
+            self.window_stops: dict[int, int] = {}  # window first step -> stop step
+            self.committed_step = self.start[2]  # the first step not yet committed
+            self.last_phase: PhaseSpec | None = None
             if self.resumed is not None:
                 self._restore_replicas(self.resumed)
                 self.history.info["resumed_from"] = {
@@ -541,18 +577,12 @@ class _Fit:
             self.train_started = time.perf_counter()
             self._run_phases()
             self.history.info["train_seconds"] = time.perf_counter() - self.train_started
-            state = client.submit(
-                remote.replica_state_dict,
-                self.run_id,
-                workers=[workers[0]],
-                allow_other_workers=False,
-                pure=False,
-                key=f"weights@replica0-{self.run_id}",
-            ).result()
+            state = self._surviving(self.last_phase, self._final_weights)
         except BaseException:
             _quietly(lambda: client.run(remote.abort_run, self.run_id, workers=self.workers))
             raise
         finally:
+            self.in_flight = []  # release the fit's futures (and their results) now
             _quietly(lambda: client.run(remote.close_run, self.run_id, workers=self.workers))
         self.history.info["fit_seconds"] = time.perf_counter() - started
         model = build_model(self.trainer.model_factory, self.config.seed)
@@ -562,21 +592,38 @@ class _Fit:
             print(result.summary())
         return result
 
+    def _final_weights(self) -> dict[str, Any]:
+        [state] = self._gather(
+            [
+                self._submit(
+                    remote.replica_state_dict,
+                    0,
+                    key=f"weights@replica0-{self.run_id}{self._generation_tag()}",
+                )
+            ]
+        )
+        return state
+
     def _rendezvous(self, world: int, generation: int) -> tuple[Any, Any]:
         """Rank 0's worker opens the store the group ``generation`` forms at."""
         if world == 1:
             return None, None
-        return self.client.submit(
-            remote.open_rendezvous,
-            self.run_id,
-            world,
-            self.config.collective_timeout_s,
-            generation,
-            workers=[self.workers[0]],
-            allow_other_workers=False,
-            pure=False,
-            key=f"rendezvous-{self.run_id}-g{generation}",
-        ).result()
+        [address] = self._gather(
+            [
+                self.client.submit(
+                    remote.open_rendezvous,
+                    self.run_id,
+                    world,
+                    self.config.collective_timeout_s,
+                    generation,
+                    workers=[self.workers[0]],
+                    allow_other_workers=False,
+                    pure=False,
+                    key=f"rendezvous-{self.run_id}-g{generation}",
+                )
+            ]
+        )
+        return address
 
     def _setup_replicas(
         self,
@@ -610,21 +657,20 @@ class _Fit:
         bring every worker that joined the client into the fit (new process group, rank 0's
         weights and optimizer state). Replicas keep their ranks; new ones come after."""
         config = self.config
-        if config.replicas is not None or not config.elastic:
-            return
-        if isinstance(config.max_micro_batch, tuple):  # per-replica caps: a fixed set
-            return
+        if not config.elastic or isinstance(config.max_micro_batch, tuple):
+            return  # per-replica caps: a fixed set of replicas
+        # A fixed replica count is a target: workers replace lost ones up to it.
+        limit = config.replicas if config.replicas is not None else config.max_workers
         if config.scale_with_batch:
             self._request_workers(phase)
         available = self._available_workers()
         joined = [a for a in available if a not in self.workers]
-        if config.max_workers is not None:
-            joined = joined[: max(0, config.max_workers - len(self.workers))]
+        if limit is not None:
+            joined = joined[: max(0, limit - len(self.workers))]
         if not joined:
             return
         client, old = self.client, len(self.workers)
-        if not all(client.run(remote.has_plugin, workers=joined).values()):
-            client.register_plugin(DataflowWorkerPlugin(), name="dataflow")
+        client.run(remote.ensure_plugin, workers=joined)
         self.generation += 1
         world = old + len(joined)
         snapshot = self._submit(
@@ -651,8 +697,15 @@ class _Fit:
         setups = self._setup_replicas(
             list(enumerate(joined, start=old)), world, host, port, self.generation, snapshot
         )
-        infos = client.gather(setups)
-        client.gather(regroups)
+        try:
+            infos = self._gather(setups)
+            self._gather(regroups)
+        except WorkersLost as lost:
+            # Back to the replicas from before; the joiners are tried again afterwards.
+            joined_alive = [a for a in joined if a not in lost.workers]
+            _quietly(lambda: client.run(remote.close_run, self.run_id, workers=joined_alive))
+            self.workers = self.workers[:old]
+            raise WorkersLost([a for a in lost.workers if a in self.workers]) from None
         self.last_futures = regroups + setups
         self.history.info["workers"] += infos
         self.history.info["replicas"] = world
@@ -689,7 +742,7 @@ class _Fit:
         self.history.info.setdefault("scaling", []).append(scaling)
 
     def _submit(self, fn: Any, rank: int, *args: Any, key: str) -> Any:
-        return self.client.submit(
+        future = self.client.submit(
             fn,
             self.run_id,
             *args,
@@ -698,37 +751,20 @@ class _Fit:
             pure=False,
             key=key,
         )
+        self.in_flight.append((future, self.workers[rank]))  # what a recovery must stop
+        return future
 
     def _run_phases(self) -> None:
         epoch, previous, index, measurement = self.start
-        step_seconds: float | None = None
-        world = len(self.workers)
+        self.step_seconds: float | None = None
         while epoch < self.epochs:
             phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
+            self.in_flight = []
             if previous is not None:
-                self._grow(phase)
-                world = len(self.workers)
-            measured = [p["samples_per_second"] for p in self.history.phases]
-            steps = self.trainer._phase_steps(phase, world, index, measured)
+                self._surviving(phase, self._grow, phase)
+            steps = self.trainer._phase_steps(phase, len(self.workers), index, self._measured())
             phase_started = time.perf_counter()
-            context = PhaseContext(
-                index=phase.index,
-                steps=steps,
-                lr=phase.lr,
-                lr_scale=phase.lr_scale,
-                warmup_steps=phase.warmup_steps,
-                measure_noise=self.trainer.measures_noise,
-            )
-            self.last_futures = [
-                self._submit(
-                    remote.begin_phase,
-                    r,
-                    context,
-                    key=f"begin-phase@replica{r}-{self.run_id}-p{phase.index}",
-                )
-                for r in range(world)
-            ]
-            results: list[list[Any]] = [[] for _ in range(world)]
+            results: list[list[Any]] = [[] for _ in self.workers]
             bar = tqdm(
                 total=len(steps),
                 desc=f"phase {phase.index} (B={phase.global_batch})",
@@ -736,50 +772,40 @@ class _Fit:
                 disable=not self.config.progress,
                 dynamic_ncols=True,
             )
+            # A lost worker ends a segment: the survivors roll back to the last committed
+            # window and the phase's remaining steps are split over them.
+            segment, todo, continued = steps, steps, False
             try:
-                done = 0
-                if step_seconds is None:  # measure before fusing steps into windows
-                    calibration = Plan.build(
-                        self.order, phase, steps[:CALIBRATION_STEPS], world, tag="calibrate"
-                    )
-                    self._run_plan(calibration, results, bar)
-                    done = len(calibration.steps)
-                    step_seconds = self._measured_step_seconds(results)
-                if done < len(steps):
-                    plan = Plan.build(
-                        self.order,
-                        phase,
-                        steps[done:],
-                        world,
-                        step_seconds=step_seconds,
-                        window_seconds=self.config.window_seconds,
-                        tag="train",
-                    )
-                    if self.config.progress:
-                        bar.write(str(plan).splitlines()[0])
-                    self._run_plan(plan, results, bar)
-                step_seconds = self._measured_step_seconds(results)
+                while True:
+                    try:
+                        if todo:
+                            self._run_segment(phase, todo, results, bar, continued)
+                        ends = self._gather(
+                            [
+                                self._submit(
+                                    remote.end_phase,
+                                    r,
+                                    self.last_futures[r],
+                                    key=f"end-phase@replica{r}-{self.run_id}-p{phase.index}"
+                                    f"{self._generation_tag()}",
+                                )
+                                for r in range(len(self.workers))
+                            ]
+                        )
+                        break
+                    except WorkersLost as lost:
+                        todo = self._recover(lost, phase, segment, results)
+                        segment, continued = todo or segment, True
             finally:
                 bar.close()
-            ends = self.client.gather(
-                [
-                    self._submit(
-                        remote.end_phase,
-                        r,
-                        self.last_futures[r],
-                        key=f"end-phase@replica{r}-{self.run_id}-p{phase.index}",
-                    )
-                    for r in range(world)
-                ]
-            )
             digests = {end["weights_digest"] for end in ends}
             if len(digests) != 1:
                 raise ReplicaError(
                     f"replica weights diverged after phase {phase.index}: digests {digests}"
                 )
-            self._record_consumed(steps, ends)
+            self._check_epochs_complete(steps)
             self._track_noise(ends)
-            self._record_phase(phase, steps, results, ends, time.perf_counter() - phase_started)
+            self._record_phase(phase, segment, results, ends, time.perf_counter() - phase_started)
             measurement = PhaseMeasurement(
                 noise_scale=self.noise.noise_scale,
                 gradient_sq=self.noise.gradient_sq,
@@ -788,8 +814,199 @@ class _Fit:
                 steps=len(steps),
             )
             if self.store is not None:
-                self._save_checkpoint(phase, index + len(steps), measurement)
+                self._surviving(
+                    phase, self._save_checkpoint, phase, index + len(steps), measurement
+                )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+            self.last_phase = phase
+
+    def _measured(self) -> list[list[float]]:
+        """Per past phase, the samples/s of each replica of the current set (the balancer's
+        input); after a lost worker, replica r may be a different process than before."""
+        return [p["samples_per_second"] for p in self.history.phases]
+
+    def _generation_tag(self) -> str:
+        return f"-g{self.generation}" if self.generation else ""
+
+    def _run_segment(
+        self,
+        phase: PhaseSpec,
+        steps: tuple,
+        results: list[list[Any]],
+        bar: Any,
+        continued: bool,
+    ) -> None:
+        """Run ``steps`` of ``phase`` on the current replicas, window by window."""
+        world, tag = len(self.workers), self._generation_tag()
+        self.committed_step = steps[0].index
+        context = PhaseContext(
+            index=phase.index,
+            steps=steps,
+            lr=phase.lr,
+            lr_scale=phase.lr_scale,
+            warmup_steps=phase.warmup_steps,
+            measure_noise=self.trainer.measures_noise,
+            continued=continued,
+        )
+        self.last_futures = [
+            self._submit(
+                remote.begin_phase,
+                r,
+                context,
+                self.last_futures[r],
+                key=f"begin-phase@replica{r}-{self.run_id}-p{phase.index}{tag}",
+            )
+            for r in range(world)
+        ]
+        done = 0
+        if self.step_seconds is None:  # measure before fusing steps into windows
+            calibration = Plan.build(
+                self.order,
+                phase,
+                steps[:CALIBRATION_STEPS],
+                world,
+                tag=f"calibrate-{self.run_id}{tag}",
+            )
+            self._run_plan(calibration, results, bar)
+            done = len(calibration.steps)
+            self.step_seconds = self._measured_step_seconds(results)
+        if done < len(steps):
+            plan = Plan.build(
+                self.order,
+                phase,
+                steps[done:],
+                world,
+                step_seconds=self.step_seconds,
+                window_seconds=self.config.window_seconds,
+                tag=f"train-{self.run_id}{tag}",
+            )
+            if self.config.progress:
+                bar.write(str(plan).splitlines()[0])
+            self._run_plan(plan, results, bar)
+        self.step_seconds = self._measured_step_seconds(results)
+
+    # -- lost workers -------------------------------------------------------------------
+    def _lost_workers(self) -> list[str]:
+        """The fit's workers the scheduler no longer has (dead, or restarted by a nanny
+        under a new address)."""
+        alive = self.client.scheduler_info(n_workers=-1)["workers"]
+        return [a for a in self.workers if a not in alive]
+
+    def _gather(self, futures: list[Any]) -> list[Any]:
+        """``client.gather`` that cannot hang on a dead worker: a task pinned to a worker
+        that is gone never runs, so the workers are watched while waiting."""
+        pending = list(futures)
+        while pending:
+            done, pending = _wait_some(pending)
+            if any(f.status == "error" for f in done) or pending:
+                self._raise_if_lost(grace=any(f.status == "error" for f in done))
+        return [self._result(f) for f in futures]
+
+    def _result(self, future: Any) -> Any:
+        """``future.result()``, watching the workers: a result held by a worker that died
+        is recomputed by Dask, on that (pinned, gone) worker, i.e. never."""
+        while True:
+            try:
+                return future.result(timeout=LIVENESS_POLL_S)
+            except TimeoutError:
+                self._raise_if_lost()
+
+    def _raise_if_lost(self, grace: bool = False) -> None:
+        """Raise :class:`WorkersLost` if a worker of the fit is gone. With ``grace`` (a task
+        just failed, maybe because a peer died) wait a little for the scheduler to notice."""
+        deadline = time.monotonic() + (FAILURE_GRACE_S if grace else 0.0)
+        while True:
+            lost = self._lost_workers() if self.config.recover_lost_workers else []
+            if lost:
+                raise WorkersLost(lost)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def _recover(
+        self, lost: WorkersLost, phase: PhaseSpec, segment: tuple, results: list[list[Any]]
+    ) -> tuple:
+        """Go on without the lost workers: stop what runs, roll the survivors back to the
+        last committed window, form a new process group on them, and split the phase's
+        remaining steps over them. Returns those steps."""
+        detected = time.time()
+        survivors = [(r, a) for r, a in enumerate(self.workers) if a not in lost.workers]
+        record = {
+            "phase": getattr(phase, "index", None),
+            "lost": list(lost.workers),
+            "detected_at": detected,
+            "commit_step": self.committed_step,
+            "replicas_before": len(self.workers),
+            "replicas_after": len(survivors),
+        }
+        self.history.info.setdefault("failures", []).append(record)
+        if self.config.progress:
+            print(
+                f"dataflow: lost worker(s) {', '.join(lost.workers)}; rolling back to step "
+                f"{self.committed_step} on {len(survivors)} replica(s)"
+            )
+        alive = [a for _, a in survivors]
+        if len(survivors) < self.config.min_workers:
+            self.workers = alive  # what the fit's clean-up talks to
+            raise WorkerLostError(
+                f"lost worker(s) {', '.join(lost.workers)} in phase {record['phase']}; "
+                f"{len(survivors)} remain but min_workers={self.config.min_workers}. The "
+                "last checkpoint (checkpoint_dir=...) is at the last phase boundary: "
+                "fit(..., resume=True) continues from it once workers are back"
+            )
+        # Stop the survivors' windows: leave the broken group (their blocked collectives
+        # fail), wait for what runs to end, and drop what was queued behind it.
+        _quietly(lambda: self.client.run(remote.abort_run, self.run_id, workers=alive))
+        running = [f for f, address in self.in_flight if address in alive and not f.done()]
+        _quietly(lambda: wait(running, timeout=self.config.collective_timeout_s))
+        self.client.cancel([f for f, _ in self.in_flight])
+        self.in_flight = []
+        self.workers = alive
+        self.generation += 1
+        world = len(alive)
+        host, port = self._rendezvous(world, self.generation)
+        futures = [
+            self._submit(
+                remote.recover_replica,
+                rank,
+                self.committed_step,
+                rank,
+                world,
+                host,
+                port,
+                self.generation,
+                key=f"recover@replica{rank}-{self.run_id}-g{self.generation}",
+            )
+            for rank in range(world)
+        ]
+        self._gather(futures)
+        self.last_futures = futures
+        results[:] = [results[old] for old, _ in survivors]
+        self.history.info["replicas"] = world
+        rest = resplit_steps(
+            segment,
+            self.committed_step,
+            split=lambda size: self.config.balancer.split(size, world, []),
+            micro_batches=self.trainer._micro_batches(world, after_loss=True),
+        )
+        # At most the window in progress is lost: its steps run again on the survivors.
+        in_progress = self.window_stops.get(self.committed_step, self.committed_step)
+        record.update(resumed_at=time.time(), window_steps_lost=in_progress - self.committed_step)
+        return rest
+
+    def _regroup_after_loss(self, lost: WorkersLost, phase: PhaseSpec) -> None:
+        """A loss between segments (a phase boundary): the survivors are all at the
+        commit; re-form their group so the next collective does not wait for the dead."""
+        self._recover(lost, phase, (), [[] for _ in self.workers])
+
+    def _surviving(self, phase: PhaseSpec | None, action: Any, *args: Any) -> Any:
+        """Run ``action(*args)`` (driver work that waits on replicas at a phase boundary)
+        again on the survivors if a worker is lost meanwhile."""
+        while True:
+            try:
+                return action(*args)
+            except WorkersLost as lost:
+                self._regroup_after_loss(lost, phase)
 
     def _track_noise(self, ends: list[dict]) -> None:
         """Feed the replicas' per-step gradient-norm pairs to the noise-scale tracker, in
@@ -801,12 +1018,9 @@ class _Fit:
         for index in sorted(by_step):
             self.noise.update(by_step[index])
 
-    def _record_consumed(self, steps: tuple, ends: list[dict]) -> None:
-        """Fold each replica's consumed indices into the ledger, which refuses a repeat;
-        then check each epoch trained on exactly the samples the plan gave it."""
-        for rank, end in enumerate(ends):
-            for epoch, indices in end.get("consumed", {}).items():
-                self.ledger.record(epoch, rank, indices)
+    def _check_epochs_complete(self, steps: tuple) -> None:
+        """Each epoch of the phase trained on exactly the samples the plan gave it (the
+        ledger, filled window by window, refused any repeat already)."""
         planned: dict[int, int] = defaultdict(int)
         for spec in steps:
             planned[spec.epoch] += spec.global_batch
@@ -833,6 +1047,7 @@ class _Fit:
             window = task.window
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
+            self.window_stops[first] = stop
             future = self._submit(
                 remote.run_window,
                 task.replica,
@@ -845,6 +1060,8 @@ class _Fit:
             futures[future] = (task.replica, window.index)
         try:
             self._collect(plan, futures, results, bar)
+        except WorkersLost:
+            raise  # the recovery stops the survivors' windows in order
         except BaseException:
             self.client.cancel(list(futures))
             raise
@@ -852,14 +1069,22 @@ class _Fit:
     def _collect(
         self, plan: Plan, futures: dict[Any, tuple[int, int]], results: list[list[Any]], bar: Any
     ) -> None:
-        """Fold window results into the history in step order, as they arrive."""
+        """Fold window results into the history in step order, as they arrive, while
+        watching the workers (a task pinned to a dead worker would wait forever)."""
         pending: dict[int, dict[int, Any]] = defaultdict(dict)
         next_window = 0
-        for future in as_completed(list(futures)):
-            rank, window_index = futures[future]
-            if future.status == "error":
-                raise self._root_cause(futures)
-            pending[window_index][rank] = future.result()
+        waiting = list(futures)
+        while waiting:
+            done, waiting = _wait_some(waiting)
+            if not done:
+                self._raise_if_lost()
+                continue
+            for future in done:
+                rank, window_index = futures[future]
+                if future.status != "finished":
+                    self._raise_if_lost(grace=True)
+                    raise self._root_cause(futures)
+                pending[window_index][rank] = self._result(future)
             while len(pending.get(next_window, {})) == plan.replicas:
                 window_results = pending.pop(next_window)
                 for r in range(plan.replicas):
@@ -906,6 +1131,10 @@ class _Fit:
                     "time": time.perf_counter() - self.train_started,
                 }
             )
+            for rank, w in enumerate(window):  # the window is committed: its samples count
+                if w.sample_indices and w.sample_indices[i] is not None:
+                    self.ledger.record(spec.epoch, rank, w.sample_indices[i])
+            self.committed_step = spec.index + 1
             self.samples_seen += total
             if math.isfinite(loss):  # a dropped non-finite step does not poison the mean
                 self.epoch_loss_sum += loss * total
@@ -995,6 +1224,16 @@ def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
     error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _wait_some(futures: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The futures done within ``LIVENESS_POLL_S`` (maybe none), and the others."""
+    try:
+        wait(futures, timeout=LIVENESS_POLL_S, return_when="FIRST_COMPLETED")
+    except TimeoutError:  # distributed.wait raises where concurrent.futures returns
+        pass
+    done = [f for f in futures if f.done()]
+    return done, [f for f in futures if not f.done()]
 
 
 def _json_plain(value: Any) -> Any:

@@ -1,12 +1,13 @@
 """Data sources for the Load stage: in-memory arrays and zarr stores."""
 
 from dataflow.io.array_source import ArraySource
-from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader
 from dataflow.io.ledger import SampleLedger
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sampler import steps_per_epoch
 from dataflow.io.sharding import (
     chunk_sizes,
+    continued_streams,
     replica_epochs,
     replica_streams,
     shard_epoch,
@@ -18,12 +19,14 @@ from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
 
 __all__ = [
     "ArraySource",
+    "BatchBuffers",
     "EpochChunkReader",
     "Prefetcher",
     "SampleLedger",
     "VariableNotFoundError",
     "ZarrSource",
     "chunk_sizes",
+    "continued_streams",
     "replica_epochs",
     "replica_streams",
     "shard_epoch",

@@ -93,6 +93,41 @@ def source_chunk_sizes(source: object) -> list[int]:
     return chunk_sizes(source.num_samples, getattr(source, "chunk_samples", 1))
 
 
+def continued_streams(
+    streams: Sequence[np.ndarray],
+    earlier_splits: Sequence[tuple[Sequence[int], Sequence[int]]],
+    wanted: Sequence[int],
+) -> list[np.ndarray]:
+    """An epoch re-split mid-way: what is left of each replica's stream under each
+    earlier split (``(given, consumed)`` per replica), concatenated in replica order,
+    cut into consecutive segments of ``wanted`` samples.
+
+    ``streams`` are the epoch's streams under the first split. Concatenating the
+    remainders keeps each chunk's samples together, and no sample is given twice:
+    the remainders are disjoint and the consumed prefixes are left out.
+    """
+    current = [np.asarray(s, dtype=np.int64) for s in streams]
+    for level, (given, consumed) in enumerate(earlier_splits):
+        lengths = [len(s) for s in current]
+        if list(given) != lengths or any(
+            not 0 <= c <= n for c, n in zip(consumed, lengths, strict=True)
+        ):
+            raise ConfigError(
+                f"continued_streams: split {level} gave {list(given)} and consumed "
+                f"{list(consumed)}, but the streams hold {lengths} samples"
+            )
+        rest = np.concatenate([s[c:] for s, c in zip(current, consumed, strict=True)])
+        sizes = list(earlier_splits[level + 1][0]) if level + 1 < len(earlier_splits) else wanted
+        if sum(sizes) > len(rest):
+            raise ConfigError(
+                f"continued_streams: {len(rest)} samples left in the epoch, the next split "
+                f"wants {list(sizes)}"
+            )
+        bounds = np.cumsum([0, *sizes])
+        current = [rest[a:b] for a, b in itertools.pairwise(bounds)]
+    return current
+
+
 def replica_epochs(
     steps: Sequence[StepSpec],
     *,
@@ -101,19 +136,25 @@ def replica_epochs(
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
 ) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
-    """Per epoch of ``steps`` (whole epochs, in order): the epoch, its steps, and for
-    every step every replica's sample indices (``parts[step][replica]``).
+    """Per epoch of ``steps`` (whole epochs, or the rest of an epoch after a re-split,
+    in order): the epoch, its steps, and for every step every replica's sample
+    indices (``parts[step][replica]``).
 
     Replica ``r`` takes the next ``local_batches[r]`` samples of its epoch stream at
     each step, so batches have exactly the planned sizes across chunk boundaries.
     """
-    for epoch, group in itertools.groupby(steps, key=lambda spec: spec.epoch):
+    for (epoch, earlier), group in itertools.groupby(
+        steps, key=lambda spec: (spec.epoch, spec.earlier_splits)
+    ):
         epoch_steps = list(group)
         width = len(epoch_steps[0].local_batches)
         wanted = [sum(spec.local_batches[r] for spec in epoch_steps) for r in range(width)]
+        first = list(earlier[0][0]) if earlier else wanted
         streams = shard_epoch(
-            sizes, wanted, seed=seed, epoch=epoch, shuffle=shuffle, buffer_chunks=buffer_chunks
+            sizes, first, seed=seed, epoch=epoch, shuffle=shuffle, buffer_chunks=buffer_chunks
         )
+        if earlier:
+            streams = continued_streams(streams, earlier, wanted)
         position = [0] * width
         parts = []
         for spec in epoch_steps:

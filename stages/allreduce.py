@@ -55,7 +55,10 @@ class AllReduce(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._measure = phase.measure_noise
-        self._norm_pairs: list[tuple[int, float, float, float, float]] = []
+        kept = []  # a continued phase keeps the pairs of the steps before the commit
+        if phase.continued and phase.steps:
+            kept = [p for p in getattr(self, "_norm_pairs", []) if p[0] < phase.steps[0].index]
+        self._norm_pairs: list[tuple[int, float, float, float, float]] = kept
         if self._reducer is not None:
             self._reducer.measure = phase.measure_noise
 

@@ -93,6 +93,10 @@ class StepSpec:
     local_batches: tuple[int, ...]
     last_in_epoch: bool
     micro_batches: tuple[int, ...] = ()  # per replica, micro-batches per step (() = all 1)
+    # The epoch was re-split mid-way (a lost worker): for each earlier split, the samples
+    # each replica was given and had consumed; the rest of the epoch is cut anew
+    # (``io.sharding.continued_streams``). Empty for an epoch run under one split.
+    earlier_splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
     def micro_batches_of(self, rank: int) -> int:
         return self.micro_batches[rank] if self.micro_batches else 1
@@ -147,6 +151,9 @@ class PhaseContext:
     lr_scale: float = 1.0
     warmup_steps: int = 0
     measure_noise: bool = False  # record gradient norms for the noise-scale estimate
+    # The rest of a phase after a lost worker (``steps`` start at the commit, split over
+    # the survivors): stages keep their phase-level settings (LR ramp, statistics).
+    continued: bool = False
 
 
 class Stage:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from dataflow.errors import ConfigError
@@ -52,7 +51,7 @@ class Load(Stage):
     (zarr, dask) is read through :class:`dataflow.io.EpochChunkReader`, which decodes
     each chunk once per epoch, the new chunks of each batch in one concurrent request
     on a second thread that runs ahead. The indices of every batch trained on are
-    reported at the end of each phase, for the driver's sample ledger.
+    reported with each window's results, for the driver's sample ledger.
 
     Batches are assembled into output buffers that are reused (no fresh memory per
     batch), but only once nothing refers to a batch any more: stages downstream may
@@ -87,7 +86,6 @@ class Load(Stage):
     def setup(self, replica: ReplicaContext) -> None:
         self._replica = replica
         self._prefetcher: Prefetcher | None = None
-        self._consumed: dict[int, list[Any]] = {}
         self._readers = []
         self._buffers = BatchBuffers(
             keep=self.config.prefetch + BUFFER_SLACK, pin_memory=replica.device.type == "cuda"
@@ -142,7 +140,6 @@ class Load(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._close()
-        self._consumed = {}
         self._readers: list[EpochChunkReader] = []
         self._prefetcher = Prefetcher(
             self._stage, self._batches(phase.steps, replica.seed), depth=self.config.prefetch
@@ -152,7 +149,8 @@ class Load(Stage):
         index, batch = self._prefetcher.get()
         if index != step.spec.index:  # the plan and the loader disagree: never train on it
             raise RuntimeError(f"Load: expected step {step.spec.index}, loader produced {index}")
-        self._consumed.setdefault(step.spec.epoch, []).append(batch.indices)
+        # The driver records them in its sample ledger when the window is committed.
+        step.metrics["sample_indices"] = batch.indices
         return batch
 
     def _close(self) -> None:
@@ -161,16 +159,10 @@ class Load(Stage):
             self._prefetcher = None
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
-        """Report the sample indices consumed per epoch of the phase (the ledger's input)."""
+        """Report the chunks decoded and the most samples held at once in the phase."""
         self._close()
-        consumed = {
-            epoch: np.concatenate([np.asarray(i, dtype=np.int64) for i in parts])
-            for epoch, parts in self._consumed.items()
-        }
-        self._consumed = {}
         readers, self._readers = self._readers, []
         return {
-            "consumed": consumed,
             "chunks_decoded": sum(r.decoded for r in readers),
             "peak_buffered_samples": max((r.peak_live_samples for r in readers), default=0),
         }

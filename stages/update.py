@@ -81,6 +81,8 @@ class Update(Stage):
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
         ramped from the current LR over ``warmup_steps`` (set step by step in run)."""
         groups = replica.optimizer.param_groups
+        if phase.continued and getattr(self, "_phase", None) == phase.index:
+            return  # the LR ramp goes on from the phase's start, as without the failure
         self._start_lrs = [group["lr"] for group in groups]
         if phase.lr is not None:
             self._target_lrs = [phase.lr] * len(groups)

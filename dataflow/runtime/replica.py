@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class ReplicaSpec:
     freeze_gc: bool = True
     pause_dask_profiler: bool = True
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
+    commit_windows: bool = True  # keep the state at each window's start, to roll back to
 
 
 @dataclass
@@ -63,6 +65,7 @@ class WindowResult:
     stage_seconds: dict[str, float]
     task_seconds: float
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
+    sample_indices: list[Any] = field(default_factory=list)  # per step: what Load read
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:
@@ -100,6 +103,14 @@ class ReplicaRuntime:
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}
+        # In-memory commits: the state at the start of the last windows, by first step.
+        # After a lost worker the driver rolls every survivor back to the last step all
+        # replicas finished, which is the start of a window this replica began.
+        self.commits: dict[int, dict[str, Any]] = {}
+        self.completed_step: int | None = None  # the step after the last finished window
+        self.in_window = False  # a window started and did not finish: the state is partial
+        # Held while a window runs: a survivor's rollback waits for its aborted window.
+        self.lock = threading.Lock()
         for name in self.order:
             self.stages[name].setup(self.context)
 
@@ -109,9 +120,16 @@ class ReplicaRuntime:
             self.stages[name].begin_phase(self.context, phase)
 
     def run_window(self, first_step: int, stop_step: int) -> WindowResult:
+        with self.lock:
+            return self._run_window(first_step, stop_step)
+
+    def _run_window(self, first_step: int, stop_step: int) -> WindowResult:
         started = time.perf_counter()
+        if self.spec.commit_windows:
+            self.commit(first_step)
+        self.in_window = True
         stage_seconds = dict.fromkeys(self.order, 0.0)
-        samples, losses, seconds = [], [], []
+        samples, losses, seconds, indices = [], [], [], []
         evals: dict[int, dict[str, float]] = {}
         rank = self.context.rank
         for index in range(first_step, stop_step):
@@ -136,8 +154,10 @@ class ReplicaRuntime:
             seconds.append(time.perf_counter() - step_start)
             samples.append(spec.local_batches[rank])
             losses.append(step.metrics.get("loss"))
+            indices.append(step.metrics.get("sample_indices"))
             if "eval" in step.metrics:
                 evals[index] = step.metrics["eval"]
+        self.in_window, self.completed_step = False, stop_step
         return WindowResult(
             rank=rank,
             first_step=first_step,
@@ -147,7 +167,48 @@ class ReplicaRuntime:
             stage_seconds=stage_seconds,
             task_seconds=time.perf_counter() - started,
             evals=evals,
+            sample_indices=indices,
         )
+
+    def commit(self, step: int, keep: int = 2) -> None:
+        """Keep the state before ``step`` (weights, optimizer, random state) in host
+        memory; the last ``keep`` of them, since a peer may die after finishing a
+        window whose result the driver never received."""
+        from dataflow.checkpoint import capture_rng
+
+        optimizer = self.context.optimizer
+        self.commits[step] = {
+            "model": {} if self.context.model is None else self.state_dict(),  # a host copy
+            "optimizer": None if optimizer is None else _host_copy(optimizer.state_dict()),
+            "rng": capture_rng(),
+        }
+        for old in sorted(self.commits)[:-keep]:
+            del self.commits[old]
+
+    def rollback(self, step: int) -> None:
+        """Return to the state before ``step``: the last commit all replicas share."""
+        from dataflow.checkpoint import restore_rng
+
+        if not self.in_window and self.completed_step == step:
+            return  # finished exactly there: the state is the commit
+        if step not in self.commits:
+            raise RuntimeError(
+                f"replica {self.context.rank} cannot roll back to step {step}: it holds "
+                f"commits {sorted(self.commits)} and finished step "
+                f"{self.completed_step}"
+            )
+        commit = self.commits[step]
+        # A copy: the optimizer adopts host tensors as they are, and must not update
+        # the commit in place (a second failure may roll back to it again).
+        self.load_snapshot(_host_copy(commit))
+        restore_rng(commit["rng"])
+        # The aborted step may have left local gradients behind: the replay must not add
+        # to them (Backward accumulates).
+        if self.context.optimizer is not None:
+            self.context.optimizer.zero_grad()
+        elif self.context.model is not None:
+            self.context.model.zero_grad()
+        self.in_window, self.completed_step = False, step
 
     def _run_stage(
         self, step: StepContext, name: str, values: dict[str, Any], stage_seconds: dict
@@ -285,6 +346,17 @@ def micro_batch_sizes(size: int, count: int) -> list[int]:
     return [base + (1 if k < extra else 0) for k in range(count)]
 
 
+def _host_copy(value: Any) -> Any:
+    """A copy in host memory of nested dicts/lists of tensors (a state dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _host_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copy(v) for v in value)
+    return value
+
+
 def _to_floats(values: list[Any]) -> list[float | None]:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
@@ -322,7 +394,13 @@ def open_rendezvous(
 
 
 def _join_group(
-    spec: ReplicaSpec, rank: int, world_size: int, host: Any, port: Any, generation: int
+    spec: ReplicaSpec,
+    rank: int,
+    world_size: int,
+    host: Any,
+    port: Any,
+    generation: int,
+    device: torch.device,
 ) -> Collective | None:
     if world_size == 1:
         return None
@@ -335,7 +413,7 @@ def _join_group(
         store,
         rank=rank,
         world_size=world_size,
-        device=resolve_device(spec.device, rank),
+        device=device,
         host=worker_host(),
         timeout_s=spec.collective_timeout_s,
         prefix=key,
@@ -364,7 +442,8 @@ def setup_replica(
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
     malloc_relaxed = spec.relax_malloc and needs_relaxing() and relax_malloc()
-    collective = _join_group(spec, rank, world_size, host, port, generation)
+    device = resolve_device(spec.device, rank)
+    collective = _join_group(spec, rank, world_size, host, port, generation, device)
     runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
     if snapshot is not None:
         runtime.load_snapshot(snapshot)
@@ -398,9 +477,34 @@ def regroup_replica(
     """An existing replica joins the fit's new, larger process group (same rank)."""
     runtime = current_plugin().replica(run_id)
     rank = runtime.context.rank
-    collective = _join_group(runtime.spec, rank, world_size, host, port, generation)
+    collective = _join_group(
+        runtime.spec, rank, world_size, host, port, generation, runtime.context.device
+    )
     runtime.regroup(collective, world_size)
     return rank
+
+
+def recover_replica(
+    run_id: str,
+    commit_step: int,
+    rank: int,
+    world_size: int,
+    host: str | None,
+    port: int | None,
+    generation: int,
+) -> dict[str, Any]:
+    """A survivor of a lost worker: back to the commit before ``commit_step``, then into
+    the new process group of the survivors under its new ``rank``."""
+    runtime = current_plugin().replica(run_id)
+    runtime.abort()  # the old group lost a member: leave it (idempotent)
+    with runtime.lock:  # an aborted window still running here ends at its next collective
+        runtime.rollback(commit_step)
+    runtime.context.rank = rank
+    collective = _join_group(
+        runtime.spec, rank, world_size, host, port, generation, runtime.context.device
+    )
+    runtime.regroup(collective, world_size)
+    return {"rank": rank, "worker": current_plugin().worker.address}
 
 
 def replica_rng(run_id: str, after: Any = None) -> dict[str, Any]:
@@ -424,7 +528,7 @@ def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
     return current_plugin().replica(run_id).snapshot()
 
 
-def begin_phase(run_id: str, phase: PhaseContext) -> int:
+def begin_phase(run_id: str, phase: PhaseContext, after: Any = None) -> int:
     current_plugin().replica(run_id).begin_phase(phase)
     return phase.index
 
@@ -457,3 +561,17 @@ def close_run(run_id: str, dask_worker: Any = None) -> None:
 
 def has_plugin(dask_worker: Any = None) -> bool:
     return "dataflow" in dask_worker.plugins
+
+
+def ensure_plugin(dask_worker: Any = None) -> bool:
+    """Via ``client.run``: install the worker plugin where it is missing. Unlike
+    ``client.register_plugin`` this never replaces a plugin that holds other replicas
+    (re-registering tears the old instance down)."""
+    from dataflow.runtime.plugin import PLUGIN_NAME, DataflowWorkerPlugin
+
+    if PLUGIN_NAME in dask_worker.plugins:
+        return False
+    plugin = DataflowWorkerPlugin()
+    plugin.setup(dask_worker)
+    dask_worker.plugins[PLUGIN_NAME] = plugin
+    return True
