@@ -162,8 +162,13 @@ class Fixed:
                 f"Fixed(batch_size={self.batch_size}): batch_size must be a positive number "
                 "of samples per global step, e.g. Fixed(batch_size=64)"
             )
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"Fixed(lr={self.lr}): lr must be > 0 or None")
+        if self.lr is not None and (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, int | float)
+            or not math.isfinite(self.lr)
+            or not self.lr > 0
+        ):
+            raise ConfigError(f"Fixed(lr={self.lr!r}): lr must be a number > 0, or None")
         if self.epochs_per_phase is not None:
             _positive_int("Fixed", "epochs_per_phase", self.epochs_per_phase)
 
@@ -235,8 +240,13 @@ class Stepwise:
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps!r}): must be an int >= 0")
         if self.warmup_steps < 0:
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps}): must be >= 0")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"Stepwise(lr={self.lr}): lr must be > 0 or None")
+        if self.lr is not None and (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, int | float)
+            or not math.isfinite(self.lr)
+            or not self.lr > 0
+        ):
+            raise ConfigError(f"Stepwise(lr={self.lr!r}): lr must be a number > 0, or None")
 
     def next_phase(
         self,

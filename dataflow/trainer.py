@@ -55,6 +55,7 @@ from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
 from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
+from dataflow.stages.evaluate import bind_evaluations
 from dataflow.stages.forward import build_model
 
 CALIBRATION_STEPS = 2
@@ -113,6 +114,21 @@ class TrainerConfig:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
+        for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.threads_per_replica is not None and (
+            isinstance(self.threads_per_replica, bool)
+            or not isinstance(self.threads_per_replica, int)
+        ):
+            raise ConfigError(
+                f"threads_per_replica must be an int >= 1 or None, got {self.threads_per_replica!r}"
+            )
         if not self.window_seconds > 0:
             raise ConfigError(
                 f"window_seconds must be > 0 (seconds of work per Dask task), got "
@@ -171,10 +187,11 @@ class TrainerConfig:
             )
         if not self.scale_timeout_s > 0:
             raise ConfigError(f"scale_timeout_s must be > 0, got {self.scale_timeout_s}")
-        if not isinstance(self.balancer, Balancer):
+        if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
             raise ConfigError(
-                f"balancer must have a split(global_batch, replicas) method, got "
-                f"{type(self.balancer).__name__}"
+                f"balancer must be a dataflow.balance balancer such as "
+                f"dataflow.balance.Throughput() or Even(), got {type(self.balancer).__name__} "
+                f"{self.balancer!r}"
             )
 
 
@@ -196,6 +213,7 @@ class Trainer:
             )
         self.graph = graph
         self.schedule = schedule
+        bind_evaluations(graph)  # Evaluate applies the graph's deterministic transforms
         _check_options(config)
         self.config = TrainerConfig(**config)
         loads = [s for s in graph if isinstance(s, Load)]
@@ -221,7 +239,9 @@ class Trainer:
     ) -> PhaseSpec:
         """Ask the schedule for the next phase; only schedules that measure the gradient
         noise (``measures_noise``) are given the measurement."""
-        extra = {"measured": measured} if self.measures_noise else {}
+        extra: dict[str, Any] = {"measured": measured} if self.measures_noise else {}
+        if getattr(self.schedule, "needs_epoch_size", False):  # phases of N steps
+            extra.update(num_samples=self.source.num_samples, drop_last=self.drop_last)
         return self.schedule.next_phase(
             start_epoch=start_epoch, total_epochs=total_epochs, previous=previous, **extra
         )
@@ -812,6 +832,7 @@ class _Fit:
                 trace_cov=self.noise.trace_cov,
                 samples_per_second=sum(self.history.phases[-1]["samples_per_second"]),
                 steps=len(steps),
+                measured_steps=self.noise.steps,
             )
             if self.store is not None:
                 self._surviving(

@@ -30,6 +30,11 @@ class LoadConfig:
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS  # shuffle buffer, in chunks of the source
 
     def __post_init__(self) -> None:
+        if not isinstance(self.drop_last, bool):
+            raise ConfigError(
+                f"Load(drop_last={self.drop_last!r}): must be True or False (True drops an "
+                "epoch's last batch when it is short)"
+            )
         if not isinstance(self.buffer_chunks, int) or self.buffer_chunks < 1:
             raise ConfigError(
                 f"Load(buffer_chunks={self.buffer_chunks!r}): the shuffle buffer mixes samples "

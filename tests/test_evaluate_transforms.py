@@ -147,11 +147,6 @@ def test_fit_evaluates_on_transformed_held_out_data(client):
     assert result.history.epochs[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer.__init__ does not call stages.evaluate.bind_evaluations(graph) yet; "
-    "remove this mark when it does",
-)
 def test_pipeline_evaluates_with_its_transforms(client):
     """``Pipeline(transforms=..., eval_source=...)``: evaluation uses Log1p/Standardize."""
     x, y = positive_data(96)
