@@ -549,7 +549,6 @@ class _Fit:
         world = len(workers)
         order = self.trainer.graph.validate(replicas=world)
         self.order = order
-        client.run(remote.ensure_plugin, workers=workers)
         spec = remote.ReplicaSpec(
             run_id=self.run_id,
             graph=self.trainer.graph,
@@ -566,9 +565,11 @@ class _Fit:
         )
         started = time.perf_counter()
         try:
-            [self.spec_future] = client.scatter([spec], broadcast=True, workers=workers, hash=False)
-            host, port = self._rendezvous(world, generation=0)
-            setups = self._setup_replicas(list(enumerate(workers)), world, host, port, 0, None)
+            self.spec = spec
+            self._scatter_spec(workers)
+            self.generation = 0
+            infos = self._start_replicas()
+            world = len(self.workers)
             self.history.info = {
                 "run_id": self.run_id,
                 "epochs": self.epochs,
@@ -576,11 +577,10 @@ class _Fit:
                 "seed": self.config.seed,
                 "stages": list(order),
                 "stage_kinds": {name: type(self.trainer.graph[name]).__name__ for name in order},
-                "workers": client.gather(setups),
+                "workers": infos,
                 "dashboard": client.dashboard_link,
                 "regroups": [],
             }
-            self.generation = 0
             self.last_futures: list[Any] = [None] * world
             # (future, worker) of the phase: what a lost worker's recovery must stop
             self.in_flight: list[tuple[Any, str]] = []
@@ -611,6 +611,39 @@ class _Fit:
         if self.config.progress:
             print(result.summary())
         return result
+
+    def _scatter_spec(self, workers: list[str]) -> None:
+        """Send the replica spec (graph, sources) once to ``workers``."""
+        try:
+            [self.spec_future] = self.client.scatter(
+                [self.spec], broadcast=True, workers=workers, hash=False
+            )
+        except Exception:
+            self._raise_if_lost()  # a worker died meanwhile: recover, send again
+            raise
+
+    def _start_replicas(self) -> list[dict[str, Any]]:
+        """Build every replica; a worker lost meanwhile is left out (a new group)."""
+        while True:
+            world = len(self.workers)
+            try:
+                host, port = self._rendezvous(world, self.generation)
+                setups = self._setup_replicas(
+                    list(enumerate(self.workers)), world, host, port, self.generation, None
+                )
+                return self._gather(setups)
+            except WorkersLost as lost:
+                alive = [a for a in self.workers if a not in lost.workers]
+                if len(alive) < self.config.min_workers or not alive:
+                    self.workers = alive
+                    raise WorkerLostError(
+                        f"lost worker(s) {', '.join(lost.workers)} while starting the fit; "
+                        f"{len(alive)} remain (min_workers={self.config.min_workers})"
+                    ) from None
+                _quietly(lambda a=alive: self.client.run(remote.close_run, self.run_id, workers=a))
+                self.workers = alive
+                self.generation += 1
+                self._scatter_spec(alive)
 
     def _final_weights(self) -> dict[str, Any]:
         [state] = self._gather(
@@ -676,64 +709,89 @@ class _Fit:
         """At a phase boundary: ask for workers if the batch outgrew the memory cap, then
         bring every worker that joined the client into the fit (new process group, rank 0's
         weights and optimizer state). Replicas keep their ranks; new ones come after."""
-        config = self.config
-        if not config.elastic or isinstance(config.max_micro_batch, tuple):
-            return  # per-replica caps: a fixed set of replicas
-        # A fixed replica count is a target: workers replace lost ones up to it.
-        limit = config.replicas if config.replicas is not None else config.max_workers
-        if config.scale_with_batch:
+        if self.config.scale_with_batch and self.config.elastic:
             self._request_workers(phase)
-        available = self._available_workers()
-        joined = [a for a in available if a not in self.workers]
-        if limit is not None:
-            joined = joined[: max(0, limit - len(self.workers))]
+        joined = self._joinable()
         if not joined:
             return
+        joined = self._form_group(joined, phase)
+        if self.config.progress:
+            print(
+                f"dataflow: {len(joined)} worker(s) joined; phase {phase.index} runs "
+                f"{len(self.workers)} replicas"
+            )
+
+    def _joinable(self) -> list[str]:
+        """Workers of the client not in the fit that it may take, in order."""
+        config = self.config
+        if not config.elastic or isinstance(config.max_micro_batch, tuple):
+            return []  # per-replica caps: a fixed set of replicas
+        # A fixed replica count is a target: workers replace lost ones up to it.
+        limit = config.replicas if config.replicas is not None else config.max_workers
+        joined = [a for a in self._available_workers() if a not in self.workers]
+        if limit is not None:
+            joined = joined[: max(0, limit - len(self.workers))]
+        return joined
+
+    def _form_group(self, joined: list[str], phase: PhaseSpec | None) -> list[str]:
+        """A new process group over the fit's replicas and ``joined`` (new ranks after
+        theirs): the replicas keep their state, the newcomers get rank 0's weights
+        (broadcast) and optimizer state (snapshot). Returns the workers that joined;
+        a loss meanwhile leaves the joiners out and raises :class:`WorkersLost`."""
         client, old = self.client, len(self.workers)
-        client.run(remote.ensure_plugin, workers=joined)
+        if joined:
+            # The spec again, to every worker of the new group: its first copies may
+            # have died with the workers that held them.
+            self._scatter_spec(self.workers + joined)
         self.generation += 1
         world = old + len(joined)
-        snapshot = self._submit(
-            remote.replica_snapshot,
-            0,
-            self.last_futures[0],
-            key=f"snapshot@replica0-{self.run_id}-g{self.generation}",
-        )
-        self.workers = self.workers + joined
-        host, port = self._rendezvous(world, self.generation)
-        regroups = [
-            self._submit(
-                remote.regroup_replica,
-                r,
-                world,
-                host,
-                port,
-                self.generation,
-                self.last_futures[r],
-                key=f"regroup@replica{r}-{self.run_id}-g{self.generation}",
+        snapshot = None
+        if joined:
+            snapshot = self._submit(
+                remote.replica_snapshot,
+                0,
+                self.last_futures[0],
+                key=f"snapshot@replica0-{self.run_id}-g{self.generation}",
             )
-            for r in range(old)
-        ]
-        setups = self._setup_replicas(
-            list(enumerate(joined, start=old)), world, host, port, self.generation, snapshot
-        )
+        self.workers = self.workers + joined
         try:
+            host, port = self._rendezvous(world, self.generation)
+            regroups = [
+                self._submit(
+                    remote.regroup_replica,
+                    r,
+                    world,
+                    host,
+                    port,
+                    self.generation,
+                    self.last_futures[r],
+                    key=f"regroup@replica{r}-{self.run_id}-g{self.generation}",
+                )
+                for r in range(old)
+            ]
+            setups = self._setup_replicas(
+                list(enumerate(joined, start=old)), world, host, port, self.generation, snapshot
+            )
             infos = self._gather(setups)
             self._gather(regroups)
         except WorkersLost as lost:
-            # Back to the replicas from before; the joiners are tried again afterwards.
+            # Back to the replicas from before; the joiners are tried again later.
             joined_alive = [a for a in joined if a not in lost.workers]
-            _quietly(lambda: client.run(remote.close_run, self.run_id, workers=joined_alive))
+            _quietly(
+                lambda: client.run(
+                    remote.close_run_soon, self.run_id, workers=joined_alive, wait=False
+                )
+            )
             self.workers = self.workers[:old]
             raise WorkersLost([a for a in lost.workers if a in self.workers]) from None
         self.last_futures = regroups + setups
-        self.history.info["workers"] += infos
         self.history.info["replicas"] = world
-        self.history.info["regroups"].append(
-            {"phase": phase.index, "replicas": world, "joined": joined}
-        )
-        if config.progress:
-            print(f"dataflow: {len(joined)} worker(s) joined; phase {phase.index} runs {world}")
+        if joined:
+            self.history.info["workers"] += infos
+            self.history.info["regroups"].append(
+                {"phase": getattr(phase, "index", None), "replicas": world, "joined": joined}
+            )
+        return joined
 
     def _available_workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -806,6 +864,7 @@ class _Fit:
                                     remote.end_phase,
                                     r,
                                     self.last_futures[r],
+                                    self.generation,
                                     key=f"end-phase@replica{r}-{self.run_id}-p{phase.index}"
                                     f"{self._generation_tag()}",
                                 )
@@ -875,6 +934,7 @@ class _Fit:
                 r,
                 context,
                 self.last_futures[r],
+                self.generation,
                 key=f"begin-phase@replica{r}-{self.run_id}-p{phase.index}{tag}",
             )
             for r in range(world)
@@ -947,6 +1007,16 @@ class _Fit:
     def _recover(
         self, lost: WorkersLost, phase: PhaseSpec, segment: tuple, results: list[list[Any]]
     ) -> tuple:
+        """:meth:`_recover_once`, again if more workers die while it runs."""
+        while True:
+            try:
+                return self._recover_once(lost, phase, segment, results)
+            except WorkersLost as again:
+                lost = again
+
+    def _recover_once(
+        self, lost: WorkersLost, phase: PhaseSpec, segment: tuple, results: list[list[Any]]
+    ) -> tuple:
         """Go on without the lost workers: stop what runs, roll the survivors back to the
         last committed window, form a new process group on them, and split the phase's
         remaining steps over them. Returns those steps."""
@@ -977,33 +1047,35 @@ class _Fit:
             )
         # Stop the survivors' windows: leave the broken group (their blocked collectives
         # fail), wait for what runs to end, and drop what was queued behind it.
-        _quietly(lambda: self.client.run(remote.abort_run, self.run_id, workers=alive))
+        _quietly(  # not waiting: a worker that died but is not yet noticed would stall it
+            lambda: self.client.run(remote.abort_run_soon, self.run_id, workers=alive, wait=False)
+        )
         running = [f for f, address in self.in_flight if address in alive and not f.done()]
         _quietly(lambda: wait(running, timeout=self.config.collective_timeout_s))
-        self.client.cancel([f for f, _ in self.in_flight])
+        # Dropped, not cancelled: cancelling a chain of dependent futures can trip the
+        # scheduler (and cut the client off); a dropped task that still runs on a
+        # survivor finds a newer process-group generation there and refuses.
         self.in_flight = []
         self.workers = alive
-        self.generation += 1
-        world = len(alive)
-        host, port = self._rendezvous(world, self.generation)
-        futures = [
+        results[:] = [results[old] for old, _ in survivors]
+        self.history.info["replicas"] = len(alive)
+        rollbacks = [
             self._submit(
-                remote.recover_replica,
+                remote.rollback_replica,
                 rank,
                 self.committed_step,
                 rank,
-                world,
-                host,
-                port,
-                self.generation,
-                key=f"recover@replica{rank}-{self.run_id}-g{self.generation}",
+                key=f"rollback@replica{rank}-{self.run_id}-r{len(self.history.info['failures'])}",
             )
-            for rank in range(world)
+            for rank in range(len(alive))
         ]
-        self._gather(futures)
-        self.last_futures = futures
-        results[:] = [results[old] for old, _ in survivors]
-        self.history.info["replicas"] = world
+        self._gather(rollbacks)
+        self.last_futures = rollbacks
+        # Workers that joined (a nanny's restart of a lost one) take part at once.
+        joined = self._form_group(self._joinable(), phase)
+        results.extend([] for _ in joined)
+        world = len(self.workers)
+        record["joined"] = joined
         rest = resplit_steps(
             segment,
             self.committed_step,
@@ -1056,9 +1128,8 @@ class _Fit:
 
     def _measured_step_seconds(self, results: list[list[Any]]) -> float:
         """The median over recent steps of the slowest replica's step time."""
-        per_step = [
-            max(values) for values in zip(*(r[-1].step_seconds for r in results), strict=True)
-        ]
+        last = [r[-1].step_seconds for r in results if r]  # joiners have no windows yet
+        per_step = [max(values) for values in zip(*last, strict=True)]
         tail = per_step[1:] if len(per_step) > 1 else per_step
         return statistics.median(tail)
 
@@ -1075,6 +1146,7 @@ class _Fit:
                 first,
                 stop,
                 self.last_futures[task.replica],
+                self.generation,
                 key=task.key,
             )
             self.last_futures[task.replica] = future

@@ -164,15 +164,29 @@ def test_too_few_workers_left_raises_worker_lost_error(tmp_path):
             trainer.fit(epochs=2, client=client)
 
 
-def _chaos_monkey(client, stop, kills, seed=7, mean_interval_s=8.0):
-    """Kill a random worker process of the cluster at Poisson times until ``stop``."""
+class SlowStep(stages.Stage):
+    """Test stage: each step takes ``seconds`` longer (stands in for real compute)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__("SlowStep")
+        self.seconds = seconds
+
+    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        time.sleep(self.seconds)
+        return batch
+
+
+def _chaos_monkey(client, started, stop, kills, seed=7, mean_interval_s=10.0):
+    """Once training has started, SIGKILL a random worker process at Poisson times (the
+    nannies restart them under new addresses) until ``stop``."""
     rng = random.Random(seed)
+    started.wait()
     while not stop.wait(rng.expovariate(1.0 / mean_interval_s)):
         try:
             pids = client.run(os.getpid)
-        except Exception:
+        except Exception:  # a worker died meanwhile: try again at the next tick
             continue
-        if len(pids) < 2:  # keep at least one worker: the nanny brings the others back
+        if len(pids) < 2:  # keep one alive; the nannies bring the others back
             continue
         address, pid = rng.choice(sorted(pids.items()))
         try:
@@ -182,37 +196,76 @@ def _chaos_monkey(client, stop, kills, seed=7, mean_interval_s=8.0):
             pass
 
 
+class Started(stages.Stage):
+    """Test stage: touches ``path`` at the first training step (the monkey's start)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("Started")
+        self.path = path
+
+    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        if step.replica.world_size > 1 and not os.path.exists(self.path):
+            Path(self.path).touch()
+        return batch
+
+
 @pytest.mark.timeout(420)
-def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger():
+def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tmp_path):
     x, y = make_data(N_SAMPLES)
-    epochs = 12
+    epochs = 24
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(Started(str(tmp_path / "started")), batch)
+    batch = g.add(SlowStep(0.04), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    grads = g.add(stages.Backward(), out)
+    g.add(stages.Update(sgd), g.add(stages.AllReduce(), grads))
+    schedule = dfl.schedule.Stepwise({0: 12, 8: 24, 16: 48}, lr_scaling="none")
+    trainer = dfl.Trainer(
+        g, schedule=schedule, seed=0, progress=False, window_seconds=0.5, collective_timeout_s=20.0
+    )
     kills: list = []
-    stop = threading.Event()
+    started, stop = threading.Event(), threading.Event()
+
+    def watch_start():
+        while not stop.is_set() and not (tmp_path / "started").exists():
+            time.sleep(0.05)
+        started.set()
+
     with (
-        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        trainer = _trainer(x, y, window_seconds=0.5)
-        # slow steps a little so the run lasts about a minute on two cores
-        trainer.config.throttle = {}
-        monkey = threading.Thread(target=_chaos_monkey, args=(client, stop, kills), daemon=True)
-        monkey.start()
+        threads = [
+            threading.Thread(target=watch_start, daemon=True),
+            threading.Thread(
+                target=_chaos_monkey, args=(client, started, stop, kills), daemon=True
+            ),
+        ]
+        for thread in threads:
+            thread.start()
         try:
             result = trainer.fit(epochs=epochs, client=client)
         finally:
             stop.set()
-            monkey.join()
+            started.set()
+            for thread in threads:
+                thread.join()
     failures = result.history.info.get("failures", [])
+    train_seconds = result.history.info["train_seconds"]
+    recoveries = [f["resumed_at"] - f["detected_at"] for f in failures if "resumed_at" in f]
     print(
-        f"\nchaos: {len(kills)} kills, {len(failures)} recoveries, "
-        f"{result.history.info['fit_seconds']:.1f} s"
+        f"\nchaos: {len(kills)} kills, {len(failures)} recoveries in {train_seconds:.0f} s of "
+        f"training; recovery (detected -> resumed) max {max(recoveries, default=0):.2f} s; "
+        f"replicas per phase {[p['replicas'] for p in result.history.phases]}; "
+        f"joins at phases {[r['phase'] for r in result.history.info['regroups']]}"
     )
+    assert len(kills) >= 3, "the run lasted long enough for several kills"
+    assert failures, "workers were killed during the fit, so it recovered"
     _assert_exact_ledger(result, epochs)
-    assert np.isfinite(result.history.epochs[-1]["train_loss"])
-    assert result.history.epochs[-1]["train_loss"] < result.history.epochs[0]["train_loss"]
-    if kills:
-        assert failures, "a worker was killed during the fit, so it recovered at least once"
-        # restarted workers came back: some phase after the first failure ran on more
-        # replicas than right after it
-        regroups = result.history.info["regroups"]
-        assert regroups or failures[-1]["phase"] == result.history.phases[-1]["phase"]
+    losses = [e["train_loss"] for e in result.history.epochs]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    # restarted workers came back at a later phase boundary
+    first_failure_phase = min(f["phase"] for f in failures if f["phase"] is not None)
+    if first_failure_phase < result.history.phases[-1]["phase"]:
+        assert any(r["phase"] > first_failure_phase for r in result.history.info["regroups"])

@@ -10,6 +10,7 @@ connect to it at rank 0's worker address.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import torch
@@ -38,6 +39,10 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+SPIN_S = 0.001  # waiting on a collective: spin this long (the usual wait is short) ...
+NAP_S = 0.0002  # ... then check for completion or an abort at this interval
 
 
 class Collective:
@@ -82,7 +87,7 @@ class Collective:
         return self._live_group().allreduce([tensor])
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.allreduce_async(tensor).wait()
+        self.wait(self.allreduce_async(tensor))
         return tensor
 
     def broadcast(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -90,7 +95,29 @@ class Collective:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         for tensor in tensors:
-            self._live_group().broadcast([tensor], opts).wait()
+            self.wait(self._live_group().broadcast([tensor], opts))
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``, but fail at once when this replica's group is aborted.
+
+        Gloo's own wait ends only at the timeout when a peer vanished while it waits
+        on a live one; the driver aborts the survivors' groups (from the worker's event
+        loop) so that their windows end now and the recovery can start. NCCL work is
+        waited for as usual (the wait is asynchronous on the GPU stream).
+        """
+        if self.backend != "gloo":
+            work.wait()
+            return
+        spin_until = time.perf_counter() + SPIN_S
+        while not work.is_completed():
+            if self._group is None:
+                raise CollectiveError(
+                    f"replica {self.rank}: the process group was aborted while waiting "
+                    "(a peer was lost; the driver is recovering)"
+                )
+            if time.perf_counter() > spin_until:
+                time.sleep(NAP_S)
+        work.wait()  # raises the work's error, if any
 
     def _live_group(self) -> Any:
         if self._group is None:
@@ -101,20 +128,24 @@ class Collective:
         return self._group
 
     def abort(self) -> None:
-        """Leave the group so that peers blocked in a collective fail at once.
+        """Leave the group so that collectives on this replica fail at once.
 
-        Gloo's ``abort()`` does not wake a pending wait; closing the connections
-        does, and that happens when the group object is destroyed, so the last
-        reference is dropped here. Collectives on this replica fail afterwards.
+        A wait in progress on this replica sees the group gone and raises (see
+        :meth:`wait`). The gloo group object is kept, not destroyed: its destructor
+        joins gloo's threads, which wait out the timeout on a vanished peer while
+        holding the GIL, freezing the whole worker (event loop included). The owner
+        keeps aborted collectives alive (``ReplicaRuntime.retired``, then the worker
+        plugin). NCCL's ``abort()`` is what NCCL needs.
         """
         group, self._group = self._group, None
         if group is None:
             return
-        try:
-            group.abort()
-        except Exception:  # backends without abort: dropping the group is what counts
-            pass
-        del group
+        self._aborted_group = group
+        if self.backend != "gloo":
+            try:
+                group.abort()
+            except Exception:  # backends without abort: dropping the group is what counts
+                pass
 
     @property
     def closed(self) -> bool:

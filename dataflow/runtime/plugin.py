@@ -22,6 +22,9 @@ class DataflowWorkerPlugin(WorkerPlugin):
         self.replicas: dict[str, Any] = {}  # run id -> ReplicaRuntime
         self.stores: dict[str, Any] = {}  # run id -> rank 0's TCPStore until the group forms
         self.profiler_paused_by: set[str] = set()  # runs that asked for the profiler off
+        # Aborted process groups of finished fits: destroying one whose operation still
+        # waits on a dead peer would freeze this worker until the timeout.
+        self.retired_groups: list[Any] = []
 
     def teardown(self, worker: Any) -> None:
         for run_id in list(self.replicas):
@@ -65,8 +68,23 @@ class DataflowWorkerPlugin(WorkerPlugin):
         runtime = self.replicas.pop(run_id, None)
         if runtime is not None:
             runtime.close()
+            self.retired_groups.extend(runtime.retired)
+            collective = runtime.context.collective
+            if collective is not None and collective.closed:
+                self.retired_groups.append(collective)
 
 
 def current_plugin() -> DataflowWorkerPlugin:
-    """The plugin of the worker running the calling task."""
-    return get_worker().plugins[PLUGIN_NAME]
+    """The plugin of the worker running the calling task, installed on first use.
+
+    Installed here rather than with ``client.register_plugin``: re-registering on a
+    cluster tears down the instance that holds other fits' replicas, and a worker a
+    nanny restarted mid-fit gets it without a round trip to the driver.
+    """
+    worker = get_worker()
+    plugin = worker.plugins.get(PLUGIN_NAME)
+    if plugin is None:
+        plugin = DataflowWorkerPlugin()
+        plugin.setup(worker)
+        worker.plugins[PLUGIN_NAME] = plugin
+    return plugin

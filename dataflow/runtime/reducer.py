@@ -107,7 +107,7 @@ class BucketReducer:
         works, self._works = self._works, []
         try:
             for work in works:
-                work.wait()
+                self.collective.wait(work)
         except RuntimeError as exc:  # a peer left: name it as such, the driver looks further
             raise CollectiveError(
                 f"allreduce failed on replica {self.collective.rank}: {exc}; another replica "

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from dataflow.errors import ReplicaError
 from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective, connect_store, open_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
@@ -111,6 +112,10 @@ class ReplicaRuntime:
         self.in_window = False  # a window started and did not finish: the state is partial
         # Held while a window runs: a survivor's rollback waits for its aborted window.
         self.lock = threading.Lock()
+        # Replaced process groups, kept alive (destroying one with a pending operation
+        # blocks the worker; see Collective.abort); the plugin keeps them past the fit.
+        self.retired: list[Collective] = []
+        self.generation = 0  # the driver's process-group generation this replica is in
         for name in self.order:
             self.stages[name].setup(self.context)
 
@@ -303,6 +308,7 @@ class ReplicaRuntime:
             self.stages[name].regroup(self.context)
         if old is not None:
             old.abort()
+            self.retired.append(old)
 
     def weights_digest(self) -> str:
         """A hash of every parameter's bytes: replicas must agree bit for bit."""
@@ -445,6 +451,7 @@ def setup_replica(
     device = resolve_device(spec.device, rank)
     collective = _join_group(spec, rank, world_size, host, port, generation, device)
     runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
+    runtime.generation = generation
     if snapshot is not None:
         runtime.load_snapshot(snapshot)
     plugin.replicas[spec.run_id] = runtime
@@ -481,30 +488,19 @@ def regroup_replica(
         runtime.spec, rank, world_size, host, port, generation, runtime.context.device
     )
     runtime.regroup(collective, world_size)
+    runtime.generation = generation
     return rank
 
 
-def recover_replica(
-    run_id: str,
-    commit_step: int,
-    rank: int,
-    world_size: int,
-    host: str | None,
-    port: int | None,
-    generation: int,
-) -> dict[str, Any]:
-    """A survivor of a lost worker: back to the commit before ``commit_step``, then into
-    the new process group of the survivors under its new ``rank``."""
+def rollback_replica(run_id: str, commit_step: int, rank: int) -> int:
+    """A survivor of a lost worker: back to the commit before ``commit_step``, under its
+    new ``rank``; ``regroup_replica`` then joins it to the survivors' new group."""
     runtime = current_plugin().replica(run_id)
     runtime.abort()  # the old group lost a member: leave it (idempotent)
-    with runtime.lock:  # an aborted window still running here ends at its next collective
+    with runtime.lock:  # an aborted window still running here ends at its next wait
         runtime.rollback(commit_step)
-    runtime.context.rank = rank
-    collective = _join_group(
-        runtime.spec, rank, world_size, host, port, generation, runtime.context.device
-    )
-    runtime.regroup(collective, world_size)
-    return {"rank": rank, "worker": current_plugin().worker.address}
+        runtime.context.rank = rank
+    return rank
 
 
 def replica_rng(run_id: str, after: Any = None) -> dict[str, Any]:
@@ -528,18 +524,35 @@ def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
     return current_plugin().replica(run_id).snapshot()
 
 
-def begin_phase(run_id: str, phase: PhaseContext, after: Any = None) -> int:
-    current_plugin().replica(run_id).begin_phase(phase)
+def _current(run_id: str, generation: int) -> ReplicaRuntime:
+    """This worker's replica of the fit, if the task belongs to its current process group.
+
+    After a lost worker the driver drops the tasks it had queued rather than cancel
+    them; one that still runs here finds a newer generation and refuses.
+    """
+    runtime = current_plugin().replica(run_id)
+    if runtime.generation != generation:
+        raise ReplicaError(
+            f"stale task of process group {generation} on replica {runtime.context.rank} "
+            f"(now in group {runtime.generation}); the driver recovered from a lost worker"
+        )
+    return runtime
+
+
+def begin_phase(run_id: str, phase: PhaseContext, after: Any = None, generation: int = 0) -> int:
+    _current(run_id, generation).begin_phase(phase)
     return phase.index
 
 
-def run_window(run_id: str, first_step: int, stop_step: int, after: Any = None) -> WindowResult:
+def run_window(
+    run_id: str, first_step: int, stop_step: int, after: Any = None, generation: int = 0
+) -> WindowResult:
     """Run steps ``[first_step, stop_step)``; ``after`` only orders it behind the last task."""
-    return current_plugin().replica(run_id).run_window(first_step, stop_step)
+    return _current(run_id, generation).run_window(first_step, stop_step)
 
 
-def end_phase(run_id: str, after: Any = None) -> dict[str, Any]:
-    return current_plugin().replica(run_id).end_phase()
+def end_phase(run_id: str, after: Any = None, generation: int = 0) -> dict[str, Any]:
+    return _current(run_id, generation).end_phase()
 
 
 def replica_state_dict(run_id: str) -> dict[str, torch.Tensor]:
@@ -553,25 +566,20 @@ def abort_run(run_id: str, dask_worker: Any = None) -> None:
         plugin.abort_run(run_id)
 
 
+async def abort_run_soon(run_id: str, dask_worker: Any = None) -> None:
+    """:func:`abort_run` for ``client.run(..., wait=False)`` (which takes coroutines)."""
+    abort_run(run_id, dask_worker)
+
+
 def close_run(run_id: str, dask_worker: Any = None) -> None:
     plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
     if plugin is not None:
         plugin.close_run(run_id)
 
 
+async def close_run_soon(run_id: str, dask_worker: Any = None) -> None:
+    close_run(run_id, dask_worker)
+
+
 def has_plugin(dask_worker: Any = None) -> bool:
     return "dataflow" in dask_worker.plugins
-
-
-def ensure_plugin(dask_worker: Any = None) -> bool:
-    """Via ``client.run``: install the worker plugin where it is missing. Unlike
-    ``client.register_plugin`` this never replaces a plugin that holds other replicas
-    (re-registering tears the old instance down)."""
-    from dataflow.runtime.plugin import PLUGIN_NAME, DataflowWorkerPlugin
-
-    if PLUGIN_NAME in dask_worker.plugins:
-        return False
-    plugin = DataflowWorkerPlugin()
-    plugin.setup(dask_worker)
-    dask_worker.plugins[PLUGIN_NAME] = plugin
-    return True
