@@ -42,6 +42,7 @@ from dataflow.errors import (
     ConfigError,
     DataError,
     LossError,
+    NonFiniteError,
     ReplicaError,
     WorkerLostError,
 )
@@ -61,6 +62,8 @@ from dataflow.stages.forward import build_model
 CALIBRATION_STEPS = 2
 FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+NON_FINITE_LR_CUT = 0.5  # on_non_finite="rollback": the LR factor applied per rollback
+MAX_ROLLBACKS = 3  # ... per phase; then the NonFiniteError stops the fit
 
 
 class WorkersLost(Exception):
@@ -228,6 +231,10 @@ class Trainer:
         # With on_non_finite="skip", a NaN step loss is a dropped step, not a failure.
         self.skips_non_finite = any(
             isinstance(s, Update) and s.config.on_non_finite == "skip" for s in graph
+        )
+        # on_non_finite="rollback": back to the last commit with half the LR, and on.
+        self.rolls_back_non_finite = any(
+            isinstance(s, Update) and s.config.on_non_finite == "rollback" for s in graph
         )
 
     def next_phase(
@@ -838,6 +845,7 @@ class _Fit:
         while epoch < self.epochs:
             phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
             self.in_flight = []
+            self.lr_factor, self.rollbacks = 1.0, 0  # on_non_finite="rollback", per phase
             if previous is not None:
                 self._surviving(phase, self._grow, phase)
             steps = self.trainer._phase_steps(phase, len(self.workers), index, self._measured())
@@ -874,6 +882,11 @@ class _Fit:
                         break
                     except WorkersLost as lost:
                         todo = self._recover(lost, phase, segment, results)
+                        segment, continued = todo or segment, True
+                    except NonFiniteError as error:
+                        if not self._may_roll_back(error):
+                            raise
+                        todo = self._recover(WorkersLost([]), phase, segment, results, error)
                         segment, continued = todo or segment, True
             finally:
                 bar.close()
@@ -927,6 +940,7 @@ class _Fit:
             warmup_steps=phase.warmup_steps,
             measure_noise=self.trainer.measures_noise,
             continued=continued,
+            lr_factor=self.lr_factor,
         )
         self.last_futures = [
             self._submit(
@@ -1005,17 +1019,38 @@ class _Fit:
             time.sleep(0.1)
 
     def _recover(
-        self, lost: WorkersLost, phase: PhaseSpec, segment: tuple, results: list[list[Any]]
+        self,
+        lost: WorkersLost,
+        phase: PhaseSpec,
+        segment: tuple,
+        results: list[list[Any]],
+        non_finite: NonFiniteError | None = None,
     ) -> tuple:
         """:meth:`_recover_once`, again if more workers die while it runs."""
+        if non_finite is not None:
+            self.lr_factor *= NON_FINITE_LR_CUT
         while True:
             try:
-                return self._recover_once(lost, phase, segment, results)
+                return self._recover_once(lost, phase, segment, results, non_finite)
             except WorkersLost as again:
-                lost = again
+                lost, non_finite = again, None
+
+    def _may_roll_back(self, error: NonFiniteError) -> bool:
+        """``on_non_finite="rollback"``: at most ``MAX_ROLLBACKS`` per phase."""
+        if not self.trainer.rolls_back_non_finite or self.rollbacks >= MAX_ROLLBACKS:
+            return False
+        self.rollbacks += 1
+        if self.config.progress:
+            print(f"dataflow: {error}; rolling back to step {self.committed_step}, LR x 0.5")
+        return True
 
     def _recover_once(
-        self, lost: WorkersLost, phase: PhaseSpec, segment: tuple, results: list[list[Any]]
+        self,
+        lost: WorkersLost,
+        phase: PhaseSpec,
+        segment: tuple,
+        results: list[list[Any]],
+        non_finite: NonFiniteError | None = None,
     ) -> tuple:
         """Go on without the lost workers: stop what runs, roll the survivors back to the
         last committed window, form a new process group on them, and split the phase's
@@ -1024,14 +1059,17 @@ class _Fit:
         survivors = [(r, a) for r, a in enumerate(self.workers) if a not in lost.workers]
         record = {
             "phase": getattr(phase, "index", None),
+            "reason": "lost workers" if non_finite is None else "non-finite",
             "lost": list(lost.workers),
             "detected_at": detected,
             "commit_step": self.committed_step,
             "replicas_before": len(self.workers),
             "replicas_after": len(survivors),
         }
+        if non_finite is not None:
+            record.update(error=str(non_finite), lr_factor=self.lr_factor)
         self.history.info.setdefault("failures", []).append(record)
-        if self.config.progress:
+        if self.config.progress and non_finite is None:
             print(
                 f"dataflow: lost worker(s) {', '.join(lost.workers)}; rolling back to step "
                 f"{self.committed_step} on {len(survivors)} replica(s)"
@@ -1175,6 +1213,9 @@ class _Fit:
             for future in done:
                 rank, window_index = futures[future]
                 if future.status != "finished":
+                    error = future.exception()
+                    if isinstance(error, NonFiniteError) and self.trainer.rolls_back_non_finite:
+                        raise error  # every replica saw the same reduced gradient
                     self._raise_if_lost(grace=True)
                     raise self._root_cause(futures)
                 pending[window_index][rank] = self._result(future)

@@ -154,6 +154,7 @@ class PhaseContext:
     # The rest of a phase after a lost worker (``steps`` start at the commit, split over
     # the survivors): stages keep their phase-level settings (LR ramp, statistics).
     continued: bool = False
+    lr_factor: float = 1.0  # on_non_finite="rollback": the LR cut after each rollback
 
 
 class Stage:
@@ -176,6 +177,14 @@ class Stage:
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """Before the first step of each phase."""
+
+    def phase_state(self) -> dict[str, Any] | None:
+        """Phase-level settings a replica joining mid-phase must share (after a lost
+        worker: the LR ramp's start and target); plain values. None: nothing."""
+        return None
+
+    def load_phase_state(self, state: dict[str, Any]) -> None:
+        """Take over :meth:`phase_state` of rank 0 (a replica joining mid-phase)."""
 
     def begin_step(self, step: StepContext) -> None:
         """Before any stage runs in this step (e.g. arm gradient hooks)."""

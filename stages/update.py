@@ -12,7 +12,7 @@ from dataflow.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.schedule import lr_at
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
-NON_FINITE_POLICIES = ("raise", "skip")
+NON_FINITE_POLICIES = ("raise", "skip", "rollback")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -24,7 +24,8 @@ class UpdateConfig:
         if self.on_non_finite not in NON_FINITE_POLICIES:
             raise ConfigError(
                 f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
-                "naming the step) or 'skip' (drop that step's update and go on)"
+                "naming the step), 'skip' (drop that step's update and go on) or 'rollback' "
+                "(back to the last committed window, go on with half the LR)"
             )
         if not callable(self.optimizer):
             raise ConfigError(
@@ -82,17 +83,39 @@ class Update(Stage):
         ramped from the current LR over ``warmup_steps`` (set step by step in run)."""
         groups = replica.optimizer.param_groups
         if phase.continued and getattr(self, "_phase", None) == phase.index:
-            return  # the LR ramp goes on from the phase's start, as without the failure
+            # The LR ramp goes on from the phase's start, as without the failure; after a
+            # non-finite rollback, scaled down by the driver's lr_factor.
+            factor = phase.lr_factor / self._lr_factor
+            if factor != 1.0 and phase.steps:
+                self._start_lrs = [lr * factor for lr in self._start_lrs]
+                self._target_lrs = [lr * factor for lr in self._target_lrs]
+                self._lr_factor = phase.lr_factor
+                self._set_lrs(replica.optimizer, phase.steps[0].index - self._first_step)
+            return
+        self._lr_factor = phase.lr_factor
         self._start_lrs = [group["lr"] for group in groups]
         if phase.lr is not None:
             self._target_lrs = [phase.lr] * len(groups)
         else:
             self._target_lrs = [base * phase.lr_scale for base in self._base_lrs]
+        self._target_lrs = [lr * phase.lr_factor for lr in self._target_lrs]
         self._warmup = phase.warmup_steps
         self._first_step = phase.steps[0].index if phase.steps else 0
         self._phase = phase.index
         self._skipped = 0
         self._set_lrs(replica.optimizer, 0)
+
+    _PHASE_KEYS = ("_start_lrs", "_target_lrs", "_warmup", "_first_step", "_phase", "_lr_factor")
+
+    def phase_state(self) -> dict[str, Any] | None:
+        if not hasattr(self, "_phase"):
+            return None
+        return {key: getattr(self, key) for key in self._PHASE_KEYS}
+
+    def load_phase_state(self, state: dict[str, Any]) -> None:
+        for key in self._PHASE_KEYS:
+            setattr(self, key, state[key])
+        self._skipped = 0
 
     def _set_lrs(self, optimizer: torch.optim.Optimizer, step_in_phase: int) -> None:
         for group, start, target in zip(
@@ -108,7 +131,7 @@ class Update(Stage):
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
         if not _finite(loss, step.replica.model):
-            if self.config.on_non_finite == "raise":
+            if self.config.on_non_finite in ("raise", "rollback"):
                 raise NonFiniteError(
                     f"non-finite loss or gradient at step {step.spec.index} (epoch "
                     f"{step.spec.epoch}, phase {getattr(self, '_phase', '?')}) on replica "

@@ -41,3 +41,51 @@ def test_an_unknown_policy_is_refused():
     with pytest.raises(ConfigError, match="on_non_finite"):
         tiny_pipeline(x, y, on_non_finite="ignore")
     assert issubclass(dfl.NonFiniteError, FloatingPointError)
+
+
+class PoisonOnce(dfl.stages.Stage):
+    """Test stage: a NaN in replica 0's batch at step ``step``, once per ``marker``."""
+
+    def __init__(self, marker: str, step: int) -> None:
+        super().__init__("PoisonOnce")
+        self.marker, self.step = marker, step
+
+    def run(self, step, batch):
+        if step.spec.index == self.step and step.replica.rank == 0:
+            from pathlib import Path
+
+            if not Path(self.marker).exists():
+                Path(self.marker).touch()
+                batch.x = batch.x.clone()
+                batch.x[0, 0, 0, 0] = float("nan")
+        return batch
+
+
+def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_path):
+    from conftest import TinyCNN, sgd
+
+    x, y = make_data(192)
+    g = dfl.Graph()
+    batch = g.add(dfl.stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(PoisonOnce(str(tmp_path / "poisoned"), step=9), batch)
+    out = g.add(dfl.stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    grads = g.add(dfl.stages.Backward(), out)
+    reduced = g.add(dfl.stages.AllReduce(), grads)
+    g.add(dfl.stages.Update(sgd, on_non_finite="rollback"), reduced)
+    trainer = dfl.Trainer(
+        g, schedule=dfl.schedule.Fixed(16), progress=False, window_seconds=0.2, dry_run=False
+    )
+    result = trainer.fit(epochs=2, client=client)
+
+    [event] = result.history.info["failures"]
+    assert event["reason"] == "non-finite" and event["lr_factor"] == 0.5
+    assert event["commit_step"] <= 9 and event["lost"] == []
+    assert "step 9" in event["error"]
+    assert result.history.phases[0]["lr"] == pytest.approx(0.05 * 0.5)  # sgd's lr, halved
+    steps = [s["step"] for s in result.history.steps]
+    assert steps == list(range(len(steps)))  # each step once, the bad one replayed
+    assert all(np.isfinite(s["loss"]) for s in result.history.steps)
+    for epoch in (0, 1):
+        assert result.ledger.summary()[epoch]["consumed"] == 192
+    for tensor in result.model.state_dict().values():
+        assert torch.isfinite(tensor).all()

@@ -290,6 +290,7 @@ class ReplicaRuntime:
         return {
             "model": self.state_dict(),
             "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "stages": {name: self.stages[name].phase_state() for name in self.order},
         }
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
@@ -297,6 +298,9 @@ class ReplicaRuntime:
             self.context.model.load_state_dict(snapshot["model"])
         if self.context.optimizer is not None and snapshot.get("optimizer") is not None:
             self.context.optimizer.load_state_dict(snapshot["optimizer"])
+        for name, state in (snapshot.get("stages") or {}).items():
+            if state is not None and name in self.stages:
+                self.stages[name].load_phase_state(state)
 
     def regroup(self, collective: Collective | None, world_size: int) -> None:
         """Swap in the new process group; stages rebuild what depends on it (AllReduce
