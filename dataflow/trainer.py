@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -693,11 +694,15 @@ class _Fit:
         port: Any,
         generation: int,
         snapshot: Any,
+        spec: Any = None,
     ) -> list[Any]:
+        """``spec``: the ReplicaSpec itself for workers joining a running fit (the copies
+        scattered at the start may have died with their workers); by default the
+        scattered one."""
         return [
             self.client.submit(
                 remote.setup_replica,
-                self.spec_future,
+                self.spec_future if spec is None else spec,
                 rank,
                 world,
                 host,
@@ -746,10 +751,6 @@ class _Fit:
         (broadcast) and optimizer state (snapshot). Returns the workers that joined;
         a loss meanwhile leaves the joiners out and raises :class:`WorkersLost`."""
         client, old = self.client, len(self.workers)
-        if joined:
-            # The spec again, to every worker of the new group: its first copies may
-            # have died with the workers that held them.
-            self._scatter_spec(self.workers + joined)
         self.generation += 1
         world = old + len(joined)
         snapshot = None
@@ -777,7 +778,13 @@ class _Fit:
                 for r in range(old)
             ]
             setups = self._setup_replicas(
-                list(enumerate(joined, start=old)), world, host, port, self.generation, snapshot
+                list(enumerate(joined, start=old)),
+                world,
+                host,
+                port,
+                self.generation,
+                snapshot,
+                spec=self.spec,
             )
             infos = self._gather(setups)
             self._gather(regroups)
@@ -932,6 +939,7 @@ class _Fit:
         """Run ``steps`` of ``phase`` on the current replicas, window by window."""
         world, tag = len(self.workers), self._generation_tag()
         self.committed_step = steps[0].index
+        self.segment = steps  # the steps' epoch layout, to salvage a lost replica's windows
         context = PhaseContext(
             index=phase.index,
             steps=steps,
@@ -1005,6 +1013,9 @@ class _Fit:
                 return future.result(timeout=LIVENESS_POLL_S)
             except TimeoutError:
                 self._raise_if_lost()
+            except CancelledError:  # its inputs died with a worker: that worker is lost
+                self._raise_if_lost(grace=True)
+                raise
 
     def _raise_if_lost(self, grace: bool = False) -> None:
         """Raise :class:`WorkersLost` if a worker of the fit is gone. With ``grace`` (a task
@@ -1203,7 +1214,21 @@ class _Fit:
         """Fold window results into the history in step order, as they arrive, while
         watching the workers (a task pinned to a dead worker would wait forever)."""
         pending: dict[int, dict[int, Any]] = defaultdict(dict)
-        next_window = 0
+        self.next_window = 0
+        try:
+            self._collect_windows(plan, futures, pending, results, bar)
+        except WorkersLost as lost:
+            self._salvage(plan, pending, lost, results, bar)
+            raise
+
+    def _collect_windows(
+        self,
+        plan: Plan,
+        futures: dict[Any, tuple[int, int]],
+        pending: dict[int, dict[int, Any]],
+        results: list[list[Any]],
+        bar: Any,
+    ) -> None:
         waiting = list(futures)
         while waiting:
             done, waiting = _wait_some(waiting)
@@ -1212,6 +1237,9 @@ class _Fit:
                 continue
             for future in done:
                 rank, window_index = futures[future]
+                if future.status == "cancelled":  # its inputs died with a worker
+                    self._raise_if_lost(grace=True)
+                    raise ReplicaError(f"window {window_index} of replica {rank} was cancelled")
                 if future.status != "finished":
                     error = future.exception()
                     if isinstance(error, NonFiniteError) and self.trainer.rolls_back_non_finite:
@@ -1219,12 +1247,57 @@ class _Fit:
                     self._raise_if_lost(grace=True)
                     raise self._root_cause(futures)
                 pending[window_index][rank] = self._result(future)
-            while len(pending.get(next_window, {})) == plan.replicas:
-                window_results = pending.pop(next_window)
-                for r in range(plan.replicas):
-                    results[r].append(window_results[r])
-                self._record_steps(plan, [window_results[r] for r in range(plan.replicas)], bar)
-                next_window += 1
+            while len(pending.get(self.next_window, {})) == plan.replicas:
+                self._commit_window(plan, pending.pop(self.next_window), results, bar)
+
+    def _commit_window(
+        self, plan: Plan, window_results: dict[int, Any], results: list[list[Any]], bar: Any
+    ) -> None:
+        for r in range(plan.replicas):
+            results[r].append(window_results[r])
+        self._record_steps(plan, [window_results[r] for r in range(plan.replicas)], bar)
+        self.next_window += 1
+
+    def _salvage(
+        self,
+        plan: Plan,
+        pending: dict[int, dict[int, Any]],
+        lost: WorkersLost,
+        results: list[list[Any]],
+        bar: Any,
+    ) -> None:
+        """Commit the windows every survivor finished although a lost replica's result
+        never arrived (it died holding it): the survivors' allreduces could not finish
+        without it, so it trained those steps too. Its samples come from the plan (pure),
+        its losses are unknown (the step's loss is the others' mean). Without this, a
+        death just after a window would cost that window as well as the next."""
+        dead = {r for r in range(plan.replicas) if self.workers[r] in lost.workers}
+        alive = [r for r in range(plan.replicas) if r not in dead]
+        if not dead or not alive:
+            return
+        streams = None
+        while all(r in pending.get(self.next_window, {}) for r in alive):
+            if streams is None:
+                streams = {
+                    spec.index: parts
+                    for spec, parts in self.trainer.load.streams(self.segment, self.config.seed)
+                }
+            got = pending.pop(self.next_window)
+            window = plan.windows[self.next_window]
+            specs = plan.steps[window.first : window.stop]
+            for r in dead:
+                if r not in got:
+                    got[r] = remote.WindowResult(
+                        rank=r,
+                        first_step=specs[0].index,
+                        samples=[spec.local_batches[r] for spec in specs],
+                        losses=[None] * len(specs),
+                        step_seconds=[0.0] * len(specs),
+                        stage_seconds={},
+                        task_seconds=0.0,
+                        sample_indices=[streams[spec.index][r] for spec in specs],
+                    )
+            self._commit_window(plan, got, results, bar)
 
     def _root_cause(self, futures: dict[Any, tuple[int, int]]) -> BaseException:
         """The first real failure: a peer's "connection closed" is only its echo."""
@@ -1248,7 +1321,9 @@ class _Fit:
             spec = plan.steps[offset + i]
             local = [(w.losses[i], w.samples[i]) for w in window]
             total = sum(n for _, n in local)
-            loss = sum(value * n for value, n in local if n) / total
+            # A lost replica's window salvaged from the plan has no losses: the mean of the others.
+            known = [(value, n) for value, n in local if n and value is not None]
+            loss = sum(value * n for value, n in known) / max(sum(n for _, n in known), 1)
             if not math.isfinite(loss) and not self.trainer.skips_non_finite:
                 raise LossError(
                     f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "

@@ -34,6 +34,9 @@ class LaunchRecorder:
         self.missing_at_launch.append(sum(p.grad is None for p in self.model.parameters()))
         return self.inner.allreduce_async(tensor)
 
+    def wait(self, work):
+        return self.inner.wait(work)
+
 
 def grads_of(model):
     return [p.grad.clone() for p in model.parameters()]
