@@ -145,6 +145,7 @@ class Plan:
     steps: tuple[StepSpec, ...]
     windows: tuple[Window, ...]
     tag: str = "plan"
+    run: str = ""  # the fit's id: task keys must not collide with another fit's
 
     @classmethod
     def build(
@@ -158,6 +159,7 @@ class Plan:
         window_seconds: float = 1.0,
         max_window_steps: int = 10_000,
         tag: str = "plan",
+        run: str = "",
     ) -> Plan:
         if replicas < 1:
             raise ConfigError(f"Plan: replicas must be >= 1, got {replicas}")
@@ -174,14 +176,15 @@ class Plan:
             Window(index=i, first=first, stop=min(first + size, len(steps)))
             for i, first in enumerate(range(0, len(steps), size))
         )
-        return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag)
+        return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run)
 
     def task_prefix(self, replica: int) -> str:
         """What the Dask dashboard groups by: the stages and the replica."""
         return f"{'+'.join(self.stage_names)}@replica{replica}"
 
     def task_key(self, replica: int, window: Window) -> str:
-        return f"{self.task_prefix(replica)}-{self.tag}-p{self.phase.index}w{window.index}"
+        run = f"-{self.run}" if self.run else ""
+        return f"{self.task_prefix(replica)}-{self.tag}{run}-p{self.phase.index}w{window.index}"
 
     def tasks(self) -> list[TaskSpec]:
         out = []

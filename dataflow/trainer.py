@@ -968,7 +968,8 @@ class _Fit:
                 phase,
                 steps[:CALIBRATION_STEPS],
                 world,
-                tag=f"calibrate-{self.run_id}{tag}",
+                tag=f"calibrate{tag}",
+                run=self.run_id,
             )
             self._run_plan(calibration, results, bar)
             done = len(calibration.steps)
@@ -981,7 +982,8 @@ class _Fit:
                 world,
                 step_seconds=self.step_seconds,
                 window_seconds=self.config.window_seconds,
-                tag=f"train-{self.run_id}{tag}",
+                tag=f"train{tag}",
+                run=self.run_id,
             )
             if self.config.progress:
                 bar.write(str(plan).splitlines()[0])
