@@ -52,10 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from common import save_run, ship_to_workers, table
+
+from dataflow.datasets import (
+    AMPLITUDE_RANGE,
+    INDEX_RANGE,
+    K_PIVOT,
+    cosmology_arrays,
+    digits_arrays,
+)
 
 NAME = "schedules"
 B0, BMAX = 16, 256
@@ -67,67 +74,7 @@ DEFAULT_LR = {"digits": 0.01, "cosmo": 0.003}
 # -- the datasets --------------------------------------------------------------------------
 
 
-def digits_arrays(seed: int = 0) -> dict[str, np.ndarray]:
-    """sklearn's digits as float images in [0, 1], shuffled once, split 80/20."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.images.astype(np.float32) / 16.0)[:, None]  # [N, 1, 8, 8]
-    y = digits.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(y))
-    x, y = x[order], y[order]
-    cut = int(0.8 * len(y))
-    return {"x_train": x[:cut], "y_train": y[:cut], "x_test": x[cut:], "y_test": y[cut:]}
-
-
-K_PIVOT = 4.0  # in units of the fundamental mode; P(k_pivot) = A
-A_RANGE = (0.5, 1.5)
-N_RANGE = (-3.0, -1.0)
-FIELD_SCALE = 2.5e-4  # var(g) = FIELD_SCALE A sum_k (k/k_pivot)^n: 0.1 - 1 over the ranges
-
-
-def gaussian_random_fields(
-    amplitude: np.ndarray, slope: np.ndarray, side: int, rng: np.random.Generator
-) -> np.ndarray:
-    """Real fields ``g`` on ``side^3`` periodic grids with ``P(k) = c A (k/k_pivot)^n``.
-
-    White noise filtered in Fourier space by ``sqrt(P)``; the k = 0 mode is zero, so
-    each field has zero mean.
-    """
-    k1 = np.fft.fftfreq(side) * side
-    k1r = np.fft.rfftfreq(side) * side
-    k = np.sqrt(k1[:, None, None] ** 2 + k1[None, :, None] ** 2 + k1r[None, None, :] ** 2)
-    k[0, 0, 0] = 1.0
-    out = np.empty((len(amplitude), side, side, side), dtype=np.float32)
-    for i, (a, n) in enumerate(zip(amplitude, slope, strict=True)):
-        power = FIELD_SCALE * a * (k / K_PIVOT) ** n * side**3
-        power[0, 0, 0] = 0.0
-        noise = np.fft.rfftn(rng.standard_normal((side, side, side)))
-        out[i] = np.fft.irfftn(noise * np.sqrt(power), s=(side, side, side), axes=(0, 1, 2))
-    return out
-
-
-def cosmo_arrays(n_train: int, n_test: int, side: int = 16, seed: int = 0) -> dict[str, Any]:
-    """Log-normal density fields and standardised targets (A, n); train/test split."""
-    rng = np.random.default_rng(seed)
-    n = n_train + n_test
-    params = np.stack(
-        [rng.uniform(*A_RANGE, size=n), rng.uniform(*N_RANGE, size=n)], axis=1
-    ).astype(np.float32)
-    g = gaussian_random_fields(params[:, 0], params[:, 1], side, rng)
-    var = g.reshape(n, -1).var(axis=1)[:, None, None, None]
-    delta = (np.exp(g - var / 2) - 1.0).astype(np.float32)[:, None]  # [N, 1, s, s, s]
-    mean, std = params[:n_train].mean(axis=0), params[:n_train].std(axis=0)
-    y = ((params - mean) / std).astype(np.float32)
-    return {
-        "x_train": delta[:n_train],
-        "y_train": y[:n_train],
-        "x_test": delta[n_train:],
-        "y_test": y[n_train:],
-        "target_mean": mean.tolist(),
-        "target_std": std.tolist(),
-        "field_variance": [float(var.min()), float(np.median(var)), float(var.max())],
-    }
+# The generators are the library's (the examples use them too): dataflow.datasets.
 
 
 def write_zarr(arrays: dict[str, Any], root: Path) -> tuple[Any, Any]:
@@ -353,7 +300,7 @@ def prepare(name: str, root: Path, quick: bool) -> Dataset:
         info = {"classes": 10, "image": [8, 8]}
     else:
         n_train, n_test = (512, 256) if quick else (2048, 512)
-        arrays = cosmo_arrays(n_train, n_test)
+        arrays = cosmology_arrays(n_train, n_test)
         train, test = write_zarr(arrays, root / name)
         # predict-the-training-mean: the standardised targets' mean is 0 on the train set
         baseline = [float((arrays["y_test"][:, j] ** 2).mean()) for j in range(2)]
@@ -362,8 +309,8 @@ def prepare(name: str, root: Path, quick: bool) -> Dataset:
         )
         info = {
             "side": 16,
-            "A_range": A_RANGE,
-            "n_range": N_RANGE,
+            "A_range": AMPLITUDE_RANGE,
+            "n_range": INDEX_RANGE,
             "k_pivot": K_PIVOT,
             "target_mean": arrays["target_mean"],
             "target_std": arrays["target_std"],

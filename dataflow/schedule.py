@@ -162,13 +162,7 @@ class Fixed:
                 f"Fixed(batch_size={self.batch_size}): batch_size must be a positive number "
                 "of samples per global step, e.g. Fixed(batch_size=64)"
             )
-        if self.lr is not None and (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, int | float)
-            or not math.isfinite(self.lr)
-            or not self.lr > 0
-        ):
-            raise ConfigError(f"Fixed(lr={self.lr!r}): lr must be a number > 0, or None")
+        _check_lr("Fixed", self.lr)
         if self.epochs_per_phase is not None:
             _positive_int("Fixed", "epochs_per_phase", self.epochs_per_phase)
 
@@ -190,6 +184,14 @@ class Fixed:
 
     def max_batch(self) -> int:
         return self.batch_size
+
+
+def _check_lr(owner: str, lr: object) -> None:
+    """A base LR is a finite number > 0, or None (the optimizer factory's)."""
+    if lr is not None and (
+        isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0
+    ):
+        raise ConfigError(f"{owner}(lr={lr!r}): lr must be a number > 0, or None")
 
 
 def _positive_int(owner: str, field: str, value: object) -> int:
@@ -240,13 +242,7 @@ class Stepwise:
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps!r}): must be an int >= 0")
         if self.warmup_steps < 0:
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps}): must be >= 0")
-        if self.lr is not None and (
-            isinstance(self.lr, bool)
-            or not isinstance(self.lr, int | float)
-            or not math.isfinite(self.lr)
-            or not self.lr > 0
-        ):
-            raise ConfigError(f"Stepwise(lr={self.lr!r}): lr must be a number > 0, or None")
+        _check_lr("Stepwise", self.lr)
 
     def next_phase(
         self,
@@ -528,8 +524,9 @@ class Adaptive:
                 "needs the samples per epoch; pass samples_per_epoch=<training samples> "
                 "(this engine did not give the schedule the source's size)"
             )
-        full, rest = divmod(num_samples, batch)  # as dataflow.io.sampler.steps_per_epoch
-        per_epoch = full if drop_last or rest == 0 else full + 1
+        from dataflow.io.sampler import steps_per_epoch  # here: dataflow.io imports stages
+
+        per_epoch = steps_per_epoch(num_samples, batch, drop_last=drop_last)
         if per_epoch == 0:  # a batch beyond the data with drop_last: the engine refuses it
             return 1
         return max(1, math.ceil(self.steps_per_phase / per_epoch))

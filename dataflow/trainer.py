@@ -229,14 +229,11 @@ class Trainer:
         forwards = [s for s in graph if isinstance(s, Forward)]
         self.model_factory = forwards[0].config.model if forwards else None
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
-        # With on_non_finite="skip", a NaN step loss is a dropped step, not a failure.
-        self.skips_non_finite = any(
-            isinstance(s, Update) and s.config.on_non_finite == "skip" for s in graph
-        )
-        # on_non_finite="rollback": back to the last commit with half the LR, and on.
-        self.rolls_back_non_finite = any(
-            isinstance(s, Update) and s.config.on_non_finite == "rollback" for s in graph
-        )
+        # on_non_finite: with "skip" a NaN step loss is a dropped step, not a failure; with
+        # "rollback" the driver goes back to the last commit with half the LR.
+        policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
+        self.skips_non_finite = "skip" in policies
+        self.rolls_back_non_finite = "rollback" in policies
 
     def next_phase(
         self,
@@ -1319,6 +1316,7 @@ class _Fit:
     def _record_steps(self, plan: Plan, window: list[Any], bar: Any) -> None:
         first = window[0].first_step
         offset = first - plan.steps[0].index
+        consumed: dict[tuple[int, int], list[Any]] = defaultdict(list)
         for i in range(len(window[0].samples)):
             spec = plan.steps[offset + i]
             local = [(w.losses[i], w.samples[i]) for w in window]
@@ -1344,7 +1342,7 @@ class _Fit:
             )
             for rank, w in enumerate(window):  # the window is committed: its samples count
                 if w.sample_indices and w.sample_indices[i] is not None:
-                    self.ledger.record(spec.epoch, rank, w.sample_indices[i])
+                    consumed[(spec.epoch, rank)].append(w.sample_indices[i])
             self.committed_step = spec.index + 1
             self.samples_seen += total
             if math.isfinite(loss):  # a dropped non-finite step does not poison the mean
@@ -1352,6 +1350,9 @@ class _Fit:
                 self.epoch_samples += total
             if spec.last_in_epoch:
                 self._record_epoch(spec, window)
+        # Once per window and replica: each record scans the epoch's bitmap.
+        for (epoch, rank), parts in consumed.items():
+            self.ledger.record(epoch, rank, np.concatenate(parts))
         elapsed = time.perf_counter() - self.train_started
         bar.update(len(window[0].samples))
         bar.set_postfix(

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.datasets import cosmology_arrays
+from dataflow.runtime.cluster import client_or_local_cluster
 
 PARAMS = ("A", "n")  # amplitude, spectral index
 
@@ -187,22 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    if args.scheduler:
-        from distributed import Client
-
-        with Client(args.scheduler) as client:
-            result = pipe.fit(epochs=args.epochs, client=client)
-    else:
-        from distributed import Client, LocalCluster
-
-        with (
-            LocalCluster(
-                n_workers=args.workers, threads_per_worker=1, dashboard_address=":0"
-            ) as cluster,
-            Client(cluster) as client,
-        ):
-            print(f"dashboard: {client.dashboard_link}")
-            result = pipe.fit(epochs=args.epochs, client=client)
+    # A running scheduler (--scheduler), else a LocalCluster of --workers processes.
+    with client_or_local_cluster(args.scheduler, n_workers=args.workers) as client:
+        result = pipe.fit(epochs=args.epochs, client=client)
     history = result.history
     history.to_json(out / "history.json")
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import dataflow as dfl
 from dataflow import stages
 from dataflow.demo import FieldNet, random_fields
+from dataflow.runtime.cluster import client_or_local_cluster
 
 
 class ClipGradNorm(stages.Stage):
@@ -141,13 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for plan in trainer.plan(epochs=args.epochs, replicas=args.workers, step_seconds=0.05):
         print(plan)
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as c,
-        Client(c) as client,
-    ):
-        print(f"dashboard: {client.dashboard_link}")
+    with client_or_local_cluster(None, n_workers=args.workers) as client:
         result = trainer.fit(epochs=args.epochs, client=client)
     history = result.history
     history.to_json(out / "history.json")

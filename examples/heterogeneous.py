@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.demo import FieldNet, random_fields
+from dataflow.runtime.cluster import client_or_local_cluster
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,13 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        print(f"dashboard: {client.dashboard_link}")
+    with client_or_local_cluster(None, n_workers=2) as client:
         result = pipe.fit(epochs=args.epochs, client=client)
     history = result.history
     history.to_json(out / "history.json")
