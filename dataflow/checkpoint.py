@@ -37,7 +37,7 @@ import torch
 
 from dataflow.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: mid-phase checkpoints (in_phase, stage_state, replica_buffers)
 NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
 TEMP_SUFFIX = ".tmp"
 MAX_LISTED_DIFFERENCES = 25  # in an error message; compare_fingerprints returns them all
@@ -58,6 +58,12 @@ class Checkpoint:
     balancer splits the next phase by). ``ledger``: :func:`ledger_state`. ``rng``: the
     driver's :func:`capture_rng`; ``replica_rng``: one :func:`capture_rng` per replica,
     taken on its worker. ``extra``: anything else plain the driver wants back.
+
+    ``stage_state``: rank 0's stage settings (:meth:`Stage.phase_state`, e.g. the LR
+    ramp); ``replica_buffers``: each replica's buffers (BatchNorm statistics, which
+    differ between replicas until a phase ends). ``in_phase``: None at a phase
+    boundary; mid-phase, where the fit stands inside the phase
+    (:class:`dataflow.progress.PhaseProgress`).
     """
 
     model_state: dict[str, torch.Tensor]
@@ -73,6 +79,9 @@ class Checkpoint:
     history: dict[str, Any] = field(default_factory=dict)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    stage_state: dict[str, Any] = field(default_factory=dict)
+    replica_buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    in_phase: dict[str, Any] | None = None
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 
@@ -93,9 +102,16 @@ class Checkpoint:
                 f"Checkpoint: optimizer_state must be optimizer.state_dict(), got "
                 f"{type(self.optimizer_state).__name__}"
             )
-        for name in ("schedule_state", "rng", "history", "fingerprint", "extra"):
+        for name in ("schedule_state", "rng", "history", "fingerprint", "extra", "stage_state"):
             if not isinstance(getattr(self, name), Mapping):
                 raise ConfigError(f"Checkpoint: {name} must be a dict")
+        if self.in_phase is not None and not isinstance(self.in_phase, Mapping):
+            raise ConfigError("Checkpoint: in_phase must be None or a dict")
+
+    @property
+    def mid_phase(self) -> bool:
+        """Written inside a phase (every N windows, or before WorkerLostError)."""
+        return self.in_phase is not None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain containers and tensors only (what ``torch.load(weights_only=True)`` reads);
@@ -156,6 +172,21 @@ def phase_from_dict(state: Mapping[str, Any] | None) -> Any:
     from dataflow.schedule import PhaseSpec  # the schedule module imports more than we need
 
     return None if state is None else PhaseSpec(**state)
+
+
+def steps_to_list(steps: Any) -> list[dict[str, Any]]:
+    """StepSpecs as dicts of plain values (tuples stay tuples)."""
+    return [dataclasses.asdict(spec) for spec in steps]
+
+
+def steps_from_list(items: Any) -> tuple[Any, ...]:
+    """The StepSpecs :func:`steps_to_list` saved."""
+    from dataflow.stages.base import StepSpec
+
+    def tuples(value: Any) -> Any:
+        return tuple(tuples(v) for v in value) if isinstance(value, list | tuple) else value
+
+    return tuple(StepSpec(**{key: tuples(value) for key, value in item.items()}) for item in items)
 
 
 def ledger_state(ledger: Any) -> dict[str, Any]:

@@ -77,11 +77,13 @@ class Pipeline:
         checkpoint_dir: Any = None,
         resume: bool = False,
         keep_checkpoints: int = 3,
+        checkpoint_every: int | None = None,
     ) -> FitResult:
         """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster).
 
-        ``checkpoint_dir``: write a checkpoint at every phase boundary there;
-        ``resume=True``: continue from the newest valid one (see ``Trainer.fit``).
+        ``checkpoint_dir``: write a checkpoint at every phase boundary there, and every
+        ``checkpoint_every`` windows inside a phase; ``resume=True``: continue from the
+        newest valid one (see ``Trainer.fit``).
         """
         return self.trainer.fit(
             epochs,
@@ -89,6 +91,7 @@ class Pipeline:
             checkpoint_dir=checkpoint_dir,
             resume=resume,
             keep_checkpoints=keep_checkpoints,
+            checkpoint_every=checkpoint_every,
         )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:

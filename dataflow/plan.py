@@ -65,7 +65,7 @@ def phase_steps(
 def resplit_steps(
     steps: tuple[StepSpec, ...],
     commit: int,
-    split: Callable[[int], tuple[int, ...]],
+    split: Callable[[int], tuple[int, ...]] | None,
     micro_batches: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
 ) -> tuple[StepSpec, ...]:
     """The steps of ``steps`` from index ``commit`` on, split anew (other replicas).
@@ -75,6 +75,10 @@ def resplit_steps(
     progress records how far each replica had read under the old split
     (``StepSpec.earlier_splits``), so the new split reads exactly the samples the
     epoch has not trained on yet, and later epochs are sharded as usual.
+
+    ``split=None`` keeps every step's split and micro-batches (a fit resumed from a
+    mid-phase checkpoint on as many replicas): each replica then reads exactly what
+    it would have read without the interruption.
     """
     rest = [spec for spec in steps if spec.index >= commit]
     if not rest:
@@ -88,12 +92,15 @@ def resplit_steps(
     )
     out = []
     for spec in rest:
-        local = tuple(split(spec.global_batch))
-        if sum(local) != spec.global_batch:
-            raise ConfigError(f"the balancer split {spec.global_batch} samples into {local}")
         earlier = spec.earlier_splits
         if (spec.epoch, earlier) == current and any(consumed):
             earlier = (*earlier, (given, consumed))
+        if split is None:
+            out.append(dataclasses.replace(spec, earlier_splits=earlier))
+            continue
+        local = tuple(split(spec.global_batch))
+        if sum(local) != spec.global_batch:
+            raise ConfigError(f"the balancer split {spec.global_batch} samples into {local}")
         out.append(
             dataclasses.replace(
                 spec,
@@ -103,6 +110,23 @@ def resplit_steps(
             )
         )
     return tuple(out)
+
+
+def checkpoint_windows(
+    plan: Plan, every: int, countdown: int, phase_stop: int
+) -> tuple[frozenset[int], int]:
+    """The windows of ``plan`` after which a mid-phase checkpoint is written: every
+    ``every``-th one, the first after ``countdown`` windows, but never a window that
+    ends the phase (the phase boundary writes its own). Returns the windows' indices
+    and the countdown left for the next plan of the phase."""
+    marked = []
+    for window in plan.windows:
+        countdown -= 1
+        ends_phase = plan.steps[window.stop - 1].index + 1 >= phase_stop
+        if countdown <= 0 and not ends_phase:
+            marked.append(window.index)
+            countdown = every
+    return frozenset(marked), max(countdown, 1)
 
 
 def steps_per_window(step_seconds: float | None, window_seconds: float, max_steps: int) -> int:

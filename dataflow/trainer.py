@@ -51,7 +51,8 @@ from dataflow.graph import Graph
 from dataflow.history import FitResult, History
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
-from dataflow.plan import Plan, phase_steps, resplit_steps
+from dataflow.plan import Plan, checkpoint_windows, phase_steps, resplit_steps
+from dataflow.progress import PhaseProgress, ReplicaTotals
 from dataflow.runtime import replica as remote
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
@@ -329,13 +330,17 @@ class Trainer:
         checkpoint_dir: str | Path | None = None,
         resume: bool = False,
         keep_checkpoints: int = 3,
+        checkpoint_every: int | None = None,
     ) -> FitResult:
         """Train for ``epochs``. With ``checkpoint_dir``, a checkpoint is written
-        atomically at every phase boundary; ``resume=True`` continues from the newest
-        valid one there (refused, with the differences listed, if it belongs to another
-        model, dataset, seed or schedule). With the same replica count the resumed fit
-        ends bit-identical to an uninterrupted one."""
+        atomically at every phase boundary, and inside a phase every
+        ``checkpoint_every`` windows (a window is about ``window_seconds`` of work);
+        ``resume=True`` continues from the newest valid one there (refused, with the
+        differences listed, if it belongs to another model, dataset, seed or schedule).
+        With the same replica count the resumed fit ends bit-identical to an
+        uninterrupted one, from a phase boundary or from inside a phase."""
         _check_epochs(epochs)
+        _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:
             raise BatchSizeError(
@@ -347,7 +352,14 @@ class Trainer:
         if self.config.dry_run:
             self._dry_run()
         with client_or_local_cluster(client, announce=self.config.progress) as active:
-            return _Fit(self, active, epochs, store=store, checkpoint=checkpoint).run()
+            return _Fit(
+                self,
+                active,
+                epochs,
+                store=store,
+                checkpoint=checkpoint,
+                checkpoint_every=checkpoint_every,
+            ).run()
 
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must share with this fit to resume it (see dataflow.checkpoint)."""
@@ -411,6 +423,22 @@ def _check_options(options: dict[str, Any]) -> None:
             )
 
 
+def _check_checkpoint_every(every: Any, directory: Any) -> None:
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(
+            f"fit(checkpoint_every={every!r}): give the number of windows between checkpoints "
+            "inside a phase (an int >= 1; a window is about window_seconds of work), or None "
+            "for checkpoints at phase boundaries only"
+        )
+    if directory is None:
+        raise ConfigError(
+            f"fit(checkpoint_every={every}) needs checkpoint_dir=... (the folder to write the "
+            "checkpoints to)"
+        )
+
+
 def _check_epochs(epochs: Any) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"fit(epochs={epochs!r}): epochs must be an int >= 1")
@@ -427,8 +455,10 @@ class _Fit:
         *,
         store: CheckpointStore | None = None,
         checkpoint: Checkpoint | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
         self.trainer = trainer
+        self.checkpoint_every = checkpoint_every
         self.config = trainer.config
         self.client = client
         self.epochs = epochs
@@ -439,8 +469,11 @@ class _Fit:
         self.noise = NoiseScaleTracker()  # the gradient noise scale, smoothed over steps
         self.samples_seen = 0  # running totals: the history is not rescanned per window
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
-        # Where the phases start: epoch 0, or where the resumed checkpoint ended.
+        self.phase_pairs: list[tuple] = []  # the committed steps' gradient-norm pairs
+        # Where the phases start: epoch 0, or where the resumed checkpoint ended; inside
+        # a phase (a mid-phase checkpoint), the phase and how far it got.
         self.start: tuple[int, PhaseSpec | None, int, PhaseMeasurement | None] = (0, None, 0, None)
+        self.resume_in_phase: PhaseProgress | None = None
         if checkpoint is not None:
             self._restore_driver(checkpoint)
 
@@ -453,6 +486,11 @@ class _Fit:
             checkpoint.step,
             None if measurement is None else PhaseMeasurement(**measurement),
         )
+        if checkpoint.mid_phase:
+            progress = PhaseProgress.from_dict(checkpoint.in_phase)
+            self.resume_in_phase, self.resume_step = progress, checkpoint.step
+            self.start = (progress.phase.start_epoch, None, progress.steps[0].index, None)
+            self.epoch_loss_sum, self.epoch_samples = progress.epoch_loss
         if state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
         if checkpoint.ledger is not None:
@@ -464,22 +502,26 @@ class _Fit:
         restore_rng(checkpoint.rng)
 
     def _restore_replicas(self, checkpoint: Checkpoint) -> None:
-        """Every replica takes the checkpoint's weights and optimizer state, and its own
-        saved random state (the same rank's, when the replica count is the same)."""
-        [state] = self.client.scatter(
-            [{"model": checkpoint.model_state, "optimizer": checkpoint.optimizer_state}],
-            broadcast=True,
-            workers=self.workers,
-            hash=False,
-        )
-        rngs = checkpoint.replica_rng
-        self.client.gather(
+        """Every replica takes the checkpoint's weights, optimizer state and stage
+        settings, and, with as many replicas as were saved, its own saved random state
+        and buffers (otherwise the random state of its rank if saved, and rank 0's
+        buffers, which are in the weights)."""
+        state = {
+            "model": checkpoint.model_state,
+            "optimizer": checkpoint.optimizer_state,
+            "stages": checkpoint.stage_state,
+        }
+        [state] = self.client.scatter([state], broadcast=True, workers=self.workers, hash=False)
+        rngs, buffers = checkpoint.replica_rng, checkpoint.replica_buffers
+        same_world = len(buffers) == len(self.workers)
+        self._gather(
             [
                 self._submit(
                     remote.restore_replica,
                     r,
                     state,
                     rngs[r] if r < len(rngs) else None,
+                    buffers[r] if same_world else None,
                     key=f"restore@replica{r}-{self.run_id}",
                 )
                 for r in range(len(self.workers))
@@ -491,44 +533,82 @@ class _Fit:
     ) -> None:
         """At a phase boundary: rank 0's synchronized weights and optimizer state, every
         replica's random state, and the driver's schedule, balancer, ledger and history."""
-        world = len(self.workers)
-        snapshot = self._submit(
-            remote.replica_snapshot,
-            0,
-            self.last_futures[0],
-            key=f"checkpoint@replica0-{self.run_id}-p{phase.index}",
+        states = self._gather(
+            [
+                self._submit(
+                    remote.replica_checkpoint_state,
+                    r,
+                    self.last_futures[r],
+                    key=f"checkpoint@replica{r}-{self.run_id}-p{phase.index}",
+                )
+                for r in range(len(self.workers))
+            ]
         )
-        rngs = [
-            self._submit(
-                remote.replica_rng,
-                r,
-                self.last_futures[r],
-                key=f"rng@replica{r}-{self.run_id}-p{phase.index}",
-            )
-            for r in range(world)
-        ]
-        snapshot, *rngs = self._gather([snapshot, *rngs])
+        schedule_state = {
+            "previous": phase_to_dict(phase),
+            "measurement": dataclasses.asdict(measurement),
+        }
+        self._write_checkpoint(states, phase, phase.end_epoch, next_step, schedule_state)
+
+    def _save_mid_phase(self, phase: PhaseSpec, states: list[dict[str, Any]]) -> Path:
+        """Inside a phase, at the committed step: what :meth:`_save_checkpoint` saves, and
+        where the phase stands (:class:`PhaseProgress`) so a resume goes on from there."""
+        step = self.committed_step
+        epoch = next(spec.epoch for spec in self.phase_steps if spec.index == step)
+        progress = PhaseProgress(
+            phase=phase,
+            steps=self.phase_steps,
+            segment=self.segment,
+            lr_factor=self.lr_factor,
+            rollbacks=self.rollbacks,
+            norm_pairs=list(self.phase_pairs),
+            epoch_loss=(self.epoch_loss_sum, self.epoch_samples),
+            totals=self._phase_totals(self.phase_results),
+        )
+        return self._write_checkpoint(states, phase, epoch, step, {}, progress)
+
+    def _write_checkpoint(
+        self,
+        states: list[dict[str, Any]],
+        phase: PhaseSpec,
+        epoch: int,
+        step: int,
+        schedule_state: dict[str, Any],
+        progress: PhaseProgress | None = None,
+    ) -> Path:
+        """``states``: each replica's :func:`remote.replica_checkpoint_state`, rank 0's
+        with the weights. Writes atomically; the history lists what was written."""
+        started = time.perf_counter()
+        leader = states[0]
         path = self.store.save(
             Checkpoint(
-                model_state=snapshot["model"],
-                optimizer_state=snapshot["optimizer"] or {},
+                model_state=leader["model"],
+                optimizer_state=leader["optimizer"] or {},
+                stage_state={k: v for k, v in leader["stages"].items() if v is not None},
                 phase_index=phase.index,
-                epoch=phase.end_epoch,
-                step=next_step,
-                schedule_state={
-                    "previous": phase_to_dict(phase),
-                    "measurement": dataclasses.asdict(measurement),
-                    "noise": self.noise.state_dict(),
-                },
+                epoch=epoch,
+                step=step,
+                schedule_state={**schedule_state, "noise": self.noise.state_dict()},
                 balancer_measured=[p["samples_per_second"] for p in self.history.phases],
                 ledger=ledger_state(self.ledger),
                 rng=capture_rng(),
-                replica_rng=rngs,
+                replica_rng=[s["rng"] for s in states],
+                replica_buffers=[s["buffers"] for s in states],
                 history=_json_plain(self.history.to_dict()),
                 fingerprint=self.trainer.checkpoint_fingerprint,
+                in_phase=None if progress is None else progress.to_dict(),
             )
         )
-        self.history.info.setdefault("checkpoints", []).append(str(path))
+        self.history.info.setdefault("checkpoints", []).append(
+            {
+                "path": str(path),
+                "phase": phase.index,
+                "step": step,
+                "mid_phase": progress is not None,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+        return path
 
     def _workers(self) -> list[str]:
         if str(getattr(self.client, "status", "running")) in ("closing", "closed"):
@@ -847,16 +927,30 @@ class _Fit:
         epoch, previous, index, measurement = self.start
         self.step_seconds: float | None = None
         while epoch < self.epochs:
-            phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
             self.in_flight = []
-            self.lr_factor, self.rollbacks = 1.0, 0  # on_non_finite="rollback", per phase
-            if previous is not None:
-                self._surviving(phase, self._grow, phase)
-            steps = self.trainer._phase_steps(phase, len(self.workers), index, self._measured())
+            resumed, self.resume_in_phase = self.resume_in_phase, None
+            if resumed is None:
+                phase = self.trainer.next_phase(epoch, self.epochs, previous, measurement)
+                self.lr_factor, self.rollbacks = 1.0, 0  # on_non_finite="rollback", per phase
+                self.phase_pairs, self.carried_totals = [], []
+                if previous is not None:
+                    self._surviving(phase, self._grow, phase)
+                steps = self.trainer._phase_steps(phase, len(self.workers), index, self._measured())
+                segment, todo, continued = steps, steps, False
+            else:  # resumed from a mid-phase checkpoint: the rest of its phase
+                phase, steps, todo = resumed.phase, resumed.steps, self._resumed_steps(resumed)
+                self.lr_factor, self.rollbacks = resumed.lr_factor, resumed.rollbacks
+                self.phase_pairs = list(resumed.norm_pairs)
+                same_world = len(resumed.totals) == len(self.workers)
+                self.carried_totals = resumed.totals if same_world else []
+                segment, continued = todo, True
+            self.phase_steps = steps
             phase_started = time.perf_counter()
             results: list[list[Any]] = [[] for _ in self.workers]
+            self.phase_results = results
             bar = tqdm(
                 total=len(steps),
+                initial=todo[0].index - steps[0].index if todo else 0,
                 desc=f"phase {phase.index} (B={phase.global_batch})",
                 unit="step",
                 disable=not self.config.progress,
@@ -864,7 +958,6 @@ class _Fit:
             )
             # A lost worker ends a segment: the survivors roll back to the last committed
             # window and the phase's remaining steps are split over them.
-            segment, todo, continued = steps, steps, False
             try:
                 while True:
                     try:
@@ -900,8 +993,10 @@ class _Fit:
                     f"replica weights diverged after phase {phase.index}: digests {digests}"
                 )
             self._check_epochs_complete(steps)
-            self._track_noise(ends)
-            self._record_phase(phase, segment, results, ends, time.perf_counter() - phase_started)
+            self._track_noise(self.phase_pairs)
+            totals = self._phase_totals(results)
+            seconds = time.perf_counter() - phase_started
+            self._record_phase(phase, segment, totals, ends, seconds)
             measurement = PhaseMeasurement(
                 noise_scale=self.noise.noise_scale,
                 gradient_sq=self.noise.gradient_sq,
@@ -910,12 +1005,33 @@ class _Fit:
                 steps=len(steps),
                 measured_steps=self.noise.steps,
             )
+            index = steps[0].index + len(steps)
             if self.store is not None:
-                self._surviving(
-                    phase, self._save_checkpoint, phase, index + len(steps), measurement
-                )
-            epoch, previous, index = phase.end_epoch, phase, index + len(steps)
+                self._surviving(phase, self._save_checkpoint, phase, index, measurement)
+            epoch, previous = phase.end_epoch, phase
             self.last_phase = phase
+
+    def _resumed_steps(self, progress: PhaseProgress) -> tuple:
+        """The steps of a phase left after a mid-phase checkpoint. On as many replicas as
+        it was written on, each keeps its split, so every replica reads what it would
+        have read uninterrupted (bit-identical); on another count, split evenly."""
+        world = len(self.workers)
+        if len(progress.segment[0].local_batches) == world:
+            return resplit_steps(progress.segment, self.resume_step, split=None)
+        return resplit_steps(
+            progress.segment,
+            self.resume_step,
+            split=lambda size: self.config.balancer.split(size, world, []),
+            micro_batches=self.trainer._micro_batches(world, after_loss=True),
+        )
+
+    def _phase_totals(self, results: list[list[Any]]) -> list[ReplicaTotals]:
+        """Each replica's work in the phase: its windows, and what a mid-phase checkpoint
+        carried over from before the resume."""
+        totals = [ReplicaTotals.of_windows(windows) for windows in results]
+        if len(self.carried_totals) == len(totals):
+            totals = [c.merged(t) for c, t in zip(self.carried_totals, totals, strict=True)]
+        return totals
 
     def _measured(self) -> list[list[float]]:
         """Per past phase, the samples/s of each replica of the current set (the balancer's
@@ -937,6 +1053,7 @@ class _Fit:
         world, tag = len(self.workers), self._generation_tag()
         self.committed_step = steps[0].index
         self.segment = steps  # the steps' epoch layout, to salvage a lost replica's windows
+        self.checkpoint_countdown = self.checkpoint_every or 0
         context = PhaseContext(
             index=phase.index,
             steps=steps,
@@ -1085,14 +1202,9 @@ class _Fit:
                 f"{self.committed_step} on {len(survivors)} replica(s)"
             )
         alive = [a for _, a in survivors]
-        if len(survivors) < self.config.min_workers:
+        if not alive:
             self.workers = alive  # what the fit's clean-up talks to
-            raise WorkerLostError(
-                f"lost worker(s) {', '.join(lost.workers)} in phase {record['phase']}; "
-                f"{len(survivors)} remain but min_workers={self.config.min_workers}. The "
-                "last checkpoint (checkpoint_dir=...) is at the last phase boundary: "
-                "fit(..., resume=True) continues from it once workers are back"
-            )
+            self._raise_too_few(lost, record, saved=None)
         # Stop the survivors' windows: leave the broken group (their blocked collectives
         # fail), wait for what runs to end, and drop what was queued behind it.
         _quietly(  # not waiting: a worker that died but is not yet noticed would stall it
@@ -1106,6 +1218,8 @@ class _Fit:
         self.in_flight = []
         self.workers = alive
         results[:] = [results[old] for old, _ in survivors]
+        if self.carried_totals:  # from before a resume: re-indexed like the results
+            self.carried_totals = [self.carried_totals[old] for old, _ in survivors]
         self.history.info["replicas"] = len(alive)
         rollbacks = [
             self._submit(
@@ -1119,9 +1233,15 @@ class _Fit:
         ]
         self._gather(rollbacks)
         self.last_futures = rollbacks
+        joinable = self._joinable()
+        if len(alive) + len(joinable) < self.config.min_workers:
+            saved = self._save_survivors(phase) if segment and self.store is not None else None
+            self._raise_too_few(lost, record, saved)
         # Workers that joined (a nanny's restart of a lost one) take part at once.
-        joined = self._form_group(self._joinable(), phase)
+        joined = self._form_group(joinable, phase)
         results.extend([] for _ in joined)
+        if self.carried_totals:
+            self.carried_totals.extend(ReplicaTotals() for _ in joined)
         world = len(self.workers)
         record["joined"] = joined
         rest = resplit_steps(
@@ -1134,6 +1254,48 @@ class _Fit:
         in_progress = self.window_stops.get(self.committed_step, self.committed_step)
         record.update(resumed_at=time.time(), window_steps_lost=in_progress - self.committed_step)
         return rest
+
+    def _save_survivors(self, phase: PhaseSpec) -> Path | None:
+        """Before giving up on too few workers: a mid-phase checkpoint of the commit the
+        survivors just rolled back to, so the work up to it is kept on disk."""
+        try:
+            states = self._gather(
+                [
+                    self._submit(
+                        remote.replica_checkpoint_state,
+                        r,
+                        self.last_futures[r],
+                        key=f"checkpoint@replica{r}-{self.run_id}-lost{len(self.history.info['failures'])}",
+                    )
+                    for r in range(len(self.workers))
+                ]
+            )
+            return self._save_mid_phase(phase, states)
+        except WorkersLost:  # the last survivors died too: the newest checkpoint stands
+            return None
+
+    def _raise_too_few(self, lost: WorkersLost, record: dict[str, Any], saved: Path | None):
+        """WorkerLostError, saying where the work done so far is kept."""
+        if saved is not None:
+            where = (
+                f"A checkpoint of step {self.committed_step} (the last window every replica "
+                f"finished) was written to {saved}; "
+            )
+        elif self.store is not None:
+            newest = self.store.latest()
+            where = (
+                f"The newest checkpoint is {newest}; "
+                if newest is not None
+                else f"No checkpoint was written yet in {self.store.directory}; "
+            )
+        else:
+            where = "No checkpoint_dir was given, so the work done is lost; "
+        raise WorkerLostError(
+            f"lost worker(s) {', '.join(lost.workers)} in phase {record['phase']}; "
+            f"{len(self.workers)} remain but min_workers={self.config.min_workers}. {where}"
+            "fit(..., checkpoint_dir=..., resume=True) continues from the newest checkpoint "
+            "once workers are back"
+        )
 
     def _regroup_after_loss(self, lost: WorkersLost, phase: PhaseSpec) -> None:
         """A loss between segments (a phase boundary): the survivors are all at the
@@ -1149,13 +1311,12 @@ class _Fit:
             except WorkersLost as lost:
                 self._regroup_after_loss(lost, phase)
 
-    def _track_noise(self, ends: list[dict]) -> None:
-        """Feed the replicas' per-step gradient-norm pairs to the noise-scale tracker, in
+    def _track_noise(self, pairs: list[tuple]) -> None:
+        """Feed the committed steps' gradient-norm pairs to the noise-scale tracker, in
         step order (all replicas' pairs of one step together)."""
         by_step: dict[int, list[NormPair]] = defaultdict(list)
-        for end in ends:
-            for index, small, small_sq, big, big_sq in end.get("norm_pairs", ()):
-                by_step[index].append(NormPair(small, small_sq, big, big_sq))
+        for index, small, small_sq, big, big_sq in pairs:
+            by_step[index].append(NormPair(small, small_sq, big, big_sq))
         for index in sorted(by_step):
             self.noise.update(by_step[index])
 
@@ -1183,6 +1344,14 @@ class _Fit:
 
     def _run_plan(self, plan: Plan, results: list[list[Any]], bar: Any) -> None:
         futures = {}
+        checkpoints: frozenset[int] = frozenset()
+        if self.checkpoint_every and self.store is not None:
+            checkpoints, self.checkpoint_countdown = checkpoint_windows(
+                plan,
+                self.checkpoint_every,
+                self.checkpoint_countdown,
+                phase_stop=self.phase_steps[-1].index + 1,
+            )
         for task in plan.tasks():
             window = task.window
             first = plan.steps[window.first].index
@@ -1195,6 +1364,7 @@ class _Fit:
                 stop,
                 self.last_futures[task.replica],
                 self.generation,
+                window.index in checkpoints,
                 key=task.key,
             )
             self.last_futures[task.replica] = future
@@ -1252,10 +1422,17 @@ class _Fit:
     def _commit_window(
         self, plan: Plan, window_results: dict[int, Any], results: list[list[Any]], bar: Any
     ) -> None:
-        for r in range(plan.replicas):
-            results[r].append(window_results[r])
-        self._record_steps(plan, [window_results[r] for r in range(plan.replicas)], bar)
+        window = [window_results[r] for r in range(plan.replicas)]
+        states = [w.checkpoint for w in window]
+        for r, w in enumerate(window):
+            w.checkpoint = None  # the history keeps the window's numbers, not its weights
+            results[r].append(w)
+        self._record_steps(plan, window, bar)
         self.next_window += 1
+        # Every replica's state at the window's end (a replica lost before it gave its
+        # own, salvaged from the plan, has none: wait for the next checkpoint window).
+        if all(state is not None for state in states):
+            self._save_mid_phase(plan.phase, states)
 
     def _salvage(
         self,
@@ -1353,6 +1530,8 @@ class _Fit:
         # Once per window and replica: each record scans the epoch's bitmap.
         for (epoch, rank), parts in consumed.items():
             self.ledger.record(epoch, rank, np.concatenate(parts))
+        for w in window:  # so do its gradient-norm pairs (the noise scale)
+            self.phase_pairs.extend(w.norm_pairs)
         elapsed = time.perf_counter() - self.train_started
         bar.update(len(window[0].samples))
         bar.set_postfix(
@@ -1380,28 +1559,23 @@ class _Fit:
         self,
         phase: PhaseSpec,
         steps: tuple,
-        results: list[list[Any]],
+        totals: list[ReplicaTotals],
         ends: list[dict],
         seconds: float,
     ) -> None:
-        rates, task_seconds, stage_seconds, data_wait = [], [], [], []
-        loads = {name for name in self.order if isinstance(self.trainer.graph[name], Load)}
-        for windows in results:
-            samples = sum(sum(w.samples) for w in windows)
-            stages = defaultdict(float)
-            for w in windows:
-                for name, value in w.stage_seconds.items():
-                    stages[name] += value
+        rates, data_wait = [], []
+        graph = self.trainer.graph
+        loads = {name for name in self.order if isinstance(graph[name], Load)}
+        for replica in totals:
+            stages = replica.stage_seconds
             compute = sum(
                 v
                 for name, v in stages.items()
-                if name not in self.trainer.graph or not remote.is_waiting(self.trainer.graph[name])
+                if name not in graph or not remote.is_waiting(graph[name])
             )
-            rates.append(samples / compute if compute > 0 else 0.0)
-            task_seconds.append(sum(w.task_seconds for w in windows))
-            stage_seconds.append(dict(stages))
+            rates.append(replica.samples / compute if compute > 0 else 0.0)
             total = sum(stages.values())
-            data_wait.append(sum(stages[n] for n in loads) / total if total > 0 else 0.0)
+            data_wait.append(sum(stages.get(n, 0.0) for n in loads) / total if total > 0 else 0.0)
         self.history.phases.append(
             {
                 "phase": phase.index,
@@ -1416,11 +1590,11 @@ class _Fit:
                 "gain": phase.gain,  # the LR gain the schedule applied (Adaptive)
                 "measured_noise_scale": self.noise.noise_scale,  # after this phase's steps
                 "samples_per_second": rates,
-                "steps": len(steps),
-                "windows": len(results[0]),
+                "steps": len(self.phase_steps),
+                "windows": totals[0].windows,
                 "seconds": seconds,
-                "task_seconds": task_seconds,
-                "stage_seconds": stage_seconds,
+                "task_seconds": [t.task_seconds for t in totals],
+                "stage_seconds": [dict(t.stage_seconds) for t in totals],
                 "data_wait_fraction": data_wait,  # per replica: share of step time in Load
                 "chunks_decoded": [end.get("chunks_decoded", 0) for end in ends],
                 "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],

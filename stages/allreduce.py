@@ -55,10 +55,6 @@ class AllReduce(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._measure = phase.measure_noise
-        kept = []  # a continued phase keeps the pairs of the steps before the commit
-        if phase.continued and phase.steps:
-            kept = [p for p in getattr(self, "_norm_pairs", []) if p[0] < phase.steps[0].index]
-        self._norm_pairs: list[tuple[int, float, float, float, float]] = kept
         if self._reducer is not None:
             self._reducer.measure = phase.measure_noise
 
@@ -89,17 +85,20 @@ class AllReduce(Stage):
     def _record_norms(self, step: StepContext) -> None:
         """One (small batch, |g_small|^2, big batch, |g_big|^2) pair per step, for the
         driver's noise-scale estimate: this replica's local batch inside the global
-        batch, or (one replica) its first micro-batch inside its local batch."""
+        batch, or (one replica) its first micro-batch inside its local batch. They go
+        back with the window (``step.metrics["norm_pairs"]``), so the driver counts only
+        committed steps, whatever a lost worker rolls back."""
         index, local, total = step.spec.index, step.local_batch, step.global_batch
+        pairs = step.metrics.setdefault("norm_pairs", [])
         if self._reducer is not None:
             if 0 < local < total:
                 local_sq = self._reducer.local_sq / step.weight**2
-                self._norm_pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
+                pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
         elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
             size, _ = self._first_micro
             if size is not None and 0 < size < local:
                 local_sq = _grad_squared_norm(step.replica.model)
-                self._norm_pairs.append((index, size, self._first_micro_sq, local, local_sq))
+                pairs.append((index, size, self._first_micro_sq, local, local_sq))
             del self._first_micro
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
@@ -113,8 +112,7 @@ class AllReduce(Stage):
             buffers = [b for b in replica.model.buffers() if b.is_floating_point()]
             for buffer in buffers:
                 replica.collective.allreduce(buffer.data).div_(replica.world_size)
-        pairs, self._norm_pairs = getattr(self, "_norm_pairs", []), []
-        return {"norm_pairs": pairs} if pairs else {}
+        return {}
 
     def teardown(self, replica: ReplicaContext) -> None:
         if getattr(self, "_reducer", None) is not None:

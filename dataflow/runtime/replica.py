@@ -67,6 +67,12 @@ class WindowResult:
     task_seconds: float
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
     sample_indices: list[Any] = field(default_factory=list)  # per step: what Load read
+    # (step, small batch, |g_small|^2, big batch, |g_big|^2) per measured step: the
+    # driver folds them into the noise-scale estimate once the window is committed.
+    norm_pairs: list[tuple[int, int, float, int, float]] = field(default_factory=list)
+    # The replica's state at the window's end, when the driver asked for a checkpoint
+    # there (:meth:`ReplicaRuntime.checkpoint_state`).
+    checkpoint: dict[str, Any] | None = None
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:
@@ -124,9 +130,12 @@ class ReplicaRuntime:
         for name in self.order:
             self.stages[name].begin_phase(self.context, phase)
 
-    def run_window(self, first_step: int, stop_step: int) -> WindowResult:
+    def run_window(self, first_step: int, stop_step: int, checkpoint: bool = False) -> WindowResult:
         with self.lock:
-            return self._run_window(first_step, stop_step)
+            result = self._run_window(first_step, stop_step)
+            if checkpoint:
+                result.checkpoint = self.checkpoint_state()
+            return result
 
     def _run_window(self, first_step: int, stop_step: int) -> WindowResult:
         started = time.perf_counter()
@@ -134,7 +143,7 @@ class ReplicaRuntime:
             self.commit(first_step)
         self.in_window = True
         stage_seconds = dict.fromkeys(self.order, 0.0)
-        samples, losses, seconds, indices = [], [], [], []
+        samples, losses, seconds, indices, pairs = [], [], [], [], []
         evals: dict[int, dict[str, float]] = {}
         rank = self.context.rank
         for index in range(first_step, stop_step):
@@ -160,6 +169,7 @@ class ReplicaRuntime:
             samples.append(spec.local_batches[rank])
             losses.append(step.metrics.get("loss"))
             indices.append(step.metrics.get("sample_indices"))
+            pairs.extend(step.metrics.get("norm_pairs", ()))
             if "eval" in step.metrics:
                 evals[index] = step.metrics["eval"]
         self.in_window, self.completed_step = False, stop_step
@@ -173,6 +183,7 @@ class ReplicaRuntime:
             task_seconds=time.perf_counter() - started,
             evals=evals,
             sample_indices=indices,
+            norm_pairs=pairs,
         )
 
     def commit(self, step: int, keep: int = 2) -> None:
@@ -189,6 +200,25 @@ class ReplicaRuntime:
         }
         for old in sorted(self.commits)[:-keep]:
             del self.commits[old]
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a mid-phase checkpoint needs of this replica, in host memory: its random
+        state and its buffers (BatchNorm statistics drift apart between replicas until
+        the phase ends); rank 0 adds the weights, optimizer state and stage settings,
+        which every replica shares."""
+        from dataflow.checkpoint import capture_rng
+
+        model = self.context.model
+        state: dict[str, Any] = {
+            "rng": capture_rng(),
+            "buffers": {}
+            if model is None
+            else {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()},
+        }
+        if self.context.rank == 0:
+            snapshot = self.snapshot()  # its weights are host copies already
+            state.update(snapshot, optimizer=_host_copy(snapshot["optimizer"]))
+        return state
 
     def rollback(self, step: int) -> None:
         """Return to the state before ``step``: the last commit all replicas share."""
@@ -507,20 +537,30 @@ def rollback_replica(run_id: str, commit_step: int, rank: int) -> int:
     return rank
 
 
-def replica_rng(run_id: str, after: Any = None) -> dict[str, Any]:
-    """This worker's random state (dropout draws), for a checkpoint."""
-    from dataflow.checkpoint import capture_rng
-
-    return capture_rng()
-
-
-def restore_replica(run_id: str, state: dict[str, Any], rng: dict[str, Any] | None) -> None:
-    """Resume: the checkpoint's weights, optimizer state and this rank's random state."""
+def restore_replica(
+    run_id: str,
+    state: dict[str, Any],
+    rng: dict[str, Any] | None,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Resume: the checkpoint's weights, optimizer state and stage settings, and this
+    rank's random state and buffers (saved mid-phase, for the same replica count)."""
     from dataflow.checkpoint import restore_rng
 
-    current_plugin().replica(run_id).load_snapshot(state)
+    runtime = current_plugin().replica(run_id)
+    runtime.load_snapshot(state)
+    if buffers and runtime.context.model is not None:
+        named = dict(runtime.context.model.named_buffers())
+        with torch.no_grad():
+            for name, value in buffers.items():
+                named[name].copy_(value)
     if rng is not None:
         restore_rng(rng)
+
+
+def replica_checkpoint_state(run_id: str, after: Any = None) -> dict[str, Any]:
+    """This replica's part of a checkpoint (see :meth:`ReplicaRuntime.checkpoint_state`)."""
+    return current_plugin().replica(run_id).checkpoint_state()
 
 
 def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
@@ -549,10 +589,16 @@ def begin_phase(run_id: str, phase: PhaseContext, after: Any = None, generation:
 
 
 def run_window(
-    run_id: str, first_step: int, stop_step: int, after: Any = None, generation: int = 0
+    run_id: str,
+    first_step: int,
+    stop_step: int,
+    after: Any = None,
+    generation: int = 0,
+    checkpoint: bool = False,
 ) -> WindowResult:
-    """Run steps ``[first_step, stop_step)``; ``after`` only orders it behind the last task."""
-    return _current(run_id, generation).run_window(first_step, stop_step)
+    """Run steps ``[first_step, stop_step)``; ``after`` only orders it behind the last task.
+    ``checkpoint``: return the state at the window's end too (a mid-phase checkpoint)."""
+    return _current(run_id, generation).run_window(first_step, stop_step, checkpoint)
 
 
 def end_phase(run_id: str, after: Any = None, generation: int = 0) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""Where a fit stands inside a phase: what a mid-phase checkpoint must hold so the
+driver can go on from its step as if it had never stopped.
+
+Pure data: the driver builds a :class:`PhaseProgress` when it writes a checkpoint
+inside a phase (every ``checkpoint_every`` windows, or before raising
+``WorkerLostError``) and reads one back on ``fit(resume=True)``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.checkpoint import phase_from_dict, phase_to_dict, steps_from_list, steps_to_list
+from dataflow.schedule import PhaseSpec
+from dataflow.stages.base import StepSpec
+
+
+@dataclass
+class ReplicaTotals:
+    """One replica's work in a phase, summed over its windows (what the history's phase
+    record and the balancer need; the windows themselves are not kept)."""
+
+    samples: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    task_seconds: float = 0.0
+    windows: int = 0
+
+    def add(self, samples: int, stage_seconds: Mapping[str, float], task_seconds: float) -> None:
+        self.samples += samples
+        for name, value in stage_seconds.items():
+            self.stage_seconds[name] += value
+        self.task_seconds += task_seconds
+        self.windows += 1
+
+    @classmethod
+    def of_windows(cls, windows: Iterable[Any]) -> ReplicaTotals:
+        """The totals of ``WindowResult``s."""
+        totals = cls()
+        for w in windows:
+            totals.add(sum(w.samples), w.stage_seconds, w.task_seconds)
+        return totals
+
+    def merged(self, other: ReplicaTotals) -> ReplicaTotals:
+        out = ReplicaTotals()
+        for part in (self, other):
+            out.samples += part.samples
+            for name, value in part.stage_seconds.items():
+                out.stage_seconds[name] += value
+            out.task_seconds += part.task_seconds
+            out.windows += part.windows
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "stage_seconds": dict(self.stage_seconds),
+            "task_seconds": self.task_seconds,
+            "windows": self.windows,
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> ReplicaTotals:
+        totals = cls(
+            samples=int(state["samples"]),
+            task_seconds=float(state["task_seconds"]),
+            windows=int(state["windows"]),
+        )
+        for name, value in state["stage_seconds"].items():
+            totals.stage_seconds[name] += float(value)
+        return totals
+
+
+@dataclass
+class PhaseProgress:
+    """The driver's state inside a phase at a committed step.
+
+    ``steps``: the phase's steps as planned (the epochs it must complete);
+    ``segment``: the steps running now (after a lost worker, the rest re-split);
+    ``norm_pairs``: the gradient-norm pairs of the committed steps (the noise scale is
+    updated from them when the phase ends); ``epoch_loss``: the running (sum, samples)
+    of the epoch in progress; ``totals``: per replica, its work so far.
+    """
+
+    phase: PhaseSpec
+    steps: tuple[StepSpec, ...]
+    segment: tuple[StepSpec, ...]
+    lr_factor: float = 1.0
+    rollbacks: int = 0
+    norm_pairs: list[tuple] = field(default_factory=list)
+    epoch_loss: tuple[float, int] = (0.0, 0)
+    totals: list[ReplicaTotals] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": phase_to_dict(self.phase),
+            "steps": steps_to_list(self.steps),
+            "segment": steps_to_list(self.segment),
+            "lr_factor": float(self.lr_factor),
+            "rollbacks": int(self.rollbacks),
+            "norm_pairs": [tuple(pair) for pair in self.norm_pairs],
+            "epoch_loss": (float(self.epoch_loss[0]), int(self.epoch_loss[1])),
+            "totals": [t.to_dict() for t in self.totals],
+        }
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> PhaseProgress:
+        loss_sum, loss_samples = state["epoch_loss"]
+        return cls(
+            phase=phase_from_dict(state["phase"]),
+            steps=steps_from_list(state["steps"]),
+            segment=steps_from_list(state["segment"]),
+            lr_factor=float(state["lr_factor"]),
+            rollbacks=int(state["rollbacks"]),
+            norm_pairs=[tuple(pair) for pair in state["norm_pairs"]],
+            epoch_loss=(float(loss_sum), int(loss_samples)),
+            totals=[ReplicaTotals.from_dict(t) for t in state["totals"]],
+        )
