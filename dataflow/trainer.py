@@ -66,6 +66,8 @@ FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after t
 LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
 NON_FINITE_LR_CUT = 0.5  # on_non_finite="rollback": the LR factor applied per rollback
 MAX_ROLLBACKS = 3  # ... per phase; then the NonFiniteError stops the fit
+RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
+MAX_RESTARTS = 5  # ... and how often per fit to start again from the newest checkpoint
 
 
 class WorkersLost(Exception):
@@ -74,6 +76,15 @@ class WorkersLost(Exception):
     def __init__(self, workers: list[str]) -> None:
         super().__init__(f"lost workers {workers}")
         self.workers = workers
+
+
+class AllReplicasLost(Exception):
+    """Internal: every replica died at once, so no survivor holds the commit; the driver
+    starts again from the newest checkpoint on the workers the cluster has then."""
+
+    def __init__(self, lost: WorkersLost, phase: int | None) -> None:
+        super().__init__(f"every replica lost: {lost.workers}")
+        self.lost, self.phase = lost, phase
 
 
 @dataclass(kw_only=True)
@@ -522,7 +533,7 @@ class _Fit:
                     state,
                     rngs[r] if r < len(rngs) else None,
                     buffers[r] if same_world else None,
-                    key=f"restore@replica{r}-{self.run_id}",
+                    key=f"restore@replica{r}-{self.run_id}{self._generation_tag()}",
                 )
                 for r in range(len(self.workers))
             ]
@@ -539,7 +550,8 @@ class _Fit:
                     remote.replica_checkpoint_state,
                     r,
                     self.last_futures[r],
-                    key=f"checkpoint@replica{r}-{self.run_id}-p{phase.index}",
+                    key=f"checkpoint@replica{r}-{self.run_id}-p{phase.index}"
+                    f"{self._generation_tag()}",
                 )
                 for r in range(len(self.workers))
             ]
@@ -680,7 +692,7 @@ class _Fit:
                     "phase": self.resumed.phase_index,
                 }
             self.train_started = time.perf_counter()
-            self._run_phases()
+            self._train()
             self.history.info["train_seconds"] = time.perf_counter() - self.train_started
             state = self._surviving(self.last_phase, self._final_weights)
         except BaseException:
@@ -696,6 +708,68 @@ class _Fit:
         if self.config.progress:
             print(result.summary())
         return result
+
+    def _train(self) -> None:
+        """Run the phases. If every replica dies at once (no survivor holds the last
+        commit), start again from the newest checkpoint on the workers there are then
+        (a nanny's restarts, a scheduler's replacements)."""
+        restarts = 0
+        while True:
+            try:
+                return self._run_phases()
+            except AllReplicasLost as every:
+                checkpoint = self._restart_point(every) if restarts < MAX_RESTARTS else None
+                if checkpoint is None:
+                    error = self._too_few_error(every.lost, every.phase, saved=None)
+                    self.workers = []  # what the fit's clean-up talks to: none is left
+                    raise error from None
+                restarts += 1
+                self._restart_from(checkpoint, every)
+
+    def _restart_point(self, every: AllReplicasLost) -> Checkpoint | None:
+        """The newest valid checkpoint, once ``min_workers`` workers are there; None if
+        there is no checkpoint folder, no checkpoint yet, or no workers come back."""
+        if self.store is None or self.store.latest() is None:
+            return None
+        try:
+            self.client.wait_for_workers(self.config.min_workers, timeout=RESTART_WAIT_S)
+        except TimeoutError:
+            return None
+        return self.store.load_latest(self.trainer.checkpoint_fingerprint)
+
+    def _restart_from(self, checkpoint: Checkpoint, every: AllReplicasLost) -> None:
+        """The driver's state back to ``checkpoint`` (history, ledger, noise, position);
+        new replicas on the workers the client has now, loaded from it."""
+        record = {
+            "phase": every.phase,
+            "reason": "every replica lost",
+            "lost": list(every.lost.workers),
+            "detected_at": time.time(),
+            "commit_step": self.committed_step,
+            "restarted_from_step": checkpoint.step,
+            "window_steps_lost": self.committed_step - checkpoint.step,
+        }
+        self.history.info.setdefault("failures", []).append(record)
+        if self.config.progress:
+            print(
+                f"dataflow: every replica was lost; starting again from the checkpoint of "
+                f"step {checkpoint.step}"
+            )
+        self.ledger = SampleLedger(self.trainer.load.source.num_samples)
+        self.noise = NoiseScaleTracker()
+        self.epoch_loss_sum, self.epoch_samples = 0.0, 0
+        self.resume_in_phase = None
+        self._restore_driver(checkpoint)
+        self.workers = self._available_workers()[: self.config.replicas or None]
+        self.generation += 1
+        self.in_flight = []
+        self._scatter_spec(self.workers)
+        self.history.info["workers"] += self._start_replicas()
+        self.last_futures = [None] * len(self.workers)
+        self.history.info["replicas"] = len(self.workers)
+        self._restore_replicas(checkpoint)
+        self.committed_step = self.start[2]
+        record.update(resumed_at=time.time(), replicas_after=len(self.workers))
 
     def _scatter_spec(self, workers: list[str]) -> None:
         """Send the replica spec (graph, sources) once to ``workers``."""
@@ -1202,9 +1276,8 @@ class _Fit:
                 f"{self.committed_step} on {len(survivors)} replica(s)"
             )
         alive = [a for _, a in survivors]
-        if not alive:
-            self.workers = alive  # what the fit's clean-up talks to
-            self._raise_too_few(lost, record, saved=None)
+        if not alive:  # nothing to roll back: the newest checkpoint is the way on
+            raise AllReplicasLost(lost, record["phase"])
         # Stop the survivors' windows: leave the broken group (their blocked collectives
         # fail), wait for what runs to end, and drop what was queued behind it.
         _quietly(  # not waiting: a worker that died but is not yet noticed would stall it
@@ -1236,7 +1309,7 @@ class _Fit:
         joinable = self._joinable()
         if len(alive) + len(joinable) < self.config.min_workers:
             saved = self._save_survivors(phase) if segment and self.store is not None else None
-            self._raise_too_few(lost, record, saved)
+            raise self._too_few_error(lost, record["phase"], saved)
         # Workers that joined (a nanny's restart of a lost one) take part at once.
         joined = self._form_group(joinable, phase)
         results.extend([] for _ in joined)
@@ -1274,7 +1347,9 @@ class _Fit:
         except WorkersLost:  # the last survivors died too: the newest checkpoint stands
             return None
 
-    def _raise_too_few(self, lost: WorkersLost, record: dict[str, Any], saved: Path | None):
+    def _too_few_error(
+        self, lost: WorkersLost, phase: int | None, saved: Path | None
+    ) -> WorkerLostError:
         """WorkerLostError, saying where the work done so far is kept."""
         if saved is not None:
             where = (
@@ -1290,9 +1365,10 @@ class _Fit:
             )
         else:
             where = "No checkpoint_dir was given, so the work done is lost; "
-        raise WorkerLostError(
-            f"lost worker(s) {', '.join(lost.workers)} in phase {record['phase']}; "
-            f"{len(self.workers)} remain but min_workers={self.config.min_workers}. {where}"
+        remain = len([a for a in self.workers if a not in lost.workers])
+        return WorkerLostError(
+            f"lost worker(s) {', '.join(lost.workers)} in phase {phase}; "
+            f"{remain} remain but min_workers={self.config.min_workers}. {where}"
             "fit(..., checkpoint_dir=..., resume=True) continues from the newest checkpoint "
             "once workers are back"
         )

@@ -20,6 +20,7 @@ import torch
 
 import dataflow as dfl
 from dataflow.checkpoint import (
+    FORMAT_VERSION,
     WRITE_DELAY_ENV,
     Checkpoint,
     CheckpointStore,
@@ -160,7 +161,48 @@ def test_checkpoint_loads_weights_only(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     path = store.save(make_checkpoint(Net(), 3, rng=capture_rng()))
     state = torch.load(path, weights_only=True)
-    assert state["step"] == 3 and state["format_version"] == 1
+    assert state["step"] == 3 and state["format_version"] == FORMAT_VERSION
+
+
+def test_mid_phase_progress_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
+    """A PhaseProgress (the phase, its steps with re-split history, the pairs, the
+    per-replica totals) saved in a checkpoint comes back equal, tuples as tuples."""
+    from dataflow.plan import phase_steps, resplit_steps
+    from dataflow.progress import PhaseProgress, ReplicaTotals
+
+    phase = PhaseSpec(index=1, start_epoch=2, end_epoch=4, global_batch=6, lr_scale=2.0)
+    steps = phase_steps(num_samples=20, phase=phase, split=lambda n: (n - n // 2, n // 2))
+    segment = resplit_steps(steps, 5, split=lambda n: (n,))  # re-split mid-epoch
+    totals = ReplicaTotals()
+    totals.add(12, {"Forward": 0.5, "Load": 0.1}, 0.7)
+    progress = PhaseProgress(
+        phase=phase,
+        steps=steps,
+        segment=segment,
+        lr_factor=0.5,
+        rollbacks=1,
+        norm_pairs=[(3, 3, 1.5, 6, 0.5)],
+        epoch_loss=(4.5, 12),
+        totals=[totals],
+    )
+    store = CheckpointStore(tmp_path)
+    store.save(make_checkpoint(Net(), 5, in_phase=progress.to_dict()))
+    loaded = store.load_latest()
+    assert loaded.mid_phase
+    back = PhaseProgress.from_dict(loaded.in_phase)
+    assert back.phase == phase and back.steps == steps and back.segment == segment
+    assert segment[0].earlier_splits  # the nested tuples survived
+    assert back.norm_pairs == progress.norm_pairs and back.epoch_loss == (4.5, 12)
+    assert back.totals[0].to_dict() == totals.to_dict()
+
+
+def test_a_format_1_checkpoint_still_loads_as_a_phase_boundary(tmp_path: Path) -> None:
+    state = make_checkpoint(Net(), 2).to_dict()
+    for name in ("stage_state", "replica_buffers", "in_phase"):
+        del state[name]
+    state["format_version"] = 1
+    loaded = Checkpoint.from_dict(state)
+    assert not loaded.mid_phase and loaded.step == 2
 
 
 def test_unstorable_value_is_refused_with_its_field(tmp_path: Path) -> None:

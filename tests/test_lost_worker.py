@@ -22,27 +22,31 @@ from distributed import Client, LocalCluster
 import dataflow as dfl
 from dataflow import stages
 from dataflow.balance import Even
+from dataflow.checkpoint import CheckpointStore, ledger_from_state
 from dataflow.plan import resplit_steps
 
 N_SAMPLES = 480
 
 
 class KillOnce(stages.Stage):
-    """Test stage: SIGKILLs its own worker process at step ``step`` on replica ``rank``,
-    once per ``marker`` file (written first, with the time of the kill)."""
+    """Test stage: SIGKILLs its own worker process at step ``step`` on replica ``rank``
+    (None: on every replica, each with its own marker ``marker.<rank>``), once per
+    ``marker`` file (written first, with the time of the kill)."""
 
-    def __init__(self, marker: str, *, step: int, rank: int) -> None:
+    def __init__(self, marker: str, *, step: int, rank: int | None) -> None:
         super().__init__("KillOnce")
         self.marker, self.step, self.rank = marker, step, rank
 
     def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        rank = step.replica.rank
+        marker = self.marker if self.rank is not None else f"{self.marker}.{rank}"
         if (
             step.spec.index == self.step
-            and step.replica.rank == self.rank
+            and self.rank in (rank, None)
             and step.replica.world_size > 1
-            and not os.path.exists(self.marker)
+            and not os.path.exists(marker)
         ):
-            Path(self.marker).write_text(str(time.time()))
+            Path(marker).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         return batch
 
@@ -67,11 +71,11 @@ class WaitForWorkers(stages.Stage):
         return batch
 
 
-def _trainer(x, y, *, marker=None, kill_step=0, wait_step=None, seed=0, **options):
+def _trainer(x, y, *, marker=None, kill_step=0, kill_rank=1, wait_step=None, seed=0, **options):
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     if marker is not None:
-        batch = g.add(KillOnce(marker, step=kill_step, rank=1), batch)
+        batch = g.add(KillOnce(marker, step=kill_step, rank=kill_rank), batch)
     if wait_step is not None:
         batch = g.add(WaitForWorkers(step=wait_step, count=3), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
@@ -152,16 +156,63 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
     assert max_abs_diff(result.model, expected) < 1e-5
 
 
-@pytest.mark.timeout(120)
-def test_too_few_workers_left_raises_worker_lost_error(tmp_path):
+@pytest.mark.timeout(240)
+def test_too_few_workers_left_checkpoints_the_commit_raises_and_resumes(tmp_path):
     x, y = make_data(N_SAMPLES)
+    epochs, folder, marker = 2, tmp_path / "checkpoints", str(tmp_path / "killed")
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        trainer = _trainer(x, y, marker=str(tmp_path / "killed"), kill_step=5, min_workers=2)
-        with pytest.raises(dfl.WorkerLostError, match="min_workers=2"):
-            trainer.fit(epochs=2, client=client)
+        for nanny in list(cluster.workers.values()):  # nodes that do not come back
+            cluster.loop.add_callback(nanny.close_gracefully)
+        trainer = _trainer(x, y, marker=marker, kill_step=5, min_workers=2)
+        with pytest.raises(dfl.WorkerLostError, match="min_workers=2") as caught:
+            trainer.fit(epochs=epochs, client=client, checkpoint_dir=folder)
+        # the survivor's state at the last window both replicas finished is on disk
+        saved = CheckpointStore(folder).load_latest()
+        assert saved.mid_phase and 1 <= saved.step <= 5
+        assert f"A checkpoint of step {saved.step}" in str(caught.value)
+        assert "resume=True" in str(caught.value)
+        ledger = ledger_from_state(saved.ledger)  # the committed steps' samples, no more
+        assert len(ledger.consumed(0)) == saved.step * 24
+        assert len(saved.history["steps"]) == saved.step
+
+    with (  # a new allocation: the job is started again
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        trainer = _trainer(x, y, marker=marker, kill_step=5, min_workers=2)
+        result = trainer.fit(epochs=epochs, client=client, checkpoint_dir=folder, resume=True)
+    assert result.history.info["resumed_from"]["step"] == saved.step
+    _assert_exact_ledger(result, epochs)
+
+
+@pytest.mark.timeout(240)
+def test_every_replica_killed_at_once_restarts_from_the_newest_checkpoint(tmp_path):
+    """No survivor holds the commit: the driver waits for the nannies to restart the
+    workers and starts again from the newest (mid-phase) checkpoint."""
+    x, y = make_data(N_SAMPLES)
+    epochs = 3
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        trainer = _trainer(x, y, marker=str(tmp_path / "killed"), kill_step=30, kill_rank=None)
+        result = trainer.fit(
+            epochs=epochs, client=client, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2
+        )
+    assert (tmp_path / "killed.0").exists() and (tmp_path / "killed.1").exists()
+    [restart] = [f for f in result.history.info["failures"] if "restarted_from_step" in f]
+    assert restart["phase"] == 0 and restart["replicas_after"] == 2
+    assert 0 < restart["restarted_from_step"] <= 30  # a mid-phase checkpoint of phase 0
+    print(
+        f"\nevery replica killed at step 30: started again from step "
+        f"{restart['restarted_from_step']} after {restart['resumed_at'] - restart['detected_at']:.2f} s"
+    )
+    _assert_exact_ledger(result, epochs)
+    losses = [e["train_loss"] for e in result.history.epochs]
+    assert losses[-1] < losses[0]
 
 
 class SlowStep(stages.Stage):
@@ -245,7 +296,11 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
         for thread in threads:
             thread.start()
         try:
-            result = trainer.fit(epochs=epochs, client=client)
+            # with checkpoints inside phases: should every replica die at once, the fit
+            # starts again from the newest one on the restarted workers
+            result = trainer.fit(
+                epochs=epochs, client=client, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=4
+            )
         finally:
             stop.set()
             started.set()
@@ -254,8 +309,10 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
     failures = result.history.info.get("failures", [])
     train_seconds = result.history.info["train_seconds"]
     recoveries = [f["resumed_at"] - f["detected_at"] for f in failures if "resumed_at" in f]
+    restarts = [f for f in failures if "restarted_from_step" in f]
     print(
-        f"\nchaos: {len(kills)} kills, {len(failures)} recoveries in {train_seconds:.0f} s of "
+        f"\nchaos: {len(kills)} kills, {len(failures)} recoveries ({len(restarts)} from a "
+        f"checkpoint) in {train_seconds:.0f} s of "
         f"training; recovery (detected -> resumed) max {max(recoveries, default=0):.2f} s; "
         f"replicas per phase {[p['replicas'] for p in result.history.phases]}; "
         f"joins at phases {[r['phase'] for r in result.history.info['regroups']]}"
