@@ -206,9 +206,10 @@ def test_every_replica_killed_at_once_restarts_from_the_newest_checkpoint(tmp_pa
     [restart] = [f for f in result.history.info["failures"] if "restarted_from_step" in f]
     assert restart["phase"] == 0 and restart["replicas_after"] == 2
     assert 0 < restart["restarted_from_step"] <= 30  # a mid-phase checkpoint of phase 0
+    waited = restart["resumed_at"] - restart["detected_at"]
     print(
         f"\nevery replica killed at step 30: started again from step "
-        f"{restart['restarted_from_step']} after {restart['resumed_at'] - restart['detected_at']:.2f} s"
+        f"{restart['restarted_from_step']} after {waited:.2f} s"
     )
     _assert_exact_ledger(result, epochs)
     losses = [e["train_loss"] for e in result.history.epochs]
