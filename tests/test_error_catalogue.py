@@ -366,6 +366,18 @@ CAUGHT = [
         dfl.ConfigError,
         r"^CheckpointStore\(keep=0\): keep must be an int >= 1",
     ),
+    Mistake(
+        "checkpoint-every-zero",
+        lambda tmp: pipe().fit(1, client=NO_CLUSTER, checkpoint_dir=tmp, checkpoint_every=0),
+        dfl.ConfigError,
+        r"^fit\(checkpoint_every=0\): give the number of windows between checkpoints",
+    ),
+    Mistake(
+        "checkpoint-every-without-a-folder",
+        lambda tmp: pipe().fit(1, client=NO_CLUSTER, checkpoint_every=100),
+        dfl.ConfigError,
+        r"^fit\(checkpoint_every=100\) needs checkpoint_dir=",
+    ),
     # -- fit(): the dry run, one step of two samples on the driver ----------------------
     Mistake(
         "model-factory-raises",
