@@ -718,15 +718,20 @@ class _Fit:
             try:
                 return self._run_phases()
             except AllReplicasLost as every:
-                checkpoint = self._restart_point(every) if restarts < MAX_RESTARTS else None
-                if checkpoint is None:
-                    error = self._too_few_error(every.lost, every.phase, saved=None)
-                    self.workers = []  # what the fit's clean-up talks to: none is left
-                    raise error from None
-                restarts += 1
-                self._restart_from(checkpoint, every)
+                while True:
+                    checkpoint = self._restart_point() if restarts < MAX_RESTARTS else None
+                    if checkpoint is None:
+                        error = self._too_few_error(every.lost, every.phase, saved=None)
+                        self.workers = []  # what the fit's clean-up talks to: none is left
+                        raise error from None
+                    restarts += 1
+                    try:
+                        self._restart_from(checkpoint, every)
+                        break
+                    except WorkerLostError:  # lost again while starting: wait, try again
+                        continue
 
-    def _restart_point(self, every: AllReplicasLost) -> Checkpoint | None:
+    def _restart_point(self) -> Checkpoint | None:
         """The newest valid checkpoint, once ``min_workers`` workers are there; None if
         there is no checkpoint folder, no checkpoint yet, or no workers come back."""
         if self.store is None or self.store.latest() is None:
@@ -747,7 +752,9 @@ class _Fit:
             "detected_at": time.time(),
             "commit_step": self.committed_step,
             "restarted_from_step": checkpoint.step,
-            "window_steps_lost": self.committed_step - checkpoint.step,
+            # what runs again: from the checkpoint to the end of the window in progress
+            "window_steps_lost": self.window_stops.get(self.committed_step, self.committed_step)
+            - checkpoint.step,
         }
         self.history.info.setdefault("failures", []).append(record)
         if self.config.progress:
@@ -1692,8 +1699,8 @@ def _wait_some(futures: list[Any]) -> tuple[list[Any], list[Any]]:
     """The futures done within ``LIVENESS_POLL_S`` (maybe none), and the others."""
     try:
         wait(futures, timeout=LIVENESS_POLL_S, return_when="FIRST_COMPLETED")
-    except TimeoutError:  # distributed.wait raises where concurrent.futures returns
-        pass
+    except (TimeoutError, CancelledError):  # distributed.wait raises where concurrent's
+        pass  # returns; a cancelled future (its inputs died with a worker) is done
     done = [f for f in futures if f.done()]
     return done, [f for f in futures if not f.done()]
 
