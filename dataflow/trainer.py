@@ -522,7 +522,9 @@ class _Fit:
             "optimizer": checkpoint.optimizer_state,
             "stages": checkpoint.stage_state,
         }
-        [state] = self.client.scatter([state], broadcast=True, workers=self.workers, hash=False)
+        # To one worker: the others fetch it when their task needs it. (A broadcast waits
+        # on every worker, and on one that just died, for the scheduler's retries.)
+        [state] = self.client.scatter([state], workers=self.workers[:1], hash=False)
         rngs, buffers = checkpoint.replica_rng, checkpoint.replica_buffers
         same_world = len(buffers) == len(self.workers)
         self._gather(
@@ -728,7 +730,7 @@ class _Fit:
                     try:
                         self._restart_from(checkpoint, every)
                         break
-                    except WorkerLostError:  # lost again while starting: wait, try again
+                    except (WorkerLostError, WorkersLost):  # lost again while starting
                         continue
 
     def _restart_point(self) -> Checkpoint | None:
@@ -770,7 +772,7 @@ class _Fit:
         self.workers = self._available_workers()[: self.config.replicas or None]
         self.generation += 1
         self.in_flight = []
-        self._scatter_spec(self.workers)
+        self._scatter_spec(self.workers[:1])  # the others fetch it (see _restore_replicas)
         self.history.info["workers"] += self._start_replicas()
         self.last_futures = [None] * len(self.workers)
         self.history.info["replicas"] = len(self.workers)
@@ -809,7 +811,7 @@ class _Fit:
                 _quietly(lambda a=alive: self.client.run(remote.close_run, self.run_id, workers=a))
                 self.workers = alive
                 self.generation += 1
-                self._scatter_spec(alive)
+                self._scatter_spec(alive[:1])
 
     def _final_weights(self) -> dict[str, Any]:
         [state] = self._gather(

@@ -314,7 +314,8 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
     print(
         f"\nchaos: {len(kills)} kills, {len(failures)} recoveries ({len(restarts)} from a "
         f"checkpoint) in {train_seconds:.0f} s of "
-        f"training; recovery (detected -> resumed) max {max(recoveries, default=0):.2f} s; "
+        f"training; recovery (detected -> resumed) max {max(recoveries, default=0):.2f} s "
+        f"(all: {', '.join(f'{r:.1f}' for r in sorted(recoveries))}); "
         f"replicas per phase {[p['replicas'] for p in result.history.phases]}; "
         f"joins at phases {[r['phase'] for r in result.history.info['regroups']]}"
     )

@@ -224,8 +224,10 @@ class ReplicaRuntime:
         """Return to the state before ``step``: the last commit all replicas share."""
         from dataflow.checkpoint import restore_rng
 
-        if not self.in_window and self.completed_step == step:
-            return  # finished exactly there: the state is the commit
+        if not self.in_window and self.completed_step in (step, None):
+            # finished exactly there, or ran no window since it was built or restored
+            # (its state is where the driver started it): the state is the commit
+            return
         if step not in self.commits:
             raise RuntimeError(
                 f"replica {self.context.rank} cannot roll back to step {step}: it holds "
