@@ -67,7 +67,7 @@ LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are 
 NON_FINITE_LR_CUT = 0.5  # on_non_finite="rollback": the LR factor applied per rollback
 MAX_ROLLBACKS = 3  # ... per phase; then the NonFiniteError stops the fit
 RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
-MAX_RESTARTS = 5  # ... and how often per fit to start again from the newest checkpoint
+MAX_RESTARTS = 3  # ... and how often to start again from one checkpoint (no progress)
 
 
 class WorkersLost(Exception):
@@ -715,18 +715,24 @@ class _Fit:
         """Run the phases. If every replica dies at once (no survivor holds the last
         commit), start again from the newest checkpoint on the workers there are then
         (a nanny's restarts, a scheduler's replacements)."""
-        restarts = 0
+        restarts: dict[int, int] = defaultdict(int)  # per checkpoint step started from
         while True:
             try:
                 return self._run_phases()
             except AllReplicasLost as every:
                 while True:
-                    checkpoint = self._restart_point() if restarts < MAX_RESTARTS else None
-                    if checkpoint is None:
+                    checkpoint = self._restart_point()
+                    if checkpoint is None or restarts[checkpoint.step] >= MAX_RESTARTS:
                         error = self._too_few_error(every.lost, every.phase, saved=None)
+                        if checkpoint is not None:
+                            error.args = (
+                                f"{error} (the fit started again from the checkpoint of step "
+                                f"{checkpoint.step} {MAX_RESTARTS} times and lost every "
+                                "replica each time before the next checkpoint)",
+                            )
                         self.workers = []  # what the fit's clean-up talks to: none is left
                         raise error from None
-                    restarts += 1
+                    restarts[checkpoint.step] += 1
                     try:
                         self._restart_from(checkpoint, every)
                         break
