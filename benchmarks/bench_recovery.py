@@ -1,10 +1,10 @@
 """What a failure costs: a worker killed mid-window, every replica killed at once, and
 checkpoints inside a phase, against a failure-free fit of the same work in the same run.
 
-One LocalCluster with nannies (which restart a killed worker, as a batch system's
-replacement would), ``--workers`` single-threaded workers, a small CNN on synthetic
-images, one phase (``Fixed``), default ``window_seconds`` (1 s). Each round runs, in
-rotated order:
+A new LocalCluster for each fit, warmed up by a one-epoch fit first, with nannies
+(which restart a killed worker, as a batch system's replacement would), ``--workers``
+single-threaded workers; a small CNN on synthetic images, one phase (``Fixed``),
+default ``window_seconds`` (1 s). Each round runs, in rotated order:
 
 * **baseline**: the fit, no failure, no checkpoint;
 * **checkpointed**: the same with ``checkpoint_every=--every`` windows (mid-phase
@@ -86,8 +86,20 @@ def kill_time(marker: str) -> float:
     return min(times)
 
 
-def one_fit(args: argparse.Namespace, client: Any, kind: str, folder: Path) -> dict[str, Any]:
-    client.wait_for_workers(args.workers, timeout=120)  # the nannies' restarts are back
+def one_fit(args: argparse.Namespace, kind: str, folder: Path) -> dict[str, Any]:
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=args.workers, threads_per_worker=1, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        build(args, None).fit(1, client=client)  # warm the workers (imports, first steps)
+        return measured_fit(args, client, kind, folder)
+
+
+def measured_fit(args: argparse.Namespace, client: Any, kind: str, folder: Path) -> dict[str, Any]:
     marker = str(folder / f"killed-{kind}-{time.monotonic_ns()}")
     kill = None
     if kind == "one worker killed":
@@ -149,25 +161,14 @@ KINDS = ("baseline", "checkpointed", "one worker killed", "every replica killed"
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from distributed import Client, LocalCluster
-
-    common.ship_to_workers()
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    # `common` is imported on the workers by name (their sys.path is this process's, with
+    # benchmarks/ in it); KillAt, defined in __main__, travels by value.
     rows: list[dict[str, Any]] = []
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        LocalCluster(
-            n_workers=args.workers, threads_per_worker=1, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        build(args, None).fit(1, client=client)  # warm the workers (imports, first steps)
+    with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             shift = round_index % len(KINDS)
             for kind in KINDS[shift:] + KINDS[:shift]:
-                row = one_fit(args, client, kind, Path(tmp))
+                row = one_fit(args, kind, Path(tmp))
                 row["round"] = round_index
                 rows.append(row)
                 print(f"round {round_index}: {kind}: {row['train_seconds']:.1f} s", flush=True)
