@@ -8,7 +8,7 @@ differ between replicas until the phase ends) and dropout (each worker's random 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data
+from conftest import make_data, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.checkpoint import CheckpointStore
@@ -117,6 +117,37 @@ def test_resume_mid_phase_on_fewer_replicas_keeps_every_sample_once(client, tmp_
         assert resumed.ledger.consumed(epoch).tolist() == list(range(len(x)))
     losses = [e["train_loss"] for e in resumed.history.epochs]
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, tmp_path):
+    """The gradient-noise pairs of the steps before a mid-phase checkpoint are in it: the
+    resumed fit measures the same noise scale, so it grows the batch the same way."""
+    x, _ = make_data(192)
+    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
+
+    def pipe() -> dfl.Pipeline:
+        return tiny_pipeline(
+            x,
+            y,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.02),
+            schedule=dfl.schedule.Adaptive(8, max_batch=64),
+            window_seconds=0.02,
+        )
+
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = pipe().fit(4, client=client, checkpoint_every=2, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"] and c["phase"] == 1]
+    store = CheckpointStore(tmp_path, keep=1000)
+    _keep_up_to(store, store.path(mid[len(mid) // 2]["step"]))
+    resumed = pipe().fit(4, client=client, resume=True, **folder)
+
+    def measured(result) -> list:
+        return [(p["global_batch"], p["measured_noise_scale"]) for p in result.history.phases]
+
+    assert measured(resumed) == measured(full)
+    assert full.history.phases[-1]["global_batch"] > 8
+    _assert_same_weights(full.model, resumed.model)
 
 
 def test_checkpoint_every_is_checked_before_any_work(tmp_path):
