@@ -8,6 +8,7 @@ window), and folds the small per-window results into the history.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -67,6 +68,7 @@ LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are 
 NON_FINITE_LR_CUT = 0.5  # on_non_finite="rollback": the LR factor applied per rollback
 MAX_ROLLBACKS = 3  # ... per phase; then the NonFiniteError stops the fit
 RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
+RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)
 MAX_RESTARTS = 3  # ... and how often to start again from one checkpoint (no progress)
 
 
@@ -721,7 +723,7 @@ class _Fit:
                 return self._run_phases()
             except AllReplicasLost as every:
                 while True:
-                    checkpoint = self._restart_point()
+                    checkpoint = self._restart_point(len(every.lost.workers))
                     if checkpoint is None or restarts[checkpoint.step] >= MAX_RESTARTS:
                         error = self._too_few_error(every.lost, every.phase, saved=None)
                         if checkpoint is not None:
@@ -739,15 +741,20 @@ class _Fit:
                     except (WorkerLostError, WorkersLost):  # lost again while starting
                         continue
 
-    def _restart_point(self) -> Checkpoint | None:
-        """The newest valid checkpoint, once ``min_workers`` workers are there; None if
-        there is no checkpoint folder, no checkpoint yet, or no workers come back."""
+    def _restart_point(self, had: int) -> Checkpoint | None:
+        """The newest valid checkpoint, once ``min_workers`` workers are there (and, for
+        a few more seconds, up to the ``had`` the fit ran on: a nanny's restarts arrive
+        one by one); None if there is no checkpoint folder, no checkpoint yet, or no
+        workers come back."""
         if self.store is None or self.store.latest() is None:
             return None
         try:
             self.client.wait_for_workers(self.config.min_workers, timeout=RESTART_WAIT_S)
         except TimeoutError:
             return None
+        wanted = min(had, self.config.replicas or had)
+        with contextlib.suppress(TimeoutError):
+            self.client.wait_for_workers(wanted, timeout=RESTART_GATHER_S)
         return self.store.load_latest(self.trainer.checkpoint_fingerprint)
 
     def _restart_from(self, checkpoint: Checkpoint, every: AllReplicasLost) -> None:

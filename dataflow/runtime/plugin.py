@@ -35,8 +35,9 @@ class DataflowWorkerPlugin(WorkerPlugin):
             return self.replicas[run_id]
         except KeyError:
             raise KeyError(
-                f"worker {self.worker.address} holds no replica of fit {run_id!r}; the worker "
-                "may have restarted since the fit began"
+                f"worker {self.worker.address} holds no replica of fit {run_id!r} (it holds "
+                f"{sorted(self.replicas) or 'none'}); the worker may have restarted since the "
+                "fit began"
             ) from None
 
     def abort_run(self, run_id: str) -> None:
