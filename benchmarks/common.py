@@ -562,7 +562,9 @@ def run_fit(
         if malloc_trim == "mallopt":
             client.run(relax_malloc)
         if pin:  # worker i (in dataflow's rank order) on core i
-            workers = client.scheduler_info(n_workers=-1)["workers"]
+            from dataflow.runtime.cluster import live_workers
+
+            workers = live_workers(client)
             order = sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
             for rank, address in enumerate(order):
                 client.run(pin_process, rank, workers=[address])

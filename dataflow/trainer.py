@@ -55,7 +55,7 @@ from dataflow.noise_scale import NoiseScaleTracker, NormPair
 from dataflow.plan import Plan, checkpoint_windows, phase_steps, resplit_steps
 from dataflow.progress import PhaseProgress, ReplicaTotals
 from dataflow.runtime import replica as remote
-from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.runtime.cluster import client_or_local_cluster, live_workers
 from dataflow.schedule import PhaseMeasurement, PhaseSpec, Schedule
 from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
@@ -632,7 +632,7 @@ class _Fit:
                 "the client is closed; pass an open distributed.Client, or client=None for "
                 "an embedded LocalCluster"
             )
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = live_workers(self.client)
         addresses = sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
         wanted = self.config.replicas or len(addresses)
         if wanted > len(addresses):
@@ -981,7 +981,7 @@ class _Fit:
         return joined
 
     def _available_workers(self) -> list[str]:
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = live_workers(self.client)
         return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
 
     def _request_workers(self, phase: PhaseSpec) -> None:
@@ -1204,7 +1204,7 @@ class _Fit:
     def _lost_workers(self) -> list[str]:
         """The fit's workers the scheduler no longer has (dead, or restarted by a nanny
         under a new address)."""
-        alive = self.client.scheduler_info(n_workers=-1)["workers"]
+        alive = live_workers(self.client)
         return [a for a in self.workers if a not in alive]
 
     def _gather(self, futures: list[Any]) -> list[Any]:

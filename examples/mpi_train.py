@@ -119,12 +119,13 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
 
     import dataflow as dfl
     from dataflow.demo import FieldNet, random_fields
+    from dataflow.runtime.cluster import live_workers
 
     workers_expected = world_size - 2
     out = Path(args.out)
     with Client() as client:  # dask-mpi put the scheduler's address in the Dask config
         client.wait_for_workers(workers_expected, timeout=args.wait_workers_s)
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = live_workers(client)
         print(
             f"mpi_train: {len(workers)} worker(s) on MPI ranks "
             f"{sorted(int(w['name']) for w in workers.values())}; "

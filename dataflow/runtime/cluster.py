@@ -24,6 +24,17 @@ MAIN_GUARD_HINT = (
 )
 
 
+def live_workers(client: Client) -> dict[str, dict[str, Any]]:
+    """The scheduler's workers now (address -> info), asked of the scheduler directly.
+
+    Not ``client.scheduler_info()``: it returns the client's cached identity, which the
+    client's periodic refresh (totals only, ``"workers"`` empty) can overwrite between
+    the fetch and the return, so every worker would look gone.
+    """
+    identity = client.sync(client.scheduler.identity, n_workers=-1)
+    return dict(identity.get("workers", {}))
+
+
 def start_local_cluster(n_workers: int) -> LocalCluster:
     """One single-threaded worker process per core, dashboard on a free port."""
     try:
