@@ -228,12 +228,14 @@ class SlowStep(stages.Stage):
         return batch
 
 
-def _chaos_monkey(client, started, stop, kills, seed=7, mean_interval_s=10.0):
+def _chaos_monkey(client, started, stop, kills, seed=7, mean_interval_s=10.0, for_s=90.0):
     """Once training has started, SIGKILL a random worker process at Poisson times (the
-    nannies restart them under new addresses) until ``stop``."""
+    nannies restart them under new addresses) for ``for_s`` seconds, or until ``stop``.
+    (Bounded: every recovery lengthens the fit, which would otherwise draw more kills.)"""
     rng = random.Random(seed)
     started.wait()
-    while not stop.wait(rng.expovariate(1.0 / mean_interval_s)):
+    until = time.monotonic() + for_s
+    while not stop.wait(rng.expovariate(1.0 / mean_interval_s)) and time.monotonic() < until:
         try:
             pids = client.run(os.getpid)
         except Exception:  # a worker died meanwhile: try again at the next tick
