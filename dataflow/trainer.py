@@ -548,23 +548,26 @@ class _Fit:
     ) -> None:
         """At a phase boundary: rank 0's synchronized weights and optimizer state, every
         replica's random state, and the driver's schedule, balancer, ledger and history."""
-        states = self._gather(
-            [
-                self._submit(
-                    remote.replica_checkpoint_state,
-                    r,
-                    self.last_futures[r],
-                    key=f"checkpoint@replica{r}-{self.run_id}-p{phase.index}"
-                    f"{self._generation_tag()}",
-                )
-                for r in range(len(self.workers))
-            ]
-        )
+        states = self._replica_states(f"p{phase.index}{self._generation_tag()}")
         schedule_state = {
             "previous": phase_to_dict(phase),
             "measurement": dataclasses.asdict(measurement),
         }
         self._write_checkpoint(states, phase, phase.end_epoch, next_step, schedule_state)
+
+    def _replica_states(self, tag: str) -> list[dict[str, Any]]:
+        """Every replica's part of a checkpoint, after its last task (rank 0's first)."""
+        return self._gather(
+            [
+                self._submit(
+                    remote.replica_checkpoint_state,
+                    r,
+                    self.last_futures[r],
+                    key=f"checkpoint@replica{r}-{self.run_id}-{tag}",
+                )
+                for r in range(len(self.workers))
+            ]
+        )
 
     def _save_mid_phase(self, phase: PhaseSpec, states: list[dict[str, Any]]) -> Path:
         """Inside a phase, at the committed step: what :meth:`_save_checkpoint` saves, and
@@ -1354,17 +1357,7 @@ class _Fit:
         """Before giving up on too few workers: a mid-phase checkpoint of the commit the
         survivors just rolled back to, so the work up to it is kept on disk."""
         try:
-            states = self._gather(
-                [
-                    self._submit(
-                        remote.replica_checkpoint_state,
-                        r,
-                        self.last_futures[r],
-                        key=f"checkpoint@replica{r}-{self.run_id}-lost{len(self.history.info['failures'])}",
-                    )
-                    for r in range(len(self.workers))
-                ]
-            )
+            states = self._replica_states(f"lost{len(self.history.info['failures'])}")
             return self._save_mid_phase(phase, states)
         except WorkersLost:  # the last survivors died too: the newest checkpoint stands
             return None
