@@ -1,0 +1,142 @@
+"""The data behind the training report: the fields each plot reads, and the numbers
+derived from a history (wall time of each step, the per-step time split into ``TERMS``).
+
+Pure functions of a ``History``'s records, no matplotlib: ``dataflow.report`` explains the
+time split and writes the files; ``dataflow.report_plots`` draws the figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dataflow.history import History
+
+# The fields each plot reads: the trainer must write them (tests/test_report.py).
+REPORT_FIELDS: dict[str, tuple[str, ...]] = {
+    "steps": ("step", "phase", "epoch", "loss", "samples", "seconds", "time"),
+    "epochs": ("epoch", "train_loss"),
+    "phases": (
+        "phase",
+        "start_epoch",
+        "end_epoch",
+        "global_batch",
+        "lr",
+        "local_batches",
+        "samples_per_second",
+        "steps",
+        "seconds",
+        "stage_seconds",
+    ),
+    "info": ("run_id", "replicas", "epochs", "stages", "train_seconds"),
+}
+# Shown when present (newer trainers, Adaptive schedules, evaluation): never required.
+OPTIONAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "epochs": ("eval_loss",),  # and every other ``eval_<metric>``
+    "phases": ("micro_batches", "noise_scale", "measured_noise_scale", "gain", "task_seconds"),
+    "info": ("stage_kinds", "workers"),
+}
+
+TERMS = ("data wait", "compute", "evaluation", "exposed allreduce", "engine overhead")
+TERM_COLORS = {
+    "data wait": "#e6a23c",
+    "compute": "#3a7bd5",
+    "evaluation": "#9b8ec4",
+    "exposed allreduce": "#d64545",
+    "engine overhead": "#8c8c8c",
+}
+STEP_TIME_CAPTION = (
+    "Each bar is one replica in one phase: the phase's wall time per training step, split "
+    "into data wait (time in Load: the step waited for its batch), compute (Forward, Backward, "
+    "Update and other stages doing this replica's own work), evaluation (Evaluate, spread over "
+    "the phase's steps), exposed allreduce (time in AllReduce: gradient averaging not hidden "
+    "behind backward, including waiting for slower replicas) and engine overhead (the rest of "
+    "the phase's wall time: Dask scheduling, task dispatch, phase start and end)."
+)
+
+
+def missing_fields(history: History) -> list[str]:
+    """``REPORT_FIELDS`` absent from ``history``, as ``"phases[1].stage_seconds"``."""
+    missing = []
+    for section in ("steps", "epochs", "phases"):
+        for i, row in enumerate(getattr(history, section)):
+            missing += [f"{section}[{i}].{k}" for k in REPORT_FIELDS[section] if k not in row]
+    missing += [f"info.{k}" for k in REPORT_FIELDS["info"] if k not in history.info]
+    return missing
+
+
+def _number(value: Any) -> float:
+    """A JSON value as a float: NaN for None, strings like "nan" and missing values."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def step_wall_times(steps: Sequence[dict[str, Any]]) -> np.ndarray:
+    """Seconds since training start at the end of each step.
+
+    The driver stamps ``time`` when a window's results arrive, so the steps of one
+    window share (almost) one stamp; each is moved back by the durations of the
+    steps after it in that window, never before the previous window's end.
+    """
+    stamps = np.array([_number(s.get("time")) for s in steps], dtype=float)
+    seconds = np.array([max(_number(s.get("seconds")), 0.0) for s in steps], dtype=float)
+    seconds = np.nan_to_num(seconds)
+    out = stamps.copy()
+    start = 0
+    while start < len(steps):
+        stop = start + 1
+        while stop < len(steps) and stamps[stop] - stamps[stop - 1] < 0.5 * seconds[stop]:
+            stop += 1
+        floor = out[start - 1] if start > 0 else 0.0
+        after = np.concatenate([np.cumsum(seconds[start + 1 : stop][::-1])[::-1], [0.0]])
+        out[start:stop] = np.maximum(stamps[stop - 1] - after, floor)
+        start = stop
+    return out
+
+
+def stage_kind(name: str, info: dict[str, Any]) -> str:
+    """A stage's term in the time split: from ``info["stage_kinds"]`` (the stage's class
+    name) when the trainer recorded it, else from its name (graphs name stages by class)."""
+    kind = str(info.get("stage_kinds", {}).get(name, name)).lower()
+    if kind.startswith("load"):
+        return "data wait"
+    if kind.startswith("allreduce") or kind.startswith("all_reduce"):
+        return "exposed allreduce"
+    if kind.startswith("evaluate"):
+        return "evaluation"
+    return "compute"
+
+
+def step_time_split(phase: dict[str, Any], info: dict[str, Any]) -> list[dict[str, float]]:
+    """Per replica, seconds per step in each of ``TERMS`` (see the module docstring)."""
+    steps = max(int(phase.get("steps") or 0), 1)
+    wall = _number(phase.get("seconds"))
+    split = []
+    for stages in phase.get("stage_seconds") or []:
+        terms = dict.fromkeys(TERMS, 0.0)
+        for name, seconds in stages.items():
+            terms[stage_kind(name, info)] += _number(seconds) / steps
+        in_stages = sum(terms.values())
+        terms["engine overhead"] = max(wall / steps - in_stages, 0.0) if math.isfinite(wall) else 0
+        split.append(terms)
+    return split
+
+
+def _eval_metrics(epochs: Sequence[dict[str, Any]]) -> list[str]:
+    names: list[str] = []
+    for row in epochs:
+        names += [k for k in row if k.startswith("eval_") and k not in names]
+    return sorted(names, key=lambda k: (k != "eval_loss", k))
+
+
+def _epoch_ends(history: History, samples_seen: np.ndarray, times: np.ndarray) -> dict:
+    """Samples seen and wall time at the end of each epoch, from its last step."""
+    ends: dict[int, tuple[float, float]] = {}
+    for i, step in enumerate(history.steps):
+        ends[int(step.get("epoch", -1))] = (float(samples_seen[i]), float(times[i]))
+    return ends
