@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dataflow.core.plain import to_plain
 from dataflow.io.ledger import SampleLedger
 
 
@@ -27,9 +27,11 @@ class History:
         return asdict(self)
 
     def to_json(self, path: str | Path) -> Path:
+        """Strict JSON (:func:`to_plain` ``json=True``): NaN and infinities as the strings
+        ``"nan"``, ``"inf"``, ``"-inf"``, tuples as lists, keys as strings."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_json_safe(self.to_dict()), indent=1))
+        path.write_text(json.dumps(to_plain(self.to_dict(), where="History", json=True), indent=1))
         return path
 
     @classmethod
@@ -39,16 +41,6 @@ class History:
     @property
     def losses(self) -> list[float]:
         return [s["loss"] for s in self.steps]
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 @dataclass
