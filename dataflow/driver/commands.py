@@ -1,0 +1,196 @@
+"""What the fit state machine asks for, as typed commands: its only output.
+
+The executor carries out the ones that talk to the cluster (form a group, begin a
+phase, submit windows, stop, roll back, end the phase, gather checkpoint states,
+finish); the driver-side effects (record a window or a phase, plan, write a
+checkpoint) run on the driver. Every command that addresses replicas carries the
+members it addresses, so a test can check each goes to a live member.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FormGroup:
+    """A process group ``generation`` over ``members`` (rank = position). ``fresh``:
+    every member builds its replica anew (the fit's start, a restart), loading the
+    checkpoint with ``restore``; otherwise members that already hold a replica keep
+    its state and join under their new rank, and ``joining`` ones start from rank 0's
+    weights and optimizer state."""
+
+    generation: int
+    members: tuple[str, ...]
+    joining: tuple[str, ...] = ()
+    fresh: bool = False
+    restore: bool = False
+
+
+@dataclass(frozen=True)
+class ChoosePhase:
+    """Ask the schedule for the phase after the last one (and, with
+    ``scale_with_batch``, the cluster for the workers it needs)."""
+
+
+@dataclass(frozen=True)
+class PlanSegment:
+    """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``"phase"``
+    (``phase`` from its first step), ``"rest"`` (the phase's steps from ``commit_step``
+    re-split after a recovery) or ``"resume"`` (a resumed fit's first segment)."""
+
+    kind: str
+    replicas: int
+    phase: Any = None
+    commit_step: int = 0
+
+
+@dataclass(frozen=True)
+class BeginPhase:
+    """Every member sets up ``steps`` of ``phase`` (LR, ramps, the epoch streams)."""
+
+    generation: int
+    members: tuple[str, ...]
+    phase: Any
+    steps: tuple[Any, ...]
+    continued: bool
+    lr_factor: float
+
+
+@dataclass(frozen=True)
+class SubmitWindows:
+    """Queue ``plan``'s windows on every member, each behind the member's last task;
+    plan window ``i`` is fit window ``first_window + i``; after the plan windows in
+    ``checkpoints`` each replica returns its state for a mid-phase checkpoint."""
+
+    generation: int
+    members: tuple[str, ...]
+    plan: Any  # dataflow.plan.Plan
+    first_window: int
+    checkpoints: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class CommitWindow:
+    """Window ``window`` of ``plan`` is committed: record its steps. ``results`` has
+    one WindowResult per replica, or None for a replica lost after it finished the
+    window (its allreduce partners could not have finished without it): its samples
+    follow from the plan."""
+
+    plan: Any
+    window: Any  # dataflow.plan.Window
+    results: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class WriteCheckpoint:
+    """``"window"``: inside the phase at ``step``, from ``states`` (each replica's state
+    returned with the window); ``"phase"``: at the end of ``phase`` (the executor asks
+    ``members`` for their states); ``"survivors"``: the survivors' commit before the
+    fit gives up on too few workers."""
+
+    kind: str
+    step: int
+    phase: Any
+    members: tuple[str, ...] = ()
+    states: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StopWindows:
+    """Stop what runs and drop what is queued on ``members`` (their group lost a peer,
+    or a window failed): leave the broken group, wait for running windows to end."""
+
+    members: tuple[str, ...]
+    leave_group: bool = True
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """``members`` (in their new rank order) return to the state before ``step``."""
+
+    members: tuple[str, ...]
+    step: int
+    leave_group: bool = True
+
+
+@dataclass(frozen=True)
+class EndPhase:
+    """Every member ends the phase and reports its statistics."""
+
+    generation: int
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RecordPhase:
+    """Fold the phase's statistics into the history (after every window committed)."""
+
+    phase: Any
+    phase_steps: tuple[Any, ...]  # the phase as planned: the epochs it must complete
+    segment: tuple[Any, ...]  # the steps run last (their split is the phase's last)
+    ends: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class RecordFailure:
+    """One entry of ``history.info["failures"]``: what was lost and what it cost."""
+
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AwaitRestart:
+    """Every replica is lost: wait for workers, then find the newest checkpoint."""
+
+    had: int
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The driver's state back to the checkpoint of ``step`` (history, ledger, noise)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Stop the fit. ``error``: a replica's failure to raise as it is; otherwise a
+    ``WorkerLostError`` about ``lost`` (``remain`` left, ``restarts`` from one
+    checkpoint used up if not None) naming where the work done so far is kept."""
+
+    error: BaseException | None = None
+    lost: tuple[str, ...] = ()
+    remain: int = 0
+    phase: int | None = None
+    commit_step: int = 0
+    starting: bool = False
+    restarts_from: int | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Every epoch is trained: take the final weights from ``members[0]``."""
+
+    members: tuple[str, ...]
+
+
+Command = (
+    FormGroup
+    | ChoosePhase
+    | PlanSegment
+    | BeginPhase
+    | SubmitWindows
+    | CommitWindow
+    | WriteCheckpoint
+    | StopWindows
+    | RollBack
+    | EndPhase
+    | RecordPhase
+    | RecordFailure
+    | AwaitRestart
+    | Restart
+    | Fail
+    | Finish
+)

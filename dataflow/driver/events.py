@@ -1,0 +1,125 @@
+"""What happens to a fit, as typed events: the state machine's only input.
+
+The executor turns Dask's futures and the scheduler's view of the workers into
+these; the planner turns its answers into :class:`SegmentPlanned` and
+:class:`PhaseChosen`. Each is plain data, so a recovery path is a list of events
+in a test (``tests/test_driver_machine.py``) and a fit's log can be replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Started:
+    """The fit begins on ``workers`` (one replica each, in rank order); ``restore``: the
+    replicas load a checkpoint once their group is formed (``fit(resume=True)``)."""
+
+    workers: tuple[str, ...]
+    restore: bool = False
+
+
+@dataclass(frozen=True)
+class GroupFormed:
+    """Every member of process group ``generation`` is set up (and restored) and waits."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class PhaseChosen:
+    """The schedule's next phase (``None``: the fit has trained every epoch)."""
+
+    phase: Any  # dataflow.core PhaseSpec, or None
+
+
+@dataclass(frozen=True)
+class SegmentPlanned:
+    """The steps to run now: a new phase's steps, the rest of a phase re-split after a
+    recovery, or a resumed phase's rest. ``phase_steps``: the whole phase as planned."""
+
+    phase: Any  # PhaseSpec
+    phase_steps: tuple[Any, ...]  # StepSpec
+    todo: tuple[Any, ...]  # StepSpec: the steps left, split over the current members
+    continued: bool = False  # inside a phase already begun (stages keep phase settings)
+    # A resumed phase's LR cut (on_non_finite="rollback") and rollbacks so far; None:
+    # a new phase starts at 1.0 and 0, the rest of a running phase keeps its own.
+    lr_factor: float | None = None
+    rollbacks: int | None = None
+
+
+@dataclass(frozen=True)
+class WindowDone:
+    """Replica ``rank`` of group ``generation`` finished window ``window`` (a fit-wide
+    number the machine gave it) with ``result`` (a :class:`WindowResult`)."""
+
+    generation: int
+    rank: int
+    window: int
+    result: Any
+
+
+@dataclass(frozen=True)
+class WindowFailed:
+    """A window failed for a reason other than a lost worker (the executor checked the
+    workers first): ``error`` is the root cause, ``non_finite`` a NaN/inf caught before
+    the update (every replica sees the same reduced gradient)."""
+
+    generation: int
+    rank: int
+    window: int
+    error: BaseException
+    non_finite: bool = False
+
+
+@dataclass(frozen=True)
+class PhaseEnded:
+    """Every replica ended the phase; ``ends`` are their end-of-phase statistics."""
+
+    generation: int
+    ends: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class WorkersLost:
+    """Workers the scheduler no longer has (dead, or restarted under a new address)."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WorkersJoined:
+    """Workers of the client that are not in the fit and that it may take."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestartPoint:
+    """Every replica was lost: the newest checkpoint's step (``None``: there is none, or
+    no workers came back) and the workers there are now."""
+
+    step: int | None
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Timer:
+    """Nothing happened for a poll interval (the executor watched the workers)."""
+
+
+Event = (
+    Started
+    | GroupFormed
+    | PhaseChosen
+    | SegmentPlanned
+    | WindowDone
+    | WindowFailed
+    | PhaseEnded
+    | WorkersLost
+    | WorkersJoined
+    | RestartPoint
+    | Timer
+)

@@ -1,0 +1,456 @@
+"""The fit as a pure state machine: events in, commands out.
+
+``FitMachine.handle(event) -> list[Command]`` owns every decision of a fit on the
+driver: who is a member (and the process-group generation), where the phase
+stands, which windows commit and in what order (and which a lost replica's
+partners let us salvage), what a lost worker, a NaN or a lost cluster leads to
+(roll back, regroup, restart from a checkpoint, fail), the restart and rollback
+budgets, ``min_workers``, when joiners join, and when checkpoints are written.
+It holds no Dask, torch, clock or I/O: the executor carries the commands out and
+turns what happens into events, and ``replay`` rebuilds a machine from its log.
+The model is distributed's ``WorkerState.handle_stimulus``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.state import FitState
+from dataflow.errors import ReplicaError
+from dataflow.layout import Layout
+from dataflow.plan import Plan, checkpoint_windows
+from dataflow.sync import Synchronous, SyncPolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineConfig:
+    """The fit's rules, fixed for its length."""
+
+    stage_names: tuple[str, ...] = ("step",)
+    run_id: str = ""
+    window_seconds: float = 1.0
+    calibration_steps: int = 2  # 1-step windows measured before steps are fused
+    min_workers: int = 1
+    recover_lost_workers: bool = True
+    roll_back_non_finite: bool = False  # on_non_finite="rollback"
+    max_rollbacks: int = 3  # per phase
+    lr_cut: float = 0.5  # the LR factor applied per rollback
+    max_restarts: int = 3  # from one checkpoint, when every replica is lost
+    checkpoints: bool = False  # a checkpoint folder was given
+    checkpoint_every: int | None = None  # windows between mid-phase checkpoints
+    may_join: bool = True  # workers that join the client join the fit
+    max_replicas: int | None = None  # the most replicas joins may grow the fit to
+    sync: SyncPolicy = field(default_factory=Synchronous)
+
+
+class FitMachine:
+    """One fit's decisions. See the module docstring; ``state`` is its typed state."""
+
+    def __init__(self, config: MachineConfig) -> None:
+        self.config = config
+        self.state = FitState()
+        self.log: list[Any] = []
+        self._handlers = {
+            ev.Started: self._started,
+            ev.GroupFormed: self._group_formed,
+            ev.PhaseChosen: self._phase_chosen,
+            ev.SegmentPlanned: self._segment_planned,
+            ev.WindowDone: self._window_done,
+            ev.WindowFailed: self._window_failed,
+            ev.PhaseEnded: self._phase_ended,
+            ev.WorkersLost: self._workers_lost,
+            ev.WorkersJoined: self._workers_joined,
+            ev.RestartPoint: self._restart_point,
+            ev.Timer: lambda event: [],
+        }
+
+    def handle(self, event: Any) -> list[Any]:
+        """The commands ``event`` leads to; the event is logged first."""
+        self.log.append(event)
+        if self.state.status in ("done", "failed") and not isinstance(event, ev.WorkersLost):
+            return []
+        return self._handlers[type(event)](event)
+
+    # -- membership -------------------------------------------------------------------
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.state.layout.leaders
+
+    def _joinable(self) -> tuple[str, ...]:
+        s, config = self.state, self.config
+        if not config.may_join:
+            return ()
+        joiners = tuple(w for w in s.available if w not in s.layout.workers)
+        if config.max_replicas is not None:
+            joiners = joiners[: max(0, config.max_replicas - s.layout.replicas)]
+        return joiners
+
+    def _form(self, layout: Layout, *, joining: tuple[str, ...] = (), after: str) -> list[Any]:
+        s = self.state
+        s.generation += 1
+        s.layout, s.joining, s.after_group, s.status = layout, joining, after, "forming"
+        s.available = tuple(w for w in s.available if w not in layout.workers)
+        return [cmd.FormGroup(s.generation, layout.leaders, joining=joining)]
+
+    def _started(self, event: ev.Started) -> list[Any]:
+        s = self.state
+        s.layout, s.generation, s.status = Layout.sample_parallel(event.workers), 0, "forming"
+        s.forming, s.after_group, s.restoring = "start", "choose", event.restore
+        return [cmd.FormGroup(0, self.members, fresh=True, restore=event.restore)]
+
+    def _group_formed(self, event: ev.GroupFormed) -> list[Any]:
+        s = self.state
+        if event.generation != s.generation or s.status != "forming":
+            return []
+        after, s.forming, s.joining = s.after_group, "regroup", ()
+        if after == "end":
+            s.status = "ending"
+            return [cmd.EndPhase(s.generation, self.members)]
+        if after == "checkpoint":
+            s.status, s.after_group = "boundary", "choose"
+            return [self._phase_checkpoint(), cmd.ChoosePhase()]
+        if after == "finish":
+            s.status = "done"
+            return [cmd.Finish(self.members)]
+        s.restoring = False
+        return self._plan(after)
+
+    def _plan(self, kind: str) -> list[Any]:
+        """Ask the planner: ``"choose"`` the next phase, ``"phase"`` the chosen phase's
+        steps, ``"rest"`` the running phase's steps from the commit on."""
+        s = self.state
+        s.status, s.after_group = "planning", kind
+        if kind == "choose":
+            return [cmd.ChoosePhase()]
+        if kind == "phase":
+            return [cmd.PlanSegment("phase", s.layout.replicas, phase=s.next_phase)]
+        return [cmd.PlanSegment("rest", s.layout.replicas, s.phase, s.committed_step)]
+
+    def _workers_joined(self, event: ev.WorkersJoined) -> list[Any]:
+        s = self.state
+        new = [w for w in event.workers if w not in s.available and w not in s.layout.workers]
+        s.available = (*s.available, *new)
+        return []
+
+    # -- phases -----------------------------------------------------------------------
+    def _phase_chosen(self, event: ev.PhaseChosen) -> list[Any]:
+        s = self.state
+        if s.status not in ("planning", "boundary"):
+            return []
+        if event.phase is None:
+            s.status = "done"
+            return [cmd.Finish(self.members)]
+        s.next_phase = event.phase
+        joiners = self._joinable()
+        if joiners:
+            layout = s.layout.plus(Layout.sample_parallel(joiners))
+            return self._form(layout, joining=joiners, after="phase")
+        return self._plan("phase")
+
+    def _segment_planned(self, event: ev.SegmentPlanned) -> list[Any]:
+        s = self.state
+        if s.status != "planning":
+            return []
+        new_phase = s.phase is None or event.phase.index != s.phase.index
+        s.phase, s.phase_steps, s.segment = event.phase, event.phase_steps, event.todo
+        if new_phase:
+            s.lr_factor, s.rollbacks = 1.0, 0
+        if event.lr_factor is not None:  # a resumed phase's
+            s.lr_factor = event.lr_factor
+        if event.rollbacks is not None:
+            s.rollbacks = event.rollbacks
+        s.countdown = self.config.checkpoint_every or 0
+        s.windows.clear()
+        s.pending.clear()
+        s.commit_window = s.next_window
+        if not event.todo:
+            s.status = "ending"
+            return [cmd.EndPhase(s.generation, self.members)]
+        s.committed_step = s.planned_until = event.todo[0].index
+        s.status = "running"
+        begin = cmd.BeginPhase(
+            s.generation, self.members, event.phase, event.todo, event.continued, s.lr_factor
+        )
+        return [begin, self._submit_next()]
+
+    def _submit_next(self) -> cmd.SubmitWindows:
+        """The segment's next steps as a plan: 1-step windows until a step is timed,
+        then windows of about ``window_seconds``."""
+        s, config = self.state, self.config
+        rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
+        calibrating = s.step_seconds is None
+        steps = rest[: config.calibration_steps] if calibrating else rest
+        tag = "calibrate" if calibrating else "train"
+        plan = Plan.build(
+            config.stage_names,
+            s.phase,
+            steps,
+            s.layout.replicas,
+            step_seconds=s.step_seconds,
+            window_seconds=config.window_seconds,
+            tag=f"{tag}{f'-g{s.generation}' if s.generation else ''}",
+            run=config.run_id,
+        )
+        marks: frozenset[int] = frozenset()
+        if config.checkpoint_every and config.checkpoints:
+            marks, s.countdown = checkpoint_windows(
+                plan, config.checkpoint_every, s.countdown, s.phase_steps[-1].index + 1
+            )
+        first = s.next_window
+        for window in plan.windows:
+            s.windows[first + window.index] = (plan, window, window.index in marks)
+        s.next_window += len(plan.windows)
+        s.planned_until = steps[-1].index + 1
+        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
+
+    def _window_done(self, event: ev.WindowDone) -> list[Any]:
+        s = self.state
+        if event.generation != s.generation or event.window not in s.windows:
+            return []  # a window of a group or plan that a recovery replaced
+        s.pending.setdefault(event.window, {})[event.rank] = event.result
+        out = self._commit_ready(lost=())
+        if s.windows or s.status != "running":
+            return out
+        s.step_seconds = _step_seconds(s.last_results)
+        if s.planned_until < s.segment[-1].index + 1:
+            return [*out, self._submit_next()]
+        s.status = "ending"
+        return [*out, cmd.EndPhase(s.generation, self.members)]
+
+    def _commit_ready(self, lost: Iterable[int]) -> list[Any]:
+        """Commit windows in order while the policy allows; with ``lost`` replicas, a
+        window every other replica finished commits too (salvage)."""
+        s, out = self.state, []
+        lost = tuple(lost)
+        while s.commit_window in s.windows:
+            got = s.pending.get(s.commit_window, {})
+            alive = [r for r in range(s.layout.replicas) if r not in lost]
+            salvage = lost and alive and all(r in got for r in alive)
+            if not (self.config.sync.may_commit(got, s.layout.replicas) or salvage):
+                break
+            plan, window, marked = s.windows.pop(s.commit_window)
+            s.pending.pop(s.commit_window, None)
+            results = tuple(got.get(r) for r in range(s.layout.replicas))
+            out.append(cmd.CommitWindow(plan, window, results))
+            s.committed_step = plan.steps[window.stop - 1].index + 1
+            s.commit_window += 1
+            if all(r is not None for r in results):
+                s.last_results = results
+            states = tuple(getattr(r, "checkpoint", None) for r in results)
+            if marked and all(state is not None for state in states):
+                out.append(cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states))
+        return out
+
+    def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
+        s = self.state
+        if event.generation != s.generation or s.status != "ending":
+            return []
+        digests = {end.get("weights_digest") for end in event.ends}
+        if len(digests) > 1:
+            s.status = "failed"
+            return [cmd.Fail(error=_diverged(s.phase.index, digests))]
+        s.status = "boundary"
+        out: list[Any] = [cmd.RecordPhase(s.phase, s.phase_steps, s.segment, tuple(event.ends))]
+        if self.config.checkpoints:
+            out.append(self._phase_checkpoint())
+        # Still "boundary" until the phase is chosen: a loss meanwhile writes the
+        # checkpoint again on the survivors.
+        s.after_group = "choose"
+        return [*out, cmd.ChoosePhase()]
+
+    def _phase_checkpoint(self) -> cmd.WriteCheckpoint:
+        s = self.state
+        return cmd.WriteCheckpoint("phase", s.committed_step, s.phase, members=self.members)
+
+    # -- failures ---------------------------------------------------------------------
+    def _window_failed(self, event: ev.WindowFailed) -> list[Any]:
+        s, config = self.state, self.config
+        if event.generation != s.generation or event.window not in s.windows:
+            return []
+        if not (
+            event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks
+        ):
+            s.status = "failed"
+            return [cmd.Fail(error=event.error)]
+        # Every replica saw the same reduced gradient and stopped before the update:
+        # the group is intact, so the replicas roll back in place, with a lower LR.
+        s.rollbacks += 1
+        s.lr_factor *= config.lr_cut
+        record = self._failure("non-finite", (), error=str(event.error), lr_factor=s.lr_factor)
+        s.windows.clear()
+        s.pending.clear()
+        return [
+            cmd.RecordFailure(record),
+            cmd.StopWindows(self.members, leave_group=False),
+            cmd.RollBack(self.members, s.committed_step, leave_group=False),
+            *self._plan("rest"),
+        ]
+
+    def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+        """A ``history.info["failures"]`` entry; at most the window in progress is lost."""
+        s = self.state
+        in_progress = s.committed_step
+        if s.commit_window in s.windows:
+            plan, window, _ = s.windows[s.commit_window]
+            in_progress = plan.steps[window.stop - 1].index + 1
+        return {
+            "phase": self._phase_index(),
+            "reason": reason,
+            "lost": list(lost),
+            "commit_step": s.committed_step,
+            "replicas_before": s.layout.replicas,
+            "window_steps_lost": in_progress - s.committed_step,
+            **extra,
+        }
+
+    def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
+        s, config = self.state, self.config
+        s.available = tuple(w for w in s.available if w not in event.workers)
+        if s.status == "forming" and s.forming == "regroup" and s.joining:
+            # Joiners (alive or not) go back to the pool; the group is formed again.
+            alive = tuple(w for w in s.joining if w not in event.workers)
+            s.layout = Layout(tuple(g for g in s.layout.groups if g[0] not in s.joining))
+            s.available, s.joining = (*alive, *s.available), ()
+            if not s.layout.lost_replicas(event.workers):
+                joiners = self._joinable()
+                layout = s.layout.plus(Layout.sample_parallel(joiners))
+                return self._form(layout, joining=joiners, after=s.after_group)
+        lost_ranks = s.layout.lost_replicas(event.workers)
+        if not lost_ranks or s.status in ("failed", "restarting", "idle"):
+            return []
+        if not config.recover_lost_workers:
+            s.status = "failed"
+            lost = tuple(w for w in s.layout.workers if w in event.workers)
+            remain = s.layout.replicas - len(lost_ranks)
+            return [cmd.Fail(lost=lost, remain=remain, phase=self._phase_index())]
+        if s.status == "forming" and s.forming in ("start", "restart"):
+            return self._lost_while_starting(event, lost_ranks)
+        # What to do again once the survivors are regrouped.
+        resume = {"running": "rest", "ending": "end", "done": "finish"}.get(s.status)
+        if s.status == "boundary":
+            resume = "checkpoint" if config.checkpoints else "choose"
+        return self._regroup_survivors(event, lost_ranks, after=resume or s.after_group)
+
+    def _regroup_survivors(
+        self, event: ev.WorkersLost, lost_ranks: tuple[int, ...], *, after: str
+    ) -> list[Any]:
+        """Go on without the lost replicas: commit what their partners finished, stop
+        and roll the survivors back to the last commit, then regroup them (with the
+        workers that joined meanwhile) or, below ``min_workers``, save and fail."""
+        s, config = self.state, self.config
+        lost = tuple(w for w in s.layout.workers if w in event.workers)
+        out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
+        survivors = s.layout.without(lost_ranks)
+        if not survivors.replicas:
+            record = self._failure("every replica lost", lost)
+            s.windows.clear()
+            s.pending.clear()
+            if not config.checkpoints:
+                s.status = "failed"
+                return [*out, cmd.Fail(lost=lost, remain=0, phase=self._phase_index())]
+            s.status, s.lost_everything = "restarting", record
+            return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
+        record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
+        in_segment = after == "rest"
+        s.windows.clear()
+        s.pending.clear()
+        s.layout = survivors
+        out += [
+            cmd.RecordFailure(record),
+            cmd.StopWindows(survivors.leaders),
+            cmd.RollBack(survivors.leaders, s.committed_step),
+        ]
+        joiners = self._joinable()
+        if survivors.replicas + len(joiners) < config.min_workers:
+            s.status = "failed"
+            if in_segment and config.checkpoints:
+                out.append(
+                    cmd.WriteCheckpoint(
+                        "survivors", s.committed_step, s.phase, members=survivors.leaders
+                    )
+                )
+            fail = cmd.Fail(
+                lost=lost,
+                remain=survivors.replicas,
+                phase=self._phase_index(),
+                commit_step=s.committed_step,
+            )
+            return [*out, fail]
+        record["joined"] = list(joiners)
+        layout = survivors.plus(Layout.sample_parallel(joiners))
+        return out + self._form(layout, joining=joiners, after=after)
+
+    def _lost_while_starting(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list:
+        s, config = self.state, self.config
+        lost = tuple(w for w in s.layout.workers if w in event.workers)
+        survivors = s.layout.without(lost_ranks)
+        if s.forming == "restart":  # try the restart again, on the workers there are then
+            s.status = "restarting"
+            return [cmd.AwaitRestart(had=s.layout.replicas)]
+        if not survivors.replicas or survivors.replicas < config.min_workers:
+            s.status, s.layout = "failed", survivors
+            return [cmd.Fail(lost=lost, remain=survivors.replicas, starting=True)]
+        s.generation += 1
+        s.layout = survivors
+        return [cmd.FormGroup(s.generation, survivors.leaders, fresh=True, restore=s.restoring)]
+
+    def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
+        s, config = self.state, self.config
+        if s.status != "restarting":
+            return []
+        record = dict(s.lost_everything or {})
+        exhausted = event.step is not None and s.restarts.get(event.step, 0) >= config.max_restarts
+        if event.step is None or exhausted or not event.workers:
+            s.status = "failed"
+            return [
+                cmd.Fail(
+                    lost=tuple(record.get("lost", ())),
+                    remain=0,
+                    phase=record.get("phase"),
+                    restarts_from=event.step if exhausted else None,
+                )
+            ]
+        s.restarts[event.step] = s.restarts.get(event.step, 0) + 1
+        record.update(
+            restarted_from_step=event.step,
+            window_steps_lost=s.committed_step + record.get("window_steps_lost", 0) - event.step,
+            replicas_after=len(event.workers),
+        )
+        s.layout = Layout.sample_parallel(event.workers)
+        s.generation += 1
+        s.committed_step, s.step_seconds, s.phase = event.step, None, None
+        s.status, s.forming, s.after_group, s.restoring = "forming", "restart", "choose", True
+        return [
+            cmd.RecordFailure(record),
+            cmd.Restart(event.step),
+            cmd.FormGroup(s.generation, self.members, fresh=True, restore=True),
+        ]
+
+    def _phase_index(self) -> int | None:
+        return None if self.state.phase is None else self.state.phase.index
+
+
+def _step_seconds(results: tuple[Any, ...]) -> float | None:
+    """The median over the last window's steps (the first left out when there are more)
+    of the slowest replica's step time: what the next plan fuses windows by."""
+    if not results:
+        return None
+    per_step = [max(values) for values in zip(*(r.step_seconds for r in results), strict=True)]
+    tail = per_step[1:] if len(per_step) > 1 else per_step
+    return statistics.median(tail) if tail else None
+
+
+def _diverged(phase: int, digests: set[Any]) -> BaseException:
+    return ReplicaError(f"replica weights diverged after phase {phase}: digests {digests}")
+
+
+def replay(config: MachineConfig, events: Iterable[Any]) -> tuple[FitMachine, list[list[Any]]]:
+    """A machine fed ``events`` again, and the commands each one gave: a fit's log in,
+    the same decisions out."""
+    machine = FitMachine(config)
+    return machine, [machine.handle(event) for event in events]

@@ -1,0 +1,55 @@
+"""The fit state machine's typed state (the driver half of a fit, apart from the
+history, which the recorder keeps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.layout import Layout
+
+STATUSES = (
+    "idle",
+    "forming",
+    "planning",
+    "running",
+    "ending",
+    "boundary",
+    "restarting",
+    "done",
+    "failed",
+)
+
+
+@dataclass
+class FitState:
+    """Where a fit stands. ``status``: what the machine waits for (``forming``: a group,
+    ``planning``: the planner, ``running``: windows, ``ending``: the phase's end,
+    ``boundary``: the phase checkpoint and the next phase, ``restarting``: workers and
+    a checkpoint after every replica was lost)."""
+
+    status: str = "idle"
+    layout: Layout = field(default_factory=Layout)  # the replicas, in rank order
+    generation: int = 0  # of the process group; a task of an older one is stale
+    available: tuple[str, ...] = ()  # workers of the client that may join
+    joining: tuple[str, ...] = ()  # joiners of the group being formed
+    forming: str = "start"  # "start", "restart" or "regroup": what a loss while forming means
+    restoring: bool = False  # the group being formed loads a checkpoint
+    after_group: str = "choose"  # what follows the group (or what a loss interrupted)
+    next_phase: Any = None  # chosen, not yet planned
+    phase: Any = None  # PhaseSpec running
+    phase_steps: tuple[Any, ...] = ()  # the phase as planned
+    segment: tuple[Any, ...] = ()  # the steps running now (re-split after a recovery)
+    planned_until: int = 0  # the first step of the segment not yet in a plan
+    committed_step: int = 0  # the first step not committed
+    step_seconds: float | None = None  # measured; None: the next plan calibrates
+    next_window: int = 0  # the fit-wide number the next window gets
+    commit_window: int = 0  # the next window to commit
+    windows: dict[int, tuple[Any, Any, bool]] = field(default_factory=dict)  # (plan, window, ckpt)
+    pending: dict[int, dict[int, Any]] = field(default_factory=dict)  # window -> rank -> result
+    last_results: tuple[Any, ...] = ()  # the last window committed with every result
+    countdown: int = 0  # windows until the next mid-phase checkpoint
+    lr_factor: float = 1.0  # on_non_finite="rollback": the phase's LR cut so far
+    rollbacks: int = 0  # ... in this phase
+    restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
+    lost_everything: dict[str, Any] | None = None  # the failure record of a restart
