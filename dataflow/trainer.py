@@ -608,7 +608,6 @@ class _Fit:
                 epoch=epoch,
                 step=step,
                 schedule_state={**schedule_state, "noise": self.noise.state_dict()},
-                balancer_measured=[p["samples_per_second"] for p in self.history.phases],
                 ledger=ledger_state(self.ledger),
                 rng=capture_rng(),
                 replica_rng=[s["rng"] for s in states],

@@ -71,7 +71,7 @@ def train_step(model: Net, optimizer: torch.optim.Optimizer, x: torch.Tensor, y:
     return loss.detach()
 
 
-def make_checkpoint(model: torch.nn.Module, step: int, **extra) -> Checkpoint:
+def make_checkpoint(model: torch.nn.Module, step: int, **fields) -> Checkpoint:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return Checkpoint(
         model_state=model.state_dict(),
@@ -80,7 +80,7 @@ def make_checkpoint(model: torch.nn.Module, step: int, **extra) -> Checkpoint:
         epoch=0,
         step=step,
         fingerprint=fingerprint(model, make_source(), {"seed": 0, "replicas": 2}),
-        **extra,
+        **fields,
     )
 
 
@@ -109,7 +109,6 @@ def test_round_trip_resumes_bit_for_bit(tmp_path: Path) -> None:
             epoch=3,
             step=17,
             schedule_state={"previous": phase_to_dict(phase)},
-            balancer_measured=[[120.0, 80.5]],
             ledger=ledger_state(ledger),
             rng=capture_rng(),
             history=history.to_dict(),
@@ -143,7 +142,6 @@ def test_round_trip_resumes_bit_for_bit(tmp_path: Path) -> None:
         assert torch.equal(tensor, expected_state[name]), name
 
     assert phase_from_dict(restored.schedule_state["previous"]) == phase
-    assert restored.balancer_measured == [[120.0, 80.5]]
     assert restored.history["steps"][0]["loss"] == 1.5
     assert History(**restored.history).info == {"seed": 0}
     back = ledger_from_state(restored.ledger)
@@ -205,12 +203,33 @@ def test_a_format_1_checkpoint_still_loads_as_a_phase_boundary(tmp_path: Path) -
     assert not loaded.mid_phase and loaded.step == 2
 
 
+def test_checkpoint_with_retired_fields_loads(tmp_path: Path, monkeypatch) -> None:
+    """Files written before balancer_measured and extra were removed still load: the
+    loader ignores both keys (nothing reads them)."""
+    retired = {"balancer_measured": [[120.0, 80.5]], "extra": {"tag": "old"}}
+    state = {**make_checkpoint(Net(), 3).to_dict(), **retired}
+    assert Checkpoint.from_dict(state).step == 3
+
+    to_dict = Checkpoint.to_dict
+    monkeypatch.setattr(Checkpoint, "to_dict", lambda self: {**to_dict(self), **retired})
+    store = CheckpointStore(tmp_path)
+    path = store.save(make_checkpoint(Net(), 5))  # written as an older version wrote it
+    monkeypatch.undo()
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["balancer_measured"] == [[120.0, 80.5]] and on_disk["extra"] == retired["extra"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = CheckpointStore(tmp_path).load_latest()
+    assert loaded is not None and loaded.step == 5
+    assert not hasattr(loaded, "balancer_measured") and not hasattr(loaded, "extra")
+
+
 def test_unstorable_value_is_refused_with_its_field(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
-    bad = make_checkpoint(
-        Net(), 1, extra={"phase": PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=4)}
-    )
-    with pytest.raises(CheckpointError, match=r"Checkpoint.extra\['phase'\] holds a PhaseSpec"):
+    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=4)
+    bad = make_checkpoint(Net(), 1, schedule_state={"phase": phase})
+    match = r"Checkpoint.schedule_state\['phase'\] holds a PhaseSpec"
+    with pytest.raises(CheckpointError, match=match):
         store.save(bad)
     assert store.checkpoints() == []
 
@@ -441,11 +460,11 @@ def test_pruning_keeps_newest_valid(tmp_path: Path) -> None:
 
 def test_resave_of_same_step_replaces_it(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
-    store.save(make_checkpoint(Net(), 7, extra={"tag": "first"}))
-    store.save(make_checkpoint(Net(), 7, extra={"tag": "second"}))
+    store.save(make_checkpoint(Net(), 7, stage_state={"tag": "first"}))
+    store.save(make_checkpoint(Net(), 7, stage_state={"tag": "second"}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert store.load_latest().extra == {"tag": "second"}
+        assert store.load_latest().stage_state == {"tag": "second"}
 
 
 @pytest.mark.gpu
