@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dataflow.errors import DataflowError
+from dataflow.core.errors import DataflowError
 from dataflow.history import History
 from dataflow.report_data import (
     OPTIONAL_FIELDS,

@@ -14,16 +14,19 @@ of two forms:
 In both, numpy scalars become Python numbers and numpy arrays lists, and anything else
 (a dataclass, a set, an arbitrary object) raises :class:`NotPlainError` naming where in
 the value it sits (``where``, e.g. ``"Checkpoint.schedule_state['phase']"``).
+
+Importing this module does not import torch (``dataflow.core`` stays light): torch
+objects are recognised when torch is loaded, as it is wherever one exists.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from dataflow.core.errors import DataflowError
 
@@ -53,10 +56,12 @@ def _plain(value: Any, where: str, json: bool) -> Any:
     if not json:
         if isinstance(value, bytes):
             return value
-        if isinstance(value, torch.Tensor):
-            return value.detach()
-        if isinstance(value, torch.dtype | torch.Size | torch.device):  # before tuple: Size
-            return value
+        torch = sys.modules.get("torch")  # not imported: no value can be a tensor
+        if torch is not None:
+            if isinstance(value, torch.Tensor):
+                return value.detach()
+            if isinstance(value, torch.dtype | torch.Size | torch.device):  # Size: a tuple
+                return value
     if isinstance(value, Mapping):
         return {
             (str(k) if json else k): _plain(v, f"{where}[{k!r}]", json) for k, v in value.items()
