@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
+from dataflow.core.protocols import Balancer as Balancer  # the contract, re-exported
 
 
 def proportional_split(total: int, weights: Sequence[float]) -> tuple[int, ...]:
@@ -63,19 +63,6 @@ def micro_batch_counts(
         count = 1 if limit is None else -(-batch // limit)
         counts.append(max(1, min(batch, max(count, minimum))))
     return tuple(counts)
-
-
-@runtime_checkable
-class Balancer(Protocol):
-    """Chooses the per-replica split of each global batch.
-
-    ``measured`` is, per finished phase, each replica's measured samples/s (the
-    engine's view of its compute speed); balancers that ignore speed ignore it.
-    """
-
-    def split(
-        self, global_batch: int, replicas: int, measured: Sequence[Sequence[float]] = ()
-    ) -> tuple[int, ...]: ...
 
 
 def smoothed_speeds(

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dataflow.errors import DataflowError
+from dataflow.core.errors import DataflowError
 
 
 def _demo(args: argparse.Namespace) -> int:

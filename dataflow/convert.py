@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dataflow.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataError, DataflowError
 from dataflow.io import VariableNotFoundError, to_zarr
 from dataflow.report import MissingDependencyError
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 
 K_PIVOT = 4.0  # in units of the box's fundamental mode: P(k_pivot) = c A
 AMPLITUDE_RANGE = (0.5, 1.5)

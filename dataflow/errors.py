@@ -1,71 +1,43 @@
-"""One error hierarchy for the engine.
+"""The public name of the error hierarchy, which lives in :mod:`dataflow.core.errors`.
 
-Every error the engine raises on purpose is a ``DataflowError``. Each subclass
-also inherits the matching built-in, so ``except ValueError`` in user code keeps
-working. Messages name the argument, stage or file at fault and say how to fix it.
+Kept so ``from dataflow.errors import ConfigError`` goes on working for users;
+code inside the package imports from ``dataflow.core.errors``.
 """
 
 from __future__ import annotations
 
+from dataflow.core.errors import (
+    BatchSizeError,
+    CheckpointError,
+    ChunkMissingError,
+    ChunkReadError,
+    CollectiveError,
+    ConfigError,
+    DataError,
+    DataflowError,
+    GraphError,
+    IncompatibleCheckpointError,
+    LossError,
+    ModelError,
+    NonFiniteError,
+    ReplicaError,
+    WorkerLostError,
+)
 
-class DataflowError(Exception):
-    """Base class of every error raised on purpose by dataflow."""
-
-
-class ConfigError(DataflowError, ValueError):
-    """A configuration value is invalid (names the field and the fix)."""
-
-
-class BatchSizeError(ConfigError):
-    """A batch size is non-positive or larger than the dataset."""
-
-
-class GraphError(DataflowError, ValueError):
-    """The stage graph is malformed: cycle, dangling input, missing stage."""
-
-
-class ModelError(DataflowError, TypeError):
-    """A user factory (model, optimizer) returned the wrong kind of object."""
-
-
-class LossError(DataflowError, ValueError):
-    """The loss function returned something that is not a finite scalar tensor."""
-
-
-class NonFiniteError(LossError, FloatingPointError):
-    """A NaN or inf loss or gradient, caught before the update was applied."""
-
-
-class DataError(DataflowError, ValueError):
-    """Input arrays are inconsistent (sample counts, dtypes, dimensions)."""
-
-
-class ChunkMissingError(DataflowError, KeyError):
-    """A chunk is absent from the store; zarr would silently return fill values."""
-
-    def __str__(self) -> str:  # KeyError would otherwise repr() the message
-        return str(self.args[0]) if self.args else ""
-
-
-class ChunkReadError(DataflowError, OSError):
-    """A chunk exists in the store but could not be read or decoded (corrupt, truncated)."""
-
-
-class ReplicaError(DataflowError, RuntimeError):
-    """A replica failed on its worker, or the replicas' weights diverged."""
-
-
-class CollectiveError(DataflowError, RuntimeError):
-    """Forming or using the process group across replicas failed."""
-
-
-class CheckpointError(DataflowError, OSError):
-    """A checkpoint directory cannot be written, or a checkpoint file is corrupt or partial."""
-
-
-class IncompatibleCheckpointError(DataflowError, ValueError):
-    """A checkpoint belongs to another model, dataset or configuration than this fit."""
-
-
-class WorkerLostError(ReplicaError):
-    """Workers died and too few remain to go on (``min_workers``)."""
+__all__ = [
+    "BatchSizeError",
+    "CheckpointError",
+    "ChunkMissingError",
+    "ChunkReadError",
+    "CollectiveError",
+    "ConfigError",
+    "DataError",
+    "DataflowError",
+    "GraphError",
+    "IncompatibleCheckpointError",
+    "LossError",
+    "ModelError",
+    "NonFiniteError",
+    "ReplicaError",
+    "WorkerLostError",
+]

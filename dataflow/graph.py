@@ -11,8 +11,8 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dataflow.errors import GraphError
-from dataflow.stages.base import Stage
+from dataflow.core.errors import GraphError
+from dataflow.core.protocols import Stage
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dataflow.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 from dataflow.graph import Graph
 from dataflow.history import FitResult
 from dataflow.schedule import Fixed, Schedule

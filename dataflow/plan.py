@@ -16,10 +16,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dataflow.errors import BatchSizeError, ConfigError
+from dataflow.core.errors import BatchSizeError, ConfigError
+from dataflow.core.phase import PhaseSpec
+from dataflow.core.step import StepSpec
 from dataflow.io.sampler import steps_per_epoch
-from dataflow.schedule import PhaseSpec
-from dataflow.stages.base import StepSpec
 
 
 def phase_steps(

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataflow.checkpoint import phase_from_dict, phase_to_dict, steps_from_list, steps_to_list
-from dataflow.schedule import PhaseSpec
-from dataflow.stages.base import StepSpec
+from dataflow.core.phase import PhaseSpec
+from dataflow.core.step import StepSpec
 
 
 @dataclass

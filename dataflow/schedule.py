@@ -9,101 +9,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar
 
-from dataflow.errors import BatchSizeError, ConfigError
+from dataflow.core.errors import BatchSizeError, ConfigError
+from dataflow.core.phase import PhaseMeasurement, PhaseSpec, lr_at
+from dataflow.core.protocols import Schedule
+from dataflow.io.sampler import steps_per_epoch
 from dataflow.noise_scale import adascale_gain
 
-
-@dataclass(frozen=True, kw_only=True)
-class PhaseSpec:
-    """One phase: epochs ``[start_epoch, end_epoch)`` at global batch ``global_batch``.
-
-    The learning rate is ``lr`` if given, else the optimizer factory's LR times
-    ``lr_scale``. With ``warmup_steps``, it ramps linearly from the previous phase's
-    LR to the new one over the first steps of the phase (:func:`lr_at`), so a jump
-    in LR does not destabilise training. ``noise_scale`` and ``gain`` are for the
-    history: the noise-scale estimate an adaptive schedule chose the phase from, and
-    the LR gain it applied (None for schedules that do not measure).
-    """
-
-    index: int
-    start_epoch: int
-    end_epoch: int
-    global_batch: int
-    lr: float | None = None
-    lr_scale: float = 1.0
-    warmup_steps: int = 0
-    noise_scale: float | None = None
-    gain: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.end_epoch <= self.start_epoch:
-            raise ConfigError(
-                f"PhaseSpec: end_epoch ({self.end_epoch}) must be after "
-                f"start_epoch ({self.start_epoch})"
-            )
-        if self.global_batch <= 0:
-            raise BatchSizeError(f"PhaseSpec: global_batch must be > 0, got {self.global_batch}")
-        if not self.lr_scale > 0:
-            raise ConfigError(f"PhaseSpec: lr_scale must be > 0, got {self.lr_scale}")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"PhaseSpec: warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.noise_scale is not None and not self.noise_scale >= 0:
-            raise ConfigError(
-                f"PhaseSpec: noise_scale must be >= 0 or None, got {self.noise_scale}"
-            )
-        if self.gain is not None and not self.gain > 0:
-            raise ConfigError(f"PhaseSpec: gain must be > 0 or None, got {self.gain}")
-
-
-@dataclass(frozen=True)
-class PhaseMeasurement:
-    """What the driver measured in the phase that just ended, for adaptive schedules.
-
-    ``noise_scale``, ``gradient_sq`` and ``trace_cov`` come from
-    :class:`dataflow.noise_scale.NoiseScaleTracker` (None when not measured);
-    ``samples_per_second`` is the phase's global throughput, ``steps`` its step count.
-    ``measured_steps`` is how many steps the estimate rests on: the tracker's ``steps``,
-    every step whose gradient norms it took since the fit began (None: not reported;
-    :meth:`Adaptive.measured_steps` says what is assumed then).
-    """
-
-    noise_scale: float | None = None
-    gradient_sq: float | None = None
-    trace_cov: float | None = None
-    samples_per_second: float = 0.0
-    steps: int = 0
-    measured_steps: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.noise_scale is not None and not self.noise_scale >= 0:
-            raise ConfigError(
-                f"PhaseMeasurement: noise_scale must be >= 0 or None, got {self.noise_scale}; "
-                "pass NoiseScaleTracker.noise_scale, which is None when not resolved"
-            )
-        for name in ("gradient_sq", "trace_cov"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"PhaseMeasurement: {name} must be finite or None, got {value}")
-        if not self.samples_per_second >= 0:
-            raise ConfigError(
-                f"PhaseMeasurement: samples_per_second must be >= 0, got {self.samples_per_second}"
-            )
-        for name in ("steps", "measured_steps"):
-            value = getattr(self, name)
-            if value is None and name == "measured_steps":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"PhaseMeasurement: {name} must be an int >= 0, got {value!r}")
-
-
-def lr_at(start: float, target: float, step_in_phase: int, warmup_steps: int) -> float:
-    """The LR at step ``step_in_phase`` (0-based) of a phase ramping from ``start`` to
-    ``target`` over ``warmup_steps`` steps; ``target`` from step ``warmup_steps - 1`` on."""
-    if warmup_steps <= 0 or step_in_phase >= warmup_steps - 1:
-        return target
-    return start + (target - start) * (step_in_phase + 1) / warmup_steps
+# PhaseSpec, PhaseMeasurement, lr_at and the Schedule protocol live in dataflow.core
+# (stages use them too); they are re-exported here, their public home.
+__all__ = [
+    "ADAPTIVE_LR_RULES",
+    "LR_RULES",
+    "Adaptive",
+    "Fixed",
+    "PhaseMeasurement",
+    "PhaseSpec",
+    "Schedule",
+    "Stepwise",
+    "lr_at",
+]
 
 
 LR_RULES = {
@@ -111,31 +37,6 @@ LR_RULES = {
     "sqrt": lambda ratio: ratio**0.5,
     "none": lambda ratio: 1.0,
 }
-
-
-@runtime_checkable
-class Schedule(Protocol):
-    """Chooses each phase; ``previous`` is None for the first one.
-
-    ``measured`` is what the driver measured during ``previous`` (None for the first
-    phase, or when nothing was measured). A class attribute ``measures_noise = True``
-    asks the driver to pay for the gradient-norm measurement that feeds
-    ``measured.noise_scale``; it is optional (absent means False), so a schedule
-    written with only ``next_phase`` and ``max_batch`` still fits the protocol.
-    """
-
-    def next_phase(
-        self,
-        *,
-        start_epoch: int,
-        total_epochs: int,
-        previous: PhaseSpec | None,
-        measured: PhaseMeasurement | None = None,
-    ) -> PhaseSpec: ...
-
-    def max_batch(self) -> int:
-        """The largest global batch this schedule can ask for (validated up front)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -524,8 +425,6 @@ class Adaptive:
                 "needs the samples per epoch; pass samples_per_epoch=<training samples> "
                 "(this engine did not give the schedule the source's size)"
             )
-        from dataflow.io.sampler import steps_per_epoch  # here: dataflow.io imports stages
-
         per_epoch = steps_per_epoch(num_samples, batch, drop_last=drop_last)
         if per_epoch == 0:  # a batch beyond the data with drop_last: the engine refuses it
             return 1

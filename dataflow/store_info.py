@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from dataflow.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import ZarrArrayReader
 
 

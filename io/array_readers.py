@@ -34,7 +34,7 @@ import zarr
 from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from dataflow.errors import ChunkMissingError, ChunkReadError
+from dataflow.core.errors import ChunkMissingError, ChunkReadError
 from dataflow.io.chunk_reader import BatchBuffers
 
 RESIDENT_BYTES = 64 * 2**20

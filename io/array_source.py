@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataflow.errors import DataError
-from dataflow.stages.base import Batch
+from dataflow.core.batch import Batch
+from dataflow.core.errors import DataError
 
 
 def _as_tensor(name: str, array: Any) -> torch.Tensor:

@@ -31,38 +31,18 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
-from dataflow.stages.base import Batch
-
-
-class ChunkedSource(Protocol):
-    """A source whose storage unit is a run of consecutive samples (a chunk)."""
-
-    @property
-    def chunk_bounds(self) -> np.ndarray:
-        """``C + 1`` sample offsets: chunk ``c`` holds samples ``[b[c], b[c+1])``."""
-        ...
-
-    def check_chunks(self, chunks: Sequence[int]) -> None:
-        """Raise ``ChunkMissingError`` if any of ``chunks`` is absent from the store."""
-        ...
-
-    def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
-        """Decode ``chunks`` (ideally concurrently); each value holds that chunk's samples,
-        sample dim first, as numpy arrays or CPU tensors."""
-        ...
-
-    def read(self, indices: np.ndarray) -> Batch:
-        """The samples at ``indices`` (used here only for an empty batch)."""
-        ...
+from dataflow.core.batch import Batch
+from dataflow.core.protocols import ChunkedSource
 
 
 def is_chunked(source: Any) -> bool:
-    return all(hasattr(source, name) for name in ("chunk_bounds", "check_chunks", "read_chunks"))
+    """Whether ``source`` reads whole chunks (:class:`dataflow.core.protocols.ChunkedSource`)."""
+    return isinstance(source, ChunkedSource)
 
 
 def chunk_of(bounds: np.ndarray, indices: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from dataflow.errors import DataError
+from dataflow.core.errors import DataError
 
 
 class SampleLedger:

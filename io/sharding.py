@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from dataflow.errors import ConfigError
-from dataflow.stages.base import StepSpec
+from dataflow.core.errors import ConfigError
+from dataflow.core.step import StepSpec
 
 DEFAULT_BUFFER_CHUNKS = 4
 

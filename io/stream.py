@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from dataflow.errors import ConfigError
+from dataflow.core.batch import Batch
+from dataflow.core.errors import ConfigError
 from dataflow.io.chunk_reader import (
     DEFAULT_DECODE_AHEAD,
     BatchBuffers,
@@ -25,7 +26,6 @@ from dataflow.io.chunk_reader import (
 )
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, shard_epoch, source_chunk_sizes
-from dataflow.stages.base import Batch
 
 # Output buffers kept beyond ``prefetch``: the batch being assembled, the one the
 # consumer holds, and one each the loader thread and the generator hand on.

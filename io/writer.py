@@ -17,7 +17,7 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
-from dataflow.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError
 
 _COMPRESSORS = {
     "zstd": lambda: ZstdCodec(level=3),

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import zarr
 
-from dataflow.errors import DataError, DataflowError
+from dataflow.core.batch import Batch
+from dataflow.core.errors import DataError, DataflowError
 from dataflow.io.array_readers import (
     RESIDENT_BYTES,
     ArrayReader,
@@ -35,7 +36,6 @@ from dataflow.io.array_readers import (
     missing_chunk_error,
 )
 from dataflow.io.chunk_reader import EpochChunkReader
-from dataflow.stages.base import Batch
 
 
 class VariableNotFoundError(DataError, KeyError):

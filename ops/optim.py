@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 from dataflow.ops.optim_kernels import ADAMW_STEP, SGD_STEP
 from dataflow.ops.registry import Op, OpError, check, launch
 

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
+from dataflow.core.protocols import Kernel, missing_members
 
 
 class OpError(ConfigError):
@@ -34,9 +35,10 @@ class OpError(ConfigError):
 
 @dataclass(frozen=True)
 class Op:
-    """``cpu(*arrays, **params)`` takes numpy arrays; ``cuda(*device_arrays, stream=,
-    **params)`` takes numba device arrays; ``reference`` is the plain torch/numpy
-    definition both are tested against."""
+    """The :class:`dataflow.core.protocols.Kernel` of this package. ``cpu(*arrays,
+    **params)`` takes numpy arrays; ``cuda(*device_arrays, stream=, **params)`` takes numba
+    device arrays; ``reference`` is the plain torch/numpy definition both are tested
+    against."""
 
     name: str
     cpu: Callable[..., Any]
@@ -50,6 +52,13 @@ REGISTRY: dict[str, Op] = {}
 
 
 def register(op: Op) -> Op:
+    """Add ``op`` to :data:`REGISTRY`; it must fit :class:`dataflow.core.protocols.Kernel`."""
+    if not isinstance(op, Kernel):
+        raise ConfigError(
+            f"ops: cannot register {type(op).__name__}: it has no "
+            f"{', '.join(map(repr, missing_members(op, Kernel)))}; build an ops.Op(name=, "
+            "cpu=, cuda=, reference=)"
+        )
     if op.name in REGISTRY:
         raise ConfigError(f"ops: an op named {op.name!r} is already registered")
     REGISTRY[op.name] = op

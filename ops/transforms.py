@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 from dataflow.ops import transform_kernels as kernels
 from dataflow.ops.registry import Op, OpError, launch, register
 

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataflow.errors import ConfigError, GraphError
+from dataflow.core import kinds
+from dataflow.core.errors import ConfigError, GraphError
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -118,6 +119,8 @@ class Evaluate(Stage):
     :meth:`bind` (the trainer binds every Evaluate of its graph); ``()`` means none.
     Random transforms (``wants_seed``) are refused here and skipped from the graph.
     """
+
+    kind = kinds.EVALUATE
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError, DataError, LossError, ModelError
+from dataflow.core.errors import ConfigError, DataError, LossError, ModelError
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
 
 

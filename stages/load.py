@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError
+from dataflow.core import kinds
+from dataflow.core.errors import ConfigError
+from dataflow.core.protocols import Source, missing_members
 from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
@@ -67,6 +69,8 @@ class Load(Stage):
     have finished, and copied to the device with ``non_blocking=True``.
     """
 
+    kind = kinds.LOAD
+
     def __init__(
         self,
         source: Any,
@@ -77,12 +81,12 @@ class Load(Stage):
         name: str | None = None,
     ) -> None:
         super().__init__(name)
-        for attribute in ("num_samples", "read"):  # the dataflow.protocols.Source contract
-            if not hasattr(source, attribute):
-                raise ConfigError(
-                    f"Load(source=...): {type(source).__name__} has no {attribute!r}; pass a "
-                    "dataflow.io source such as ArraySource(x, y)"
-                )
+        if not isinstance(source, Source):
+            raise ConfigError(
+                f"Load(source=...): {type(source).__name__} has no "
+                f"{missing_members(source, Source)[0]!r}; pass a dataflow.io source such as "
+                "ArraySource(x, y), or an object with num_samples and read(indices)"
+            )
         self.source = source
         self.config = LoadConfig(
             prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks

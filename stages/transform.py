@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 from dataflow.stages.base import Batch, Stage, StepContext
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from dataflow.errors import ConfigError, ModelError, NonFiniteError
-from dataflow.schedule import lr_at
+from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
+from dataflow.core.phase import lr_at
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
 NON_FINITE_POLICIES = ("raise", "skip", "rollback")

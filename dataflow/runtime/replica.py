@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from dataflow.core.window import WindowResult
 from dataflow.errors import ReplicaError
 from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective, connect_store, open_store
@@ -52,27 +53,6 @@ class ReplicaSpec:
     pause_dask_profiler: bool = True
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
-
-
-@dataclass
-class WindowResult:
-    """Per-step losses and timings of one window on one replica."""
-
-    rank: int
-    first_step: int
-    samples: list[int]
-    losses: list[float | None]
-    step_seconds: list[float]
-    stage_seconds: dict[str, float]
-    task_seconds: float
-    evals: dict[int, dict[str, float]] = field(default_factory=dict)
-    sample_indices: list[Any] = field(default_factory=list)  # per step: what Load read
-    # (step, small batch, |g_small|^2, big batch, |g_big|^2) per measured step: the
-    # driver folds them into the noise-scale estimate once the window is committed.
-    norm_pairs: list[tuple[int, int, float, int, float]] = field(default_factory=list)
-    # The replica's state at the window's end, when the driver asked for a checkpoint
-    # there (:meth:`ReplicaRuntime.checkpoint_state`).
-    checkpoint: dict[str, Any] | None = None
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:

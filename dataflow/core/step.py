@@ -1,0 +1,112 @@
+"""What a stage sees of the run: its replica, the current step and the current phase.
+
+Plain data built by the planner and the runtime and read by every stage; kept in the
+bottom layer so io (sharding reads a step's split) and stages need not import the
+engine for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from dataflow.core.protocols import Collective
+
+__all__ = ["PhaseContext", "ReplicaContext", "StepContext", "StepSpec"]
+
+
+@dataclass
+class ReplicaContext:
+    """Per-replica state on its worker: shared by all stages of one fit."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    seed: int
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    collective: Collective | None = None  # a process group when world_size > 1
+    state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One global training step, identical on every replica (pure data).
+
+    ``start`` counts the samples of the epoch before this step; replica ``r`` takes
+    the next ``local_batches[r]`` samples of its epoch stream (``io.replica_streams``).
+    """
+
+    index: int
+    epoch: int
+    step_in_epoch: int
+    start: int
+    global_batch: int
+    local_batches: tuple[int, ...]
+    last_in_epoch: bool
+    micro_batches: tuple[int, ...] = ()  # per replica, micro-batches per step (() = all 1)
+    # The epoch was re-split mid-way (a lost worker): for each earlier split, the samples
+    # each replica was given and had consumed; the rest of the epoch is cut anew
+    # (``io.sharding.continued_streams``). Empty for an epoch run under one split.
+    earlier_splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def micro_batches_of(self, rank: int) -> int:
+        return self.micro_batches[rank] if self.micro_batches else 1
+
+
+@dataclass
+class StepContext:
+    """What a stage sees during one step on one replica."""
+
+    replica: ReplicaContext
+    spec: StepSpec
+    metrics: dict[str, Any] = field(default_factory=dict)
+    micro_index: int = 0  # which micro-batch of gradient accumulation is running
+    micro_count: int = 1
+    micro_size: int | None = None  # samples in the running micro-batch (None: whole batch)
+
+    @property
+    def local_batch(self) -> int:
+        return self.spec.local_batches[self.replica.rank]
+
+    @property
+    def global_batch(self) -> int:
+        return self.spec.global_batch
+
+    @property
+    def weight(self) -> float:
+        """This replica's share of the global mean: ``b_r / B``."""
+        return self.local_batch / self.spec.global_batch
+
+    @property
+    def micro_weight(self) -> float:
+        """The running micro-batch's share of the local mean: ``m_k / b_r`` (1 without
+        accumulation). Forward scales the loss by it, so the accumulated gradient is the
+        mean gradient of the replica's whole local batch."""
+        if self.micro_count == 1 or self.micro_size is None:
+            return 1.0
+        return self.micro_size / self.local_batch
+
+    @property
+    def last_micro_batch(self) -> bool:
+        return self.micro_index == self.micro_count - 1
+
+
+@dataclass(frozen=True)
+class PhaseContext:
+    """What a stage sees at a phase boundary: the phase's steps and learning rate
+    (``lr``, else the optimizer's initial LR × ``lr_scale``, ramped over ``warmup_steps``)."""
+
+    index: int
+    steps: tuple[StepSpec, ...]
+    lr: float | None
+    lr_scale: float = 1.0
+    warmup_steps: int = 0
+    measure_noise: bool = False  # record gradient norms for the noise-scale estimate
+    # The rest of a phase after a lost worker (``steps`` start at the commit, split over
+    # the survivors): stages keep their phase-level settings (LR ramp, statistics).
+    continued: bool = False
+    lr_factor: float = 1.0  # on_non_finite="rollback": the LR cut after each rollback

@@ -1,0 +1,34 @@
+"""What one replica reports back for a window of steps.
+
+The worker builds it and the driver folds it into the history and the checkpoint;
+it lives in the bottom layer so both sides share one definition without importing
+each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["WindowResult"]
+
+
+@dataclass
+class WindowResult:
+    """Per-step losses and timings of one window on one replica."""
+
+    rank: int
+    first_step: int
+    samples: list[int]
+    losses: list[float | None]
+    step_seconds: list[float]
+    stage_seconds: dict[str, float]
+    task_seconds: float
+    evals: dict[int, dict[str, float]] = field(default_factory=dict)
+    sample_indices: list[Any] = field(default_factory=list)  # per step: what Load read
+    # (step, small batch, |g_small|^2, big batch, |g_big|^2) per measured step: the
+    # driver folds them into the noise-scale estimate once the window is committed.
+    norm_pairs: list[tuple[int, int, float, int, float]] = field(default_factory=list)
+    # The replica's state at the window's end, when the driver asked for a checkpoint
+    # there (:meth:`dataflow.runtime.replica.ReplicaRuntime.checkpoint_state`).
+    checkpoint: dict[str, Any] | None = None
