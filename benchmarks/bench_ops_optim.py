@@ -13,8 +13,7 @@ and one call of the gradient-path ops:
   ``torch._foreach_mul`` + ``torch.cat``, and vs the per-tensor ``torch.mul(out=view)``
   loop the reducer runs today;
 * ``sum_of_squares`` (float64 accumulation) vs ``torch._foreach_norm`` (squared) and
-  ``torch.stack([g.pow(2).sum() ...])`` (both float32);
-* ``weighted_sum_`` of two flat replicas' gradients vs ``torch.mul`` + ``add_(alpha=)``.
+  ``torch.stack([g.pow(2).sum() ...])`` (both float32).
 
 Bandwidth counts the bytes a single fused pass must move (SGD with momentum reads p, g,
 m and writes p, m: 5 x 4 bytes per element; AdamW 7 x 4), for every variant, beside a
@@ -133,12 +132,6 @@ def op_calls(shapes, seed) -> dict[str, dict[str, Callable[[], Any]]]:
         for g, view in zip(grads, views, strict=True):
             torch.mul(g.reshape(-1), w, out=view)
 
-    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
-
-    def torch_weighted() -> None:
-        torch.mul(a, 0.25, out=out)
-        out.add_(b, alpha=0.75)
-
     return {
         "pack_scaled_": {
             "dataflow fused": lambda: flat.pack_scaled_(bucket, grads, w),
@@ -151,10 +144,6 @@ def op_calls(shapes, seed) -> dict[str, dict[str, Callable[[], Any]]]:
             "dataflow fused": lambda: flat.sum_of_squares(grads),
             "torch _foreach_norm": lambda: torch.stack(torch._foreach_norm(grads)).square(),
             "torch stack(pow(2).sum())": lambda: torch.stack([g.pow(2).sum() for g in grads]),
-        },
-        "weighted_sum_ (2 inputs)": {
-            "dataflow fused": lambda: flat.weighted_sum_(out, [a, b], [0.25, 0.75]),
-            "torch mul + add_(alpha)": torch_weighted,
         },
     }
 
@@ -192,7 +181,6 @@ BYTES_PER_ELEMENT = {  # what one fused pass reads + writes, float32
     "FusedAdam step (AdamW)": 7 * 4,
     "pack_scaled_": 2 * 4,
     "sum_of_squares": 4,
-    "weighted_sum_ (2 inputs)": 3 * 4,
     "copy (bandwidth reference)": 2 * 4,
 }
 

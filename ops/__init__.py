@@ -4,20 +4,14 @@ device (``dataflow.ops.registry``).
 
 Data path, usable as ``Pipeline(transforms=[...])``: :class:`Log1p`,
 :class:`Standardize`, :class:`RandomFlip`, :class:`RandomRotate90`, each with the cast
-to the training dtype fused in. Gradient path: :func:`scale_`, :func:`weighted_sum_`,
-:func:`pack_scaled_`, :func:`sum_of_squares`, :func:`pack_halo` /
-:func:`unpack_halo_`. Optimizers: :class:`FusedSGD`, :class:`FusedAdam`, one kernel
-launch per param group.
+to the training dtype fused in. Gradient path: :func:`pack_scaled_`,
+:func:`sum_of_squares` and :func:`grad_squared_norm` (the one gradient-norm routine).
+Spatial decomposition: :func:`pack_halo` / :func:`unpack_halo_`. Optimizers:
+:class:`FusedSGD`, :class:`FusedAdam`, one kernel launch per param group.
 """
 
-from dataflow.ops.flat import (
-    pack_halo,
-    pack_scaled_,
-    scale_,
-    sum_of_squares,
-    unpack_halo_,
-    weighted_sum_,
-)
+from dataflow.ops.flat import grad_squared_norm, pack_scaled_, sum_of_squares
+from dataflow.ops.halo import pack_halo, unpack_halo_
 from dataflow.ops.optim import FusedAdam, FusedSGD
 from dataflow.ops.registry import REGISTRY, Op, OpError
 from dataflow.ops.transforms import Log1p, RandomFlip, RandomRotate90, Standardize
@@ -32,10 +26,9 @@ __all__ = [
     "RandomFlip",
     "RandomRotate90",
     "Standardize",
+    "grad_squared_norm",
     "pack_halo",
     "pack_scaled_",
-    "scale_",
     "sum_of_squares",
     "unpack_halo_",
-    "weighted_sum_",
 ]

@@ -148,3 +148,53 @@ def match_torch_threads(elements: int | None = None) -> None:
         threads = 1
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+
+
+THREADS = 256  # CUDA threads per block
+MAX_BLOCKS = 1 << 14  # CUDA grid cap; kernels loop grid-stride over the rest
+
+
+def one_dtype(op: Op, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise OpError unless ``tensors`` share one dtype."""
+    if len({t.dtype for t in tensors}) > 1:
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+        raise OpError(
+            f"{op.name}: all tensors must have one dtype, got {', '.join(dtypes)}; "
+            "convert them with .to(dtype) first"
+        )
+
+
+def device_tables(arrays: Sequence[Any], device: torch.device) -> list[Any]:
+    """Host tables (numpy) and tensors as what ``device``'s kernels take. On CUDA the
+    tables go through pinned memory without blocking (a pageable copy would make the
+    host wait for the GPU) and torch's caching allocator (numba's allocates each call)."""
+    if device.type == "cpu":
+        return list(arrays)
+    tables = [
+        torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
+        if isinstance(a, np.ndarray)
+        else a
+        for a in arrays
+    ]
+    return [as_arrays([t], device)[0] if isinstance(t, torch.Tensor) else t for t in tables]
+
+
+def run_kernel(op: Op, device: torch.device, work: int, *arrays: Any, **params: Any) -> Any:
+    """Call ``op``'s kernel for ``device`` on ``work`` elements: on the CPU with torch's
+    thread budget; on CUDA on torch's current stream (host tables via
+    :func:`device_tables`; pass the result of that to skip the copy)."""
+    if device.type == "cpu":
+        match_torch_threads(work)
+        return op.cpu(*arrays, **params)
+    return op.cuda(*device_tables(arrays, device), stream=torch_stream(), **params)
+
+
+def cuda_threads(n: int) -> int:
+    """Threads per block for ``n`` work elements: a warp multiple, at most THREADS."""
+    return min(THREADS, max(32, -(-n // 32) * 32))
+
+
+def grid_stride(n: int, stream: Any) -> tuple[int, int, Any]:
+    """A grid-stride CUDA launch configuration over ``n`` elements on ``stream``."""
+    threads = cuda_threads(n)
+    return min(blocks(n, threads)[0], MAX_BLOCKS), threads, stream

@@ -1,8 +1,9 @@
 """Raw kernels of the data-path ops (``ops/transforms.py``) on flat C-contiguous arrays.
 
-Each op has a CPU entry (numpy arrays in, ``numba.njit(parallel=True)`` kernel) and a
-CUDA entry (numba device arrays and ``stream=``, kernel built on first use, so CPU users
-never import numba-cuda). Both write the output dtype directly: the cast is fused.
+Each op has a CPU entry here (numpy arrays in, ``numba.njit(parallel=True)`` kernel) and
+a CUDA entry in ``ops/transform_cuda.py`` (numba device arrays and ``stream=``, kernel
+built on first use, so CPU users never import numba-cuda); the names below forward to
+it. Both write the output dtype directly: the cast is fused.
 
 Arithmetic runs in float32, or float64 when the input or the output is float64
 (:func:`compute_dtype`), and is rounded once to the output dtype (a float64 value meant
@@ -16,21 +17,18 @@ float16; a copy between equal dtypes moves raw bits through signed-integer views
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from dataflow.ops.registry import blocks, match_torch_threads
+from dataflow.ops.registry import match_torch_threads
 
 HALF_BITS = np.dtype(np.uint16)  # how a float16 array reaches a CPU kernel
 _RAW = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}  # bit-copy views by item size
-_MAX_BLOCKS = 1 << 16  # CUDA grid cap; kernels loop grid-stride over the rest
 _ROW_BLOCK = 4096  # elements per parallel work item of Standardize
 _ROWS = 16  # rows of the innermost axis per parallel work item of RandomFlip
 _TILE = 16  # side of the square tiles RandomRotate90 transposes through
@@ -401,149 +399,26 @@ def rot90_cpu(x: np.ndarray, out: np.ndarray, *, ks: np.ndarray) -> None:
         kernel(xf, of, np.ascontiguousarray(ks, dtype=np.int64), c, dims)
 
 
-# -- CUDA kernels (built on first use) -------------------------------------------------
+# -- CUDA entries: in ops/transform_cuda.py, imported on first CUDA use ----------------
 
 
-cuda: Any = None  # numba.cuda, bound by _import_cuda() on first CUDA use
+def _cuda() -> Any:
+    from dataflow.ops import transform_cuda
+
+    return transform_cuda
 
 
-def _import_cuda() -> Any:
-    """Import numba.cuda and bind it as this module's global ``cuda`` for the kernels.
-
-    A global, not a closure variable: the CUDA simulator swaps a kernel's globals that
-    are ``numba.cuda`` for its fake module, and would miss a closure's.
-    """
-    global cuda
-    from numba import cuda as module
-
-    cuda = module
-    return module
+def log1p_cuda(*arrays: Any, **params: Any) -> None:
+    _cuda().log1p_cuda(*arrays, **params)
 
 
-def _nb(dtype: np.dtype) -> Any:
-    return numba.from_dtype(np.dtype(dtype))
+def standardize_cuda(*arrays: Any, **params: Any) -> None:
+    _cuda().standardize_cuda(*arrays, **params)
 
 
-def _final_type(x: np.dtype, out: np.dtype) -> Any:
-    """The type a value passes through before the store: float32 next to float16."""
-    half = np.dtype(np.float16)
-    if np.dtype(out) == half or (np.dtype(x) == half and np.dtype(x) != np.dtype(out)):
-        return numba.float32
-    return _nb(out)
+def flip_cuda(*arrays: Any, **params: Any) -> None:
+    _cuda().flip_cuda(*arrays, **params)
 
 
-@functools.cache
-def _cuda_log1p(ct: Any, final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, scale: Any) -> None:
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            out[i] = final(math.log1p(ct(x[i]) * scale))
-
-    return kernel
-
-
-@functools.cache
-def _cuda_standardize(ct: Any, final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, mean: Any, std: Any, inner: int) -> None:
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            c = (i // inner) % mean.size
-            out[i] = final((ct(x[i]) - mean[c]) / std[c])
-
-    return kernel
-
-
-@functools.cache
-def _cuda_flip(final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            sw = i % w
-            sh = (i // w) % h
-            sd = (i // (w * h)) % d
-            nc = i // (w * h * d)
-            n = nc // channels
-            sd = d - 1 - sd if flags[n, 0] else sd
-            sh = h - 1 - sh if flags[n, 1] else sh
-            sw = w - 1 - sw if flags[n, 2] else sw
-            out[i] = final(x[((nc * d + sd) * h + sh) * w + sw])
-
-    return kernel
-
-
-@functools.cache
-def _cuda_rot90(final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, ks: Any, channels: int, l_: int, p: int, m_: int, r: int):
-        for e in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            t = e // r
-            j = t % p
-            m = (t // p) % m_
-            i = (t // (p * m_)) % p
-            block = t // (p * m_ * p)  # over (nc, l)
-            k = ks[block // l_ // channels]
-            si, sj = i, j
-            if k == 1:
-                si, sj = j, p - 1 - i
-            elif k == 2:
-                si, sj = p - 1 - i, p - 1 - j
-            elif k == 3:
-                si, sj = p - 1 - j, i
-            src = (((block * p + si) * m_ + m) * p + sj) * r + e % r
-            out[e] = final(x[src])
-
-    return kernel
-
-
-def _flat(a: Any) -> Any:
-    return a.reshape(a.size)
-
-
-def _device(a: Any, dtype: Any, stream: Any) -> Any:
-    """Host data (the per-sample choices, per-channel statistics) copied on ``stream``."""
-    return _import_cuda().to_device(np.ascontiguousarray(a, dtype=dtype), stream=stream)
-
-
-def _config(n: int, stream: Any) -> tuple[int, int, Any]:
-    """Launch configuration: capped grid (the kernels loop grid-stride), threads, stream."""
-    count, threads = blocks(n)
-    return min(count, _MAX_BLOCKS), threads, stream
-
-
-def log1p_cuda(x: Any, out: Any, *, scale: float, stream: Any = 0) -> None:
-    ct = compute_dtype(x.dtype, out.dtype)
-    kernel = _cuda_log1p(_nb(ct), _final_type(ct, out.dtype))
-    kernel[_config(x.size, stream)](_flat(x), _flat(out), ct.type(scale))
-
-
-def standardize_cuda(x: Any, out: Any, *, mean: Any, std: Any, stream: Any = 0) -> None:
-    ct = compute_dtype(x.dtype, out.dtype)
-    if x.size:
-        m = _device(mean, ct, stream)
-        s = _device(std, ct, stream)
-        kernel = _cuda_standardize(_nb(ct), _final_type(ct, out.dtype))
-        inner = math.prod(x.shape[2:])
-        kernel[_config(x.size, stream)](_flat(x), _flat(out), m, s, inner)
-
-
-def flip_cuda(x: Any, out: Any, *, flags: Any, stream: Any = 0) -> None:
-    if x.size:
-        f = _device(flags, np.uint8, stream)
-        kernel = _cuda_flip(_final_type(x.dtype, out.dtype))
-        kernel[_config(x.size, stream)](_flat(x), _flat(out), f, *x.shape[1:])
-
-
-def rot90_cuda(x: Any, out: Any, *, ks: Any, stream: Any = 0) -> None:
-    if x.size:
-        k = _device(ks, np.int64, stream)
-        kernel = _cuda_rot90(_final_type(x.dtype, out.dtype))
-        c, l_, p, m_, _, r = x.shape[1:]
-        kernel[_config(x.size, stream)](_flat(x), _flat(out), k, c, l_, p, m_, r)
+def rot90_cuda(*arrays: Any, **params: Any) -> None:
+    _cuda().rot90_cuda(*arrays, **params)

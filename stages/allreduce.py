@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dataflow.errors import ConfigError
-from dataflow.runtime.reducer import BucketReducer, squared_norm
+from dataflow.core.errors import ConfigError
+from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
+from dataflow.stages.reducer import BucketReducer
+
+GRAD_SQ = "grad_sq"  # step.metrics key: |G|^2 of the reduced gradient (a float or 0-d tensor)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -26,7 +29,9 @@ class AllReduce(Stage):
     """Buckets of ``bucket_mb`` MiB start reducing from backward hooks as they fill.
 
     At setup, rank 0's weights are broadcast so every replica starts identical.
-    With one replica it does nothing.
+    With one replica it does nothing. Each step it leaves the reduced gradient's squared
+    norm in ``step.metrics["grad_sq"]`` (on the device, not synced) for Update's
+    non-finite check; with one replica only when it measures the noise scale.
     """
 
     def __init__(self, *, bucket_mb: float = 25.0, name: str | None = None) -> None:
@@ -73,11 +78,12 @@ class AllReduce(Stage):
             self._first_micro = (step.micro_size, step.micro_weight)
         elif step.micro_index == 1:
             weight = self._first_micro[1]
-            self._first_micro_sq = _grad_squared_norm(step.replica.model) / weight**2
+            self._first_micro_sq = float(_grad_squared_norm(step.replica.model)) / weight**2
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         if self._reducer is not None:
             self._reducer.finish()
+            step.metrics[GRAD_SQ] = self._reducer.grad_sq
         if getattr(self, "_measure", False):
             self._record_norms(step)
         return Gradients(samples=grads.samples, reduced=True)
@@ -97,7 +103,8 @@ class AllReduce(Stage):
         elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
             size, _ = self._first_micro
             if size is not None and 0 < size < local:
-                local_sq = _grad_squared_norm(step.replica.model)
+                local_sq = float(_grad_squared_norm(step.replica.model))
+                step.metrics[GRAD_SQ] = local_sq  # the whole local gradient: Update's too
                 pairs.append((index, size, self._first_micro_sq, local, local_sq))
             del self._first_micro
 
@@ -123,6 +130,6 @@ class AllReduce(Stage):
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-def _grad_squared_norm(model: Any) -> float:
-    """Sum over parameters of |grad|^2."""
-    return sum(squared_norm(p.grad) for p in model.parameters() if p.grad is not None)
+def _grad_squared_norm(model: Any) -> Any:
+    """Sum over parameters of |grad|^2 (0-d float64 tensor, one launch)."""
+    return grad_squared_norm([p.grad for p in model.parameters()])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,8 @@ import torch
 
 from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.core.phase import lr_at
+from dataflow.ops.flat import grad_squared_norm
+from dataflow.stages.allreduce import GRAD_SQ
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
 NON_FINITE_POLICIES = ("raise", "skip", "rollback")
@@ -60,6 +63,12 @@ class Update(Stage):
     ``on_non_finite="raise"`` stops the fit with :class:`NonFiniteError` naming the
     step, phase and replica before any weight changes; ``"skip"`` drops the step's
     update (counted in the history as ``skipped_steps``) and trains on.
+
+    The check reads the squared norm AllReduce left in ``step.metrics["grad_sq"]`` (one
+    launch over its buckets, computed anyway); without one (a single replica) it makes
+    its own, once, with :func:`dataflow.ops.grad_squared_norm`. Norm and loss are summed
+    on the device and read as one scalar: no gradient pass of its own, and on a GPU the
+    step's only host read (the decision must precede ``optimizer.step()``).
     """
 
     def __init__(
@@ -130,7 +139,7 @@ class Update(Stage):
         # Decided on the reduced gradient, identical on every replica, so all agree;
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
-        if not _finite(loss, step.replica.model):
+        if not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
             if self.config.on_non_finite in ("raise", "rollback"):
                 raise NonFiniteError(
                     f"non-finite loss or gradient at step {step.spec.index} (epoch "
@@ -151,12 +160,22 @@ class Update(Stage):
         return {"skipped_steps": skipped}
 
 
-def _finite(loss: Any, model: torch.nn.Module) -> bool:
-    """The local loss and the (reduced) gradient hold no NaN or inf: one fused norm."""
-    if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss)):
-        return False
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
+def _finite(loss: Any, grad_sq: Any, model: torch.nn.Module) -> bool:
+    """The local loss and the (reduced) gradient hold no NaN or inf.
+
+    ``grad_sq``: the gradient's squared norm if already known (a float, or a 0-d tensor
+    on the device), else computed here in one launch. Loss and norm are summed on the
+    device, so one scalar read decides both.
+    """
+    if grad_sq is None:
+        grad_sq = grad_squared_norm([p.grad for p in model.parameters()])
+    if not isinstance(grad_sq, torch.Tensor):
+        if not math.isfinite(grad_sq):
+            return False
+        grad_sq = None
+    tensors = (loss, grad_sq)
+    parts = [t.detach().reshape(()).double() for t in tensors if isinstance(t, torch.Tensor)]
+    if not parts:
         return True
-    norms = torch._foreach_norm(grads)
-    return bool(torch.isfinite(torch.stack(norms).sum()))
+    total = parts[0] if len(parts) == 1 else parts[0] + parts[1].to(parts[0].device)
+    return bool(torch.isfinite(total))

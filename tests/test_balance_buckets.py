@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 
 import dataflow as dfl
 from dataflow.balance import Even, Proportional, proportional_split
-from dataflow.buckets import assign_buckets
+from dataflow.stages.buckets import assign_buckets
 
 
 @given(

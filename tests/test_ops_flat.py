@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataflow.ops import flat
+from dataflow.ops import flat, halo
 from dataflow.ops.registry import PARALLEL_MIN, OpError
 
 DTYPES = (torch.float32, torch.float64)
@@ -38,76 +38,6 @@ def tensor(shape, dtype, seed, *, contiguous=True) -> torch.Tensor:
 
 
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)
-
-
-# -- scale_ -------------------------------------------------------------------------------
-
-
-@SETTINGS
-@given(n=st.integers(0, 3000), dtype=dtypes, factor=factors, seed=st.integers(0, 99))
-def test_scale_matches_torch_mul(n, dtype, factor, seed):
-    x = tensor((n,), dtype, seed)
-    expected = x * factor
-    assert flat.scale_(x, factor) is x
-    torch.testing.assert_close(x, expected, rtol=0, atol=0)
-
-
-def test_scale_refuses_a_non_contiguous_buffer():
-    x = torch.zeros(4, 6)[:, ::2]
-    with pytest.raises(OpError, match=r"scale_: argument 0 is written in place and must be"):
-        flat.scale_(x, 2.0)
-
-
-# -- weighted_sum_ ------------------------------------------------------------------------
-
-
-@SETTINGS
-@given(
-    n=st.integers(0, 2000),
-    weights=st.lists(factors, min_size=1, max_size=4),
-    dtype=dtypes,
-    contiguous=st.lists(st.booleans(), min_size=4, max_size=4),
-    chunk=st.sampled_from([7, flat.CPU_CHUNK]),
-    seed=st.integers(0, 99),
-)
-def test_weighted_sum_matches_the_sum_of_scaled_inputs(n, weights, dtype, contiguous, chunk, seed):
-    inputs = [tensor((n,), dtype, seed + i, contiguous=c) for i, c in enumerate(contiguous)]
-    inputs = inputs[: len(weights)]
-    out = torch.full((n,), float("nan"), dtype=dtype)
-    original, flat.CPU_CHUNK = flat.CPU_CHUNK, chunk  # small blocks: many work items
-    try:
-        flat.weighted_sum_(out, inputs, weights)
-    finally:
-        flat.CPU_CHUNK = original
-    expected = flat.WEIGHTED_SUM.reference(inputs, weights)
-    torch.testing.assert_close(out, expected, rtol=RTOL[dtype], atol=RTOL[dtype])
-
-
-@pytest.mark.parametrize("where", ["first", "second", "twice", "overlapping"])
-def test_weighted_sum_may_write_into_its_inputs(where, monkeypatch):
-    monkeypatch.setattr(flat, "CPU_CHUNK", 16)  # several blocks
-    base = torch.randn(130, dtype=torch.float64)
-    out, other = base[:100], torch.randn(100, dtype=torch.float64)
-    inputs = {
-        "first": [out, other],
-        "second": [other, out],
-        "twice": [out, other, out],
-        "overlapping": [base[30:130], out, other],
-    }[where]
-    weights = [0.25, 0.5, 0.125][: len(inputs)]
-    expected = flat.WEIGHTED_SUM.reference([x.clone() for x in inputs], weights)
-    flat.weighted_sum_(out, inputs, weights)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_weighted_sum_names_a_size_or_count_mismatch_and_a_strided_output():
-    out = torch.zeros(10)
-    with pytest.raises(OpError, match=r"inputs\[1\] has 9 elements but out has 10"):
-        flat.weighted_sum_(out, [torch.zeros(10), torch.zeros(9)], [1, 1])
-    with pytest.raises(OpError, match="2 inputs and 1 weights"):
-        flat.weighted_sum_(out, [torch.zeros(10)] * 2, [1])
-    with pytest.raises(OpError, match="weighted_sum_: argument 0 is written in place"):
-        flat.weighted_sum_(torch.zeros(20)[::2], [torch.zeros(10)], [1])
 
 
 # -- pack_scaled_ -------------------------------------------------------------------------
@@ -213,6 +143,33 @@ def test_sum_of_squares_over_many_chunks_of_a_large_buffer():
     torch.testing.assert_close(got, flat.SUM_OF_SQUARES.reference([x, x[:5]]), rtol=1e-12, atol=0)
 
 
+def test_pack_scaled_refuses_a_non_contiguous_out():
+    out = torch.zeros(4, 6)[:, ::2]
+    with pytest.raises(OpError, match=r"pack_scaled_: argument 0 is written in place and must"):
+        flat.pack_scaled_(out, [torch.ones(12)], 2.0)
+
+
+def test_sum_of_squares_reuses_its_plan_only_for_the_same_contiguous_buffers():
+    base = torch.randn(40, dtype=torch.float64)
+    first = flat.sum_of_squares([base[:10], base[20:30]])
+    base.mul_(2.0)  # same addresses, new values: the cached plan reads them
+    again = flat.sum_of_squares([base[:10], base[20:30]])
+    torch.testing.assert_close(again, 4 * first, rtol=1e-12, atol=0)
+    strided = base[:20:2]  # the address and size of base[:10], other elements
+    got = flat.sum_of_squares([strided, base[20:30]])
+    torch.testing.assert_close(got, flat.SUM_OF_SQUARES.reference([strided, base[20:30]]))
+
+
+def test_grad_squared_norm_sums_the_present_tensors_in_float64():
+    grads = [torch.randn(3, 4), None, torch.randn(7), torch.zeros(0)]
+    expected = sum(g.double().pow(2).sum() for g in grads if g is not None)
+    got = flat.grad_squared_norm(grads)
+    assert got.dtype == torch.float64 and got.ndim == 0
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    assert flat.grad_squared_norm([None]).item() == 0.0
+    assert not torch.isfinite(flat.grad_squared_norm([torch.tensor([1.0, float("inf")])]))
+
+
 # -- halo ---------------------------------------------------------------------------------
 
 
@@ -223,7 +180,7 @@ def halo_cases(draw):
     size = shape[axis]
     width = draw(st.integers(1, size))
     offset = draw(st.integers(0, size - width))
-    return shape, axis, width, offset, draw(st.sampled_from(flat.SIDES))
+    return shape, axis, width, offset, draw(st.sampled_from(halo.SIDES))
 
 
 @SETTINGS
@@ -234,14 +191,14 @@ def test_pack_and_unpack_halo_match_narrow(case, dtype, transposed, seed):
     if transposed:  # a non-contiguous x with the same shape
         x = x.transpose(0, -1).contiguous().transpose(0, -1)
     start = offset if side == "low" else x.shape[axis] - offset - width
-    slab = flat.pack_halo(x, axis, width, side, offset=offset)
+    slab = halo.pack_halo(x, axis, width, side, offset=offset)
     assert slab.is_contiguous()
-    expected = flat.PACK_HALO.reference(x, axis=axis, start=start, width=width)
+    expected = halo.PACK_HALO.reference(x, axis=axis, start=start, width=width)
     torch.testing.assert_close(slab, expected, rtol=0, atol=0)
 
     target = torch.zeros(shape, dtype=dtype)
-    flat.unpack_halo_(target, slab * 2, axis, width, side, offset=offset)
-    expected = flat.UNPACK_HALO.reference(
+    halo.unpack_halo_(target, slab * 2, axis, width, side, offset=offset)
+    expected = halo.UNPACK_HALO.reference(
         torch.zeros_like(target), slab * 2, axis=axis, start=start
     )
     torch.testing.assert_close(target, expected, rtol=0, atol=0)
@@ -250,30 +207,28 @@ def test_pack_and_unpack_halo_match_narrow(case, dtype, transposed, seed):
 def test_halo_names_its_bad_input():
     x = torch.zeros(2, 3, 4, 5, 6)
     with pytest.raises(OpError, match="axis=5 is not an axis of a 5-d tensor"):
-        flat.pack_halo(x, 5, 1, "low")
+        halo.pack_halo(x, 5, 1, "low")
     with pytest.raises(OpError, match="width=0 must be an integer >= 1"):
-        flat.pack_halo(x, 2, 0, "low")
+        halo.pack_halo(x, 2, 0, "low")
     with pytest.raises(OpError, match="offset \\+ width = 5 exceeds the tensor's size 4"):
-        flat.pack_halo(x, 2, 2, "high", offset=3)
+        halo.pack_halo(x, 2, 2, "high", offset=3)
     with pytest.raises(OpError, match="side='left' must be 'low' or 'high'"):
-        flat.pack_halo(x, 2, 1, "left")
+        halo.pack_halo(x, 2, 1, "left")
     with pytest.raises(OpError, match=r"slab has shape \(2, 3, 1, 5, 6\), expected \(2, 3, 2"):
-        flat.unpack_halo_(x, torch.zeros(2, 3, 1, 5, 6), 2, 2, "low")
+        halo.unpack_halo_(x, torch.zeros(2, 3, 1, 5, 6), 2, 2, "low")
     with pytest.raises(OpError, match="unpack_halo_: argument 0 is written in place"):
-        flat.unpack_halo_(x.transpose(0, 1), torch.zeros(3, 2, 1, 5, 6), 2, 1, "low")
+        halo.unpack_halo_(x.transpose(0, 1), torch.zeros(3, 2, 1, 5, 6), 2, 1, "low")
     with pytest.raises(OpError, match="one dtype, got float32, float64"):
-        flat.unpack_halo_(x, torch.zeros(2, 3, 1, 5, 6, dtype=torch.float64), 2, 1, "low")
+        halo.unpack_halo_(x, torch.zeros(2, 3, 1, 5, 6, dtype=torch.float64), 2, 1, "low")
 
 
 # -- dtype and device policy --------------------------------------------------------------
 
 CALLS = {
-    "scale_": lambda t: flat.scale_(t, 2.0),
-    "weighted_sum_": lambda t: flat.weighted_sum_(t, [t], [1.0]),
     "pack_scaled_": lambda t: flat.pack_scaled_(t, [t], 1.0),
     "sum_of_squares": lambda t: flat.sum_of_squares([t]),
-    "pack_halo": lambda t: flat.pack_halo(t, 0, 1, "low"),
-    "unpack_halo_": lambda t: flat.unpack_halo_(t, t[:1].clone(), 0, 1, "low"),
+    "pack_halo": lambda t: halo.pack_halo(t, 0, 1, "low"),
+    "unpack_halo_": lambda t: halo.unpack_halo_(t, t[:1].clone(), 0, 1, "low"),
 }
 
 
@@ -308,9 +263,9 @@ def test_cpu_kernels_use_torchs_thread_budget_and_one_thread_when_small():
         flat.sum_of_squares([big])
         assert numba.get_num_threads() == 1
         torch.set_num_threads(before)
-        flat.scale_(big, 2.0)
+        flat.pack_scaled_(big, [big], 2.0)
         assert numba.get_num_threads() == min(before, numba.config.NUMBA_NUM_THREADS)
-        flat.scale_(big[:10], 2.0)
+        flat.pack_scaled_(big[:10], [big[:10]], 2.0)
         assert numba.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

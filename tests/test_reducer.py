@@ -5,7 +5,7 @@ import torch
 from conftest import TinyCNN
 
 from dataflow.runtime.collective import Collective, open_store
-from dataflow.runtime.reducer import BucketReducer
+from dataflow.stages.reducer import BucketReducer
 
 
 def single_rank_collective(prefix: str) -> Collective:
@@ -88,3 +88,22 @@ def test_aborted_group_refuses_collectives():
     assert collective.closed
     with pytest.raises(Exception, match="was aborted because another replica"):
         collective.allreduce_async(torch.ones(2))
+
+
+def test_the_reduced_squared_norm_is_left_on_the_device_and_measured_once():
+    torch.manual_seed(0)
+    model = TinyCNN()
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    recorder = LaunchRecorder(model)
+    reducer = BucketReducer(list(model.parameters()), recorder, cap_bytes=600)
+    reducer.measure = True
+    reducer.begin_step(weight=0.5)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    expected = sum(p.grad.double().pow(2).sum() for p in model.parameters())
+    assert isinstance(reducer.grad_sq, torch.Tensor) and reducer.grad_sq.dtype == torch.float64
+    torch.testing.assert_close(reducer.grad_sq, expected, rtol=1e-12, atol=0)
+    # one rank: the reduced gradient is the packed (weighted) local one
+    assert reducer.reduced_sq == pytest.approx(float(expected), rel=1e-12)
+    assert reducer.local_sq == pytest.approx(float(expected), rel=1e-12)
+    reducer.close()

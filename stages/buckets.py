@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 
 FIRST_BUCKET_BYTES = 1 << 20  # as DDP: the first bucket's allreduce starts early in backward
 

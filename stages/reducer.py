@@ -7,6 +7,10 @@ communication overlaps the rest of backward. The sum of the weighted gradients i
 the mean gradient of the global batch, whatever the split, including replicas with
 no samples (they contribute zeros). Buckets start strictly in index order on every
 replica, as collectives must be issued in the same order everywhere.
+
+After the allreduce, one launch of :func:`dataflow.ops.grad_squared_norm` over all
+buckets gives the reduced gradient's squared norm (``grad_sq``, left on the device: no
+host sync), which Update's non-finite check and the noise-scale estimate share.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from typing import Any
 
 import torch
 
-from dataflow.buckets import assign_buckets
-from dataflow.errors import CollectiveError
+from dataflow.core.errors import CollectiveError
+from dataflow.ops.flat import grad_squared_norm, pack_scaled_
+from dataflow.stages.buckets import assign_buckets
 
 
 class BucketReducer:
@@ -48,12 +53,15 @@ class BucketReducer:
         self._weight = 1.0
         self.measure = False  # record squared gradient norms (for the noise-scale estimate)
         self.local_sq = 0.0  # |w g_r|^2 of this step's packed (weighted) local gradient
-        self.reduced_sq = 0.0  # |G|^2 of this step's reduced gradient
+        self.reduced_sq = 0.0  # |G|^2 of this step's reduced gradient (when measuring)
+        self.grad_sq: torch.Tensor | None = None  # |G|^2 every step, 0-d on the device
 
     def begin_step(self, weight: float) -> None:
         """Arm the hooks for this step's backward with this replica's weight ``b_r / B``."""
         self._weight = weight
         self.local_sq = self.reduced_sq = 0.0
+        self.grad_sq = None
+        self._local_parts: list[torch.Tensor] = []
         self._pending = [len(m) for m in self.buckets]
         self._packed = [False] * len(self.buckets)
         self._works: list[Any] = [None] * len(self.buckets)
@@ -71,17 +79,23 @@ class BucketReducer:
             self._launch_ready()
 
     def _pack(self, b: int) -> None:
-        for i in self.buckets[b]:
-            grad = self.params[i].grad
-            view = self._views[i]
-            if grad is None:
-                view.zero_()
-            elif self._weight == 1.0:
-                view.copy_(grad.reshape(-1))
-            else:
-                torch.mul(grad.reshape(-1), self._weight, out=view)
+        members = self.buckets[b]
+        if self._flat[b].is_cuda:  # one launch for the bucket (the tables need no sync)
+            grads = [self.params[i].grad for i in members]
+            sizes = [self.params[i].numel() for i in members]
+            pack_scaled_(self._flat[b], grads, self._weight, sizes=sizes)
+        else:  # on the CPU torch's per-tensor copies are faster than the kernel's setup
+            for i in members:
+                grad = self.params[i].grad
+                view = self._views[i]
+                if grad is None:
+                    view.zero_()
+                elif self._weight == 1.0:
+                    view.copy_(grad.reshape(-1))
+                else:
+                    torch.mul(grad.reshape(-1), self._weight, out=view)
         if self.measure:  # before the allreduce overwrites the buffer with the sum
-            self.local_sq += squared_norm(self._flat[b])
+            self._local_parts.append(grad_squared_norm([self._flat[b]]))
         self._packed[b] = True
 
     def arm(self, armed: bool) -> None:
@@ -113,8 +127,10 @@ class BucketReducer:
                 f"allreduce failed on replica {self.collective.rank}: {exc}; another replica "
                 "(or the driver) most likely failed first"
             ) from exc
-        if self.measure:
-            self.reduced_sq = sum(squared_norm(flat) for flat in self._flat)
+        self.grad_sq = grad_squared_norm(self._flat)
+        if self.measure:  # the one host sync of a measured step
+            local = torch.stack(self._local_parts).sum()
+            self.local_sq, self.reduced_sq = torch.stack([local, self.grad_sq]).tolist()
         for i, param in enumerate(self.params):
             reduced = self._views[i].view_as(param)
             if param.grad is None:
@@ -127,8 +143,3 @@ class BucketReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def squared_norm(flat: torch.Tensor) -> float:
-    """|flat|^2, accumulated in float64 (the noise-scale estimate subtracts close values)."""
-    return float(torch.linalg.vector_norm(flat, dtype=torch.float64) ** 2)
