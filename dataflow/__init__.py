@@ -8,11 +8,10 @@ pipe = dfl.Pipeline(model=Net, loss=F.cross_entropy,
 result = pipe.fit(epochs=5)          # an embedded LocalCluster
 """
 
-from dataflow import balance, errors, schedule
-from dataflow import io as io
-from dataflow import ops as ops
-from dataflow import stages as stages
-from dataflow.errors import (
+import importlib
+from typing import Any
+
+from dataflow.core.errors import (
     BatchSizeError,
     ChunkMissingError,
     ChunkReadError,
@@ -27,11 +26,36 @@ from dataflow.errors import (
     ReplicaError,
     WorkerLostError,
 )
-from dataflow.graph import Graph, Node
-from dataflow.history import FitResult, History
-from dataflow.pipeline import Pipeline
-from dataflow.plan import Plan
-from dataflow.trainer import Trainer, TrainerConfig
+
+# Imported on first use (PEP 562), so that the pure modules (the planner, the balancer,
+# the schedules, the driver's state machine) import without torch.distributed or Dask.
+_LAZY = {
+    "Graph": "dataflow.graph",
+    "Node": "dataflow.graph",
+    "FitResult": "dataflow.history",
+    "History": "dataflow.history",
+    "Pipeline": "dataflow.pipeline",
+    "Plan": "dataflow.plan",
+    "Trainer": "dataflow.trainer",
+    "TrainerConfig": "dataflow.trainer",
+}
+_SUBMODULES = ("balance", "errors", "io", "ops", "schedule", "stages", "sync")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"dataflow.{name}")
+    else:
+        raise AttributeError(f"module 'dataflow' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
@@ -63,4 +87,5 @@ __all__ = [
     "ops",
     "schedule",
     "stages",
+    "sync",
 ]

@@ -22,15 +22,13 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from dataflow.checkpoint_format import FORMAT_VERSION, Checkpoint, plain_state
 from dataflow.core.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from dataflow.fingerprint import compare_fingerprints
-
-if TYPE_CHECKING:
-    from dataflow.checkpoint import Checkpoint
 
 NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
 TEMP_SUFFIX = ".tmp"
@@ -97,8 +95,6 @@ class CheckpointStore:
     # -- writing -------------------------------------------------------------------
     def save(self, checkpoint: Checkpoint) -> Path:
         """Write ``checkpoint`` atomically as ``ckpt-<step>.pt`` and its manifest; prune."""
-        from dataflow.checkpoint import FORMAT_VERSION, Checkpoint, plain_state  # imports us
-
         if not isinstance(checkpoint, Checkpoint):
             raise ConfigError(
                 f"CheckpointStore.save expects a Checkpoint, got {type(checkpoint).__name__}"
@@ -295,8 +291,6 @@ class CheckpointStore:
 
 
 def _deserialize(data: bytes, path: Path, map_location: Any) -> Checkpoint:
-    from dataflow.checkpoint import Checkpoint  # dataflow.checkpoint imports this module
-
     # weights_only=True: a checkpoint holds tensors and plain containers only
     # (Checkpoint.to_dict refuses anything else), so loading never unpickles code.
     try:

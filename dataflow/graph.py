@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dataflow.core.errors import GraphError
 from dataflow.core.protocols import Stage
+from dataflow.stages import AllReduce, Backward, Forward, Update
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,6 @@ class Graph:
     # -- validation ---------------------------------------------------------------
     def validate(self, *, replicas: int = 1) -> tuple[str, ...]:
         """Check the graph for ``replicas`` replicas; return stage names in run order."""
-        from dataflow.stages import AllReduce, Backward, Forward, Update
-
         if not self._stages:
             raise GraphError("Graph is empty: add a Load, Forward, Backward and Update stage")
         for name, inputs in self._inputs.items():

@@ -182,9 +182,12 @@ class Plan:
         step_seconds: float | None = None,
         window_seconds: float = 1.0,
         max_window_steps: int = 10_000,
+        window_steps: int | None = None,
         tag: str = "plan",
         run: str = "",
     ) -> Plan:
+        """``window_steps`` fixes the steps per window; otherwise windows carry about
+        ``window_seconds`` of ``step_seconds`` steps."""
         if replicas < 1:
             raise ConfigError(f"Plan: replicas must be >= 1, got {replicas}")
         if not window_seconds > 0:
@@ -195,7 +198,7 @@ class Plan:
                     f"Plan: step {spec.index} is split over {len(spec.local_batches)} replicas, "
                     f"the plan has {replicas}"
                 )
-        size = steps_per_window(step_seconds, window_seconds, max_window_steps)
+        size = window_steps or steps_per_window(step_seconds, window_seconds, max_window_steps)
         windows = tuple(
             Window(index=i, first=first, stop=min(first + size, len(steps)))
             for i, first in enumerate(range(0, len(steps), size))

@@ -128,21 +128,18 @@ def continued_streams(
     return current
 
 
-def replica_epochs(
+def epoch_streams(
     steps: Sequence[StepSpec],
     *,
     sizes: Sequence[int],
     seed: int,
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
-) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
+) -> Iterator[tuple[int, list[StepSpec], list[np.ndarray]]]:
     """Per epoch of ``steps`` (whole epochs, or the rest of an epoch after a re-split,
-    in order): the epoch, its steps, and for every step every replica's sample
-    indices (``parts[step][replica]``).
-
-    Replica ``r`` takes the next ``local_batches[r]`` samples of its epoch stream at
-    each step, so batches have exactly the planned sizes across chunk boundaries.
-    """
+    in order): the epoch, its steps, and every replica's stream of sample indices for
+    those steps. Replica ``r`` reads its stream in order, ``local_batches[r]`` samples
+    per step, so the samples a replica consumed are always a prefix of its stream."""
     for (epoch, earlier), group in itertools.groupby(
         steps, key=lambda spec: (spec.epoch, spec.earlier_splits)
     ):
@@ -155,7 +152,27 @@ def replica_epochs(
         )
         if earlier:
             streams = continued_streams(streams, earlier, wanted)
-        position = [0] * width
+        yield epoch, epoch_steps, [s[:want] for s, want in zip(streams, wanted, strict=True)]
+
+
+def replica_epochs(
+    steps: Sequence[StepSpec],
+    *,
+    sizes: Sequence[int],
+    seed: int,
+    shuffle: bool = True,
+    buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
+    """Per epoch of ``steps`` (see :func:`epoch_streams`): the epoch, its steps, and for
+    every step every replica's sample indices (``parts[step][replica]``).
+
+    Replica ``r`` takes the next ``local_batches[r]`` samples of its epoch stream at
+    each step, so batches have exactly the planned sizes across chunk boundaries.
+    """
+    for epoch, epoch_steps, streams in epoch_streams(
+        steps, sizes=sizes, seed=seed, shuffle=shuffle, buffer_chunks=buffer_chunks
+    ):
+        position = [0] * len(streams)
         parts = []
         for spec in epoch_steps:
             step_parts = []

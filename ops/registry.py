@@ -18,12 +18,14 @@ simulator, which is how CI tests them against the same references.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from numba import njit, prange
 
 from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Kernel, missing_members
@@ -143,11 +145,34 @@ def match_torch_threads(elements: int | None = None) -> None:
     others costs more than they save, and far more on a busy machine."""
     import numba
 
+    _start_threading_layer()
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if elements is not None and elements < PARALLEL_MIN:
         threads = 1
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
+
+
+@functools.cache
+def _start_threading_layer() -> None:
+    """Start numba's threading layer once, keeping torch's thread count.
+
+    Numba's ``omp`` layer starts by setting OpenMP's thread count to all the cores, and
+    torch shares that OpenMP runtime: without this, a replica's first CPU kernel
+    silently moved torch from its worker's share of the cores to all of them. That
+    oversubscribed the node and changed the reduction order of torch's kernels, so two
+    runs of one seed no longer gave bit-identical weights.
+    """
+    before = torch.get_num_threads()
+    _warm_up(np.zeros(2))
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@njit(parallel=True, cache=False)
+def _warm_up(x):  # the smallest parallel kernel: it starts the threading layer
+    for i in prange(x.shape[0]):
+        x[i] = i
 
 
 THREADS = 256  # CUDA threads per block

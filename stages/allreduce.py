@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
@@ -33,6 +34,8 @@ class AllReduce(Stage):
     norm in ``step.metrics["grad_sq"]`` (on the device, not synced) for Update's
     non-finite check; with one replica only when it measures the noise scale.
     """
+
+    kind = kinds.ALLREDUCE  # its exposed time is waiting on peers
 
     def __init__(self, *, bucket_mb: float = 25.0, name: str | None = None) -> None:
         super().__init__(name)

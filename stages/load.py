@@ -14,6 +14,7 @@ from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
     DEFAULT_BUFFER_CHUNKS,
+    epoch_streams,
     replica_epochs,
     replica_streams,
     source_chunk_sizes,
@@ -103,6 +104,17 @@ class Load(Stage):
     def streams(self, steps: Any, seed: int) -> Any:
         """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
         return replica_streams(
+            steps,
+            sizes=source_chunk_sizes(self.source),
+            seed=seed,
+            shuffle=getattr(self.source, "shuffle", True),
+            buffer_chunks=self.config.buffer_chunks,
+        )
+
+    def epoch_streams(self, steps: Any, seed: int) -> Any:
+        """Per epoch of ``steps``: its steps and every replica's stream (pure; see
+        io.sharding.epoch_streams). What the driver's ledger records from."""
+        return epoch_streams(
             steps,
             sizes=source_chunk_sizes(self.source),
             seed=seed,

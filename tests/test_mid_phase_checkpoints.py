@@ -43,7 +43,7 @@ def _pipeline(x, y, **options) -> dfl.Pipeline:
         source=dfl.io.ArraySource(x, y),
         # two phases, the second with a warmup ramp (stage state a resume must restore)
         schedule=dfl.schedule.Stepwise({0: 16, 2: 32}, lr_scaling="linear", warmup_steps=4),
-        window_seconds=0.02,  # windows of a few steps: many checkpoint points per phase
+        window_steps=2,  # pinned: checkpoint points in every phase, however fast the machine
         progress=False,
         **options,
     )
@@ -132,7 +132,7 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
             y,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.02),
             schedule=dfl.schedule.Adaptive(8, max_batch=64),
-            window_seconds=0.02,
+            window_steps=2,  # pinned: every phase has mid-phase checkpoints, on any machine
         )
 
     folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)

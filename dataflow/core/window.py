@@ -25,7 +25,10 @@ class WindowResult:
     stage_seconds: dict[str, float]
     task_seconds: float
     evals: dict[int, dict[str, float]] = field(default_factory=dict)
-    sample_indices: list[Any] = field(default_factory=list)  # per step: what Load read
+    # What Load read over the window: the count and the digest of the sample indices
+    # (dataflow.core.digest); the driver knows the indices from the plan and checks.
+    samples_read: int = 0
+    sample_digest: int | None = None  # None: no Load stage reported
     # (step, small batch, |g_small|^2, big batch, |g_big|^2) per measured step: the
     # driver folds them into the noise-scale estimate once the window is committed.
     norm_pairs: list[tuple[int, int, float, int, float]] = field(default_factory=list)

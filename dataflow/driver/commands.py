@@ -81,6 +81,7 @@ class CommitWindow:
     plan: Any
     window: Any  # dataflow.plan.Window
     results: tuple[Any, ...]
+    segment: tuple[Any, ...] = ()  # the steps running: what each replica's reads follow from
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ in a test (``tests/test_driver_machine.py``) and a fit's log can be replayed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +53,14 @@ class SegmentPlanned:
 
 @dataclass(frozen=True)
 class WindowDone:
-    """Replica ``rank`` of group ``generation`` finished window ``window`` (a fit-wide
-    number the machine gave it) with ``result`` (a :class:`WindowResult`)."""
+    """Replicas of group ``generation`` finished window ``window`` (a fit-wide number the
+    machine gave it): ``results`` maps each such rank to its :class:`WindowResult`.
+    The executor sends every result it has of one window at once, so a round of 1,024
+    replicas costs the machine a few events, not 1,024."""
 
     generation: int
-    rank: int
     window: int
-    result: Any
+    results: Mapping[int, Any]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class MachineConfig:
     stage_names: tuple[str, ...] = ("step",)
     run_id: str = ""
     window_seconds: float = 1.0
+    window_steps: int | None = None  # fixed steps per window (no calibration)
     calibration_steps: int = 2  # 1-step windows measured before steps are fused
     min_workers: int = 1
     recover_lost_workers: bool = True
@@ -157,7 +158,8 @@ class FitMachine:
         if s.status != "planning":
             return []
         new_phase = s.phase is None or event.phase.index != s.phase.index
-        s.phase, s.phase_steps, s.segment = event.phase, event.phase_steps, event.todo
+        s.phase, s.phase_steps = event.phase, event.phase_steps
+        s.segment = event.todo or s.segment  # nothing left: the phase record keeps its split
         if new_phase:
             s.lr_factor, s.rollbacks = 1.0, 0
         if event.lr_factor is not None:  # a resumed phase's
@@ -183,7 +185,7 @@ class FitMachine:
         then windows of about ``window_seconds``."""
         s, config = self.state, self.config
         rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
-        calibrating = s.step_seconds is None
+        calibrating = s.step_seconds is None and not config.window_steps
         steps = rest[: config.calibration_steps] if calibrating else rest
         tag = "calibrate" if calibrating else "train"
         plan = Plan.build(
@@ -193,7 +195,10 @@ class FitMachine:
             s.layout.replicas,
             step_seconds=s.step_seconds,
             window_seconds=config.window_seconds,
-            tag=f"{tag}{f'-g{s.generation}' if s.generation else ''}",
+            window_steps=config.window_steps,
+            tag=tag
+            + (f"-g{s.generation}" if s.generation else "")
+            + (f"-r{s.rollbacks}" if s.rollbacks else ""),  # a task key must be new
             run=config.run_id,
         )
         marks: frozenset[int] = frozenset()
@@ -212,7 +217,7 @@ class FitMachine:
         s = self.state
         if event.generation != s.generation or event.window not in s.windows:
             return []  # a window of a group or plan that a recovery replaced
-        s.pending.setdefault(event.window, {})[event.rank] = event.result
+        s.pending.setdefault(event.window, {}).update(event.results)
         out = self._commit_ready(lost=())
         if s.windows or s.status != "running":
             return out
@@ -227,23 +232,29 @@ class FitMachine:
         window every other replica finished commits too (salvage)."""
         s, out = self.state, []
         lost = tuple(lost)
+        replicas = s.layout.replicas
         while s.commit_window in s.windows:
             got = s.pending.get(s.commit_window, {})
-            alive = [r for r in range(s.layout.replicas) if r not in lost]
-            salvage = lost and alive and all(r in got for r in alive)
-            if not (self.config.sync.may_commit(got, s.layout.replicas) or salvage):
+            if not self.config.sync.may_commit(got, replicas) and not (
+                lost
+                and len(lost) < replicas
+                and all(r in got or r in lost for r in range(replicas))
+            ):
                 break
             plan, window, marked = s.windows.pop(s.commit_window)
             s.pending.pop(s.commit_window, None)
-            results = tuple(got.get(r) for r in range(s.layout.replicas))
-            out.append(cmd.CommitWindow(plan, window, results))
+            results = tuple(got.get(r) for r in range(replicas))
+            out.append(cmd.CommitWindow(plan, window, results, s.segment))
             s.committed_step = plan.steps[window.stop - 1].index + 1
             s.commit_window += 1
-            if all(r is not None for r in results):
+            if None not in results:
                 s.last_results = results
-            states = tuple(getattr(r, "checkpoint", None) for r in results)
-            if marked and all(state is not None for state in states):
-                out.append(cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states))
+            if marked:
+                states = tuple(getattr(r, "checkpoint", None) for r in results)
+                if all(state is not None for state in states):
+                    out.append(
+                        cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states)
+                    )
         return out
 
     def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
@@ -389,7 +400,7 @@ class FitMachine:
         s, config = self.state, self.config
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         survivors = s.layout.without(lost_ranks)
-        if s.forming == "restart":  # try the restart again, on the workers there are then
+        if not survivors.replicas and s.forming == "restart":  # wait for workers again
             s.status = "restarting"
             return [cmd.AwaitRestart(had=s.layout.replicas)]
         if not survivors.replicas or survivors.replicas < config.min_workers:

@@ -8,31 +8,21 @@ plugin by run id; only small results (losses, timings) go back to the driver.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
+from dataflow.core.digest import add_digests, sample_digest
+from dataflow.core.errors import NonFiniteError
+from dataflow.core.rng import capture_rng, restore_rng
 from dataflow.core.window import WindowResult
-from dataflow.errors import ReplicaError
 from dataflow.graph import Graph
-from dataflow.runtime.collective import Collective, connect_store, open_store
-from dataflow.runtime.malloc import needs_relaxing, relax_malloc
-from dataflow.runtime.plugin import current_plugin
+from dataflow.runtime.collective import Collective
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
-
-
-def is_waiting(stage: Any) -> bool:
-    """Stages whose time is waiting on data or peers, not this replica's compute."""
-    from dataflow.stages import AllReduce, Load
-
-    return isinstance(stage, Load | AllReduce)
-
 
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
@@ -77,7 +67,7 @@ class ReplicaRuntime:
         # A simulated slow node (tests, benchmarks, demos): each step sleeps
         # (throttle - 1) x its compute, i.e. the stages that do not wait on data or peers.
         self.throttle = spec.throttle.get(rank, 1.0)
-        self.waiting = {name for name in spec.order if is_waiting(spec.graph[name])}
+        self.waiting = {n for n in spec.order if spec.graph[n].waits_on_peers_or_data}
         self.order = spec.order
         self.stages = {name: spec.graph[name] for name in spec.order}
         self.inputs = {name: spec.graph.inputs_of(name) for name in spec.order}
@@ -123,7 +113,8 @@ class ReplicaRuntime:
             self.commit(first_step)
         self.in_window = True
         stage_seconds = dict.fromkeys(self.order, 0.0)
-        samples, losses, seconds, indices, pairs = [], [], [], [], []
+        samples, losses, seconds, pairs = [], [], [], []
+        read, digest = 0, None
         evals: dict[int, dict[str, float]] = {}
         rank = self.context.rank
         for index in range(first_step, stop_step):
@@ -148,7 +139,10 @@ class ReplicaRuntime:
             seconds.append(time.perf_counter() - step_start)
             samples.append(spec.local_batches[rank])
             losses.append(step.metrics.get("loss"))
-            indices.append(step.metrics.get("sample_indices"))
+            indices = step.metrics.get("sample_indices")
+            if indices is not None:  # the driver knows them from the plan: prove them
+                read += len(indices)
+                digest = add_digests(digest or 0, sample_digest(_host_indices(indices)))
             pairs.extend(step.metrics.get("norm_pairs", ()))
             if "eval" in step.metrics:
                 evals[index] = step.metrics["eval"]
@@ -162,7 +156,8 @@ class ReplicaRuntime:
             stage_seconds=stage_seconds,
             task_seconds=time.perf_counter() - started,
             evals=evals,
-            sample_indices=indices,
+            samples_read=read,
+            sample_digest=digest,
             norm_pairs=pairs,
         )
 
@@ -170,7 +165,6 @@ class ReplicaRuntime:
         """Keep the state before ``step`` (weights, optimizer, random state) in host
         memory; the last ``keep`` of them, since a peer may die after finishing a
         window whose result the driver never received."""
-        from dataflow.checkpoint import capture_rng
 
         optimizer = self.context.optimizer
         self.commits[step] = {
@@ -186,7 +180,6 @@ class ReplicaRuntime:
         state and its buffers (BatchNorm statistics drift apart between replicas until
         the phase ends); rank 0 adds the weights, optimizer state and stage settings,
         which every replica shares."""
-        from dataflow.checkpoint import capture_rng
 
         model = self.context.model
         state: dict[str, Any] = {
@@ -202,7 +195,6 @@ class ReplicaRuntime:
 
     def rollback(self, step: int) -> None:
         """Return to the state before ``step``: the last commit all replicas share."""
-        from dataflow.checkpoint import restore_rng
 
         if not self.in_window and self.completed_step in (step, None):
             # finished exactly there, or ran no window since it was built or restored
@@ -240,7 +232,11 @@ class ReplicaRuntime:
             if step.micro_count > 1:
                 note += f", micro-batch {step.micro_index + 1} of {step.micro_count}"
             _add_note(exc, note)
-            self.abort()  # peers waiting on this replica in a collective fail now
+            # Peers waiting on this replica in a collective fail now. A NaN caught before
+            # the update is no such case: every replica saw the same reduced gradient and
+            # stops at the same step, so the group stays usable for the rollback.
+            if not isinstance(exc, NonFiniteError):
+                self.abort()
             raise
         elapsed = time.perf_counter() - t
         stage_seconds[name] += elapsed
@@ -387,231 +383,10 @@ def _to_floats(values: list[Any]) -> list[float | None]:
     return [next(flat) if isinstance(v, torch.Tensor) else v for v in values]
 
 
+def _host_indices(indices: Any) -> Any:
+    return indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
+
+
 def _add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
-
-
-def worker_host() -> str:
-    plugin = current_plugin()
-    return urlparse(plugin.worker.address).hostname or "127.0.0.1"
-
-
-# -- Dask task functions (run on the replica's worker) --------------------------------
-
-
-def group_key(run_id: str, generation: int) -> str:
-    """The name of a fit's process group: a new one each time the set of workers changes."""
-    return run_id if generation == 0 else f"{run_id}/g{generation}"
-
-
-def open_rendezvous(
-    run_id: str, world_size: int, timeout_s: float, generation: int = 0
-) -> tuple[str, int]:
-    """On rank 0's worker: start the store on a free port; return where to reach it."""
-    host = worker_host()
-    store = open_store(host, world_size, timeout_s)
-    current_plugin().stores[group_key(run_id, generation)] = store
-    return host, store.port
-
-
-def _join_group(
-    spec: ReplicaSpec,
-    rank: int,
-    world_size: int,
-    host: Any,
-    port: Any,
-    generation: int,
-    device: torch.device,
-) -> Collective | None:
-    if world_size == 1:
-        return None
-    key = group_key(spec.run_id, generation)
-    if rank == 0:
-        store = current_plugin().stores.pop(key)
-    else:
-        store = connect_store(host, port, world_size, spec.collective_timeout_s)
-    collective = Collective(
-        store,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        host=worker_host(),
-        timeout_s=spec.collective_timeout_s,
-        prefix=key,
-    )
-    collective.store = store  # keep rank 0's server alive as long as the group
-    return collective
-
-
-def setup_replica(
-    spec: ReplicaSpec,
-    rank: int,
-    world_size: int,
-    host: str | None,
-    port: int | None,
-    generation: int = 0,
-    snapshot: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Join the process group and build the replica (model, optimizer, hooks).
-
-    A replica joining a running fit (``snapshot``: rank 0's model and optimizer state
-    at the phase boundary) gets the weights by the AllReduce stage's broadcast and the
-    optimizer state (momentum, step counts) from the snapshot.
-    """
-    plugin = current_plugin()
-    # Default: the worker's own thread budget (1 per process on the default LocalCluster),
-    # so replicas sharing a node do not oversubscribe its cores.
-    torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
-    malloc_relaxed = spec.relax_malloc and needs_relaxing() and relax_malloc()
-    device = resolve_device(spec.device, rank)
-    collective = _join_group(spec, rank, world_size, host, port, generation, device)
-    runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
-    runtime.generation = generation
-    if snapshot is not None:
-        runtime.load_snapshot(snapshot)
-    plugin.replicas[spec.run_id] = runtime
-    if spec.pause_dask_profiler:
-        plugin.pause_profiler(spec.run_id)
-    if spec.freeze_gc:
-        # A worker holds ~350k long-lived objects (torch, dask); each full collection
-        # walks them all and stalls the step (or the event loop) for 100-200 ms, and the
-        # other replicas wait for it in the allreduce. Move them out of the collector's view.
-        gc.collect()
-        gc.freeze()
-    return {
-        "rank": rank,
-        "worker": plugin.worker.address,
-        "device": str(runtime.context.device),
-        "torch_threads": torch.get_num_threads(),
-        "backend": None if collective is None else collective.backend,
-        "malloc_relaxed": malloc_relaxed,
-    }
-
-
-def regroup_replica(
-    run_id: str,
-    world_size: int,
-    host: str | None,
-    port: int | None,
-    generation: int,
-    after: Any = None,
-) -> int:
-    """An existing replica joins the fit's new, larger process group (same rank)."""
-    runtime = current_plugin().replica(run_id)
-    rank = runtime.context.rank
-    collective = _join_group(
-        runtime.spec, rank, world_size, host, port, generation, runtime.context.device
-    )
-    runtime.regroup(collective, world_size)
-    runtime.generation = generation
-    return rank
-
-
-def rollback_replica(run_id: str, commit_step: int, rank: int) -> int:
-    """A survivor of a lost worker: back to the commit before ``commit_step``, under its
-    new ``rank``; ``regroup_replica`` then joins it to the survivors' new group."""
-    runtime = current_plugin().replica(run_id)
-    runtime.abort()  # the old group lost a member: leave it (idempotent)
-    with runtime.lock:  # an aborted window still running here ends at its next wait
-        runtime.rollback(commit_step)
-        runtime.context.rank = rank
-    return rank
-
-
-def restore_replica(
-    run_id: str,
-    state: dict[str, Any],
-    rng: dict[str, Any] | None,
-    buffers: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Resume: the checkpoint's weights, optimizer state and stage settings, and this
-    rank's random state and buffers (saved mid-phase, for the same replica count)."""
-    from dataflow.checkpoint import restore_rng
-
-    runtime = current_plugin().replica(run_id)
-    runtime.load_snapshot(state)
-    if buffers and runtime.context.model is not None:
-        named = dict(runtime.context.model.named_buffers())
-        with torch.no_grad():
-            for name, value in buffers.items():
-                named[name].copy_(value)
-    if rng is not None:
-        restore_rng(rng)
-
-
-def replica_checkpoint_state(run_id: str, after: Any = None) -> dict[str, Any]:
-    """This replica's part of a checkpoint (see :meth:`ReplicaRuntime.checkpoint_state`)."""
-    return current_plugin().replica(run_id).checkpoint_state()
-
-
-def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
-    """Rank 0's model and optimizer state, for replicas joining at a phase boundary."""
-    return current_plugin().replica(run_id).snapshot()
-
-
-def _current(run_id: str, generation: int) -> ReplicaRuntime:
-    """This worker's replica of the fit, if the task belongs to its current process group.
-
-    After a lost worker the driver drops the tasks it had queued rather than cancel
-    them; one that still runs here finds a newer generation and refuses.
-    """
-    runtime = current_plugin().replica(run_id)
-    if runtime.generation != generation:
-        raise ReplicaError(
-            f"stale task of process group {generation} on replica {runtime.context.rank} "
-            f"(now in group {runtime.generation}); the driver recovered from a lost worker"
-        )
-    return runtime
-
-
-def begin_phase(run_id: str, phase: PhaseContext, after: Any = None, generation: int = 0) -> int:
-    _current(run_id, generation).begin_phase(phase)
-    return phase.index
-
-
-def run_window(
-    run_id: str,
-    first_step: int,
-    stop_step: int,
-    after: Any = None,
-    generation: int = 0,
-    checkpoint: bool = False,
-) -> WindowResult:
-    """Run steps ``[first_step, stop_step)``; ``after`` only orders it behind the last task.
-    ``checkpoint``: return the state at the window's end too (a mid-phase checkpoint)."""
-    return _current(run_id, generation).run_window(first_step, stop_step, checkpoint)
-
-
-def end_phase(run_id: str, after: Any = None, generation: int = 0) -> dict[str, Any]:
-    return _current(run_id, generation).end_phase()
-
-
-def replica_state_dict(run_id: str) -> dict[str, torch.Tensor]:
-    return current_plugin().replica(run_id).state_dict()
-
-
-def abort_run(run_id: str, dask_worker: Any = None) -> None:
-    """Via ``client.run`` (outside the task thread): break collectives of a failed fit."""
-    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
-    if plugin is not None:
-        plugin.abort_run(run_id)
-
-
-async def abort_run_soon(run_id: str, dask_worker: Any = None) -> None:
-    """:func:`abort_run` for ``client.run(..., wait=False)`` (which takes coroutines)."""
-    abort_run(run_id, dask_worker)
-
-
-def close_run(run_id: str, dask_worker: Any = None) -> None:
-    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
-    if plugin is not None:
-        plugin.close_run(run_id)
-
-
-async def close_run_soon(run_id: str, dask_worker: Any = None) -> None:
-    close_run(run_id, dask_worker)
-
-
-def has_plugin(dask_worker: Any = None) -> bool:
-    return "dataflow" in dask_worker.plugins

@@ -1,0 +1,115 @@
+"""The driver's half of checkpoints: what it writes at a phase boundary and inside a
+phase, and where a fit resumed from one starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dataflow.checkpoint import Checkpoint, ledger_state, phase_from_dict, phase_to_dict
+from dataflow.core.phase import PhaseMeasurement, PhaseSpec
+from dataflow.core.plain import to_plain
+from dataflow.core.rng import capture_rng
+from dataflow.progress import PhaseProgress
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a fit starts: ``epoch`` and the ``previous`` phase with its ``measurement``
+    (at a phase boundary), the first step to run, and inside a phase its ``progress``."""
+
+    epoch: int = 0
+    previous: PhaseSpec | None = None
+    step: int = 0
+    measurement: PhaseMeasurement | None = None
+    progress: PhaseProgress | None = None
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> ResumePoint:
+        if checkpoint.mid_phase:
+            progress = PhaseProgress.from_dict(checkpoint.in_phase)
+            return cls(progress.phase.start_epoch, None, checkpoint.step, None, progress)
+        state = checkpoint.schedule_state
+        measured = state.get("measurement")
+        return cls(
+            checkpoint.epoch,
+            phase_from_dict(state.get("previous")),
+            checkpoint.step,
+            None if measured is None else PhaseMeasurement(**measured),
+        )
+
+
+class CheckpointWriter:
+    """Writes a fit's checkpoints to ``store``; ``fingerprint`` ties them to the fit."""
+
+    def __init__(self, store: Any, fingerprint: dict[str, Any]) -> None:
+        self.store, self.fingerprint = store, fingerprint
+
+    def load_latest(self) -> Checkpoint | None:
+        return self.store.load_latest(self.fingerprint)
+
+    def save_boundary(
+        self, states: list[dict], phase: Any, next_step: int, measurement: Any, recorder: Any
+    ) -> Path:
+        """At a phase boundary: rank 0's synchronized weights and optimizer state, every
+        replica's random state, and the driver's schedule, ledger and history."""
+        schedule_state = {
+            "previous": phase_to_dict(phase),
+            "measurement": dataclasses.asdict(measurement),
+        }
+        return self._write(states, phase, phase.end_epoch, next_step, schedule_state, recorder)
+
+    def save_mid_phase(self, states: list[dict], machine: Any, step: int, recorder: Any) -> Path:
+        """Inside a phase, at the committed ``step``: what a boundary checkpoint saves, and
+        where the phase stands (:class:`PhaseProgress`) so a resume goes on from there."""
+        epoch = next(spec.epoch for spec in machine.phase_steps if spec.index == step)
+        progress = PhaseProgress(
+            phase=machine.phase,
+            steps=machine.phase_steps,
+            segment=machine.segment,
+            lr_factor=machine.lr_factor,
+            rollbacks=machine.rollbacks,
+            norm_pairs=list(recorder.phase_pairs),
+            epoch_loss=(recorder.epoch_loss_sum, recorder.epoch_samples),
+            totals=list(recorder.totals),
+        )
+        return self._write(states, machine.phase, epoch, step, {}, recorder, progress)
+
+    def _write(
+        self,
+        states: list[dict],
+        phase: Any,
+        epoch: int,
+        step: int,
+        schedule_state: dict[str, Any],
+        recorder: Any,
+        progress: PhaseProgress | None = None,
+    ) -> Path:
+        """``states``: each replica's checkpoint state, rank 0's with the weights."""
+        started = time.perf_counter()
+        leader = states[0]
+        path = self.store.save(
+            Checkpoint(
+                model_state=leader["model"],
+                optimizer_state=leader["optimizer"] or {},
+                stage_state={k: v for k, v in leader["stages"].items() if v is not None},
+                phase_index=phase.index,
+                epoch=epoch,
+                step=step,
+                schedule_state={**schedule_state, "noise": recorder.noise.state_dict()},
+                ledger=ledger_state(recorder.ledger),
+                rng=capture_rng(),
+                replica_rng=[s["rng"] for s in states],
+                replica_buffers=[s["buffers"] for s in states],
+                history=to_plain(recorder.history.to_dict()),
+                fingerprint=self.fingerprint,
+                in_phase=None if progress is None else progress.to_dict(),
+            )
+        )
+        recorder.checkpoint_written(
+            path, phase.index, step, progress is not None, time.perf_counter() - started
+        )
+        return path

@@ -1,0 +1,482 @@
+"""The only code on the driver that talks to Dask.
+
+It carries out the state machine's cluster commands (form a group, begin a phase,
+submit windows, stop, roll back, end the phase, gather replica states, restore,
+take the final weights) and turns what happens into events: a window's result or
+failure (futures keyed by generation, rank and window), a lost or a new worker
+(the scheduler asked directly, every ``LIVENESS_POLL_S`` while waiting). A task
+pinned to a worker that died never runs, so every wait watches the workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from concurrent.futures import CancelledError
+from typing import Any
+
+from distributed import Client, wait
+
+from dataflow.core.errors import CollectiveError, ConfigError, NonFiniteError, ReplicaError
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.runtime import tasks as remote
+from dataflow.runtime.cluster import live_workers
+
+FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
+LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+
+
+class Lost(Exception):
+    """Internal: workers of the fit are gone while a command waited on them."""
+
+    def __init__(self, workers: list[str]) -> None:
+        super().__init__(f"lost workers {workers}")
+        self.workers = workers
+
+
+class Executor:
+    """Runs one fit's cluster commands on ``client``; ``spec`` is the ReplicaSpec."""
+
+    def __init__(
+        self, client: Client, spec: Any, *, recover: bool, max_workers: int | None, progress: bool
+    ) -> None:
+        self.client, self.spec, self.run_id = client, spec, spec.run_id
+        self.recover, self.max_workers, self.progress = recover, max_workers, progress
+        self.queue: deque[Any] = deque()
+        self.members: tuple[str, ...] = ()
+        self.generation = 0
+        self.last: list[Any] = []  # per rank, its last task: the next one runs after it
+        self.windows: dict[Any, tuple[int, int, int]] = {}  # future -> (generation, rank, window)
+        self.in_flight: list[tuple[Any, str]] = []  # what a stop must wait for
+        self.known: set[str] = set()  # workers seen (members or reported as joined)
+        self.spec_future: Any = None
+        self._serial = 0
+
+    # -- liveness -----------------------------------------------------------------------
+    def available(self) -> list[str]:
+        """The client's workers, in a stable order (by host, then address)."""
+        workers = live_workers(self.client)
+        return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
+
+    def lost(self) -> list[str]:
+        if not self.recover:
+            return []
+        alive = live_workers(self.client)
+        return [a for a in self.members if a not in alive]
+
+    def raise_if_lost(self, grace: bool = False) -> None:
+        """Raise :class:`Lost` if a member is gone. With ``grace`` (a task just failed,
+        maybe because a peer died) wait a little for the scheduler to notice."""
+        deadline = time.monotonic() + (FAILURE_GRACE_S if grace else 0.0)
+        while True:
+            lost = self.lost()
+            if lost:
+                raise Lost(lost)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def joined_event(self) -> ev.WorkersJoined | None:
+        new = [a for a in self.available() if a not in self.known]
+        self.known.update(new)
+        return ev.WorkersJoined(tuple(new)) if new else None
+
+    def queue_lost(self, lost: list[str]) -> None:
+        self._harvest(lost)  # what the survivors finished commits before the loss is handled
+        joined = self.joined_event()  # a nanny's replacement may already be there
+        if joined is not None:
+            self.queue.append(joined)
+        self.queue.append(ev.WorkersLost(tuple(lost)))
+
+    # -- waiting --------------------------------------------------------------------------
+    def gather(self, futures: list[Any]) -> list[Any]:
+        """``client.gather`` that cannot hang on a dead worker."""
+        pending = list(futures)
+        while pending:
+            done, pending = _wait_some(pending)
+            failed = any(f.status == "error" for f in done)
+            if failed or pending:
+                self.raise_if_lost(grace=failed)
+        return [self._result(f) for f in futures]
+
+    def _result(self, future: Any) -> Any:
+        while True:
+            try:
+                return future.result(timeout=LIVENESS_POLL_S)
+            except TimeoutError:
+                self.raise_if_lost()
+            except CancelledError:  # its inputs died with a worker: that worker is lost
+                self.raise_if_lost(grace=True)
+                raise
+
+    def events(self):
+        """The fit's events, as they happen: queued ones first, then window results."""
+        while True:
+            if self.queue:
+                yield self.queue.popleft()
+                continue
+            if not self.windows:  # every command answers with an event, or windows run
+                raise RuntimeError("the fit's driver has no event to wait for (a bug)")
+            try:
+                self._poll_windows()
+            except Lost as lost:
+                self.queue_lost(lost.workers)
+
+    def _poll_windows(self) -> None:
+        done, _ = _wait_some(list(self.windows))
+        if not done:
+            self.raise_if_lost()
+            joined = self.joined_event()
+            self.queue.append(joined or ev.Timer())
+            return
+        self._harvest()  # every result first: a loss then salvages all it can
+        failed = sorted((f for f in done if f in self.windows), key=lambda f: self.windows[f][2])
+        if not failed:
+            return
+        future = failed[0]
+        generation, rank, window = self.windows.pop(future)
+        self.raise_if_lost(grace=True)  # a peer's death is the usual cause
+        if future.status == "cancelled":
+            error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
+        else:
+            error = future.exception()
+            if not isinstance(error, NonFiniteError):
+                error = self._root_cause(future, rank)
+        non_finite = isinstance(error, NonFiniteError)
+        self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite))
+
+    def _harvest(self, lost: list[str] = ()) -> None:
+        """Queue the result of every window that finished, in window order, except on
+        ``lost`` workers (their results died with them; their partners' salvage them)."""
+        finished = [f for f in self.windows if f.status == "finished"]
+        by_window: dict[tuple[int, int], dict[int, Any]] = {}
+        for future in sorted(finished, key=lambda f: self.windows[f][2]):
+            generation, rank, window = self.windows[future]
+            if rank < len(self.members) and self.members[rank] in lost:
+                continue
+            try:
+                result = future.result(timeout=LIVENESS_POLL_S)
+            except Exception:  # gone meanwhile: the next poll tells why
+                continue
+            del self.windows[future]
+            by_window.setdefault((generation, window), {})[rank] = result
+        for (generation, window), results in by_window.items():
+            self.queue.append(ev.WindowDone(generation, window, results))
+        # Release what finished: the client holds no committed window's result (nor the
+        # mid-phase checkpoint state it may carry) past this point.
+        self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
+
+    def _root_cause(self, first: Any, rank: int) -> BaseException:
+        """The first real failure: a peer's "connection closed" is only its echo."""
+        futures = {first: (self.generation, rank, -1), **self.windows}
+        with contextlib.suppress(TimeoutError):
+            wait(list(futures), timeout=FAILURE_GRACE_S)
+        failed = sorted(
+            ((window, r), f) for f, (_, r, window) in futures.items() if f.status == "error"
+        )
+        real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
+        (_, r), future = (real or failed)[0]
+        return _replica_failure(future, r, self.members[r] if r < len(self.members) else "?")
+
+    # -- commands -------------------------------------------------------------------------
+    def submit(self, fn: Any, rank: int, *args: Any, key: str) -> Any:
+        future = self.client.submit(
+            fn,
+            self.run_id,
+            *args,
+            workers=[self.members[rank]],
+            allow_other_workers=False,
+            pure=False,
+            key=key,
+        )
+        self.in_flight.append((future, self.members[rank]))
+        return future
+
+    def serial(self) -> int:
+        """A number for task keys that are submitted again (a key must be new)."""
+        self._serial += 1
+        return self._serial
+
+    def tag(self) -> str:
+        return f"-g{self.generation}" if self.generation else ""
+
+    def form_group(self, c: cmd.FormGroup) -> list[dict[str, Any]]:
+        """Set up (``fresh``) or regroup the members; returns the new replicas' infos."""
+        old = {a: r for r, a in enumerate(self.members)}
+        self.members, self.generation = c.members, c.generation
+        self.known.update(c.members)
+        world = len(c.members)
+        if c.fresh:
+            self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
+            self.last = [None] * world
+            host, port = self._rendezvous(world)
+            infos = self.gather(
+                [self._setup(r, a, host, port, None) for r, a in enumerate(c.members)]
+            )
+            return infos
+        joining = set(c.joining)
+        snapshot = None
+        if joining:
+            snapshot = self.submit(
+                remote.replica_snapshot,
+                0,
+                self.last[0],
+                key=f"snapshot@replica0-{self.run_id}-g{c.generation}",
+            )
+        last = [self.last[old[a]] if a in old else None for a in c.members]
+        self.last = last
+        host, port = self._rendezvous(world)
+        regroups = [
+            self.submit(
+                remote.regroup_replica,
+                r,
+                world,
+                host,
+                port,
+                c.generation,
+                last[r],
+                r,
+                key=f"regroup@replica{r}-{self.run_id}-g{c.generation}",
+            )
+            for r, a in enumerate(c.members)
+            if a not in joining
+        ]
+        setups = [
+            self._setup(r, a, host, port, snapshot, spec=self.spec)
+            for r, a in enumerate(c.members)
+            if a in joining
+        ]
+        try:
+            infos = self.gather(setups)
+            self.gather(regroups)
+        except Lost:
+            alive = [a for a in c.joining if a not in self.lost()]
+            with contextlib.suppress(Exception):
+                self.client.run(remote.close_run_soon, self.run_id, workers=alive, wait=False)
+            raise
+        self.last = [*regroups, *setups]
+        return infos
+
+    def scatter_spec(self, workers: list[str] | None) -> None:
+        """Send the replica spec once (to ``workers``, else to every member)."""
+        try:
+            [self.spec_future] = self.client.scatter(
+                [self.spec], broadcast=True, workers=workers or list(self.members), hash=False
+            )
+        except Exception:
+            self.raise_if_lost()  # a worker died meanwhile: recover, send again
+            raise
+
+    def _rendezvous(self, world: int) -> tuple[Any, Any]:
+        """Rank 0's worker opens the store the group forms at."""
+        if world == 1:
+            return None, None
+        future = self.client.submit(
+            remote.open_rendezvous,
+            self.run_id,
+            world,
+            self.spec.collective_timeout_s,
+            self.generation,
+            workers=[self.members[0]],
+            allow_other_workers=False,
+            pure=False,
+            key=f"rendezvous-{self.run_id}-g{self.generation}",
+        )
+        [address] = self.gather([future])
+        return address
+
+    def _setup(
+        self, rank: int, address: str, host: Any, port: Any, snapshot: Any, spec: Any = None
+    ) -> Any:
+        """``spec``: the ReplicaSpec itself for joiners (the copies scattered at the start
+        may have died with their workers); by default the scattered one."""
+        return self.client.submit(
+            remote.setup_replica,
+            self.spec_future if spec is None else spec,
+            rank,
+            len(self.members),
+            host,
+            port,
+            self.generation,
+            snapshot,
+            workers=[address],
+            allow_other_workers=False,
+            pure=False,
+            key=f"setup@replica{rank}-{self.run_id}-g{self.generation}",
+        )
+
+    def restore(self, state: dict[str, Any], rngs: list, buffers: list) -> None:
+        """Every replica takes a checkpoint's weights, optimizer state and stage settings,
+        and, with as many replicas as were saved, its own random state and buffers."""
+        # To one worker: the others fetch it when their task needs it. (A broadcast waits
+        # on every worker, and on one that just died, for the scheduler's retries.)
+        [state] = self.client.scatter([state], workers=list(self.members[:1]), hash=False)
+        same_world = len(buffers) == len(self.members)
+        self.gather(
+            [
+                self.submit(
+                    remote.restore_replica,
+                    r,
+                    state,
+                    rngs[r] if r < len(rngs) else None,
+                    buffers[r] if same_world else None,
+                    key=f"restore@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
+                )
+                for r in range(len(self.members))
+            ]
+        )
+
+    def begin_phase(self, c: cmd.BeginPhase, context: Any) -> None:
+        self.last = [
+            self.submit(
+                remote.begin_phase,
+                r,
+                context,
+                self.last[r],
+                c.generation,
+                key=f"begin-phase@replica{r}-{self.run_id}-p{c.phase.index}{self.tag()}"
+                f"-{self.serial()}",
+            )
+            for r in range(len(c.members))
+        ]
+
+    def submit_windows(self, c: cmd.SubmitWindows) -> None:
+        plan = c.plan
+        for task in plan.tasks():
+            window = task.window
+            first = plan.steps[window.first].index
+            stop = plan.steps[window.stop - 1].index + 1
+            future = self.submit(
+                remote.run_window,
+                task.replica,
+                first,
+                stop,
+                self.last[task.replica],
+                c.generation,
+                window.index in c.checkpoints,
+                key=task.key,
+            )
+            self.last[task.replica] = future
+            self.windows[future] = (c.generation, task.replica, c.first_window + window.index)
+
+    def stop(self, c: cmd.StopWindows) -> None:
+        alive = list(c.members)
+        if c.leave_group:  # not waiting: a worker that died unnoticed would stall it
+            with contextlib.suppress(Exception):
+                self.client.run(remote.abort_run_soon, self.run_id, workers=alive, wait=False)
+        running = [f for f, address in self.in_flight if address in alive and not f.done()]
+        with contextlib.suppress(Exception):
+            wait(running, timeout=self.spec.collective_timeout_s)
+        # Dropped, not cancelled: cancelling a chain of dependent futures can trip the
+        # scheduler; a dropped task that still runs finds a newer generation and refuses.
+        self.in_flight, self.windows = [], {}
+
+    def roll_back(self, c: cmd.RollBack) -> None:
+        self.members = c.members
+        futures = [
+            self.submit(
+                remote.rollback_replica,
+                r,
+                c.step,
+                r,
+                c.leave_group,
+                key=f"rollback@replica{r}-{self.run_id}-{self.serial()}",
+            )
+            for r in range(len(c.members))
+        ]
+        self.gather(futures)
+        self.last = futures
+
+    def end_phase(self, c: cmd.EndPhase) -> None:
+        ends = self.gather(
+            [
+                self.submit(
+                    remote.end_phase,
+                    r,
+                    self.last[r],
+                    c.generation,
+                    key=f"end-phase@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
+                )
+                for r in range(len(c.members))
+            ]
+        )
+        self.in_flight = []
+        self.queue.append(ev.PhaseEnded(c.generation, tuple(ends)))
+
+    def replica_states(self, tag: str) -> list[dict[str, Any]]:
+        """Every replica's part of a checkpoint, after its last task (rank 0's first)."""
+        return self.gather(
+            [
+                self.submit(
+                    remote.replica_checkpoint_state,
+                    r,
+                    self.last[r],
+                    key=f"checkpoint@replica{r}-{self.run_id}-{tag}-{self.serial()}",
+                )
+                for r in range(len(self.members))
+            ]
+        )
+
+    def final_weights(self) -> dict[str, Any]:
+        [state] = self.gather(
+            [
+                self.submit(
+                    remote.replica_state_dict, 0, key=f"weights@replica0-{self.run_id}{self.tag()}"
+                )
+            ]
+        )
+        return state
+
+    def await_restart(
+        self, had: int, min_workers: int, replicas: int | None, wait_s: float, gather_s: float
+    ) -> list[str] | None:
+        """Every replica lost: wait for ``min_workers``, then a little for as many as the
+        fit had (a nanny's restarts arrive one by one); None if none came."""
+        try:
+            self.client.wait_for_workers(min_workers, timeout=wait_s)
+        except TimeoutError:
+            return None
+        with contextlib.suppress(TimeoutError):
+            self.client.wait_for_workers(min(had, replicas or had), timeout=gather_s)
+        workers = self.available()[: replicas or None]
+        self.known.update(workers)
+        return workers
+
+    def close(self, *, failed: bool) -> None:
+        """Release the fit's futures and its replicas on the workers."""
+        members = list(self.members)
+        if failed:
+            with contextlib.suppress(Exception):
+                self.client.run(remote.abort_run, self.run_id, workers=members)
+        self.in_flight, self.windows, self.last = [], {}, []
+        with contextlib.suppress(Exception):
+            self.client.run(remote.close_run, self.run_id, workers=members)
+
+
+def check_client(client: Client) -> None:
+    if str(getattr(client, "status", "running")) in ("closing", "closed"):
+        raise ConfigError(
+            "the client is closed; pass an open distributed.Client, or client=None for "
+            "an embedded LocalCluster"
+        )
+
+
+def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
+    exc = future.exception()
+    if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
+        return exc
+    error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _wait_some(futures: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The futures done within ``LIVENESS_POLL_S`` (maybe none), and the others."""
+    try:
+        wait(futures, timeout=LIVENESS_POLL_S, return_when="FIRST_COMPLETED")
+    except (TimeoutError, CancelledError):  # distributed.wait raises where concurrent's
+        pass  # returns; a cancelled future (its inputs died with a worker) is done
+    done = [f for f in futures if f.done()]
+    return done, [f for f in futures if not f.done()]

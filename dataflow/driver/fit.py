@@ -1,0 +1,192 @@
+"""Start one fit: pick the workers, build the machine, executor, planner, recorder
+and checkpoint writer, run the loop, and clean up on the workers whatever happens."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any
+
+from distributed import Client
+
+from dataflow.core.errors import ConfigError
+from dataflow.driver.checkpoints import CheckpointWriter
+from dataflow.driver.executor import Executor, check_client
+from dataflow.driver.loop import FitLoop
+from dataflow.driver.machine import FitMachine, MachineConfig
+from dataflow.driver.recorder import Recorder
+from dataflow.history import FitResult
+from dataflow.runtime.replica import ReplicaSpec
+from dataflow.stages.forward import build_model
+
+MAX_ROLLBACKS = 3  # on_non_finite="rollback": per phase; then the NonFiniteError stops the fit
+MAX_RESTARTS = 3  # every replica lost: how often to start again from one checkpoint
+
+
+def run_fit(
+    trainer: Any, client: Client, epochs: int, *, store: Any, checkpoint: Any, every: int | None
+) -> FitResult:
+    """Train ``trainer``'s graph for ``epochs`` on ``client`` (see ``Trainer.fit``)."""
+    config = trainer.config
+    check_client(client)
+    run_id = f"fit{uuid.uuid4().hex[:12]}"
+    spec = ReplicaSpec(
+        run_id=run_id,
+        graph=trainer.graph,
+        order=(),
+        seed=config.seed,
+        device=config.device,
+        threads=config.threads_per_replica,
+        collective_timeout_s=config.collective_timeout_s,
+        relax_malloc=config.relax_malloc,
+        freeze_gc=config.freeze_gc,
+        pause_dask_profiler=config.pause_dask_profiler,
+        throttle={int(r): float(f) for r, f in config.throttle.items()},
+        commit_windows=config.recover_lost_workers,
+    )
+    executor = Executor(
+        client,
+        spec,
+        recover=config.recover_lost_workers,
+        max_workers=config.max_workers,
+        progress=config.progress,
+    )
+    workers = _pick_workers(executor.available(), config.replicas)
+    order = trainer.graph.validate(replicas=len(workers))
+    executor.spec = spec = dataclasses.replace(spec, order=order)
+    loop = build_loop(
+        trainer, executor, epochs=epochs, order=order, run_id=run_id, store=store, every=every
+    )
+    recorder = loop.recorder
+    if checkpoint is not None:
+        loop.restore_driver(checkpoint)
+    info = recorder.history.info
+    info.update(
+        run_id=run_id,
+        epochs=epochs,
+        replicas=len(workers),
+        seed=config.seed,
+        stages=list(order),
+        stage_kinds={name: type(trainer.graph[name]).__name__ for name in order},
+        workers=[],
+        dashboard=client.dashboard_link,
+        regroups=[],
+    )
+    if checkpoint is not None:
+        info["resumed_from"] = {
+            "epoch": checkpoint.epoch,
+            "step": checkpoint.step,
+            "phase": checkpoint.phase_index,
+        }
+    started = time.perf_counter()
+    failed = True
+    try:
+        state = loop.run(workers)
+        info["train_seconds"] = time.perf_counter() - recorder.train_started
+        failed = False
+    finally:
+        recorder.close_bar()
+        executor.close(failed=failed)
+    info["fit_seconds"] = time.perf_counter() - started
+    model = build_model(trainer.model_factory, config.seed)
+    model.load_state_dict(state)
+    result = FitResult(model=model, history=recorder.history, ledger=recorder.ledger)
+    if config.progress:
+        print(result.summary())
+    return result
+
+
+def build_loop(
+    trainer: Any,
+    executor: Any,
+    *,
+    epochs: int,
+    order: tuple[str, ...],
+    run_id: str = "",
+    store: Any = None,
+    every: int | None = None,
+) -> FitLoop:
+    """The fit's machine, planner, recorder and checkpoint writer around ``executor``
+    (Dask's, or :class:`~dataflow.driver.simulate.SimulatedExecutor`)."""
+    config = trainer.config
+    per_replica_caps = isinstance(config.max_micro_batch, tuple)
+    machine = FitMachine(
+        MachineConfig(
+            stage_names=order,
+            run_id=run_id,
+            window_seconds=config.window_seconds,
+            window_steps=config.window_steps,
+            min_workers=config.min_workers,
+            recover_lost_workers=config.recover_lost_workers,
+            roll_back_non_finite=trainer.rolls_back_non_finite,
+            max_rollbacks=MAX_ROLLBACKS,
+            max_restarts=MAX_RESTARTS,
+            checkpoints=store is not None,
+            checkpoint_every=every,
+            may_join=config.elastic and not per_replica_caps,
+            max_replicas=config.replicas if config.replicas is not None else config.max_workers,
+        )
+    )
+    recorder = Recorder(
+        graph=trainer.graph,
+        order=order,
+        load=trainer.load,
+        seed=config.seed,
+        skips_non_finite=trainer.skips_non_finite,
+        progress=config.progress,
+    )
+    writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)
+    scale = None
+    if config.scale_with_batch and config.elastic:
+        scale = lambda phase: _request_workers(executor, config, phase, recorder)  # noqa: E731
+    loop = FitLoop(
+        machine=machine,
+        executor=executor,
+        planner=trainer.planner(),
+        recorder=recorder,
+        writer=writer,
+        epochs=epochs,
+        measures_noise=trainer.measures_noise,
+        min_workers=config.min_workers,
+        replicas=config.replicas,
+        progress=config.progress,
+        scale=scale,
+    )
+    return loop
+
+
+def _pick_workers(available: list[str], replicas: int | None) -> list[str]:
+    wanted = replicas or len(available)
+    if not available:
+        raise ConfigError("the client has no workers; start some before fit()")
+    if wanted > len(available):
+        raise ConfigError(
+            f"replicas={wanted} but the client has {len(available)} worker(s); start more "
+            "workers or lower replicas"
+        )
+    return available[:wanted]
+
+
+def _request_workers(executor: Executor, config: Any, phase: Any, recorder: Recorder) -> None:
+    """``scale_with_batch``: enough workers that no replica's batch exceeds the cap."""
+    wanted = min(config.max_workers, math.ceil(phase.global_batch / config.max_micro_batch))
+    client = executor.client
+    if wanted <= len(executor.available()):
+        return
+    cluster = getattr(client, "cluster", None)
+    scaling: dict[str, Any] = {"phase": phase.index, "requested": wanted}
+    if cluster is None or not hasattr(cluster, "scale"):
+        scaling["error"] = (
+            "the client has no cluster object to scale (connected by address?); start "
+            "more workers yourself, they join at the next phase"
+        )
+    else:
+        cluster.scale(wanted)
+        try:
+            client.wait_for_workers(wanted, timeout=config.scale_timeout_s)
+        except TimeoutError:
+            scaling["error"] = f"only some workers arrived in {config.scale_timeout_s} s"
+    scaling["workers"] = len(executor.available())
+    recorder.history.info.setdefault("scaling", []).append(scaling)

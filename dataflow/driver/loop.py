@@ -1,0 +1,333 @@
+"""One fit on the driver: ``for event in executor.events(): apply(machine.handle(event))``.
+
+The loop owns no decision: the state machine makes them. It routes each command
+to whoever carries it out: the executor (the cluster), the planner (phases and
+splits), the recorder (the history) or the checkpoint writer (the disk), and
+queues what they answer as the machine's next events.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dataflow.checkpoint import ledger_from_state
+from dataflow.core.errors import WorkerLostError
+from dataflow.core.phase import PhaseMeasurement
+from dataflow.core.rng import restore_rng
+from dataflow.core.step import PhaseContext
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
+from dataflow.driver.executor import Executor, Lost
+from dataflow.driver.machine import FitMachine
+from dataflow.driver.planner import Planner
+from dataflow.driver.recorder import Recorder
+from dataflow.history import History
+from dataflow.noise_scale import NoiseScaleTracker
+from dataflow.progress import PhaseProgress
+
+RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
+RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)
+
+
+class FitLoop:
+    """Runs ``machine`` with ``executor``; ``epochs`` to train, ``writer`` the checkpoints
+    (None without a folder), ``resumed`` the checkpoint a resumed fit starts from."""
+
+    def __init__(
+        self,
+        *,
+        machine: FitMachine,
+        executor: Executor,
+        planner: Planner,
+        recorder: Recorder,
+        writer: CheckpointWriter | None,
+        epochs: int,
+        measures_noise: bool,
+        min_workers: int,
+        replicas: int | None,
+        progress: bool,
+        scale: Any = None,
+    ) -> None:
+        self.machine, self.executor, self.planner = machine, executor, planner
+        self.recorder, self.writer, self.epochs = recorder, writer, epochs
+        self.measures_noise, self.min_workers, self.replicas = measures_noise, min_workers, replicas
+        self.progress, self.scale = progress, scale
+        self.start = ResumePoint()
+        self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
+        self.resume_in_phase: PhaseProgress | None = None
+        self.open_failure: dict[str, Any] | None = None
+        self.saved_path: Any = None  # the survivors' checkpoint before WorkerLostError
+        self.members: tuple[str, ...] = ()  # whose totals the recorder holds, in rank order
+        self.final_state: Any = None
+        self.training = False  # set once the first group is formed
+
+    # -- where a fit starts -----------------------------------------------------------
+    def restore_driver(self, checkpoint: Any) -> None:
+        """The driver's state back to ``checkpoint``: position, noise, ledger, history."""
+        rec = self.recorder
+        rec.ledger = ledger_from_state(checkpoint.ledger) if checkpoint.ledger else rec.ledger
+        rec.noise = NoiseScaleTracker()
+        rec.reset_counts()
+        self.start = ResumePoint.of(checkpoint)
+        self.resume_in_phase = self.start.progress
+        if self.resume_in_phase is not None:
+            rec.epoch_loss_sum, rec.epoch_samples = self.resume_in_phase.epoch_loss
+        noise = checkpoint.schedule_state.get("noise")
+        if noise is not None:
+            rec.noise.load_state_dict(noise)
+        saved = History(**checkpoint.history)
+        info = rec.history.info
+        rec.history = History(steps=saved.steps, epochs=saved.epochs, phases=saved.phases)
+        rec.history.info = info
+        rec.samples_seen = sum(s["samples"] for s in saved.steps)
+        restore_rng(checkpoint.rng)
+        self.checkpoint = checkpoint
+        self.previous, self.measurement = self.start.previous, self.start.measurement
+        self.epoch, self.next_index = self.start.epoch, self.start.step
+
+    def run(self, workers: list[str]) -> dict[str, Any]:
+        """Train; returns rank 0's final weights."""
+        if self.checkpoint is None:
+            self.previous, self.measurement, self.epoch, self.next_index = None, None, 0, 0
+        self.executor.known.update(self.executor.available())
+        self.apply(self.machine.handle(ev.Started(tuple(workers), self.checkpoint is not None)))
+        for event in self.executor.events():
+            self.apply(self.machine.handle(event))
+            if self.final_state is not None:
+                return self.final_state
+        raise AssertionError("unreachable: events() ends only by raising")
+
+    def apply(self, commands: list[Any]) -> None:
+        """Carry out ``commands`` in order; a loss stops the rest (the machine decides
+        anew from the WorkersLost event)."""
+        for command in commands:
+            try:
+                getattr(self, "_" + type(command).__name__)(command)
+            except Lost as lost:
+                self.executor.queue_lost(lost.workers)
+                return
+
+    # -- membership -----------------------------------------------------------------------
+    def _FormGroup(self, c: cmd.FormGroup) -> None:
+        infos = self.executor.form_group(c)
+        info = self.recorder.history.info
+        info["workers"] = info.get("workers", []) + infos
+        info["replicas"] = len(c.members)
+        if c.fresh:
+            self.recorder.totals = []
+        else:
+            kept = [self.members.index(a) for a in c.members if a not in c.joining]
+            self.recorder.regrouped(kept, len(c.joining))
+        self.members = c.members
+        if c.restore:
+            checkpoint = self.checkpoint
+            state = {
+                "model": checkpoint.model_state,
+                "optimizer": checkpoint.optimizer_state,
+                "stages": checkpoint.stage_state,
+            }
+            self.executor.restore(state, checkpoint.replica_rng, checkpoint.replica_buffers)
+        if c.joining and not c.fresh:
+            state = self.machine.state
+            phase = state.next_phase if state.after_group == "phase" else state.phase
+            info.setdefault("regroups", []).append(
+                {
+                    "phase": getattr(phase, "index", None),
+                    "replicas": len(c.members),
+                    "joined": list(c.joining),
+                }
+            )
+            if self.progress:
+                print(
+                    f"dataflow: {len(c.joining)} worker(s) joined; phase "
+                    f"{getattr(phase, 'index', '?')} runs {len(c.members)} replicas"
+                )
+        if self.open_failure is not None:
+            self.open_failure.update(resumed_at=time.time(), replicas_after=len(c.members))
+            self.open_failure = None
+        if not self.training:  # the clock of the history starts once the replicas are up
+            self.training = True
+            self.recorder.train_started = time.perf_counter()
+        self.executor.queue.append(ev.GroupFormed(c.generation))
+
+    def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
+        step, workers = None, ()
+        if self.writer is not None and self.writer.store.latest() is not None:
+            found = self.executor.await_restart(
+                c.had, self.min_workers, self.replicas, RESTART_WAIT_S, RESTART_GATHER_S
+            )
+            if found:
+                self.checkpoint = self.writer.load_latest()
+                step, workers = self.checkpoint.step, tuple(found)
+        self.executor.queue.append(ev.RestartPoint(step, workers))
+
+    def _Restart(self, c: cmd.Restart) -> None:
+        if self.progress:
+            print(
+                f"dataflow: every replica was lost; starting again from the checkpoint of "
+                f"step {c.step}"
+            )
+        self.restore_driver(self.checkpoint)
+
+    # -- phases ---------------------------------------------------------------------------
+    def _ChoosePhase(self, c: cmd.ChoosePhase) -> None:
+        progress, self.resume_in_phase = self.resume_in_phase, None
+        if progress is not None:  # resumed from a mid-phase checkpoint: the rest of it
+            n = len(self.members)
+            todo = self.planner.resumed(progress.segment, self.start.step, n)
+            carried = progress.totals if len(progress.totals) == n else None
+            self.recorder.begin_phase(progress.phase, progress.steps, todo, carried=carried)
+            self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
+            self.executor.queue.append(
+                ev.SegmentPlanned(
+                    progress.phase,
+                    progress.steps,
+                    todo,
+                    continued=True,
+                    lr_factor=progress.lr_factor,
+                    rollbacks=progress.rollbacks,
+                )
+            )
+            return
+        if self.epoch >= self.epochs:
+            self.executor.queue.append(ev.PhaseChosen(None))
+            return
+        phase = self.planner.next_phase(self.epoch, self.epochs, self.previous, self.measurement)
+        if self.scale is not None and self.previous is not None:
+            self.scale(phase)  # ask the cluster for the workers the batch needs
+        joined = self.executor.joined_event()
+        if joined is not None:
+            self.executor.queue.append(joined)
+        self.executor.queue.append(ev.PhaseChosen(phase))
+
+    def _PlanSegment(self, c: cmd.PlanSegment) -> None:
+        if c.kind == "phase":
+            measured = self.recorder.measured_speeds()
+            steps = self.planner.phase_steps(c.phase, c.replicas, self.next_index, measured)
+            self.recorder.begin_phase(c.phase, steps, steps)
+            self.executor.queue.append(ev.SegmentPlanned(c.phase, steps, steps))
+            return
+        state = self.machine.state
+        todo = self.planner.rest(state.segment, c.commit_step, c.replicas)
+        self.executor.queue.append(
+            ev.SegmentPlanned(c.phase, state.phase_steps, todo, continued=True)
+        )
+
+    def _BeginPhase(self, c: cmd.BeginPhase) -> None:
+        phase = c.phase
+        context = PhaseContext(
+            index=phase.index,
+            steps=c.steps,
+            lr=phase.lr,
+            lr_scale=phase.lr_scale,
+            warmup_steps=phase.warmup_steps,
+            measure_noise=self.measures_noise,
+            continued=c.continued,
+            lr_factor=c.lr_factor,
+        )
+        self.executor.begin_phase(c, context)
+
+    def _SubmitWindows(self, c: cmd.SubmitWindows) -> None:
+        if self.progress and c.plan.tag.startswith("train") and self.recorder.bar is not None:
+            self.recorder.bar.write(str(c.plan).splitlines()[0])
+        self.executor.submit_windows(c)
+
+    def _CommitWindow(self, c: cmd.CommitWindow) -> None:
+        self.recorder.commit_window(c.plan, c.window, c.results, c.segment)
+
+    def _EndPhase(self, c: cmd.EndPhase) -> None:
+        self.executor.end_phase(c)
+
+    def _RecordPhase(self, c: cmd.RecordPhase) -> None:
+        rec = self.recorder
+        rec.end_phase(c.phase, c.phase_steps, c.segment, c.ends)
+        self.measurement = PhaseMeasurement(
+            noise_scale=rec.noise.noise_scale,
+            gradient_sq=rec.noise.gradient_sq,
+            trace_cov=rec.noise.trace_cov,
+            samples_per_second=sum(rec.history.phases[-1]["samples_per_second"]),
+            steps=len(c.phase_steps),
+            measured_steps=rec.noise.steps,
+        )
+        self.previous, self.epoch = c.phase, c.phase.end_epoch
+        self.next_index = c.phase_steps[0].index + len(c.phase_steps)
+
+    # -- failures -------------------------------------------------------------------------
+    def _RecordFailure(self, c: cmd.RecordFailure) -> None:
+        self.open_failure = self.recorder.failure(c.record)
+        record = c.record
+        if self.progress and record["reason"] == "lost workers":
+            print(
+                f"dataflow: lost worker(s) {', '.join(record['lost'])}; rolling back to step "
+                f"{record['commit_step']} on {record.get('replicas_after')} replica(s)"
+            )
+        elif self.progress and record["reason"] == "non-finite":
+            print(
+                f"dataflow: {record.get('error')}; rolling back to step "
+                f"{record['commit_step']}, LR x {record.get('lr_factor')}"
+            )
+
+    def _StopWindows(self, c: cmd.StopWindows) -> None:
+        self.executor.stop(c)
+
+    def _RollBack(self, c: cmd.RollBack) -> None:
+        self.executor.roll_back(c)
+
+    def _WriteCheckpoint(self, c: cmd.WriteCheckpoint) -> None:
+        writer, state = self.writer, self.machine.state
+        if c.kind == "phase":
+            states = self.executor.replica_states(f"p{c.phase.index}")
+            writer.save_boundary(states, c.phase, c.step, self.measurement, self.recorder)
+            return
+        if c.kind == "survivors":
+            try:
+                states = self.executor.replica_states("lost")
+            except Lost:  # the last survivors died too: the newest checkpoint stands
+                return
+        else:
+            states = list(c.states)
+        path = writer.save_mid_phase(states, state, c.step, self.recorder)
+        if c.kind == "survivors":
+            self.saved_path = path
+
+    def _Fail(self, c: cmd.Fail) -> None:
+        if c.error is not None:
+            raise c.error
+        if c.starting:
+            raise WorkerLostError(
+                f"lost worker(s) {', '.join(c.lost)} while starting the fit; {c.remain} "
+                f"remain (min_workers={self.min_workers})"
+            )
+        if self.saved_path is not None:
+            where = (
+                f"A checkpoint of step {c.commit_step} (the last window every replica "
+                f"finished) was written to {self.saved_path}; "
+            )
+        elif self.writer is not None:
+            newest = self.writer.store.latest()
+            where = (
+                f"The newest checkpoint is {newest}; "
+                if newest is not None
+                else f"No checkpoint was written yet in {self.writer.store.directory}; "
+            )
+        else:
+            where = "No checkpoint_dir was given, so the work done is lost; "
+        message = (
+            f"lost worker(s) {', '.join(c.lost)} in phase {c.phase}; {c.remain} remain but "
+            f"min_workers={self.min_workers}. {where}fit(..., checkpoint_dir=..., resume=True) "
+            "continues from the newest checkpoint once workers are back"
+        )
+        if c.restarts_from is not None:
+            message += (
+                f" (the fit started again from the checkpoint of step {c.restarts_from} "
+                f"{self.machine.config.max_restarts} times and lost every replica each "
+                "time before the next checkpoint)"
+            )
+        if not c.remain:
+            self.executor.members = ()  # what the fit's clean-up talks to: none is left
+        raise WorkerLostError(message)
+
+    def _Finish(self, c: cmd.Finish) -> None:
+        self.final_state = self.executor.final_weights()

@@ -1,0 +1,97 @@
+"""The fit's plans, pure: the schedule's next phase, the balancer's split, the
+phase's steps, and the rest of a phase re-split after a recovery or a resume.
+
+No Dask, no torch: the state machine asks through ``ChoosePhase`` and
+``PlanSegment`` and gets the answers as events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dataflow.balance import micro_batch_counts
+from dataflow.core.phase import PhaseMeasurement, PhaseSpec
+from dataflow.core.step import StepSpec
+from dataflow.plan import phase_steps, resplit_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class Planner:
+    """What a fit's plans depend on: the schedule, the balancer, the dataset's size and
+    the memory cap (one int, or one per replica)."""
+
+    schedule: Any
+    balancer: Any
+    num_samples: int
+    drop_last: bool = False
+    max_micro_batch: int | tuple[int, ...] | None = None
+    measures_noise: bool = False
+
+    def next_phase(
+        self,
+        start_epoch: int,
+        total_epochs: int,
+        previous: PhaseSpec | None,
+        measured: PhaseMeasurement | None = None,
+    ) -> PhaseSpec:
+        """The schedule's next phase; only schedules that measure the gradient noise
+        (``measures_noise``) are given the measurement."""
+        extra: dict[str, Any] = {"measured": measured} if self.measures_noise else {}
+        if getattr(self.schedule, "needs_epoch_size", False):  # phases of N steps
+            extra.update(num_samples=self.num_samples, drop_last=self.drop_last)
+        return self.schedule.next_phase(
+            start_epoch=start_epoch, total_epochs=total_epochs, previous=previous, **extra
+        )
+
+    def phase_steps(
+        self,
+        phase: PhaseSpec,
+        replicas: int,
+        first_index: int,
+        measured: Sequence[Sequence[float]] = (),
+    ) -> tuple[StepSpec, ...]:
+        """The phase's steps, split by the balancer from the speeds ``measured`` so far
+        (per past phase, each replica's samples/s)."""
+        return phase_steps(
+            num_samples=self.num_samples,
+            phase=phase,
+            split=lambda size: self.balancer.split(size, replicas, measured),
+            drop_last=self.drop_last,
+            first_index=first_index,
+            micro_batches=self.micro_batches(replicas),
+        )
+
+    def rest(self, segment: tuple[StepSpec, ...], commit: int, replicas: int) -> tuple:
+        """The steps of ``segment`` from ``commit`` on, split anew over ``replicas`` (after
+        a recovery); every sample of the epoch in progress is still read once."""
+        return resplit_steps(
+            segment,
+            commit,
+            split=lambda size: self.balancer.split(size, replicas, []),
+            micro_batches=self.micro_batches(replicas, after_loss=True),
+        )
+
+    def resumed(self, segment: tuple[StepSpec, ...], commit: int, replicas: int) -> tuple:
+        """A phase's steps left after a mid-phase checkpoint. On as many replicas as it
+        was written on, each keeps its split, so every replica reads what it would have
+        read uninterrupted (bit-identical); on another count, split anew."""
+        if len(segment[0].local_batches) == replicas:
+            return resplit_steps(segment, commit, split=None)
+        return self.rest(segment, commit, replicas)
+
+    def micro_batches(
+        self, replicas: int, after_loss: bool = False
+    ) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
+        """Each replica's micro-batches for a split: above the memory cap, accumulate; one
+        replica estimates the gradient noise from two micro-batches of each step."""
+        minimum = 2 if replicas == 1 and self.measures_noise else 1
+
+        def count(local: tuple[int, ...]) -> tuple[int, ...]:
+            caps = self.max_micro_batch
+            if after_loss and isinstance(caps, tuple) and len(caps) != len(local):
+                caps = min(caps)  # after a lost worker: the tightest cap for every replica
+            return micro_batch_counts(local, caps, minimum=minimum)
+
+        return count

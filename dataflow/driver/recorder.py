@@ -1,0 +1,387 @@
+"""The fit's records: committed windows into steps and epochs, phases with their
+per-replica speeds and time split, failures, checkpoints; the sample ledger and
+the gradient noise scale fed from committed steps only.
+
+The one writer of :class:`~dataflow.history.History`; the report reads it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from dataflow.core import kinds
+from dataflow.core.digest import index_hashes
+from dataflow.core.errors import DataError, LossError
+from dataflow.core.window import WindowResult
+from dataflow.history import History
+from dataflow.io.ledger import SampleLedger
+from dataflow.noise_scale import NoiseScaleTracker, NormPair
+from dataflow.progress import ReplicaTotals
+
+
+class Recorder:
+    """History, ledger and noise scale of one fit; ``graph``/``order``: the step's
+    stages (their kinds split each replica's time), ``load``: the Load stage (a lost
+    replica's samples follow from its streams)."""
+
+    def __init__(
+        self,
+        *,
+        graph: Any,
+        order: tuple[str, ...],
+        load: Any,
+        seed: int,
+        skips_non_finite: bool,
+        progress: bool,
+    ) -> None:
+        self.graph, self.order, self.load, self.seed = graph, order, load, seed
+        self.skips_non_finite, self.progress = skips_non_finite, progress
+        self.history = History()
+        self.ledger = SampleLedger(load.source.num_samples)
+        self.noise = NoiseScaleTracker()
+        self.reset_counts()
+        self.train_started = time.perf_counter()
+        self.bar: Any = None
+        self._layouts: dict[int, _EpochLayout] = {}  # step -> its epoch's streams
+        self._layout_of: tuple = ()
+
+    def reset_counts(self) -> None:
+        self.samples_seen = 0
+        self.epoch_loss_sum, self.epoch_samples = 0.0, 0
+        self.phase_pairs: list[tuple] = []  # the committed steps' gradient-norm pairs
+        self.totals = []  # per replica, its work in the phase
+        self.phase_started = time.perf_counter()
+
+    # -- a phase ----------------------------------------------------------------------
+    def begin_phase(self, phase: Any, steps: tuple, todo: tuple, *, carried=None) -> None:
+        """A new phase (or a resumed one, ``carried``: its totals so far)."""
+        self.phase_pairs, self.phase_started = [], time.perf_counter()
+        self.totals = list(carried or [])
+        self.close_bar()
+        self.bar = tqdm(
+            total=len(steps),
+            initial=todo[0].index - steps[0].index if todo else 0,
+            desc=f"phase {phase.index} (B={phase.global_batch})",
+            unit="step",
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
+
+    def regrouped(self, kept: list[int], joined: int) -> None:
+        """The replicas after a recovery: ``kept`` old ranks in their new order, then
+        ``joined`` new ones with nothing done yet."""
+        totals = self.totals
+        self.totals = [totals[r] for r in kept if r < len(totals)]
+        self.totals = self.totals + [ReplicaTotals() for _ in range(joined)]
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    # -- windows ----------------------------------------------------------------------
+    def commit_window(self, plan: Any, window: Any, results: tuple, segment: tuple) -> None:
+        """Record a committed window; a None result is a replica lost after it finished
+        the window (its partners could not have without it): its samples from the plan,
+        its losses unknown (the step's loss is the others' mean). Vectorised over the
+        replicas: a round of 1,024 costs the driver a few milliseconds."""
+        specs = plan.steps[window.first : window.stop]
+        salvaged = [rank for rank, r in enumerate(results) if r is None] if None in results else []
+        filled = list(results)
+        for rank in salvaged:
+            filled[rank] = self._salvaged(specs, rank)
+        for w in filled:
+            w.checkpoint = None  # the history keeps the window's numbers, not its weights
+        samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
+        self._add_totals(filled, samples.sum(axis=1))
+        self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
+        self._record_samples(segment, specs, filled, salvaged)
+
+    def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:
+        replicas = len(window)
+        if len(self._samples) < replicas:  # joiners: nothing done yet
+            grow = replicas - len(self._samples)
+            self._samples = np.concatenate([self._samples, np.zeros(grow, np.int64)])
+            self._task = np.concatenate([self._task, np.zeros(grow)])
+            self._windows = np.concatenate([self._windows, np.zeros(grow, np.int64)])
+            for name in self._stage:
+                self._stage[name] = np.concatenate([self._stage[name], np.zeros(grow)])
+        self._samples[:replicas] += samples
+        self._task[:replicas] += [w.task_seconds for w in window]
+        self._windows[:replicas] += 1
+        names = {name for w in (window[0], window[-1]) for name in w.stage_seconds}
+        if any(len(w.stage_seconds) != len(names) for w in window):  # salvaged, or unusual
+            names = {name for w in window for name in w.stage_seconds}
+        for name in names:
+            column = self._stage.get(name)
+            if column is None:
+                column = self._stage[name] = np.zeros(len(self._samples))
+            column[:replicas] += [w.stage_seconds.get(name, 0.0) for w in window]
+
+    @property
+    def totals(self) -> list[ReplicaTotals]:
+        """Each replica's work in the phase so far (what the phase record, the balancer
+        and a mid-phase checkpoint need)."""
+        out = []
+        for r in range(len(self._samples)):
+            totals = ReplicaTotals(
+                samples=int(self._samples[r]),
+                task_seconds=float(self._task[r]),
+                windows=int(self._windows[r]),
+            )
+            for name, column in self._stage.items():
+                totals.stage_seconds[name] += float(column[r])
+            out.append(totals)
+        return out
+
+    @totals.setter
+    def totals(self, totals: list[ReplicaTotals]) -> None:
+        self._samples = np.array([t.samples for t in totals], dtype=np.int64)
+        self._task = np.array([t.task_seconds for t in totals], dtype=float)
+        self._windows = np.array([t.windows for t in totals], dtype=np.int64)
+        names = {name for t in totals for name in t.stage_seconds}
+        self._stage = {
+            name: np.array([t.stage_seconds.get(name, 0.0) for t in totals], dtype=float)
+            for name in names
+        }
+
+    def _salvaged(self, specs: tuple, rank: int) -> Any:
+        return WindowResult(
+            rank=rank,
+            first_step=specs[0].index,
+            samples=[spec.local_batches[rank] for spec in specs],
+            losses=[None] * len(specs),
+            step_seconds=[0.0] * len(specs),
+            stage_seconds={},
+            task_seconds=0.0,
+        )
+
+    def _record_steps(
+        self, specs: tuple, phase: int, window: list[Any], samples: np.ndarray, salvaged: list
+    ) -> None:
+        losses = np.array([w.losses for w in window], dtype=float)  # None: nan
+        seconds = np.array([w.step_seconds for w in window], dtype=float).max(axis=0)
+        known = samples > 0
+        known[salvaged] = False  # a lost replica's losses are unknown: the others' mean
+        weighted = np.where(known, losses * samples, 0.0).sum(axis=0)
+        step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
+        step_totals = samples.sum(axis=0)
+        now = time.perf_counter() - self.train_started
+        for i, spec in enumerate(specs):
+            loss, total = float(step_losses[i]), int(step_totals[i])
+            if not math.isfinite(loss) and not self.skips_non_finite:
+                raise LossError(
+                    f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "
+                    "diverged: lower the learning rate or check the inputs for NaN/inf"
+                )
+            self.history.steps.append(
+                {
+                    "step": spec.index,
+                    "phase": phase,
+                    "epoch": spec.epoch,
+                    "loss": loss,
+                    "samples": total,
+                    "seconds": float(seconds[i]),
+                    "time": now,
+                }
+            )
+            self.samples_seen += total
+            if math.isfinite(loss):  # a dropped non-finite step does not poison the mean
+                self.epoch_loss_sum += loss * total
+                self.epoch_samples += total
+            if spec.last_in_epoch:
+                self._record_epoch(spec, window)
+        for w in window:  # so do its gradient-norm pairs (the noise scale)
+            if w.norm_pairs:
+                self.phase_pairs.extend(w.norm_pairs)
+        if self.bar is not None:
+            last = self.history.steps[-1]
+            self.bar.update(len(specs))
+            self.bar.set_postfix(
+                epoch=last["epoch"],
+                loss=f"{last['loss']:.4g}",
+                samples_s=f"{self.samples_seen / max(now, 1e-9):.0f}",
+                refresh=False,
+            )
+
+    def _record_samples(self, segment: tuple, specs: tuple, window: list, salvaged: list) -> None:
+        """The window is committed: its samples count. They follow from the plan (each
+        replica reads a prefix of its epoch stream); each replica reported only a
+        digest of what it read, checked here against the plan's, every replica at once."""
+        if self._layout_of is not segment:
+            self._layouts = {}
+            for epoch, epoch_steps, streams in self.load.epoch_streams(segment, self.seed):
+                layout = _EpochLayout.of(epoch, epoch_steps, streams)
+                for spec in epoch_steps:
+                    self._layouts[spec.index] = layout
+            self._layout_of = segment
+        reported = [w.sample_digest for w in window]
+        expected = np.zeros(len(window), dtype=np.uint64)
+        for layout in dict.fromkeys(self._layouts[spec.index] for spec in specs):
+            mine = [spec.index for spec in specs if self._layouts[spec.index] is layout]
+            start, stop = layout.cumulative(mine[0]), layout.cumulative(mine[-1] + 1)
+            positions = self.ledger.record_spans(
+                layout.epoch, layout.flat, layout.bounds, start, stop
+            )
+            with np.errstate(over="ignore"):
+                expected += layout.digests(positions, stop - start)
+        known = np.array([d is not None for d in reported])
+        known[salvaged] = False
+        got = np.array([d or 0 for d in reported], dtype=np.uint64)
+        wrong = np.flatnonzero(known & (got != expected))
+        if len(wrong):
+            raise DataError(
+                f"replica {int(wrong[0])} read other samples than the plan gave it in steps "
+                f"{specs[0].index}-{specs[-1].index}: the loader lost or repeated data; "
+                "please report this with the plan (Pipeline.plan())"
+            )
+
+    def _record_epoch(self, spec: Any, window: list[Any]) -> None:
+        row: dict[str, Any] = {
+            "epoch": spec.epoch,
+            "train_loss": self.epoch_loss_sum / max(self.epoch_samples, 1),
+        }
+        self.epoch_loss_sum, self.epoch_samples = 0.0, 0
+        evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
+        if evals:
+            count = sum(e["count"] for e in evals)
+            for key in evals[0]:
+                if key != "count":
+                    row[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
+        self.history.epochs.append(row)
+
+    # -- phase end --------------------------------------------------------------------
+    def end_phase(self, phase: Any, phase_steps: tuple, segment: tuple, ends: tuple) -> None:
+        """Check the phase's epochs, feed the noise scale, record the phase."""
+        self.close_bar()
+        self._check_epochs_complete(phase_steps)
+        self._track_noise(self.phase_pairs)
+        seconds = time.perf_counter() - self.phase_started
+        rates, data_wait = [], []
+        loads = {n for n in self.order if self.graph[n].kind == kinds.LOAD}
+        totals = self.totals
+        for replica in totals:
+            stages = replica.stage_seconds
+            compute = sum(
+                v
+                for name, v in stages.items()
+                if name not in self.graph or not self.graph[name].waits_on_peers_or_data
+            )
+            rates.append(replica.samples / compute if compute > 0 else 0.0)
+            total = sum(stages.values())
+            data_wait.append(sum(stages.get(n, 0.0) for n in loads) / total if total > 0 else 0.0)
+        first = segment[0]
+        self.history.phases.append(
+            {
+                "phase": phase.index,
+                "start_epoch": phase.start_epoch,
+                "end_epoch": phase.end_epoch,
+                "global_batch": phase.global_batch,
+                "lr": ends[0].get("lr", phase.lr),
+                "local_batches": list(first.local_batches),
+                "micro_batches": list(first.micro_batches or [1] * len(first.local_batches)),
+                "replicas": len(first.local_batches),
+                "noise_scale": phase.noise_scale,  # the estimate this phase was chosen from
+                "gain": phase.gain,  # the LR gain the schedule applied (Adaptive)
+                "measured_noise_scale": self.noise.noise_scale,  # after this phase's steps
+                "samples_per_second": rates,
+                "steps": len(phase_steps),
+                "windows": totals[0].windows,
+                "seconds": seconds,
+                "task_seconds": [t.task_seconds for t in totals],
+                "stage_seconds": [dict(t.stage_seconds) for t in totals],
+                "data_wait_fraction": data_wait,  # per replica: share of step time in Load
+                "chunks_decoded": [end.get("chunks_decoded", 0) for end in ends],
+                "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],
+                "skipped_steps": ends[0].get("skipped_steps", 0),  # non-finite, dropped
+            }
+        )
+
+    def measured_speeds(self) -> list[list[float]]:
+        """Per past phase, each replica's samples/s (the balancer's input)."""
+        return [p["samples_per_second"] for p in self.history.phases]
+
+    def _track_noise(self, pairs: list[tuple]) -> None:
+        """Feed the committed steps' gradient-norm pairs to the tracker in step order."""
+        by_step: dict[int, list[NormPair]] = defaultdict(list)
+        for index, small, small_sq, big, big_sq in pairs:
+            by_step[index].append(NormPair(small, small_sq, big, big_sq))
+        for index in sorted(by_step):
+            self.noise.update(by_step[index])
+
+    def _check_epochs_complete(self, steps: tuple) -> None:
+        """Each epoch of the phase trained on exactly the samples the plan gave it (the
+        ledger, filled window by window, refused any repeat already)."""
+        planned: dict[int, int] = defaultdict(int)
+        for spec in steps:
+            planned[spec.epoch] += spec.global_batch
+        for epoch, count in planned.items():
+            consumed = len(self.ledger.consumed(epoch))
+            if consumed != count:
+                raise DataError(
+                    f"epoch {epoch}: the replicas trained on {consumed} distinct samples but the "
+                    f"plan gave them {count}; the loader lost or repeated data: please report "
+                    "this with the plan (Pipeline.plan())"
+                )
+
+    # -- failures and checkpoints -------------------------------------------------------
+    def failure(self, record: dict[str, Any]) -> dict[str, Any]:
+        entry = {**record, "detected_at": time.time()}
+        self.history.info.setdefault("failures", []).append(entry)
+        return entry
+
+    def checkpoint_written(
+        self, path: Any, phase: int, step: int, mid_phase: bool, seconds: float
+    ) -> None:
+        self.history.info.setdefault("checkpoints", []).append(
+            {
+                "path": str(path),
+                "phase": phase,
+                "step": step,
+                "mid_phase": mid_phase,
+                "seconds": seconds,
+            }
+        )
+
+
+class _EpochLayout:
+    """One epoch's streams, concatenated: replica ``r`` reads
+    ``flat[bounds[r]:bounds[r + 1]]`` in order, ``cumulative(step)[r]`` of it before
+    ``step``."""
+
+    def __init__(
+        self, epoch: int, first: int, flat: np.ndarray, bounds: np.ndarray, cum: np.ndarray
+    ) -> None:
+        self.epoch, self.first, self.flat, self.bounds, self.cum = epoch, first, flat, bounds, cum
+        self._hashes: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, epoch: int, steps: list, streams: list[np.ndarray]) -> _EpochLayout:
+        lengths = np.array([len(s) for s in streams], dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        flat = np.concatenate(streams) if streams else np.zeros(0, dtype=np.int64)
+        local = np.array([spec.local_batches for spec in steps], dtype=np.int64)
+        cum = np.concatenate([np.zeros((1, len(streams)), np.int64), np.cumsum(local, axis=0)])
+        return cls(epoch, steps[0].index, flat, bounds, cum)
+
+    def cumulative(self, step: int) -> np.ndarray:
+        return self.cum[step - self.first]
+
+    def digests(self, positions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Each replica's digest of ``flat[positions]`` (replica by replica, ``lengths``)."""
+        if self._hashes is None:
+            self._hashes = index_hashes(self.flat)
+        out = np.zeros(len(lengths), dtype=np.uint64)
+        if len(positions):
+            starts = np.cumsum(lengths) - lengths
+            nonempty = lengths > 0
+            with np.errstate(over="ignore"):
+                sums = np.add.reduceat(self._hashes[positions], starts[nonempty])
+            out[nonempty] = sums
+        return out

@@ -1,0 +1,161 @@
+"""How a fit runs (what it computes is the graph and the schedule): one typed config,
+validated where it is built, each message naming the field and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.balance import Balancer, Even
+from dataflow.core.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """How a fit runs (what it computes is the graph and the schedule)."""
+
+    seed: int = 0
+    replicas: int | None = None  # default: every worker of the client
+    device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
+    threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
+    window_seconds: float = 1.0  # work fused into one Dask task
+    # Fixed steps per window instead (no timing): for reproducible window boundaries,
+    # e.g. a mid-phase checkpoint every N steps with checkpoint_every.
+    window_steps: int | None = None
+    # A collective that waits longer fails (a peer died or hangs); the driver also
+    # watches the workers, so a lost worker is usually noticed within a second or two.
+    collective_timeout_s: float = 30.0
+    # Keep training when workers die: survivors roll back to the last window every
+    # replica finished and go on; below min_workers the fit stops with WorkerLostError.
+    recover_lost_workers: bool = True
+    min_workers: int = 1
+    relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
+    freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
+    pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
+    balancer: Balancer = field(default_factory=Even)
+    # Memory cap: the most samples one replica's forward/backward holds; a larger local
+    # batch is run as micro-batches with gradient accumulation. One int, or one per replica.
+    max_micro_batch: int | tuple[int, ...] | None = None
+    throttle: dict[int, float] = field(default_factory=dict)  # rank -> simulated slow-down
+    # With replicas=None, workers that joined the client are used from the next phase.
+    elastic: bool = True
+    # Ask the cluster for more workers (up to max_workers) when a phase's batch per
+    # replica would exceed max_micro_batch; LocalCluster, dask-jobqueue, any cluster.scale.
+    scale_with_batch: bool = False
+    max_workers: int | None = None
+    scale_timeout_s: float = 120.0  # how long to wait for requested workers to arrive
+    progress: bool = True
+    dry_run: bool = True  # one tiny step on the driver first, for early clear errors
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):
+            raise ConfigError(f"replicas must be an int >= 1 or None, got {self.replicas!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.threads_per_replica is not None and self.threads_per_replica < 1:
+            raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
+        for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+            ):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if self.threads_per_replica is not None and (
+            isinstance(self.threads_per_replica, bool)
+            or not isinstance(self.threads_per_replica, int)
+        ):
+            raise ConfigError(
+                f"threads_per_replica must be an int >= 1 or None, got {self.threads_per_replica!r}"
+            )
+        if self.window_steps is not None and (
+            isinstance(self.window_steps, bool)
+            or not isinstance(self.window_steps, int)
+            or self.window_steps < 1
+        ):
+            raise ConfigError(
+                f"window_steps must be an int >= 1 (steps fused into one Dask task) or None "
+                f"(fuse about window_seconds of work), got {self.window_steps!r}"
+            )
+        if not self.window_seconds > 0:
+            raise ConfigError(
+                f"window_seconds must be > 0 (seconds of work per Dask task), got "
+                f"{self.window_seconds}"
+            )
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if (
+            isinstance(self.min_workers, bool)
+            or not isinstance(self.min_workers, int)
+            or self.min_workers < 1
+        ):
+            raise ConfigError(
+                f"min_workers must be an int >= 1 (the fewest workers a fit goes on with "
+                f"after losing some), got {self.min_workers!r}"
+            )
+        if not isinstance(self.throttle, dict) or any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 or not float(f) >= 1.0
+            for r, f in self.throttle.items()
+        ):
+            raise ConfigError(
+                f"throttle={self.throttle!r}: give {{rank: factor}} with factors >= 1, e.g. "
+                "{1: 2.0} to make replica 1 take twice its compute time (a simulated slow node)"
+            )
+        caps = (
+            self.max_micro_batch
+            if isinstance(self.max_micro_batch, tuple | list)
+            else [self.max_micro_batch]
+        )
+        if self.max_micro_batch is not None and any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in caps
+        ):
+            raise ConfigError(
+                f"max_micro_batch={self.max_micro_batch!r}: give the most samples one replica "
+                "can hold in a forward/backward (an int >= 1, or a tuple with one per replica), "
+                "or None for no cap"
+            )
+        if self.max_workers is not None and (
+            isinstance(self.max_workers, bool)
+            or not isinstance(self.max_workers, int)
+            or self.max_workers < 1
+        ):
+            raise ConfigError(f"max_workers must be an int >= 1 or None, got {self.max_workers!r}")
+        if self.scale_with_batch and (
+            not isinstance(self.max_micro_batch, int) or self.max_workers is None
+        ):
+            raise ConfigError(
+                "scale_with_batch=True needs max_micro_batch (an int: the samples one replica "
+                "can hold) and max_workers (the most workers to ask the cluster for), e.g. "
+                "max_micro_batch=64, max_workers=8"
+            )
+        if self.scale_with_batch and self.replicas is not None:
+            raise ConfigError(
+                f"scale_with_batch=True with replicas={self.replicas}: a fixed replica count "
+                "cannot grow; leave replicas=None"
+            )
+        if not self.scale_timeout_s > 0:
+            raise ConfigError(f"scale_timeout_s must be > 0, got {self.scale_timeout_s}")
+        if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
+            raise ConfigError(
+                f"balancer must be a dataflow.balance balancer such as "
+                f"dataflow.balance.Throughput() or Even(), got {type(self.balancer).__name__} "
+                f"{self.balancer!r}"
+            )
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Unknown options are named, with the closest valid one (a typo is the usual cause)."""
+    valid = [f.name for f in dataclasses.fields(TrainerConfig)]
+    for name, value in options.items():
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown option {name}={value!r}{hint} Valid options: {', '.join(valid)}"
+            )

@@ -1,0 +1,327 @@
+"""The fit state machine alone: every recovery path as a scripted event sequence.
+
+No cluster, no torch work: each test feeds events and checks the commands, in
+milliseconds. The executor tests on a real LocalCluster (test_lost_worker.py,
+test_elastic.py, test_mid_phase_checkpoints.py...) prove the commands' effects.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dataflow.core.phase import PhaseSpec
+from dataflow.core.window import WindowResult
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.machine import FitMachine, MachineConfig, replay
+from dataflow.errors import ReplicaError
+from dataflow.plan import phase_steps, resplit_steps
+
+W = ("tcp://a", "tcp://b", "tcp://c")
+
+
+def even(size: int, n: int) -> tuple[int, ...]:
+    return tuple(size // n + (1 if r < size % n else 0) for r in range(n))
+
+
+def planned(phase: PhaseSpec, n: int, first: int = 0, samples: int = 32) -> tuple:
+    return phase_steps(
+        num_samples=samples, phase=phase, split=lambda b: even(b, n), first_index=first
+    )
+
+
+PHASE0 = PhaseSpec(index=0, start_epoch=0, end_epoch=2, global_batch=8)  # 8 steps
+
+
+def result(rank: int, plan, window, *, seconds: float = 0.3, state=None) -> WindowResult:
+    specs = plan.steps[window.first : window.stop]
+    return WindowResult(
+        rank=rank,
+        first_step=specs[0].index,
+        samples=[s.local_batches[rank] for s in specs],
+        losses=[1.0] * len(specs),
+        step_seconds=[seconds] * len(specs),
+        stage_seconds={},
+        task_seconds=seconds * len(specs),
+        checkpoint=state,
+    )
+
+
+class Driver:
+    """Plays the executor and the planner for a machine, as scripted as a test wants."""
+
+    def __init__(self, **config) -> None:
+        config.setdefault("window_seconds", 1.0)
+        self.machine = FitMachine(MachineConfig(**config))
+        self.out: list = []
+
+    def send(self, event) -> list:
+        commands = self.machine.handle(event)
+        self.out.extend(commands)
+        return commands
+
+    @property
+    def state(self):
+        return self.machine.state
+
+    def start(self, workers=W[:2], phase=PHASE0) -> list:
+        self.send(ev.Started(tuple(workers)))
+        assert self.send(ev.GroupFormed(0)) == [cmd.ChoosePhase()]
+        [plan_cmd] = self.send(ev.PhaseChosen(phase))
+        assert isinstance(plan_cmd, cmd.PlanSegment)
+        steps = planned(phase, len(workers))
+        return self.send(ev.SegmentPlanned(phase, steps, steps))
+
+    def finish_plan(self, submit: cmd.SubmitWindows, ranks=None, upto=None, **kw) -> list:
+        """Every (or ``ranks``') window of ``submit``'s plan finishes, in order."""
+        out = []
+        ranks = range(len(submit.members)) if ranks is None else ranks
+        for window in submit.plan.windows[:upto]:
+            for r in ranks:
+                state = {"r": r} if window.index in submit.checkpoints else None
+                out += self.send(
+                    ev.WindowDone(
+                        submit.generation,
+                        submit.first_window + window.index,
+                        {r: result(r, submit.plan, window, state=state, **kw)},
+                    )
+                )
+        return out
+
+
+def of(kind, commands):
+    return [c for c in commands if isinstance(c, kind)]
+
+
+def test_a_fit_calibrates_then_fuses_windows_commits_in_order_and_finishes():
+    d = Driver()
+    begin, submit = d.start()
+    assert isinstance(begin, cmd.BeginPhase) and begin.members == W[:2]
+    assert [w.n_steps for w in submit.plan.windows] == [1, 1]  # calibration
+    out = d.finish_plan(submit)
+    assert len(of(cmd.CommitWindow, out)) == 2
+    [train] = of(cmd.SubmitWindows, out)
+    # 0.3 s steps, 1 s windows: 4 steps per window over the 6 steps left
+    assert [w.n_steps for w in train.plan.windows] == [4, 2]
+    out = d.finish_plan(train)
+    assert isinstance(out[-1], cmd.EndPhase) and d.state.committed_step == 8
+    out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
+    assert [type(c) for c in out] == [cmd.RecordPhase, cmd.ChoosePhase]
+    assert d.send(ev.PhaseChosen(None)) == [cmd.Finish(W[:2])]
+
+
+def test_a_window_commits_only_when_every_replica_finished_it_and_in_order():
+    d = Driver()
+    _, submit = d.start()
+    plan, (w0, w1) = submit.plan, submit.plan.windows
+    assert d.send(ev.WindowDone(0, 1, {0: result(0, plan, w1)})) == []
+    assert d.send(ev.WindowDone(0, 1, {1: result(1, plan, w1)})) == []  # window 0 first
+    assert d.send(ev.WindowDone(0, 0, {0: result(0, plan, w0)})) == []
+    out = d.send(ev.WindowDone(0, 0, {1: result(1, plan, w0)}))
+    assert [c.window.index for c in of(cmd.CommitWindow, out)] == [0, 1]
+
+
+def test_a_worker_lost_mid_window_salvages_what_its_partners_finished_and_regroups():
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    # replica 1 (worker b) dies after finishing window 0 but before its result came
+    # back; replica 0 finished windows 0 and 1 of the trained plan
+    d.finish_plan(train, ranks=[0])
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    commits = of(cmd.CommitWindow, out)
+    assert [c.window.index for c in commits] == [0, 1]  # salvaged: b's partner finished
+    assert commits[0].results[1] is None  # b's samples follow from the plan
+    kinds = [type(c) for c in out]
+    assert kinds[-4:] == [cmd.RecordFailure, cmd.StopWindows, cmd.RollBack, cmd.FormGroup]
+    rollback, form = out[-2], out[-1]
+    assert rollback.members == ("tcp://a",) and rollback.step == 8
+    assert form.generation == 1 and form.members == ("tcp://a",)
+    # the stale group's results are ignored
+    assert d.send(ev.WindowDone(0, 3, {0: None})) == []
+
+
+def test_a_loss_before_any_partner_finished_rolls_back_to_the_last_commit():
+    d = Driver()
+    _, calibration = d.start()
+    d.finish_plan(calibration)  # the trained plan is submitted, nothing of it finished
+    out = d.send(ev.WorkersLost(("tcp://a",)))
+    assert not of(cmd.CommitWindow, out)
+    [record] = of(cmd.RecordFailure, out)
+    assert record.record["commit_step"] == 2 and record.record["window_steps_lost"] == 4
+    [rollback] = of(cmd.RollBack, out)
+    assert rollback.members == ("tcp://b",) and rollback.step == 2
+    # regrouped, the planner re-splits the rest of the phase over one replica
+    assert d.send(ev.GroupFormed(1)) == [cmd.PlanSegment("rest", 1, PHASE0, 2)]
+    rest = resplit_steps(planned(PHASE0, 2), 2, split=lambda b: (b,))
+    begin, submit = d.send(ev.SegmentPlanned(PHASE0, planned(PHASE0, 2), rest, continued=True))
+    assert begin.continued and begin.members == ("tcp://b",)
+    assert submit.generation == 1 and submit.plan.steps[0].index == 2
+
+
+def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budget():
+    d = Driver(checkpoints=True, max_restarts=2)
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    for _ in range(2):
+        out = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
+        [record] = of(cmd.RecordFailure, out)
+        assert record.record["restarted_from_step"] == 0
+        assert of(cmd.Restart, out) == [cmd.Restart(0)]
+        [form] = of(cmd.FormGroup, out)
+        assert form.fresh and form.restore and form.members == ("tcp://c",)
+        # every one lost again while starting: wait for workers once more
+        assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(had=1)]
+    [fail] = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
+    assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
+
+
+def test_a_loss_while_restarting_goes_on_with_the_workers_left():
+    d = Driver(checkpoints=True)
+    d.start()
+    d.send(ev.WorkersLost(W[:2]))
+    d.send(ev.RestartPoint(step=0, workers=W))
+    [form] = d.send(ev.WorkersLost(("tcp://a",)))
+    assert form.fresh and form.restore and form.members == W[1:]
+    assert d.state.restarts == {0: 1}  # the same restart, not a new one
+
+
+def test_every_replica_lost_without_checkpoints_fails_naming_the_lost():
+    d = Driver()
+    d.start()
+    [fail] = d.send(ev.WorkersLost(W[:2]))
+    assert isinstance(fail, cmd.Fail) and fail.lost == W[:2] and fail.remain == 0
+
+
+def test_too_few_workers_checkpoints_the_commit_then_fails():
+    d = Driver(min_workers=2, checkpoints=True)
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    kinds = [type(c) for c in out]
+    assert kinds == [
+        cmd.RecordFailure,
+        cmd.StopWindows,
+        cmd.RollBack,
+        cmd.WriteCheckpoint,
+        cmd.Fail,
+    ]
+    save, fail = out[-2], out[-1]
+    assert save.kind == "survivors" and save.step == 2 and save.members == ("tcp://a",)
+    assert fail.remain == 1 and fail.commit_step == 2
+    assert d.send(ev.Timer()) == []  # a failed fit decides nothing more
+
+
+def test_a_worker_that_joined_meanwhile_keeps_the_fit_above_min_workers():
+    d = Driver(min_workers=2)
+    d.start()
+    d.send(ev.WorkersJoined(("tcp://c",)))
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    [form] = of(cmd.FormGroup, out)
+    assert form.members == ("tcp://a", "tcp://c") and form.joining == ("tcp://c",)
+    assert of(cmd.RecordFailure, out)[0].record["joined"] == ["tcp://c"]
+
+
+def test_workers_join_at_a_phase_boundary_and_the_next_phase_is_planned_for_them():
+    d = Driver(max_replicas=3)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.send(ev.WorkersJoined(("tcp://c", "tcp://d")))  # d is over max_replicas
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
+    [form] = d.send(ev.PhaseChosen(phase1))
+    assert form.members == W and form.joining == ("tcp://c",) and form.generation == 1
+    assert d.send(ev.GroupFormed(1)) == [cmd.PlanSegment("phase", 3, phase=phase1)]
+
+
+def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.send(ev.WorkersJoined(("tcp://c",)))
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)))
+    [form] = d.send(ev.WorkersLost(("tcp://c",)))
+    assert form.members == W[:2] and form.joining == () and form.generation == 2
+
+
+def test_mid_phase_checkpoints_follow_the_cadence_and_never_the_phase_end():
+    d = Driver(checkpoints=True, checkpoint_every=2)
+    _, calibration = d.start()
+    out = d.finish_plan(calibration)
+    [train] = of(cmd.SubmitWindows, out)
+    out += d.finish_plan(train, seconds=0.01)  # windows of 6 steps: one, ending the phase
+    writes = of(cmd.WriteCheckpoint, out)
+    assert [(w.kind, w.step) for w in writes] == [("window", 2)]
+    assert writes[0].states == ({"r": 0}, {"r": 1})
+
+
+def test_nan_rolls_back_in_place_with_half_the_lr_until_the_budget_is_spent():
+    d = Driver(roll_back_non_finite=True, max_rollbacks=2)
+    _, submit = d.start()
+    [fail] = d.send(ev.WindowFailed(0, 0, submit.first_window, ValueError("no NaN")))
+    assert isinstance(fail, cmd.Fail)  # any other failure stops the fit
+    d = Driver(roll_back_non_finite=True, max_rollbacks=2)
+    _, submit = d.start()
+    for attempt in range(2):
+        out = d.send(
+            ev.WindowFailed(0, 0, submit.first_window, FloatingPointError(), non_finite=True)
+        )
+        stop, rollback = of(cmd.StopWindows, out)[0], of(cmd.RollBack, out)[0]
+        assert not stop.leave_group and not rollback.leave_group  # the group stays
+        assert d.state.generation == 0 and d.state.lr_factor == 0.5 ** (attempt + 1)
+        steps = planned(PHASE0, 2)
+        begin, submit = d.send(ev.SegmentPlanned(PHASE0, steps, steps, continued=True))
+        assert begin.lr_factor == 0.5 ** (attempt + 1)
+    [fail] = d.send(ev.WindowFailed(0, 1, submit.first_window, FloatingPointError(), True))
+    assert isinstance(fail, cmd.Fail)
+
+
+def test_diverged_weights_fail_the_fit():
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.finish_plan(train)
+    [fail] = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "y"})))
+    assert isinstance(fail.error, ReplicaError)
+
+
+def test_a_loss_while_starting_goes_on_with_the_rest_or_fails_below_min_workers():
+    d = Driver()
+    d.send(ev.Started(W))
+    [form] = d.send(ev.WorkersLost(("tcp://a",)))
+    assert form.fresh and form.members == W[1:] and form.generation == 1
+    d = Driver(min_workers=3)
+    d.send(ev.Started(W))
+    [fail] = d.send(ev.WorkersLost(("tcp://a",)))
+    assert fail.starting and fail.remain == 2
+
+
+def test_the_log_replays_to_the_same_decisions():
+    d = Driver(checkpoints=True, checkpoint_every=1)
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    d.send(ev.WorkersLost(("tcp://b",)))
+    machine, replayed = replay(d.machine.config, d.machine.log)
+    assert [c for commands in replayed for c in commands] == d.out
+    assert machine.state == d.machine.state
+
+
+@pytest.mark.parametrize("status", ["ending", "boundary"])
+def test_a_loss_at_the_phase_end_regroups_and_does_that_step_again(status):
+    d = Driver(checkpoints=True)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.finish_plan(train)
+    if status == "boundary":
+        d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    assert of(cmd.FormGroup, out)[0].members == ("tcp://a",)
+    again = d.send(ev.GroupFormed(1))
+    if status == "ending":
+        assert again == [cmd.EndPhase(1, ("tcp://a",))]
+    else:
+        assert [type(c) for c in again] == [cmd.WriteCheckpoint, cmd.ChoosePhase]
