@@ -80,6 +80,7 @@ def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_pat
     [event] = result.history.info["failures"]
     assert event["reason"] == "non-finite" and event["lr_factor"] == 0.5
     assert event["commit_step"] <= 9 and event["lost"] == []
+    assert result.history.info["process_groups"] == 1  # rolled back in place, no new group
     assert "step 9" in event["error"]
     assert result.history.phases[0]["lr"] == pytest.approx(0.05 * 0.5)  # sgd's lr, halved
     steps = [s["step"] for s in result.history.steps]

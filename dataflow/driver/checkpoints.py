@@ -88,22 +88,22 @@ class CheckpointWriter:
         recorder: Any,
         progress: PhaseProgress | None = None,
     ) -> Path:
-        """``states``: each replica's checkpoint state, rank 0's with the weights."""
+        """``states``: each replica's ReplicaState, rank 0's with the weights."""
         started = time.perf_counter()
         leader = states[0]
         path = self.store.save(
             Checkpoint(
-                model_state=leader["model"],
-                optimizer_state=leader["optimizer"] or {},
-                stage_state={k: v for k, v in leader["stages"].items() if v is not None},
+                model_state=leader.model or {},
+                optimizer_state=leader.optimizer or {},
+                stage_state={k: v for k, v in (leader.stages or {}).items() if v is not None},
                 phase_index=phase.index,
                 epoch=epoch,
                 step=step,
                 schedule_state={**schedule_state, "noise": recorder.noise.state_dict()},
                 ledger=ledger_state(recorder.ledger),
                 rng=capture_rng(),
-                replica_rng=[s["rng"] for s in states],
-                replica_buffers=[s["buffers"] for s in states],
+                replica_rng=[s.rng for s in states],
+                replica_buffers=[s.buffers or {} for s in states],
                 history=to_plain(recorder.history.to_dict()),
                 fingerprint=self.fingerprint,
                 in_phase=None if progress is None else progress.to_dict(),

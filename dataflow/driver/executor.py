@@ -11,6 +11,7 @@ pinned to a worker that died never runs, so every wait watches the workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from concurrent.futures import CancelledError
@@ -181,17 +182,19 @@ class Executor:
         return _replica_failure(future, r, self.members[r] if r < len(self.members) else "?")
 
     # -- commands -------------------------------------------------------------------------
-    def submit(self, fn: Any, rank: int, *args: Any, key: str) -> Any:
+    def send(self, request: Any, rank: int, *, key: str, after: Any = None, **extra: Any) -> Any:
+        """Submit ``request`` to replica ``rank``'s worker, behind ``after``."""
         future = self.client.submit(
-            fn,
-            self.run_id,
-            *args,
+            remote.handle,
+            request,
+            after,
+            **extra,
             workers=[self.members[rank]],
             allow_other_workers=False,
             pure=False,
             key=key,
         )
-        self.in_flight.append((future, self.members[rank]))
+        self.in_flight.append((future, self.members[rank]))  # what a recovery must stop
         return future
 
     def serial(self) -> int:
@@ -212,39 +215,31 @@ class Executor:
             self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
             self.last = [None] * world
             host, port = self._rendezvous(world)
-            infos = self.gather(
-                [self._setup(r, a, host, port, None) for r, a in enumerate(c.members)]
-            )
-            return infos
+            return self.gather([self._setup(r, host, port) for r in range(world)])
         joining = set(c.joining)
         snapshot = None
         if joining:
-            snapshot = self.submit(
-                remote.replica_snapshot,
+            snapshot = self.send(
+                remote.Capture(self.run_id, self.generation, "snapshot"),
                 0,
-                self.last[0],
+                after=self.last[0],
                 key=f"snapshot@replica0-{self.run_id}-g{c.generation}",
             )
         last = [self.last[old[a]] if a in old else None for a in c.members]
         self.last = last
         host, port = self._rendezvous(world)
         regroups = [
-            self.submit(
-                remote.regroup_replica,
+            self.send(
+                remote.Regroup(self.run_id, c.generation, r, world, host, port),
                 r,
-                world,
-                host,
-                port,
-                c.generation,
-                last[r],
-                r,
+                after=last[r],
                 key=f"regroup@replica{r}-{self.run_id}-g{c.generation}",
             )
             for r, a in enumerate(c.members)
             if a not in joining
         ]
         setups = [
-            self._setup(r, a, host, port, snapshot, spec=self.spec)
+            self._setup(r, host, port, snapshot, spec=self.spec)
             for r, a in enumerate(c.members)
             if a in joining
         ]
@@ -287,41 +282,36 @@ class Executor:
         [address] = self.gather([future])
         return address
 
-    def _setup(
-        self, rank: int, address: str, host: Any, port: Any, snapshot: Any, spec: Any = None
-    ) -> Any:
+    def _setup(self, rank: int, host: Any, port: Any, snapshot: Any = None, spec: Any = None):
         """``spec``: the ReplicaSpec itself for joiners (the copies scattered at the start
         may have died with their workers); by default the scattered one."""
-        return self.client.submit(
-            remote.setup_replica,
-            self.spec_future if spec is None else spec,
+        request = remote.Setup(self.run_id, self.generation, rank, len(self.members), host, port)
+        return self.send(
+            request,
             rank,
-            len(self.members),
-            host,
-            port,
-            self.generation,
-            snapshot,
-            workers=[address],
-            allow_other_workers=False,
-            pure=False,
+            snapshot=snapshot,
+            spec=self.spec_future if spec is None else spec,
             key=f"setup@replica{rank}-{self.run_id}-g{self.generation}",
         )
 
-    def restore(self, state: dict[str, Any], rngs: list, buffers: list) -> None:
-        """Every replica takes a checkpoint's weights, optimizer state and stage settings,
-        and, with as many replicas as were saved, its own random state and buffers."""
-        # To one worker: the others fetch it when their task needs it. (A broadcast waits
-        # on every worker, and on one that just died, for the scheduler's retries.)
-        [state] = self.client.scatter([state], workers=list(self.members[:1]), hash=False)
+    def restore(self, state: Any, rngs: list, buffers: list) -> None:
+        """Every replica takes a checkpoint's weights, optimizer state and stage settings
+        (``state``, a ReplicaState), and, with as many replicas as were saved, its own
+        random state and buffers."""
         same_world = len(buffers) == len(self.members)
         self.gather(
             [
-                self.submit(
-                    remote.restore_replica,
+                self.send(
+                    remote.Restore(
+                        self.run_id,
+                        self.generation,
+                        dataclasses.replace(
+                            state,
+                            rng=rngs[r] if r < len(rngs) else None,
+                            buffers=buffers[r] if same_world else None,
+                        ),
+                    ),
                     r,
-                    state,
-                    rngs[r] if r < len(rngs) else None,
-                    buffers[r] if same_world else None,
                     key=f"restore@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
                 )
                 for r in range(len(self.members))
@@ -330,12 +320,10 @@ class Executor:
 
     def begin_phase(self, c: cmd.BeginPhase, context: Any) -> None:
         self.last = [
-            self.submit(
-                remote.begin_phase,
+            self.send(
+                remote.BeginPhase(self.run_id, c.generation, context),
                 r,
-                context,
-                self.last[r],
-                c.generation,
+                after=self.last[r],
                 key=f"begin-phase@replica{r}-{self.run_id}-p{c.phase.index}{self.tag()}"
                 f"-{self.serial()}",
             )
@@ -348,14 +336,11 @@ class Executor:
             window = task.window
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
-            future = self.submit(
-                remote.run_window,
+            checkpoint = window.index in c.checkpoints
+            future = self.send(
+                remote.RunWindow(self.run_id, c.generation, first, stop, checkpoint),
                 task.replica,
-                first,
-                stop,
-                self.last[task.replica],
-                c.generation,
-                window.index in c.checkpoints,
+                after=self.last[task.replica],
                 key=task.key,
             )
             self.last[task.replica] = future
@@ -376,12 +361,9 @@ class Executor:
     def roll_back(self, c: cmd.RollBack) -> None:
         self.members = c.members
         futures = [
-            self.submit(
-                remote.rollback_replica,
+            self.send(
+                remote.RollBack(self.run_id, self.generation, c.step, r, c.leave_group),
                 r,
-                c.step,
-                r,
-                c.leave_group,
                 key=f"rollback@replica{r}-{self.run_id}-{self.serial()}",
             )
             for r in range(len(c.members))
@@ -392,11 +374,10 @@ class Executor:
     def end_phase(self, c: cmd.EndPhase) -> None:
         ends = self.gather(
             [
-                self.submit(
-                    remote.end_phase,
+                self.send(
+                    remote.EndPhase(self.run_id, c.generation),
                     r,
-                    self.last[r],
-                    c.generation,
+                    after=self.last[r],
                     key=f"end-phase@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
                 )
                 for r in range(len(c.members))
@@ -405,14 +386,14 @@ class Executor:
         self.in_flight = []
         self.queue.append(ev.PhaseEnded(c.generation, tuple(ends)))
 
-    def replica_states(self, tag: str) -> list[dict[str, Any]]:
+    def replica_states(self, tag: str) -> list[Any]:
         """Every replica's part of a checkpoint, after its last task (rank 0's first)."""
         return self.gather(
             [
-                self.submit(
-                    remote.replica_checkpoint_state,
+                self.send(
+                    remote.Capture(self.run_id, self.generation, "checkpoint"),
                     r,
-                    self.last[r],
+                    after=self.last[r],
                     key=f"checkpoint@replica{r}-{self.run_id}-{tag}-{self.serial()}",
                 )
                 for r in range(len(self.members))
@@ -420,13 +401,9 @@ class Executor:
         )
 
     def final_weights(self) -> dict[str, Any]:
-        [state] = self.gather(
-            [
-                self.submit(
-                    remote.replica_state_dict, 0, key=f"weights@replica0-{self.run_id}{self.tag()}"
-                )
-            ]
-        )
+        request = remote.Capture(self.run_id, self.generation, "weights")
+        key = f"weights@replica0-{self.run_id}{self.tag()}-{self.serial()}"
+        [state] = self.gather([self.send(request, 0, key=key)])
         return state
 
     def await_restart(

@@ -26,6 +26,7 @@ from dataflow.driver.recorder import Recorder
 from dataflow.history import History
 from dataflow.noise_scale import NoiseScaleTracker
 from dataflow.progress import PhaseProgress
+from dataflow.runtime.replica import ReplicaState
 
 RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
 RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)
@@ -115,6 +116,7 @@ class FitLoop:
         info = self.recorder.history.info
         info["workers"] = info.get("workers", []) + infos
         info["replicas"] = len(c.members)
+        info["process_groups"] = info.get("process_groups", 0) + 1  # formed in this fit
         if c.fresh:
             self.recorder.totals = []
         else:
@@ -123,11 +125,11 @@ class FitLoop:
         self.members = c.members
         if c.restore:
             checkpoint = self.checkpoint
-            state = {
-                "model": checkpoint.model_state,
-                "optimizer": checkpoint.optimizer_state,
-                "stages": checkpoint.stage_state,
-            }
+            state = ReplicaState(
+                model=checkpoint.model_state,
+                optimizer=checkpoint.optimizer_state or None,
+                stages=checkpoint.stage_state,
+            )
             self.executor.restore(state, checkpoint.replica_rng, checkpoint.replica_buffers)
         if c.joining and not c.fresh:
             state = self.machine.state

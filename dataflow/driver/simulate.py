@@ -21,6 +21,7 @@ from dataflow.core.digest import sample_digest
 from dataflow.core.window import WindowResult
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.runtime.replica import ReplicaState
 
 
 class SimulatedExecutor:
@@ -165,7 +166,7 @@ class SimulatedExecutor:
                     sample_digest=sum(self._digests[s.index][rank] for s in specs) % (1 << 64)
                     if self.with_digests
                     else None,
-                    checkpoint={"rng": {}, "buffers": {}}
+                    checkpoint=ReplicaState(rng={}, buffers={})
                     if window.index in c.checkpoints
                     else None,
                 )
@@ -183,10 +184,9 @@ class SimulatedExecutor:
         ends = tuple({"weights_digest": "same", "lr": None} for _ in c.members)
         self.queue.append(ev.PhaseEnded(c.generation, ends))
 
-    def replica_states(self, tag: str) -> list[dict[str, Any]]:
-        return [{"model": {}, "optimizer": {}, "stages": {}, "rng": {}, "buffers": {}}] * len(
-            self.members
-        )
+    def replica_states(self, tag: str) -> list[ReplicaState]:
+        empty = ReplicaState(model={}, optimizer={}, stages={}, rng={}, buffers={})
+        return [empty] * len(self.members)
 
     def final_weights(self) -> dict[str, Any]:
         return {}

@@ -27,6 +27,18 @@ from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext,
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
 
+@dataclass
+class ReplicaState:
+    """Parts of a replica's state, in host memory (None: not captured): weights,
+    optimizer state, stage settings (the LR ramp), random state, buffers."""
+
+    model: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+    stages: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    buffers: dict[str, torch.Tensor] | None = None
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
     """Everything a worker needs to build its replica; sent once per fit."""
@@ -161,41 +173,73 @@ class ReplicaRuntime:
             norm_pairs=pairs,
         )
 
+    def capture(
+        self,
+        *,
+        model: bool = False,
+        optimizer: bool = False,
+        stages: bool = False,
+        rng: bool = False,
+        buffers: bool = False,
+    ) -> ReplicaState:
+        """The parts of this replica's state asked for, as host copies: the one capture
+        behind commits, rollbacks, joiners' snapshots and checkpoints."""
+        ctx, state = self.context, ReplicaState()
+        if model and ctx.model is not None:
+            state.model = self.state_dict()
+        if optimizer and ctx.optimizer is not None:
+            state.optimizer = _host_copy(ctx.optimizer.state_dict())
+        if stages:
+            state.stages = {name: self.stages[name].phase_state() for name in self.order}
+        if rng:
+            state.rng = capture_rng()
+        if buffers and ctx.model is not None:
+            state.buffers = {
+                n: b.detach().to("cpu", copy=True) for n, b in ctx.model.named_buffers()
+            }
+        return state
+
+    def restore(self, state: ReplicaState) -> None:
+        """Take the parts ``state`` holds: the one restore behind rollbacks, joiners and
+        resumes. ``state`` is not changed (the optimizer gets a copy, so a commit can be
+        rolled back to again)."""
+        ctx = self.context
+        if state.model is not None and ctx.model is not None:
+            ctx.model.load_state_dict(state.model)
+        if state.optimizer is not None and ctx.optimizer is not None:
+            ctx.optimizer.load_state_dict(_host_copy(state.optimizer))
+        for name, settings in (state.stages or {}).items():
+            if settings is not None and name in self.stages:
+                self.stages[name].load_phase_state(settings)
+        if state.buffers and ctx.model is not None:
+            named = dict(ctx.model.named_buffers())
+            with torch.no_grad():
+                for name, value in state.buffers.items():
+                    named[name].copy_(value)
+        if state.rng is not None:
+            restore_rng(state.rng)
+
     def commit(self, step: int, keep: int = 2) -> None:
         """Keep the state before ``step`` (weights, optimizer, random state) in host
         memory; the last ``keep`` of them, since a peer may die after finishing a
         window whose result the driver never received."""
-
-        optimizer = self.context.optimizer
-        self.commits[step] = {
-            "model": {} if self.context.model is None else self.state_dict(),  # a host copy
-            "optimizer": None if optimizer is None else _host_copy(optimizer.state_dict()),
-            "rng": capture_rng(),
-        }
+        self.commits[step] = self.capture(model=True, optimizer=True, rng=True)
         for old in sorted(self.commits)[:-keep]:
             del self.commits[old]
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """What a mid-phase checkpoint needs of this replica, in host memory: its random
-        state and its buffers (BatchNorm statistics drift apart between replicas until
-        the phase ends); rank 0 adds the weights, optimizer state and stage settings,
-        which every replica shares."""
+    def checkpoint_state(self) -> ReplicaState:
+        """What a checkpoint needs of this replica: its random state and its buffers
+        (BatchNorm statistics drift apart between replicas until the phase ends); rank 0
+        adds the weights, optimizer state and stage settings, which every replica shares."""
+        leader = self.context.rank == 0
+        return self.capture(model=leader, optimizer=leader, stages=leader, rng=True, buffers=True)
 
-        model = self.context.model
-        state: dict[str, Any] = {
-            "rng": capture_rng(),
-            "buffers": {}
-            if model is None
-            else {name: b.detach().to("cpu", copy=True) for name, b in model.named_buffers()},
-        }
-        if self.context.rank == 0:
-            snapshot = self.snapshot()  # its weights are host copies already
-            state.update(snapshot, optimizer=_host_copy(snapshot["optimizer"]))
-        return state
+    def snapshot(self) -> ReplicaState:
+        """What a replica joining the fit takes from rank 0."""
+        return self.capture(model=True, optimizer=True, stages=True)
 
     def rollback(self, step: int) -> None:
         """Return to the state before ``step``: the last commit all replicas share."""
-
         if not self.in_window and self.completed_step in (step, None):
             # finished exactly there, or ran no window since it was built or restored
             # (its state is where the driver started it): the state is the commit
@@ -206,11 +250,7 @@ class ReplicaRuntime:
                 f"commits {sorted(self.commits)} and finished step "
                 f"{self.completed_step}"
             )
-        commit = self.commits[step]
-        # A copy: the optimizer adopts host tensors as they are, and must not update
-        # the commit in place (a second failure may roll back to it again).
-        self.load_snapshot(_host_copy(commit))
-        restore_rng(commit["rng"])
+        self.restore(self.commits[step])
         # The aborted step may have left local gradients behind: the replay must not add
         # to them (Backward accumulates).
         if self.context.optimizer is not None:
@@ -292,23 +332,6 @@ class ReplicaRuntime:
         if self.context.optimizer is not None:
             stats["lr"] = self.context.optimizer.param_groups[0].get("lr")
         return stats
-
-    def snapshot(self) -> dict[str, Any]:
-        optimizer = self.context.optimizer
-        return {
-            "model": self.state_dict(),
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
-            "stages": {name: self.stages[name].phase_state() for name in self.order},
-        }
-
-    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        if self.context.model is not None:
-            self.context.model.load_state_dict(snapshot["model"])
-        if self.context.optimizer is not None and snapshot.get("optimizer") is not None:
-            self.context.optimizer.load_state_dict(snapshot["optimizer"])
-        for name, state in (snapshot.get("stages") or {}).items():
-            if state is not None and name in self.stages:
-                self.stages[name].load_phase_state(state)
 
     def regroup(self, collective: Collective | None, world_size: int) -> None:
         """Swap in the new process group; stages rebuild what depends on it (AllReduce

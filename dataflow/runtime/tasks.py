@@ -1,20 +1,23 @@
-"""The Dask task functions that drive a fit's replica on its worker.
+"""What the driver asks a fit's replica on its worker: typed requests, one task
+function.
 
-Each looks its replica up in the worker plugin by run id; only small results
-(losses, timings, states asked for) go back to the driver. Tasks of a process
-group that a recovery replaced refuse to run (:func:`_current`).
+Every request (set up, regroup, roll back, restore, capture a state, begin a phase,
+run a window, end the phase) is a small dataclass, and :func:`handle` runs each one
+after checking it against the replica's process-group generation: a task of a group
+that a recovery replaced refuses to run. Only small results (losses, timings, the
+states asked for) go back to the driver.
 """
 
 from __future__ import annotations
 
 import gc
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import torch
 
 from dataflow.core.errors import ReplicaError
-from dataflow.core.rng import restore_rng
 from dataflow.core.window import WindowResult
 from dataflow.runtime.collective import Collective, connect_store, open_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
@@ -72,32 +75,170 @@ def _join_group(
     return collective
 
 
-def setup_replica(
-    spec: ReplicaSpec,
-    rank: int,
-    world_size: int,
-    host: str | None,
-    port: int | None,
-    generation: int = 0,
-    snapshot: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Join the process group and build the replica (model, optimizer, hooks).
+@dataclass(frozen=True)
+class Request:
+    """A task the driver sends a replica: typed, and checked in one place
+    (:func:`handle`) against the replica's process-group ``generation``. A request of
+    an older group than the replica's is stale (the driver recovered meanwhile and
+    dropped it) and refused; ``exact`` requests (steps, phases, states) also need the
+    replica to be in that very group."""
 
-    A replica joining a running fit (``snapshot``: rank 0's model and optimizer state
-    at the phase boundary) gets the weights by the AllReduce stage's broadcast and the
-    optimizer state (momentum, step counts) from the snapshot.
-    """
+    run_id: str
+    generation: int
+    exact: ClassVar[bool] = True
+
+    def run(self, runtime: ReplicaRuntime) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Setup(Request):
+    """Join group ``generation`` as ``rank`` of ``world_size`` and build the replica
+    (model, optimizer, hooks); a joiner takes rank 0's ``snapshot`` (its weights then
+    arrive by the AllReduce stage's broadcast)."""
+
+    rank: int = 0
+    world_size: int = 1
+    host: str | None = None
+    port: int | None = None
+    exact: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Regroup(Request):
+    """A replica that keeps its state joins the new group ``generation`` as ``rank``."""
+
+    rank: int = 0
+    world_size: int = 1
+    host: str | None = None
+    port: int | None = None
+    exact: ClassVar[bool] = False
+
+    def run(self, runtime: ReplicaRuntime) -> int:
+        runtime.context.rank = self.rank
+        collective = _join_group(
+            runtime.spec,
+            self.rank,
+            self.world_size,
+            self.host,
+            self.port,
+            self.generation,
+            runtime.context.device,
+        )
+        runtime.regroup(collective, self.world_size)
+        runtime.generation = self.generation
+        return self.rank
+
+
+@dataclass(frozen=True)
+class RollBack(Request):
+    """Back to the commit before ``step``, under ``rank``. A survivor of a lost worker
+    leaves its broken group first; after a NaN the group is intact and stays."""
+
+    step: int = 0
+    rank: int = 0
+    leave_group: bool = True
+    exact: ClassVar[bool] = False  # it may still be in the group a failed regroup left
+
+    def run(self, runtime: ReplicaRuntime) -> int:
+        if self.leave_group:
+            runtime.abort()  # the old group lost a member: leave it (idempotent)
+        with runtime.lock:  # an aborted window still running here ends at its next wait
+            runtime.rollback(self.step)
+            runtime.context.rank = self.rank
+        return self.rank
+
+
+@dataclass(frozen=True)
+class Restore(Request):
+    """Take a checkpoint's state (weights, optimizer, stage settings; this rank's random
+    state and buffers when it was saved on as many replicas)."""
+
+    state: Any = None  # ReplicaState
+
+    def run(self, runtime: ReplicaRuntime) -> None:
+        runtime.restore(self.state)
+
+
+@dataclass(frozen=True)
+class Capture(Request):
+    """This replica's state: ``"checkpoint"`` (its part of a checkpoint), ``"snapshot"``
+    (what a joiner takes from rank 0) or ``"weights"`` (the final weights)."""
+
+    what: str = "checkpoint"
+    # Sent with the newest group the driver formed or tried to: a replica that a failed
+    # regroup left in an older one still answers (its state is the commit either way).
+    exact: ClassVar[bool] = False
+
+    def run(self, runtime: ReplicaRuntime) -> Any:
+        if self.what == "weights":
+            return runtime.state_dict()
+        return runtime.snapshot() if self.what == "snapshot" else runtime.checkpoint_state()
+
+
+@dataclass(frozen=True)
+class BeginPhase(Request):
+    phase: PhaseContext | None = None
+
+    def run(self, runtime: ReplicaRuntime) -> int:
+        runtime.begin_phase(self.phase)
+        return self.phase.index
+
+
+@dataclass(frozen=True)
+class RunWindow(Request):
+    """Steps ``[first_step, stop_step)``; ``checkpoint``: the state at the window's end
+    comes back with the result (a mid-phase checkpoint)."""
+
+    first_step: int = 0
+    stop_step: int = 0
+    checkpoint: bool = False
+
+    def run(self, runtime: ReplicaRuntime) -> WindowResult:
+        return runtime.run_window(self.first_step, self.stop_step, self.checkpoint)
+
+
+@dataclass(frozen=True)
+class EndPhase(Request):
+    def run(self, runtime: ReplicaRuntime) -> dict[str, Any]:
+        return runtime.end_phase()
+
+
+def handle(request: Request, after: Any = None, snapshot: Any = None, spec: Any = None) -> Any:
+    """The one task function: ``after`` only orders the task behind the replica's last
+    one. For :class:`Setup`: ``spec`` the ReplicaSpec and ``snapshot`` rank 0's state for
+    a joiner (passed beside the request, so Dask resolves them when they are futures)."""
     plugin = current_plugin()
+    runtime = plugin.replicas.get(request.run_id)
+    if runtime is not None:
+        stale = runtime.generation > request.generation
+        if stale or (request.exact and runtime.generation != request.generation):
+            raise ReplicaError(
+                f"{'stale ' if stale else ''}{type(request).__name__} of process group "
+                f"{request.generation} on replica {runtime.context.rank} (in group "
+                f"{runtime.generation}); the driver recovered from a lost worker"
+            )
+    if isinstance(request, Setup):
+        return _setup(request, spec, snapshot)
+    if runtime is None:
+        plugin.replica(request.run_id)  # raises, naming the fits the worker holds
+    return request.run(runtime)
+
+
+def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
+    plugin, rank = current_plugin(), request.rank
     # Default: the worker's own thread budget (1 per process on the default LocalCluster),
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
     malloc_relaxed = spec.relax_malloc and needs_relaxing() and relax_malloc()
     device = resolve_device(spec.device, rank)
-    collective = _join_group(spec, rank, world_size, host, port, generation, device)
-    runtime = ReplicaRuntime(spec, rank=rank, world_size=world_size, collective=collective)
-    runtime.generation = generation
+    collective = _join_group(
+        spec, rank, request.world_size, request.host, request.port, request.generation, device
+    )
+    runtime = ReplicaRuntime(spec, rank=rank, world_size=request.world_size, collective=collective)
+    runtime.generation = request.generation
     if snapshot is not None:
-        runtime.load_snapshot(snapshot)
+        runtime.restore(snapshot)
     plugin.replicas[spec.run_id] = runtime
     if spec.pause_dask_profiler:
         plugin.pause_profiler(spec.run_id)
@@ -115,113 +256,6 @@ def setup_replica(
         "backend": None if collective is None else collective.backend,
         "malloc_relaxed": malloc_relaxed,
     }
-
-
-def regroup_replica(
-    run_id: str,
-    world_size: int,
-    host: str | None,
-    port: int | None,
-    generation: int,
-    after: Any = None,
-    rank: int | None = None,
-) -> int:
-    """An existing replica joins the fit's new process group, under ``rank`` (default:
-    its own)."""
-    runtime = current_plugin().replica(run_id)
-    if rank is not None:
-        runtime.context.rank = rank
-    rank = runtime.context.rank
-    collective = _join_group(
-        runtime.spec, rank, world_size, host, port, generation, runtime.context.device
-    )
-    runtime.regroup(collective, world_size)
-    runtime.generation = generation
-    return rank
-
-
-def rollback_replica(run_id: str, commit_step: int, rank: int, leave_group: bool = True) -> int:
-    """Back to the commit before ``commit_step``, under ``rank``. A survivor of a lost
-    worker leaves its broken group first (``regroup_replica`` then joins it to the
-    survivors' new one); after a NaN the group is intact and stays."""
-    runtime = current_plugin().replica(run_id)
-    if leave_group:
-        runtime.abort()  # the old group lost a member: leave it (idempotent)
-    with runtime.lock:  # an aborted window still running here ends at its next wait
-        runtime.rollback(commit_step)
-        runtime.context.rank = rank
-    return rank
-
-
-def restore_replica(
-    run_id: str,
-    state: dict[str, Any],
-    rng: dict[str, Any] | None,
-    buffers: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """Resume: the checkpoint's weights, optimizer state and stage settings, and this
-    rank's random state and buffers (saved mid-phase, for the same replica count)."""
-
-    runtime = current_plugin().replica(run_id)
-    runtime.load_snapshot(state)
-    if buffers and runtime.context.model is not None:
-        named = dict(runtime.context.model.named_buffers())
-        with torch.no_grad():
-            for name, value in buffers.items():
-                named[name].copy_(value)
-    if rng is not None:
-        restore_rng(rng)
-
-
-def replica_checkpoint_state(run_id: str, after: Any = None) -> dict[str, Any]:
-    """This replica's part of a checkpoint (see :meth:`ReplicaRuntime.checkpoint_state`)."""
-    return current_plugin().replica(run_id).checkpoint_state()
-
-
-def replica_snapshot(run_id: str, after: Any = None) -> dict[str, Any]:
-    """Rank 0's model and optimizer state, for replicas joining at a phase boundary."""
-    return current_plugin().replica(run_id).snapshot()
-
-
-def _current(run_id: str, generation: int) -> ReplicaRuntime:
-    """This worker's replica of the fit, if the task belongs to its current process group.
-
-    After a lost worker the driver drops the tasks it had queued rather than cancel
-    them; one that still runs here finds a newer generation and refuses.
-    """
-    runtime = current_plugin().replica(run_id)
-    if runtime.generation != generation:
-        raise ReplicaError(
-            f"stale task of process group {generation} on replica {runtime.context.rank} "
-            f"(now in group {runtime.generation}); the driver recovered from a lost worker"
-        )
-    return runtime
-
-
-def begin_phase(run_id: str, phase: PhaseContext, after: Any = None, generation: int = 0) -> int:
-    _current(run_id, generation).begin_phase(phase)
-    return phase.index
-
-
-def run_window(
-    run_id: str,
-    first_step: int,
-    stop_step: int,
-    after: Any = None,
-    generation: int = 0,
-    checkpoint: bool = False,
-) -> WindowResult:
-    """Run steps ``[first_step, stop_step)``; ``after`` only orders it behind the last task.
-    ``checkpoint``: return the state at the window's end too (a mid-phase checkpoint)."""
-    return _current(run_id, generation).run_window(first_step, stop_step, checkpoint)
-
-
-def end_phase(run_id: str, after: Any = None, generation: int = 0) -> dict[str, Any]:
-    return _current(run_id, generation).end_phase()
-
-
-def replica_state_dict(run_id: str) -> dict[str, torch.Tensor]:
-    return current_plugin().replica(run_id).state_dict()
 
 
 def abort_run(run_id: str, dask_worker: Any = None) -> None:
