@@ -24,7 +24,9 @@ from dataflow.core.plain import NotPlainError, to_plain
 from dataflow.core.step import StepSpec
 from dataflow.io.ledger import SampleLedger
 
-FORMAT_VERSION = 2  # 2: mid-phase checkpoints (in_phase, stage_state, replica_buffers)
+# 2: mid-phase checkpoints (in_phase, stage_state, replica_buffers); 3: the history's
+# steps live in the store's steps file, appended once (history["steps_in_file"])
+FORMAT_VERSION = 3
 
 
 # -- the checkpoint ----------------------------------------------------------------------

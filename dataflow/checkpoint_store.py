@@ -11,6 +11,7 @@ checkpoint as the newest valid one. Loading verifies the checksum, then reads wi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -30,6 +31,8 @@ from dataflow.checkpoint_format import FORMAT_VERSION, Checkpoint, plain_state
 from dataflow.core.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
 from dataflow.fingerprint import compare_fingerprints
 
+STEPS_FILE = "history-steps.jsonl"  # the fit's history steps, one JSON line each
+STEPS_COUNT = "steps_in_file"  # Checkpoint.history key (format 3): the steps it covers
 NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
 TEMP_SUFFIX = ".tmp"
 MAX_LISTED_DIFFERENCES = 25  # in an error message; compare_fingerprints returns them all
@@ -55,6 +58,7 @@ class CheckpointStore:
         self.directory = Path(directory)
         self.keep = keep
         self._verified: dict[Path, tuple[int, int]] = {}  # path -> (size, mtime_ns) checked
+        self._step_lines: int | None = None  # lines in the steps file (None: not read yet)
         self._probe()
 
     def __repr__(self) -> str:
@@ -181,7 +185,64 @@ class CheckpointStore:
         """The checkpoint at ``path``, verified against its manifest first."""
         path = Path(path)
         data = self._read_verified(path)
-        return _deserialize(data, path, map_location)
+        return self._with_steps(_deserialize(data, path, map_location))
+
+    # -- the history's steps: one line each, appended once, not saved with every checkpoint
+    @property
+    def steps_path(self) -> Path:
+        return self.directory / STEPS_FILE
+
+    def append_steps(self, first: int, steps: list[dict[str, Any]]) -> int:
+        """Make the steps file hold exactly ``first`` steps (a fit that went back to an
+        older checkpoint drops the later ones), then append ``steps`` (plain, JSON);
+        returns how many it holds. A checkpoint records that count, and loading it reads
+        that many back (:meth:`load`), so each step is written once in a fit."""
+        held = self._read_steps(first) if self._step_lines != first else None
+        if held is not None and len(held) < first:
+            raise CheckpointError(
+                f"{self.steps_path} holds {len(held)} steps, the fit has {first}; it was "
+                "deleted or truncated while the fit ran"
+            )
+        if held is not None:  # more lines than the fit has: rewrite the first ``first``
+            self.steps_path.write_text("".join(json.dumps(step) + "\n" for step in held))
+        with open(self.steps_path, "a") as out:
+            out.writelines(json.dumps(step) + "\n" for step in steps)
+            out.flush()
+            os.fsync(out.fileno())
+        self._step_lines = first + len(steps)
+        return self._step_lines
+
+    def _read_steps(self, count: int) -> list[dict[str, Any]]:
+        """The first ``count`` steps of the steps file (fewer if it holds fewer)."""
+        steps: list[dict[str, Any]] = []
+        if count and self.steps_path.exists():
+            with open(self.steps_path) as lines:
+                for line in lines:
+                    if len(steps) == count:
+                        break
+                    try:
+                        steps.append(json.loads(line))
+                    except ValueError:  # a line cut short by a crash: the end of the file
+                        break
+        return steps
+
+    def _with_steps(self, checkpoint: Checkpoint) -> Checkpoint:
+        """``history["steps"]`` read back from the steps file (format 3)."""
+        history = checkpoint.history
+        count = history.get(STEPS_COUNT)
+        if count is None:  # formats 1 and 2 hold their steps inline
+            return checkpoint
+        steps = self._read_steps(int(count))
+        if len(steps) < count:
+            warnings.warn(
+                f"{self.steps_path} holds {len(steps)} of the {count} history steps of "
+                f"checkpoint step {checkpoint.step}; the resumed history lacks the rest "
+                "(training itself resumes exactly)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        rest = {k: v for k, v in history.items() if k != STEPS_COUNT}
+        return dataclasses.replace(checkpoint, history={**rest, "steps": steps})
 
     def checkpoints(self, *, warn: bool = False) -> list[Path]:
         """Valid checkpoints, newest first (``warn``: name each invalid one skipped)."""
@@ -225,7 +286,7 @@ class CheckpointStore:
             except CheckpointError as error:
                 warnings.warn(f"skipping {error}", RuntimeWarning, stacklevel=2)
                 continue
-            checkpoint = _deserialize(data, path, map_location)
+            checkpoint = self._with_steps(_deserialize(data, path, map_location))
             if expect is not None:
                 differences = compare_fingerprints(checkpoint.fingerprint, expect)
                 if differences:
@@ -287,6 +348,8 @@ class CheckpointStore:
             path.unlink(missing_ok=True)
         for entry in self.directory.glob(f".ckpt-*{TEMP_SUFFIX}"):
             entry.unlink(missing_ok=True)
+        self.steps_path.unlink(missing_ok=True)
+        self._step_lines = 0
         self._verified.clear()
 
 

@@ -151,12 +151,12 @@ class Window:
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """One Dask task: a window on a replica, after that replica's previous window."""
+    """One Dask task: a window on a replica (the executor queues each replica's tasks in
+    window order, each behind the one before)."""
 
     key: str
     replica: int
     window: Window
-    after: str | None
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,8 @@ class Plan:
     def tasks(self) -> list[TaskSpec]:
         out = []
         for r in range(self.replicas):
-            previous = None
             for window in self.windows:
-                key = self.task_key(r, window)
-                out.append(TaskSpec(key=key, replica=r, window=window, after=previous))
-                previous = key
+                out.append(TaskSpec(key=self.task_key(r, window), replica=r, window=window))
         return out
 
     def __str__(self) -> str:

@@ -478,3 +478,22 @@ def test_cuda_rng_round_trip(tmp_path: Path) -> None:
     torch.cuda.manual_seed_all(99)
     restore_rng(store.load_latest().rng)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_history_steps_are_appended_once_and_read_back(tmp_path: Path) -> None:
+    """Format 3: a checkpoint holds how many history steps it covers; the steps are in
+    the store's steps file, written once each, and come back on load. A fit that goes
+    back to an older checkpoint drops the later lines."""
+    store = CheckpointStore(tmp_path, keep=10)
+    steps = [{"step": i, "loss": float("nan") if i == 2 else float(i)} for i in range(6)]
+    assert store.append_steps(0, steps[:4]) == 4
+    first = make_checkpoint(Net(), 4, history={"epochs": [], "steps_in_file": 4})
+    store.save(first)
+    assert store.append_steps(4, steps[4:]) == 6
+    assert len(store.steps_path.read_text().splitlines()) == 6
+    loaded = store.load(store.path(4))
+    assert [s["step"] for s in loaded.history["steps"]] == [0, 1, 2, 3]
+    assert np.isnan(loaded.history["steps"][2]["loss"])  # NaN stays a float
+    again = CheckpointStore(tmp_path, keep=10)  # a resumed fit: back to step 4
+    assert again.append_steps(4, [{"step": 4, "loss": 9.0}]) == 5
+    assert [s["loss"] for s in again._read_steps(5)][-1] == 9.0

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow.checkpoint import Checkpoint, ledger_state, phase_from_dict, phase_to_dict
+from dataflow.checkpoint_store import STEPS_COUNT
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.core.plain import to_plain
 from dataflow.core.rng import capture_rng
@@ -47,6 +48,7 @@ class CheckpointWriter:
 
     def __init__(self, store: Any, fingerprint: dict[str, Any]) -> None:
         self.store, self.fingerprint = store, fingerprint
+        self.saved_steps = 0  # history steps already in the store's steps file
 
     def load_latest(self) -> Checkpoint | None:
         return self.store.load_latest(self.fingerprint)
@@ -104,12 +106,23 @@ class CheckpointWriter:
                 rng=capture_rng(),
                 replica_rng=[s.rng for s in states],
                 replica_buffers=[s.buffers or {} for s in states],
-                history=to_plain(recorder.history.to_dict()),
+                history=self._history(recorder.history),
                 fingerprint=self.fingerprint,
                 in_phase=None if progress is None else progress.to_dict(),
             )
         )
+        self.saved_steps = len(recorder.history.steps)
         recorder.checkpoint_written(
             path, phase.index, step, progress is not None, time.perf_counter() - started
         )
         return path
+
+    def _history(self, history: Any) -> dict[str, Any]:
+        """The history for a checkpoint: its new steps appended to the store's steps
+        file (each step serialised once per fit), the rest (epochs, phases, info: small)
+        inline, with how many steps it covers."""
+        steps = history.steps
+        new = to_plain(steps[self.saved_steps :], where="History.steps")  # NaN stays a float
+        count = self.store.append_steps(self.saved_steps, new)
+        rest = {"epochs": history.epochs, "phases": history.phases, "info": history.info}
+        return {**to_plain(rest, where="History"), STEPS_COUNT: count}

@@ -83,6 +83,8 @@ class FitLoop:
         rec.history = History(steps=saved.steps, epochs=saved.epochs, phases=saved.phases)
         rec.history.info = info
         rec.samples_seen = sum(s["samples"] for s in saved.steps)
+        if self.writer is not None:  # the steps file holds these; later ones are appended
+            self.writer.saved_steps = len(saved.steps)
         restore_rng(checkpoint.rng)
         self.checkpoint = checkpoint
         self.previous, self.measurement = self.start.previous, self.start.measurement
