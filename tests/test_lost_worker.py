@@ -25,6 +25,8 @@ from dataflow.balance import Even
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
 from dataflow.plan import resplit_steps
 
+pytestmark = pytest.mark.slow  # real worker processes, really killed
+
 N_SAMPLES = 480
 
 
