@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,20 +11,30 @@ import torch
 
 from dataflow.core.plain import to_plain
 from dataflow.io.ledger import SampleLedger
+from dataflow.records import plain_rows
 
 
 @dataclass
 class History:
     """``steps``: loss, samples, seconds per global step; ``epochs``: mean train loss and
-    evaluation metrics; ``phases``: global batch, lr, split, per-replica samples/s."""
+    evaluation metrics; ``phases``: global batch, lr, split, per-replica samples/s.
 
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    epochs: list[dict[str, Any]] = field(default_factory=list)
-    phases: list[dict[str, Any]] = field(default_factory=list)
+    A fit's rows are typed records (:mod:`dataflow.records`: ``StepRecord``,
+    ``EpochRecord``, ``PhaseRecord``), which also read as dicts; a history loaded from
+    JSON holds dicts with the same keys."""
+
+    steps: list[Any] = field(default_factory=list)  # StepRecord (or dict)
+    epochs: list[Any] = field(default_factory=list)  # EpochRecord (or dict)
+    phases: list[Any] = field(default_factory=list)  # PhaseRecord (or dict)
     info: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "steps": plain_rows(self.steps),
+            "epochs": plain_rows(self.epochs),
+            "phases": plain_rows(self.phases),
+            "info": self.info,
+        }
 
     def to_json(self, path: str | Path) -> Path:
         """Strict JSON (:func:`to_plain` ``json=True``): NaN and infinities as the strings

@@ -14,23 +14,14 @@ from typing import Any
 import numpy as np
 
 from dataflow.history import History
+from dataflow.records import EpochRecord, PhaseRecord, StepRecord
 
 # The fields each plot reads: the trainer must write them (tests/test_report.py).
+# What the report needs: the records' required fields (one schema, dataflow.records).
 REPORT_FIELDS: dict[str, tuple[str, ...]] = {
-    "steps": ("step", "phase", "epoch", "loss", "samples", "seconds", "time"),
-    "epochs": ("epoch", "train_loss"),
-    "phases": (
-        "phase",
-        "start_epoch",
-        "end_epoch",
-        "global_batch",
-        "lr",
-        "local_batches",
-        "samples_per_second",
-        "steps",
-        "seconds",
-        "stage_seconds",
-    ),
+    "steps": StepRecord.required(),
+    "epochs": EpochRecord.required(),
+    "phases": PhaseRecord.required(),
     "info": ("run_id", "replicas", "epochs", "stages", "train_seconds"),
 }
 # Shown when present (newer trainers, Adaptive schedules, evaluation): never required.

@@ -15,6 +15,7 @@ from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.core.plain import to_plain
 from dataflow.core.rng import capture_rng
 from dataflow.progress import PhaseProgress
+from dataflow.records import plain_rows
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,11 @@ class CheckpointWriter:
         file (each step serialised once per fit), the rest (epochs, phases, info: small)
         inline, with how many steps it covers."""
         steps = history.steps
-        new = to_plain(steps[self.saved_steps :], where="History.steps")  # NaN stays a float
+        new = to_plain(plain_rows(steps[self.saved_steps :]), where="History.steps")  # NaN: float
         count = self.store.append_steps(self.saved_steps, new)
-        rest = {"epochs": history.epochs, "phases": history.phases, "info": history.info}
+        rest = {
+            "epochs": plain_rows(history.epochs),
+            "phases": plain_rows(history.phases),
+            "info": history.info,
+        }
         return {**to_plain(rest, where="History"), STEPS_COUNT: count}

@@ -23,6 +23,7 @@ from dataflow.history import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
 from dataflow.progress import ReplicaTotals
+from dataflow.records import EpochRecord, PhaseRecord, StepRecord
 
 
 class Recorder:
@@ -181,15 +182,15 @@ class Recorder:
                     "diverged: lower the learning rate or check the inputs for NaN/inf"
                 )
             self.history.steps.append(
-                {
-                    "step": spec.index,
-                    "phase": phase,
-                    "epoch": spec.epoch,
-                    "loss": loss,
-                    "samples": total,
-                    "seconds": float(seconds[i]),
-                    "time": now,
-                }
+                StepRecord(
+                    step=spec.index,
+                    phase=phase,
+                    epoch=spec.epoch,
+                    loss=loss,
+                    samples=total,
+                    seconds=float(seconds[i]),
+                    time=now,
+                )
             )
             self.samples_seen += total
             if math.isfinite(loss):  # a dropped non-finite step does not poison the mean
@@ -243,18 +244,16 @@ class Recorder:
             )
 
     def _record_epoch(self, spec: Any, window: list[Any]) -> None:
-        row: dict[str, Any] = {
-            "epoch": spec.epoch,
-            "train_loss": self.epoch_loss_sum / max(self.epoch_samples, 1),
-        }
+        train_loss = self.epoch_loss_sum / max(self.epoch_samples, 1)
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
+        metrics: dict[str, float] = {}
         evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
         if evals:
             count = sum(e["count"] for e in evals)
             for key in evals[0]:
                 if key != "count":
-                    row[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
-        self.history.epochs.append(row)
+                    metrics[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
+        self.history.epochs.append(EpochRecord(spec.epoch, train_loss, metrics))
 
     # -- phase end --------------------------------------------------------------------
     def end_phase(self, phase: Any, phase_steps: tuple, segment: tuple, ends: tuple) -> None:
@@ -278,29 +277,29 @@ class Recorder:
             data_wait.append(sum(stages.get(n, 0.0) for n in loads) / total if total > 0 else 0.0)
         first = segment[0]
         self.history.phases.append(
-            {
-                "phase": phase.index,
-                "start_epoch": phase.start_epoch,
-                "end_epoch": phase.end_epoch,
-                "global_batch": phase.global_batch,
-                "lr": ends[0].get("lr", phase.lr),
-                "local_batches": list(first.local_batches),
-                "micro_batches": list(first.micro_batches or [1] * len(first.local_batches)),
-                "replicas": len(first.local_batches),
-                "noise_scale": phase.noise_scale,  # the estimate this phase was chosen from
-                "gain": phase.gain,  # the LR gain the schedule applied (Adaptive)
-                "measured_noise_scale": self.noise.noise_scale,  # after this phase's steps
-                "samples_per_second": rates,
-                "steps": len(phase_steps),
-                "windows": totals[0].windows,
-                "seconds": seconds,
-                "task_seconds": [t.task_seconds for t in totals],
-                "stage_seconds": [dict(t.stage_seconds) for t in totals],
-                "data_wait_fraction": data_wait,  # per replica: share of step time in Load
-                "chunks_decoded": [end.get("chunks_decoded", 0) for end in ends],
-                "peak_buffered_samples": [end.get("peak_buffered_samples", 0) for end in ends],
-                "skipped_steps": ends[0].get("skipped_steps", 0),  # non-finite, dropped
-            }
+            PhaseRecord(
+                phase=phase.index,
+                start_epoch=phase.start_epoch,
+                end_epoch=phase.end_epoch,
+                global_batch=phase.global_batch,
+                lr=ends[0].get("lr", phase.lr),
+                local_batches=list(first.local_batches),
+                micro_batches=list(first.micro_batches or [1] * len(first.local_batches)),
+                replicas=len(first.local_batches),
+                noise_scale=phase.noise_scale,
+                gain=phase.gain,
+                measured_noise_scale=self.noise.noise_scale,
+                samples_per_second=rates,
+                steps=len(phase_steps),
+                windows=totals[0].windows,
+                seconds=seconds,
+                task_seconds=[t.task_seconds for t in totals],
+                stage_seconds=[dict(t.stage_seconds) for t in totals],
+                data_wait_fraction=data_wait,
+                chunks_decoded=[end.get("chunks_decoded", 0) for end in ends],
+                peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
+                skipped_steps=ends[0].get("skipped_steps", 0),
+            )
         )
 
     def measured_speeds(self) -> list[list[float]]:

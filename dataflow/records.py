@@ -1,0 +1,128 @@
+"""The history's schema: one typed record per step, epoch and phase.
+
+The recorder writes these and the report reads them (its required fields are the
+records' fields). Each record also reads as a dict (``history.steps[i]["loss"]``,
+``.get``, ``in``, ``==`` with a dict), so the JSON and older histories, which hold
+plain dicts, read the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+
+class Record(Mapping[str, Any]):
+    """A dataclass that reads as a mapping of its fields (``None`` optional fields left
+    out, as the JSON of older histories leaves them out)."""
+
+    optional: ClassVar[tuple[str, ...]] = ()  # fields left out of the mapping when None
+
+    def _names(self) -> list[str]:
+        return [
+            f.name
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if not (f.name in self.optional and getattr(self, f.name) is None)
+        ]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: self[key] for key in self}
+
+    @classmethod
+    def required(cls) -> tuple[str, ...]:
+        """The fields every record has (what the report needs)."""
+        return tuple(
+            f.name
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if f.name not in cls.optional
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class StepRecord(Record):
+    """One committed global step: its loss (sample-weighted mean over the replicas),
+    samples, the slowest replica's seconds, and the wall time since training began."""
+
+    step: int
+    phase: int
+    epoch: int
+    loss: float
+    samples: int
+    seconds: float
+    time: float
+
+
+@dataclasses.dataclass(eq=False)
+class EpochRecord(Record):
+    """One epoch: the mean training loss and each evaluation metric (``eval_<name>``)."""
+
+    epoch: int
+    train_loss: float
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def _names(self) -> list[str]:
+        return ["epoch", "train_loss", *self.metrics]
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.metrics:
+            return self.metrics[key]
+        if key in ("epoch", "train_loss"):
+            return getattr(self, key)
+        raise KeyError(key)
+
+    @classmethod
+    def required(cls) -> tuple[str, ...]:
+        return ("epoch", "train_loss")
+
+
+@dataclasses.dataclass(eq=False)
+class PhaseRecord(Record):
+    """One phase: its batch, LR and split, what each replica measured (samples/s, time
+    per stage, data wait), and for Adaptive the noise scale it was chosen from."""
+
+    phase: int
+    start_epoch: int
+    end_epoch: int
+    global_batch: int
+    lr: float | None
+    local_batches: list[int]
+    samples_per_second: list[float]
+    steps: int
+    seconds: float
+    stage_seconds: list[dict[str, float]]
+    replicas: int = 1
+    micro_batches: list[int] | None = None
+    noise_scale: float | None = None  # the estimate this phase was chosen from
+    gain: float | None = None  # the LR gain the schedule applied (Adaptive)
+    measured_noise_scale: float | None = None  # after this phase's steps
+    windows: int = 0
+    task_seconds: list[float] | None = None
+    data_wait_fraction: list[float] | None = None  # per replica: share of step time in Load
+    chunks_decoded: list[int] | None = None
+    peak_buffered_samples: list[int] | None = None
+    skipped_steps: int = 0  # non-finite, dropped
+    optional: ClassVar[tuple[str, ...]] = ()  # every field is written by the recorder
+
+    @classmethod
+    def required(cls) -> tuple[str, ...]:
+        return (
+            "phase", "start_epoch", "end_epoch", "global_batch", "lr", "local_batches",
+            "samples_per_second", "steps", "seconds", "stage_seconds",
+        )  # fmt: skip
+
+
+def plain_rows(rows: list[Any]) -> list[Any]:
+    """Records as dicts (JSON, checkpoints); dicts (older histories) as they are."""
+    return [row.to_dict() if isinstance(row, Record) else row for row in rows]

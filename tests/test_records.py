@@ -1,0 +1,43 @@
+"""The history's schema: typed records that read as dicts, and their JSON."""
+
+import math
+
+from dataflow.history import History
+from dataflow.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.report_data import REPORT_FIELDS, missing_fields
+
+
+def _phase() -> PhaseRecord:
+    return PhaseRecord(
+        phase=0, start_epoch=0, end_epoch=1, global_batch=8, lr=0.1, local_batches=[4, 4],
+        samples_per_second=[10.0, 9.0], steps=4, seconds=1.5,
+        stage_seconds=[{"Forward": 1.0}, {"Forward": 1.1}],
+    )  # fmt: skip
+
+
+def test_records_read_as_dicts_and_equal_the_dicts_of_a_loaded_history(tmp_path):
+    step = StepRecord(step=0, phase=0, epoch=0, loss=float("nan"), samples=8, seconds=0.1,
+                      time=0.2)  # fmt: skip
+    epoch = EpochRecord(0, 1.25, {"eval_accuracy": 0.5})
+    history = History(steps=[step], epochs=[epoch], phases=[_phase()], info={"run_id": "r"})
+    assert step["samples"] == 8 and step.get("nope") is None and "loss" in step
+    assert epoch["eval_accuracy"] == 0.5 and set(epoch) == {"epoch", "train_loss", "eval_accuracy"}
+    assert history.phases[0] == dict(history.phases[0])  # a record equals its dict
+    loaded = History.from_json(history.to_json(tmp_path / "h.json"))
+    assert loaded.epochs[0] == epoch.to_dict() and loaded.phases[0]["lr"] == 0.1
+    assert math.isnan(float(loaded.steps[0]["loss"]))  # strict JSON: "nan"
+
+
+def test_the_report_needs_exactly_the_records_fields():
+    assert REPORT_FIELDS["steps"] == (
+        "step",
+        "phase",
+        "epoch",
+        "loss",
+        "samples",
+        "seconds",
+        "time",
+    )
+    assert "stage_seconds" in REPORT_FIELDS["phases"]
+    history = History(phases=[_phase()], info={})
+    assert [m for m in missing_fields(history) if m.startswith("phases")] == []
