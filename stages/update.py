@@ -16,12 +16,18 @@ from dataflow.stages.allreduce import GRAD_SQ
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 
 NON_FINITE_POLICIES = ("raise", "skip", "rollback")
+CHECKS = ("auto", "step", "window")
 
 
 @dataclass(kw_only=True, frozen=True)
 class UpdateConfig:
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
     on_non_finite: str = "raise"
+    # When the non-finite check reads its verdict: "step" before every update (a device
+    # sync per step on a GPU); "window" once per window, the verdict kept on the device
+    # until then (updates of a bad window are applied, then discarded by the rollback or
+    # the stopped fit); "auto": "window" on a GPU with "raise"/"rollback", else "step".
+    check: str = "auto"
 
     def __post_init__(self) -> None:
         if self.on_non_finite not in NON_FINITE_POLICIES:
@@ -29,6 +35,16 @@ class UpdateConfig:
                 f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
                 "naming the step), 'skip' (drop that step's update and go on) or 'rollback' "
                 "(back to the last committed window, go on with half the LR)"
+            )
+        if self.check not in CHECKS:
+            raise ConfigError(
+                f"Update(check={self.check!r}): use 'auto', 'step' (before every update) or "
+                "'window' (once per window, no device sync per step on a GPU)"
+            )
+        if self.check == "window" and self.on_non_finite == "skip":
+            raise ConfigError(
+                "Update(check='window', on_non_finite='skip'): skipping a step must be decided "
+                "before its update; use check='step' (or 'auto') with 'skip'"
             )
         if not callable(self.optimizer):
             raise ConfigError(
@@ -76,20 +92,28 @@ class Update(Stage):
         optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
         *,
         on_non_finite: str = "raise",
+        check: str = "auto",
         name: str | None = None,
     ) -> None:
         super().__init__(name)
-        self.config = UpdateConfig(optimizer=optimizer, on_non_finite=on_non_finite)
+        self.config = UpdateConfig(optimizer=optimizer, on_non_finite=on_non_finite, check=check)
 
     def setup(self, replica: ReplicaContext) -> None:
         if replica.model is None:
             raise ConfigError(f"{self.name}: needs a Forward stage upstream to build the model")
         replica.optimizer = build_optimizer(self.config.optimizer, replica.model)
         self._base_lrs = [group["lr"] for group in replica.optimizer.param_groups]
+        check = self.config.check
+        if check == "auto":
+            gpu = replica.device.type == "cuda"
+            check = "window" if gpu and self.config.on_non_finite != "skip" else "step"
+        self._deferred = check == "window"
+        self._first_bad: torch.Tensor | None = None  # deferred: the window's first bad step
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
         ramped from the current LR over ``warmup_steps`` (set step by step in run)."""
+        self._first_bad = None  # a verdict of a window a recovery discarded
         groups = replica.optimizer.param_groups
         if phase.continued and getattr(self, "_phase", None) == phase.index:
             # The LR ramp goes on from the phase's start, as without the failure; after a
@@ -139,7 +163,15 @@ class Update(Stage):
         # Decided on the reduced gradient, identical on every replica, so all agree;
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
-        if not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
+        if getattr(self, "_deferred", False):  # the verdict stays on the device
+            ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), step.replica.model)
+            index = torch.tensor(step.spec.index, device=ok.device)
+            if self._first_bad is None:
+                self._first_bad = torch.full((), -1, dtype=index.dtype, device=ok.device)
+            first = self._first_bad
+            self._first_bad = torch.where(~ok & (first < 0), index, first)
+            optimizer.step()
+        elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
             if self.config.on_non_finite in ("raise", "rollback"):
                 raise NonFiniteError(
                     f"non-finite loss or gradient at step {step.spec.index} (epoch "
@@ -155,9 +187,32 @@ class Update(Stage):
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
 
+    def end_window(self, replica: ReplicaContext) -> None:
+        """The deferred check: one host read per window."""
+        first, self._first_bad = getattr(self, "_first_bad", None), None
+        if first is not None and (bad := int(first)) >= 0:
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {bad} (phase "
+                f"{getattr(self, '_phase', '?')}) on replica {replica.rank}, found at the end "
+                "of its window (check='window'): the window's updates are discarded. Lower "
+                "the learning rate, check the inputs for NaN/inf, or pass "
+                "on_non_finite='skip' to drop such steps"
+            )
+
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         skipped, self._skipped = getattr(self, "_skipped", 0), 0
         return {"skipped_steps": skipped}
+
+
+def _finite_flag(loss: Any, grad_sq: Any, model: torch.nn.Module) -> torch.Tensor:
+    """:func:`_finite` as a 0-d bool tensor on the device, not read (no sync)."""
+    if grad_sq is None:
+        grad_sq = grad_squared_norm([p.grad for p in model.parameters()])
+    grad_sq = torch.as_tensor(grad_sq, dtype=torch.float64)
+    total = grad_sq.reshape(())
+    if isinstance(loss, torch.Tensor):
+        total = total + loss.detach().reshape(()).double().to(total.device)
+    return torch.isfinite(total)
 
 
 def _finite(loss: Any, grad_sq: Any, model: torch.nn.Module) -> bool:

@@ -64,6 +64,7 @@ def test_unknown_stage_input():
     ("options", "message"),
     [
         ({"window_seconds": 0}, "window_seconds must be > 0"),
+        ({"window_steps": 0}, "window_steps must be an int >= 1"),
         ({"replicas": 0}, "replicas must be an int >= 1"),
         ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda'"),
         ({"seed": 1.5}, "seed must be an int"),

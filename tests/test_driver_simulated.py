@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.core.errors import NonFiniteError, WorkerLostError
+from dataflow.core.errors import DataError, NonFiniteError, WorkerLostError
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.fit import build_loop
@@ -40,13 +40,16 @@ def trainer(samples: int = 48, *, schedule=None, **config):
     return pipe.trainer
 
 
-def simulate(t, epochs: int, faults=lambda n: None, workers=WORKERS[:2], seconds=None):
+def simulate(
+    t, epochs: int, faults=lambda n: None, workers=WORKERS[:2], seconds=None, misread=None
+):
     executor = SimulatedExecutor(
         list(workers),
         load=t.load,
         seed=t.config.seed,
         step_seconds=seconds or (lambda w: 0.2),
         faults=faults,
+        misread=misread,
     )
     order = t.graph.validate(replicas=len(workers))
     loop = build_loop(t, executor, epochs=epochs, order=order)
@@ -93,6 +96,13 @@ def test_nan_rollbacks_keep_the_group_and_then_stop_the_fit():
     assert failure["reason"] == "non-finite" and loop.machine.state.generation == 0
     with pytest.raises(FloatingPointError):
         simulate(t, epochs=2, faults=lambda n: ("nan", None) if n >= 6 else None)
+
+
+def test_a_replica_that_read_other_samples_than_planned_stops_the_fit():
+    """Replicas send a digest of the indices they read; the driver checks it against
+    the plan's (the ledger records the plan's indices)."""
+    with pytest.raises(DataError, match="replica 1 read other samples than the plan"):
+        simulate(trainer(), epochs=1, misread=WORKERS[1])
 
 
 def test_too_few_workers_raise_worker_lost_error():

@@ -61,7 +61,10 @@ class PoisonOnce(dfl.stages.Stage):
         return batch
 
 
-def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_path):
+@pytest.mark.parametrize("check", ["step", "window"])
+def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_path, check):
+    """``check="window"`` (a GPU's default): the verdict is read once per window, the
+    bad window's updates are applied and then discarded by the rollback: same result."""
     from conftest import TinyCNN, sgd
 
     x, y = make_data(192)
@@ -71,7 +74,7 @@ def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_pat
     out = g.add(dfl.stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(dfl.stages.Backward(), out)
     reduced = g.add(dfl.stages.AllReduce(), grads)
-    g.add(dfl.stages.Update(sgd, on_non_finite="rollback"), reduced)
+    g.add(dfl.stages.Update(sgd, on_non_finite="rollback", check=check), reduced)
     trainer = dfl.Trainer(
         g, schedule=dfl.schedule.Fixed(16), progress=False, window_seconds=0.2, dry_run=False
     )
@@ -90,3 +93,19 @@ def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_pat
         assert result.ledger.summary()[epoch]["consumed"] == 192
     for tensor in result.model.state_dict().values():
         assert torch.isfinite(tensor).all()
+
+
+def test_a_window_check_stops_the_fit_naming_the_step_and_refuses_skip(client):
+    from conftest import TinyCNN, sgd
+
+    x, y = data_with_a_nan()
+    g = dfl.Graph()
+    batch = g.add(dfl.stages.Load(dfl.io.ArraySource(x, y)))
+    out = g.add(dfl.stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    reduced = g.add(dfl.stages.AllReduce(), g.add(dfl.stages.Backward(), out))
+    g.add(dfl.stages.Update(sgd, check="window"), reduced)
+    trainer = dfl.Trainer(g, schedule=dfl.schedule.Fixed(16), progress=False, dry_run=False)
+    with pytest.raises(NonFiniteError, match=r"step \d+ \(phase 0\).*end of its window"):
+        trainer.fit(epochs=1, client=client)
+    with pytest.raises(ConfigError, match="check='window', on_non_finite='skip'"):
+        dfl.stages.Update(sgd, check="window", on_non_finite="skip")

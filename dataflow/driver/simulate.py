@@ -28,7 +28,8 @@ class SimulatedExecutor:
     """Plays the executor for a :class:`~dataflow.driver.loop.FitLoop`. ``workers``: the
     cluster's; ``step_seconds(worker)``: a replica's simulated step time; ``load``: the
     Load stage; ``faults(n)``: the fault to inject before the n-th event, or None
-    (``("lose", i)``, ``("join", name)``, ``("nan", None)``)."""
+    (``("lose", i)``, ``("join", name)``, ``("nan", None)``); ``misread``: a worker whose
+    loader reads other samples than the plan gave it."""
 
     def __init__(
         self,
@@ -39,9 +40,11 @@ class SimulatedExecutor:
         step_seconds: Callable[[str], float] = lambda worker: 0.01,
         faults: Callable[[int], Any] = lambda n: None,
         with_digests: bool = True,
+        misread: str | None = None,
     ) -> None:
         self.workers, self.load, self.seed = list(workers), load, seed
         self.step_seconds, self.faults, self.with_digests = step_seconds, faults, with_digests
+        self.misread = misread  # a worker whose loader reads other samples than planned
         self.queue: deque[Any] = deque()
         self.known: set[str] = set()
         self.members: tuple[str, ...] = ()
@@ -163,7 +166,10 @@ class SimulatedExecutor:
                     stage_seconds={"compute": seconds * len(specs)},
                     task_seconds=seconds * len(specs),
                     samples_read=sum(s.local_batches[rank] for s in specs),
-                    sample_digest=sum(self._digests[s.index][rank] for s in specs) % (1 << 64)
+                    sample_digest=(
+                        sum(self._digests[s.index][rank] for s in specs) + (worker == self.misread)
+                    )
+                    % (1 << 64)
                     if self.with_digests
                     else None,
                     checkpoint=ReplicaState(rng={}, buffers={})

@@ -158,6 +158,8 @@ class ReplicaRuntime:
             pairs.extend(step.metrics.get("norm_pairs", ()))
             if "eval" in step.metrics:
                 evals[index] = step.metrics["eval"]
+        for name in self.order:  # checks made once per window (before any state leaves)
+            self.stages[name].end_window(self.context)
         self.in_window, self.completed_step = False, stop_step
         return WindowResult(
             rank=rank,
