@@ -40,11 +40,9 @@ class Lost(Exception):
 class Executor:
     """Runs one fit's cluster commands on ``client``; ``spec`` is the ReplicaSpec."""
 
-    def __init__(
-        self, client: Client, spec: Any, *, recover: bool, max_workers: int | None, progress: bool
-    ) -> None:
+    def __init__(self, client: Client, spec: Any, *, recover: bool) -> None:
         self.client, self.spec, self.run_id = client, spec, spec.run_id
-        self.recover, self.max_workers, self.progress = recover, max_workers, progress
+        self.recover = recover  # False: a lost worker is a failure like any other
         self.queue: deque[Any] = deque()
         self.members: tuple[str, ...] = ()
         self.generation = 0

@@ -46,13 +46,7 @@ def run_fit(
         throttle={int(r): float(f) for r, f in config.throttle.items()},
         commit_windows=config.recover_lost_workers,
     )
-    executor = Executor(
-        client,
-        spec,
-        recover=config.recover_lost_workers,
-        max_workers=config.max_workers,
-        progress=config.progress,
-    )
+    executor = Executor(client, spec, recover=config.recover_lost_workers)
     workers = _pick_workers(executor.available(), config.replicas)
     order = trainer.graph.validate(replicas=len(workers))
     executor.spec = spec = dataclasses.replace(spec, order=order)
