@@ -325,3 +325,24 @@ def test_a_loss_at_the_phase_end_regroups_and_does_that_step_again(status):
         assert again == [cmd.EndPhase(1, ("tcp://a",))]
     else:
         assert [type(c) for c in again] == [cmd.WriteCheckpoint, cmd.ChoosePhase]
+
+
+def test_a_group_that_fails_to_form_is_formed_again_then_the_error_stands():
+    d = Driver(max_group_retries=2)
+    d.send(ev.Started(W[:2]))
+    for generation in (1, 2):
+        [form] = d.send(ev.GroupFailed(generation - 1, RuntimeError("connect timeout")))
+        assert form.fresh and form.generation == generation and form.members == W[:2]
+    [fail] = d.send(ev.GroupFailed(2, RuntimeError("connect timeout")))
+    assert isinstance(fail, cmd.Fail) and "connect timeout" in str(fail.error)
+    # a regroup (joiners at a boundary) is retried as a regroup, joiners and all
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.send(ev.WorkersJoined(("tcp://c",)))
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)))
+    [form] = d.send(ev.GroupFailed(1, RuntimeError("stalled")))
+    assert not form.fresh and form.joining == ("tcp://c",) and form.generation == 2
+    assert d.send(ev.GroupFormed(2)) == [cmd.PlanSegment("phase", 3, phase=d.state.next_phase)]

@@ -30,6 +30,15 @@ class GroupFormed:
 
 
 @dataclass(frozen=True)
+class GroupFailed:
+    """Forming group ``generation`` failed although no member was lost (a peer that
+    restarted or stalled during the rendezvous): ``error`` is what a member raised."""
+
+    generation: int
+    error: BaseException
+
+
+@dataclass(frozen=True)
 class PhaseChosen:
     """The schedule's next phase (``None``: the fit has trained every epoch)."""
 
@@ -115,6 +124,7 @@ class Timer:
 Event = (
     Started
     | GroupFormed
+    | GroupFailed
     | PhaseChosen
     | SegmentPlanned
     | WindowDone

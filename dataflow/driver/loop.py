@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from dataflow.checkpoint import ledger_from_state
-from dataflow.core.errors import WorkerLostError
+from dataflow.core.errors import CollectiveError, WorkerLostError
 from dataflow.core.phase import PhaseMeasurement
 from dataflow.core.rng import restore_rng
 from dataflow.core.step import PhaseContext
@@ -114,7 +114,13 @@ class FitLoop:
 
     # -- membership -----------------------------------------------------------------------
     def _FormGroup(self, c: cmd.FormGroup) -> None:
-        infos = self.executor.form_group(c)
+        try:
+            infos = self.executor.form_group(c)
+        except (CollectiveError, RuntimeError) as error:  # torch's DistError included
+            # No member was lost (the executor checked): a peer restarted or stalled in
+            # the rendezvous. The machine forms the group again, a few times.
+            self.executor.queue.append(ev.GroupFailed(c.generation, error))
+            return
         info = self.recorder.history.info
         info["workers"] = info.get("workers", []) + infos
         info["replicas"] = len(c.members)

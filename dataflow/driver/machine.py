@@ -42,6 +42,7 @@ class MachineConfig:
     max_rollbacks: int = 3  # per phase
     lr_cut: float = 0.5  # the LR factor applied per rollback
     max_restarts: int = 3  # from one checkpoint, when every replica is lost
+    max_group_retries: int = 3  # a group that fails to form with no member lost
     checkpoints: bool = False  # a checkpoint folder was given
     checkpoint_every: int | None = None  # windows between mid-phase checkpoints
     may_join: bool = True  # workers that join the client join the fit
@@ -59,6 +60,7 @@ class FitMachine:
         self._handlers = {
             ev.Started: self._started,
             ev.GroupFormed: self._group_formed,
+            ev.GroupFailed: self._group_failed,
             ev.PhaseChosen: self._phase_chosen,
             ev.SegmentPlanned: self._segment_planned,
             ev.WindowDone: self._window_done,
@@ -108,7 +110,7 @@ class FitMachine:
         s = self.state
         if event.generation != s.generation or s.status != "forming":
             return []
-        after, s.forming, s.joining = s.after_group, "regroup", ()
+        after, s.forming, s.joining, s.group_retries = s.after_group, "regroup", (), 0
         if after == "end":
             s.status = "ending"
             return [cmd.EndPhase(s.generation, self.members)]
@@ -120,6 +122,24 @@ class FitMachine:
             return [cmd.Finish(self.members)]
         s.restoring = False
         return self._plan(after)
+
+    def _group_failed(self, event: ev.GroupFailed) -> list[Any]:
+        """Form the same group again under a new generation (members that joined the
+        failed one refuse its late tasks), a few times; then the error stands."""
+        s = self.state
+        if event.generation != s.generation or s.status != "forming":
+            return []
+        s.group_retries += 1
+        if s.group_retries > self.config.max_group_retries:
+            s.status = "failed"
+            return [cmd.Fail(error=event.error)]
+        s.generation += 1
+        fresh = s.forming in ("start", "restart")
+        return [
+            cmd.FormGroup(
+                s.generation, self.members, joining=s.joining, fresh=fresh, restore=s.restoring
+            )
+        ]
 
     def _plan(self, kind: str) -> list[Any]:
         """Ask the planner: ``"choose"`` the next phase, ``"phase"`` the chosen phase's

@@ -52,4 +52,5 @@ class FitState:
     lr_factor: float = 1.0  # on_non_finite="rollback": the phase's LR cut so far
     rollbacks: int = 0  # ... in this phase
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
+    group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     lost_everything: dict[str, Any] | None = None  # the failure record of a restart
