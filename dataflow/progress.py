@@ -9,7 +9,7 @@ inside a phase (every ``checkpoint_every`` windows, or before raising
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,24 +34,6 @@ class ReplicaTotals:
             self.stage_seconds[name] += value
         self.task_seconds += task_seconds
         self.windows += 1
-
-    @classmethod
-    def of_windows(cls, windows: Iterable[Any]) -> ReplicaTotals:
-        """The totals of ``WindowResult``s."""
-        totals = cls()
-        for w in windows:
-            totals.add(sum(w.samples), w.stage_seconds, w.task_seconds)
-        return totals
-
-    def merged(self, other: ReplicaTotals) -> ReplicaTotals:
-        out = ReplicaTotals()
-        for part in (self, other):
-            out.samples += part.samples
-            for name, value in part.stage_seconds.items():
-                out.stage_seconds[name] += value
-            out.task_seconds += part.task_seconds
-            out.windows += part.windows
-        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {

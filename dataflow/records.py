@@ -9,8 +9,16 @@ plain dicts, read the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
+
+_ABSENT = object()
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 class Record(Mapping[str, Any]):
@@ -27,9 +35,10 @@ class Record(Mapping[str, Any]):
         ]
 
     def __getitem__(self, key: str) -> Any:
-        if key not in self._names():
+        value = getattr(self, key, _ABSENT) if key in _field_names(type(self)) else _ABSENT
+        if value is _ABSENT or (value is None and key in self.optional):
             raise KeyError(key)
-        return getattr(self, key)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())

@@ -55,9 +55,7 @@ class Executor:
 
     # -- liveness -----------------------------------------------------------------------
     def available(self) -> list[str]:
-        """The client's workers, in a stable order (by host, then address)."""
-        workers = live_workers(self.client)
-        return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
+        return available_workers(self.client)
 
     def lost(self) -> list[str]:
         if not self.recover:
@@ -428,6 +426,12 @@ class Executor:
         self.in_flight, self.windows, self.last = [], {}, []
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
+
+
+def available_workers(client: Client) -> list[str]:
+    """The client's workers, in a stable order (by host, then address)."""
+    workers = live_workers(client)
+    return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
 
 
 def check_client(client: Client) -> None:

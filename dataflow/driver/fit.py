@@ -3,7 +3,6 @@ and checkpoint writer, run the loop, and clean up on the workers whatever happen
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import uuid
@@ -13,7 +12,7 @@ from distributed import Client
 
 from dataflow.core.errors import ConfigError
 from dataflow.driver.checkpoints import CheckpointWriter
-from dataflow.driver.executor import Executor, check_client
+from dataflow.driver.executor import Executor, available_workers, check_client
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
@@ -32,10 +31,12 @@ def run_fit(
     config = trainer.config
     check_client(client)
     run_id = f"fit{uuid.uuid4().hex[:12]}"
+    workers = _pick_workers(available_workers(client), config.replicas)
+    order = trainer.graph.validate(replicas=len(workers))
     spec = ReplicaSpec(
         run_id=run_id,
         graph=trainer.graph,
-        order=(),
+        order=order,
         seed=config.seed,
         device=config.device,
         threads=config.threads_per_replica,
@@ -47,9 +48,6 @@ def run_fit(
         commit_windows=config.recover_lost_workers,
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
-    workers = _pick_workers(executor.available(), config.replicas)
-    order = trainer.graph.validate(replicas=len(workers))
-    executor.spec = spec = dataclasses.replace(spec, order=order)
     loop = build_loop(
         trainer, executor, epochs=epochs, order=order, run_id=run_id, store=store, every=every
     )
