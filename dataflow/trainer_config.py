@@ -47,6 +47,10 @@ class TrainerConfig:
     scale_with_batch: bool = False
     max_workers: int | None = None
     scale_timeout_s: float = 120.0  # how long to wait for requested workers to arrive
+    # A dataflow.costmodel.CostModel (calibrated or from a preset): each phase's history
+    # holds its prediction next to the measurement, and it plans the worker count
+    # (scale_with_batch, by goodput), the window length and the bucket size.
+    cost_model: Any = None
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -141,6 +145,15 @@ class TrainerConfig:
             )
         if not self.scale_timeout_s > 0:
             raise ConfigError(f"scale_timeout_s must be > 0, got {self.scale_timeout_s}")
+        if self.cost_model is not None:
+            from dataflow.costmodel import CostModel
+
+            if not isinstance(self.cost_model, CostModel):
+                raise ConfigError(
+                    f"cost_model must be a dataflow.costmodel.CostModel (from "
+                    f"dataflow.costmodel.calibrate(pipe, client) or a preset), got "
+                    f"{type(self.cost_model).__name__}"
+                )
         if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
             raise ConfigError(
                 f"balancer must be a dataflow.balance balancer such as "
