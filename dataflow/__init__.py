@@ -39,7 +39,7 @@ _LAZY = {
     "Trainer": "dataflow.trainer",
     "TrainerConfig": "dataflow.trainer",
 }
-_SUBMODULES = ("balance", "errors", "io", "ops", "schedule", "stages", "sync")
+_SUBMODULES = ("balance", "costmodel", "errors", "io", "ops", "schedule", "stages", "sync")
 
 
 def __getattr__(name: str) -> Any:
@@ -82,6 +82,7 @@ __all__ = [
     "TrainerConfig",
     "WorkerLostError",
     "balance",
+    "costmodel",
     "errors",
     "io",
     "ops",
