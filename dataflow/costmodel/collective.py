@@ -41,18 +41,21 @@ class Link:
 class Topology:
     """Workers packed ``per_node`` to a node: ``intra`` links inside a node (NVLink, shared
     memory, loopback), ``inter`` links between nodes (the node's network bandwidth; None
-    on one node). ``algorithm``: "ring", "tree", "two_level" or "best" (the fastest of
-    the three for each message, as NCCL's tuner picks)."""
+    on one node; ``per_node=None``: every replica on one node). ``algorithm``: "ring",
+    "tree", "two_level" or "best" (the fastest of the three for each message, as NCCL's
+    tuner picks)."""
 
     intra: Link
     inter: Link | None = None
-    per_node: int = 1
+    per_node: int | None = None
     algorithm: str = "best"
 
     def __post_init__(self) -> None:
-        if isinstance(self.per_node, bool) or not isinstance(self.per_node, int):
+        if self.per_node is None:
+            pass
+        elif isinstance(self.per_node, bool) or not isinstance(self.per_node, int):
             raise ConfigError(f"Topology(per_node={self.per_node!r}): must be an int >= 1")
-        if self.per_node < 1:
+        elif self.per_node < 1:
             raise ConfigError(f"Topology(per_node={self.per_node}): must be >= 1")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(
@@ -60,7 +63,11 @@ class Topology:
             )
 
     def nodes(self, replicas: int) -> int:
-        return math.ceil(replicas / self.per_node)
+        return 1 if self.per_node is None else math.ceil(replicas / self.per_node)
+
+    def local(self, replicas: int) -> int:
+        """Replicas on one node."""
+        return replicas if self.per_node is None else min(replicas, self.per_node)
 
     def _inter(self, replicas: int) -> Link:
         if self.nodes(replicas) > 1 and self.inter is None:
@@ -94,7 +101,7 @@ def tree_seconds(nbytes: float, replicas: int, topology: Topology) -> float:
     if w <= 1 or nbytes <= 0:
         return 0.0
     nodes = topology.nodes(w)
-    local = min(w, topology.per_node)
+    local = topology.local(w)
     link = topology._inter(w)
     latency = 2 * ((local - 1) * topology.intra.latency_s + math.log2(nodes) * link.latency_s)
     bandwidth = (
@@ -111,7 +118,7 @@ def two_level_seconds(nbytes: float, replicas: int, topology: Topology) -> float
     if w <= 1 or nbytes <= 0:
         return 0.0
     nodes = topology.nodes(w)
-    local = min(w, topology.per_node)
+    local = topology.local(w)
     intra = topology.intra
     inside = 2 * (local - 1) * intra.latency_s + 2 * (local - 1) / local * nbytes / intra.bandwidth
     if nodes == 1:
