@@ -39,7 +39,7 @@ class Pipeline:
         seed: int = 0,
         eval_source: Any = None,
         metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | None = None,
         prefetch: int = 2,
         drop_last: bool = False,
         buffer_chunks: int = 4,

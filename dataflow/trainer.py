@@ -17,9 +17,11 @@ import numpy as np
 from distributed import Client
 
 from dataflow.checkpoint import Checkpoint, CheckpointStore, fingerprint
+from dataflow.core import kinds
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseSpec
 from dataflow.core.protocols import Schedule
+from dataflow.driver.costplan import FitPlan, plan_fit
 from dataflow.driver.fit import run_fit
 from dataflow.driver.planner import Planner
 from dataflow.graph import Graph
@@ -72,6 +74,15 @@ class Trainer:
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
 
+    def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
+        """The window length and bucket size a fit on ``replicas`` at ``global_batch``
+        uses (the user's, the cost model's or the defaults; ``driver/costplan.py``)."""
+        reducers = [s for s in self.graph if s.kind == kinds.ALLREDUCE]
+        user_bucket = next((r.config.bucket_mb for r in reducers if r.config.bucket_mb), None)
+        return plan_fit(
+            self.config, user_bucket_mb=user_bucket, replicas=replicas, global_batch=global_batch
+        )
+
     def planner(self) -> Planner:
         """The fit's plans (schedule, balancer, split, micro-batches), pure."""
         return Planner(
@@ -108,7 +119,7 @@ class Trainer:
                     steps,
                     world,
                     step_seconds=step_seconds,
-                    window_seconds=self.config.window_seconds,
+                    window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
                 )
             )

@@ -21,7 +21,9 @@ class TrainerConfig:
     replicas: int | None = None  # default: every worker of the client
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
     threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
-    window_seconds: float = 1.0  # work fused into one Dask task
+    # Work fused into one Dask task; default: from cost_model (the window that keeps
+    # the engine's per-window cost near 1 %), else 1 s.
+    window_seconds: float | None = None
     # Fixed steps per window instead (no timing): for reproducible window boundaries,
     # e.g. a mid-phase checkpoint every N steps with checkpoint_every.
     window_steps: int | None = None
@@ -65,6 +67,8 @@ class TrainerConfig:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
         for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):
             value = getattr(self, name)
+            if name == "window_seconds" and value is None:
+                continue
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
@@ -87,7 +91,7 @@ class TrainerConfig:
                 f"window_steps must be an int >= 1 (steps fused into one Dask task) or None "
                 f"(fuse about window_seconds of work), got {self.window_steps!r}"
             )
-        if not self.window_seconds > 0:
+        if self.window_seconds is not None and not self.window_seconds > 0:
             raise ConfigError(
                 f"window_seconds must be > 0 (seconds of work per Dask task), got "
                 f"{self.window_seconds}"

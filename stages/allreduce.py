@@ -16,10 +16,11 @@ GRAD_SQ = "grad_sq"  # step.metrics key: |G|^2 of the reduced gradient (a float 
 
 @dataclass(kw_only=True, frozen=True)
 class AllReduceConfig:
-    bucket_mb: float = 25.0
+    # None: the fit's cost model plans it (TrainerConfig.cost_model), else 25 MiB
+    bucket_mb: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.bucket_mb > 0:
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ConfigError(
                 f"AllReduce(bucket_mb={self.bucket_mb}): the bucket size in MiB must be > 0 "
                 "(25 is a good default; smaller starts communication earlier)"
@@ -27,7 +28,8 @@ class AllReduceConfig:
 
 
 class AllReduce(Stage):
-    """Buckets of ``bucket_mb`` MiB start reducing from backward hooks as they fill.
+    """Buckets of ``bucket_mb`` MiB start reducing from backward hooks as they fill
+    (default: the size the fit's cost model plans, else 25 MiB, DDP's).
 
     At setup, rank 0's weights are broadcast so every replica starts identical.
     With one replica it does nothing. Each step it leaves the reduced gradient's squared
@@ -37,9 +39,17 @@ class AllReduce(Stage):
 
     kind = kinds.ALLREDUCE  # its exposed time is waiting on peers
 
-    def __init__(self, *, bucket_mb: float = 25.0, name: str | None = None) -> None:
+    DEFAULT_BUCKET_MB = 25.0
+
+    def __init__(self, *, bucket_mb: float | None = None, name: str | None = None) -> None:
         super().__init__(name)
         self.config = AllReduceConfig(bucket_mb=bucket_mb)
+        self.planned_bucket_mb: float | None = None  # set by the fit from its cost model
+
+    @property
+    def bucket_mb(self) -> float:
+        """The bucket size in use: the user's, the planned one, or the default."""
+        return self.config.bucket_mb or self.planned_bucket_mb or self.DEFAULT_BUCKET_MB
 
     def setup(self, replica: ReplicaContext) -> None:
         self._reducer = None
@@ -52,7 +62,7 @@ class AllReduce(Stage):
         self._reducer = BucketReducer(
             list(replica.model.parameters()),
             replica.collective,
-            cap_bytes=int(self.config.bucket_mb * 2**20),
+            cap_bytes=int(self.bucket_mb * 2**20),
         )
 
     def regroup(self, replica: ReplicaContext) -> None:

@@ -29,6 +29,7 @@ from dataflow.costmodel.planning import (
     bucket_bytes,
     goodput,
     statistical_efficiency,
+    window_seconds,
     window_steps,
 )
 
@@ -62,5 +63,6 @@ __all__ = [
     "statistical_efficiency",
     "tree_seconds",
     "two_level_seconds",
+    "window_seconds",
     "window_steps",
 ]

@@ -144,3 +144,18 @@ def bucket_bytes(
         raise ConfigError("bucket_bytes: no candidate sizes")
     least = min(t for _, t in table)
     return max(b for b, t in table if t <= least * (1 + 1e-6) + 1e-12), table
+
+
+WINDOW_SECONDS_RANGE = (0.1, 10.0)  # shorter: Dask dominates; longer: slow recovery
+
+
+def window_seconds(model: CostModel, *, overhead_fraction: float = 0.01) -> float:
+    """The work one window should carry so the engine's per-window cost is
+    ``overhead_fraction`` of it: ``overhead × (1 - f) / f``, within 0.1 to 10 s (no
+    shorter, since a task round trip is never free; no longer, since a lost worker
+    costs up to one window of work and a checkpoint waits for a window's end)."""
+    if not 0 < overhead_fraction < 1:
+        raise ConfigError(f"overhead_fraction={overhead_fraction}: must be in (0, 1)")
+    wanted = model.window_overhead_s * (1 - overhead_fraction) / overhead_fraction
+    low, high = WINDOW_SECONDS_RANGE
+    return min(high, max(low, wanted))

@@ -3,15 +3,16 @@ and checkpoint writer, run the loop, and clean up on the workers whatever happen
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any
 
 from distributed import Client
 
+from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.driver.checkpoints import CheckpointWriter
+from dataflow.driver.costplan import FitPlan, plan_fit, workers_wanted
 from dataflow.driver.executor import Executor, available_workers, check_client
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
@@ -104,11 +105,12 @@ def build_loop(
     (Dask's, or :class:`~dataflow.driver.simulate.SimulatedExecutor`)."""
     config = trainer.config
     per_replica_caps = isinstance(config.max_micro_batch, tuple)
+    fit_plan = plan_from_cost_model(trainer, executor, epochs)
     machine = FitMachine(
         MachineConfig(
             stage_names=order,
             run_id=run_id,
-            window_seconds=config.window_seconds,
+            window_seconds=fit_plan.window_seconds,
             window_steps=config.window_steps,
             min_workers=config.min_workers,
             recover_lost_workers=config.recover_lost_workers,
@@ -129,6 +131,7 @@ def build_loop(
         skips_non_finite=trainer.skips_non_finite,
         progress=config.progress,
     )
+    recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)
     scale = None
     if config.scale_with_batch and config.elastic:
@@ -161,14 +164,31 @@ def _pick_workers(available: list[str], replicas: int | None) -> list[str]:
     return available[:wanted]
 
 
+def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
+    """The window length and the bucket size for this fit (``driver/costplan.py``),
+    planned for its first phase on the workers it starts with; the planned bucket size
+    goes to the AllReduce stages that left ``bucket_mb`` to the engine."""
+    config = trainer.config
+    reducers = [stage for stage in trainer.graph if stage.kind == kinds.ALLREDUCE]
+    user_bucket = next((r.config.bucket_mb for r in reducers if r.config.bucket_mb), None)
+    first = trainer.planner().next_phase(0, epochs, None)
+    replicas = config.replicas or max(1, len(executor.available()))
+    fit_plan = plan_fit(
+        config, user_bucket_mb=user_bucket, replicas=replicas, global_batch=first.global_batch
+    )
+    for reducer in reducers:
+        reducer.planned_bucket_mb = fit_plan.bucket_mb
+    return fit_plan
+
+
 def _request_workers(executor: Executor, config: Any, phase: Any, recorder: Recorder) -> None:
-    """``scale_with_batch``: enough workers that no replica's batch exceeds the cap."""
-    wanted = min(config.max_workers, math.ceil(phase.global_batch / config.max_micro_batch))
+    """``scale_with_batch``: the workers ``driver/costplan.workers_wanted`` asks for."""
+    scaling: dict[str, Any] = {"phase": phase.index, **workers_wanted(config, phase.global_batch)}
+    wanted = scaling["requested"]
     client = executor.client
     if wanted <= len(executor.available()):
         return
     cluster = getattr(client, "cluster", None)
-    scaling: dict[str, Any] = {"phase": phase.index, "requested": wanted}
     if cluster is None or not hasattr(cluster, "scale"):
         scaling["error"] = (
             "the client has no cluster object to scale (connected by address?); start "

@@ -1,0 +1,107 @@
+"""What the cost model plans for a fit: window length, bucket size, worker count (pure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dataflow as dfl
+from dataflow.costmodel import ComputeFit, CostModel, Link, Topology
+from dataflow.driver.costplan import plan_fit, workers_wanted
+from dataflow.trainer_config import TrainerConfig
+
+MIB = 1 << 20
+FAST = Topology(intra=Link(latency_s=5e-6, bandwidth=10e9))
+SLOW = Topology(intra=Link(latency_s=5e-3, bandwidth=1e7))
+
+
+def cost_model(topology=FAST, **changes) -> CostModel:
+    base = CostModel(
+        compute=ComputeFit(points=((8, 0.01), (32, 0.03), (128, 0.11))),
+        gradient_bytes=8 * MIB,
+        topology=topology,
+        window_overhead_s=0.004,
+    )
+    return base.replace(**changes)
+
+
+def test_user_values_win_then_the_model_then_the_defaults():
+    model = cost_model()
+    planned = plan_fit(
+        TrainerConfig(cost_model=model), user_bucket_mb=None, replicas=4, global_batch=128
+    )
+    assert planned.chosen_by == {"window_seconds": "cost model", "bucket_mb": "cost model"}
+    assert planned.window_seconds == pytest.approx(0.004 * 0.99 / 0.01)
+    assert planned.bucket_mb * MIB in {
+        int(m * MIB) for m in (0.25, 0.5, 1, 2, 4, 8, 16, 25, 32, 64)
+    }
+    user = plan_fit(
+        TrainerConfig(cost_model=model, window_seconds=2.0),
+        user_bucket_mb=4.0,
+        replicas=4,
+        global_batch=128,
+    )
+    assert (user.window_seconds, user.bucket_mb) == (2.0, 4.0)
+    assert set(user.chosen_by.values()) == {"user"}
+    default = plan_fit(TrainerConfig(), user_bucket_mb=None, replicas=4, global_batch=128)
+    assert (default.window_seconds, default.bucket_mb) == (1.0, 25.0)
+    assert set(default.chosen_by.values()) == {"default"}
+
+
+def test_window_length_stays_within_its_range():
+    for overhead, expected in ((1e-6, 0.1), (1.0, 10.0)):
+        config = TrainerConfig(cost_model=cost_model(window_overhead_s=overhead))
+        planned = plan_fit(config, user_bucket_mb=None, replicas=1, global_batch=8)
+        assert planned.window_seconds == expected
+
+
+def scaling_config(model=None) -> TrainerConfig:
+    return TrainerConfig(scale_with_batch=True, max_micro_batch=32, max_workers=8, cost_model=model)
+
+
+def test_scale_with_batch_without_a_model_fills_the_memory_cap():
+    assert workers_wanted(scaling_config(), 128)["requested"] == 4
+    assert workers_wanted(scaling_config(), 1024)["requested"] == 8
+
+
+def test_scale_with_batch_asks_for_the_workers_the_model_says_pay():
+    fast = workers_wanted(scaling_config(cost_model()), 256)
+    assert fast["chosen_by"] == "cost model" and fast["requested"] == 8
+    # a network so slow that a second worker costs more than it computes: stay on one,
+    # micro-batching under the memory cap
+    slow = workers_wanted(scaling_config(cost_model(SLOW)), 256)
+    assert slow["requested"] == 1
+    assert slow["predicted_samples_per_second"] > slow["predicted_at_max"]
+
+
+def test_the_cost_model_is_validated_where_it_is_given():
+    with pytest.raises(dfl.ConfigError, match="cost_model"):
+        TrainerConfig(cost_model={"window": 1})
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_the_plan_uses_the_planned_window_and_bucket():
+    x, y = torch.randn(512, 4).numpy(), torch.randint(0, 2, (512,)).numpy()
+    model = cost_model(window_overhead_s=0.002)  # 0.198 s windows of 0.01 s steps
+    pipe = dfl.Pipeline(
+        model=Tiny,
+        loss=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(8),
+        cost_model=model,
+    )
+    (plan,) = pipe.plan(epochs=1, replicas=2, step_seconds=0.01)
+    assert plan.windows[0].n_steps == 20
+    (reducer,) = [s for s in pipe.graph if isinstance(s, dfl.stages.AllReduce)]
+    assert reducer.config.bucket_mb is None and reducer.bucket_mb == 25.0  # not planned yet
+    assert pipe.trainer.fit_plan(2, 8).chosen_by["bucket_mb"] == "cost model"
