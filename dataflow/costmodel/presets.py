@@ -1,28 +1,20 @@
 """Cost models from published hardware constants, each constant with its source.
 
-Three tables, each entry citing where its figures come from:
-
-- :data:`INTERCONNECTS`: one hop's latency and bus bandwidth (:class:`Link`). Latencies are
-  NCCL's own tuning constants (NVIDIA/nccl v2.30.7-1, ``src/graph/tuning.cc``,
-  ``ncclTunerConstantsDefaults.hwLatencies``, Ring/Simple: the protocol NCCL uses for
-  gradient buckets of megabytes); bandwidths are the bus bandwidths nccl-tests measures
-  (``busbw``, per GPU for NVLink and PCIe, per NIC for networks) or NCCL's per-link model
-  (``src/graph/topo.h``) where no measurement was published.
-- :data:`DEVICES`: one GPU's training throughput by network, at a stated local batch and
-  precision (NVIDIA DeepLearningExamples tables, Horovod's and Goyal et al.'s papers), and
-  the node it usually sits in (GPUs per node, NVLink, NICs).
-- :data:`NETWORKS`: trainable parameters (the bytes each step allreduces).
-
-:func:`model` joins them into a :class:`CostModel` (``model("resnet50-h100-ndr")``);
-:func:`cluster` builds the :class:`Topology` alone; :func:`names` lists every preset. An
-unknown name raises :class:`ConfigError` naming the valid ones. Pure: no torch, no Dask.
+:data:`INTERCONNECTS` (a hop's latency: NCCL's own tuning constants, NVIDIA/nccl v2.30.7-1
+``src/graph/tuning.cc`` hwLatencies Ring/Simple; its bus bandwidth: nccl-tests ``busbw``
+per GPU for NVLink/PCIe and per NIC for networks, or NCCL's ``src/graph/topo.h`` model),
+:data:`DEVICES` (a GPU's training throughput by network at a stated batch and precision,
+and its usual node) and :data:`NETWORKS` (parameters, the bytes a step allreduces).
+:func:`model` joins them into a :class:`CostModel`, :func:`cluster` builds a
+:class:`Topology`, :func:`names` lists every preset; an unknown name raises
+:class:`ConfigError` naming the valid ones. Pure: no torch, no Dask.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -98,12 +90,6 @@ INTERCONNECTS: Mapping[str, Link] = MappingProxyType(
             PCI_LATENCY_S,
             12.0 * GB,
             f"bandwidth: PCI_BW = 12.0 GB/s, PCI Gen3 x16 ({NCCL_TOPO}); {_PCI_LAT}",
-        ),
-        "pcie4": _link(
-            "PCIe Gen4 x16",
-            PCI_LATENCY_S,
-            24.0 * GB,
-            f"bandwidth: 2 x PCI_BW (Gen4 doubles Gen3's 12.0 GB/s, {NCCL_TOPO}); {_PCI_LAT}",
         ),
         # -- between nodes: per NIC (cluster(nics=...) multiplies) -----------------------
         "ib-edr": _link(
@@ -193,11 +179,27 @@ class Device:
 
 
 _DLE = "NVIDIA/DeepLearningExamples PyTorch/Classification/ConvNets/resnet50v1.5/README.md"
-_DLE_BATCH = "batch from PyTorch/Classification/ConvNets/configs.yml"
-_HOROVOD_README = (
+_BATCH = "batch from ConvNets/configs.yml"
+_HOROVOD = (
     "uber/horovod README.md (2017): 'Baseline single-GPU (batch size=64)' on the servers "
     "with 4 Pascal GPUs and RoCE-capable 25 Gbit/s network"
 )
+_GOYAL = (
+    "Goyal et al. 2017 (arXiv:1706.02677) sec. 4: backprop of 32 images 'on a single P100 "
+    "takes 120 ms'; step = 120 ms / backward fraction 2/3 (the model's default) = 180 ms"
+)
+_LAMBDA = (
+    "derived (no per-GPU table found): A100 mixed precision 2470 img/s ({dle}) x 2, the "
+    "H100/A100 speed-up for vision models in lambdalabs.com/blog/"
+    "nvidia-h100-gpu-deep-learning-performance-analysis ('vision-based models (~2x)')"
+)
+
+
+def _rate(samples_per_second: float, batch: int, precision: str, source: str) -> Throughput:
+    return Throughput(
+        samples_per_second=samples_per_second, batch=batch, precision=precision, source=source
+    )
+
 
 DEVICES: Mapping[str, Device] = MappingProxyType(
     {
@@ -205,26 +207,9 @@ DEVICES: Mapping[str, Device] = MappingProxyType(
             name="p100",
             description="Tesla P100 (Big Basin / DGX-1P: 8 per node, NVLink, one 50 GbE NIC)",
             throughput={
-                "resnet50": Throughput(
-                    samples_per_second=32 / 0.180,
-                    batch=32,
-                    precision="fp32",
-                    source="Goyal et al. 2017 (arXiv:1706.02677) sec. 4: 'backprop ... on a "
-                    "single P100 takes 120 ms' at 32 images; step = 120 ms / backward "
-                    "fraction 2/3 = 180 ms (the cost model's default fraction)",
-                ),
-                "resnet101": Throughput(
-                    samples_per_second=119.4,
-                    batch=64,
-                    precision="fp32",
-                    source=_HOROVOD_README,
-                ),
-                "inception_v3": Throughput(
-                    samples_per_second=134.4,
-                    batch=64,
-                    precision="fp32",
-                    source=_HOROVOD_README,
-                ),
+                "resnet50": _rate(32 / 0.180, 32, "fp32", _GOYAL),
+                "resnet101": _rate(119.4, 64, "fp32", _HOROVOD),
+                "inception_v3": _rate(134.4, 64, "fp32", _HOROVOD),
             },
             per_node=8,
             intra="nvlink-p100",
@@ -236,19 +221,8 @@ DEVICES: Mapping[str, Device] = MappingProxyType(
             name="v100",
             description="Tesla V100 16GB (DGX-1V: 8 per node, NVLink 2, 4 EDR NICs)",
             throughput={
-                "resnet50": Throughput(
-                    samples_per_second=367.0,
-                    batch=112,
-                    precision="fp32",
-                    source=f"{_DLE}: DGX-1 16GB, 1 GPU, FP32 367 img/s; {_DLE_BATCH} (112)",
-                ),
-                "resnet50@amp": Throughput(
-                    samples_per_second=1200.0,
-                    batch=256,
-                    precision="amp",
-                    source=f"{_DLE}: DGX-1 16GB, 1 GPU, mixed precision 1200 img/s; "
-                    f"{_DLE_BATCH} (256)",
-                ),
+                "resnet50": _rate(367.0, 112, "fp32", f"{_DLE}: DGX-1 16GB FP32; {_BATCH}"),
+                "resnet50@amp": _rate(1200.0, 256, "amp", f"{_DLE}: DGX-1 16GB AMP; {_BATCH}"),
             },
             per_node=8,
             intra="nvlink-v100",
@@ -260,19 +234,8 @@ DEVICES: Mapping[str, Device] = MappingProxyType(
             name="a100",
             description="A100 80GB SXM4 (DGX A100: 8 per node, NVSwitch, 8 HDR NICs)",
             throughput={
-                "resnet50": Throughput(
-                    samples_per_second=938.0,
-                    batch=256,
-                    precision="tf32",
-                    source=f"{_DLE}: DGX A100 80GB, 1 GPU, TF32 938 img/s; {_DLE_BATCH} (256)",
-                ),
-                "resnet50@amp": Throughput(
-                    samples_per_second=2470.0,
-                    batch=256,
-                    precision="amp",
-                    source=f"{_DLE}: DGX A100 80GB, 1 GPU, mixed precision 2470 img/s; "
-                    f"{_DLE_BATCH} (256)",
-                ),
+                "resnet50": _rate(938.0, 256, "tf32", f"{_DLE}: DGX A100 80GB TF32; {_BATCH}"),
+                "resnet50@amp": _rate(2470.0, 256, "amp", f"{_DLE}: DGX A100 80GB AMP; {_BATCH}"),
             },
             per_node=8,
             intra="nvlink-a100",
@@ -283,17 +246,7 @@ DEVICES: Mapping[str, Device] = MappingProxyType(
         "h100": Device(
             name="h100",
             description="H100 80GB SXM5 (DGX H100: 8 per node, NVSwitch, 8 NDR NICs)",
-            throughput={
-                "resnet50@amp": Throughput(
-                    samples_per_second=2 * 2470.0,
-                    batch=256,
-                    precision="amp",
-                    source="derived, no per-GPU table found: A100 mixed precision 2470 img/s "
-                    f"({_DLE}) x 2, the H100/A100 speed-up Lambda measured for vision models "
-                    "(lambdalabs.com/blog/nvidia-h100-gpu-deep-learning-performance-analysis: "
-                    "'vision-based models (~2x)')",
-                ),
-            },
+            throughput={"resnet50@amp": _rate(2 * 2470.0, 256, "amp", _LAMBDA.format(dle=_DLE))},
             per_node=8,
             intra="nvlink-h100",
             inter="ib-ndr",
@@ -351,39 +304,26 @@ class Preset:
     gradients: str = "fp32"
     batch: int | None = None
     description: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
+
+_HOROVOD_NODE = dict(per_node=4, intra="pcie3", inter="eth-25g", algorithm="ring")
 
 MODELS: Mapping[str, Preset] = MappingProxyType(
     {
         "resnet50-h100-ndr": Preset(
-            network="resnet50",
-            device="h100",
-            description="ResNet-50, mixed precision, DGX H100 nodes on 8x NDR InfiniBand",
+            network="resnet50", device="h100", description="ResNet-50, AMP, DGX H100, 8x NDR"
         ),
         "resnet50-a100-hdr": Preset(
             network="resnet50",
             device="a100",
             precision="amp",
-            description="ResNet-50, mixed precision, DGX A100 nodes on 8x HDR InfiniBand",
-        ),
-        "resnet50-a100-hdr-tf32": Preset(
-            network="resnet50",
-            device="a100",
-            precision="tf32",
-            description="ResNet-50, TF32, DGX A100 nodes on 8x HDR InfiniBand",
+            description="ResNet-50, AMP, DGX A100, 8x HDR",
         ),
         "resnet50-v100-edr": Preset(
             network="resnet50",
             device="v100",
             precision="fp32",
-            description="ResNet-50, FP32, DGX-1V nodes on 4x EDR InfiniBand",
-        ),
-        "resnet50-v100-edr-amp": Preset(
-            network="resnet50",
-            device="v100",
-            precision="amp",
-            description="ResNet-50, mixed precision, DGX-1V nodes on 4x EDR InfiniBand",
+            description="ResNet-50, FP32, DGX-1V, 4x EDR",
         ),
         "resnet50-p100-50gbe": Preset(
             network="resnet50",
@@ -394,22 +334,16 @@ MODELS: Mapping[str, Preset] = MappingProxyType(
         "resnet101-p100-25gbe": Preset(
             network="resnet101",
             device="p100",
-            per_node=4,
-            intra="pcie3",
-            inter="eth-25g",
-            algorithm="ring",
-            bucket_bytes=64 * MIB,
+            bucket_bytes=64 * MIB,  # HOROVOD_FUSION_THRESHOLD's default
             description="Horovod 2018: ResNet-101, 4 Pascal GPUs per server, 25 GbE RoCE",
+            **_HOROVOD_NODE,
         ),
         "inception_v3-p100-25gbe": Preset(
             network="inception_v3",
             device="p100",
-            per_node=4,
-            intra="pcie3",
-            inter="eth-25g",
-            algorithm="ring",
             bucket_bytes=64 * MIB,
             description="Horovod 2018: Inception V3, 4 Pascal GPUs per server, 25 GbE RoCE",
+            **_HOROVOD_NODE,
         ),
     }
 )
@@ -490,10 +424,10 @@ def model(name: str, **overrides: Any) -> CostModel:
     if unknown:
         raise ConfigError(
             f"model({name!r}): unknown override(s) {sorted(unknown)}; use "
-            f"{sorted(set(Preset.__dataclass_fields__) - {'description', 'extra'})}"
+            f"{sorted(set(Preset.__dataclass_fields__) - {'description'})}"
         )
     spec = {**preset.__dict__, **overrides}
-    return build(**{k: v for k, v in spec.items() if k not in ("description", "extra")}, name=name)
+    return build(**{k: v for k, v in spec.items() if k != "description"}, name=name)
 
 
 def build(
@@ -561,9 +495,3 @@ def sources() -> list[tuple[str, str, str]]:
         rows += [("throughput", f"{key}/{n}", t.source) for n, t in dev.throughput.items()]
     rows += [("network", k, v.source) for k, v in NETWORKS.items()]
     return rows
-
-
-def describe(names_: Iterable[str] | None = None) -> str:
-    """One line per model preset: its name and description."""
-    chosen = sorted(MODELS) if names_ is None else list(names_)
-    return "\n".join(f"{n:26s} {_lookup('model', n, MODELS).description}" for n in chosen)
