@@ -1,4 +1,4 @@
-"""The ``dataflow`` command line: ``demo``, ``convert``, ``info`` and ``plot``.
+"""The ``dataflow`` command line: ``demo``, ``convert``, ``info``, ``plot`` and ``scale``.
 
 Each command is a thin layer over a library function (``dataflow.convert``,
 ``dataflow.store_info``, ``dataflow.report``), so everything the CLI does is
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dataflow.core.errors import DataflowError
+from dataflow.core.errors import ConfigError, DataflowError
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -110,12 +110,61 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from dataflow.costmodel import presets, scaling
+    from dataflow.costmodel.model import CostModel
+
+    if args.published:
+        print(scaling.format_published(scaling.published()))
+        return 0
+    model = CostModel.load(args.model) if args.model else presets.model(args.preset)
+    counts = scaling.worker_counts(args.max_workers)
+    if args.stepwise or args.adaptive:
+        if args.stepwise:
+            phases = scaling.stepwise_phases(
+                args.stepwise, epochs=args.epochs, samples_per_epoch=args.samples_per_epoch
+            )
+        else:
+            initial, _, final = args.adaptive.partition(":")
+            try:
+                first, last = int(initial), int(final)
+            except ValueError:
+                raise ConfigError(
+                    f"--adaptive {args.adaptive!r}: write INITIAL:FINAL global batches"
+                ) from None
+            phases = scaling.adaptive_phases(
+                first, last, epochs=args.epochs, samples_per_epoch=args.samples_per_epoch
+            )
+        rows = scaling.schedule_scaling(model, phases=phases, counts=counts)
+        what = "schedule " + ", ".join(f"{b} x {s:,} samples" for b, s in phases)
+    else:
+        local = (
+            args.local_batch
+            or int(model.notes.get("local_batch", 0))
+            or max(b for b, _ in model.compute.points)
+        )
+        rows = scaling.weak_scaling(model, local_batch=local, counts=counts)
+        what = f"local batch {local} (weak scaling)"
+    print(
+        f"{model.name or args.model}: {what}; topology {model.topology.algorithm}, "
+        f"{model.topology.per_node} per node"
+    )
+    print(scaling.format_rows(rows))
+    if args.out:
+        from dataflow.costmodel.plot import write_scaling_png
+
+        path = write_scaling_png(rows, args.out, title=f"{model.name}: {what}")
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dataflow",
         description="CNN training as a task graph on a Dask cluster. Commands: demo (train a "
         "small CNN end to end), convert (numpy/HDF5/netCDF to zarr), info (inspect a zarr "
-        "store), plot (a fit's report from its history.json).",
+        "store), plot (a fit's report from its history.json), scale (predicted scaling "
+        "from 1 to 4,096 workers).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
@@ -223,6 +272,51 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", metavar="DIR", help="folder for the report (default: report/ beside the history)"
     )
     plot.set_defaults(run=_plot)
+
+    scale = commands.add_parser(
+        "scale",
+        help="predict throughput and scaling efficiency from 1 to 4,096 workers",
+        description="Prints the cost model's scaling table (global batch, step time, "
+        "samples/s, efficiency and each term of the step: compute, data wait, allreduce "
+        "and its exposed part, engine overhead) for a preset built from published "
+        "constants or a saved (calibrated) model, at a fixed local batch or over a "
+        "variable-batch schedule, and draws it to a PNG. --published prints the model "
+        "against published scaling results. See docs/costmodel.md.",
+        epilog="examples:\n  dataflow scale --preset resnet50-h100-ndr --out scale.png\n"
+        "  dataflow scale --model calibrated.json --stepwise 0:256,30:1024,60:4096\n"
+        "  dataflow scale --published",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = scale.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset",
+        default="resnet50-h100-ndr",
+        metavar="NAME",
+        help="a model preset (default resnet50-h100-ndr); names: "
+        "resnet50-{h100-ndr,a100-hdr,v100-edr,p100-50gbe}, resnet101-p100-25gbe, "
+        "inception_v3-p100-25gbe",
+    )
+    source.add_argument("--model", metavar="FILE.json", help="a CostModel saved by .save()")
+    batch = scale.add_mutually_exclusive_group()
+    batch.add_argument("--local-batch", type=int, metavar="N", help="weak scaling at N per worker")
+    batch.add_argument(
+        "--stepwise", metavar="E:B,...", help="a Stepwise schedule {epoch: global batch}"
+    )
+    batch.add_argument(
+        "--adaptive",
+        metavar="INITIAL:FINAL",
+        help="a batch doubling each phase from INITIAL to FINAL (global batches)",
+    )
+    scale.add_argument("--epochs", type=int, default=90, help="schedule length (default 90)")
+    scale.add_argument(
+        "--samples-per-epoch", type=int, default=1_281_167, help="default: ImageNet's"
+    )
+    scale.add_argument("--max-workers", type=int, default=4096, help="default 4096")
+    scale.add_argument("--out", metavar="FILE.png", help="write the scaling figure")
+    scale.add_argument(
+        "--published", action="store_true", help="print the published-results reproduction"
+    )
+    scale.set_defaults(run=_scale)
     return parser
 
 
