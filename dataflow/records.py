@@ -99,7 +99,8 @@ class EpochRecord(Record):
 @dataclasses.dataclass(eq=False)
 class PhaseRecord(Record):
     """One phase: its batch, LR and split, what each replica measured (samples/s, time
-    per stage, data wait), and for Adaptive the noise scale it was chosen from."""
+    per stage, data wait), for Adaptive the noise scale it was chosen from, and its
+    steady step time next to the cost model's prediction."""
 
     phase: int
     start_epoch: int
@@ -122,7 +123,13 @@ class PhaseRecord(Record):
     chunks_decoded: list[int] | None = None
     peak_buffered_samples: list[int] | None = None
     skipped_steps: int = 0  # non-finite, dropped
-    optional: ClassVar[tuple[str, ...]] = ()  # every field is written by the recorder
+    # The phase's steady step time on the driver's clock (the recorder's
+    # ``steady_step_seconds``: window commits after the phase's first windows), and,
+    # with a cost model, its prediction (``StepBreakdown.to_dict()``) for this phase.
+    measured_step_seconds: float | None = None
+    predicted: dict[str, Any] | None = None
+    # left out when None (older histories have neither)
+    optional: ClassVar[tuple[str, ...]] = ("measured_step_seconds", "predicted")
 
     @classmethod
     def required(cls) -> tuple[str, ...]:

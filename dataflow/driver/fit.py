@@ -130,6 +130,8 @@ def build_loop(
         seed=config.seed,
         skips_non_finite=trainer.skips_non_finite,
         progress=config.progress,
+        cost_model=config.cost_model,
+        window_steps=config.window_steps,
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)

@@ -19,6 +19,7 @@ from dataflow.core import kinds
 from dataflow.core.digest import index_hashes
 from dataflow.core.errors import DataError, LossError
 from dataflow.core.window import WindowResult
+from dataflow.driver.machine import MachineConfig
 from dataflow.history import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
@@ -40,9 +41,13 @@ class Recorder:
         seed: int,
         skips_non_finite: bool,
         progress: bool,
+        cost_model: Any = None,
+        window_steps: int | None = None,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
+        self.cost_model = cost_model  # a CostModel: each phase records its prediction
+        self.window_steps = window_steps  # the fit's, for the prediction
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -58,11 +63,13 @@ class Recorder:
         self.phase_pairs: list[tuple] = []  # the committed steps' gradient-norm pairs
         self.totals = []  # per replica, its work in the phase
         self.phase_started = time.perf_counter()
+        self.phase_windows: list[tuple[float, int]] = []  # (commit time, steps) this phase
 
     # -- a phase ----------------------------------------------------------------------
     def begin_phase(self, phase: Any, steps: tuple, todo: tuple, *, carried=None) -> None:
         """A new phase (or a resumed one, ``carried``: its totals so far)."""
         self.phase_pairs, self.phase_started = [], time.perf_counter()
+        self.phase_windows = []
         self.totals = list(carried or [])
         self.close_bar()
         self.bar = tqdm(
@@ -79,6 +86,7 @@ class Recorder:
         ``joined`` new ones with nothing done yet."""
         totals = self.totals
         self.totals = [totals[r] for r in kept if r < len(totals)]
+        self.phase_windows = []  # the steady step time is the new group's
         self.totals = self.totals + [ReplicaTotals() for _ in range(joined)]
 
     def close_bar(self) -> None:
@@ -103,6 +111,7 @@ class Recorder:
         self._add_totals(filled, samples.sum(axis=1))
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
         self._record_samples(segment, specs, filled, salvaged)
+        self.phase_windows.append((time.perf_counter(), len(specs)))
 
     def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:
         replicas = len(window)
@@ -299,8 +308,43 @@ class Recorder:
                 chunks_decoded=[end.get("chunks_decoded", 0) for end in ends],
                 peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
                 skipped_steps=ends[0].get("skipped_steps", 0),
+                measured_step_seconds=self._measured_step_seconds(phase),
+                predicted=self._predicted(phase, first),
             )
         )
+
+    def _measured_step_seconds(self, phase: Any) -> float | None:
+        steady = steady_step_seconds(self.phase_windows)
+        if steady is not None:
+            return steady
+        steps = self.history.steps
+        seconds = [s["seconds"] for s in steps if s["phase"] == phase.index]
+        return float(np.median(seconds)) if seconds else None
+
+    def _predicted(self, phase: Any, first: Any) -> dict[str, Any] | None:
+        """The cost model's step at this phase's replicas, batch and split, with the
+        window length and bucket size the fit runs (``window_steps``, else
+        ``info["fit_plan"]``)."""
+        model = self.cost_model
+        if model is None:
+            return None
+        plan = self.history.info.get("fit_plan") or {}
+        changes: dict[str, Any] = {"window_steps": self.window_steps}
+        if plan.get("window_seconds"):
+            changes["window_seconds"] = float(plan["window_seconds"])
+        if plan.get("bucket_mb"):
+            changes["bucket_bytes"] = max(1, int(plan["bucket_mb"] * 2**20))
+        local = list(first.local_batches)
+        micro = list(first.micro_batches or [1] * len(local))
+        if model.max_micro_batch is None and max(micro) > 1:
+            caps = [math.ceil(b / m) for b, m in zip(local, micro, strict=True)]
+            changes["max_micro_batch"] = max(caps)
+        model = model.replace(**changes)
+        split = local if sum(local) == phase.global_batch else None
+        breakdown = model.breakdown(
+            replicas=len(local), global_batch=phase.global_batch, local_batches=split
+        )
+        return breakdown.to_dict()
 
     def measured_speeds(self) -> list[list[float]]:
         """Per past phase, each replica's samples/s (the balancer's input)."""
@@ -347,6 +391,23 @@ class Recorder:
                 "seconds": seconds,
             }
         )
+
+
+def steady_step_seconds(
+    windows: list[tuple[float, int]], skip: int = MachineConfig.calibration_steps + 1
+) -> float | None:
+    """A phase's steady step time on the driver's clock: from the commit of window
+    ``skip - 1`` to that of the last window, per step committed in between. The phase's
+    one-step calibration windows and the first fused window (whose start waits on the
+    driver's plan) are left out; so is everything before the first window (setup, the
+    phase's start), and the end of the phase. Fewer windows: as many are left out as
+    leaves two; one window: None (the caller uses the steps' median)."""
+    if len(windows) < 2:
+        return None
+    start = min(skip, len(windows) - 1) - 1
+    steps = sum(n for _, n in windows[start + 1 :])
+    seconds = windows[-1][0] - windows[start][0]
+    return seconds / steps if steps > 0 and seconds > 0 else None
 
 
 class _EpochLayout:

@@ -1,0 +1,390 @@
+"""Measure a cost model's terms for one pipeline on one cluster (the driver side).
+
+:func:`calibrate` sends probes (:mod:`dataflow.runtime.probe`) to the cluster's workers
+and fits the terms of a :class:`~dataflow.costmodel.model.CostModel` from what they
+measure; every term's ``notes`` entry says how. Dask, distributed and torch are imported
+inside the functions only: the cost model itself stays importable without them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from dataflow.core import kinds
+from dataflow.core.errors import BatchSizeError, ConfigError, ModelError
+from dataflow.costmodel.collective import Link, Topology
+from dataflow.costmodel.compute import ComputeFit, MemoryModel
+from dataflow.costmodel.model import MIB, CostModel
+
+DEFAULT_SIZES = (4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+ROUND_TRIPS = 30  # chained no-op tasks timed for the window overhead
+CALIBRATION_STEPS = 2  # 1-step windows each phase starts with (driver/machine.py)
+
+
+def calibrate(
+    pipe: Any,
+    client: Any,
+    *,
+    batch_sizes: Sequence[int] | None = None,
+    replicas: int | None = None,
+    steps: int = 4,
+    warmup: int = 3,
+    repeats: int = 3,
+    allreduce_sizes: Sequence[int] = DEFAULT_SIZES,
+    allreduce_repeats: int = 7,
+    name: str = "",
+) -> CostModel:
+    """A :class:`CostModel` of ``pipe`` (a :class:`dataflow.Pipeline` or ``Trainer``)
+    measured on ``client``'s workers (a ``distributed.Client``).
+
+    - compute: the pipe's own step (Load, transforms, Forward, loss, Backward, the
+      optimizer's Update, the engine's per-step work) run as a fit runs it, on one
+      worker with the fit's torch threads, at each of ``batch_sizes`` local batches
+      (default: three spanning the schedule's local batches on ``replicas``), the
+      median of ``repeats`` windows of ``steps`` steps after ``warmup`` steps;
+      ``backward_fraction`` from the Backward stage's share of it;
+    - the collective: the median time of allreduces of ``allreduce_sizes`` bytes with
+      the engine's process group over ``replicas`` workers, fitted with
+      ``t(n) = a + b n`` (relative errors) and inverted through the ring closed form
+      for ``W`` ranks: ``α = a / 2(W-1)``, ``β = 2(W-1)/W / b``;
+    - the source's read rate (the Load stage alone), the engine's window overhead (a
+      Dask round trip on a worker and a window's own work) and phase overhead,
+      parameter bytes and activation bytes per sample (what autograd saves).
+
+    Bad input raises a :class:`~dataflow.core.errors.DataflowError` naming the fix.
+    """
+    from distributed import Client
+
+    trainer = getattr(pipe, "trainer", pipe)
+    if not hasattr(trainer, "graph") or not hasattr(trainer, "schedule"):
+        raise ConfigError(
+            f"calibrate(pipe=...): expected a dataflow.Pipeline or Trainer, got "
+            f"{type(pipe).__name__}"
+        )
+    if not isinstance(client, Client):
+        raise ConfigError(
+            f"calibrate(client=...): expected a distributed.Client connected to the cluster "
+            f"the fit will run on, got {type(client).__name__}"
+        )
+    for field, value in (("steps", steps), ("repeats", repeats), ("warmup", warmup + 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"calibrate({field}={value!r}): must be an int >= 1")
+    workers = _workers(client, replicas if replicas is not None else trainer.config.replicas)
+    world = len(workers)
+    config = trainer.config
+    batches = _batch_sizes(trainer, batch_sizes, world)
+    gradient_bytes, parameter_bytes = _parameters(trainer)
+    notes: dict[str, str] = {}
+
+    from dataflow.runtime import probe
+
+    order = tuple(n for n in trainer.graph.validate(replicas=1) if _trains(trainer.graph[n]))
+    request = probe.StepProbe(
+        graph=trainer.graph,
+        order=order,
+        seed=config.seed,
+        batches=batches,
+        steps=steps,
+        warmup=warmup,
+        repeats=repeats,
+        threads=config.threads_per_replica,
+        device=config.device,
+        commit_windows=config.recover_lost_workers,
+    )
+    measured = _on(client, workers[0], probe.time_steps, request)
+    per_batch = measured["batches"]
+    points = tuple(
+        (b, statistics.median(w["compute_s"] for w in per_batch[b]["windows"])) for b in batches
+    )
+    points = _monotone(points)
+    fractions = [w["backward_fraction"] for b in batches for w in per_batch[b]["windows"]]
+    backward = statistics.median(fractions)
+    where = f"worker {workers[0]}, {measured['torch_threads']} torch thread(s)"
+    notes["compute"] = (
+        f"the pipe's step (load, transforms, forward, loss, backward, update) at local "
+        f"batches {list(batches)} on {where}: median of {repeats} windows of {steps} steps "
+        f"after {warmup} warm-up steps, less the wait on Load"
+    )
+    notes["backward_fraction"] = "the Backward stage's median share of that step"
+
+    read = _on(client, workers[0], probe.read_rate, request)
+    notes["load_samples_per_s"] = (
+        f"the Load stage alone (read, shuffle buffer, prefetch thread) at {read['batch']} "
+        f"samples per batch on {workers[0]}: median seconds per batch"
+    )
+
+    topology, link_note = _collective(client, workers, allreduce_sizes, allreduce_repeats, config)
+    notes["topology"] = link_note
+
+    window_s, phase_s, overhead_note = _overheads(client, workers[0], per_batch)
+    notes["window_overhead_s"] = overhead_note
+    notes["phase_overhead_s"] = (
+        f"{CALIBRATION_STEPS + 2} round trips (begin phase, end phase, the phase's "
+        f"{CALIBRATION_STEPS} one-step calibration windows) plus the replica's measured "
+        "begin- and end-of-phase work"
+    )
+
+    saved = sorted((b, per_batch[b]["saved_bytes"]) for b in batches)
+    activation = _activation_per_sample(saved)
+    notes["memory"] = (
+        "weights: the model's parameters; activations: bytes autograd saves for backward "
+        f"in one step (each storage once), slope over local batches {[b for b, _ in saved]}; "
+        f"optimizer states: {measured['optimizer_states']} weight-sized tensor(s) per "
+        "parameter after a step"
+    )
+    notes["gradient_bytes"] = "the trainable parameters' bytes (what the buckets reduce)"
+    reducers = [s for s in trainer.graph if s.kind == kinds.ALLREDUCE]
+    bucket_mb = getattr(reducers[0], "bucket_mb", 25.0) if reducers else 25.0
+    bucket_mb = bucket_mb if isinstance(bucket_mb, int | float) else 25.0
+    model = CostModel(
+        compute=ComputeFit(
+            points=points,
+            backward_fraction=backward,
+            source=f"calibrated: {where}",
+        ),
+        gradient_bytes=gradient_bytes,
+        topology=topology,
+        bucket_bytes=max(1, int(bucket_mb * MIB)),
+        load_samples_per_s=read["samples_per_s"],
+        window_overhead_s=window_s,
+        phase_overhead_s=phase_s + CALIBRATION_STEPS * window_s,
+        window_seconds=float(config.window_seconds or 1.0),
+        window_steps=config.window_steps,
+        max_micro_batch=config.max_micro_batch if isinstance(config.max_micro_batch, int) else None,
+        memory=MemoryModel(
+            parameter_bytes=parameter_bytes,
+            activation_bytes_per_sample=activation,
+            optimizer_states=int(measured["optimizer_states"]),
+        ),
+        name=name or _model_name(trainer),
+        notes=notes,
+    )
+    if config.window_seconds is None:  # what the fit plans from this model
+        from dataflow.costmodel.planning import window_seconds
+
+        model = model.replace(window_seconds=window_seconds(model))
+    return model
+
+
+# -- the pieces -------------------------------------------------------------------------
+
+
+def _workers(client: Any, replicas: int | None) -> list[str]:
+    from dataflow.driver.executor import available_workers
+
+    workers = available_workers(client)
+    if not workers:
+        raise ConfigError(
+            "calibrate: the client has no workers; start some first (cluster.scale(n), "
+            "client.wait_for_workers(n)) on the machines the fit will run on"
+        )
+    if replicas is not None:
+        if replicas > len(workers):
+            raise ConfigError(
+                f"calibrate(replicas={replicas}): the client has {len(workers)} worker(s); "
+                "start more workers or lower replicas"
+            )
+        workers = workers[:replicas]
+    return workers
+
+
+def _trains(stage: Any) -> bool:
+    """Stages of the timed step: all but evaluation (it runs once per epoch)."""
+    return type(stage).__name__ != "Evaluate"
+
+
+def _batch_sizes(trainer: Any, given: Sequence[int] | None, world: int) -> tuple[int, ...]:
+    num_samples = trainer.source.num_samples
+    if given is not None:
+        sizes = sorted(set(given))
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(
+                f"calibrate(batch_sizes={list(given)!r}): give local batch sizes, ints >= 1"
+            )
+    else:
+        first = trainer.planner().next_phase(0, 1, None).global_batch
+        low = max(1, first // world)
+        high = max(low, trainer.schedule.max_batch())
+        if high < 2 * low:
+            low = max(1, high // 2)
+        mid = round(math.sqrt(low * high))
+        sizes = sorted({low, mid, high})
+        sizes = [min(b, num_samples) for b in sizes]
+        sizes = sorted(set(sizes))
+    if sizes[-1] > num_samples:
+        raise BatchSizeError(
+            f"calibrate(batch_sizes={sizes}): a local batch of {sizes[-1]} is larger than the "
+            f"source ({num_samples} samples); use batch sizes <= {num_samples}"
+        )
+    return tuple(sizes)
+
+
+def _parameters(trainer: Any) -> tuple[int, int]:
+    """(trainable bytes, all parameter bytes) of the model, built on the driver."""
+    from dataflow.stages.forward import build_model
+
+    if trainer.model_factory is None:
+        raise ConfigError("calibrate: the graph has no Forward stage, so no model to time")
+    model = build_model(trainer.model_factory, trainer.config.seed)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ModelError(
+            f"calibrate: the model {type(model).__name__} has no trainable parameters "
+            f"({len(params)} parameter tensor(s), none with requires_grad=True), so there is "
+            "no training step to time; unfreeze some (p.requires_grad_(True)) or give a "
+            "model with parameters"
+        )
+    return (
+        sum(p.numel() * p.element_size() for p in trainable),
+        sum(p.numel() * p.element_size() for p in params),
+    )
+
+
+def _on(client: Any, worker: str, fn: Any, *args: Any) -> Any:
+    future = client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
+    return future.result()
+
+
+def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """A larger batch never takes less time: noise that says otherwise is flattened."""
+    out, best = [], 0.0
+    for batch, seconds in points:
+        best = max(best, seconds)
+        out.append((batch, best))
+    return tuple(out)
+
+
+def fit_alpha_beta(times: dict[int, float]) -> tuple[float, float]:
+    """``(a, b)`` of ``t(n) = a + b n`` minimising the relative errors (weights
+    ``1/t²``), so the latency of small messages counts as much as the bandwidth of
+    large ones; ``a, b >= 0``."""
+    pts = [(float(n), float(t)) for n, t in times.items() if t > 0]
+    if not pts:
+        raise ConfigError("no allreduce timings to fit")
+    w = [1.0 / t**2 for _, t in pts]
+    sw = sum(w)
+    sx = sum(wi * n for wi, (n, _) in zip(w, pts, strict=True))
+    sy = sum(wi * t for wi, (_, t) in zip(w, pts, strict=True))
+    sxx = sum(wi * n * n for wi, (n, _) in zip(w, pts, strict=True))
+    sxy = sum(wi * n * t for wi, (n, t) in zip(w, pts, strict=True))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        return sy / sw, 0.0
+    b = (sw * sxy - sx * sy) / det
+    a = (sy - b * sx) / sw
+    if b <= 0:
+        return min(t for _, t in pts), 0.0
+    if a < 0:  # through the origin
+        return 0.0, sxy / sxx
+    return a, b
+
+
+def _collective(
+    client: Any, workers: list[str], sizes: Sequence[int], repeats: int, config: Any
+) -> tuple[Topology, str]:
+    from dataflow.runtime import probe
+    from dataflow.runtime.tasks import open_rendezvous
+
+    world = len(workers)
+    hosts = [_host(w) for w in workers]
+    per_node = max(hosts.count(h) for h in set(hosts))
+    if world < 2:
+        link = Link(
+            latency_s=0.0,
+            bandwidth=1e12,
+            name="loopback",
+            source="not measured: one worker, no collective",
+        )
+        note = "not measured: one worker, so no allreduce runs (a loopback link stands in)"
+        return Topology(intra=link, per_node=1, algorithm="ring"), note
+    run_id = f"calibrate-{uuid.uuid4().hex[:8]}"
+    timeout = float(config.collective_timeout_s)
+    host, port = client.submit(
+        open_rendezvous, run_id, world, timeout, workers=[workers[0]], pure=False
+    ).result()
+    futures = [
+        client.submit(
+            probe.allreduce_times,
+            probe.Group(run_id, rank, world, host, port, timeout),
+            tuple(sizes),
+            repeats,
+            config.threads_per_replica,
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
+        )
+        for rank, worker in enumerate(workers)
+    ]
+    per_rank = client.gather(futures)
+    times = {n: max(r[n] for r in per_rank) for n in per_rank[0]}
+    a, b = fit_alpha_beta(times)
+    alpha = a / (2 * (world - 1))
+    beta = 2 * (world - 1) / world / b if b > 0 else 1e12
+    where = "one node" if len(set(hosts)) == 1 else f"{len(set(hosts))} nodes"
+    link = Link(
+        latency_s=alpha,
+        bandwidth=beta,
+        name="measured gloo" if config.device != "cuda" else "measured",
+        source=f"calibrated: allreduces over {world} workers on {where}",
+    )
+    inter = None if len(set(hosts)) == 1 else link
+    table = ", ".join(f"{n} B: {t * 1e6:.0f} us" for n, t in sorted(times.items()))
+    note = (
+        f"the engine's process group over {world} workers ({where}): median of "
+        f"{repeats} allreduces per size ({table}); t(n) = a + b n fitted (relative errors): "
+        f"a = {a * 1e6:.1f} us, b = {b * 1e9:.3f} ns/B; ring closed form inverted: "
+        f"α = a / 2(W-1), β = 2(W-1)/W / b"
+    )
+    return Topology(intra=link, inter=inter, per_node=per_node, algorithm="ring"), note
+
+
+def _host(address: str) -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(address).hostname or address
+
+
+def _overheads(client: Any, worker: str, per_batch: dict[int, Any]) -> tuple[float, float, str]:
+    """(window overhead, phase work, note): a Dask round trip between chained tasks on
+    ``worker`` plus a window's own work on the replica (its task time less its steps)."""
+    from dataflow.runtime import probe
+
+    def chain(count: int) -> float:
+        started = time.perf_counter()
+        future = None
+        for _ in range(count):
+            future = client.submit(
+                probe.noop, future, workers=[worker], allow_other_workers=False, pure=False
+            )
+        future.result()
+        return (time.perf_counter() - started) / count
+
+    chain(5)  # warm
+    round_trip = min(chain(ROUND_TRIPS) for _ in range(3))
+    in_task = statistics.median(w["window_s"] for b in per_batch.values() for w in b["windows"])
+    phase = statistics.median(b["begin_phase_s"] + b["end_phase_s"] for b in per_batch.values())
+    note = (
+        f"a Dask round trip between chained tasks on {worker} ({round_trip * 1e3:.2f} ms, "
+        f"best of 3 chains of {ROUND_TRIPS}) plus a window's own work on the replica (its "
+        f"task time less its steps: the commit of the state, {in_task * 1e3:.2f} ms, median)"
+    )
+    return round_trip + in_task, 2 * round_trip + phase, note
+
+
+def _activation_per_sample(saved: list[tuple[int, int]]) -> int:
+    if len(saved) == 1:
+        batch, total = saved[0]
+        return max(0, total // batch)
+    (b0, t0), (b1, t1) = saved[0], saved[-1]
+    return max(0, round((t1 - t0) / (b1 - b0)))
+
+
+def _model_name(trainer: Any) -> str:
+    factory = trainer.model_factory
+    return getattr(factory, "__name__", type(factory).__name__)
