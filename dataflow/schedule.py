@@ -21,7 +21,9 @@ from dataflow.noise_scale import adascale_gain
 # (stages use them too); they are re-exported here, their public home.
 __all__ = [
     "ADAPTIVE_LR_RULES",
+    "ADAPTIVE_OPTIMIZERS",
     "LR_RULES",
+    "SGD_OPTIMIZERS",
     "Adaptive",
     "Fixed",
     "PhaseMeasurement",
@@ -29,6 +31,7 @@ __all__ = [
     "Schedule",
     "Stepwise",
     "lr_at",
+    "optimizer_family",
 ]
 
 
@@ -172,7 +175,36 @@ class Stepwise:
         return max(self.batches.values())
 
 
-ADAPTIVE_LR_RULES = ("adascale", *sorted(LR_RULES))
+ADAPTIVE_LR_RULES = ("auto", "adascale", "adascale-sqrt", *sorted(LR_RULES))
+
+# Optimizer families for Adaptive(lr_rule="auto"), by lower-case torch class name: plain
+# and momentum SGD step along the averaged gradient (AdaScale's gain applies); the
+# adaptive ones divide by a running RMS of the gradient, which already shrinks as a
+# larger batch shrinks the noise, so they take the square root of the gain.
+SGD_OPTIMIZERS = frozenset({"sgd", "asgd", "lars"})
+ADAPTIVE_OPTIMIZERS = frozenset(
+    {"adam", "adamw", "adamax", "nadam", "radam", "rmsprop", "adagrad", "adadelta", "lamb"}
+)
+
+
+def optimizer_family(optimizer: object) -> str:
+    """``"sgd"`` or ``"adaptive"`` for an optimizer's name (``"adam"``, ``"SGD"``), its
+    class (``torch.optim.AdamW``) or an instance; ConfigError for one not listed."""
+    name = (
+        optimizer
+        if isinstance(optimizer, str)
+        else getattr(optimizer, "__name__", type(optimizer).__name__)
+    )
+    key = str(name).lower()
+    if key in SGD_OPTIMIZERS:
+        return "sgd"
+    if key in ADAPTIVE_OPTIMIZERS:
+        return "adaptive"
+    raise ConfigError(
+        f"Adaptive(optimizer={optimizer!r}): unknown optimizer {name!r}; give one of "
+        f"{sorted(SGD_OPTIMIZERS | ADAPTIVE_OPTIMIZERS)}, or pick lr_rule='adascale' "
+        "(SGD-like) or 'adascale-sqrt' (Adam-like) yourself"
+    )
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -234,6 +266,8 @@ class Adaptive:
     batch_multiple: int
     max_lr_scale: float | None
     min_measured_steps: int
+    confirm_growth: bool
+    optimizer: object
 
     def __init__(
         self,
@@ -245,12 +279,14 @@ class Adaptive:
         samples_per_epoch: int | None = None,
         max_growth: float = 2.0,
         target: float = 1.0,
-        lr_rule: str = "adascale",
+        lr_rule: str = "auto",
         lr: float | None = None,
         warmup_steps: int = 0,
         batch_multiple: int = 1,
         max_lr_scale: float | None = None,
         min_measured_steps: int = 20,
+        confirm_growth: bool = False,
+        optimizer: object = None,
     ) -> None:
         # A dataclass field cannot be called max_batch: that is the protocol's method.
         values = {
@@ -267,6 +303,8 @@ class Adaptive:
             "batch_multiple": batch_multiple,
             "max_lr_scale": max_lr_scale,
             "min_measured_steps": min_measured_steps,
+            "confirm_growth": confirm_growth,
+            "optimizer": optimizer,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -353,6 +391,12 @@ class Adaptive:
                 f"Adaptive(min_measured_steps={steps!r}): must be an int >= 0, the measured "
                 "steps an estimate must rest on before the batch follows it (0: any)"
             )
+        if self.optimizer is not None:
+            optimizer_family(self.optimizer)
+        if not isinstance(self.confirm_growth, bool):
+            raise ConfigError(
+                f"Adaptive(confirm_growth={self.confirm_growth!r}): must be True or False"
+            )
 
     def __repr__(self) -> str:
         length = (
@@ -365,7 +409,8 @@ class Adaptive:
             f"max_growth={self.max_growth}, target={self.target}, lr_rule={self.lr_rule!r}, "
             f"lr={self.lr}, warmup_steps={self.warmup_steps}, "
             f"batch_multiple={self.batch_multiple}, max_lr_scale={self.max_lr_scale}, "
-            f"min_measured_steps={self.min_measured_steps})"
+            f"min_measured_steps={self.min_measured_steps}, "
+            f"confirm_growth={self.confirm_growth}, optimizer={self.optimizer!r})"
         )
 
     def next_batch(self, previous: int, noise_scale: float | None) -> int:
@@ -376,16 +421,29 @@ class Adaptive:
         wanted = min(max(self.target * noise_scale, previous), ceiling)
         return max(_round_down(int(wanted), self.batch_multiple), previous)
 
+    @property
+    def resolved_lr_rule(self) -> str:
+        """The rule in force: ``lr_rule``, or for ``"auto"`` ``"adascale-sqrt"`` when
+        ``optimizer`` is an adaptive one (Adam, RMSprop, ...), else ``"adascale"``."""
+        if self.lr_rule != "auto":
+            return self.lr_rule
+        if self.optimizer is not None and optimizer_family(self.optimizer) == "adaptive":
+            return "adascale-sqrt"
+        return "adascale"
+
     def lr_scale(self, batch: int, noise_scale: float | None, previous: float = 1.0) -> float:
         """The LR scale at ``batch`` (relative to the base LR at ``initial_batch``);
         ``previous`` is kept by "adascale" when there is no estimate."""
-        if self.lr_rule == "adascale":
+        rule = self.resolved_lr_rule
+        if rule in ("adascale", "adascale-sqrt"):
             if noise_scale is None:
                 scale = previous
             else:
                 scale = adascale_gain(noise_scale, self.initial_batch, batch)
+                if rule == "adascale-sqrt":
+                    scale = scale**0.5
         else:
-            scale = LR_RULES[self.lr_rule](batch / self.initial_batch)
+            scale = LR_RULES[rule](batch / self.initial_batch)
         if self.max_lr_scale is not None:
             scale = min(scale, self.max_lr_scale)
         return scale
@@ -410,6 +468,15 @@ class Adaptive:
         if steps is not None and steps < self.min_measured_steps:
             return None
         return measured.noise_scale
+
+    def growth_estimate(self, noise_scale: float | None, previous: PhaseSpec) -> float | None:
+        """The estimate the batch grows toward: ``noise_scale`` (the latest trusted one),
+        or with ``confirm_growth`` the smaller of it and the estimate ``previous`` was
+        chosen from (when there was one): the batch never shrinks, so it follows a rise
+        only once two consecutive phases measured it."""
+        if noise_scale is None or not self.confirm_growth or previous.noise_scale is None:
+            return noise_scale
+        return min(noise_scale, previous.noise_scale)
 
     def phase_epochs(
         self, batch: int, num_samples: int | None = None, drop_last: bool = False
@@ -455,7 +522,7 @@ class Adaptive:
                 gain=1.0,
             )
         noise = self.trusted_noise_scale(measured, previous)
-        batch = self.next_batch(previous.global_batch, noise)
+        batch = self.next_batch(previous.global_batch, self.growth_estimate(noise, previous))
         scale = self.lr_scale(batch, noise, previous.lr_scale)
         epochs = self.phase_epochs(batch, num_samples, drop_last)
         return PhaseSpec(

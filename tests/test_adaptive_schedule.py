@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 import dataflow as dfl
 from dataflow.noise_scale import adascale_gain
-from dataflow.schedule import Adaptive, Fixed, PhaseMeasurement, PhaseSpec, Schedule, Stepwise
+from dataflow.schedule import (
+    Adaptive,
+    Fixed,
+    PhaseMeasurement,
+    PhaseSpec,
+    Schedule,
+    Stepwise,
+    optimizer_family,
+)
 
 
 def drive(schedule, epochs, noise_scales, *, steps=40, **engine):
@@ -64,7 +72,7 @@ def test_keeps_the_batch_without_an_estimate():
 
 
 def test_batch_multiple_rounds_down_but_never_below_the_current_batch():
-    schedule = Adaptive(96, max_batch=1000, batch_multiple=32)
+    schedule = Adaptive(96, max_batch=1000, batch_multiple=32, confirm_growth=False)
     # 150 → 128; then 2 × 128 = 256 is a multiple; then 1000 caps → 992 (multiple of 32).
     assert [p.global_batch for p in drive(schedule, 3, [150.0, 1e9])] == [96, 128, 256]
     assert [p.global_batch for p in drive(schedule, 6, [1e9] * 5)][-1] == 992
@@ -86,14 +94,18 @@ def test_growth_is_bounded_monotone_and_capped(initial, extra, growth, multiple,
     )
     batches = [p.global_batch for p in drive(schedule, len(noise) + 1, noise)]
     assert batches[0] == initial
-    for (before, after), measured in zip(itertools.pairwise(batches), noise, strict=True):
+    earlier = [None, *noise]  # the estimate the phase before was chosen from
+    for (before, after), measured, prior in zip(
+        itertools.pairwise(batches), noise, earlier, strict=False
+    ):
         ceiling = min(before * growth, initial + extra)
         assert before <= after <= max(before, ceiling)
         assert after == before or after % multiple == 0
         if measured is None:
             assert after == before
-        else:  # as close to the noise scale as the bounds and the rounding allow
-            assert after > min(measured, ceiling) - multiple or after == before
+        else:  # as close to the (confirmed) noise scale as the bounds and rounding allow
+            wanted = measured if prior is None else min(measured, prior)
+            assert after > min(wanted, ceiling) - multiple or after == before
     assert max(batches) <= schedule.max_batch() == initial + extra
 
 
@@ -121,6 +133,73 @@ def test_lr_rules():
     assert {p.lr_scale for p in drive(Adaptive(32, max_batch=64, lr_rule="none"), 2, noise)} == {
         1.0
     }
+
+
+def test_adascale_sqrt_rule_is_the_square_root_of_the_gain():
+    # Noise dominates: AdaScale is linear, its square root the sqrt rule.
+    noise = [1e9, 1e9, 1e9]
+    phases = drive(Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt"), 4, noise)
+    assert [p.global_batch for p in phases] == [32, 64, 128, 256]
+    assert [p.lr_scale for p in phases] == pytest.approx([1, 2**0.5, 2, 8**0.5], rel=1e-6)
+    assert [p.gain for p in phases] == [p.lr_scale for p in phases]
+    # A moderate noise scale: sqrt of AdaScale's gain, between 1 and sqrt(B/B0).
+    moderate = drive(
+        Adaptive(32, max_batch=1024, max_growth=4.0, lr_rule="adascale-sqrt"), 2, [100.0]
+    )
+    assert moderate[1].lr_scale == pytest.approx(adascale_gain(100.0, 32, 100) ** 0.5)
+    assert 1 < moderate[1].lr_scale < (100 / 32) ** 0.5
+    # No noise: no gain; no estimate: the previous scale is kept; the cap applies.
+    quiet = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt")
+    assert quiet.lr_scale(64, 0.0) == 1.0
+    assert quiet.lr_scale(64, None, previous=1.3) == 1.3
+    capped = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt", max_lr_scale=1.5)
+    assert capped.lr_scale(1024, 1e9) == 1.5
+
+
+def test_confirm_growth_follows_a_rise_only_once_two_phases_measured_it():
+    schedule = Adaptive(16, max_batch=1024, confirm_growth=True)
+    # The first estimate is acted on alone (there is no earlier one).
+    assert [p.global_batch for p in drive(schedule, 2, [24.0])] == [16, 24]
+    # A one-phase spike (500) is not followed: min(500, 30) = 30; a lasting rise is.
+    batches = [p.global_batch for p in drive(schedule, 5, [30.0, 500.0, 40.0, 300.0])]
+    assert batches == [16, 30, 30, 40, 40]
+    rising = [p.global_batch for p in drive(schedule, 5, [40.0, 200.0, 200.0, 200.0])]
+    assert rising == [16, 32, 40, 80, 160]
+    # The LR gain still uses the latest estimate at the chosen batch.
+    phases = drive(schedule, 3, [30.0, 500.0])
+    assert phases[2].lr_scale == pytest.approx(adascale_gain(500.0, 16, 30))
+    assert phases[2].noise_scale == 500.0
+    # Without confirmation (the default) each estimate is followed at once.
+    eager = Adaptive(16, max_batch=1024)
+    assert [p.global_batch for p in drive(eager, 3, [30.0, 500.0])] == [16, 30, 60]
+    with pytest.raises(dfl.ConfigError, match="confirm_growth"):
+        Adaptive(16, max_batch=1024, confirm_growth=1)
+
+
+def test_auto_lr_rule_follows_the_optimizer_family():
+    import torch
+
+    noise = [1e9, 1e9, 1e9]  # noise dominates: AdaScale is linear
+    for optimizer in (None, "sgd", "SGD", torch.optim.SGD):
+        schedule = Adaptive(32, max_batch=1024, optimizer=optimizer)
+        assert schedule.lr_rule == "auto" and schedule.resolved_lr_rule == "adascale"
+        assert [p.lr_scale for p in drive(schedule, 4, noise)] == pytest.approx([1, 2, 4, 8])
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for optimizer in ("adam", "AdamW", torch.optim.RMSprop, torch.optim.Adam(params)):
+        schedule = Adaptive(32, max_batch=1024, optimizer=optimizer)
+        assert schedule.resolved_lr_rule == "adascale-sqrt"
+        scales = [p.lr_scale for p in drive(schedule, 4, noise)]
+        assert scales == pytest.approx([1, 2**0.5, 2, 8**0.5])
+    # An explicit rule wins over the optimizer.
+    assert Adaptive(32, max_batch=64, lr_rule="linear", optimizer="adam").resolved_lr_rule == (
+        "linear"
+    )
+    assert optimizer_family("Adagrad") == "adaptive" and optimizer_family("lars") == "sgd"
+    with pytest.raises(dfl.ConfigError, match=r"optimizer='lbfgs'.*unknown optimizer"):
+        Adaptive(32, max_batch=64, optimizer="lbfgs")
+    # Pure and picklable, like the rest of the schedule.
+    same = pickle.loads(pickle.dumps(Adaptive(32, max_batch=64, optimizer="adam")))
+    assert same.resolved_lr_rule == "adascale-sqrt"
 
 
 def test_warmup_applies_after_the_first_phase():
