@@ -146,3 +146,19 @@ def test_the_cost_model_imports_without_torch_or_distributed():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_replicas_sharing_a_node_slow_each_other_as_measured():
+    from dataflow.costmodel import ComputeFit, Link, Topology
+    from dataflow.costmodel.calibration import expected_max, fit_alpha_beta
+
+    fit = ComputeFit(points=((8, 0.01), (16, 0.02)), shared=((3, 2.0),))
+    assert [fit.slowdown(k) for k in (1, 2, 3, 8)] == [1.0, 1.5, 2.0, 2.0]
+    link = Link(latency_s=1e-4, bandwidth=1e9)
+    model = CostModel(compute=fit, gradient_bytes=0, topology=Topology(intra=link, per_node=3))
+    assert model.breakdown(replicas=1, global_batch=16).compute_s == pytest.approx(0.02)
+    assert model.breakdown(replicas=2, global_batch=32).compute_s == pytest.approx(0.03)
+    assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+    assert expected_max([[1.0, 3.0], [2.0, 2.0]]) == pytest.approx(2.5, abs=0.1)
+    a, b = fit_alpha_beta({4: 1e-4 + 4e-9, 1 << 20: 1e-4 + (1 << 20) * 1e-9})
+    assert a == pytest.approx(1e-4) and b == pytest.approx(1e-9)

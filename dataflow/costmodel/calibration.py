@@ -34,7 +34,7 @@ def calibrate(
     replicas: int | None = None,
     steps: int = 4,
     warmup: int = 3,
-    repeats: int = 3,
+    repeats: int = 5,
     allreduce_sizes: Sequence[int] = DEFAULT_SIZES,
     allreduce_repeats: int = 7,
     name: str = "",
@@ -46,7 +46,10 @@ def calibrate(
       optimizer's Update, the engine's per-step work) run as a fit runs it, on one
       worker with the fit's torch threads, at each of ``batch_sizes`` local batches
       (default: three spanning the schedule's local batches on ``replicas``), the
-      median of ``repeats`` windows of ``steps`` steps after ``warmup`` steps;
+      median of ``repeats`` windows of ``steps`` steps after ``warmup`` steps (the
+      batches take turns, so a burst of other work slows them alike); ``shared``: the
+      slowdown while every worker of the node runs the step at once, the slowest
+      setting the pace;
       ``backward_fraction`` from the Backward stage's share of it;
     - the collective: the median time of allreduces of ``allreduce_sizes`` bytes with
       the engine's process group over ``replicas`` workers, fitted with
@@ -101,6 +104,7 @@ def calibrate(
     points = tuple(
         (b, statistics.median(w["compute_s"] for w in per_batch[b]["windows"])) for b in batches
     )
+    shared, notes["shared"] = _shared(client, workers, request, dict(points))
     points = _monotone(points)
     fractions = [w["backward_fraction"] for b in batches for w in per_batch[b]["windows"]]
     backward = statistics.median(fractions)
@@ -108,6 +112,7 @@ def calibrate(
     notes["compute"] = (
         f"the pipe's step (load, transforms, forward, loss, backward, update) at local "
         f"batches {list(batches)} on {where}: median of {repeats} windows of {steps} steps "
+        "(the batches taking turns) "
         f"after {warmup} warm-up steps, less the wait on Load"
     )
     notes["backward_fraction"] = "the Backward stage's median share of that step"
@@ -146,6 +151,7 @@ def calibrate(
             points=points,
             backward_fraction=backward,
             source=f"calibrated: {where}",
+            shared=shared,
         ),
         gradient_bytes=gradient_bytes,
         topology=topology,
@@ -249,6 +255,51 @@ def _parameters(trainer: Any) -> tuple[int, int]:
 def _on(client: Any, worker: str, fn: Any, *args: Any) -> Any:
     future = client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
     return future.result()
+
+
+def _shared(
+    client: Any, workers: list[str], request: Any, alone: dict[int, float]
+) -> tuple[tuple[tuple[int, float], ...], str]:
+    """The slowdown of a step while every worker of the first node runs one at once
+    (each its own replica, no collective): the slowest one's median over the same
+    step alone, at the middle batch."""
+    import dataclasses
+
+    from dataflow.runtime import probe
+
+    node = [w for w in workers if _host(w) == _host(workers[0])]
+    if len(node) < 2:
+        return (), "not measured: one worker on the node"
+    batch = request.batches[len(request.batches) // 2]
+    together = dataclasses.replace(request, batches=(batch,), memory=False)
+    futures = [
+        client.submit(
+            probe.time_steps, together, workers=[w], allow_other_workers=False, pure=False
+        )
+        for w in node
+    ]
+    per_worker = [
+        [t for w in r["batches"][batch]["windows"] for t in w["step_compute"]]
+        for r in client.gather(futures)
+    ]
+    slowest = expected_max(per_worker)
+    factor = max(1.0, slowest / alone[batch])
+    note = (
+        f"the step at local batch {batch} run on all {len(node)} workers of "
+        f"{_host(workers[0])} at once (each its own replica, as in a fit): the mean of the "
+        f"slowest one's step (a synchronous step waits for it), {slowest * 1e3:.2f} ms, "
+        f"over the same step alone, {alone[batch] * 1e3:.2f} ms"
+    )
+    return ((len(node), factor),), note
+
+
+def expected_max(samples: list[list[float]], draws: int = 4000) -> float:
+    """The mean of the largest of one draw from each list (independent replicas in a
+    synchronous step: the step waits for the slowest), by resampling (seeded)."""
+    import random
+
+    pick = random.Random(0).choice
+    return sum(max(pick(s) for s in samples) for _ in range(draws)) / draws
 
 
 def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
@@ -368,7 +419,7 @@ def _overheads(client: Any, worker: str, per_batch: dict[int, Any]) -> tuple[flo
     chain(5)  # warm
     round_trip = min(chain(ROUND_TRIPS) for _ in range(3))
     in_task = statistics.median(w["window_s"] for b in per_batch.values() for w in b["windows"])
-    phase = statistics.median(b["begin_phase_s"] + b["end_phase_s"] for b in per_batch.values())
+    phase = statistics.median(w["phase_s"] for b in per_batch.values() for w in b["windows"])
     note = (
         f"a Dask round trip between chained tasks on {worker} ({round_trip * 1e3:.2f} ms, "
         f"best of 3 chains of {ROUND_TRIPS}) plus a window's own work on the replica (its "

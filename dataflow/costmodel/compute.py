@@ -23,11 +23,17 @@ class ComputeFit:
     ``points``: measured ``(local batch, seconds)`` pairs, batch sizes distinct.
     ``backward_fraction``: the share of a step spent in backward (the time the
     gradient allreduce can hide behind; about 2/3 for CNNs, calibration measures it).
+    ``shared``: measured ``(replicas busy on one node, slowdown)`` pairs: how much
+    slower a step runs while that many replicas compute on the node at once (they
+    share its cores' caches, memory bandwidth, SMT siblings and whatever else runs
+    there); none: 1 (every replica as fast as one alone). Beyond the last measured
+    count the last slowdown holds.
     """
 
     points: tuple[tuple[int, float], ...]
     backward_fraction: float = 2 / 3
     source: str = ""
+    shared: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -45,6 +51,25 @@ class ComputeFit:
                 f"ComputeFit(backward_fraction={self.backward_fraction}): must be in [0, 1]"
             )
         object.__setattr__(self, "points", tuple(sorted(self.points)))
+        for count, factor in self.shared:
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError(f"ComputeFit(shared=...): replicas {count!r} must be an int >= 1")
+            if not math.isfinite(factor) or factor <= 0:
+                raise ConfigError(f"ComputeFit(shared=...): slowdown {factor!r} must be > 0")
+        object.__setattr__(
+            self, "shared", tuple(sorted((int(k), float(f)) for k, f in self.shared))
+        )
+
+    def slowdown(self, replicas_on_node: int) -> float:
+        """How much slower a step runs with ``replicas_on_node`` replicas computing on
+        one node at once (``shared``; linear between measured counts, 1 for one alone)."""
+        pts = [(1, 1.0), *((k, f) for k, f in self.shared if k > 1)]
+        if replicas_on_node <= 1 or len(pts) == 1:
+            return 1.0
+        for (k0, f0), (k1, f1) in itertools.pairwise(pts):
+            if replicas_on_node <= k1:
+                return f0 + (f1 - f0) * (replicas_on_node - k0) / (k1 - k0)
+        return pts[-1][1]
 
     @classmethod
     def linear(cls, *, fixed_s: float, per_sample_s: float, **kwargs) -> ComputeFit:

@@ -134,6 +134,7 @@ class CostModel:
         else:
             local = math.ceil(global_batch / replicas)
         compute_s, micro = self.compute.micro_batched_seconds(local, self.max_micro_batch)
+        compute_s *= self.compute.slowdown(self.topology.local(replicas))
         load_s = 0.0 if self.load_samples_per_s is None else local / self.load_samples_per_s
         # the hooks reduce during the last micro-batch's backward
         backward_s = self.compute.backward_fraction * compute_s / max(1, micro)
@@ -230,6 +231,7 @@ class CostModel:
             values = dict(data)
             compute = dict(values.pop("compute"))
             compute["points"] = tuple(tuple(p) for p in compute["points"])
+            compute["shared"] = tuple(tuple(p) for p in compute.get("shared", ()))
             topo = dict(values.pop("topology"))
             topo["intra"] = Link(**topo["intra"])
             topo["inter"] = None if topo.get("inter") is None else Link(**topo["inter"])

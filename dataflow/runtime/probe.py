@@ -48,6 +48,7 @@ class StepProbe:
     threads: int | None = None
     device: str = "auto"
     commit_windows: bool = True
+    memory: bool = True  # also count the bytes autograd saves (one more step per batch)
 
 
 def _prepare(threads: int | None, run_id: str) -> dict[str, Any]:
@@ -65,22 +66,17 @@ def _prepare(threads: int | None, run_id: str) -> dict[str, Any]:
     }
 
 
-def _steps(num_samples: int, batch: int, count: int, world: int = 1) -> tuple[Any, ...]:
-    """``count`` full steps of ``batch`` samples per replica (as many epochs as that
-    takes), none the last of its epoch (no evaluation runs in a probe)."""
-    per_epoch = num_samples // (batch * world)
+def _steps(num_samples: int, batch: int, count: int) -> tuple[Any, ...]:
+    """``count`` full steps of ``batch`` samples (as many epochs as that takes), none
+    the last of its epoch (no evaluation runs in a probe)."""
+    per_epoch = num_samples // batch
     epochs = -(-count // per_epoch)
-    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch * world)
-    steps = phase_steps(
-        num_samples=num_samples,
-        phase=phase,
-        split=lambda n: (n // world,) * world,
-        drop_last=True,
-    )
+    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch)
+    steps = phase_steps(num_samples=num_samples, phase=phase, split=lambda n: (n,), drop_last=True)
     return tuple(dataclasses.replace(s, last_in_epoch=False) for s in steps[:count])
 
 
-def _runtime(probe: StepProbe, order: tuple[str, ...], run_id: str, **kw: Any) -> ReplicaRuntime:
+def _runtime(probe: StepProbe, order: tuple[str, ...], run_id: str) -> ReplicaRuntime:
     spec = ReplicaSpec(
         run_id=run_id,
         graph=probe.graph.shallow_copy(),
@@ -90,9 +86,7 @@ def _runtime(probe: StepProbe, order: tuple[str, ...], run_id: str, **kw: Any) -
         threads=probe.threads,
         commit_windows=probe.commit_windows,
     )
-    return ReplicaRuntime(
-        spec, rank=kw.get("rank", 0), world_size=kw.get("world", 1), collective=kw.get("collective")
-    )
+    return ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
 
 
 class _SavedBytes:
@@ -116,42 +110,41 @@ def _load_names(probe: StepProbe, order: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n in order if probe.graph[n].kind == kinds.LOAD)
 
 
-def _time_windows(
-    runtime: ReplicaRuntime, probe: StepProbe, steps: tuple[Any, ...], loads: tuple[str, ...]
+def _time_window(
+    runtime: ReplicaRuntime,
+    probe: StepProbe,
+    steps: tuple[Any, ...],
+    loads: tuple[str, ...],
+    warmup: int,
 ) -> dict[str, Any]:
-    """Warm-up steps, then ``repeats`` windows; per window the compute seconds per step
-    (step time less the wait on Load), Load's wait, backward's share and the window's
-    own cost (its task time less its steps)."""
+    """A phase of ``warmup`` steps left out and one window of ``probe.steps`` steps: the
+    compute seconds per step (step time less the wait on Load), Load's wait, backward's
+    share, the window's own cost (its task time less its steps), and the phase's begin
+    and end."""
     began = time.perf_counter()
     runtime.begin_phase(PhaseContext(index=0, steps=steps, lr=None))
     begin_s = time.perf_counter() - began
     first = steps[0].index
-    if probe.warmup:
-        runtime.run_window(first, first + probe.warmup)
-    start = first + probe.warmup
-    windows = []
-    for _ in range(probe.repeats):
-        result = runtime.run_window(start, start + probe.steps)
-        start += probe.steps
-        stages = result.stage_seconds
-        wait = sum(stages.get(n, 0.0) for n in loads)
-        stepped = sum(result.step_seconds)
-        backward = sum(stages.get(n, 0.0) for n in _backward_names(runtime))
-        compute = max(1e-9, stepped - wait)
-        windows.append(
-            {
-                "compute_s": compute / probe.steps,
-                "step_s": stepped / probe.steps,
-                "load_wait_s": wait / probe.steps,
-                "backward_fraction": min(1.0, backward / compute),
-                "window_s": max(0.0, result.task_seconds - stepped),
-                "step_seconds": list(result.step_seconds),
-            }
-        )
+    if warmup:
+        runtime.run_window(first, first + warmup)
+    result = runtime.run_window(first + warmup, first + warmup + probe.steps)
     ended = time.perf_counter()
     runtime.end_phase()
     end_s = time.perf_counter() - ended
-    return {"windows": windows, "begin_phase_s": begin_s, "end_phase_s": end_s}
+    stages = result.stage_seconds
+    wait = sum(stages.get(n, 0.0) for n in loads)
+    stepped = sum(result.step_seconds)
+    backward = sum(stages.get(n, 0.0) for n in _backward_names(runtime))
+    compute = max(1e-9, stepped - wait)
+    return {
+        "compute_s": compute / probe.steps,
+        "step_s": stepped / probe.steps,
+        "load_wait_s": wait / probe.steps,
+        "backward_fraction": min(1.0, backward / compute),
+        "window_s": max(0.0, result.task_seconds - stepped),
+        "step_compute": [max(1e-9, s - wait / probe.steps) for s in result.step_seconds],
+        "phase_s": begin_s + end_s,
+    }
 
 
 def _backward_names(runtime: ReplicaRuntime) -> list[str]:
@@ -168,35 +161,33 @@ def _saved_bytes(runtime: ReplicaRuntime, steps: tuple[Any, ...]) -> int:
     return counter.total
 
 
-def time_steps(probe: StepProbe, group: Group | None = None) -> dict[str, Any]:
+def time_steps(probe: StepProbe) -> dict[str, Any]:
     """The user's step at each local batch of ``probe`` on this worker (see
-    :class:`StepProbe`), the optimizer's state count and the activation bytes; with
-    ``group``, as one replica of several (every rank runs this at once)."""
+    :class:`StepProbe`), the optimizer's state count and the activation bytes.
+
+    The batches take turns: ``repeats`` rounds, each one window per batch (after
+    ``warmup`` steps in the first round, one in the others), so a burst of other work
+    on the machine slows every batch's timings alike rather than one batch's all."""
     run_id = f"probe-{uuid.uuid4().hex[:8]}"
     info = _prepare(probe.threads, run_id)
     plugin = current_plugin()
-    order = probe.order
-    loads = _load_names(probe, order)
+    loads = _load_names(probe, probe.order)
     num_samples = probe.graph[loads[0]].source.num_samples if loads else 0
-    world = 1 if group is None else group.world
     runtime = None
-    results: dict[int, Any] = {}
+    results: dict[int, Any] = {b: {"windows": []} for b in probe.batches}
     batch = probe.batches[0]
     try:
         try:
-            if group is None:
-                runtime = _runtime(probe, order, run_id)
-            else:
-                collective = group.join(probe.threads)
-                runtime = _runtime(
-                    probe, order, run_id, rank=group.rank, world=world, collective=collective
-                )
-            for batch in probe.batches:
-                count = probe.warmup + probe.steps * probe.repeats
-                steps = _steps(num_samples, batch, count + 1, world)
-                results[batch] = _time_windows(runtime, probe, steps[:count], loads)
-                if group is None:
-                    results[batch]["saved_bytes"] = _saved_bytes(runtime, steps)
+            runtime = _runtime(probe, probe.order, run_id)
+            count = probe.warmup + probe.steps
+            for round_ in range(probe.repeats):
+                for batch in probe.batches:
+                    steps = _steps(num_samples, batch, count + 1)
+                    warmup = probe.warmup if round_ == 0 else min(1, probe.warmup)
+                    window = _time_window(runtime, probe, steps[:count], loads, warmup)
+                    results[batch]["windows"].append(window)
+                    if round_ == 0 and probe.memory:
+                        results[batch]["saved_bytes"] = _saved_bytes(runtime, steps)
         except DataflowError:
             raise
         except Exception as exc:  # the user's model, loss or optimizer failed
@@ -211,8 +202,6 @@ def time_steps(probe: StepProbe, group: Group | None = None) -> dict[str, Any]:
     finally:
         if runtime is not None:
             runtime.close()
-            if runtime.context.collective is not None:
-                plugin.retired_groups.append(runtime.context.collective)
         plugin.close_run(run_id)
     return {**info, "batches": results}
 
