@@ -312,6 +312,10 @@ def adaptive_schedule(args: argparse.Namespace, kind: str) -> Any:
         extra["warmup_steps"] = args.adaptive_warmup
     if args.adaptive_target is not None:
         extra["target"] = args.adaptive_target
+    if args.adaptive_confirm:
+        extra["confirm_growth"] = True
+    if args.adaptive_min_efficiency is not None:
+        extra["min_efficiency"] = args.adaptive_min_efficiency or None
     return Adaptive(B0, max_batch=BMAX, **extra)
 
 
@@ -426,6 +430,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--adaptive-warmup", type=int, default=None, help="override warmup_steps")
     p.add_argument("--adaptive-target", type=float, default=None, help="override target")
+    p.add_argument("--adaptive-confirm", action="store_true", help="confirm_growth=True")
+    p.add_argument("--adaptive-min-efficiency", type=float, default=None, help="override (0: None)")
     p.add_argument(
         "--fixed-from",
         help="a JSON file of an earlier run: reuse its Fixed(B0) runs (deterministic for a "

@@ -268,6 +268,7 @@ class Adaptive:
     min_measured_steps: int
     confirm_growth: bool
     optimizer: object
+    min_efficiency: float | None
 
     def __init__(
         self,
@@ -287,6 +288,7 @@ class Adaptive:
         min_measured_steps: int = 20,
         confirm_growth: bool = False,
         optimizer: object = None,
+        min_efficiency: float | None = None,
     ) -> None:
         # A dataclass field cannot be called max_batch: that is the protocol's method.
         values = {
@@ -305,6 +307,7 @@ class Adaptive:
             "min_measured_steps": min_measured_steps,
             "confirm_growth": confirm_growth,
             "optimizer": optimizer,
+            "min_efficiency": min_efficiency,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -393,6 +396,13 @@ class Adaptive:
             )
         if self.optimizer is not None:
             optimizer_family(self.optimizer)
+        if self.min_efficiency is not None:
+            _finite_number("min_efficiency", self.min_efficiency)
+            if not 0 < self.min_efficiency <= 1:
+                raise ConfigError(
+                    f"Adaptive(min_efficiency={self.min_efficiency}): must be in (0, 1] or "
+                    "None, the least progress per sample kept relative to initial_batch"
+                )
         if not isinstance(self.confirm_growth, bool):
             raise ConfigError(
                 f"Adaptive(confirm_growth={self.confirm_growth!r}): must be True or False"
@@ -410,7 +420,8 @@ class Adaptive:
             f"lr={self.lr}, warmup_steps={self.warmup_steps}, "
             f"batch_multiple={self.batch_multiple}, max_lr_scale={self.max_lr_scale}, "
             f"min_measured_steps={self.min_measured_steps}, "
-            f"confirm_growth={self.confirm_growth}, optimizer={self.optimizer!r})"
+            f"confirm_growth={self.confirm_growth}, optimizer={self.optimizer!r}, "
+            f"min_efficiency={self.min_efficiency})"
         )
 
     def next_batch(self, previous: int, noise_scale: float | None) -> int:
@@ -418,7 +429,10 @@ class Adaptive:
         if noise_scale is None:
             return previous
         ceiling = min(previous * self.max_growth, self.max_batch_size)
-        wanted = min(max(self.target * noise_scale, previous), ceiling)
+        wanted = self.target * noise_scale
+        if self.min_efficiency is not None:
+            wanted = min(wanted, self.efficient_batch(noise_scale))
+        wanted = min(max(wanted, previous), ceiling)
         return max(_round_down(int(wanted), self.batch_multiple), previous)
 
     @property
@@ -430,6 +444,18 @@ class Adaptive:
         if self.optimizer is not None and optimizer_family(self.optimizer) == "adaptive":
             return "adascale-sqrt"
         return "adascale"
+
+    def efficient_batch(self, noise_scale: float) -> float:
+        """The largest batch whose progress per sample is at least ``min_efficiency``
+        times that at ``initial_batch`` ``B0``, given the noise scale ``Bn``.
+
+        One step at ``B`` with AdaScale's gain does the work of ``r = (1 + Bn/B0) /
+        (1 + Bn/B)`` steps at ``B0`` (McCandlish et al.'s model), so per sample it keeps
+        ``r B0 / B = (B0 + Bn) / (B + Bn)`` of the small batch's progress; that is at
+        least ``e`` up to ``B = (B0 + Bn)/e - Bn``. Infinite without ``min_efficiency``."""
+        if self.min_efficiency is None:
+            return math.inf
+        return (self.initial_batch + noise_scale) / self.min_efficiency - noise_scale
 
     def lr_scale(self, batch: int, noise_scale: float | None, previous: float = 1.0) -> float:
         """The LR scale at ``batch`` (relative to the base LR at ``initial_batch``);

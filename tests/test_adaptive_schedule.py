@@ -202,6 +202,28 @@ def test_auto_lr_rule_follows_the_optimizer_family():
     assert same.resolved_lr_rule == "adascale-sqrt"
 
 
+def test_min_efficiency_bounds_the_batch_by_progress_per_sample():
+    schedule = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=0.8)
+    # (B0 + Bn)/(B + Bn) >= 0.8  <=>  B <= (16 + Bn)/0.8 - Bn = 20 + Bn/4
+    for noise, bound in ((0.0, 20.0), (80.0, 40.0), (400.0, 120.0)):
+        assert schedule.efficient_batch(noise) == pytest.approx(bound)
+        batch = schedule.next_batch(16, noise)
+        assert batch == max(16, min(int(bound), int(noise)))
+        gain = adascale_gain(noise, 16, batch)
+        assert gain * 16 / batch >= 0.8 - 1e-9  # the progress per sample kept
+    # The target still caps it from above, and the batch never shrinks.
+    capped = Adaptive(16, max_batch=4096, max_growth=4.0, target=0.1, min_efficiency=0.8)
+    assert capped.next_batch(16, 400.0) == 40
+    assert schedule.next_batch(64, 80.0) == 64
+    # 1.0: no loss allowed, no growth; None: the target alone (the old rule).
+    assert Adaptive(16, max_batch=4096, min_efficiency=1.0).next_batch(16, 1e6) == 16
+    free = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=None)
+    assert free.next_batch(16, 400.0) == 400 and free.efficient_batch(400.0) == float("inf")
+    for bad in (0.0, 1.5, -0.2, float("nan"), "0.8"):
+        with pytest.raises(dfl.ConfigError, match="min_efficiency"):
+            Adaptive(16, max_batch=64, min_efficiency=bad)
+
+
 def test_warmup_applies_after_the_first_phase():
     phases = drive(Adaptive(8, max_batch=64, warmup_steps=5), 3, [1e9, 1e9])
     assert [p.warmup_steps for p in phases] == [0, 5, 5]
