@@ -44,13 +44,16 @@ def test_calibrate_measures_every_term(calibrated):
     link = model.topology.intra
     assert link.latency_s > 0 and link.bandwidth > 0 and link.source.startswith("calibrated")
     assert model.topology.per_node == 2 and model.topology.inter is None  # one machine
+    assert model.compute.shared[0][0] == 2 and model.compute.shared[0][1] >= 1
+    assert model.sync_overhead_s >= 0 and model.notes["sync_overhead_s"]
     assert model.window_overhead_s > 0 and model.phase_overhead_s > model.window_overhead_s
     assert model.load_samples_per_s > 0
     params = sum(p.numel() * 4 for p in TinyCNN().parameters())
     assert model.gradient_bytes == params and model.memory.parameter_bytes == params
     assert model.memory.optimizer_states == 1  # SGD's momentum buffer
     assert model.memory.activation_bytes_per_sample > 0
-    for term in ("compute", "topology", "load_samples_per_s", "window_overhead_s", "memory"):
+    terms = ("compute", "topology", "load_samples_per_s", "window_overhead_s", "memory", "shared")
+    for term in terms:
         assert model.notes[term]
     assert model.breakdown(replicas=2, global_batch=16).allreduce_s > 0
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
@@ -150,7 +153,7 @@ def test_the_cost_model_imports_without_torch_or_distributed():
 
 def test_replicas_sharing_a_node_slow_each_other_as_measured():
     from dataflow.costmodel import ComputeFit, Link, Topology
-    from dataflow.costmodel.calibration import expected_max, fit_alpha_beta
+    from dataflow.costmodel.calibration import _scale_and_offset, fit_alpha_beta
 
     fit = ComputeFit(points=((8, 0.01), (16, 0.02)), shared=((3, 2.0),))
     assert [fit.slowdown(k) for k in (1, 2, 3, 8)] == [1.0, 1.5, 2.0, 2.0]
@@ -159,6 +162,7 @@ def test_replicas_sharing_a_node_slow_each_other_as_measured():
     assert model.breakdown(replicas=1, global_batch=16).compute_s == pytest.approx(0.02)
     assert model.breakdown(replicas=2, global_batch=32).compute_s == pytest.approx(0.03)
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
-    assert expected_max([[1.0, 3.0], [2.0, 2.0]]) == pytest.approx(2.5, abs=0.1)
+    assert _scale_and_offset([1.0, 3.0], [2.5, 6.5]) == pytest.approx((2.0, 0.5))
+    assert _scale_and_offset([1.0, 3.0], [2.0, 3.9]) == pytest.approx((1.0, 0.95))  # constant
     a, b = fit_alpha_beta({4: 1e-4 + 4e-9, 1 << 20: 1e-4 + (1 << 20) * 1e-9})
     assert a == pytest.approx(1e-4) and b == pytest.approx(1e-9)

@@ -47,14 +47,17 @@ def calibrate(
       worker with the fit's torch threads, at each of ``batch_sizes`` local batches
       (default: three spanning the schedule's local batches on ``replicas``), the
       median of ``repeats`` windows of ``steps`` steps after ``warmup`` steps (the
-      batches take turns, so a burst of other work slows them alike); ``shared``: the
-      slowdown while every worker of the node runs the step at once, the slowest
-      setting the pace;
+      batches take turns, so a burst of other work slows them alike);
       ``backward_fraction`` from the Backward stage's share of it;
     - the collective: the median time of allreduces of ``allreduce_sizes`` bytes with
       the engine's process group over ``replicas`` workers, fitted with
-      ``t(n) = a + b n`` (relative errors) and inverted through the ring closed form
-      for ``W`` ranks: ``α = a / 2(W-1)``, ``β = 2(W-1)/W / b``;
+      ``t(n) = a + b n`` (Theil-Sen) and inverted through the ring closed form for
+      ``W`` ranks: ``α = a / 2(W-1)``, ``β = 2(W-1)/W / b``;
+    - a synchronous step: the pipe run as a fit of those ``W`` replicas at the smallest
+      and largest batch; what its step takes beyond the α-β allreduce, as
+      ``s × t_compute(b) + c``, gives ``compute.shared`` (``s``: replicas sharing a
+      node slow each other) and ``sync_overhead_s`` (``c``: waiting for the slowest,
+      the gradient hooks, the collective's wait loop);
     - the source's read rate (the Load stage alone), the engine's window overhead (a
       Dask round trip on a worker and a window's own work) and phase overhead,
       parameter bytes and activation bytes per sample (what autograd saves).
@@ -82,6 +85,7 @@ def calibrate(
     config = trainer.config
     batches = _batch_sizes(trainer, batch_sizes, world)
     gradient_bytes, parameter_bytes = _parameters(trainer)
+    source = trainer.source
     notes: dict[str, str] = {}
 
     from dataflow.runtime import probe
@@ -104,7 +108,6 @@ def calibrate(
     points = tuple(
         (b, statistics.median(w["compute_s"] for w in per_batch[b]["windows"])) for b in batches
     )
-    shared, notes["shared"] = _shared(client, workers, request, dict(points))
     points = _monotone(points)
     fractions = [w["backward_fraction"] for b in batches for w in per_batch[b]["windows"]]
     backward = statistics.median(fractions)
@@ -151,7 +154,6 @@ def calibrate(
             points=points,
             backward_fraction=backward,
             source=f"calibrated: {where}",
-            shared=shared,
         ),
         gradient_bytes=gradient_bytes,
         topology=topology,
@@ -170,6 +172,7 @@ def calibrate(
         name=name or _model_name(trainer),
         notes=notes,
     )
+    model = _synchronous(client, workers, request, model, source.num_samples)
     if config.window_seconds is None:  # what the fit plans from this model
         from dataflow.costmodel.planning import window_seconds
 
@@ -257,49 +260,84 @@ def _on(client: Any, worker: str, fn: Any, *args: Any) -> Any:
     return future.result()
 
 
-def _shared(
-    client: Any, workers: list[str], request: Any, alone: dict[int, float]
-) -> tuple[tuple[tuple[int, float], ...], str]:
-    """The slowdown of a step while every worker of the first node runs one at once
-    (each its own replica, no collective): the slowest one's median over the same
-    step alone, at the middle batch."""
+def _synchronous(
+    client: Any, workers: list[str], request: Any, model: CostModel, num_samples: int
+) -> CostModel:
+    """``compute.shared`` and ``sync_overhead_s`` from real synchronous steps: the pipe
+    run as a fit of ``W`` replicas (its process group, gradient hooks and allreduce) at
+    the smallest and largest local batch. What a step takes beyond the α-β allreduce is
+    fitted as ``s × t_compute(b) + c``: ``s`` the slowdown of replicas sharing a node,
+    ``c`` a synchronous step's own cost (waiting for the slowest replica, the hooks'
+    copies into buckets, the collective's wait loop)."""
     import dataclasses
 
     from dataflow.runtime import probe
+    from dataflow.runtime.tasks import open_rendezvous
 
-    node = [w for w in workers if _host(w) == _host(workers[0])]
-    if len(node) < 2:
-        return (), "not measured: one worker on the node"
-    batch = request.batches[len(request.batches) // 2]
-    together = dataclasses.replace(request, batches=(batch,), memory=False)
+    world = len(workers)
+    notes = dict(model.notes)
+    if world < 2:
+        notes["sync_overhead_s"] = "not measured: one worker, no synchronous step"
+        return model.replace(notes=notes)
+    cap = num_samples // world
+    sizes = sorted({b for b in (request.batches[0], request.batches[-1]) if b <= cap})
+    if not sizes:
+        notes["sync_overhead_s"] = f"not measured: too few samples for {world} replicas"
+        return model.replace(notes=notes)
+    run_id = f"calibrate-{uuid.uuid4().hex[:8]}"
+    timeout = 60.0
+    host, port = client.submit(
+        open_rendezvous, run_id, world, timeout, workers=[workers[0]], pure=False
+    ).result()
+    together = dataclasses.replace(request, batches=tuple(sizes), memory=False)
     futures = [
         client.submit(
-            probe.time_steps, together, workers=[w], allow_other_workers=False, pure=False
+            probe.time_steps,
+            together,
+            probe.Group(run_id, rank, world, host, port, timeout),
+            workers=[worker],
+            allow_other_workers=False,
+            pure=False,
         )
-        for w in node
+        for rank, worker in enumerate(workers)
     ]
-    per_worker = [
-        [t for w in r["batches"][batch]["windows"] for t in w["step_compute"]]
-        for r in client.gather(futures)
-    ]
-    slowest = expected_max(per_worker)
-    factor = max(1.0, slowest / alone[batch])
-    note = (
-        f"the step at local batch {batch} run on all {len(node)} workers of "
-        f"{_host(workers[0])} at once (each its own replica, as in a fit): the mean of the "
-        f"slowest one's step (a synchronous step waits for it), {slowest * 1e3:.2f} ms, "
-        f"over the same step alone, {alone[batch] * 1e3:.2f} ms"
+    ranks = client.gather(futures)
+    alone, rest = [], []
+    for b in sizes:
+        step = max(
+            statistics.median(w["compute_s"] for w in r["batches"][b]["windows"]) for r in ranks
+        )
+        exposed = model.breakdown(replicas=world, global_batch=b * world).allreduce_exposed_s
+        alone.append(model.compute.seconds(b))
+        rest.append(step - exposed)
+    slope, extra = _scale_and_offset(alone, rest)
+    local = model.topology.local(world)
+    compute = dataclasses.replace(model.compute, shared=((local, slope),))
+    rows = ", ".join(
+        f"b={b}: {r * 1e3:.2f} ms beyond the allreduce vs {a * 1e3:.2f} ms alone"
+        for b, a, r in zip(sizes, alone, rest, strict=True)
     )
-    return ((len(node), factor),), note
+    notes["shared"] = (
+        f"{world} replicas as one synchronous fit ({rows}): a step beyond the α-β "
+        f"allreduce = s × t_compute(b) + c, s = {slope:.3f} ({local} replicas per node)"
+    )
+    notes["sync_overhead_s"] = f"c = {extra * 1e3:.3f} ms, of the same fit (see shared)"
+    return model.replace(compute=compute, sync_overhead_s=extra, notes=notes)
 
 
-def expected_max(samples: list[list[float]], draws: int = 4000) -> float:
-    """The mean of the largest of one draw from each list (independent replicas in a
-    synchronous step: the step waits for the slowest), by resampling (seeded)."""
-    import random
-
-    pick = random.Random(0).choice
-    return sum(max(pick(s) for s in samples) for _ in range(draws)) / draws
+def _scale_and_offset(alone: list[float], rest: list[float]) -> tuple[float, float]:
+    """``(s, c)`` with ``rest ≈ s × alone + c``, ``s >= 1`` and ``c >= 0`` (two points:
+    through both; one: ``s = 1``)."""
+    pairs = list(zip(alone, rest, strict=True))
+    if len(pairs) == 2 and alone[1] > alone[0]:
+        slope = (rest[1] - rest[0]) / (alone[1] - alone[0])
+        extra = rest[0] - slope * alone[0]
+        if slope >= 1 and extra >= 0:
+            return slope, extra
+        if extra >= 0:  # the extra does not grow with the batch: a constant
+            return 1.0, max(0.0, statistics.mean(r - a for a, r in pairs))
+        return max(1.0, statistics.mean(r / a for a, r in pairs)), 0.0
+    return 1.0, max(0.0, statistics.mean(r - a for a, r in pairs))
 
 
 def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
@@ -312,27 +350,17 @@ def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float],
 
 
 def fit_alpha_beta(times: dict[int, float]) -> tuple[float, float]:
-    """``(a, b)`` of ``t(n) = a + b n`` minimising the relative errors (weights
-    ``1/t²``), so the latency of small messages counts as much as the bandwidth of
-    large ones; ``a, b >= 0``."""
-    pts = [(float(n), float(t)) for n, t in times.items() if t > 0]
+    """``(a, b)`` of ``t(n) = a + b n``, robust to the outliers of a busy machine
+    (Theil-Sen): ``b`` the median slope between sizes of 1 MiB and more (all sizes if
+    fewer than two are), ``a`` the median of ``t - b n``; ``a, b >= 0``."""
+    pts = sorted((int(n), float(t)) for n, t in times.items() if t > 0)
     if not pts:
         raise ConfigError("no allreduce timings to fit")
-    w = [1.0 / t**2 for _, t in pts]
-    sw = sum(w)
-    sx = sum(wi * n for wi, (n, _) in zip(w, pts, strict=True))
-    sy = sum(wi * t for wi, (_, t) in zip(w, pts, strict=True))
-    sxx = sum(wi * n * n for wi, (n, _) in zip(w, pts, strict=True))
-    sxy = sum(wi * n * t for wi, (n, t) in zip(w, pts, strict=True))
-    det = sw * sxx - sx * sx
-    if det <= 0:
-        return sy / sw, 0.0
-    b = (sw * sxy - sx * sy) / det
-    a = (sy - b * sx) / sw
-    if b <= 0:
-        return min(t for _, t in pts), 0.0
-    if a < 0:  # through the origin
-        return 0.0, sxy / sxx
+    large = [p for p in pts if p[0] >= MIB]
+    use = large if len(large) >= 2 else pts
+    slopes = [(t1 - t0) / (n1 - n0) for i, (n0, t0) in enumerate(use) for n1, t1 in use[i + 1 :]]
+    b = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    a = max(0.0, statistics.median(t - b * n for n, t in pts))
     return a, b
 
 
@@ -388,7 +416,7 @@ def _collective(
     table = ", ".join(f"{n} B: {t * 1e6:.0f} us" for n, t in sorted(times.items()))
     note = (
         f"the engine's process group over {world} workers ({where}): median of "
-        f"{repeats} allreduces per size ({table}); t(n) = a + b n fitted (relative errors): "
+        f"{repeats} allreduces per size ({table}); t(n) = a + b n fitted (Theil-Sen): "
         f"a = {a * 1e6:.1f} us, b = {b * 1e9:.3f} ns/B; ring closed form inverted: "
         f"α = a / 2(W-1), β = 2(W-1)/W / b"
     )

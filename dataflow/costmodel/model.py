@@ -35,7 +35,7 @@ FIRST_BUCKET_BYTES = MIB  # as stages/buckets.py and DDP
 @dataclass(frozen=True)
 class StepBreakdown:
     """One predicted step and its terms (seconds). ``step_s`` is
-    ``compute_s + data_wait_s + allreduce_exposed_s + overhead_s``."""
+    ``compute_s + data_wait_s + allreduce_exposed_s + sync_s + overhead_s``."""
 
     replicas: int
     global_batch: int
@@ -47,10 +47,17 @@ class StepBreakdown:
     allreduce_exposed_s: float  # the part that runs past the end of backward
     overhead_s: float  # the engine's per-window cost, per step
     steps_per_window: int
+    sync_s: float = 0.0  # a synchronous step's own cost with several replicas (measured)
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.data_wait_s + self.allreduce_exposed_s + self.overhead_s
+        return (
+            self.compute_s
+            + self.data_wait_s
+            + self.allreduce_exposed_s
+            + self.sync_s
+            + self.overhead_s
+        )
 
     @property
     def samples_per_second(self) -> float:
@@ -69,7 +76,11 @@ class CostModel:
     ``gradient_bytes``: bytes allreduced per step (the trainable parameters);
     ``load_samples_per_s``: one replica's read + transform rate (None: never limits);
     ``window_overhead_s``: the engine's cost per window (a Dask task round trip and the
-    window's bookkeeping); ``phase_overhead_s``: per phase (re-plan, regroup, hand-over).
+    window's bookkeeping); ``phase_overhead_s``: per phase (re-plan, regroup, hand-over);
+    ``sync_overhead_s``: per step with more than one replica, what a synchronous step
+    costs beyond its compute and the α-β allreduce (waiting for the slowest replica, the
+    gradient hooks' copies into the buckets, the collective's wait loop; 0 unless
+    calibrated: :func:`dataflow.costmodel.calibrate` measures it from real steps).
     """
 
     compute: ComputeFit
@@ -80,6 +91,7 @@ class CostModel:
     load_samples_per_s: float | None = None
     window_overhead_s: float = 0.0
     phase_overhead_s: float = 0.0
+    sync_overhead_s: float = 0.0
     window_seconds: float = 1.0
     window_steps: int | None = None
     max_micro_batch: int | None = None
@@ -100,7 +112,7 @@ class CostModel:
             raise ConfigError(
                 f"CostModel(load_samples_per_s={self.load_samples_per_s}): > 0 or None"
             )
-        for name in ("window_overhead_s", "phase_overhead_s"):
+        for name in ("window_overhead_s", "phase_overhead_s", "sync_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"CostModel({name}={getattr(self, name)}): must be >= 0")
         if not self.window_seconds > 0:
@@ -142,7 +154,8 @@ class CostModel:
         total, exposed = exposed_allreduce_seconds(
             buckets, replicas, self.topology, backward_s, self.overlap
         )
-        inner = max(compute_s, load_s) + exposed
+        sync = self.sync_overhead_s if replicas > 1 else 0.0
+        inner = max(compute_s, load_s) + exposed + sync
         if self.window_steps is not None:
             per_window = self.window_steps
         else:
@@ -158,6 +171,7 @@ class CostModel:
             allreduce_exposed_s=exposed,
             overhead_s=self.window_overhead_s / per_window,
             steps_per_window=per_window,
+            sync_s=sync,
         )
 
     def step_seconds(self, *, replicas: int, global_batch: int) -> float:

@@ -66,17 +66,24 @@ def _prepare(threads: int | None, run_id: str) -> dict[str, Any]:
     }
 
 
-def _steps(num_samples: int, batch: int, count: int) -> tuple[Any, ...]:
-    """``count`` full steps of ``batch`` samples (as many epochs as that takes), none
-    the last of its epoch (no evaluation runs in a probe)."""
-    per_epoch = num_samples // batch
+def _steps(num_samples: int, batch: int, count: int, world: int = 1) -> tuple[Any, ...]:
+    """``count`` full steps of ``batch`` samples per replica (as many epochs as that
+    takes), none the last of its epoch (no evaluation runs in a probe)."""
+    per_epoch = num_samples // (batch * world)
     epochs = -(-count // per_epoch)
-    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch)
-    steps = phase_steps(num_samples=num_samples, phase=phase, split=lambda n: (n,), drop_last=True)
+    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch * world)
+    steps = phase_steps(
+        num_samples=num_samples,
+        phase=phase,
+        split=lambda n: (n // world,) * world,
+        drop_last=True,
+    )
     return tuple(dataclasses.replace(s, last_in_epoch=False) for s in steps[:count])
 
 
-def _runtime(probe: StepProbe, order: tuple[str, ...], run_id: str) -> ReplicaRuntime:
+def _runtime(
+    probe: StepProbe, order: tuple[str, ...], run_id: str, group: Group | None = None
+) -> ReplicaRuntime:
     spec = ReplicaSpec(
         run_id=run_id,
         graph=probe.graph.shallow_copy(),
@@ -86,7 +93,10 @@ def _runtime(probe: StepProbe, order: tuple[str, ...], run_id: str) -> ReplicaRu
         threads=probe.threads,
         commit_windows=probe.commit_windows,
     )
-    return ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+    if group is None:
+        return ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+    collective = group.join(probe.threads)
+    return ReplicaRuntime(spec, rank=group.rank, world_size=group.world, collective=collective)
 
 
 class _SavedBytes:
@@ -161,9 +171,10 @@ def _saved_bytes(runtime: ReplicaRuntime, steps: tuple[Any, ...]) -> int:
     return counter.total
 
 
-def time_steps(probe: StepProbe) -> dict[str, Any]:
+def time_steps(probe: StepProbe, group: Group | None = None) -> dict[str, Any]:
     """The user's step at each local batch of ``probe`` on this worker (see
-    :class:`StepProbe`), the optimizer's state count and the activation bytes.
+    :class:`StepProbe`), the optimizer's state count and the activation bytes; with
+    ``group``, as one replica of a synchronous fit (every rank runs this at once).
 
     The batches take turns: ``repeats`` rounds, each one window per batch (after
     ``warmup`` steps in the first round, one in the others), so a burst of other work
@@ -176,17 +187,18 @@ def time_steps(probe: StepProbe) -> dict[str, Any]:
     runtime = None
     results: dict[int, Any] = {b: {"windows": []} for b in probe.batches}
     batch = probe.batches[0]
+    world = 1 if group is None else group.world
     try:
         try:
-            runtime = _runtime(probe, probe.order, run_id)
+            runtime = _runtime(probe, probe.order, run_id, group)
             count = probe.warmup + probe.steps
             for round_ in range(probe.repeats):
                 for batch in probe.batches:
-                    steps = _steps(num_samples, batch, count + 1)
+                    steps = _steps(num_samples, batch, count + 1, world)
                     warmup = probe.warmup if round_ == 0 else min(1, probe.warmup)
                     window = _time_window(runtime, probe, steps[:count], loads, warmup)
                     results[batch]["windows"].append(window)
-                    if round_ == 0 and probe.memory:
+                    if round_ == 0 and probe.memory and group is None:
                         results[batch]["saved_bytes"] = _saved_bytes(runtime, steps)
         except DataflowError:
             raise
@@ -202,6 +214,8 @@ def time_steps(probe: StepProbe) -> dict[str, Any]:
     finally:
         if runtime is not None:
             runtime.close()
+            if runtime.context.collective is not None:  # never destroyed mid-wait
+                plugin.retired_groups.append(runtime.context.collective)
         plugin.close_run(run_id)
     return {**info, "batches": results}
 
