@@ -314,6 +314,8 @@ def adaptive_schedule(args: argparse.Namespace, kind: str) -> Any:
         extra["target"] = args.adaptive_target
     if args.adaptive_confirm:
         extra["confirm_growth"] = True
+    if args.adaptive_shrink is not None:
+        extra["may_shrink"] = args.adaptive_shrink == "on"
     if args.adaptive_min_efficiency is not None:
         extra["min_efficiency"] = args.adaptive_min_efficiency or None
     return Adaptive(B0, max_batch=BMAX, **extra)
@@ -431,6 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive-warmup", type=int, default=None, help="override warmup_steps")
     p.add_argument("--adaptive-target", type=float, default=None, help="override target")
     p.add_argument("--adaptive-confirm", action="store_true", help="confirm_growth=True")
+    p.add_argument("--adaptive-shrink", choices=("on", "off"), help="override may_shrink")
     p.add_argument("--adaptive-min-efficiency", type=float, default=None, help="override (0: None)")
     p.add_argument(
         "--fixed-from",

@@ -21,9 +21,7 @@ from dataflow.noise_scale import adascale_gain
 # (stages use them too); they are re-exported here, their public home.
 __all__ = [
     "ADAPTIVE_LR_RULES",
-    "ADAPTIVE_OPTIMIZERS",
     "LR_RULES",
-    "SGD_OPTIMIZERS",
     "Adaptive",
     "Fixed",
     "PhaseMeasurement",
@@ -31,7 +29,6 @@ __all__ = [
     "Schedule",
     "Stepwise",
     "lr_at",
-    "optimizer_family",
 ]
 
 
@@ -175,36 +172,7 @@ class Stepwise:
         return max(self.batches.values())
 
 
-ADAPTIVE_LR_RULES = ("auto", "adascale", "adascale-sqrt", *sorted(LR_RULES))
-
-# Optimizer families for Adaptive(lr_rule="auto"), by lower-case torch class name: plain
-# and momentum SGD step along the averaged gradient (AdaScale's gain applies); the
-# adaptive ones divide by a running RMS of the gradient, which already shrinks as a
-# larger batch shrinks the noise, so they take the square root of the gain.
-SGD_OPTIMIZERS = frozenset({"sgd", "asgd", "lars"})
-ADAPTIVE_OPTIMIZERS = frozenset(
-    {"adam", "adamw", "adamax", "nadam", "radam", "rmsprop", "adagrad", "adadelta", "lamb"}
-)
-
-
-def optimizer_family(optimizer: object) -> str:
-    """``"sgd"`` or ``"adaptive"`` for an optimizer's name (``"adam"``, ``"SGD"``), its
-    class (``torch.optim.AdamW``) or an instance; ConfigError for one not listed."""
-    name = (
-        optimizer
-        if isinstance(optimizer, str)
-        else getattr(optimizer, "__name__", type(optimizer).__name__)
-    )
-    key = str(name).lower()
-    if key in SGD_OPTIMIZERS:
-        return "sgd"
-    if key in ADAPTIVE_OPTIMIZERS:
-        return "adaptive"
-    raise ConfigError(
-        f"Adaptive(optimizer={optimizer!r}): unknown optimizer {name!r}; give one of "
-        f"{sorted(SGD_OPTIMIZERS | ADAPTIVE_OPTIMIZERS)}, or pick lr_rule='adascale' "
-        "(SGD-like) or 'adascale-sqrt' (Adam-like) yourself"
-    )
+ADAPTIVE_LR_RULES = ("adascale", "adascale-sqrt", *sorted(LR_RULES))
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -267,8 +235,8 @@ class Adaptive:
     max_lr_scale: float | None
     min_measured_steps: int
     confirm_growth: bool
-    optimizer: object
     min_efficiency: float | None
+    may_shrink: bool
 
     def __init__(
         self,
@@ -280,15 +248,15 @@ class Adaptive:
         samples_per_epoch: int | None = None,
         max_growth: float = 2.0,
         target: float = 1.0,
-        lr_rule: str = "auto",
+        lr_rule: str = "adascale",
         lr: float | None = None,
         warmup_steps: int = 0,
         batch_multiple: int = 1,
         max_lr_scale: float | None = None,
         min_measured_steps: int = 20,
         confirm_growth: bool = False,
-        optimizer: object = None,
-        min_efficiency: float | None = None,
+        min_efficiency: float | None = 0.8,
+        may_shrink: bool = True,
     ) -> None:
         # A dataclass field cannot be called max_batch: that is the protocol's method.
         values = {
@@ -306,8 +274,8 @@ class Adaptive:
             "max_lr_scale": max_lr_scale,
             "min_measured_steps": min_measured_steps,
             "confirm_growth": confirm_growth,
-            "optimizer": optimizer,
             "min_efficiency": min_efficiency,
+            "may_shrink": may_shrink,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -394,8 +362,6 @@ class Adaptive:
                 f"Adaptive(min_measured_steps={steps!r}): must be an int >= 0, the measured "
                 "steps an estimate must rest on before the batch follows it (0: any)"
             )
-        if self.optimizer is not None:
-            optimizer_family(self.optimizer)
         if self.min_efficiency is not None:
             _finite_number("min_efficiency", self.min_efficiency)
             if not 0 < self.min_efficiency <= 1:
@@ -403,10 +369,11 @@ class Adaptive:
                     f"Adaptive(min_efficiency={self.min_efficiency}): must be in (0, 1] or "
                     "None, the least progress per sample kept relative to initial_batch"
                 )
-        if not isinstance(self.confirm_growth, bool):
-            raise ConfigError(
-                f"Adaptive(confirm_growth={self.confirm_growth!r}): must be True or False"
-            )
+        for flag in ("confirm_growth", "may_shrink"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(
+                    f"Adaptive({flag}={getattr(self, flag)!r}): must be True or False"
+                )
 
     def __repr__(self) -> str:
         length = (
@@ -420,8 +387,8 @@ class Adaptive:
             f"lr={self.lr}, warmup_steps={self.warmup_steps}, "
             f"batch_multiple={self.batch_multiple}, max_lr_scale={self.max_lr_scale}, "
             f"min_measured_steps={self.min_measured_steps}, "
-            f"confirm_growth={self.confirm_growth}, optimizer={self.optimizer!r}, "
-            f"min_efficiency={self.min_efficiency})"
+            f"confirm_growth={self.confirm_growth}, "
+            f"min_efficiency={self.min_efficiency}, may_shrink={self.may_shrink})"
         )
 
     def next_batch(self, previous: int, noise_scale: float | None) -> int:
@@ -432,18 +399,14 @@ class Adaptive:
         wanted = self.target * noise_scale
         if self.min_efficiency is not None:
             wanted = min(wanted, self.efficient_batch(noise_scale))
+        if self.may_shrink and wanted < previous:
+            # down to the wanted batch, at most ÷max_growth, never below initial_batch;
+            # rounded up to a multiple (initial_batch is one)
+            floor = max(wanted, previous / self.max_growth, self.initial_batch)
+            multiple = self.batch_multiple
+            return min(math.ceil(floor / multiple) * multiple, previous)
         wanted = min(max(wanted, previous), ceiling)
         return max(_round_down(int(wanted), self.batch_multiple), previous)
-
-    @property
-    def resolved_lr_rule(self) -> str:
-        """The rule in force: ``lr_rule``, or for ``"auto"`` ``"adascale-sqrt"`` when
-        ``optimizer`` is an adaptive one (Adam, RMSprop, ...), else ``"adascale"``."""
-        if self.lr_rule != "auto":
-            return self.lr_rule
-        if self.optimizer is not None and optimizer_family(self.optimizer) == "adaptive":
-            return "adascale-sqrt"
-        return "adascale"
 
     def efficient_batch(self, noise_scale: float) -> float:
         """The largest batch whose progress per sample is at least ``min_efficiency``
@@ -460,7 +423,7 @@ class Adaptive:
     def lr_scale(self, batch: int, noise_scale: float | None, previous: float = 1.0) -> float:
         """The LR scale at ``batch`` (relative to the base LR at ``initial_batch``);
         ``previous`` is kept by "adascale" when there is no estimate."""
-        rule = self.resolved_lr_rule
+        rule = self.lr_rule
         if rule in ("adascale", "adascale-sqrt"):
             if noise_scale is None:
                 scale = previous

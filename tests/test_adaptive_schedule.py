@@ -9,15 +9,11 @@ from hypothesis import strategies as st
 
 import dataflow as dfl
 from dataflow.noise_scale import adascale_gain
-from dataflow.schedule import (
-    Adaptive,
-    Fixed,
-    PhaseMeasurement,
-    PhaseSpec,
-    Schedule,
-    Stepwise,
-    optimizer_family,
-)
+from dataflow.schedule import Adaptive, Fixed, PhaseMeasurement, PhaseSpec, Schedule, Stepwise
+
+# The target rule alone, as before min_efficiency and may_shrink: the arithmetic of the
+# target, the growth cap and the LR rules, without the efficiency bound.
+TARGET_ONLY = {"min_efficiency": None, "may_shrink": False}
 
 
 def drive(schedule, epochs, noise_scales, *, steps=40, **engine):
@@ -50,7 +46,7 @@ def test_phases_chain_over_a_whole_fit():
 
 
 def test_batch_follows_target_times_noise_scale_within_bounds():
-    schedule = Adaptive(100, max_batch=1000, max_growth=3.0, target=0.5)
+    schedule = Adaptive(100, max_batch=1000, max_growth=3.0, target=0.5, **TARGET_ONLY)
     # 0.5 × 500 = 250 is within [100, 300]: taken as is.
     assert [p.global_batch for p in drive(schedule, 2, [500.0])] == [100, 250]
     # 0.5 × 100 = 50 is below the current batch: the batch never shrinks.
@@ -90,7 +86,11 @@ def test_batch_multiple_rounds_down_but_never_below_the_current_batch():
 def test_growth_is_bounded_monotone_and_capped(initial, extra, growth, multiple, noise):
     initial = initial * multiple
     schedule = Adaptive(
-        initial, max_batch=initial + extra, max_growth=growth, batch_multiple=multiple
+        initial,
+        max_batch=initial + extra,
+        max_growth=growth,
+        batch_multiple=multiple,
+        **TARGET_ONLY,
     )
     batches = [p.global_batch for p in drive(schedule, len(noise) + 1, noise)]
     assert batches[0] == initial
@@ -111,53 +111,58 @@ def test_growth_is_bounded_monotone_and_capped(initial, extra, growth, multiple,
 
 def test_lr_rules():
     noise = [1e9, 1e9, 1e9]  # noise dominates: AdaScale scales linearly
-    adascale = drive(Adaptive(32, max_batch=1024), 4, noise)
+    adascale = drive(Adaptive(32, max_batch=1024, **TARGET_ONLY), 4, noise)
     assert [p.global_batch for p in adascale] == [32, 64, 128, 256]
     assert [p.lr_scale for p in adascale] == pytest.approx([1, 2, 4, 8], rel=1e-6)
     assert [p.gain for p in adascale] == [p.lr_scale for p in adascale]
     # A moderate noise scale: the gain from the estimate, relative to the initial batch.
-    moderate = drive(Adaptive(32, max_batch=1024, max_growth=4.0), 2, [100.0])
+    moderate = drive(Adaptive(32, max_batch=1024, max_growth=4.0, **TARGET_ONLY), 2, [100.0])
     assert moderate[1].global_batch == 100
     assert moderate[1].lr_scale == pytest.approx(adascale_gain(100.0, 32, 100))
     assert 1 < moderate[1].lr_scale < 100 / 32
-    linear = drive(Adaptive(32, max_batch=1024, lr_rule="linear", lr=0.1), 4, noise)
+    linear = drive(Adaptive(32, max_batch=1024, lr_rule="linear", lr=0.1, **TARGET_ONLY), 4, noise)
     assert [p.lr_scale for p in linear] == [1.0, 2.0, 4.0, 8.0]
     assert [p.lr for p in linear] == pytest.approx([0.1, 0.2, 0.4, 0.8])
-    sqrt = drive(Adaptive(32, max_batch=1024, lr_rule="sqrt"), 3, noise)
+    sqrt = drive(Adaptive(32, max_batch=1024, lr_rule="sqrt", **TARGET_ONLY), 3, noise)
     assert [p.lr_scale for p in sqrt] == pytest.approx([1.0, 2**0.5, 2.0])
-    capped = drive(Adaptive(32, max_batch=1024, lr_rule="linear", max_lr_scale=3.0), 4, noise)
+    capped = drive(
+        Adaptive(32, max_batch=1024, lr_rule="linear", max_lr_scale=3.0, **TARGET_ONLY), 4, noise
+    )
     assert [p.lr_scale for p in capped] == [1.0, 2.0, 3.0, 3.0]
     assert [p.global_batch for p in capped] == [32, 64, 128, 256]  # the batch is not capped
-    capped_ada = drive(Adaptive(32, max_batch=1024, max_lr_scale=3.0), 4, noise)
+    capped_ada = drive(Adaptive(32, max_batch=1024, max_lr_scale=3.0, **TARGET_ONLY), 4, noise)
     assert [p.lr_scale for p in capped_ada] == pytest.approx([1.0, 2.0, 3.0, 3.0])
-    assert {p.lr_scale for p in drive(Adaptive(32, max_batch=64, lr_rule="none"), 2, noise)} == {
-        1.0
-    }
+    assert {
+        p.lr_scale
+        for p in drive(Adaptive(32, max_batch=64, lr_rule="none", **TARGET_ONLY), 2, noise)
+    } == {1.0}
 
 
 def test_adascale_sqrt_rule_is_the_square_root_of_the_gain():
     # Noise dominates: AdaScale is linear, its square root the sqrt rule.
     noise = [1e9, 1e9, 1e9]
-    phases = drive(Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt"), 4, noise)
+    phases = drive(Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt", **TARGET_ONLY), 4, noise)
     assert [p.global_batch for p in phases] == [32, 64, 128, 256]
     assert [p.lr_scale for p in phases] == pytest.approx([1, 2**0.5, 2, 8**0.5], rel=1e-6)
     assert [p.gain for p in phases] == [p.lr_scale for p in phases]
     # A moderate noise scale: sqrt of AdaScale's gain, between 1 and sqrt(B/B0).
     moderate = drive(
-        Adaptive(32, max_batch=1024, max_growth=4.0, lr_rule="adascale-sqrt"), 2, [100.0]
+        Adaptive(32, max_batch=1024, max_growth=4.0, lr_rule="adascale-sqrt", **TARGET_ONLY),
+        2,
+        [100.0],
     )
     assert moderate[1].lr_scale == pytest.approx(adascale_gain(100.0, 32, 100) ** 0.5)
     assert 1 < moderate[1].lr_scale < (100 / 32) ** 0.5
     # No noise: no gain; no estimate: the previous scale is kept; the cap applies.
-    quiet = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt")
+    quiet = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt", **TARGET_ONLY)
     assert quiet.lr_scale(64, 0.0) == 1.0
     assert quiet.lr_scale(64, None, previous=1.3) == 1.3
-    capped = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt", max_lr_scale=1.5)
+    capped = Adaptive(32, max_batch=1024, lr_rule="adascale-sqrt", max_lr_scale=1.5, **TARGET_ONLY)
     assert capped.lr_scale(1024, 1e9) == 1.5
 
 
 def test_confirm_growth_follows_a_rise_only_once_two_phases_measured_it():
-    schedule = Adaptive(16, max_batch=1024, confirm_growth=True)
+    schedule = Adaptive(16, max_batch=1024, confirm_growth=True, **TARGET_ONLY)
     # The first estimate is acted on alone (there is no earlier one).
     assert [p.global_batch for p in drive(schedule, 2, [24.0])] == [16, 24]
     # A one-phase spike (500) is not followed: min(500, 30) = 30; a lasting rise is.
@@ -170,58 +175,10 @@ def test_confirm_growth_follows_a_rise_only_once_two_phases_measured_it():
     assert phases[2].lr_scale == pytest.approx(adascale_gain(500.0, 16, 30))
     assert phases[2].noise_scale == 500.0
     # Without confirmation (the default) each estimate is followed at once.
-    eager = Adaptive(16, max_batch=1024)
+    eager = Adaptive(16, max_batch=1024, **TARGET_ONLY)
     assert [p.global_batch for p in drive(eager, 3, [30.0, 500.0])] == [16, 30, 60]
     with pytest.raises(dfl.ConfigError, match="confirm_growth"):
-        Adaptive(16, max_batch=1024, confirm_growth=1)
-
-
-def test_auto_lr_rule_follows_the_optimizer_family():
-    import torch
-
-    noise = [1e9, 1e9, 1e9]  # noise dominates: AdaScale is linear
-    for optimizer in (None, "sgd", "SGD", torch.optim.SGD):
-        schedule = Adaptive(32, max_batch=1024, optimizer=optimizer)
-        assert schedule.lr_rule == "auto" and schedule.resolved_lr_rule == "adascale"
-        assert [p.lr_scale for p in drive(schedule, 4, noise)] == pytest.approx([1, 2, 4, 8])
-    params = [torch.nn.Parameter(torch.zeros(2))]
-    for optimizer in ("adam", "AdamW", torch.optim.RMSprop, torch.optim.Adam(params)):
-        schedule = Adaptive(32, max_batch=1024, optimizer=optimizer)
-        assert schedule.resolved_lr_rule == "adascale-sqrt"
-        scales = [p.lr_scale for p in drive(schedule, 4, noise)]
-        assert scales == pytest.approx([1, 2**0.5, 2, 8**0.5])
-    # An explicit rule wins over the optimizer.
-    assert Adaptive(32, max_batch=64, lr_rule="linear", optimizer="adam").resolved_lr_rule == (
-        "linear"
-    )
-    assert optimizer_family("Adagrad") == "adaptive" and optimizer_family("lars") == "sgd"
-    with pytest.raises(dfl.ConfigError, match=r"optimizer='lbfgs'.*unknown optimizer"):
-        Adaptive(32, max_batch=64, optimizer="lbfgs")
-    # Pure and picklable, like the rest of the schedule.
-    same = pickle.loads(pickle.dumps(Adaptive(32, max_batch=64, optimizer="adam")))
-    assert same.resolved_lr_rule == "adascale-sqrt"
-
-
-def test_min_efficiency_bounds_the_batch_by_progress_per_sample():
-    schedule = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=0.8)
-    # (B0 + Bn)/(B + Bn) >= 0.8  <=>  B <= (16 + Bn)/0.8 - Bn = 20 + Bn/4
-    for noise, bound in ((0.0, 20.0), (80.0, 40.0), (400.0, 120.0)):
-        assert schedule.efficient_batch(noise) == pytest.approx(bound)
-        batch = schedule.next_batch(16, noise)
-        assert batch == max(16, min(int(bound), int(noise)))
-        gain = adascale_gain(noise, 16, batch)
-        assert gain * 16 / batch >= 0.8 - 1e-9  # the progress per sample kept
-    # The target still caps it from above, and the batch never shrinks.
-    capped = Adaptive(16, max_batch=4096, max_growth=4.0, target=0.1, min_efficiency=0.8)
-    assert capped.next_batch(16, 400.0) == 40
-    assert schedule.next_batch(64, 80.0) == 64
-    # 1.0: no loss allowed, no growth; None: the target alone (the old rule).
-    assert Adaptive(16, max_batch=4096, min_efficiency=1.0).next_batch(16, 1e6) == 16
-    free = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=None)
-    assert free.next_batch(16, 400.0) == 400 and free.efficient_batch(400.0) == float("inf")
-    for bad in (0.0, 1.5, -0.2, float("nan"), "0.8"):
-        with pytest.raises(dfl.ConfigError, match="min_efficiency"):
-            Adaptive(16, max_batch=64, min_efficiency=bad)
+        Adaptive(16, max_batch=1024, confirm_growth=1, **TARGET_ONLY)
 
 
 def test_warmup_applies_after_the_first_phase():
