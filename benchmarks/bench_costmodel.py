@@ -147,7 +147,8 @@ def run_model(name: str, client: Any, args: argparse.Namespace) -> dict[str, Any
     print(
         f"  calibrated in {calibration['seconds']:.0f} s (others {others:.2f} cores): compute "
         + ", ".join(f"{b}: {t * 1e3:.1f} ms" for b, t in model.compute.points)
-        + f"; shared {model.compute.shared}; α {model.topology.intra.latency_s * 1e6:.0f} us, "
+        + f"; shared {model.compute.shared}, sync {model.sync_overhead_s * 1e3:.2f} ms; "
+        f"α {model.topology.intra.latency_s * 1e6:.0f} us, "
         f"β {model.topology.intra.bandwidth / 1e9:.2f} GB/s; window overhead "
         f"{model.window_overhead_s * 1e3:.2f} ms",
         flush=True,
@@ -209,6 +210,7 @@ def _cells(row: dict[str, Any], args: argparse.Namespace) -> list[Any]:
         f"{row['error'] * 100:+.1f}",
         f"{p['compute_s'] * 1e3:.2f}",
         f"{p['allreduce_exposed_s'] * 1e3:.2f}",
+        f"{p.get('sync_s', 0.0) * 1e3:.2f}",
         f"{p['overhead_s'] * 1e3:.3f}",
         f"{p['data_wait_s'] * 1e3:.2f}",
         f"{row['steps']}/{row['windows']}",
@@ -218,7 +220,7 @@ def _cells(row: dict[str, Any], args: argparse.Namespace) -> list[Any]:
 
 HEADER = [
     "model", "R", "B", "b", "compare", "pred ms", "meas ms", "err %", "compute",
-    "allreduce", "overhead", "data wait", "steps/win", "others",
+    "allreduce", "sync", "overhead", "data wait", "steps/win", "others",
 ]  # fmt: skip
 
 

@@ -32,7 +32,7 @@ def calibrate(
     *,
     batch_sizes: Sequence[int] | None = None,
     replicas: int | None = None,
-    steps: int = 4,
+    steps: int = 8,
     warmup: int = 3,
     repeats: int = 5,
     allreduce_sizes: Sequence[int] = DEFAULT_SIZES,
@@ -53,8 +53,8 @@ def calibrate(
       the engine's process group over ``replicas`` workers, fitted with
       ``t(n) = a + b n`` (Theil-Sen) and inverted through the ring closed form for
       ``W`` ranks: ``α = a / 2(W-1)``, ``β = 2(W-1)/W / b``;
-    - a synchronous step: the pipe run as a fit of those ``W`` replicas at the smallest
-      and largest batch; what its step takes beyond the α-β allreduce, as
+    - a synchronous step: the pipe run as a fit of those ``W`` replicas at the same
+      batches; what its step takes beyond the α-β allreduce, fitted (Theil-Sen) as
       ``s × t_compute(b) + c``, gives ``compute.shared`` (``s``: replicas sharing a
       node slow each other) and ``sync_overhead_s`` (``c``: waiting for the slowest,
       the gradient hooks, the collective's wait loop);
@@ -265,7 +265,7 @@ def _synchronous(
 ) -> CostModel:
     """``compute.shared`` and ``sync_overhead_s`` from real synchronous steps: the pipe
     run as a fit of ``W`` replicas (its process group, gradient hooks and allreduce) at
-    the smallest and largest local batch. What a step takes beyond the α-β allreduce is
+    the calibration's local batches. What a step takes beyond the α-β allreduce is
     fitted as ``s × t_compute(b) + c``: ``s`` the slowdown of replicas sharing a node,
     ``c`` a synchronous step's own cost (waiting for the slowest replica, the hooks'
     copies into buckets, the collective's wait loop)."""
@@ -280,7 +280,7 @@ def _synchronous(
         notes["sync_overhead_s"] = "not measured: one worker, no synchronous step"
         return model.replace(notes=notes)
     cap = num_samples // world
-    sizes = sorted({b for b in (request.batches[0], request.batches[-1]) if b <= cap})
+    sizes = sorted(b for b in request.batches if b <= cap)
     if not sizes:
         notes["sync_overhead_s"] = f"not measured: too few samples for {world} replicas"
         return model.replace(notes=notes)
@@ -326,18 +326,20 @@ def _synchronous(
 
 
 def _scale_and_offset(alone: list[float], rest: list[float]) -> tuple[float, float]:
-    """``(s, c)`` with ``rest ≈ s × alone + c``, ``s >= 1`` and ``c >= 0`` (two points:
-    through both; one: ``s = 1``)."""
-    pairs = list(zip(alone, rest, strict=True))
-    if len(pairs) == 2 and alone[1] > alone[0]:
-        slope = (rest[1] - rest[0]) / (alone[1] - alone[0])
-        extra = rest[0] - slope * alone[0]
-        if slope >= 1 and extra >= 0:
-            return slope, extra
-        if extra >= 0:  # the extra does not grow with the batch: a constant
-            return 1.0, max(0.0, statistics.mean(r - a for a, r in pairs))
-        return max(1.0, statistics.mean(r / a for a, r in pairs)), 0.0
-    return 1.0, max(0.0, statistics.mean(r - a for a, r in pairs))
+    """``(s, c)`` with ``rest ≈ s × alone + c``, ``s >= 1`` and ``c >= 0``, robust to one
+    disturbed point (Theil-Sen: the median slope between pairs, the median offset)."""
+    pairs = sorted(zip(alone, rest, strict=True))
+    slopes = [
+        (r1 - r0) / (a1 - a0)
+        for i, (a0, r0) in enumerate(pairs)
+        for a1, r1 in pairs[i + 1 :]
+        if a1 > a0
+    ]
+    slope = max(1.0, statistics.median(slopes)) if slopes else 1.0
+    extra = statistics.median(r - slope * a for a, r in pairs)
+    if extra < 0:  # the extra grows with the batch: a slowdown alone
+        return max(1.0, statistics.median(r / a for a, r in pairs)), 0.0
+    return slope, extra
 
 
 def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
