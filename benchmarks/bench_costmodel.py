@@ -266,6 +266,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.1,
         help="cores used by other programs during a fit above which it is rerun (0.1)",
     )
+    p.add_argument("--note", default="", help="a remark saved with the run (how it was run)")
     p.add_argument("--out", help="JSON file (default benchmarks/results/costmodel.json)")
     p.add_argument("--overwrite", action="store_true", help="replace the JSON's earlier runs")
     args = p.parse_args(argv)
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"rows disturbed by other programs (*); {time.perf_counter() - started:.0f} s"
     )
     run = {
+        "note": args.note,
         "args": {k: v for k, v in vars(args).items()},
         "results": results,
         "worst_error": worst,
