@@ -103,7 +103,8 @@ def calibrate(
         device=config.device,
         commit_windows=config.recover_lost_workers,
     )
-    measured = _on(client, workers[0], probe.time_steps, request)
+    shipped = _ship(client, request, workers)  # the graph (and its source) sent once
+    measured = _on(client, workers[0], probe.time_steps, shipped)
     per_batch = measured["batches"]
     points = tuple(
         (b, statistics.median(w["compute_s"] for w in per_batch[b]["windows"])) for b in batches
@@ -120,7 +121,7 @@ def calibrate(
     )
     notes["backward_fraction"] = "the Backward stage's median share of that step"
 
-    read = _on(client, workers[0], probe.read_rate, request)
+    read = _on(client, workers[0], probe.read_rate, shipped)
     notes["load_samples_per_s"] = (
         f"the Load stage alone (read, shuffle buffer, prefetch thread) at {read['batch']} "
         f"samples per batch on {workers[0]}: median seconds per batch"
@@ -255,6 +256,11 @@ def _parameters(trainer: Any) -> tuple[int, int]:
     )
 
 
+def _ship(client: Any, value: Any, workers: list[str]) -> Any:
+    """``value`` on every worker once (a future), not pickled into each task."""
+    return client.scatter(value, workers=list(workers), broadcast=True, hash=False)
+
+
 def _on(client: Any, worker: str, fn: Any, *args: Any) -> Any:
     future = client.submit(fn, *args, workers=[worker], allow_other_workers=False, pure=False)
     return future.result()
@@ -289,7 +295,9 @@ def _synchronous(
     host, port = client.submit(
         open_rendezvous, run_id, world, timeout, workers=[workers[0]], pure=False
     ).result()
-    together = dataclasses.replace(request, batches=tuple(sizes), memory=False)
+    together = _ship(
+        client, dataclasses.replace(request, batches=tuple(sizes), memory=False), workers
+    )
     futures = [
         client.submit(
             probe.time_steps,
