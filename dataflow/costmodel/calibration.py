@@ -404,6 +404,7 @@ def _collective(
             tuple(sizes),
             repeats,
             config.threads_per_replica,
+            config.device,
             workers=[worker],
             allow_other_workers=False,
             pure=False,
@@ -411,7 +412,8 @@ def _collective(
         for rank, worker in enumerate(workers)
     ]
     per_rank = client.gather(futures)
-    times = {n: max(r[n] for r in per_rank) for n in per_rank[0]}
+    times = {n: max(r["times"][n] for r in per_rank) for n in per_rank[0]["times"]}
+    backend = per_rank[0]["backend"]
     a, b = fit_alpha_beta(times)
     alpha = a / (2 * (world - 1))
     beta = 2 * (world - 1) / world / b if b > 0 else 1e12
@@ -419,13 +421,13 @@ def _collective(
     link = Link(
         latency_s=alpha,
         bandwidth=beta,
-        name="measured gloo" if config.device != "cuda" else "measured",
+        name=f"measured {backend}",
         source=f"calibrated: allreduces over {world} workers on {where}",
     )
     inter = None if len(set(hosts)) == 1 else link
     table = ", ".join(f"{n} B: {t * 1e6:.0f} us" for n, t in sorted(times.items()))
     note = (
-        f"the engine's process group over {world} workers ({where}): median of "
+        f"the engine's process group ({backend}) over {world} workers ({where}): median of "
         f"{repeats} allreduces per size ({table}); t(n) = a + b n fitted (Theil-Sen): "
         f"a = {a * 1e6:.1f} us, b = {b * 1e9:.3f} ns/B; ring closed form inverted: "
         f"α = a / 2(W-1), β = 2(W-1)/W / b"

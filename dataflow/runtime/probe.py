@@ -28,15 +28,15 @@ from dataflow.plan import phase_steps
 from dataflow.runtime.collective import Collective, connect_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
-from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec, resolve_device
 from dataflow.runtime.tasks import group_key, worker_host
 from dataflow.stages.backward import Backward
 
 
 @dataclasses.dataclass(frozen=True)
 class StepProbe:
-    """What to time on one worker: ``batches`` (local batch sizes), each as ``warmup``
-    steps left out, then ``repeats`` windows of ``steps`` steps."""
+    """What to time on one worker: ``batches`` (local batch sizes) in ``repeats`` rounds,
+    each one window of ``steps`` steps per batch after ``warmup`` steps left out."""
 
     graph: Any
     order: tuple[str, ...]
@@ -95,7 +95,7 @@ def _runtime(
     )
     if group is None:
         return ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
-    collective = group.join(probe.threads)
+    collective = group.join(probe.threads, probe.device)
     return ReplicaRuntime(spec, rank=group.rank, world_size=group.world, collective=collective)
 
 
@@ -273,7 +273,9 @@ class Group:
     port: int
     timeout_s: float = 60.0
 
-    def join(self, threads: int | None = None) -> Collective:
+    def join(self, threads: int | None = None, device: str = "auto") -> Collective:
+        """This rank's process group, as a fit's replica joins it (gloo on CPU, NCCL on
+        a GPU)."""
         plugin = current_plugin()
         torch.set_num_threads(threads or plugin.worker.state.nthreads)
         key = group_key(self.run_id, 0)
@@ -285,7 +287,7 @@ class Group:
             store,
             rank=self.rank,
             world_size=self.world,
-            device=torch.device("cpu"),
+            device=resolve_device(device, self.rank),
             host=worker_host(),
             timeout_s=self.timeout_s,
             prefix=key,
@@ -295,28 +297,41 @@ class Group:
 
 
 def allreduce_times(
-    group: Group, sizes: tuple[int, ...], repeats: int, threads: int | None = None
-) -> dict[int, float]:
+    group: Group,
+    sizes: tuple[int, ...],
+    repeats: int,
+    threads: int | None = None,
+    device: str = "auto",
+) -> dict[str, Any]:
     """Median seconds of one sum-allreduce of each of ``sizes`` bytes (float32) with
-    the engine's own :class:`~dataflow.runtime.collective.Collective` (gloo on CPU)."""
+    the engine's own :class:`~dataflow.runtime.collective.Collective` (gloo on CPU,
+    NCCL on a GPU), on the device a fit's replica would use."""
     plugin = current_plugin()
-    collective = group.join(threads)
+    collective = group.join(threads, device)
+    where = collective.device
     out: dict[int, float] = {}
     try:
         for size in sizes:
-            tensor = torch.zeros(max(1, size // 4), dtype=torch.float32)
+            tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=where)
             for _ in range(3):  # warm-up (buffers, connections)
                 collective.allreduce(tensor)
             times = []
             for _ in range(repeats):
-                collective.allreduce(torch.zeros(1))  # line the ranks up
+                collective.allreduce(torch.zeros(1, device=where))  # line the ranks up
+                _synchronize(where)
                 t = time.perf_counter()
                 collective.allreduce(tensor)
+                _synchronize(where)
                 times.append(time.perf_counter() - t)
             out[size] = statistics.median(times)
     finally:
         plugin.retired_groups.append(collective)  # destroyed with the worker, never mid-wait
-    return out
+    return {"times": out, "backend": collective.backend}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def noop(previous: Any = None) -> int:
