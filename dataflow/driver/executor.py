@@ -140,7 +140,7 @@ class Executor:
         else:
             error = future.exception()
             if not isinstance(error, NonFiniteError):
-                error = self._root_cause(future, rank)
+                error = self._root_cause(future, rank, error)
         non_finite = isinstance(error, NonFiniteError)
         self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite))
 
@@ -165,17 +165,24 @@ class Executor:
         # mid-phase checkpoint state it may carry) past this point.
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
 
-    def _root_cause(self, first: Any, rank: int) -> BaseException:
-        """The first real failure: a peer's "connection closed" is only its echo."""
+    def _root_cause(self, first: Any, rank: int, error: BaseException) -> BaseException:
+        """The first real failure: a peer's "connection closed" is only its echo.
+        ``error`` is ``first``'s, kept in case no future reads as failed any more (a
+        future the scheduler released or lost meanwhile)."""
         futures = {first: (self.generation, rank, -1), **self.windows}
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=FAILURE_GRACE_S)
         failed = sorted(
             ((window, r), f) for f, (_, r, window) in futures.items() if f.status == "error"
         )
         real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
+        if not failed:
+            return _wrap_failure(error, rank, self._worker(rank))
         (_, r), future = (real or failed)[0]
-        return _replica_failure(future, r, self.members[r] if r < len(self.members) else "?")
+        return _replica_failure(future, r, self._worker(r))
+
+    def _worker(self, rank: int) -> str:
+        return self.members[rank] if rank < len(self.members) else "?"
 
     # -- commands -------------------------------------------------------------------------
     def send(self, request: Any, rank: int, *, key: str, after: Any = None, **extra: Any) -> Any:
@@ -443,7 +450,11 @@ def check_client(client: Client) -> None:
 
 
 def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
-    exc = future.exception()
+    return _wrap_failure(future.exception(), rank, worker)
+
+
+def _wrap_failure(exc: BaseException, rank: int, worker: str) -> BaseException:
+    """dataflow's own errors as they are; anything else as a ReplicaError naming where."""
     if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
         return exc
     error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
