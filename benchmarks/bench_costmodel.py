@@ -124,6 +124,20 @@ def measured(label: str, fn: Any, args: argparse.Namespace) -> tuple[Any, float]
     return value, others
 
 
+def calibration_batches(batches: list[int], args: argparse.Namespace) -> list[int]:
+    """The local batches calibration times. ``--calibrate-at held-out`` (default): none
+    of the local batches the fits run (B/2 ... B): 3/4 of the smallest, the geometric
+    middle and 3/2 of the largest, so every validated point is a prediction between or
+    beyond measured ones, not a re-measurement. ``same``: the fits' own batches."""
+    local = sorted({max(1, b // 2) for b in batches} | set(batches))
+    if args.calibrate_at == "same":
+        return local
+    low, high = local[0], local[-1]
+    picks = {max(1, round(0.75 * low)), round(math.sqrt(low * high)), round(1.5 * high)}
+    picks -= set(local)
+    return sorted(picks)
+
+
 def run_model(name: str, client: Any, args: argparse.Namespace) -> dict[str, Any]:
     batches = args.batches[name]
     work = workload(name, args.samples[name])
@@ -135,7 +149,7 @@ def run_model(name: str, client: Any, args: argparse.Namespace) -> dict[str, Any
         lambda: calibrate(
             pipeline(work, mid, 2),
             client,
-            batch_sizes=sorted({max(1, batches[0] // 2), *batches}),
+            batch_sizes=calibration_batches(batches, args),
         ),
         args,
     )
@@ -246,6 +260,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fieldnet-batches", type=parse_batches, default=[32, 64, 128], help="32,64,128"
     )
     p.add_argument("--cosmoflow-batches", type=parse_batches, default=[8, 16, 32], help="8,16,32")
+    p.add_argument(
+        "--calibrate-at",
+        choices=("held-out", "same"),
+        default="held-out",
+        help="calibrate at local batches the fits do not run (held-out, default: 3/4 of "
+        "the smallest, the geometric middle, 3/2 of the largest) or at the fits' own (same)",
+    )
     p.add_argument(
         "--compare",
         choices=("global", "local", "both"),
