@@ -29,8 +29,14 @@ LocalCluster (1 thread per worker, 2 replicas, reused by every fit):
 Targets: the adaptive mean within 0.5 points of the fixed mean on every dataset x
 optimizer, with >= 2x fewer optimizer steps.
 
-    python benchmarks/bench_adaptive_heldout.py            # full: 3 seeds, ~20 min on 2 cores
-    python benchmarks/bench_adaptive_heldout.py --quick    # smoke test: 1 seed, few epochs
+Fits are deterministic for a seed, so ``--fixed-from`` can reuse an earlier run's
+Fixed(B0) fits (same epochs and lr0) while Adaptive is changed. The ``--adaptive-*``
+switches change one of Adaptive's arguments, for diagnosis only (the targets are about
+its defaults).
+
+    python benchmarks/bench_adaptive_heldout.py            # 3 seeds, ~10 min on 2 idle cores
+    python benchmarks/bench_adaptive_heldout.py --seeds 5  # the reported table
+    python benchmarks/bench_adaptive_heldout.py --quick    # smoke test: 1 seed, ~1 min
     python benchmarks/bench_adaptive_heldout.py --tune     # the LR sweep of Fixed(B0), 1 seed
 """
 

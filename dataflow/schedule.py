@@ -179,19 +179,39 @@ ADAPTIVE_LR_RULES = ("adascale", "adascale-sqrt", *sorted(LR_RULES))
 class Adaptive:
     """The auto-tuner: grows the global batch toward the measured gradient noise scale.
 
-    Phase 0 runs at ``initial_batch``. During each phase the driver estimates the
+    Phase 0 runs at ``initial_batch`` ``B0``. During each phase the driver estimates the
     noise scale ``B_noise`` (:class:`dataflow.noise_scale.NoiseScaleTracker`, the
-    critical batch size of McCandlish et al. 2018). At the boundary the next batch is
-    ``target × B_noise`` clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]``,
-    rounded down to a multiple of ``batch_multiple``: the batch never shrinks, grows by
-    at most ``max_growth`` per phase, and stays at ``B_prev`` without a trusted estimate.
-    ``target=1`` trains at the critical batch (about 2× the minimum steps and 2× the
-    minimum samples); a smaller target favours samples, a larger one steps.
+    critical batch size of McCandlish et al. 2018). At the boundary the wanted batch is
+    the smaller of ``target × B_noise`` and, with ``min_efficiency`` (default 0.8), the
+    largest batch that keeps that fraction of the small batch's progress per sample,
+    ``(B0 + B_noise)/min_efficiency − B_noise`` (:meth:`efficient_batch`; 20 + B_noise/4
+    at B0 = 16). It is clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]`` and
+    rounded down to a multiple of ``batch_multiple``; with ``may_shrink`` (default True)
+    a wanted batch below ``B_prev`` is followed down, by at most ``÷max_growth`` per
+    phase and never below ``B0`` (rounded up to a multiple). Without a trusted estimate
+    the batch stays at ``B_prev``. ``target=1`` trains at the critical batch (about 2×
+    the minimum steps and 2× the minimum samples); a smaller target favours samples, a
+    larger one steps.
+
+    Why the efficiency bound: one step at ``B`` with AdaScale's gain ``r`` does the
+    work of ``r`` steps at ``B0``, so an epoch at ``B`` does ``r B0/B = (B0 + B_noise)/
+    (B + B_noise)`` of an epoch at ``B0``'s progress. At ``target=1`` alone that is about
+    one half: fine when the small batch has epochs to spare, but at equal epochs a task
+    that is still learning at the end (a regression, a noisy 1D signal) ends ~2 to 17
+    points lower (benchmarks/bench_adaptive_heldout.py). With 0.8 the batch still grows
+    to ``≈ B_noise/4`` where noise dominates (e.g. 16 → 70 at ``B_noise = 200``), and
+    stays near ``B0`` where it does not (the step savings then are small, honestly so).
+    Why shrinking: the noise scale is not monotone (in a regression it can fall from
+    ~100 in the first epochs to ~5 once the coarse fit is done), and a batch that can
+    never come back down locks in an early overestimate for the rest of the fit.
+    ``min_efficiency=None, may_shrink=False`` is the earlier rule (target alone,
+    monotone batch). ``confirm_growth=True`` (default off) grows only toward the smaller
+    of the last two estimates, so a one-phase spike is not followed.
 
     An estimate is trusted once it rests on at least ``min_measured_steps`` measured
     steps (default 20, about the tracker's smoothing horizon): an estimate from a few
-    steps can be off by orders of magnitude, and since the batch never shrinks, acting
-    on it would lock in a batch that is too big. Until then the batch and the LR are
+    steps can be off by orders of magnitude, and acting on it would set a batch that is
+    far too big. Until then the batch and the LR are
     kept (``noise_scale`` of the phase is None) and measuring goes on.
 
     Phase length: ``epochs_per_phase`` epochs (default 1), or ``steps_per_phase=N``: the
@@ -213,6 +233,11 @@ class Adaptive:
       gain is recomputed at each boundary from the latest estimate (measured at the
       previous batch, close to the new one since growth is bounded); without a trusted
       estimate the previous phase's scale is kept.
+    - ``"adascale-sqrt"``: the square root of that gain, between 1 and ``sqrt(B/B0)``
+      (the sqrt rule's analogue for Adam-like optimizers, whose RMS normalisation
+      already grows the step as the batch cuts the noise). Measured at equal epochs it
+      did worse than ``"adascale"`` with Adam too (fewer, smaller steps: less progress),
+      so it is not the default.
     - ``"linear"``, ``"sqrt"``, ``"none"``: the Stepwise rules on ``B/B0``.
 
     Every rule is capped at ``max_lr_scale`` when given. Each phase after the first
