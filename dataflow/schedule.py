@@ -187,8 +187,9 @@ class Adaptive:
     ``(B0 + B_noise)/min_efficiency − B_noise`` (:meth:`efficient_batch`; 20 + B_noise/4
     at B0 = 16). It is clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]`` and
     rounded down to a multiple of ``batch_multiple``; with ``may_shrink`` (default True)
-    a wanted batch below ``B_prev`` is followed down, by at most ``÷max_growth`` per
-    phase and never below ``B0`` (rounded up to a multiple). Without a trusted estimate
+    a wanted batch more than ``max_growth`` times below ``B_prev`` is followed down to
+    it, never below ``B0`` (rounded up to a multiple); within that band the batch
+    stays, so the estimate's noise does not move it up and down. Without a trusted estimate
     the batch stays at ``B_prev``. ``target=1`` trains at the critical batch (about 2×
     the minimum steps and 2× the minimum samples); a smaller target favours samples, a
     larger one steps.
@@ -424,10 +425,11 @@ class Adaptive:
         wanted = self.target * noise_scale
         if self.min_efficiency is not None:
             wanted = min(wanted, self.efficient_batch(noise_scale))
-        if self.may_shrink and wanted < previous:
-            # down to the wanted batch, at most ÷max_growth, never below initial_batch;
-            # rounded up to a multiple (initial_batch is one)
-            floor = max(wanted, previous / self.max_growth, self.initial_batch)
+        if self.may_shrink and wanted * self.max_growth < previous:
+            # more than max_growth too big (a band as wide as one step of growth, so the
+            # estimate's noise does not move it up and down): straight to the wanted
+            # batch, never below initial_batch, rounded up to a multiple
+            floor = max(wanted, self.initial_batch)
             multiple = self.batch_multiple
             return min(math.ceil(floor / multiple) * multiple, previous)
         wanted = min(max(wanted, previous), ceiling)

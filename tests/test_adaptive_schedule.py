@@ -181,6 +181,63 @@ def test_confirm_growth_follows_a_rise_only_once_two_phases_measured_it():
         Adaptive(16, max_batch=1024, confirm_growth=1, **TARGET_ONLY)
 
 
+def test_min_efficiency_bounds_the_batch_by_progress_per_sample():
+    schedule = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=0.8)
+    # (B0 + Bn)/(B + Bn) >= 0.8  <=>  B <= (16 + Bn)/0.8 - Bn = 20 + Bn/4
+    for noise, bound in ((0.0, 20.0), (80.0, 40.0), (400.0, 120.0)):
+        assert schedule.efficient_batch(noise) == pytest.approx(bound)
+        batch = schedule.next_batch(16, noise)
+        assert batch == max(16, min(int(bound), int(noise)))
+        gain = adascale_gain(noise, 16, batch)
+        assert gain * 16 / batch >= 0.8 - 1e-9  # the progress per sample kept
+    # The target still caps it from above.
+    capped = Adaptive(16, max_batch=4096, max_growth=4.0, target=0.1, min_efficiency=0.8)
+    assert capped.next_batch(16, 400.0) == 40
+    # 1.0: no loss allowed, no growth; None: the target alone (the old rule).
+    assert Adaptive(16, max_batch=4096, min_efficiency=1.0).next_batch(16, 1e6) == 16
+    free = Adaptive(16, max_batch=4096, max_growth=100.0, min_efficiency=None)
+    assert free.next_batch(16, 400.0) == 400 and free.efficient_batch(400.0) == float("inf")
+    for bad in (0.0, 1.5, -0.2, float("nan"), "0.8"):
+        with pytest.raises(dfl.ConfigError, match="min_efficiency"):
+            Adaptive(16, max_batch=64, min_efficiency=bad)
+
+
+def test_defaults_bound_by_efficiency_and_may_shrink():
+    schedule = Adaptive(16, max_batch=512)
+    assert schedule.min_efficiency == 0.8 and schedule.may_shrink is True
+    assert schedule.lr_rule == "adascale" and schedule.confirm_growth is False
+    # noise dominates: doubling per phase up to 1.25 B0 + B_noise/4
+    phases = drive(schedule, 6, [2000.0] * 5)
+    assert [p.global_batch for p in phases] == [16, 32, 64, 128, 256, 512]
+    # B_noise = 200: at most 20 + 50 = 70
+    assert [p.global_batch for p in drive(schedule, 4, [200.0] * 3)] == [16, 32, 64, 70]
+
+
+def test_may_shrink_follows_a_noise_scale_that_fell_by_more_than_max_growth():
+    schedule = Adaptive(16, max_batch=4096, min_efficiency=0.8, may_shrink=True)
+    # at 64 the bound falls to 20 + 80/4 = 40: within a factor max_growth = 2, kept
+    assert schedule.next_batch(64, 80.0) == 64
+    # to min(30, 20 + 30/4) = 27.5: more than 2x below, straight down to it (rounded up)
+    assert schedule.next_batch(64, 30.0) == 28
+    # never below initial_batch
+    assert schedule.next_batch(256, 0.0) == 16
+    assert Adaptive(16, max_batch=4096, may_shrink=True, target=0.5).next_batch(64, 0.0) == 16
+    # no estimate: kept
+    assert schedule.next_batch(64, None) == 64
+    # a multiple: rounded up, never above the current batch
+    multiple = Adaptive(32, max_batch=4096, batch_multiple=32, min_efficiency=0.8, may_shrink=True)
+    assert multiple.next_batch(128, 50.0) == 64  # min(50, 40 + 12.5) = 50 -> 64
+    phases = drive(schedule, 6, [400.0, 400.0, 400.0, 30.0, 30.0])
+    assert [p.global_batch for p in phases] == [16, 32, 64, 120, 28, 28]
+    # the LR follows the batch both ways (AdaScale's gain at the chosen batch)
+    assert phases[-1].lr_scale == pytest.approx(adascale_gain(30.0, 16, 28))
+    # off: the batch never shrinks
+    keep = Adaptive(16, max_batch=4096, min_efficiency=0.8, may_shrink=False)
+    assert keep.next_batch(64, 0.0) == 64
+    with pytest.raises(dfl.ConfigError, match="may_shrink"):
+        Adaptive(16, max_batch=64, may_shrink="yes")
+
+
 def test_warmup_applies_after_the_first_phase():
     phases = drive(Adaptive(8, max_batch=64, warmup_steps=5), 3, [1e9, 1e9])
     assert [p.warmup_steps for p in phases] == [0, 5, 5]
