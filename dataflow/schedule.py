@@ -175,12 +175,6 @@ class Stepwise:
 ADAPTIVE_LR_RULES = ("adascale", "adascale-sqrt", *sorted(LR_RULES))
 
 
-# Adaptive(may_shrink=True) moves a batch down once it keeps less than min_efficiency
-# minus this of the small batch's progress per sample (0.7 at the default 0.8): growth
-# stops at 0.8, so estimates that wobble within the band leave the batch alone.
-SHRINK_MARGIN = 0.1
-
-
 @dataclass(frozen=True, init=False, repr=False)
 class Adaptive:
     """The auto-tuner: grows the global batch toward the measured gradient noise scale.
@@ -193,11 +187,8 @@ class Adaptive:
     ``(B0 + B_noise)/min_efficiency − B_noise`` (:meth:`efficient_batch`; 20 + B_noise/4
     at B0 = 16). It is clamped to ``[B_prev, min(B_prev × max_growth, max_batch)]`` and
     rounded down to a multiple of ``batch_multiple``; with ``may_shrink`` (default True)
-    the batch drops to a smaller wanted batch (never below ``B0``, rounded up to a
-    multiple) once ``B_prev`` keeps less than ``min_efficiency - SHRINK_MARGIN`` (0.7)
-    of the small batch's progress per sample (:meth:`too_big`) by the last two
-    estimates; within that band, or on one low estimate, it stays, so the estimate's
-    noise does not move it up and down. Without a trusted estimate
+    a wanted batch below ``B_prev`` is followed down, by at most ``÷max_growth`` per
+    phase and never below ``B0`` (rounded up to a multiple). Without a trusted estimate
     the batch stays at ``B_prev``. ``target=1`` trains at the critical batch (about 2×
     the minimum steps and 2× the minimum samples); a smaller target favours samples, a
     larger one steps.
@@ -425,26 +416,18 @@ class Adaptive:
             f"min_efficiency={self.min_efficiency}, may_shrink={self.may_shrink})"
         )
 
-    def next_batch(
-        self, previous: int, noise_scale: float | None, earlier: float | None = None
-    ) -> int:
-        """The batch after a phase at ``previous`` that measured ``noise_scale``;
-        ``earlier``, the estimate before it (None: unknown), must agree that
-        ``previous`` is too big before the batch shrinks."""
+    def next_batch(self, previous: int, noise_scale: float | None) -> int:
+        """The batch after a phase at ``previous`` that measured ``noise_scale``."""
         if noise_scale is None:
             return previous
         ceiling = min(previous * self.max_growth, self.max_batch_size)
         wanted = self.target * noise_scale
         if self.min_efficiency is not None:
             wanted = min(wanted, self.efficient_batch(noise_scale))
-        if (
-            self.may_shrink
-            and wanted < previous
-            and self.too_big(previous, noise_scale)
-            and (earlier is None or self.too_big(previous, earlier))
-        ):
-            # straight to the wanted batch, never below initial_batch, rounded up
-            floor = max(wanted, self.initial_batch)
+        if self.may_shrink and wanted < previous:
+            # down to the wanted batch, at most ÷max_growth, never below initial_batch;
+            # rounded up to a multiple (initial_batch is one)
+            floor = max(wanted, previous / self.max_growth, self.initial_batch)
             multiple = self.batch_multiple
             return min(math.ceil(floor / multiple) * multiple, previous)
         wanted = min(max(wanted, previous), ceiling)
@@ -456,15 +439,6 @@ class Adaptive:
         if batch + noise_scale <= 0:
             return 1.0
         return (self.initial_batch + noise_scale) / (batch + noise_scale)
-
-    def too_big(self, batch: int, noise_scale: float) -> bool:
-        """Whether ``may_shrink`` moves ``batch`` down: its efficiency is below
-        ``min_efficiency - SHRINK_MARGIN`` (a band, so that the estimate's noise does not
-        move the batch up and down); without ``min_efficiency``, the target wants a batch
-        more than ``max_growth`` times smaller."""
-        if self.min_efficiency is None:
-            return self.target * noise_scale * self.max_growth < batch
-        return self.efficiency(batch, noise_scale) < self.min_efficiency - SHRINK_MARGIN
 
     def efficient_batch(self, noise_scale: float) -> float:
         """The largest batch whose progress per sample is at least ``min_efficiency``
@@ -569,9 +543,7 @@ class Adaptive:
                 gain=1.0,
             )
         noise = self.trusted_noise_scale(measured, previous)
-        batch = self.next_batch(
-            previous.global_batch, self.growth_estimate(noise, previous), previous.noise_scale
-        )
+        batch = self.next_batch(previous.global_batch, self.growth_estimate(noise, previous))
         scale = self.lr_scale(batch, noise, previous.lr_scale)
         epochs = self.phase_epochs(batch, num_samples, drop_last)
         return PhaseSpec(

@@ -213,33 +213,25 @@ def test_defaults_bound_by_efficiency_and_may_shrink():
     assert [p.global_batch for p in drive(schedule, 4, [200.0] * 3)] == [16, 32, 64, 70]
 
 
-def test_may_shrink_moves_a_batch_down_once_its_efficiency_left_the_band():
+def test_may_shrink_follows_a_falling_noise_scale_down_to_the_initial_batch():
     schedule = Adaptive(16, max_batch=4096, min_efficiency=0.8, may_shrink=True)
     assert schedule.efficiency(16, 80.0) == 1.0
-    assert schedule.efficiency(48, 80.0) == pytest.approx(96 / 128)
-    # at 48 with B_noise 80 the bound is 40, but 48 keeps 0.75 >= 0.8 - 0.1: kept
-    assert not schedule.too_big(48, 80.0) and schedule.next_batch(48, 80.0) == 48
-    # at 64 it keeps 0.67 < 0.7: straight down to the bound
-    assert schedule.too_big(64, 80.0) and schedule.next_batch(64, 80.0) == 40
-    # min(30, 20 + 30/4) = 27.5, rounded up
-    assert schedule.next_batch(64, 30.0) == 28
-    # never below initial_batch
-    assert schedule.next_batch(256, 0.0) == 16
+    assert schedule.efficiency(64, 80.0) == pytest.approx(96 / 144)
+    # at 64, the noise scale falls to 80: the bound 20 + 80/4 = 40, reached in one phase
+    assert schedule.next_batch(64, 80.0) == 40
+    # at most ÷max_growth per phase, never below initial_batch
+    assert schedule.next_batch(256, 0.0) == 128
+    assert schedule.next_batch(20, 0.0) == 16
     # no estimate: kept
     assert schedule.next_batch(64, None) == 64
     # a multiple: rounded up, never above the current batch
     multiple = Adaptive(32, max_batch=4096, batch_multiple=32, min_efficiency=0.8, may_shrink=True)
-    assert multiple.next_batch(128, 50.0) == 64  # min(50, 40 + 12.5) = 50 -> 64
-    # One low estimate is not enough: the one before must agree.
-    assert schedule.next_batch(64, 30.0, earlier=400.0) == 64
-    assert schedule.next_batch(64, 30.0, earlier=50.0) == 28
-    phases = drive(schedule, 8, [400.0, 400.0, 400.0, 30.0, 400.0, 30.0, 30.0])
-    assert [p.global_batch for p in phases] == [16, 32, 64, 120, 120, 120, 120, 28]
+    assert multiple.next_batch(128, 5.0) == 64
+    assert multiple.next_batch(64, 100.0) == 64  # 40 + 25 = 65 rounds down to 64: kept
+    phases = drive(schedule, 6, [400.0, 400.0, 400.0, 8.0, 8.0])
+    assert [p.global_batch for p in phases] == [16, 32, 64, 120, 60, 30]
     # the LR follows the batch both ways (AdaScale's gain at the chosen batch)
-    assert phases[7].lr_scale == pytest.approx(adascale_gain(30.0, 16, 28))
-    # without min_efficiency: down once the target wants a batch max_growth times smaller
-    plain = Adaptive(16, max_batch=4096, min_efficiency=None, may_shrink=True)
-    assert plain.next_batch(64, 40.0) == 64 and plain.next_batch(64, 20.0) == 20
+    assert phases[-1].lr_scale == pytest.approx(adascale_gain(8.0, 16, 30))
     # off: the batch never shrinks
     keep = Adaptive(16, max_batch=4096, min_efficiency=0.8, may_shrink=False)
     assert keep.next_batch(64, 0.0) == 64
