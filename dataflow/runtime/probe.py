@@ -176,9 +176,10 @@ def time_steps(probe: StepProbe, group: Group | None = None) -> dict[str, Any]:
     :class:`StepProbe`), the optimizer's state count and the activation bytes; with
     ``group``, as one replica of a synchronous fit (every rank runs this at once).
 
-    The batches take turns: ``repeats`` rounds, each one window per batch (after
-    ``warmup`` steps in the first round, one in the others), so a burst of other work
-    on the machine slows every batch's timings alike rather than one batch's all."""
+    The batches take turns: a warm-up round, then ``repeats`` rounds, each one window
+    per batch (after ``warmup`` steps in the warm-up round, one in the others), so a
+    burst of other work on the machine slows every batch's timings alike rather than one
+    batch's all."""
     run_id = f"probe-{uuid.uuid4().hex[:8]}"
     info = _prepare(probe.threads, run_id)
     plugin = current_plugin()
@@ -192,12 +193,16 @@ def time_steps(probe: StepProbe, group: Group | None = None) -> dict[str, Any]:
         try:
             runtime = _runtime(probe, probe.order, run_id, group)
             count = probe.warmup + probe.steps
-            for round_ in range(probe.repeats):
+            # Round 0 is warm-up, not kept: fresh workers run a fit's first steps of each
+            # shape 8-20 % slower (first-touch pages, oneDNN's per-shape primitives), and
+            # a fit is timed long after them.
+            for round_ in range(probe.repeats + 1):
                 for batch in probe.batches:
                     steps = _steps(num_samples, batch, count + 1, world)
                     warmup = probe.warmup if round_ == 0 else min(1, probe.warmup)
                     window = _time_window(runtime, probe, steps[:count], loads, warmup)
-                    results[batch]["windows"].append(window)
+                    if round_ > 0:
+                        results[batch]["windows"].append(window)
                     if round_ == 0 and probe.memory and group is None:
                         results[batch]["saved_bytes"] = _saved_bytes(runtime, steps)
         except DataflowError:
