@@ -331,8 +331,9 @@ def test_bucket_size_minimises_the_exposed_allreduce():
 
 
 def test_prediction_imports_neither_torch_nor_dask():
+    """Nor does the calibration module at import (it imports them inside functions)."""
     code = (
-        "import sys, dataflow.costmodel as cm; "
+        "import sys, dataflow.costmodel as cm, dataflow.costmodel.calibration; "
         "cm.CostModel(compute=cm.ComputeFit(points=((1, 1.0),)), gradient_bytes=1, "
         "topology=cm.Topology(intra=cm.Link(latency_s=0, bandwidth=1))).step_seconds("
         "replicas=2, global_batch=2); "

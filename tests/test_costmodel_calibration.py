@@ -6,8 +6,6 @@ that each term was measured, and what its shape must be."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -137,18 +135,6 @@ def test_a_loss_that_is_not_a_scalar_is_refused(client, data):
 
     with pytest.raises(LossError, match="not a scalar"):
         calibrate(tiny_pipeline(x, y, loss=per_sample), client, **QUICK)
-
-
-def test_the_cost_model_imports_without_torch_or_distributed():
-    code = (
-        "import sys\n"
-        "import dataflow.costmodel.model, dataflow.costmodel.collective\n"
-        "import dataflow.costmodel.compute, dataflow.costmodel.planning\n"
-        "import dataflow.costmodel.calibration\n"
-        "print([m for m in ('torch', 'distributed', 'dask') if m in sys.modules])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 def test_replicas_sharing_a_node_slow_each_other_as_measured():
