@@ -118,6 +118,8 @@ def _scale(args: argparse.Namespace) -> int:
         print(scaling.format_published(scaling.published()))
         return 0
     model = CostModel.load(args.model) if args.model else presets.model(args.preset)
+    if args.network:
+        model = model.with_network(presets.interconnect(args.network), per_node=args.per_node)
     counts = scaling.worker_counts(args.max_workers)
     if args.stepwise or args.adaptive:
         if args.stepwise:
@@ -311,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument(
         "--samples-per-epoch", type=int, default=1_281_167, help="default: ImageNet's"
     )
+    scale.add_argument(
+        "--network",
+        metavar="NAME",
+        help="the link between nodes (an interconnect preset, e.g. ib-hdr): needed to "
+        "predict a model calibrated on one node beyond that node",
+    )
+    scale.add_argument("--per-node", type=int, metavar="N", help="workers per node with --network")
     scale.add_argument("--max-workers", type=int, default=4096, help="default 4096")
     scale.add_argument("--out", metavar="FILE.png", help="write the scaling figure")
     scale.add_argument(

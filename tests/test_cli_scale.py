@@ -59,3 +59,18 @@ def test_unreadable_model_file(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["scale", "--model", str(bad)]) == 1
     assert "not JSON" in capsys.readouterr().err
+
+
+def test_a_one_node_model_scales_with_a_network(tmp_path, capsys):
+    from dataflow.costmodel import ComputeFit, CostModel, Link, Topology
+
+    one_node = CostModel(
+        compute=ComputeFit(points=((16, 0.02), (64, 0.06))),
+        gradient_bytes=1 << 20,
+        topology=Topology(intra=Link(latency_s=1e-4, bandwidth=1e9), per_node=2),
+    ).save(tmp_path / "model.json")
+    assert main(["scale", "--model", str(one_node), "--max-workers", "16"]) == 1
+    assert "--network" in capsys.readouterr().err
+    argv = ["scale", "--model", str(one_node), "--network", "ib-hdr", "--max-workers", "16"]
+    assert main(argv) == 0
+    assert "16" in capsys.readouterr().out

@@ -341,3 +341,23 @@ def test_prediction_imports_neither_torch_nor_dask():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_one_node_calibration_predicts_beyond_the_node_once_given_a_network():
+    calibrated = model(topology=Topology(intra=NVLINK, per_node=2))
+    with pytest.raises(ConfigError, match=r"model\.with_network"):
+        calibrated.step_seconds(replicas=64, global_batch=4096)
+    joined = calibrated.with_network(NETWORK)
+    assert joined.topology.per_node == 2 and joined.topology.inter == NETWORK
+    assert "inter" in joined.notes
+    many = joined.breakdown(replicas=64, global_batch=4096)
+    assert many.allreduce_s == pytest.approx(
+        sum(
+            allreduce_seconds(b, 64, joined.topology)
+            for b in bucket_sizes(joined.gradient_bytes, joined.bucket_bytes, MIB)
+        )
+    )
+    assert joined.with_network(NETWORK, per_node=8).topology.per_node == 8
+    # a slower network costs more
+    slow = calibrated.with_network(Link(latency_s=1e-4, bandwidth=1e9))
+    assert slow.step_seconds(replicas=64, global_batch=4096) > many.step_s

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflow.costmodel import presets
 from dataflow.costmodel.collective import (
     ALGORITHMS,
     Link,
@@ -59,6 +60,7 @@ __all__ = [
     "exposed_allreduce_seconds",
     "fit_line",
     "goodput",
+    "presets",
     "ring_seconds",
     "statistical_efficiency",
     "tree_seconds",

@@ -73,7 +73,10 @@ class Topology:
         if self.nodes(replicas) > 1 and self.inter is None:
             raise ConfigError(
                 f"{replicas} replicas at {self.per_node} per node span several nodes, but "
-                "the topology has no inter-node link; give Topology(inter=Link(...))"
+                "the topology has no inter-node link (a calibration on one node cannot "
+                "measure one); give it the network between nodes: "
+                "model.with_network(dataflow.costmodel.presets.interconnect('ib-hdr')), "
+                "`dataflow scale --network ib-hdr`, or Topology(inter=Link(...))"
             )
         return self.inter or self.intra
 

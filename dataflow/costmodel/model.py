@@ -124,6 +124,19 @@ class CostModel:
         """A copy with some terms changed (e.g. ``topology=``, ``bucket_bytes=``)."""
         return dataclasses.replace(self, **changes)
 
+    def with_network(self, inter: Link, *, per_node: int | None = None) -> CostModel:
+        """This model on several nodes joined by ``inter`` (e.g.
+        ``presets.interconnect("ib-hdr")``): what a calibration on one node needs before
+        it predicts more replicas than one node holds. ``per_node``: replicas per node
+        (default: the calibrated node's, at least 1)."""
+        topology = self.topology
+        per_node = per_node or topology.per_node or 1
+        new = Topology(
+            intra=topology.intra, inter=inter, per_node=per_node, algorithm=topology.algorithm
+        )
+        notes = {**self.notes, "inter": f"{inter.name or 'link'}: {inter.source or 'given'}"}
+        return self.replace(topology=new, notes=notes)
+
     # -- predictions ---------------------------------------------------------------------
 
     def breakdown(
