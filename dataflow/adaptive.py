@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
+from dataflow.costmodel.planning import statistical_efficiency
 from dataflow.io.sampler import steps_per_epoch
 from dataflow.noise_scale import adascale_gain
 from dataflow.schedule_rules import LR_RULES, _finite_number, _positive_int, _round_down
@@ -277,10 +278,9 @@ class Adaptive:
 
     def efficiency(self, batch: float, noise_scale: float) -> float:
         """Progress per sample at ``batch`` relative to ``initial_batch`` ``B0``:
-        ``(B0 + B_noise)/(batch + B_noise)`` (1 at ``B0``; see :meth:`efficient_batch`)."""
-        if batch + noise_scale <= 0:
-            return 1.0
-        return (self.initial_batch + noise_scale) / (batch + noise_scale)
+        ``(B0 + B_noise)/(batch + B_noise)``, Pollux's statistical efficiency (1 at ``B0``;
+        see :meth:`efficient_batch`)."""
+        return statistical_efficiency(batch, noise_scale, self.initial_batch)
 
     def efficient_batch(self, noise_scale: float) -> float:
         """The largest batch whose progress per sample is at least ``min_efficiency``

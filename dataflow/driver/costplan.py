@@ -64,6 +64,19 @@ def plan_fit(
     return FitPlan(window_seconds=seconds, bucket_mb=bucket, chosen_by=chosen)
 
 
+def planned_model(config: Any, fit_plan: FitPlan) -> CostModel | None:
+    """The fit's cost model as the fit runs: its window length, bucket size, fixed
+    ``window_steps`` and memory cap (what each phase's prediction uses)."""
+    model = _model(config)
+    if model is None:
+        return None
+    return model.replace(
+        window_seconds=fit_plan.window_seconds,
+        window_steps=config.window_steps,
+        bucket_bytes=max(1, int(fit_plan.bucket_mb * MIB)),
+    )
+
+
 def workers_wanted(config: Any, global_batch: int) -> dict[str, Any]:
     """``scale_with_batch``: how many workers to ask the cluster for at ``global_batch``.
 

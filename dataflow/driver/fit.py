@@ -12,7 +12,7 @@ from distributed import Client
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.driver.checkpoints import CheckpointWriter
-from dataflow.driver.costplan import FitPlan, plan_fit, workers_wanted
+from dataflow.driver.costplan import FitPlan, planned_model, workers_wanted
 from dataflow.driver.executor import Executor, available_workers, check_client
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
@@ -130,8 +130,7 @@ def build_loop(
         seed=config.seed,
         skips_non_finite=trainer.skips_non_finite,
         progress=config.progress,
-        cost_model=config.cost_model,
-        window_steps=config.window_steps,
+        cost_model=planned_model(config, fit_plan),
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)
@@ -170,16 +169,12 @@ def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
     """The window length and the bucket size for this fit (``driver/costplan.py``),
     planned for its first phase on the workers it starts with; the planned bucket size
     goes to the AllReduce stages that left ``bucket_mb`` to the engine."""
-    config = trainer.config
-    reducers = [stage for stage in trainer.graph if stage.kind == kinds.ALLREDUCE]
-    user_bucket = next((r.config.bucket_mb for r in reducers if r.config.bucket_mb), None)
     first = trainer.planner().next_phase(0, epochs, None)
-    replicas = config.replicas or max(1, len(executor.available()))
-    fit_plan = plan_fit(
-        config, user_bucket_mb=user_bucket, replicas=replicas, global_batch=first.global_batch
-    )
-    for reducer in reducers:
-        reducer.planned_bucket_mb = fit_plan.bucket_mb
+    replicas = trainer.config.replicas or max(1, len(executor.available()))
+    fit_plan = trainer.fit_plan(replicas, first.global_batch)
+    for stage in trainer.graph:
+        if stage.kind == kinds.ALLREDUCE:
+            stage.planned_bucket_mb = fit_plan.bucket_mb
     return fit_plan
 
 

@@ -42,12 +42,11 @@ class Recorder:
         skips_non_finite: bool,
         progress: bool,
         cost_model: Any = None,
-        window_steps: int | None = None,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
-        self.cost_model = cost_model  # a CostModel: each phase records its prediction
-        self.window_steps = window_steps  # the fit's, for the prediction
+        # a CostModel with the fit's window and bucket sizes: each phase's prediction
+        self.cost_model = cost_model
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -322,24 +321,15 @@ class Recorder:
         return float(np.median(seconds)) if seconds else None
 
     def _predicted(self, phase: Any, first: Any) -> dict[str, Any] | None:
-        """The cost model's step at this phase's replicas, batch and split, with the
-        window length and bucket size the fit runs (``window_steps``, else
-        ``info["fit_plan"]``)."""
+        """The cost model's step at this phase's replicas, batch and split."""
         model = self.cost_model
         if model is None:
             return None
-        plan = self.history.info.get("fit_plan") or {}
-        changes: dict[str, Any] = {"window_steps": self.window_steps}
-        if plan.get("window_seconds"):
-            changes["window_seconds"] = float(plan["window_seconds"])
-        if plan.get("bucket_mb"):
-            changes["bucket_bytes"] = max(1, int(plan["bucket_mb"] * 2**20))
         local = list(first.local_batches)
         micro = list(first.micro_batches or [1] * len(local))
-        if model.max_micro_batch is None and max(micro) > 1:
+        if model.max_micro_batch is None and max(micro) > 1:  # per-replica caps: as run
             caps = [math.ceil(b / m) for b, m in zip(local, micro, strict=True)]
-            changes["max_micro_batch"] = max(caps)
-        model = model.replace(**changes)
+            model = model.replace(max_micro_batch=max(caps))
         split = local if sum(local) == phase.global_batch else None
         breakdown = model.breakdown(
             replicas=len(local), global_batch=phase.global_batch, local_batches=split
