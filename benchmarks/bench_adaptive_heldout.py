@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import save_run, ship_to_workers, table
+from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
 
 from dataflow.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
 
@@ -84,50 +84,6 @@ TUNE_LRS = {"sgd": (0.003, 0.01, 0.03, 0.1), "adam": (0.0003, 0.001, 0.003)}
 
 
 # -- models and metrics (module level: pickled to the workers by value) ---------------------
-
-
-class DigitsNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-            torch.nn.Flatten(),
-            torch.nn.Linear(32 * 4 * 4, 64),
-            torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class CosmoNet(torch.nn.Module):
-    """log1p of the density contrast, three 3D conv stages, global average pooling."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv3d(1, 8, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(8, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool3d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(32, 32),
-            torch.nn.ReLU(),
-            torch.nn.Linear(32, 2),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.log1p(x))
 
 
 class SignalNet(torch.nn.Module):

@@ -36,41 +36,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CpuMeter, save_run, table, wait_quiet
+from common import CosmoNet, CpuMeter, save_run, ship_to_workers, table, wait_quiet
 
 import dataflow as dfl
 from dataflow.costmodel import calibrate
 from dataflow.runtime.cluster import client_or_local_cluster
 
 BAR = 0.15
-
-
-class CosmoNet(torch.nn.Module):
-    """examples/cosmoflow.py's 3D CNN: three conv stages, global pooling, a small head."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        w = width
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv3d(1, w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(w, 2 * w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(2 * w, 4 * w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool3d(1),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(4 * w, 4 * w),
-            torch.nn.ReLU(),
-            torch.nn.Linear(4 * w, 2),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(torch.log1p(x)))
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:
@@ -301,6 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    ship_to_workers()  # the workers unpickle common's models without importing it
     started = time.perf_counter()
     results: dict[str, Any] = {}
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import save_run, ship_to_workers, table
+from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
 
 from dataflow.datasets import (
     AMPLITUDE_RANGE,
@@ -92,53 +92,6 @@ def write_zarr(arrays: dict[str, Any], root: Path) -> tuple[Any, Any]:
 
 
 # -- the models and metrics (module level: pickled to the workers) --------------------------
-
-
-class DigitsNet(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(32 * 4 * 4, 64),
-            torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-class CosmoNet(torch.nn.Module):
-    """log1p of the density contrast (the Gaussian field, up to a shift), three conv
-    stages, global average pooling (statistics of the field at three scales), a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv3d(1, 8, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(8, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool3d(1),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # in the model, not a Transform stage: Evaluate reads its source untransformed
-        return self.head(self.features(torch.log1p(x)))
 
 
 def mse_a(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,59 @@ def ship_to_workers() -> None:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+class DigitsNet(torch.nn.Module):
+    """The digits benchmarks' 2D CNN (8x8 images, 10 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+        )
+        self.head = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(32 * 4 * 4, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class CosmoNet(torch.nn.Module):
+    """examples/cosmoflow.py's 3D CNN: log1p of the density contrast (in the model, so
+    evaluation, which reads its source untransformed, sees it too), three conv stages,
+    global average pooling (field statistics at three scales), a small head for (A, n)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        w = width
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv3d(1, w, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool3d(2),
+            torch.nn.Conv3d(w, 2 * w, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool3d(2),
+            torch.nn.Conv3d(2 * w, 4 * w, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool3d(1),
+        )
+        self.head = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(4 * w, 4 * w),
+            torch.nn.ReLU(),
+            torch.nn.Linear(4 * w, 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(torch.log1p(x)))
+
+
 # -- the hand-written baseline ---------------------------------------------------------
 
 
