@@ -112,21 +112,12 @@ def cosmology_arrays(n_train: int, n_test: int, side: int = 16, seed: int = 0) -
     standardisation: ``params = y * std + mean``), ``field_variance`` (min, median, max
     of ``var(g)`` over the fields).
     """
-    if isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 2:
-        raise ConfigError(f"cosmology_arrays(n_train={n_train!r}): need an int >= 2")
-    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 1:
-        raise ConfigError(f"cosmology_arrays(n_test={n_test!r}): need an int >= 1")
+    _check_count("cosmology_arrays", "n_train", n_train, 2)
+    _check_count("cosmology_arrays", "n_test", n_test, 1)
     x, params, var = _lognormal_fields(n_train + n_test, side, seed, AMPLITUDE_RANGE, INDEX_RANGE)
-    mean, std = params[:n_train].mean(axis=0), params[:n_train].std(axis=0)
-    y = ((params - mean) / std).astype(np.float32)
     return {
-        "x_train": x[:n_train],
-        "y_train": y[:n_train],
-        "x_test": x[n_train:],
-        "y_test": y[n_train:],
+        **_standardized_split(x, params, n_train),
         "params_test": params[n_train:],
-        "target_mean": mean.tolist(),
-        "target_std": std.tolist(),
         "field_variance": [float(var.min()), float(np.median(var)), float(var.max())],
     }
 
@@ -154,6 +145,21 @@ def digits_arrays(seed: int = 0, test_fraction: float = 0.2) -> dict[str, np.nda
 
 
 SIGNAL_CLASSES = ("sine", "square", "sawtooth", "burst", "chirp-up", "chirp-down")
+
+
+def _standardized_split(x: np.ndarray, params: np.ndarray, n_train: int) -> dict[str, Any]:
+    """The first ``n_train`` samples for training, the rest held out; targets standardised
+    with the training set's mean and std (``params = y * std + mean``)."""
+    mean, std = params[:n_train].mean(axis=0), params[:n_train].std(axis=0)
+    y = ((params - mean) / std).astype(np.float32)
+    return {
+        "x_train": x[:n_train],
+        "y_train": y[:n_train],
+        "x_test": x[n_train:],
+        "y_test": y[n_train:],
+        "target_mean": mean.tolist(),
+        "target_std": std.tolist(),
+    }
 
 
 def _check_count(owner: str, field: str, value: object, low: int) -> int:
@@ -281,13 +287,4 @@ def gratings_arrays(
     _check_count("gratings_arrays", "n_train", n_train, 2)
     _check_count("gratings_arrays", "n_test", n_test, 1)
     x, params = grating_images(n_train + n_test, side, seed)
-    mean, std = params[:n_train].mean(axis=0), params[:n_train].std(axis=0)
-    y = ((params - mean) / std).astype(np.float32)
-    return {
-        "x_train": x[:n_train],
-        "y_train": y[:n_train],
-        "x_test": x[n_train:],
-        "y_test": y[n_train:],
-        "target_mean": mean.tolist(),
-        "target_std": std.tolist(),
-    }
+    return _standardized_split(x, params, n_train)
