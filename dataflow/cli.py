@@ -77,12 +77,29 @@ def _convert(args: argparse.Namespace) -> int:
         chunk_mb=args.chunk_mb,
         zarr_format=args.format,
         overwrite=args.overwrite,
+        spatial_chunks=_spatial_chunks(args.spatial_chunks),
     )
     shapes = ", ".join(f"{name} {shape}" for name, shape in done.shapes.items())
     print(f"wrote {done.dest} ({shapes}) in {time.perf_counter() - started:.1f} s")
     print(f"read it with: {done.snippet()}")
     print(f"check it with: dataflow info {done.dest}")
     return 0
+
+
+def _spatial_chunks(pairs: list[str] | None) -> dict[int | str, int] | None:
+    """``AXIS=LEN`` (an axis of one sample) or ``DIM=LEN`` (a dimension name) pairs."""
+    if not pairs:
+        return None
+    chunks: dict[int | str, int] = {}
+    for pair in pairs:
+        key, _, length = pair.partition("=")
+        if not key or not length.isdigit():
+            raise ConfigError(
+                f"convert(--spatial-chunks {pair}): give AXIS=LEN, e.g. 1=32 to chunk the first "
+                "spatial axis of each sample by 32 (or DIM=LEN with a netCDF dimension name)"
+            )
+        chunks[int(key) if key.isdigit() else key] = int(length)
+    return chunks
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -226,6 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)"
+    )
+    convert.add_argument(
+        "--spatial-chunks",
+        nargs="+",
+        metavar="AXIS=LEN",
+        help="also chunk each sample, for spatial ranks that read one region: AXIS counts in "
+        "one input sample (0 the channels, 1 the first spatial axis), or a netCDF dimension "
+        "name; e.g. 1=32",
     )
     convert.add_argument(
         "--overwrite", action="store_true", help="replace DEST if it is an existing zarr store"

@@ -70,6 +70,7 @@ def convert(
     chunk_mb: float = 8.0,
     zarr_format: int = 3,
     overwrite: bool = False,
+    spatial_chunks: dict[int | str, int] | None = None,
 ) -> Converted:
     """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``.
 
@@ -77,6 +78,9 @@ def convert(
     array, else every variable with the sample dimension); ``y``: the target
     variable (default: ``y`` if present). ``sample_dim``: the dimension that
     indexes samples, a name (netCDF) or an axis number (numpy, HDF5; default 0).
+    ``spatial_chunks``: also chunk each sample for spatial ranks (``to_zarr``'s
+    argument): ``{axis of one x sample: length}``, or ``{dimension name: length}``
+    for netCDF.
     """
     src, dest = Path(src), Path(dest)
     if not src.exists():
@@ -109,6 +113,8 @@ def convert(
     options: dict[str, Any] = {"chunk_mb": chunk_mb}
     if zarr_format != 3:
         options["zarr_format"] = zarr_format
+    if spatial_chunks is not None:
+        options["spatial_chunks"] = spatial_chunks
     if kind == "numpy":
         return _convert_numpy(src, dest, x, y, sample_dim, options)
     if kind == "hdf5" and not isinstance(sample_dim, str) and _has("h5py"):
@@ -203,8 +209,8 @@ def _convert_numpy(
             **options,
         )
         return Converted(dest, _shapes(moved), tuple(names), target, None)
-    dataset = _dataset({k: (v, 0) for k, v in moved.items()})
-    to_zarr(dest, dataset, sample_dim=SAMPLE, **options)
+    arrays = {k: (v, 0) for k, v in moved.items()}
+    to_zarr(dest, _dataset(arrays), sample_dim=SAMPLE, **_named_splits(options, arrays, names))
     return Converted(dest, _shapes(moved), tuple(names), target, SAMPLE)
 
 
@@ -257,10 +263,32 @@ def _convert_h5py(
             axis = _axis(src, sample_dim, tuple(dataset.shape), name)
             chunks = dataset.chunks or "auto"
             arrays[stored[name]] = (da.from_array(dataset, chunks=chunks, lock=True), axis)
+        x_stored = [stored[n] for n in names]
+        options = _named_splits(options, arrays, x_stored)
         to_zarr(dest, _dataset(arrays), sample_dim=SAMPLE, **options)
         shapes = _shapes({k: v for k, (v, _) in arrays.items()})
     x_names = tuple(stored[n] for n in names)
     return Converted(dest, shapes, x_names, stored[target] if target else None, SAMPLE)
+
+
+def _named_splits(options: dict, arrays: dict[str, tuple[Any, int]], x: list[str]) -> dict:
+    """Axis-numbered ``spatial_chunks`` as the dimension names ``_dataset`` gives each x
+    variable (``NAME_dimI``), so only the inputs are split."""
+    spatial = options.get("spatial_chunks")
+    if not spatial or not all(isinstance(k, int) for k in spatial):
+        return options  # named: to_zarr checks the names
+    named = {}
+    for name in x:
+        array, axis = arrays[name]
+        others = [i for i in range(array.ndim) if i != axis]
+        for key, length in spatial.items():
+            if not 0 <= key < len(others):
+                raise ConfigError(
+                    f"convert(spatial_chunks={{{key}: ...}}): {name!r} has {len(others)} axes "
+                    f"per sample; use 0..{len(others) - 1} (0 is the channels)"
+                )
+            named[f"{name}_dim{others[key]}"] = length
+    return {**options, "spatial_chunks": named}
 
 
 def _flat_names(paths: list[str]) -> dict[str, str]:

@@ -13,6 +13,10 @@ sample index go through ``io.chunk_reader`` so each chunk is decoded once:
   inside a Dask worker, where a nested distributed compute would deadlock.
 - :class:`MemoryArrayReader`: a numpy array (or anything ``numpy.asarray`` takes).
 
+A reader may be ``restrict``-ed to a region of every sample (``io.region``): every
+read then selects only that region, so zarr fetches only the chunks it intersects,
+and ``missing`` checks exactly those chunks.
+
 Small arrays beside the inputs (labels, parameters: at most ``RESIDENT_BYTES``)
 are made ``resident`` by the source: read whole on first use and kept, because
 their chunks rarely line up with those of the inputs, and re-decoding a label
@@ -36,6 +40,7 @@ from zarr.core.sync import sync
 
 from dataflow.core.errors import ChunkMissingError, ChunkReadError
 from dataflow.io.chunk_reader import BatchBuffers
+from dataflow.io.region import chunk_range
 
 RESIDENT_BYTES = 64 * 2**20
 SLAB_KEEP = 32
@@ -65,6 +70,7 @@ class ArrayReader:
         self.dtype = np.dtype(array.dtype)
         self.num_samples = self.shape[sample_dim]
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.cuts: dict[int, tuple[int, int]] = {}  # array axis -> [lo, hi): see restrict
         self.resident = False  # set by the source for small arrays beside the inputs
         self._resident: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -72,6 +78,31 @@ class ArrayReader:
     @property
     def bounds(self) -> np.ndarray:
         raise NotImplementedError
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's shape in storage order, sample axis removed, whole (before cuts)."""
+        return tuple(n for a, n in enumerate(self.shape) if a != self.sample_dim)
+
+    @property
+    def read_shape(self) -> tuple[int, ...]:
+        """The array's shape as reads return it (storage order): the cut axes cut."""
+        return tuple(
+            hi - lo for lo, hi in (self.cuts.get(a, (0, n)) for a, n in enumerate(self.shape))
+        )
+
+    def restrict(self, cuts: dict[int, tuple[int, int]]) -> None:
+        """Read only ``[lo, hi)`` along each array axis of ``cuts`` (before the first read)."""
+        self.cuts = dict(cuts)
+        self.nbytes = math.prod(self.read_shape) * self.dtype.itemsize
+
+    def _selection(self, start: int, stop: int) -> tuple[slice, ...]:
+        """Samples ``[start, stop)`` and, on the cut axes, only the cut."""
+        region = [
+            slice(*self.cuts[a]) if a in self.cuts else slice(None) for a in range(len(self.shape))
+        ]
+        region[self.sample_dim] = slice(start, stop)
+        return tuple(region)
 
     def missing(self, chunks: Sequence[int]) -> list[str]:
         """Names of stored objects absent among ``chunks`` (by this array's bounds)."""
@@ -106,8 +137,8 @@ class ArrayReader:
         return [self.read_slab(start, stop) for start, stop in ranges]
 
     def empty(self) -> np.ndarray:
-        """No samples, with this array's sample shape and (native) dtype."""
-        shape = list(self.shape)
+        """No samples, with this array's sample shape as read and (native) dtype."""
+        shape = list(self.read_shape)
         shape.pop(self.sample_dim)
         return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
 
@@ -133,8 +164,13 @@ class ZarrArrayReader(ArrayReader):
         return f"{self.array.path}/{key}" if self.array.path else key
 
     def _grid(self, chunks: Sequence[int]) -> list[tuple[int, ...]]:
+        """Coordinates of the stored objects a read of ``chunks`` (along the sample dim)
+        touches: across the other axes, all of them, or on a cut axis those it intersects."""
         unit = self.array.shards or self.array.chunks
-        grid: list[Any] = [range(math.ceil(s / c)) for s, c in zip(self.shape, unit, strict=True)]
+        grid: list[Any] = [
+            chunk_range(*self.cuts.get(a, (0, s)), c)
+            for a, (s, c) in enumerate(zip(self.shape, unit, strict=True))
+        ]
         coords = []
         for chunk in chunks:
             grid[self.sample_dim] = [chunk]
@@ -152,14 +188,9 @@ class ZarrArrayReader(ArrayReader):
 
         return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
 
-    def _region(self, start: int, stop: int) -> tuple[Any, ...]:
-        region: list[Any] = [slice(None)] * len(self.shape)
-        region[self.sample_dim] = slice(start, stop)
-        return tuple(region)
-
     def _read(self, start: int, stop: int) -> np.ndarray:
         try:
-            return self.array[self._region(start, stop)]
+            return self.array[self._selection(start, stop)]
         except Exception as exc:
             self._raise_read_error(start, stop, exc)
             raise  # unreachable: _raise_read_error always raises
@@ -176,7 +207,7 @@ class ZarrArrayReader(ArrayReader):
         async def read_all() -> list[Any]:
             return await asyncio.gather(
                 *(
-                    array.get_orthogonal_selection(self._region(start, stop), out=out)
+                    array.get_orthogonal_selection(self._selection(start, stop), out=out)
                     for (start, stop), out in zip(ranges, outs, strict=True)
                 )
             )
@@ -198,16 +229,22 @@ class ZarrArrayReader(ArrayReader):
         is the slab as is: samples first, native byte order, C order."""
         if self.sample_dim != 0 or not self.dtype.isnative or self.array.order != "C":
             return None
-        return NDBuffer.from_numpy_array(self.slabs.take_array(rows, self.shape[1:], self.dtype))
+        shape = self.read_shape[1:]
+        return NDBuffer.from_numpy_array(self.slabs.take_array(rows, shape, self.dtype))
 
     def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
         """Re-read object by object to name the one that fails to decode."""
         unit = self.array.shards or self.array.chunks
         first, last = start // self.unit, (stop - 1) // self.unit
         for coords in self._grid(range(first, last + 1)):
-            region = tuple(
-                slice(i * u, min((i + 1) * u, s))
-                for i, u, s in zip(coords, unit, self.shape, strict=True)
+            region = tuple(  # the chunk, within the cut where there is one
+                slice(max(i * u, lo), min((i + 1) * u, hi))
+                for i, u, (lo, hi) in zip(
+                    coords,
+                    unit,
+                    (self.cuts.get(a, (0, s)) for a, s in enumerate(self.shape)),
+                    strict=True,
+                )
             )
             try:
                 self.array[region]
@@ -232,9 +269,8 @@ class DaskArrayReader(ArrayReader):
         return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
-        region: list[Any] = [slice(None)] * len(self.shape)
-        region[self.sample_dim] = slice(start, stop)
-        return np.asarray(self.array[tuple(region)].compute(scheduler="synchronous"))
+        selection = self.array[self._selection(start, stop)]  # computes only the blocks it needs
+        return np.asarray(selection.compute(scheduler="synchronous"))
 
 
 class MemoryArrayReader(ArrayReader):
@@ -249,9 +285,7 @@ class MemoryArrayReader(ArrayReader):
         return regular_bounds(self.num_samples, self.unit)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
-        region: list[Any] = [slice(None)] * len(self.shape)
-        region[self.sample_dim] = slice(start, stop)
-        return np.asarray(self.array[tuple(region)])
+        return np.asarray(self.array[self._selection(start, stop)])
 
 
 def missing_chunk_error(reader: ArrayReader, missing: list[str]) -> ChunkMissingError:

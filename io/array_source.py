@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -9,6 +11,7 @@ import torch
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import DataError
+from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
 
 
 def _as_tensor(name: str, array: Any) -> torch.Tensor:
@@ -53,6 +56,8 @@ class ArraySource:
         if len(self.x) == 0:
             raise DataError("ArraySource: x has no samples (its first dimension is 0)")
         self.shuffle = bool(shuffle)
+        self._sample_shape = tuple(int(n) for n in self.x.shape[1:])
+        self._region: Bounds | None = None  # see region()
 
     @property
     def num_samples(self) -> int:
@@ -63,6 +68,33 @@ class ArraySource:
         """In memory every sample is its own chunk: the shuffle is a full permutation."""
         return 1
 
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's x shape, whole (before any region)."""
+        return self._sample_shape
+
+    @property
+    def region_bounds(self) -> Bounds:
+        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
+        return self._region if self._region is not None else full_bounds(self._sample_shape)
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        """One sample's x shape as this source reads it."""
+        return bounds_shape(self.region_bounds)
+
+    def region(self, bounds: Mapping[int, tuple[int, int]]) -> ArraySource:
+        """A view whose x is ``[lo, hi)`` along each given axis of every sample
+        (whole-sample coordinates, axis 0 the channels; see ``io.region``); y is whole.
+        No copy is made here; pickling it (to a worker) carries only the region."""
+        new = compose("ArraySource", bounds, self._sample_shape, self._region)
+        old = self.region_bounds
+        cut = tuple(slice(lo - was, hi - was) for (lo, hi), (was, _) in zip(new, old, strict=True))
+        view = copy.copy(self)
+        view.x = self.x[(slice(None), *cut)]
+        view._region = new
+        return view
+
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch."""
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
@@ -70,6 +102,17 @@ class ArraySource:
         y = None if self.y is None else self.y.index_select(0, index)
         return Batch(x=x, y=y, size=len(index), indices=indices)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A view (a region, a slice the user passed) pickles only its own elements:
+        torch would otherwise write the whole storage it is a view of."""
+        state = self.__dict__.copy()
+        for key in ("x", "y"):
+            tensor = state[key]
+            if tensor is not None and tensor.untyped_storage().nbytes() > tensor.nbytes:
+                state[key] = tensor.clone(memory_format=torch.contiguous_format)
+        return state
+
     def __repr__(self) -> str:
         y = "None" if self.y is None else f"{tuple(self.y.shape)}"
-        return f"ArraySource(x={tuple(self.x.shape)}, y={y}, shuffle={self.shuffle})"
+        region = "" if self._region is None else f", region={self._region}"
+        return f"ArraySource(x={tuple(self.x.shape)}, y={y}, shuffle={self.shuffle}{region})"

@@ -2,6 +2,8 @@
 
 Chunks span every dimension but the first, so reading a sample decodes exactly
 one chunk, and a chunk is about ``chunk_mb`` MB so each read is worth its latency.
+For spatial decomposition, ``spatial_chunks`` also splits each sample along chosen
+axes, so a rank reading one region of a sample fetches only that region's chunks.
 Every chunk is written, even one equal to the fill value (zarr skips those by
 default), so ZarrSource can treat any absent chunk as an incomplete store.
 """
@@ -9,6 +11,7 @@ default), so ZarrSource can treat any absent chunk as an incomplete store.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,7 @@ def to_zarr(
     chunk_mb: float = 8.0,
     compressor: str | None = "zstd",
     zarr_format: int = 3,
+    spatial_chunks: Mapping[int | str, int] | None = None,
 ) -> str | Path:
     """Write ``x`` (and ``y``) as arrays ``x_name`` (``y_name``) of a zarr v3 group at ``path``.
 
@@ -80,7 +84,14 @@ def to_zarr(
     directory is refused (so a wrong path never deletes unrelated files).
     ``compressor`` is "zstd", "blosc", "gzip" or None. ``zarr_format`` is 3 (default)
     or 2, for tools that read only zarr v2; dimension names then go to the
-    ``_ARRAY_DIMENSIONS`` attribute, as xarray writes them. Returns ``path``.
+    ``_ARRAY_DIMENSIONS`` attribute, as xarray writes them.
+
+    ``spatial_chunks``: also chunk each sample, ``{axis: length}``, for spatial ranks
+    that each read one region (``ZarrSource.region``). For arrays, axes count in one
+    sample of ``x`` (0 the channels, 1 the first spatial axis) and ``y`` is not split;
+    e.g. ``{1: D // 2}`` for two ranks along depth. For a Dataset, keys are dimension
+    names, applied to every variable that has them. ``chunk_mb`` then sizes the
+    chunks as split. Returns ``path``.
     """
     if zarr_format not in (2, 3):
         raise ConfigError(f"to_zarr(zarr_format={zarr_format!r}): use 3 (default) or 2")
@@ -94,6 +105,7 @@ def to_zarr(
         if y is not None:
             raise ConfigError("to_zarr(dataset, y): a Dataset carries its targets as variables")
         arrays = _dataset_arrays(x, sample_dim)
+        splits = _dataset_splits(spatial_chunks, arrays, sample_dim)
     else:
         if y is not None and x_name == y_name:
             raise ConfigError(
@@ -108,6 +120,7 @@ def to_zarr(
                     f"{len(arrays[y_name][0])}; both need the same length along their first "
                     "dimension"
                 )
+        splits = {x_name: _array_splits(spatial_chunks, arrays[x_name][0].shape)}
     target = Path(path)
     is_zarr = (target / "zarr.json").exists() or (target / ".zgroup").exists()
     if target.is_dir() and any(target.iterdir()) and not is_zarr:
@@ -123,7 +136,7 @@ def to_zarr(
     else:
         codecs = (_COMPRESSORS[compressor](),)
     for name, (array, axis, dims) in arrays.items():
-        _write_array(group, name, array, axis, dims, chunk_mb, codecs)
+        _write_array(group, name, array, axis, dims, chunk_mb, codecs, splits.get(name, {}))
     return path
 
 
@@ -151,6 +164,58 @@ def _dataset_arrays(dataset: Any, sample_dim: str | None) -> dict[str, tuple[Any
     return arrays
 
 
+def _length(key: Any, length: Any, extent: int) -> int:
+    if not isinstance(length, int) or isinstance(length, bool) or not 1 <= length <= extent:
+        raise ConfigError(
+            f"to_zarr(spatial_chunks={{{key!r}: {length!r}}}): the chunk length must be an int "
+            f"in 1..{extent} (the extent of {key!r}), e.g. {max(1, extent // 2)} for two ranks"
+        )
+    return length
+
+
+def _array_splits(spatial: Any, shape: tuple[int, ...]) -> dict[int, int]:
+    """``spatial_chunks`` of an array input, as chunk lengths by axis of the stored x."""
+    if spatial is None:
+        return {}
+    if not isinstance(spatial, Mapping):
+        raise ConfigError(
+            f"to_zarr(spatial_chunks={spatial!r}): give a dict {{axis: chunk length}}, e.g. "
+            "{1: 32} to chunk the first spatial axis of each sample by 32"
+        )
+    sample = shape[1:]
+    splits = {}
+    for key, length in spatial.items():
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < len(sample):
+            raise ConfigError(
+                f"to_zarr(spatial_chunks={{{key!r}: ...}}): for arrays, keys are axes of one "
+                f"sample of x, shape {sample} (0 is the channels, 1 the first spatial axis): "
+                f"use 0..{len(sample) - 1}"
+            )
+        splits[key + 1] = _length(key, length, sample[key])
+    return splits
+
+
+def _dataset_splits(
+    spatial: Any, arrays: dict[str, tuple[Any, int, Any]], sample_dim: Any
+) -> dict[str, dict[int, int]]:
+    """``spatial_chunks`` of a Dataset (by dimension name), per variable and axis."""
+    if spatial is None:
+        return {}
+    dims = sorted({str(d) for _, _, names in arrays.values() for d in names} - {sample_dim})
+    if not isinstance(spatial, Mapping) or not all(k in dims for k in spatial):
+        raise ConfigError(
+            f"to_zarr(dataset, spatial_chunks={spatial!r}): for a Dataset give "
+            f"{{dimension name: chunk length}}, names from {dims} (not the sample dimension)"
+        )
+    splits: dict[str, dict[int, int]] = {}
+    for name, (array, _, names) in arrays.items():
+        for key, length in spatial.items():
+            if key in names:
+                axis = list(names).index(key)
+                splits.setdefault(name, {})[axis] = _length(key, length, array.shape[axis])
+    return splits
+
+
 def _write_array(
     group: zarr.Group,
     name: str,
@@ -159,15 +224,22 @@ def _write_array(
     dims: Any,
     chunk_mb: float,
     codecs: tuple,
+    splits: dict[int, int],
 ) -> None:
-    """Create ``name`` chunked by whole samples along ``axis``; write ~64 MB slabs."""
+    """Create ``name`` chunked along ``axis`` (and by ``splits`` within a sample); write
+    ~64 MB slabs."""
     shape = tuple(int(s) for s in array.shape)
     n = shape[axis]
     if n == 0:
         raise DataError(f"to_zarr: {name} has no samples along its sample dimension")
-    sample_bytes = max(1, math.prod(shape) * np.dtype(array.dtype).itemsize // n)
-    per_chunk = int(min(n, max(1, (chunk_mb * 1e6) // sample_bytes)))
-    chunks = tuple(per_chunk if i == axis else max(1, d) for i, d in enumerate(shape))
+    itemsize = np.dtype(array.dtype).itemsize
+    sample_bytes = max(1, math.prod(shape) * itemsize // n)
+    part = [splits.get(i, max(1, d)) for i, d in enumerate(shape) if i != axis]
+    part_bytes = max(1, math.prod(part) * itemsize)  # one sample's share of a chunk
+    per_chunk = int(min(n, max(1, (chunk_mb * 1e6) // part_bytes)))
+    chunks = tuple(
+        per_chunk if i == axis else splits.get(i, max(1, d)) for i, d in enumerate(shape)
+    )
     names = None if dims is None else [str(d) for d in dims]
     v2 = group.metadata.zarr_format == 2
     out = group.create_array(

@@ -12,12 +12,16 @@ The source is chunk-aware (``chunk_bounds``, ``check_chunks``, ``read_chunks``):
 data: zarr returns the fill value for a chunk absent from the store, so every
 chunk an epoch reads is checked to exist first (``ChunkMissingError``), and a
 chunk that fails to decode is named (``ChunkReadError``).
+
+Spatial decomposition: ``source.region({axis: (lo, hi)})`` is a view that reads
+only that region of every sample's inputs (``io.region``), fetching only the chunks
+the region intersects and checking exactly those exist.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+import copy
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,8 @@ from dataflow.io.array_readers import (
     missing_chunk_error,
 )
 from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.metadata_check import corrupt_metadata
+from dataflow.io.region import Bounds, array_cuts, bounds_shape, common_shape, compose, full_bounds
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -72,66 +78,6 @@ def _open_zarr(store: str | Path, storage_options: dict[str, Any] | None) -> Any
             f"ZarrSource(store={str(store)!r}): no zarr array or group there; check the path "
             "(write one with dataflow.io.to_zarr)"
         ) from exc
-
-
-# The metadata files of a zarr node, format 3 then format 2 (.zmetadata: consolidated).
-METADATA_FILES = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
-
-
-def _metadata_problem(name: str, raw: bytes) -> str | None:
-    """What is wrong with one metadata file's content, or None if it looks sound."""
-    try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"not valid JSON ({exc})"
-    if not isinstance(document, dict):
-        return f"a JSON {type(document).__name__}, not an object"
-    required = {
-        "zarr.json": ("zarr_format", "node_type"),
-        ".zarray": ("zarr_format", "shape", "chunks", "dtype"),
-        ".zgroup": ("zarr_format",),
-    }.get(name, ())
-    missing = [key for key in required if key not in document]
-    if missing:
-        return f"the key(s) {missing} that every {name} has are missing"
-    return None
-
-
-def _store_files(store: Any, storage_options: Any) -> tuple[Any, str] | None:
-    """(fsspec filesystem, root path) of a store given as a path or URL, or of an opened
-    zarr node on a local store; None where its files cannot be reached that way."""
-    import fsspec
-
-    if isinstance(store, (zarr.Array, zarr.Group)):
-        root = getattr(store.store, "root", None)  # a LocalStore's folder
-        if root is None:
-            return None
-        path = store.store_path.path
-        return fsspec.filesystem("file"), str(Path(root, path) if path else root)
-    if isinstance(store, (str, Path)):
-        return fsspec.core.url_to_fs(str(store), **(storage_options or {}))
-    return None
-
-
-def _corrupt_metadata(store: Any, members: list[str], storage_options: Any) -> str | None:
-    """The first damaged metadata file of the store's root or of ``members``, as
-    'path is corrupt: problem'; looked for only after opening failed. None if none is found."""
-    try:
-        located = _store_files(store, storage_options)
-        if located is None:
-            return None
-        fs, root = located
-        for member in ["", *members]:
-            folder = "/".join(p for p in (root.rstrip("/"), member) if p)
-            for name in METADATA_FILES:
-                path = f"{folder}/{name}"
-                if fs.isfile(path):
-                    problem = _metadata_problem(name, fs.cat_file(path))
-                    if problem is not None:
-                        return f"{path} is corrupt: {problem}"
-    except Exception:  # the store cannot be listed: the original error is reported instead
-        return None
-    return None
 
 
 def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
@@ -239,6 +185,7 @@ class ZarrSource:
         self.shuffle = bool(shuffle)
         self.storage_options = storage_options
         self._readers: list[ArrayReader] | None = None
+        self._region: Bounds | None = None  # see region()
         readers = self._open()
         if len({r.num_samples for r in readers}) != 1:
             counts = ", ".join(f"{r.field} ({r.name!r}) has {r.num_samples}" for r in readers)
@@ -263,7 +210,7 @@ class ZarrSource:
                 raise
             names = self.x_name if isinstance(self.x_name, (list, tuple)) else [self.x_name]
             members = [n for n in [*names, self.y_name] if isinstance(n, str)]
-            problem = _corrupt_metadata(self.store, members, self.storage_options)
+            problem = corrupt_metadata(self.store, members, self.storage_options)
             if problem is None:
                 raise
             raise DataError(
@@ -307,6 +254,10 @@ class ZarrSource:
             if self.y_name is not None:
                 y_array = self._member(store, "y", self.y_name, label)
                 readers.append(self._reader("y", self.y_name, y_array, label))
+        if self._region is not None:
+            for reader in readers:
+                if reader.field != "y":  # targets are never cut
+                    reader.restrict(array_cuts(self._region, reader.shape, reader.sample_dim))
         main = max((r for r in readers if r.field != "y"), key=lambda r: r.nbytes)
         for reader in readers:
             reader.resident = reader is not main and reader.nbytes <= RESIDENT_BYTES
@@ -342,6 +293,33 @@ class ZarrSource:
         chunks = getattr(array, "encoding", {}).get("chunks")
         unit = chunks[axis] if chunks else max(1, (8 * 2**20) // max(1, _sample_bytes(array, axis)))
         return MemoryArrayReader(field, name, getattr(array, "values", data), axis, unit)
+
+    # -- regions (spatial decomposition) -----------------------------------------
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's x shape, sample axis removed, whole (before any region)."""
+        shapes = {r.field: r.sample_shape for r in self._open() if r.field != "y"}
+        return common_shape(f"ZarrSource(x={self.x_name!r})", shapes)
+
+    @property
+    def region_bounds(self) -> Bounds:
+        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
+        return self._region if self._region is not None else full_bounds(self.sample_shape)
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        """One sample's x shape as this source reads it."""
+        return bounds_shape(self.region_bounds)
+
+    def region(self, bounds: Mapping[int, tuple[int, int]]) -> ZarrSource:
+        """A view reading only ``[lo, hi)`` along each given axis of every sample's x
+        (whole-sample coordinates, axis 0 the channels; see ``io.region``); y is whole.
+        Only the chunks intersecting the region are fetched and checked to exist."""
+        new = compose("ZarrSource", bounds, self.sample_shape, self._region)
+        view = copy.copy(self)
+        view._readers = view._main = None  # reopened with the cut on first use
+        view._region = new
+        return view
 
     # -- the Source contract ---------------------------------------------------
     @property
@@ -418,9 +396,10 @@ class ZarrSource:
         return state
 
     def __repr__(self) -> str:
+        region = "" if self._region is None else f", region={self._region}"
         return (
             f"ZarrSource({_label(self.store)!r}, x={self.x_name!r}, y={self.y_name!r}, "
-            f"num_samples={self._num_samples}, shuffle={self.shuffle})"
+            f"num_samples={self._num_samples}, shuffle={self.shuffle}{region})"
         )
 
 
