@@ -1,0 +1,241 @@
+"""The communication of a spatial group, each as an autograd function with its adjoint.
+
+The group's objective is the sum of its ranks' objectives (each rank scales its loss
+by 1/P, see :class:`~dataflow.spatial.module.SpatialModule`), so every adjoint is the
+plain transpose: a halo copy's gradient goes back to the rank that owns the rows and
+adds there; an allreduce-sum's gradient is an allreduce-sum; a gather's gradient is a
+reduce-scatter. Halo slabs are packed and unpacked with the ``ops.halo`` kernels (CPU
+and CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dataflow.ops.halo import pack_halo, unpack_halo_
+from dataflow.spatial.geometry import Exchange, Interval, coords_of, rank_of
+
+
+class SpatialGroup:
+    """The ``size`` workers that share each sample, as a grid over the split dimensions.
+
+    ``process_group`` is any c10d process group (``send``/``recv``/``allreduce`` taking
+    tensor lists), such as ``torch.distributed.group.WORLD`` or one the engine builds.
+    ``wait`` waits for a work handle (the engine passes one that fails at once when
+    the fit is aborted).
+    """
+
+    def __init__(
+        self,
+        process_group: Any,
+        *,
+        rank: int,
+        size: int,
+        grid: Sequence[int],
+        wait: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.process_group = process_group
+        self.rank = rank
+        self.size = size
+        self.grid = tuple(grid)
+        self.coords = coords_of(rank, self.grid)
+        self._wait = wait or (lambda work: work.wait())
+
+    def peer(self, dim_index: int, coord: int) -> int:
+        """The rank that differs from this one only in coordinate ``dim_index``."""
+        coords = list(self.coords)
+        coords[dim_index] = coord
+        return rank_of(coords, self.grid)
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        return self.process_group.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        return self.process_group.recv([tensor], src, tag)
+
+    def wait(self, works: Sequence[Any]) -> None:
+        for work in works:
+            self._wait(work)
+
+    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place."""
+        if self.size > 1:
+            self._wait(self.process_group.allreduce([tensor]))
+        return tensor
+
+
+# -- halo exchange along one dimension ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HaloPlan:
+    """One rank's halo along one tensor dimension: it owns ``own`` and needs ``need``
+    (both global rows, ``need`` clipped to the extent); ``traffic`` says what moves."""
+
+    group: SpatialGroup
+    dim: int  # tensor dimension (2 = first spatial)
+    dim_index: int  # which grid dimension it is split over
+    own: Interval
+    need: Interval
+    traffic: Exchange
+    tag: int  # distinct per layer and dimension; the backward uses tag + 1
+
+    def _post_sends(
+        self, x: torch.Tensor, rows_of: Sequence[tuple[int, Interval]], base: int, tag: int
+    ) -> list[Any]:
+        works = []
+        for coord, (lo, hi) in rows_of:
+            slab = pack_halo(x, self.dim, hi - lo, "low", offset=lo - base)
+            works.append(self.group.send(slab, self.group.peer(self.dim_index, coord), tag))
+            works.append(slab)  # keep the buffer alive until the send is waited for
+        return works
+
+
+class PendingHalo:
+    """Sends posted and receives in flight for one :class:`HaloPlan`: the caller computes
+    the interior meanwhile, then :func:`halo_assemble` waits and builds the halo'd tensor."""
+
+    def __init__(self, plan: HaloPlan, x: torch.Tensor) -> None:
+        self.plan = plan
+        self.pieces: list[tuple[Interval, torch.Tensor]] = []
+        sent = plan._post_sends(x.detach(), plan.traffic.sends, plan.own[0], plan.tag)
+        self.sends = [w for w in sent if not isinstance(w, torch.Tensor)]
+        self.buffers = [w for w in sent if isinstance(w, torch.Tensor)]
+        self.recvs = []
+        for coord, (lo, hi) in plan.traffic.recvs:
+            shape = list(x.shape)
+            shape[plan.dim] = hi - lo
+            slab = torch.empty(shape, dtype=x.dtype, device=x.device)
+            self.recvs.append(
+                plan.group.recv(slab, plan.group.peer(plan.dim_index, coord), plan.tag)
+            )
+            self.pieces.append(((lo, hi), slab))
+
+    def wait(self) -> None:
+        self.plan.group.wait(self.recvs + self.sends)
+
+
+class _HaloAssemble(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
+        plan = pending.plan
+        pending.wait()
+        lo, hi = plan.need
+        shape = list(x.shape)
+        shape[plan.dim] = hi - lo
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        mine = (max(lo, plan.own[0]), min(hi, plan.own[1]))
+        if mine[1] > mine[0]:
+            own_rows = x.narrow(plan.dim, mine[0] - plan.own[0], mine[1] - mine[0]).contiguous()
+            unpack_halo_(out, own_rows, plan.dim, mine[1] - mine[0], "low", offset=mine[0] - lo)
+        for (a, b), slab in pending.pieces:
+            unpack_halo_(out, slab, plan.dim, b - a, "low", offset=a - lo)
+        ctx.plan, ctx.mine, ctx.own_shape = plan, mine, tuple(x.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        plan: HaloPlan = ctx.plan
+        grad = grad.contiguous()
+        tag = plan.tag + 1
+        # What this rank received in the forward goes back to its owners, and what it
+        # sent comes back as gradient to add to its own rows.
+        works = plan._post_sends(grad, plan.traffic.recvs, plan.need[0], tag)
+        incoming = []
+        for coord, (lo, hi) in plan.traffic.sends:
+            shape = list(grad.shape)
+            shape[plan.dim] = hi - lo
+            slab = torch.empty(shape, dtype=grad.dtype, device=grad.device)
+            works.append(plan.group.recv(slab, plan.group.peer(plan.dim_index, coord), tag))
+            incoming.append(((lo, hi), slab))
+        grad_x = grad.new_zeros(ctx.own_shape)
+        mine = ctx.mine
+        if mine[1] > mine[0]:
+            width = mine[1] - mine[0]
+            grad_x.narrow(plan.dim, mine[0] - plan.own[0], width).add_(
+                grad.narrow(plan.dim, mine[0] - plan.need[0], width)
+            )
+        plan.group.wait([w for w in works if not isinstance(w, torch.Tensor)])
+        for (lo, hi), slab in incoming:  # peers' needs may overlap: add, never overwrite
+            grad_x.narrow(plan.dim, lo - plan.own[0], hi - lo).add_(slab)
+        return grad_x, None
+
+
+def halo_assemble(x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
+    """``x``'s rows ``pending.plan.need`` along its dimension: its own plus the halo."""
+    return _HaloAssemble.apply(x, pending)
+
+
+# -- reductions over the group ------------------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: SpatialGroup) -> torch.Tensor:
+        ctx.group = group
+        return group.allreduce_(x.detach().clone().contiguous())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.group.allreduce_(grad.detach().clone().contiguous()), None
+
+
+def allreduce_sum(x: torch.Tensor, group: SpatialGroup) -> torch.Tensor:
+    """The sum of ``x`` over the group, on every rank; differentiable."""
+    return _AllReduceSum.apply(x, group)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        group: SpatialGroup,
+        box: tuple[tuple[int, Interval], ...],
+        full: tuple[int, ...],
+    ) -> torch.Tensor:
+        out = x.new_zeros(full)
+        _region(out, box).copy_(x)
+        ctx.group, ctx.box = group, box
+        return group.allreduce_(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        summed = ctx.group.allreduce_(grad.detach().clone().contiguous())
+        return _region(summed, ctx.box).contiguous(), None, None, None
+
+
+def gather(
+    x: torch.Tensor, group: SpatialGroup, box: Sequence[tuple[int, Interval]], full: Sequence[int]
+) -> torch.Tensor:
+    """The whole tensor (shape ``full``) on every rank, from each rank's ``box``
+    (``(tensor dim, rows)`` per split dimension). Built as an allreduce of zero-filled
+    copies: twice an allgather's traffic, but uneven regions and any grid need nothing
+    more; the adjoint is a reduce-scatter."""
+    return _Gather.apply(x, group, tuple(box), tuple(full))
+
+
+def _region(t: torch.Tensor, box: Sequence[tuple[int, Interval]]) -> torch.Tensor:
+    for dim, (lo, hi) in box:
+        t = t.narrow(dim, lo, hi - lo)
+    return t
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged; its gradient multiplied by ``scale``."""
+    return _ScaleGrad.apply(x, scale)
