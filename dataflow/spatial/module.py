@@ -170,9 +170,10 @@ class SpatialModule(nn.Module):
             ]
             if [lines[c] for c in range(self.group.grid[i])] != expected:
                 raise ModelError(
-                    f"spatial input: the regions along dimension {d} have {[lines[c] for c in sorted(lines)]} "
-                    f"rows, but a split of {shape[d]} rows by weights {self.weights[i]} gives {expected}; "
-                    "read each rank's region with dataflow.spatial.region_of"
+                    f"spatial input: the regions along dimension {d} have "
+                    f"{[lines[c] for c in sorted(lines)]} rows, but a split of {shape[d]} rows "
+                    f"by weights {self.weights[i]} gives {expected}; read each rank's region "
+                    "with dataflow.Layout.region(sample_shape, rank)"
                 )
         return tuple(shape)
 
