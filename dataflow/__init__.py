@@ -31,6 +31,7 @@ from dataflow.core.errors import (
 # the schedules, the driver's state machine) import without torch.distributed or Dask.
 _LAZY = {
     "Graph": "dataflow.graph",
+    "Layout": "dataflow.layout",
     "Node": "dataflow.graph",
     "FitResult": "dataflow.history",
     "History": "dataflow.history",
@@ -39,7 +40,17 @@ _LAZY = {
     "Trainer": "dataflow.trainer",
     "TrainerConfig": "dataflow.trainer",
 }
-_SUBMODULES = ("balance", "costmodel", "errors", "io", "ops", "schedule", "stages", "sync")
+_SUBMODULES = (
+    "balance",
+    "costmodel",
+    "errors",
+    "io",
+    "ops",
+    "schedule",
+    "spatial",
+    "stages",
+    "sync",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +82,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "History",
+    "Layout",
     "LossError",
     "ModelError",
     "Node",

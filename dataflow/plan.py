@@ -170,6 +170,7 @@ class Plan:
     windows: tuple[Window, ...]
     tag: str = "plan"
     run: str = ""  # the fit's id: task keys must not collide with another fit's
+    layout: str = ""  # how workers form replicas (Layout.describe()); "" = one each
 
     @classmethod
     def build(
@@ -185,6 +186,7 @@ class Plan:
         window_steps: int | None = None,
         tag: str = "plan",
         run: str = "",
+        layout: str = "",
     ) -> Plan:
         """``window_steps`` fixes the steps per window; otherwise windows carry about
         ``window_seconds`` of ``step_seconds`` steps."""
@@ -203,7 +205,7 @@ class Plan:
             Window(index=i, first=first, stop=min(first + size, len(steps)))
             for i, first in enumerate(range(0, len(steps), size))
         )
-        return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run)
+        return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout)
 
     def task_prefix(self, replica: int) -> str:
         """What the Dask dashboard groups by: the stages and the replica."""
@@ -231,6 +233,8 @@ class Plan:
             f"{len(self.windows) * self.replicas} tasks"
         )
         lines = [head, f"  stages per step: {' -> '.join(self.stage_names)}"]
+        if self.layout:
+            lines.append(f"  layout: {self.layout}")
         lines.append(f"  local batches per replica: {', '.join(map(str, splits[:4]))}")
         for window in self.windows[:3]:
             first, last = self.steps[window.first], self.steps[window.stop - 1]

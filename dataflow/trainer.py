@@ -121,6 +121,7 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
+                    layout=self.config.layout.describe() if self.config.layout else "",
                 )
             )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
@@ -212,7 +213,12 @@ class Trainer:
         steps = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))
         step = dataclasses.replace(steps[0], last_in_epoch=False)  # no end-of-epoch evaluation
         spec = ReplicaSpec(run_id="dry-run", graph=graph, order=order, seed=self.config.seed)
-        runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+        spatial = None
+        if self.config.spatial > 1:  # partition on the driver too: a layer it cannot is named
+            from dataflow.runtime.spatial_rank import whole_sample
+
+            spatial = whole_sample(self.config.layout, self.config.seed)
+        runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None, spatial=spatial)
         try:
             runtime.begin_phase(PhaseContext(index=0, steps=(step,), lr=None))
             runtime.run_window(step.index, step.index + 1)

@@ -53,8 +53,17 @@ class TrainerConfig:
     # holds its prediction next to the measurement, and it plans the worker count
     # (scale_with_batch, by goodput), the window length and the bucket size.
     cost_model: Any = None
+    # How workers form replicas: dataflow.Layout(spatial=P) splits each sample's spatial
+    # dimensions over P workers (a replica is then a group of P workers); None: one
+    # worker per replica (sample parallelism).
+    layout: Any = None
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
+
+    @property
+    def spatial(self) -> int:
+        """Workers per replica (``layout.spatial``; 1 without a layout)."""
+        return self.layout.spatial if self.layout is not None else 1
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -157,6 +166,14 @@ class TrainerConfig:
                     f"cost_model must be a dataflow.costmodel.CostModel (from "
                     f"dataflow.costmodel.calibrate(pipe, client) or a preset), got "
                     f"{type(self.cost_model).__name__}"
+                )
+        if self.layout is not None:
+            from dataflow.layout import Layout
+
+            if not isinstance(self.layout, Layout):
+                raise ConfigError(
+                    f"layout must be a dataflow.Layout, e.g. dataflow.Layout(spatial=2) to split "
+                    f"each sample over 2 workers, got {type(self.layout).__name__} {self.layout!r}"
                 )
         if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
             raise ConfigError(

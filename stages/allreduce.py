@@ -53,7 +53,7 @@ class AllReduce(Stage):
 
     def setup(self, replica: ReplicaContext) -> None:
         self._reducer = None
-        if replica.world_size == 1:
+        if replica.collective is None:  # one worker: nothing to reduce
             return
         if replica.model is None:
             raise ConfigError(f"{self.name}: needs a Forward stage upstream to build the model")
@@ -131,7 +131,7 @@ class AllReduce(Stage):
         if self._reducer is not None:
             buffers = [b for b in replica.model.buffers() if b.is_floating_point()]
             for buffer in buffers:
-                replica.collective.allreduce(buffer.data).div_(replica.world_size)
+                replica.collective.allreduce(buffer.data).div_(replica.collective.world_size)
         return {}
 
     def teardown(self, replica: ReplicaContext) -> None:

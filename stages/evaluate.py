@@ -149,6 +149,10 @@ class Evaluate(Stage):
         if self.follows_graph:
             self.transforms = _as_pairs(graph_eval_transforms(graph, self.name))
 
+    def setup(self, replica: Any) -> None:
+        if replica.spatial is not None:  # a spatial layout: this worker's region only
+            self.source = replica.spatial.region_of(self.source)
+
     def run(self, step: StepContext, *inputs: Any) -> Any:
         spec = step.spec
         if spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0:

@@ -183,6 +183,8 @@ class Forward(Stage):
 
     def setup(self, replica: ReplicaContext) -> None:
         model = build_model(self.config.model, replica.seed)
+        if replica.spatial is not None:  # this worker computes its region of each sample
+            model = replica.spatial.wrap_model(model)
         replica.model = model.to(replica.device).train()
 
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:

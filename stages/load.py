@@ -95,6 +95,8 @@ class Load(Stage):
 
     def setup(self, replica: ReplicaContext) -> None:
         self._replica = replica
+        if replica.spatial is not None:  # read only this worker's region of each sample
+            self.source = replica.spatial.region_of(self.source)
         self._prefetcher: Prefetcher | None = None
         self._readers = []
         self._buffers = BatchBuffers(

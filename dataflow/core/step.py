@@ -29,6 +29,9 @@ class ReplicaContext:
     model: torch.nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     collective: Collective | None = None  # a process group when world_size > 1
+    # A spatial layout (this worker holds a region of every sample): ``wrap_model(m)``
+    # partitions the model, ``region_of(source)`` cuts a source to this worker's region.
+    spatial: Any = None
     state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
 
 

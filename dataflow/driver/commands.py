@@ -26,6 +26,8 @@ class FormGroup:
     joining: tuple[str, ...] = ()
     fresh: bool = False
     restore: bool = False
+    # Each replica's workers, leader first (spatial layouts); () = one worker each.
+    groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)

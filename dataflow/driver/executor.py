@@ -52,6 +52,11 @@ class Executor:
         self.known: set[str] = set()  # workers seen (members or reported as joined)
         self.spec_future: Any = None
         self._serial = 0
+        # A replica is a group of ``size`` workers (a spatial layout): tasks go to every
+        # worker of it; ``members`` lists the workers, replica r's at [r*size, (r+1)*size).
+        self.size = getattr(getattr(spec, "layout", None), "spatial", 1) or 1
+        self.groups: dict[str, tuple[str, ...]] = {}  # leader -> its group's workers
+        self.slot_of: dict[Any, int] = {}  # window future -> the worker (slot) it ran on
 
     # -- liveness -----------------------------------------------------------------------
     def available(self) -> list[str]:
@@ -122,14 +127,20 @@ class Executor:
                 self.queue_lost(lost.workers)
 
     def _poll_windows(self) -> None:
-        done, _ = _wait_some(list(self.windows))
-        if not done:
+        # A finished window may wait here for its group's other workers (spatial layouts):
+        # wait on the rest, and harvest whatever finished.
+        running = [f for f in self.windows if f.status != "finished"]
+        done = _wait_some(running)[0] if running else []
+        if not done and running:
             self.raise_if_lost()
             joined = self.joined_event()
             self.queue.append(joined or ev.Timer())
             return
         self._harvest()  # every result first: a loss then salvages all it can
-        failed = sorted((f for f in done if f in self.windows), key=lambda f: self.windows[f][2])
+        failed = sorted(
+            (f for f in done if f in self.windows and f.status != "finished"),
+            key=lambda f: self.windows[f][2],
+        )
         if not failed:
             return
         future = failed[0]
@@ -148,16 +159,21 @@ class Executor:
         """Queue the result of every window that finished, in window order, except on
         ``lost`` workers (their results died with them; their partners' salvage them)."""
         finished = [f for f in self.windows if f.status == "finished"]
+        parts: dict[tuple[int, int, int], list[Any]] = {}
+        for future in finished:
+            parts.setdefault(self.windows[future], []).append(future)
         by_window: dict[tuple[int, int], dict[int, Any]] = {}
-        for future in sorted(finished, key=lambda f: self.windows[f][2]):
-            generation, rank, window = self.windows[future]
-            if rank < len(self.members) and self.members[rank] in lost:
-                continue
+        for (generation, rank, window), futures in sorted(parts.items(), key=lambda i: i[0][2]):
+            if len(futures) < self.size or set(self._slots_of(rank)).intersection(lost):
+                continue  # the group's other workers still run it, or one died
+            leader = min(futures, key=lambda f: self.slot_of.get(f, 0))
             try:
-                result = future.result(timeout=LIVENESS_POLL_S)
+                result = leader.result(timeout=LIVENESS_POLL_S)
             except Exception:  # gone meanwhile: the next poll tells why
                 continue
-            del self.windows[future]
+            for future in futures:
+                del self.windows[future]
+                self.slot_of.pop(future, None)
             by_window.setdefault((generation, window), {})[rank] = result
         for (generation, window), results in by_window.items():
             self.queue.append(ev.WindowDone(generation, window, results))
@@ -182,7 +198,15 @@ class Executor:
         return _replica_failure(future, r, self._worker(r))
 
     def _worker(self, rank: int) -> str:
-        return self.members[rank] if rank < len(self.members) else "?"
+        slot = rank * self.size
+        return self.members[slot] if slot < len(self.members) else "?"
+
+    def _slots_of(self, rank: int) -> tuple[str, ...]:
+        return tuple(self.members[rank * self.size : (rank + 1) * self.size])
+
+    def _workers_of(self, leaders: tuple[str, ...]) -> tuple[str, ...]:
+        """Every worker of the replicas led by ``leaders``, in slot order."""
+        return tuple(w for leader in leaders for w in self.groups.get(leader, (leader,)))
 
     # -- commands -------------------------------------------------------------------------
     def send(self, request: Any, rank: int, *, key: str, after: Any = None, **extra: Any) -> Any:
@@ -211,14 +235,18 @@ class Executor:
     def form_group(self, c: cmd.FormGroup) -> list[dict[str, Any]]:
         """Set up (``fresh``) or regroup the members; returns the new replicas' infos."""
         old = {a: r for r, a in enumerate(self.members)}
-        self.members, self.generation = c.members, c.generation
-        self.known.update(c.members)
-        world = len(c.members)
+        groups = c.groups or tuple((m,) for m in c.members)
+        self.groups.update({g[0]: g for g in groups})
+        members = tuple(w for g in groups for w in g)
+        self.members, self.generation = members, c.generation
+        self.known.update(members)
+        world = len(members)
         if c.fresh:
             self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
             self.last = [None] * world
             host, port = self._rendezvous(world)
-            return self.gather([self._setup(r, host, port) for r in range(world)])
+            infos = self.gather([self._setup(r, host, port) for r in range(world)])
+            return infos[:: self.size]  # one per replica: its leader's
         joining = set(c.joining)
         snapshot = None
         if joining:
@@ -228,7 +256,7 @@ class Executor:
                 after=self.last[0],
                 key=f"snapshot@replica0-{self.run_id}-g{c.generation}",
             )
-        last = [self.last[old[a]] if a in old else None for a in c.members]
+        last = [self.last[old[a]] if a in old else None for a in members]
         self.last = last
         host, port = self._rendezvous(world)
         regroups = [
@@ -238,12 +266,12 @@ class Executor:
                 after=last[r],
                 key=f"regroup@replica{r}-{self.run_id}-g{c.generation}",
             )
-            for r, a in enumerate(c.members)
+            for r, a in enumerate(members)
             if a not in joining
         ]
         setups = [
             self._setup(r, host, port, snapshot, spec=self.spec)
-            for r, a in enumerate(c.members)
+            for r, a in enumerate(members)
             if a in joining
         ]
         try:
@@ -255,7 +283,7 @@ class Executor:
                 self.client.run(remote.close_run_soon, self.run_id, workers=alive, wait=False)
             raise
         self.last = [*regroups, *setups]
-        return infos
+        return infos[:: self.size]
 
     def scatter_spec(self, workers: list[str] | None) -> None:
         """Send the replica spec once (to ``workers``, else to every member)."""
@@ -330,7 +358,7 @@ class Executor:
                 key=f"begin-phase@replica{r}-{self.run_id}-p{c.phase.index}{self.tag()}"
                 f"-{self.serial()}",
             )
-            for r in range(len(c.members))
+            for r in range(len(self.members))
         ]
 
     def submit_windows(self, c: cmd.SubmitWindows) -> None:
@@ -340,17 +368,20 @@ class Executor:
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
             checkpoint = window.index in c.checkpoints
-            future = self.send(
-                remote.RunWindow(self.run_id, c.generation, first, stop, checkpoint),
-                task.replica,
-                after=self.last[task.replica],
-                key=task.key,
-            )
-            self.last[task.replica] = future
-            self.windows[future] = (c.generation, task.replica, c.first_window + window.index)
+            for part in range(self.size):  # every worker of the replica's group
+                slot = task.replica * self.size + part
+                future = self.send(
+                    remote.RunWindow(self.run_id, c.generation, first, stop, checkpoint),
+                    slot,
+                    after=self.last[slot],
+                    key=task.key if part == 0 else f"{task.key}-part{part}",
+                )
+                self.last[slot] = future
+                self.slot_of[future] = slot
+                self.windows[future] = (c.generation, task.replica, c.first_window + window.index)
 
     def stop(self, c: cmd.StopWindows) -> None:
-        alive = list(c.members)
+        alive = list(self._workers_of(c.members))
         if c.leave_group:  # not waiting: a worker that died unnoticed would stall it
             with contextlib.suppress(Exception):
                 self.client.run(remote.abort_run_soon, self.run_id, workers=alive, wait=False)
@@ -359,17 +390,17 @@ class Executor:
             wait(running, timeout=self.spec.collective_timeout_s)
         # Dropped, not cancelled: cancelling a chain of dependent futures can trip the
         # scheduler; a dropped task that still runs finds a newer generation and refuses.
-        self.in_flight, self.windows = [], {}
+        self.in_flight, self.windows, self.slot_of = [], {}, {}
 
     def roll_back(self, c: cmd.RollBack) -> None:
-        self.members = c.members
+        self.members = self._workers_of(c.members)
         futures = [
             self.send(
                 remote.RollBack(self.run_id, self.generation, c.step, r, c.leave_group),
                 r,
                 key=f"rollback@replica{r}-{self.run_id}-{self.serial()}",
             )
-            for r in range(len(c.members))
+            for r in range(len(self.members))
         ]
         self.gather(futures)
         self.last = futures
@@ -383,11 +414,11 @@ class Executor:
                     after=self.last[r],
                     key=f"end-phase@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
                 )
-                for r in range(len(c.members))
+                for r in range(len(self.members))
             ]
         )
         self.in_flight = []
-        self.queue.append(ev.PhaseEnded(c.generation, tuple(ends)))
+        self.queue.append(ev.PhaseEnded(c.generation, tuple(ends[:: self.size])))
 
     def replica_states(self, tag: str) -> list[Any]:
         """Every replica's part of a checkpoint, after its last task (rank 0's first)."""

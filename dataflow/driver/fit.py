@@ -32,8 +32,9 @@ def run_fit(
     config = trainer.config
     check_client(client)
     run_id = f"fit{uuid.uuid4().hex[:12]}"
-    workers = _pick_workers(available_workers(client), config.replicas)
-    order = trainer.graph.validate(replicas=len(workers))
+    size = config.spatial
+    workers = _pick_workers(available_workers(client), config.replicas, size)
+    order = trainer.graph.validate(replicas=len(workers) // size)
     spec = ReplicaSpec(
         run_id=run_id,
         graph=trainer.graph,
@@ -47,6 +48,7 @@ def run_fit(
         pause_dask_profiler=config.pause_dask_profiler,
         throttle={int(r): float(f) for r, f in config.throttle.items()},
         commit_windows=config.recover_lost_workers,
+        layout=config.layout if size > 1 else None,
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(
@@ -59,7 +61,8 @@ def run_fit(
     info.update(
         run_id=run_id,
         epochs=epochs,
-        replicas=len(workers),
+        replicas=len(workers) // size,
+        layout=config.layout.describe() if config.layout is not None else "sample parallel",
         seed=config.seed,
         stages=list(order),
         stage_kinds={name: type(trainer.graph[name]).__name__ for name in order},
@@ -121,6 +124,7 @@ def build_loop(
             checkpoint_every=every,
             may_join=config.elastic and not per_replica_caps,
             max_replicas=config.replicas if config.replicas is not None else config.max_workers,
+            spatial=config.spatial,
         )
     )
     recorder = Recorder(
@@ -153,14 +157,20 @@ def build_loop(
     return loop
 
 
-def _pick_workers(available: list[str], replicas: int | None) -> list[str]:
-    wanted = replicas or len(available)
+def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> list[str]:
+    """The fit's workers: ``replicas`` groups of ``size`` (default: as many as fit)."""
     if not available:
         raise ConfigError("the client has no workers; start some before fit()")
+    if len(available) < size:
+        raise ConfigError(
+            f"Layout(spatial={size}) splits each sample over {size} workers but the client "
+            f"has {len(available)}; start more workers or use a smaller spatial"
+        )
+    wanted = replicas * size if replicas else len(available) // size * size
     if wanted > len(available):
         raise ConfigError(
-            f"replicas={wanted} but the client has {len(available)} worker(s); start more "
-            "workers or lower replicas"
+            f"replicas={replicas} of {size} worker(s) each need {wanted} workers but the "
+            f"client has {len(available)}; start more workers or lower replicas"
         )
     return available[:wanted]
 

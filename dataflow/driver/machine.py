@@ -22,7 +22,7 @@ from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.state import FitState
 from dataflow.errors import ReplicaError
-from dataflow.layout import Layout
+from dataflow.layout import ReplicaGroups
 from dataflow.plan import Plan, checkpoint_windows
 from dataflow.sync import Synchronous, SyncPolicy
 
@@ -47,6 +47,7 @@ class MachineConfig:
     checkpoint_every: int | None = None  # windows between mid-phase checkpoints
     may_join: bool = True  # workers that join the client join the fit
     max_replicas: int | None = None  # the most replicas joins may grow the fit to
+    spatial: int = 1  # workers per replica (Layout.spatial): groups form from P workers
     sync: SyncPolicy = field(default_factory=Synchronous)
 
 
@@ -89,22 +90,36 @@ class FitMachine:
         if not config.may_join:
             return ()
         joiners = tuple(w for w in s.available if w not in s.layout.workers)
+        groups = len(joiners) // config.spatial  # a replica needs P workers
         if config.max_replicas is not None:
-            joiners = joiners[: max(0, config.max_replicas - s.layout.replicas)]
-        return joiners
+            groups = min(groups, max(0, config.max_replicas - s.layout.replicas))
+        return joiners[: groups * config.spatial]
 
-    def _form(self, layout: Layout, *, joining: tuple[str, ...] = (), after: str) -> list[Any]:
+    def _groups(self, workers: tuple[str, ...]) -> ReplicaGroups:
+        """Replicas of ``config.spatial`` workers each; the rest wait in the pool."""
+        groups = ReplicaGroups.of(workers, self.config.spatial)
+        spare = tuple(w for w in workers if w not in groups.workers)
+        self.state.available = (*self.state.available, *spare)
+        return groups
+
+    def _form(
+        self, layout: ReplicaGroups, *, joining: tuple[str, ...] = (), after: str
+    ) -> list[Any]:
         s = self.state
         s.generation += 1
         s.layout, s.joining, s.after_group, s.status = layout, joining, after, "forming"
         s.available = tuple(w for w in s.available if w not in layout.workers)
-        return [cmd.FormGroup(s.generation, layout.leaders, joining=joining)]
+        return [cmd.FormGroup(s.generation, layout.leaders, joining=joining, groups=layout.groups)]
 
     def _started(self, event: ev.Started) -> list[Any]:
         s = self.state
-        s.layout, s.generation, s.status = Layout.sample_parallel(event.workers), 0, "forming"
+        s.layout, s.generation, s.status = self._groups(event.workers), 0, "forming"
         s.forming, s.after_group, s.restoring = "start", "choose", event.restore
-        return [cmd.FormGroup(0, self.members, fresh=True, restore=event.restore)]
+        return [
+            cmd.FormGroup(
+                0, self.members, fresh=True, restore=event.restore, groups=s.layout.groups
+            )
+        ]
 
     def _group_formed(self, event: ev.GroupFormed) -> list[Any]:
         s = self.state
@@ -137,7 +152,12 @@ class FitMachine:
         fresh = s.forming in ("start", "restart")
         return [
             cmd.FormGroup(
-                s.generation, self.members, joining=s.joining, fresh=fresh, restore=s.restoring
+                s.generation,
+                self.members,
+                joining=s.joining,
+                fresh=fresh,
+                restore=s.restoring,
+                groups=s.layout.groups,
             )
         ]
 
@@ -169,7 +189,7 @@ class FitMachine:
         s.next_phase = event.phase
         joiners = self._joinable()
         if joiners:
-            layout = s.layout.plus(Layout.sample_parallel(joiners))
+            layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
             return self._form(layout, joining=joiners, after="phase")
         return self._plan("phase")
 
@@ -345,11 +365,11 @@ class FitMachine:
         if s.status == "forming" and s.forming == "regroup" and s.joining:
             # Joiners (alive or not) go back to the pool; the group is formed again.
             alive = tuple(w for w in s.joining if w not in event.workers)
-            s.layout = Layout(tuple(g for g in s.layout.groups if g[0] not in s.joining))
+            s.layout = ReplicaGroups(tuple(g for g in s.layout.groups if g[0] not in s.joining))
             s.available, s.joining = (*alive, *s.available), ()
             if not s.layout.lost_replicas(event.workers):
                 joiners = self._joinable()
-                layout = s.layout.plus(Layout.sample_parallel(joiners))
+                layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
                 return self._form(layout, joining=joiners, after=s.after_group)
         lost_ranks = s.layout.lost_replicas(event.workers)
         if not lost_ranks or s.status in ("failed", "restarting", "idle"):
@@ -377,6 +397,7 @@ class FitMachine:
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
         survivors = s.layout.without(lost_ranks)
+        self._release_partners(lost_ranks, event.workers)
         if not survivors.replicas:
             record = self._failure("every replica lost", lost)
             s.windows.clear()
@@ -413,13 +434,26 @@ class FitMachine:
             )
             return [*out, fail]
         record["joined"] = list(joiners)
-        layout = survivors.plus(Layout.sample_parallel(joiners))
+        layout = survivors.plus(ReplicaGroups.of(joiners, self.config.spatial))
         return out + self._form(layout, joining=joiners, after=after)
+
+    def _release_partners(self, lost_ranks: tuple[int, ...], gone: tuple[str, ...]) -> None:
+        """The live workers of a lost replica's group go back to the pool (they may form
+        a group again with others)."""
+        s = self.state
+        partners = tuple(
+            w
+            for r in lost_ranks
+            for w in s.layout.groups[r]
+            if w not in gone and w not in s.available
+        )
+        s.available = (*s.available, *partners)
 
     def _lost_while_starting(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list:
         s, config = self.state, self.config
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         survivors = s.layout.without(lost_ranks)
+        self._release_partners(lost_ranks, event.workers)
         if not survivors.replicas and s.forming == "restart":  # wait for workers again
             s.status = "restarting"
             return [cmd.AwaitRestart(had=s.layout.replicas)]
@@ -428,7 +462,15 @@ class FitMachine:
             return [cmd.Fail(lost=lost, remain=survivors.replicas, starting=True)]
         s.generation += 1
         s.layout = survivors
-        return [cmd.FormGroup(s.generation, survivors.leaders, fresh=True, restore=s.restoring)]
+        return [
+            cmd.FormGroup(
+                s.generation,
+                survivors.leaders,
+                fresh=True,
+                restore=s.restoring,
+                groups=survivors.groups,
+            )
+        ]
 
     def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
         s, config = self.state, self.config
@@ -452,14 +494,16 @@ class FitMachine:
             window_steps_lost=s.committed_step + record.get("window_steps_lost", 0) - event.step,
             replicas_after=len(event.workers),
         )
-        s.layout = Layout.sample_parallel(event.workers)
+        s.layout = self._groups(tuple(event.workers))
         s.generation += 1
         s.committed_step, s.step_seconds, s.phase = event.step, None, None
         s.status, s.forming, s.after_group, s.restoring = "forming", "restart", "choose", True
         return [
             cmd.RecordFailure(record),
             cmd.Restart(event.step),
-            cmd.FormGroup(s.generation, self.members, fresh=True, restore=True),
+            cmd.FormGroup(
+                s.generation, self.members, fresh=True, restore=True, groups=s.layout.groups
+            ),
         ]
 
     def _phase_index(self) -> int | None:

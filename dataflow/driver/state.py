@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataflow.layout import Layout
+from dataflow.layout import ReplicaGroups
 
 STATUSES = (
     "idle",
@@ -29,7 +29,7 @@ class FitState:
     a checkpoint after every replica was lost)."""
 
     status: str = "idle"
-    layout: Layout = field(default_factory=Layout)  # the replicas, in rank order
+    layout: ReplicaGroups = field(default_factory=ReplicaGroups)  # the replicas, in rank order
     generation: int = 0  # of the process group; a task of an older one is stale
     available: tuple[str, ...] = ()  # workers of the client that may join
     joining: tuple[str, ...] = ()  # joiners of the group being formed

@@ -55,6 +55,11 @@ class ReplicaSpec:
     pause_dask_profiler: bool = True
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
+    layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
+
+    @property
+    def spatial(self) -> int:
+        return self.layout.spatial if self.layout is not None else 1
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:
@@ -73,7 +78,14 @@ class ReplicaRuntime:
     """A replica's stages and context; runs windows of steps."""
 
     def __init__(
-        self, spec: ReplicaSpec, *, rank: int, world_size: int, collective: Collective | None
+        self,
+        spec: ReplicaSpec,
+        *,
+        rank: int,
+        world_size: int,
+        collective: Collective | None,
+        spatial: Any = None,
+        device_rank: int | None = None,
     ):
         self.spec = spec
         # A simulated slow node (tests, benchmarks, demos): each step sleeps
@@ -86,9 +98,10 @@ class ReplicaRuntime:
         self.context = ReplicaContext(
             rank=rank,
             world_size=world_size,
-            device=resolve_device(spec.device, rank),
+            device=resolve_device(spec.device, rank if device_rank is None else device_rank),
             seed=spec.seed,
             collective=collective,
+            spatial=spatial,
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}

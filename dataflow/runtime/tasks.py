@@ -23,6 +23,7 @@ from dataflow.runtime.collective import Collective, connect_store, open_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec, resolve_device
+from dataflow.runtime.spatial_rank import spatial_rank
 from dataflow.stages.base import PhaseContext
 
 
@@ -75,6 +76,21 @@ def _join_group(
     return collective
 
 
+def _join_spatial(spec: ReplicaSpec, world: Collective, rank: int, generation: int) -> Collective:
+    """The process group of ``rank``'s sample group (``spec.spatial`` consecutive ranks),
+    formed at the fit's store under its own prefix."""
+    size = spec.spatial
+    return Collective(
+        world.store,
+        rank=rank % size,
+        world_size=size,
+        device=world.device,
+        host=worker_host(),
+        timeout_s=spec.collective_timeout_s,
+        prefix=f"{group_key(spec.run_id, generation)}/sample-group{rank // size}",
+    )
+
+
 @dataclass(frozen=True)
 class Request:
     """A task the driver sends a replica: typed, and checked in one place
@@ -115,7 +131,8 @@ class Regroup(Request):
     exact: ClassVar[bool] = False
 
     def run(self, runtime: ReplicaRuntime) -> int:
-        runtime.context.rank = self.rank
+        size = runtime.spec.spatial
+        runtime.context.rank = self.rank // size
         collective = _join_group(
             runtime.spec,
             self.rank,
@@ -125,7 +142,11 @@ class Regroup(Request):
             self.generation,
             runtime.context.device,
         )
-        runtime.regroup(collective, self.world_size)
+        if runtime.context.spatial is not None:
+            runtime.context.spatial.rejoin(
+                _join_spatial(runtime.spec, collective, self.rank, self.generation)
+            )
+        runtime.regroup(collective, self.world_size // size)
         runtime.generation = self.generation
         return self.rank
 
@@ -145,7 +166,7 @@ class RollBack(Request):
             runtime.abort()  # the old group lost a member: leave it (idempotent)
         with runtime.lock:  # an aborted window still running here ends at its next wait
             runtime.rollback(self.step)
-            runtime.context.rank = self.rank
+            runtime.context.rank = self.rank // runtime.spec.spatial
         return self.rank
 
 
@@ -235,7 +256,18 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
     collective = _join_group(
         spec, rank, request.world_size, request.host, request.port, request.generation, device
     )
-    runtime = ReplicaRuntime(spec, rank=rank, world_size=request.world_size, collective=collective)
+    spatial, size = None, spec.spatial
+    if size > 1:  # this worker holds a region of each sample of replica rank // size
+        group = _join_spatial(spec, collective, rank, request.generation)
+        spatial = spatial_rank(spec.layout, rank % size, group, seed=spec.seed + rank // size)
+    runtime = ReplicaRuntime(
+        spec,
+        rank=rank // size,
+        world_size=request.world_size // size,
+        collective=collective,
+        spatial=spatial,
+        device_rank=rank,
+    )
     runtime.generation = request.generation
     if snapshot is not None:
         runtime.restore(snapshot)

@@ -25,8 +25,8 @@ class SpatialGroup:
 
     ``process_group`` is any c10d process group (``send``/``recv``/``allreduce`` taking
     tensor lists), such as ``torch.distributed.group.WORLD`` or one the engine builds.
-    ``wait`` waits for a work handle (the engine passes one that fails at once when
-    the fit is aborted).
+    ``wait`` waits for a collective's work handle (the engine passes one that fails at
+    once when the fit is aborted).
     """
 
     def __init__(
@@ -58,8 +58,11 @@ class SpatialGroup:
         return self.process_group.recv([tensor], src, tag)
 
     def wait(self, works: Sequence[Any]) -> None:
+        """Wait for point-to-point work: gloo's send/recv complete only inside ``wait()``
+        (``is_completed`` stays False), so no polling here; a vanished peer fails the
+        wait (connection closed, or the group's timeout)."""
         for work in works:
-            self._wait(work)
+            work.wait()
 
     def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place."""

@@ -1,0 +1,65 @@
+"""A worker's place in a spatial layout: its sample group's process group, its region.
+
+Built by the replica's setup when ``Layout(spatial=P)`` with P > 1: the fit's W workers
+form W/P sample groups of P consecutive ranks; each group has its own gloo/NCCL group
+(halos, BatchNorm statistics, the gather), the fit's group carries the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dataflow.core.errors import ConfigError
+from dataflow.layout import Layout
+from dataflow.runtime.collective import Collective
+from dataflow.spatial.comm import SpatialGroup
+from dataflow.spatial.module import SpatialModule
+
+
+@dataclass
+class SpatialRank:
+    """What ``ReplicaContext.spatial`` holds on a worker of a spatial layout."""
+
+    layout: Layout
+    rank: int  # within the sample group
+    group: SpatialGroup
+    collective: Collective | None
+    seed: int
+
+    def wrap_model(self, model: Any) -> SpatialModule:
+        return SpatialModule(model, self.group, self.layout.tensor_dims, seed=self.seed)
+
+    def region_of(self, source: Any) -> Any:
+        if self.group.size == 1:  # the driver's dry run: the whole sample
+            return source
+        if not hasattr(source, "region"):
+            raise ConfigError(
+                f"Layout(spatial={self.layout.spatial}): the source {type(source).__name__} "
+                "cannot read a region of each sample; use dfl.io.ZarrSource or dfl.io.ArraySource"
+            )
+        return source.region(self.layout.region(source.sample_shape, self.rank))
+
+    def rejoin(self, collective: Collective) -> None:
+        """A new process group for the same place (after a recovery regrouped the fit)."""
+        self.collective = collective
+        self.group.process_group = collective._live_group()
+        self.group._wait = collective.wait
+
+
+def spatial_rank(layout: Layout, rank: int, collective: Collective, seed: int) -> SpatialRank:
+    group = SpatialGroup(
+        collective._live_group(),
+        rank=rank,
+        size=layout.spatial,
+        grid=layout.grid,
+        wait=collective.wait,
+    )
+    return SpatialRank(layout, rank, group, collective, seed)
+
+
+def whole_sample(layout: Layout, seed: int) -> SpatialRank:
+    """The partitioned model on one process holding whole samples (the driver's dry run:
+    every layer is classified, so one that cannot be partitioned fails before the fit)."""
+    group = SpatialGroup(None, rank=0, size=1, grid=(1,) * len(layout.dims))
+    return SpatialRank(layout, 0, group, None, seed)
