@@ -4,8 +4,8 @@ The group's objective is the sum of its ranks' objectives (each rank scales its 
 by 1/P, see :class:`~dataflow.spatial.module.SpatialModule`), so every adjoint is the
 plain transpose: a halo copy's gradient goes back to the rank that owns the rows and
 adds there; an allreduce-sum's gradient is an allreduce-sum; a gather's gradient is a
-reduce-scatter. Halo slabs are packed and unpacked with the ``ops.halo`` kernels (CPU
-and CUDA).
+reduce-scatter. Halo slabs are packed with the ``ops.halo`` kernel (CPU and CUDA) and
+received straight into their own buffers: a rank never copies its whole region.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dataflow.ops.halo import pack_halo, unpack_halo_
+from dataflow.ops.halo import pack_halo
 from dataflow.spatial.geometry import Exchange, Interval, coords_of, rank_of
 
 
@@ -100,7 +100,7 @@ class HaloPlan:
 
 class PendingHalo:
     """Sends posted and receives in flight for one :class:`HaloPlan`: the caller computes
-    the interior meanwhile, then :func:`halo_assemble` waits and builds the halo'd tensor."""
+    the interior meanwhile, then :func:`halo_receive` waits for the slabs."""
 
     def __init__(self, plan: HaloPlan, x: torch.Tensor) -> None:
         self.plan = plan
@@ -122,55 +122,71 @@ class PendingHalo:
         self.plan.group.wait(self.recvs + self.sends)
 
 
-class _HaloAssemble(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
-        plan = pending.plan
-        pending.wait()
-        lo, hi = plan.need
-        shape = list(x.shape)
-        shape[plan.dim] = hi - lo
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        mine = (max(lo, plan.own[0]), min(hi, plan.own[1]))
-        if mine[1] > mine[0]:
-            own_rows = x.narrow(plan.dim, mine[0] - plan.own[0], mine[1] - mine[0]).contiguous()
-            unpack_halo_(out, own_rows, plan.dim, mine[1] - mine[0], "low", offset=mine[0] - lo)
-        for (a, b), slab in pending.pieces:
-            unpack_halo_(out, slab, plan.dim, b - a, "low", offset=a - lo)
-        ctx.plan, ctx.mine, ctx.own_shape = plan, mine, tuple(x.shape)
-        return out
+class _HaloReceive(torch.autograd.Function):
+    """Waits for the halo; returns a token (see :func:`anchor`) and the received slabs.
+    Its backward sends each slab's gradient to the rows' owner and adds what the peers
+    send back into this rank's rows: the adjoint of the copy."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def forward(ctx: Any, x: torch.Tensor, pending: PendingHalo) -> tuple[torch.Tensor, ...]:
+        pending.wait()
+        ctx.plan, ctx.own_shape = pending.plan, tuple(x.shape)
+        ctx.dtype, ctx.device = x.dtype, x.device
+        token = x.new_zeros(())
+        return (token, *(slab for _, slab in pending.pieces))
+
+    @staticmethod
+    def backward(ctx: Any, _token: Any, *grads: Any) -> tuple[torch.Tensor, None]:
         plan: HaloPlan = ctx.plan
-        grad = grad.contiguous()
         tag = plan.tag + 1
-        # What this rank received in the forward goes back to its owners, and what it
-        # sent comes back as gradient to add to its own rows.
-        works = plan._post_sends(grad, plan.traffic.recvs, plan.need[0], tag)
+        works = []
+        for (coord, (lo, hi)), grad in zip(plan.traffic.recvs, grads, strict=True):
+            if grad is None:  # a slab no output read (an empty region): zeros go back
+                shape = list(ctx.own_shape)
+                shape[plan.dim] = hi - lo
+                grad = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+            grad = grad.contiguous()
+            works += [plan.group.send(grad, plan.group.peer(plan.dim_index, coord), tag), grad]
         incoming = []
         for coord, (lo, hi) in plan.traffic.sends:
-            shape = list(grad.shape)
+            shape = list(ctx.own_shape)
             shape[plan.dim] = hi - lo
-            slab = torch.empty(shape, dtype=grad.dtype, device=grad.device)
+            slab = torch.empty(shape, dtype=ctx.dtype, device=ctx.device)
             works.append(plan.group.recv(slab, plan.group.peer(plan.dim_index, coord), tag))
             incoming.append(((lo, hi), slab))
-        grad_x = grad.new_zeros(ctx.own_shape)
-        mine = ctx.mine
-        if mine[1] > mine[0]:
-            width = mine[1] - mine[0]
-            grad_x.narrow(plan.dim, mine[0] - plan.own[0], width).add_(
-                grad.narrow(plan.dim, mine[0] - plan.need[0], width)
-            )
+        grad_x = torch.zeros(ctx.own_shape, dtype=ctx.dtype, device=ctx.device)
         plan.group.wait([w for w in works if not isinstance(w, torch.Tensor)])
         for (lo, hi), slab in incoming:  # peers' needs may overlap: add, never overwrite
             grad_x.narrow(plan.dim, lo - plan.own[0], hi - lo).add_(slab)
         return grad_x, None
 
 
-def halo_assemble(x: torch.Tensor, pending: PendingHalo) -> torch.Tensor:
-    """``x``'s rows ``pending.plan.need`` along its dimension: its own plus the halo."""
-    return _HaloAssemble.apply(x, pending)
+def halo_receive(
+    x: torch.Tensor, pending: PendingHalo
+) -> tuple[torch.Tensor, list[tuple[Interval, torch.Tensor]]]:
+    """Wait for ``pending``'s halo: a token to :func:`anchor` into the layer's output, and
+    the received slabs by global rows (differentiable; ``x``'s own rows are not copied,
+    so a rank keeps one copy of its region plus the halo)."""
+    token, *slabs = _HaloReceive.apply(x, pending)
+    rows = [r for r, _ in pending.pieces]
+    return token, list(zip(rows, slabs, strict=True))
+
+
+class _Anchor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, grad.new_zeros(())
+
+
+def anchor(out: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """``out`` unchanged, with ``token``'s node upstream of it: every rank then runs its
+    halo's backward (its peers wait for the gradient), also one whose outputs read no
+    halo row or that owns no output at all. Costs nothing."""
+    return _Anchor.apply(out, token)
 
 
 # -- reductions over the group ------------------------------------------------------------

@@ -109,14 +109,12 @@ class Window:
             return start, start
         return lo * self.stride - self.pad_lo, (hi - 1) * self.stride - self.pad_lo + self.span
 
-    def inside(self, own: Interval, extent: int) -> Interval:
-        """The outputs whose rows all lie in ``own`` or in the padding beyond the global
-        edges: what a rank computes from its own rows while its halo is in flight."""
-        lo_ok = own[0] if own[0] > 0 else -(10**18)
-        hi_ok = own[1] if own[1] < extent else 10**18
-        first = max(0, -((lo_ok + self.pad_lo) // -self.stride))  # ceil
-        last = (hi_ok + self.pad_lo - self.span) // self.stride  # floor, inclusive
-        return first, last + 1
+    def inside(self, own: Interval) -> Interval:
+        """The outputs whose rows all lie in ``own`` (no halo, no padding): what a rank
+        computes from its own rows, without a copy, while its halo is in flight."""
+        first = -((own[0] + self.pad_lo) // -self.stride)  # ceil
+        last = (own[1] + self.pad_lo - self.span) // self.stride  # floor, inclusive
+        return max(0, first), max(max(0, first), last + 1)
 
 
 def clip(rows: Interval, extent: int) -> Interval:

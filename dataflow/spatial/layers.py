@@ -21,8 +21,9 @@ from dataflow.spatial.comm import (
     PendingHalo,
     SpatialGroup,
     allreduce_sum,
+    anchor,
     gather,
-    halo_assemble,
+    halo_receive,
 )
 from dataflow.spatial.geometry import Interval, Window
 
@@ -38,6 +39,57 @@ class DimSplit:
     out: Interval  # output rows it computes
     inside: Interval  # of those, the ones computable from ``own`` alone
     halo: HaloPlan | None  # None: nothing moves along this dimension
+
+
+class _Rows:
+    """What a rank holds of a layer's input: ``tensor`` covering global ``rows`` per split
+    dimension, plus, along one dimension, the halo slabs beside it (kept apart, so that
+    an output slab copies only the few rows it reads, never the whole region)."""
+
+    def __init__(self, tensor: torch.Tensor, rows: list[Interval]) -> None:
+        self.tensor, self.rows = tensor, list(rows)
+        self.blocked: int | None = None  # split index whose slabs are kept apart
+        self.blocks: list[tuple[Interval, torch.Tensor]] = []
+
+    def with_halo(self, i: int, dim: int, slabs: list, *, last: bool) -> _Rows:
+        blocks = sorted([*slabs, (self.rows[i], self.tensor)], key=lambda b: b[0][0])
+        span = (blocks[0][0][0], blocks[-1][0][1])
+        if not last:  # a later dimension's halo must carry these rows (the corners)
+            out = _Rows(torch.cat([t for _, t in blocks], dim), self.rows)
+            out.rows[i] = span
+            return out
+        out = _Rows(self.tensor, self.rows)
+        out.blocked, out.blocks = i, blocks
+        return out
+
+    def take(self, dims: list[int], wanted: list[Interval]) -> torch.Tensor:
+        """Rows ``wanted`` per split dimension: views, or a small copy where a slab's rows
+        span the region's edge and a halo slab."""
+        parts = [(self.rows, self.tensor)] if self.blocked is None else []
+        for rows, t in self.blocks:
+            parts.append(([*self.rows[: self.blocked], rows, *self.rows[self.blocked + 1 :]], t))
+        pieces = []
+        for rows, t in parts:
+            if self.blocked is not None:
+                lo, hi = wanted[self.blocked]
+                r = rows[self.blocked]
+                if min(hi, r[1]) <= max(lo, r[0]):
+                    continue
+            for k, (dim, (lo, hi)) in enumerate(zip(dims, wanted, strict=True)):
+                if self.blocked is not None and k == self.blocked:
+                    lo, hi = max(lo, rows[k][0]), min(hi, rows[k][1])
+                assert rows[k][0] <= lo and hi <= rows[k][1], (rows, wanted)
+                t = t.narrow(dim, lo - rows[k][0], hi - lo)
+            pieces.append(t)
+        if not pieces:  # the rows lie all in the padding: an empty slab, padded later
+            t = self.tensor
+            for k, (dim, (lo, hi)) in enumerate(zip(dims, wanted, strict=True)):
+                start = 0 if k == self.blocked else lo - self.rows[k][0]
+                t = t.narrow(dim, start, 0 if k == self.blocked else hi - lo)
+            return t
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces, dims[self.blocked])
 
 
 def _pairs(value: Any, n: int) -> tuple[int, ...]:
@@ -71,30 +123,25 @@ class WindowedLayer(nn.Module):
         if not self.splits:
             return self.compute(x, frozenset())
         splits = self.splits
-        pending = PendingHalo(splits[0].halo, x) if splits[0].halo else None
-        own = [s.own for s in splits]
+        halos = [i for i, s in enumerate(splits) if s.halo is not None]
+        pending = PendingHalo(splits[halos[0]].halo, x) if halos else None
         inner = [(max(s.inside[0], s.out[0]), min(s.inside[1], s.out[1])) for s in splits]
-        interior = self._box(x, own, inner)  # while the first halo travels
-        source, rows = x, list(own)
-        for i, s in enumerate(splits):
-            if s.halo is None:
-                continue
-            step = pending if i == 0 else PendingHalo(s.halo, source)
-            source = halo_assemble(source, step)
-            rows[i] = s.halo.need
-        out = self._shells(source, rows, [s.out for s in splits], inner, interior, 0)
-        outs = [s.out for s in splits]
-        used = all(hi > lo for lo, hi in outs) and inner != outs
-        if source.requires_grad and not used:
-            # Every rank must run the backward of every collective upstream (its peers
-            # wait for its gradient), also a rank whose outputs read no halo rows or
-            # that owns no outputs at all.
-            out = out + source.sum() * 0.0
-        if out.numel() == 0 and x.requires_grad:
-            out = out + x.sum() * 0.0
+        source = _Rows(x, [s.own for s in splits])
+        interior = self._box(source, inner)  # from views of x, while the first halo travels
+        tokens = []
+        for n, i in enumerate(halos):
+            step = pending if n == 0 else PendingHalo(splits[i].halo, source.tensor)
+            token, slabs = halo_receive(source.tensor, step)
+            tokens.append(token)
+            source = source.with_halo(i, splits[i].dim, slabs, last=n == len(halos) - 1)
+        out = self._shells(source, [s.out for s in splits], inner, interior, 0)
+        for token in tokens:
+            out = anchor(out, token)
+        if out.numel() == 0 and x.requires_grad:  # no output here: keep x's upstream
+            out = anchor(out, x.sum())  # collectives in this rank's backward
         return out
 
-    def _shells(self, source, rows, box, inner, interior, i):  # type: ignore[no-untyped-def]
+    def _shells(self, source, box, inner, interior, i):  # type: ignore[no-untyped-def]
         """Outputs ``box`` as slabs around the interior, one split dimension at a time."""
         if i == len(box):
             return interior
@@ -102,35 +149,30 @@ class WindowedLayer(nn.Module):
         lo, hi = box[i]
         ilo, ihi = inner[i]
         if ihi <= ilo:  # no interior along this dimension: the whole box is shell
-            return self._box(source, rows, box)
-        low = self._box(source, rows, [*box[:i], (lo, ilo), *box[i + 1 :]])
-        high = self._box(source, rows, [*box[:i], (ihi, hi), *box[i + 1 :]])
-        middle = self._shells(
-            source, rows, [*box[:i], (ilo, ihi), *box[i + 1 :]], inner, interior, i + 1
-        )
+            return self._box(source, box)
+        low = self._box(source, [*box[:i], (lo, ilo), *box[i + 1 :]])
+        high = self._box(source, [*box[:i], (ihi, hi), *box[i + 1 :]])
+        middle_box = [*box[:i], (ilo, ihi), *box[i + 1 :]]
+        middle = self._shells(source, middle_box, inner, interior, i + 1)
         return torch.cat([low, middle, high], dim)
 
-    def _box(
-        self, source: torch.Tensor, rows: Sequence[Interval], box: Sequence[Interval]
-    ) -> torch.Tensor:
-        """The outputs ``box`` (per split dimension) from ``source``, which holds global
-        ``rows`` per split dimension."""
-        splits = self.splits
+    def _box(self, source: _Rows, box: Sequence[Interval]) -> torch.Tensor:
+        """The outputs ``box`` (per split dimension) from ``source``'s rows."""
         if any(hi <= lo for lo, hi in box):
-            return self._empty(source, box)
-        t, pads = source, {}
-        for s, (rlo, rhi), out in zip(splits, rows, box, strict=True):
+            return self._empty(source.tensor, box)
+        wanted, pads = [], {}
+        for s, out in zip(self.splits, box, strict=True):
             a, b = s.window.needed(out)
             ca, cb = max(a, 0), min(b, s.n_in)
-            assert rlo <= ca and cb <= rhi, (self.original_type, s, rows, box)
-            t = t.narrow(s.dim, ca - rlo, cb - ca)
+            wanted.append((ca, cb))
             pads[s.dim] = (ca - a, b - cb)
+        t = source.take([s.dim for s in self.splits], wanted)
         if any(p for pair in pads.values() for p in pair):
             spec: list[int] = []
             for dim in range(t.dim() - 1, 1, -1):
                 spec.extend(pads.get(dim, (0, 0)))
             t = F.pad(t, spec, value=self.fill)
-        return self.finish(self.compute(t, frozenset(s.dim for s in splits)), box)
+        return self.finish(self.compute(t, frozenset(s.dim for s in self.splits)), box)
 
     def _empty(self, source: torch.Tensor, box: Sequence[Interval]) -> torch.Tensor:
         shape = [source.shape[0], self.out_channels or source.shape[1], *self._full_out]
@@ -273,19 +315,9 @@ class SpatialBatchNorm(nn.Module):
                 x, self.running_mean, self.running_var, self.weight, self.bias,
                 use_batch, self.momentum or 0.0, self.eps,
             )  # fmt: skip
-        dims = [d for d in range(x.dim()) if d != 1]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        local = torch.cat([x.sum(dims), x.new_tensor([x.numel() / max(1, x.shape[1])])])
-        totals = allreduce_sum(local, self.group)
-        count = totals[-1].detach()
-        mean = totals[:-1] / count
-        centred = x - mean.view(shape)
-        var = allreduce_sum((centred * centred).sum(dims), self.group) / count
-        y = centred * torch.rsqrt(var + self.eps).view(shape)
-        if self.weight is not None:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
+        y, mean, var, count = _GroupBatchNorm.apply(x, self.weight, self.bias, self.group, self.eps)
         if self.training and self.track_running_stats:
-            self._update_running(mean.detach(), var.detach(), float(count))
+            self._update_running(mean, var, count)
         return y
 
     @torch.no_grad()
@@ -295,6 +327,50 @@ class SpatialBatchNorm(nn.Module):
         unbiased = var * (count / max(count - 1.0, 1.0))
         self.running_mean.mul_(1 - m).add_(mean, alpha=m)
         self.running_var.mul_(1 - m).add_(unbiased, alpha=m)
+
+
+class _GroupBatchNorm(torch.autograd.Function):
+    """Batch normalisation with statistics over the whole group's batch. Like torch's
+    kernel it keeps only its input (and per-channel statistics) for the backward, which
+    reduces the two per-channel gradient sums over the group (SyncBatchNorm's
+    adjoint); the weight and bias gradients stay per rank (the fit's allreduce sums
+    them)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, eps):  # type: ignore[no-untyped-def]
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        local = torch.cat([x.sum(dims), x.new_tensor([x.numel() / max(1, x.shape[1])])])
+        totals = group.allreduce_(local)
+        count = float(totals[-1])
+        mean = totals[:-1] / count
+        y = x - mean.view(shape)
+        var = group.allreduce_((y * y).sum(dims)) / count
+        invstd = torch.rsqrt(var + eps)
+        y.mul_(invstd.view(shape))
+        if weight is not None:
+            y.mul_(weight.view(shape)).add_(bias.view(shape))
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.group, ctx.count = group, count
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var, count
+
+    @staticmethod
+    def backward(ctx, grad, _mean, _var, _count):  # type: ignore[no-untyped-def]
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        sum_g, sum_gx = grad.sum(dims), (grad * xhat).sum(dims)
+        totals = ctx.group.allreduce_(torch.cat([sum_g, sum_gx]))
+        channels = sum_g.numel()
+        mean_g = (totals[:channels] / ctx.count).view(shape)
+        mean_gx = (totals[channels:] / ctx.count).view(shape)
+        scale = invstd.view(shape) if weight is None else (weight * invstd).view(shape)
+        grad_x = (grad - mean_g - xhat * mean_gx) * scale
+        grad_w = sum_gx if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = sum_g if weight is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class Gather(nn.Module):

@@ -234,7 +234,7 @@ class SpatialModule(nn.Module):
                     tag=(tag * 8 + i * 2) % (1 << 30),
                 )
             splits.append(
-                DimSplit(d, window, n_in, owned[me], outs[me], window.inside(owned[me], n_in), halo)
+                DimSplit(d, window, n_in, owned[me], outs[me], window.inside(owned[me]), halo)
             )
         return tuple(splits)
 
