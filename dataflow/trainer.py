@@ -26,6 +26,7 @@ from dataflow.driver.fit import run_fit
 from dataflow.driver.planner import Planner
 from dataflow.graph import Graph
 from dataflow.history import FitResult
+from dataflow.layout import Layout
 from dataflow.plan import Plan, phase_steps
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
@@ -73,6 +74,12 @@ class Trainer:
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
+        if self.measures_noise and self.config.layout not in (None, Layout()):
+            raise ConfigError(
+                f"schedule={type(schedule).__name__} measures the gradient noise scale from "
+                "each replica's gradient, which a spatial layout splits over its workers; "
+                "use Stepwise or Fixed with layout=, or layout=None"
+            )
 
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``
@@ -107,6 +114,12 @@ class Trainer:
         counts = [replicas] if isinstance(replicas, int) else list(replicas)
         plans, epoch, previous, index = [], 0, None, 0
         planner = self.planner()
+        layout = self.config.layout.describe() if isinstance(self.config.layout, Layout) else ""
+        if self.config.layout == "auto" or self.config.memory_per_worker is not None:
+            # with "auto", ``replicas`` counts workers: groups follow from the choice
+            layout, size = self._layout_table(counts[0] * self.config.spatial, epochs)
+            if self.config.layout == "auto":
+                counts = [max(1, c // size) for c in counts]
         while epoch < epochs:
             world = counts[min(len(plans), len(counts) - 1)]
             order = self.graph.validate(replicas=world)
@@ -121,7 +134,7 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
-                    layout=self.config.layout.describe() if self.config.layout else "",
+                    layout=layout,
                 )
             )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
@@ -167,9 +180,54 @@ class Trainer:
         if self.config.dry_run:
             self._dry_run()
         with client_or_local_cluster(client, announce=self.config.progress) as active:
-            return run_fit(
-                self, active, epochs, store=store, checkpoint=checkpoint, every=checkpoint_every
+            requested = self.config.layout
+            layout, weighed = self._layout(active, epochs)
+            self.config.layout = layout
+            try:
+                result = run_fit(
+                    self, active, epochs, store=store, checkpoint=checkpoint, every=checkpoint_every
+                )
+            finally:
+                self.config.layout = requested
+        if weighed:
+            result.history.info["layout_candidates"] = [p.to_dict() for p in weighed]
+        return result
+
+    def _layout_table(self, workers: int, epochs: int) -> tuple[str, int]:
+        """The layout on ``workers`` and the candidates the layout model weighed."""
+        from dataflow.costmodel.layout import format_table
+        from dataflow.layout_choice import resolve
+
+        layout, weighed = resolve(self, workers, epochs)
+        chosen = layout.describe() if layout is not None else "sample parallel"
+        table = "\n".join("    " + line for line in format_table(weighed).splitlines())
+        text = f"{chosen} (the layout model's candidates, best first:)\n{table}"
+        return text, layout.spatial if layout is not None else 1
+
+    def _layout(self, client: Any, epochs: int) -> tuple[Any, list[Any]]:
+        """The layout this fit runs (``layout="auto"``: the cost model's choice) and the
+        candidates weighed, checked against ``memory_per_worker``."""
+        config = self.config
+        if config.layout != "auto" and config.memory_per_worker is None:
+            return config.layout, []
+        from dataflow.driver.executor import available_workers
+        from dataflow.layout_choice import resolve
+
+        workers = len(available_workers(client))
+        if config.replicas is not None:
+            workers = min(workers, config.replicas * config.spatial)
+        layout, weighed = resolve(self, workers, epochs)
+        if self.measures_noise and layout is not None and layout.spatial > 1:
+            raise ConfigError(
+                f"layout='auto' chose {layout.describe()}, but "
+                f"{type(self.schedule).__name__} measures the gradient noise scale per "
+                "replica; use Stepwise or Fixed"
             )
+        if config.progress and weighed:
+            from dataflow.costmodel.layout import format_table
+
+            print(format_table(weighed))
+        return layout, weighed
 
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint must share with this fit to resume it (see dataflow.checkpoint)."""

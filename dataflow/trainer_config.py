@@ -57,13 +57,17 @@ class TrainerConfig:
     # dimensions over P workers (a replica is then a group of P workers); None: one
     # worker per replica (sample parallelism).
     layout: Any = None
+    # A worker's memory for one replica's training (bytes, or "2GiB"): a layout whose
+    # samples need more is refused, naming the smallest spatial split that fits;
+    # layout="auto" picks the layout the cost model predicts fastest under it.
+    memory_per_worker: int | str | None = None
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
     @property
     def spatial(self) -> int:
         """Workers per replica (``layout.spatial``; 1 without a layout)."""
-        return self.layout.spatial if self.layout is not None else 1
+        return getattr(self.layout, "spatial", 1)
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -170,11 +174,15 @@ class TrainerConfig:
         if self.layout is not None:
             from dataflow.layout import Layout
 
-            if not isinstance(self.layout, Layout):
+            if not isinstance(self.layout, Layout) and self.layout != "auto":
                 raise ConfigError(
                     f"layout must be a dataflow.Layout, e.g. dataflow.Layout(spatial=2) to split "
-                    f"each sample over 2 workers, got {type(self.layout).__name__} {self.layout!r}"
+                    f"each sample over 2 workers, or 'auto' (the cost model chooses), got "
+                    f"{type(self.layout).__name__} {self.layout!r}"
                 )
+        from dataflow.layout_choice import parse_bytes
+
+        parse_bytes(self.memory_per_worker)
         if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
             raise ConfigError(
                 f"balancer must be a dataflow.balance balancer such as "
