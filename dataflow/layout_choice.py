@@ -108,3 +108,25 @@ def _candidate(layout: Layout, groups: int) -> Any:
     return LayoutCandidate(
         groups=groups, spatial=layout.spatial, dims=layout.dims, grid=layout.grid
     )
+
+
+def check_transforms(graph: Any, layout: Layout | None) -> None:
+    """A random flip or rotation along a split dimension would need another worker's
+    region (the mirror image): refused, naming the transform. Transforms that act per
+    voxel or per channel are fine; random draws agree within a group (they are seeded
+    by the replica)."""
+    if layout is None or layout.spatial == 1:
+        return
+    from dataflow.stages.transform import Transform
+
+    split = set(layout.tensor_dims)
+    for stage in graph:
+        fn = getattr(getattr(stage, "config", None), "fn", None)
+        axes = getattr(fn, "axes", None)
+        if isinstance(stage, Transform) and axes is not None and split.intersection(axes):
+            raise ConfigError(
+                f"transform {type(fn).__name__}(axes={tuple(axes)}) moves data along batch "
+                f"axis {sorted(split.intersection(axes))}, which {layout.describe()} splits "
+                "over workers; drop that axis from the transform, or split other dimensions "
+                "(Layout(dims=...))"
+            )

@@ -27,6 +27,7 @@ from dataflow.driver.planner import Planner
 from dataflow.graph import Graph
 from dataflow.history import FitResult
 from dataflow.layout import Layout
+from dataflow.layout_choice import check_transforms
 from dataflow.plan import Plan, phase_steps
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
@@ -182,6 +183,7 @@ class Trainer:
         with client_or_local_cluster(client, announce=self.config.progress) as active:
             requested = self.config.layout
             layout, weighed = self._layout(active, epochs)
+            check_transforms(self.graph, layout)
             self.config.layout = layout
             try:
                 result = run_fit(

@@ -92,7 +92,9 @@ def test_auto_keeps_sample_parallelism_when_memory_allows():
 
 def test_adaptive_is_refused_with_a_spatial_layout():
     with pytest.raises(dfl.ConfigError, match="noise scale"):
-        volume_pipeline(schedule=dfl.schedule.Adaptive(2, max_batch=8), layout=dfl.Layout(spatial=2))
+        volume_pipeline(
+            schedule=dfl.schedule.Adaptive(2, max_batch=8), layout=dfl.Layout(spatial=2)
+        )
 
 
 @pytest.mark.slow
@@ -102,3 +104,11 @@ def test_a_fit_with_auto_trains_spatially_under_the_budget(client):
     assert result.history.info["layout"].startswith("spatial=2")
     assert result.history.info["layout_candidates"][0]["fits"]
     assert len(result.history.steps) == 8
+
+
+def test_a_random_flip_along_a_split_dimension_is_refused(client):
+    pipe = volume_pipeline(
+        transforms=[dfl.ops.RandomFlip(axes=(2, 3))], layout=dfl.Layout(spatial=2)
+    )
+    with pytest.raises(dfl.ConfigError, match=r"RandomFlip\(axes=\(2, 3\)\) moves data along"):
+        pipe.fit(epochs=1, client=client)
