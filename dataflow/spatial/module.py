@@ -154,11 +154,14 @@ class SpatialModule(nn.Module):
     def _global_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """All ranks' extents along the split dimensions (one tiny allreduce), checked
         against the split the layout prescribes."""
-        extents = torch.zeros(self.group.size, len(self.dims), dtype=torch.float64)
+        # on x's device: an NCCL group reduces only CUDA tensors
+        extents = torch.zeros(
+            self.group.size, len(self.dims), dtype=torch.float64, device=x.device
+        )
         extents[self.group.rank] = torch.tensor(
             [float(x.shape[d]) for d in self.dims], dtype=torch.float64
         )
-        self.group.allreduce_(extents)
+        extents = self.group.allreduce_(extents).cpu()
         shape = list(x.shape)
         for i, d in enumerate(self.dims):
             lines = {}
