@@ -139,3 +139,17 @@ class ReplicaGroups:
 
     def plus(self, other: ReplicaGroups) -> ReplicaGroups:
         return ReplicaGroups(self.groups + other.groups)
+
+
+def fewer_workers_hint(spatial: int, workers: int, replicas: int = 1) -> str:
+    """What to say when ``workers`` are left for a fit that needs ``replicas`` groups of
+    ``spatial`` workers: how many to restart with, or the layout they could run."""
+    need = spatial * max(1, replicas)
+    text = f"{workers} worker(s) left; spatial={spatial} needs {spatial} per replica"
+    if replicas > 1:
+        text += f" and min_workers={replicas} replicas"
+    text += f": restart with >= {need} workers"
+    fits = min(workers // max(1, replicas), spatial - 1)
+    if workers < need and fits >= 1:
+        text += f", or resume with layout=dfl.Layout(spatial={fits})"
+    return text

@@ -9,7 +9,7 @@ from test_driver_machine import PHASE0, Driver, of, planned
 import dataflow as dfl
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
-from dataflow.layout import ReplicaGroups
+from dataflow.layout import ReplicaGroups, fewer_workers_hint
 from dataflow.spatial.geometry import Window, exchange, grid_shape, split_extent
 
 FIVE = tuple(f"tcp://w{i}" for i in range(5))
@@ -88,14 +88,71 @@ def test_a_lost_worker_takes_its_group_and_its_partner_forms_a_new_one_with_the_
     assert form.joining == (FIVE[4], FIVE[0])
 
 
-def test_too_few_workers_for_one_group_fails_the_fit_with_the_count():
-    d = Driver(spatial=2, min_workers=1)
-    d.send(ev.Started(FIVE[:2]))
+def _running(d: Driver, workers: tuple[str, ...], replicas: int) -> list:
+    d.send(ev.Started(workers))
     d.send(ev.GroupFormed(0))
     d.send(ev.PhaseChosen(PHASE0))
-    steps = planned(PHASE0, 1)
-    d.send(ev.SegmentPlanned(PHASE0, steps, steps))
+    steps = planned(PHASE0, replicas)
+    return d.send(ev.SegmentPlanned(PHASE0, steps, steps))
+
+
+@pytest.mark.parametrize("checkpoints", [True, False])
+def test_no_group_left_the_partner_saves_the_commit_and_the_fit_fails_naming_the_layout(
+    checkpoints,
+):
+    d = Driver(spatial=2, checkpoints=checkpoints)
+    _running(d, FIVE[:2], 1)
+    out = d.send(ev.WorkersLost((FIVE[0],)))  # the group's leader: w1 is left alone
+    alone = ((FIVE[1],),)
+    assert of(cmd.StopWindows, out) == [cmd.StopWindows((FIVE[1],), groups=alone)]
+    assert of(cmd.RollBack, out) == [cmd.RollBack((FIVE[1],), 0, groups=alone)]
+    saves = [(c.kind, c.step) for c in of(cmd.WriteCheckpoint, out)]
+    assert saves == ([("survivors", 0)] if checkpoints else [])
+    [failure] = of(cmd.RecordFailure, out)
+    assert failure.record["replicas_after"] == 0 and failure.record["lost"] == [FIVE[0]]
+    [fail] = of(cmd.Fail, out)
+    assert out[-1] is fail and fail.remain == 0 and fail.workers_left == 1
+    assert not of(cmd.AwaitRestart, out) and d.state.status == "failed"
+
+
+def test_no_group_left_but_the_pool_forms_one_the_fit_restarts_from_the_partners_save():
+    d = Driver(spatial=2, checkpoints=True)
+    _running(d, FIVE[:3], 1)  # (w0, w1) and the spare w2
     out = d.send(ev.WorkersLost((FIVE[1],)))
-    assert any(isinstance(c, cmd.Fail) for c in out) or any(
-        isinstance(c, cmd.AwaitRestart) for c in out
+    assert [c.kind for c in of(cmd.WriteCheckpoint, out)] == ["survivors"]
+    assert out[-1] == cmd.AwaitRestart(had=1) and not of(cmd.Fail, out)
+    out = d.send(ev.RestartPoint(step=0, workers=(FIVE[0], FIVE[2])))
+    [record] = of(cmd.RecordFailure, out)
+    assert record.record["restarted_from_step"] == 0 and record.record["replicas_after"] == 1
+    [form] = of(cmd.FormGroup, out)
+    assert form.fresh and form.restore and form.groups == ((FIVE[0], FIVE[2]),)
+    assert d.state.available == ()
+
+
+def test_a_restart_with_too_few_workers_for_a_group_fails_naming_them():
+    d = Driver(spatial=2, checkpoints=True)
+    _running(d, FIVE[:2], 1)
+    d.send(ev.WorkersLost(FIVE[:2]))  # both: nobody holds the commit, wait for workers
+    [fail] = d.send(ev.RestartPoint(step=0, workers=(FIVE[3],)))
+    assert isinstance(fail, cmd.Fail) and fail.workers_left == 1
+
+
+def test_too_few_groups_for_min_workers_fails_with_the_workers_left():
+    d = Driver(spatial=2, min_workers=2)
+    _running(d, FIVE[:4], 2)
+    out = d.send(ev.WorkersLost((FIVE[3],)))
+    [fail] = of(cmd.Fail, out)
+    assert fail.remain == 1 and fail.workers_left == 3  # group 0, and the partner w2
+
+
+def test_the_hint_names_the_smallest_layout_the_workers_left_run():
+    assert fewer_workers_hint(2, 1) == (
+        "1 worker(s) left; spatial=2 needs 2 per replica: restart with >= 2 workers, or "
+        "resume with layout=dfl.Layout(spatial=1)"
     )
+    assert fewer_workers_hint(4, 3).endswith("layout=dfl.Layout(spatial=3)")
+    assert fewer_workers_hint(2, 3, replicas=2) == (
+        "3 worker(s) left; spatial=2 needs 2 per replica and min_workers=2 replicas: "
+        "restart with >= 4 workers, or resume with layout=dfl.Layout(spatial=1)"
+    )
+    assert fewer_workers_hint(2, 0).endswith("restart with >= 2 workers")

@@ -107,6 +107,7 @@ class StopWindows:
 
     members: tuple[str, ...]
     leave_group: bool = True
+    groups: tuple[tuple[str, ...], ...] = ()  # as RollBack's
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class RollBack:
     members: tuple[str, ...]
     step: int
     leave_group: bool = True
+    # The members' workers, by group; () = the groups they were formed in. A spatial
+    # layout's partners of a lost worker roll back alone: ``((w,), ...)``.
+    groups: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,8 @@ class Restart:
 class Fail:
     """Stop the fit. ``error``: a replica's failure to raise as it is; otherwise a
     ``WorkerLostError`` about ``lost`` (``remain`` left, ``restarts`` from one
-    checkpoint used up if not None) naming where the work done so far is kept."""
+    checkpoint used up if not None) naming where the work done so far is kept, and,
+    in a spatial layout, the layout the ``workers_left`` could run."""
 
     error: BaseException | None = None
     lost: tuple[str, ...] = ()
@@ -170,6 +175,7 @@ class Fail:
     commit_step: int = 0
     starting: bool = False
     restarts_from: int | None = None
+    workers_left: int | None = None  # live workers the fit could still use (spatial)
 
 
 @dataclass(frozen=True)

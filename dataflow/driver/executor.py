@@ -132,9 +132,12 @@ class Executor:
         running = [f for f in self.windows if f.status != "finished"]
         done = _wait_some(running)[0] if running else []
         if not done and running:
-            self.raise_if_lost()
-            joined = self.joined_event()
-            self.queue.append(joined or ev.Timer())
+            queued = len(self.queue)
+            self._harvest()  # a window that finished before the wait began
+            if len(self.queue) == queued:
+                self.raise_if_lost()
+                joined = self.joined_event()
+                self.queue.append(joined or ev.Timer())
             return
         self._harvest()  # every result first: a loss then salvages all it can
         failed = sorted(
@@ -166,9 +169,14 @@ class Executor:
         for (generation, rank, window), futures in sorted(parts.items(), key=lambda i: i[0][2]):
             if len(futures) < self.size or set(self._slots_of(rank)).intersection(lost):
                 continue  # the group's other workers still run it, or one died
-            leader = min(futures, key=lambda f: self.slot_of.get(f, 0))
+            futures.sort(key=lambda f: self.slot_of.get(f, 0))
             try:
-                result = leader.result(timeout=LIVENESS_POLL_S)
+                result = futures[0].result(timeout=LIVENESS_POLL_S)  # the leader's
+                if result.checkpoint is not None and self.size > 1:
+                    # a mid-phase checkpoint keeps every worker's part (random state,
+                    # buffers) as a phase-boundary one does: the group's, in slot order
+                    parts = [f.result(timeout=LIVENESS_POLL_S).checkpoint for f in futures]
+                    result.checkpoint = tuple(parts)
             except Exception:  # gone meanwhile: the next poll tells why
                 continue
             for future in futures:
@@ -208,6 +216,13 @@ class Executor:
         """Every worker of the replicas led by ``leaders``, in slot order."""
         return tuple(w for leader in leaders for w in self.groups.get(leader, (leader,)))
 
+    def _addressed(self, c: cmd.StopWindows | cmd.RollBack) -> tuple[str, ...]:
+        """The workers a stop or a rollback goes to: its groups' when it names them (a
+        spatial layout's partners of a lost worker, each alone), else its members'."""
+        if c.groups:
+            return tuple(w for group in c.groups for w in group)
+        return self._workers_of(c.members)
+
     # -- commands -------------------------------------------------------------------------
     def send(self, request: Any, rank: int, *, key: str, after: Any = None, **extra: Any) -> Any:
         """Submit ``request`` to replica ``rank``'s worker, behind ``after``."""
@@ -241,7 +256,8 @@ class Executor:
         self.members, self.generation = members, c.generation
         self.known.update(members)
         world = len(members)
-        if c.fresh:
+        if c.fresh:  # no window of an older group is in flight any more
+            self.windows, self.slot_of, self.in_flight = {}, {}, []
             self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
             self.last = [None] * world
             host, port = self._rendezvous(world)
@@ -381,7 +397,7 @@ class Executor:
                 self.windows[future] = (c.generation, task.replica, c.first_window + window.index)
 
     def stop(self, c: cmd.StopWindows) -> None:
-        alive = list(self._workers_of(c.members))
+        alive = list(self._addressed(c))
         if c.leave_group:  # not waiting: a worker that died unnoticed would stall it
             with contextlib.suppress(Exception):
                 self.client.run(remote.abort_run_soon, self.run_id, workers=alive, wait=False)
@@ -393,7 +409,7 @@ class Executor:
         self.in_flight, self.windows, self.slot_of = [], {}, {}
 
     def roll_back(self, c: cmd.RollBack) -> None:
-        self.members = self._workers_of(c.members)
+        self.members = self._addressed(c)
         futures = [
             self.send(
                 remote.RollBack(self.run_id, self.generation, c.step, r, c.leave_group),

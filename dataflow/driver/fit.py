@@ -158,7 +158,8 @@ def build_loop(
 
 
 def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> list[str]:
-    """The fit's workers: ``replicas`` groups of ``size`` (default: as many as fit)."""
+    """The fit's workers: ``replicas`` groups of ``size`` (default: every worker; the
+    machine forms as many groups as fit, a remainder waits in its pool as spares)."""
     if not available:
         raise ConfigError("the client has no workers; start some before fit()")
     if len(available) < size:
@@ -166,11 +167,12 @@ def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> 
             f"Layout(spatial={size}) splits each sample over {size} workers but the client "
             f"has {len(available)}; start more workers or use a smaller spatial"
         )
-    wanted = replicas * size if replicas else len(available) // size * size
+    wanted = replicas * size if replicas else len(available)
     if wanted > len(available):
+        each = f" of {size} workers each need {wanted}" if size > 1 else ""
         raise ConfigError(
-            f"replicas={replicas} of {size} worker(s) each need {wanted} workers but the "
-            f"client has {len(available)}; start more workers or lower replicas"
+            f"replicas={replicas}{each} but the client has {len(available)} worker(s); "
+            "start more workers or lower replicas"
         )
     return available[:wanted]
 

@@ -24,6 +24,7 @@ from dataflow.driver.machine import FitMachine
 from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
 from dataflow.history import History
+from dataflow.layout import fewer_workers_hint
 from dataflow.noise_scale import NoiseScaleTracker
 from dataflow.progress import PhaseProgress
 from dataflow.runtime.replica import ReplicaState
@@ -105,10 +106,13 @@ class FitLoop:
     def apply(self, commands: list[Any]) -> None:
         """Carry out ``commands`` in order; a loss stops the rest (the machine decides
         anew from the WorkersLost event)."""
-        for command in commands:
+        for i, command in enumerate(commands):
             try:
                 getattr(self, "_" + type(command).__name__)(command)
             except Lost as lost:
+                # The machine already chose to stop: a loss on the way does not change it.
+                for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
+                    self._Fail(fail)
                 self.executor.queue_lost(lost.workers)
                 return
 
@@ -165,8 +169,13 @@ class FitLoop:
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
         step, workers = None, ()
         if self.writer is not None and self.writer.store.latest() is not None:
+            size = self.machine.config.spatial  # counts of replicas, in workers
             found = self.executor.await_restart(
-                c.had, self.min_workers, self.replicas, RESTART_WAIT_S, RESTART_GATHER_S
+                c.had * size,
+                max(1, self.min_workers) * size,
+                self.replicas * size if self.replicas else None,
+                RESTART_WAIT_S,
+                RESTART_GATHER_S,
             )
             if found:
                 self.checkpoint = self.writer.load_latest()
@@ -179,6 +188,7 @@ class FitLoop:
                 f"dataflow: every replica was lost; starting again from the checkpoint of "
                 f"step {c.step}"
             )
+        self.saved_path = None  # a survivors' checkpoint was the restart's
         self.restore_driver(self.checkpoint)
 
     # -- phases ---------------------------------------------------------------------------
@@ -296,8 +306,10 @@ class FitLoop:
                 states = self.executor.replica_states("lost")
             except Lost:  # the last survivors died too: the newest checkpoint stands
                 return
-        else:
-            states = list(c.states)
+        else:  # each replica's state, or its group's workers' (a spatial layout)
+            states = [
+                s for part in c.states for s in (part if isinstance(part, tuple) else (part,))
+            ]
         path = writer.save_mid_phase(states, state, c.step, self.recorder)
         if c.kind == "survivors":
             self.saved_path = path
@@ -305,10 +317,16 @@ class FitLoop:
     def _Fail(self, c: cmd.Fail) -> None:
         if c.error is not None:
             raise c.error
+        spatial = self.machine.config.spatial
+        remain = f"{c.remain} remain but min_workers={self.min_workers}"
+        if spatial > 1 and c.workers_left is not None:  # name the layout they could run
+            hint = fewer_workers_hint(spatial, c.workers_left, self.min_workers)
+            remain = f"{c.remain} sample group(s) remain: {hint}"
+        elif c.starting:
+            remain = f"{c.remain} remain (min_workers={self.min_workers})"
         if c.starting:
             raise WorkerLostError(
-                f"lost worker(s) {', '.join(c.lost)} while starting the fit; {c.remain} "
-                f"remain (min_workers={self.min_workers})"
+                f"lost worker(s) {', '.join(c.lost)} while starting the fit; {remain}"
             )
         if self.saved_path is not None:
             where = (
@@ -325,9 +343,9 @@ class FitLoop:
         else:
             where = "No checkpoint_dir was given, so the work done is lost; "
         message = (
-            f"lost worker(s) {', '.join(c.lost)} in phase {c.phase}; {c.remain} remain but "
-            f"min_workers={self.min_workers}. {where}fit(..., checkpoint_dir=..., resume=True) "
-            "continues from the newest checkpoint once workers are back"
+            f"lost worker(s) {', '.join(c.lost)} in phase {c.phase}; {remain}. {where}fit(..., "
+            "checkpoint_dir=..., resume=True) continues from the newest checkpoint once "
+            "workers are back"
         )
         if c.restarts_from is not None:
             message += (
@@ -335,8 +353,9 @@ class FitLoop:
                 f"{self.machine.config.max_restarts} times and lost every replica each "
                 "time before the next checkpoint)"
             )
-        if not c.remain:
-            self.executor.members = ()  # what the fit's clean-up talks to: none is left
+        if not c.remain:  # what the fit's clean-up talks to: the live ones (partners)
+            alive = set(self.executor.available())
+            self.executor.members = tuple(w for w in self.executor.members if w in alive)
         raise WorkerLostError(message)
 
     def _Finish(self, c: cmd.Finish) -> None:

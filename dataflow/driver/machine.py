@@ -397,7 +397,9 @@ class FitMachine:
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
         survivors = s.layout.without(lost_ranks)
-        self._release_partners(lost_ranks, event.workers)
+        partners = self._release_partners(lost_ranks, event.workers)
+        if not survivors.replicas and partners:
+            return out + self._partners_only(lost, partners, after)
         if not survivors.replicas:
             record = self._failure("every replica lost", lost)
             s.windows.clear()
@@ -431,15 +433,18 @@ class FitMachine:
                 remain=survivors.replicas,
                 phase=self._phase_index(),
                 commit_step=s.committed_step,
+                workers_left=len(survivors.workers) + len(s.available),
             )
             return [*out, fail]
         record["joined"] = list(joiners)
         layout = survivors.plus(ReplicaGroups.of(joiners, self.config.spatial))
         return out + self._form(layout, joining=joiners, after=after)
 
-    def _release_partners(self, lost_ranks: tuple[int, ...], gone: tuple[str, ...]) -> None:
+    def _release_partners(
+        self, lost_ranks: tuple[int, ...], gone: tuple[str, ...]
+    ) -> tuple[str, ...]:
         """The live workers of a lost replica's group go back to the pool (they may form
-        a group again with others)."""
+        a group again with others); returns them."""
         s = self.state
         partners = tuple(
             w
@@ -448,6 +453,44 @@ class FitMachine:
             if w not in gone and w not in s.available
         )
         s.available = (*s.available, *partners)
+        return partners
+
+    def _partners_only(
+        self, lost: tuple[str, ...], partners: tuple[str, ...], after: str
+    ) -> list[Any]:
+        """A spatial layout lost a worker of every group: no group is left, but the lost
+        groups' other workers (``partners``) hold the commit. They roll back to it and
+        save it; the fit starts again from that checkpoint when the pool's workers form
+        enough groups, else it stops, naming the layout the workers left could run."""
+        s, config = self.state, self.config
+        record = self._failure("every replica lost", lost, replicas_after=0)
+        s.windows.clear()
+        s.pending.clear()
+        s.layout = ReplicaGroups()
+        alone = tuple((w,) for w in partners)
+        out: list[Any] = [
+            cmd.StopWindows(partners, groups=alone),
+            cmd.RollBack(partners, s.committed_step, groups=alone),
+        ]
+        if config.checkpoints and after == "rest":  # inside a phase: the commit
+            out.append(cmd.WriteCheckpoint("survivors", s.committed_step, s.phase))
+        elif config.checkpoints and after == "checkpoint":  # the phase's, not written yet
+            out.append(cmd.WriteCheckpoint("phase", s.committed_step, s.phase))
+        groups = len(s.available) // config.spatial
+        if config.max_replicas is not None:
+            groups = min(groups, config.max_replicas)
+        if config.checkpoints and config.may_join and groups >= max(1, config.min_workers):
+            s.status, s.lost_everything = "restarting", record
+            return [*out, cmd.AwaitRestart(had=groups)]
+        s.status = "failed"
+        fail = cmd.Fail(
+            lost=lost,
+            remain=0,
+            phase=self._phase_index(),
+            commit_step=s.committed_step,
+            workers_left=len(s.available),
+        )
+        return [cmd.RecordFailure(record), *out, fail]
 
     def _lost_while_starting(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list:
         s, config = self.state, self.config
@@ -459,7 +502,10 @@ class FitMachine:
             return [cmd.AwaitRestart(had=s.layout.replicas)]
         if not survivors.replicas or survivors.replicas < config.min_workers:
             s.status, s.layout = "failed", survivors
-            return [cmd.Fail(lost=lost, remain=survivors.replicas, starting=True)]
+            left = len(survivors.workers) + len(s.available)
+            return [
+                cmd.Fail(lost=lost, remain=survivors.replicas, starting=True, workers_left=left)
+            ]
         s.generation += 1
         s.layout = survivors
         return [
@@ -492,9 +538,20 @@ class FitMachine:
         record.update(
             restarted_from_step=event.step,
             window_steps_lost=s.committed_step + record.get("window_steps_lost", 0) - event.step,
-            replicas_after=len(event.workers),
+            replicas_after=len(event.workers) // config.spatial,
         )
+        s.available = tuple(w for w in s.available if w not in event.workers)
         s.layout = self._groups(tuple(event.workers))
+        if not s.layout.replicas:  # too few workers for one group (a spatial layout)
+            s.status = "failed"
+            return [
+                cmd.Fail(
+                    lost=tuple(record.get("lost", ())),
+                    remain=0,
+                    phase=record.get("phase"),
+                    workers_left=len(event.workers),
+                )
+            ]
         s.generation += 1
         s.committed_step, s.step_seconds, s.phase = event.step, None, None
         s.status, s.forming, s.after_group, s.restoring = "forming", "restart", "choose", True

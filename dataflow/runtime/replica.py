@@ -88,6 +88,9 @@ class ReplicaRuntime:
         device_rank: int | None = None,
     ):
         self.spec = spec
+        # This worker's place among the fit's workers (its rank without a spatial layout);
+        # the driver sets it again at each regroup and rollback.
+        self.slot = rank if device_rank is None else device_rank
         # A simulated slow node (tests, benchmarks, demos): each step sleeps
         # (throttle - 1) x its compute, i.e. the stages that do not wait on data or peers.
         self.throttle = spec.throttle.get(rank, 1.0)
@@ -245,8 +248,9 @@ class ReplicaRuntime:
     def checkpoint_state(self) -> ReplicaState:
         """What a checkpoint needs of this replica: its random state and its buffers
         (BatchNorm statistics drift apart between replicas until the phase ends); rank 0
-        adds the weights, optimizer state and stage settings, which every replica shares."""
-        leader = self.context.rank == 0
+        adds the weights, optimizer state and stage settings, which every replica shares
+        (its first worker in a spatial layout: slot 0 of the fit's workers)."""
+        leader = self.slot == 0
         return self.capture(model=leader, optimizer=leader, stages=leader, rng=True, buffers=True)
 
     def snapshot(self) -> ReplicaState:

@@ -132,7 +132,7 @@ class Regroup(Request):
 
     def run(self, runtime: ReplicaRuntime) -> int:
         size = runtime.spec.spatial
-        runtime.context.rank = self.rank // size
+        runtime.context.rank, runtime.slot = self.rank // size, self.rank
         collective = _join_group(
             runtime.spec,
             self.rank,
@@ -167,6 +167,7 @@ class RollBack(Request):
         with runtime.lock:  # an aborted window still running here ends at its next wait
             runtime.rollback(self.step)
             runtime.context.rank = self.rank // runtime.spec.spatial
+            runtime.slot = self.rank
         return self.rank
 
 
