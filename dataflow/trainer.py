@@ -212,8 +212,8 @@ class Trainer:
         config = self.config
         if config.layout != "auto" and config.memory_per_worker is None:
             return config.layout, []
-        from dataflow.driver.executor import available_workers
         from dataflow.layout_choice import resolve
+        from dataflow.runtime.cluster import available_workers
 
         workers = len(available_workers(client))
         if config.replicas is not None:

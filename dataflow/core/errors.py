@@ -69,3 +69,12 @@ class IncompatibleCheckpointError(DataflowError, ValueError):
 
 class WorkerLostError(ReplicaError):
     """Workers died and too few remain to go on (``min_workers``)."""
+
+
+def as_replica_error(exc: BaseException, rank: int, worker: str) -> BaseException:
+    """dataflow's own errors as they are; anything else as a ReplicaError naming where."""
+    if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
+        return exc
+    error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error

@@ -185,7 +185,7 @@ def calibrate(
 
 
 def _workers(client: Any, replicas: int | None) -> list[str]:
-    from dataflow.driver.executor import available_workers
+    from dataflow.runtime.cluster import available_workers
 
     workers = available_workers(client)
     if not workers:

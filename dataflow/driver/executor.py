@@ -19,11 +19,16 @@ from typing import Any
 
 from distributed import Client, wait
 
-from dataflow.core.errors import CollectiveError, ConfigError, NonFiniteError, ReplicaError
+from dataflow.core.errors import (
+    CollectiveError,
+    NonFiniteError,
+    ReplicaError,
+    as_replica_error,
+)
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.runtime import tasks as remote
-from dataflow.runtime.cluster import live_workers
+from dataflow.runtime.cluster import available_workers, live_workers
 
 FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
@@ -201,9 +206,9 @@ class Executor:
         )
         real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
         if not failed:
-            return _wrap_failure(error, rank, self._worker(rank))
+            return as_replica_error(error, rank, self._worker(rank))
         (_, r), future = (real or failed)[0]
-        return _replica_failure(future, r, self._worker(r))
+        return as_replica_error(future.exception(), r, self._worker(r))
 
     def _worker(self, rank: int) -> str:
         slot = rank * self.size
@@ -480,33 +485,6 @@ class Executor:
         self.in_flight, self.windows, self.last = [], {}, []
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
-
-
-def available_workers(client: Client) -> list[str]:
-    """The client's workers, in a stable order (by host, then address)."""
-    workers = live_workers(client)
-    return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
-
-
-def check_client(client: Client) -> None:
-    if str(getattr(client, "status", "running")) in ("closing", "closed"):
-        raise ConfigError(
-            "the client is closed; pass an open distributed.Client, or client=None for "
-            "an embedded LocalCluster"
-        )
-
-
-def _replica_failure(future: Any, rank: int, worker: str) -> BaseException:
-    return _wrap_failure(future.exception(), rank, worker)
-
-
-def _wrap_failure(exc: BaseException, rank: int, worker: str) -> BaseException:
-    """dataflow's own errors as they are; anything else as a ReplicaError naming where."""
-    if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
-        return exc
-    error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
 
 
 def _wait_some(futures: list[Any]) -> tuple[list[Any], list[Any]]:

@@ -13,11 +13,12 @@ from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.costplan import FitPlan, planned_model, workers_wanted
-from dataflow.driver.executor import Executor, available_workers, check_client
+from dataflow.driver.executor import Executor
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
 from dataflow.history import FitResult
+from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica import ReplicaSpec
 from dataflow.stages.forward import build_model
 

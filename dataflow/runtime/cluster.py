@@ -112,3 +112,17 @@ def _not_a_client(client: Any) -> str:
         "object (LocalCluster, dask-jobqueue's SLURMCluster), or None for an embedded "
         "LocalCluster"
     )
+
+
+def available_workers(client: Client) -> list[str]:
+    """The client's workers, in a stable order (by host, then address)."""
+    workers = live_workers(client)
+    return sorted(workers, key=lambda a: (workers[a].get("host", ""), a))
+
+
+def check_client(client: Client) -> None:
+    if str(getattr(client, "status", "running")) in ("closing", "closed"):
+        raise ConfigError(
+            "the client is closed; pass an open distributed.Client, or client=None for "
+            "an embedded LocalCluster"
+        )

@@ -1,0 +1,242 @@
+"""What the fit machine decides when workers are lost: salvage what the lost replicas'
+partners finished, roll the survivors back to the last commit, regroup them (with
+spares and joiners), restart from a checkpoint when no replica is left, or fail with
+the layout the remaining workers can run. A mixin of :class:`~dataflow.driver.machine.
+FitMachine` (its ``state`` and ``config``); pure, like the machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.layout import ReplicaGroups
+
+
+class LostWorkers:
+    """The machine's handlers for lost workers and restarts."""
+
+    state: Any
+    config: Any
+
+    def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+        """A ``history.info["failures"]`` entry; at most the window in progress is lost."""
+        s = self.state
+        in_progress = s.committed_step
+        if s.commit_window in s.windows:
+            plan, window, _ = s.windows[s.commit_window]
+            in_progress = plan.steps[window.stop - 1].index + 1
+        return {
+            "phase": self._phase_index(),
+            "reason": reason,
+            "lost": list(lost),
+            "commit_step": s.committed_step,
+            "replicas_before": s.layout.replicas,
+            "window_steps_lost": in_progress - s.committed_step,
+            **extra,
+        }
+
+    def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
+        s, config = self.state, self.config
+        s.available = tuple(w for w in s.available if w not in event.workers)
+        if s.status == "forming" and s.forming == "regroup" and s.joining:
+            # Joiners (alive or not) go back to the pool; the group is formed again.
+            alive = tuple(w for w in s.joining if w not in event.workers)
+            s.layout = ReplicaGroups(tuple(g for g in s.layout.groups if g[0] not in s.joining))
+            s.available, s.joining = (*alive, *s.available), ()
+            if not s.layout.lost_replicas(event.workers):
+                joiners = self._joinable()
+                layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
+                return self._form(layout, joining=joiners, after=s.after_group)
+        lost_ranks = s.layout.lost_replicas(event.workers)
+        if not lost_ranks or s.status in ("failed", "restarting", "idle"):
+            return []
+        if not config.recover_lost_workers:
+            s.status = "failed"
+            lost = tuple(w for w in s.layout.workers if w in event.workers)
+            remain = s.layout.replicas - len(lost_ranks)
+            return [cmd.Fail(lost=lost, remain=remain, phase=self._phase_index())]
+        if s.status == "forming" and s.forming in ("start", "restart"):
+            return self._lost_while_starting(event, lost_ranks)
+        # What to do again once the survivors are regrouped.
+        resume = {"running": "rest", "ending": "end", "done": "finish"}.get(s.status)
+        if s.status == "boundary":
+            resume = "checkpoint" if config.checkpoints else "choose"
+        return self._regroup_survivors(event, lost_ranks, after=resume or s.after_group)
+
+    def _regroup_survivors(
+        self, event: ev.WorkersLost, lost_ranks: tuple[int, ...], *, after: str
+    ) -> list[Any]:
+        """Go on without the lost replicas: commit what their partners finished, stop
+        and roll the survivors back to the last commit, then regroup them (with the
+        workers that joined meanwhile) or, below ``min_workers``, save and fail."""
+        s, config = self.state, self.config
+        lost = tuple(w for w in s.layout.workers if w in event.workers)
+        out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
+        survivors = s.layout.without(lost_ranks)
+        partners = self._release_partners(lost_ranks, event.workers)
+        if not survivors.replicas and partners:
+            return out + self._partners_only(lost, partners, after)
+        if not survivors.replicas:
+            record = self._failure("every replica lost", lost)
+            s.windows.clear()
+            s.pending.clear()
+            if not config.checkpoints:
+                s.status = "failed"
+                return [*out, cmd.Fail(lost=lost, remain=0, phase=self._phase_index())]
+            s.status, s.lost_everything = "restarting", record
+            return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
+        record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
+        in_segment = after == "rest"
+        s.windows.clear()
+        s.pending.clear()
+        s.layout = survivors
+        out += [
+            cmd.RecordFailure(record),
+            cmd.StopWindows(survivors.leaders),
+            cmd.RollBack(survivors.leaders, s.committed_step),
+        ]
+        joiners = self._joinable()
+        if survivors.replicas + len(joiners) < config.min_workers:
+            s.status = "failed"
+            if in_segment and config.checkpoints:
+                out.append(
+                    cmd.WriteCheckpoint(
+                        "survivors", s.committed_step, s.phase, members=survivors.leaders
+                    )
+                )
+            fail = cmd.Fail(
+                lost=lost,
+                remain=survivors.replicas,
+                phase=self._phase_index(),
+                commit_step=s.committed_step,
+                workers_left=len(survivors.workers) + len(s.available),
+            )
+            return [*out, fail]
+        record["joined"] = list(joiners)
+        layout = survivors.plus(ReplicaGroups.of(joiners, self.config.spatial))
+        return out + self._form(layout, joining=joiners, after=after)
+
+    def _release_partners(
+        self, lost_ranks: tuple[int, ...], gone: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """The live workers of a lost replica's group go back to the pool (they may form
+        a group again with others); returns them."""
+        s = self.state
+        partners = tuple(
+            w
+            for r in lost_ranks
+            for w in s.layout.groups[r]
+            if w not in gone and w not in s.available
+        )
+        s.available = (*s.available, *partners)
+        return partners
+
+    def _partners_only(
+        self, lost: tuple[str, ...], partners: tuple[str, ...], after: str
+    ) -> list[Any]:
+        """A spatial layout lost a worker of every group: no group is left, but the lost
+        groups' other workers (``partners``) hold the commit. They roll back to it and
+        save it; the fit starts again from that checkpoint when the pool's workers form
+        enough groups, else it stops, naming the layout the workers left could run."""
+        s, config = self.state, self.config
+        record = self._failure("every replica lost", lost, replicas_after=0)
+        s.windows.clear()
+        s.pending.clear()
+        s.layout = ReplicaGroups()
+        alone = tuple((w,) for w in partners)
+        out: list[Any] = [
+            cmd.StopWindows(partners, groups=alone),
+            cmd.RollBack(partners, s.committed_step, groups=alone),
+        ]
+        if config.checkpoints and after == "rest":  # inside a phase: the commit
+            out.append(cmd.WriteCheckpoint("survivors", s.committed_step, s.phase))
+        elif config.checkpoints and after == "checkpoint":  # the phase's, not written yet
+            out.append(cmd.WriteCheckpoint("phase", s.committed_step, s.phase))
+        groups = len(s.available) // config.spatial
+        if config.max_replicas is not None:
+            groups = min(groups, config.max_replicas)
+        if config.checkpoints and config.may_join and groups >= max(1, config.min_workers):
+            s.status, s.lost_everything = "restarting", record
+            return [*out, cmd.AwaitRestart(had=groups)]
+        s.status = "failed"
+        fail = cmd.Fail(
+            lost=lost,
+            remain=0,
+            phase=self._phase_index(),
+            commit_step=s.committed_step,
+            workers_left=len(s.available),
+        )
+        return [cmd.RecordFailure(record), *out, fail]
+
+    def _lost_while_starting(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list:
+        s, config = self.state, self.config
+        lost = tuple(w for w in s.layout.workers if w in event.workers)
+        survivors = s.layout.without(lost_ranks)
+        self._release_partners(lost_ranks, event.workers)
+        if not survivors.replicas and s.forming == "restart":  # wait for workers again
+            s.status = "restarting"
+            return [cmd.AwaitRestart(had=s.layout.replicas)]
+        if not survivors.replicas or survivors.replicas < config.min_workers:
+            s.status, s.layout = "failed", survivors
+            left = len(survivors.workers) + len(s.available)
+            return [
+                cmd.Fail(lost=lost, remain=survivors.replicas, starting=True, workers_left=left)
+            ]
+        s.generation += 1
+        s.layout = survivors
+        return [
+            cmd.FormGroup(
+                s.generation,
+                survivors.leaders,
+                fresh=True,
+                restore=s.restoring,
+                groups=survivors.groups,
+            )
+        ]
+
+    def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
+        s, config = self.state, self.config
+        if s.status != "restarting":
+            return []
+        record = dict(s.lost_everything or {})
+        exhausted = event.step is not None and s.restarts.get(event.step, 0) >= config.max_restarts
+        if event.step is None or exhausted or not event.workers:
+            s.status = "failed"
+            return [
+                cmd.Fail(
+                    lost=tuple(record.get("lost", ())),
+                    remain=0,
+                    phase=record.get("phase"),
+                    restarts_from=event.step if exhausted else None,
+                )
+            ]
+        s.restarts[event.step] = s.restarts.get(event.step, 0) + 1
+        record.update(
+            restarted_from_step=event.step,
+            window_steps_lost=s.committed_step + record.get("window_steps_lost", 0) - event.step,
+            replicas_after=len(event.workers) // config.spatial,
+        )
+        s.available = tuple(w for w in s.available if w not in event.workers)
+        s.layout = self._groups(tuple(event.workers))
+        if not s.layout.replicas:  # too few workers for one group (a spatial layout)
+            s.status = "failed"
+            return [
+                cmd.Fail(
+                    lost=tuple(record.get("lost", ())),
+                    remain=0,
+                    phase=record.get("phase"),
+                    workers_left=len(event.workers),
+                )
+            ]
+        s.generation += 1
+        s.committed_step, s.step_seconds, s.phase = event.step, None, None
+        s.status, s.forming, s.after_group, s.restoring = "forming", "restart", "choose", True
+        return [
+            cmd.RecordFailure(record),
+            cmd.Restart(event.step),
+            cmd.FormGroup(
+                s.generation, self.members, fresh=True, restore=True, groups=s.layout.groups
+            ),
+        ]
