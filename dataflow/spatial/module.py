@@ -155,9 +155,7 @@ class SpatialModule(nn.Module):
         """All ranks' extents along the split dimensions (one tiny allreduce), checked
         against the split the layout prescribes."""
         # on x's device: an NCCL group reduces only CUDA tensors
-        extents = torch.zeros(
-            self.group.size, len(self.dims), dtype=torch.float64, device=x.device
-        )
+        extents = torch.zeros(self.group.size, len(self.dims), dtype=torch.float64, device=x.device)
         extents[self.group.rank] = torch.tensor(
             [float(x.shape[d]) for d in self.dims], dtype=torch.float64
         )
