@@ -67,6 +67,16 @@ def _pipeline(path, batch):
 
 
 def _peak_rss_bytes():
+    """This process's own peak RSS: VmHWM, the high-water mark of its address space.
+    (``ru_maxrss`` also counts the parent's peak when the process was started by
+    vfork + exec, so a worker started from a large test process read as large.)"""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
