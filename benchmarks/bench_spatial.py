@@ -156,48 +156,62 @@ def rank_step_times(
 # -- (c) the link and the layout model ---------------------------------------------------
 
 
-def rank_link(group: Any, repeats: int) -> dict[str, list[tuple[int, float]]]:
-    """Median one-way send/recv (half a ping-pong) and allreduce seconds per size."""
+def rank_link(group: Any, repeats: int, busy: int = 256) -> dict[str, Any]:
+    """Median one-way send/recv (half a ping-pong) and allreduce seconds per size, on
+    idle ranks; and ``loaded``: the same small messages between bouts of compute (a
+    ``busy``² matmul, as a step's layers run between its halos and reductions), less
+    the compute alone: what a message costs a training step here."""
     peer = 1 - group.rank
-    p2p, allreduce = [], []
-    for size in LINK_SIZES:
-        buf = torch.zeros(max(1, size // 4))
+    a = torch.randn(busy, busy)
+
+    def p2p(buf: torch.Tensor) -> None:
+        first, second = (group.send, group.recv) if group.rank == 0 else (group.recv, group.send)
+        group.wait([first(buf, peer, 7)])
+        group.wait([second(buf, peer, 8)])
+
+    def timed(call: Any, compute: bool) -> float:
         times = []
         for i in range(2 + repeats):
             group.allreduce_(torch.zeros(1))
             start = time.perf_counter()
-            if group.rank == 0:
-                group.wait([group.send(buf, peer, 7)])
-                group.wait([group.recv(buf, peer, 8)])
-            else:
-                group.wait([group.recv(buf, peer, 7)])
-                group.wait([group.send(buf, peer, 8)])
-            if i >= 2:
-                times.append((time.perf_counter() - start) / 2)
-        p2p.append((buf.numel() * 4, statistics.median(times)))
-        times = []
-        for i in range(2 + repeats):
-            start = time.perf_counter()
-            group.allreduce_(buf)
+            if compute:
+                a @ a
+            call()
             if i >= 2:
                 times.append(time.perf_counter() - start)
-        allreduce.append((buf.numel() * 4, statistics.median(times)))
-    return {"p2p": p2p, "allreduce": allreduce}
+        return statistics.median(times)
+
+    out: dict[str, Any] = {"p2p": [], "allreduce": [], "loaded_p2p": [], "loaded_allreduce": []}
+    alone = timed(lambda: None, True)
+    for size in LINK_SIZES:
+        buf = torch.zeros(max(1, size // 4))
+        n = buf.numel() * 4
+        out["p2p"].append((n, timed(lambda buf=buf: p2p(buf), False) / 2))
+        out["allreduce"].append((n, timed(lambda buf=buf: group.allreduce_(buf), False)))
+        if n <= 64 << 10:
+            loaded = timed(lambda buf=buf: p2p(buf), True) - alone
+            out["loaded_p2p"].append((n, max(0.0, loaded) / 2))
+            loaded = timed(lambda buf=buf: group.allreduce_(buf), True) - alone
+            out["loaded_allreduce"].append((n, max(0.0, loaded)))
+    return out
 
 
-def fitted_links(points: dict[str, list[tuple[int, float]]]) -> tuple[Link, Link]:
+def fitted_links(points: dict[str, Any], loaded: bool = True) -> tuple[Link, Link]:
     """(point to point, allreduce over 2) links, ``t = α + n/β`` for send/recv and the
     ring closed form for 2 ranks, ``t = 2α + n/β``, for the allreduce: ``β`` from the
-    slope between the two largest sizes, ``α`` the median over the sizes up to 64 KiB of
-    what is left (a least-squares line through all sizes lets the large messages set
-    the latency, which the halos and the group's reductions, all small, pay)."""
+    slope between the two largest sizes on idle ranks, ``α`` the median over the sizes
+    up to 64 KiB of what is left, between bouts of compute (``loaded``) or idle (a
+    least-squares line through all sizes would let the large messages set the latency,
+    which the halos and the group's reductions, all small, pay)."""
     links = []
     for key, hops, name in (("p2p", 1, "gloo send/recv"), ("allreduce", 2, "gloo allreduce")):
         pts = sorted(points[key])
         (n0, t0), (n1, t1) = pts[-2], pts[-1]
         beta = (n1 - n0) / max(t1 - t0, 1e-9)
-        alpha = statistics.median(max(0.0, t - n / beta) / hops for n, t in pts if n <= 64 << 10)
-        links.append(Link(latency_s=alpha, bandwidth=beta, name=name, source="LocalGroup(2)"))
+        small = points[f"loaded_{key}"] if loaded else [(n, t) for n, t in pts if n <= 64 << 10]
+        alpha = statistics.median(max(0.0, t - n / beta) / hops for n, t in small)
+        source = "LocalGroup(2), " + ("between bouts of compute" if loaded else "idle")
+        links.append(Link(latency_s=alpha, bandwidth=beta, name=name, source=source))
     return links[0], links[1]
 
 
@@ -357,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     with LocalGroup(1) as one, LocalGroup(2) as two:
         link_points = section("link", lambda: two.run(rank_link, args.repeats)[0])
         p2p, ring = fitted_links(link_points)
+        idle_p2p, idle_ring = fitted_links(link_points, loaded=False)
         run["link"] = {"points": link_points, "p2p": vars(p2p), "allreduce": vars(ring)}
+        run["link"].update(idle_p2p=vars(idle_p2p), idle_allreduce=vars(idle_ring))
         print(
-            f"link: send/recv {p2p.latency_s * 1e6:.0f} us + n / {p2p.bandwidth / 1e9:.2f} GB/s; "
-            f"allreduce alpha {ring.latency_s * 1e6:.0f} us, beta {ring.bandwidth / 1e9:.2f} GB/s"
+            f"link: send/recv {p2p.latency_s * 1e6:.0f} us ({idle_p2p.latency_s * 1e6:.0f} idle)"
+            f" + n / {p2p.bandwidth / 1e9:.2f} GB/s; allreduce alpha {ring.latency_s * 1e6:.0f}"
+            f" us ({idle_ring.latency_s * 1e6:.0f} idle), beta {ring.bandwidth / 1e9:.2f} GB/s"
         )
         run["per_layer"] = section("per_layer", lambda: per_layer(one, two, config, args))
         run["strong"] = section("strong", lambda: strong_scaling(one, two, config, args))
