@@ -265,6 +265,9 @@ class Trainer:
         A factory that returns no module, a loss that is not a scalar, a transform
         that fails: each surfaces here, before any worker starts, with a plain traceback.
         Stages are shallow-copied, so what their setup stores never reaches the workers.
+        It runs on the CPU whatever the fit's device: a CUDA error here (a label out of
+        range is a device-side assert) would poison the driver's CUDA context and hide
+        the message, and the driver's GPU, if it has one, may be a worker's.
         """
         graph = self.graph.shallow_copy()
         order = graph.validate(replicas=1)
@@ -272,7 +275,9 @@ class Trainer:
         phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=size)
         steps = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))
         step = dataclasses.replace(steps[0], last_in_epoch=False)  # no end-of-epoch evaluation
-        spec = ReplicaSpec(run_id="dry-run", graph=graph, order=order, seed=self.config.seed)
+        spec = ReplicaSpec(
+            run_id="dry-run", graph=graph, order=order, seed=self.config.seed, device="cpu"
+        )
         spatial = None
         if self.config.spatial > 1:  # partition on the driver too: a layer it cannot is named
             from dataflow.runtime.spatial_rank import whole_sample

@@ -19,6 +19,7 @@ simulator, which is how CI tests them against the same references.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +113,23 @@ def torch_stream() -> Any:
     """Torch's current CUDA stream as a numba stream (kernels queue behind torch's)."""
     from numba import cuda
 
+    _quiet_low_occupancy()
     return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.cache
+def _quiet_low_occupancy() -> None:
+    """Our grids are sized to the work: a small bucket gets a small grid on purpose.
+    numba-cuda warns about every such launch (NumbaPerformanceWarning, "Grid size 1 will
+    likely result in GPU under-utilization"), which floods a fit's log; turn it off.
+    numba-cuda >= 0.20 keeps the switch in its own config module, older in numba's."""
+    for name in ("numba.cuda.core.config", "numba.core.config"):
+        try:
+            config = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS"):
+            config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 
 def launch(op: Op, *tensors: torch.Tensor, inplace: Sequence[int] = (), **params: Any) -> Any:

@@ -62,6 +62,7 @@ def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:
     """The Pipeline most tests train: TinyCNN, cross entropy, SGD with momentum."""
     defaults = dict(
         model=TinyCNN,
+        device="cpu",  # compared with CPU references; tests/test_gpu.py asks for "cuda"
         loss=torch.nn.functional.cross_entropy,
         optimizer=sgd,
         source=dfl.io.ArraySource(x, y),

@@ -12,6 +12,7 @@ import dataflow as dfl
 def pipeline(x: np.ndarray, y: np.ndarray) -> dfl.Pipeline:
     return dfl.Pipeline(
         model=TinyCNN,
+        device="cpu",
         loss=torch.nn.functional.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
         source=dfl.io.ArraySource(x, y),

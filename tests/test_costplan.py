@@ -94,6 +94,7 @@ def test_the_plan_uses_the_planned_window_and_bucket():
     model = cost_model(window_overhead_s=0.002)  # 0.198 s windows of 0.01 s steps
     pipe = dfl.Pipeline(
         model=Tiny,
+        device="cpu",
         loss=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         source=dfl.io.ArraySource(x, y),

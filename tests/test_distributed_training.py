@@ -93,6 +93,7 @@ def test_evaluate_and_history_json(client, tmp_path):
     x, y = make_data(96)
     result = dfl.Pipeline(
         model=TinyCNN,
+        device="cpu",
         loss=F.cross_entropy,
         optimizer=sgd,
         source=dfl.io.ArraySource(x[:64], y[:64]),

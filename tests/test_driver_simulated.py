@@ -30,6 +30,7 @@ def trainer(samples: int = 48, *, schedule=None, **config):
     x = np.zeros((samples, 1), dtype=np.float32)
     pipe = dfl.Pipeline(
         model=lambda: torch.nn.Linear(1, 1),
+        device="cpu",
         loss=torch.nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         source=dfl.io.ArraySource(x, x),

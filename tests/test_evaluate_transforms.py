@@ -141,7 +141,7 @@ def test_fit_evaluates_on_transformed_held_out_data(client):
     x, y = positive_data(96)
     graph, evaluate = training_graph(x[:64], y[:64], x[64:], y[64:])
     evaluate.bind(graph)
-    trainer = Trainer(graph, schedule=dfl.schedule.Fixed(16), progress=False)
+    trainer = Trainer(graph, schedule=dfl.schedule.Fixed(16), device="cpu", progress=False)
     result = trainer.fit(2, client)
     expected = by_hand(result.model, x[64:], y[64:])
     assert result.history.epochs[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
@@ -152,6 +152,7 @@ def test_pipeline_evaluates_with_its_transforms(client):
     x, y = positive_data(96)
     result = dfl.Pipeline(
         model=TinyCNN,
+        device="cpu",
         loss=F.cross_entropy,
         optimizer=sgd,
         source=dfl.io.ArraySource(x[:64], y[:64]),

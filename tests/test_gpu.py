@@ -10,10 +10,47 @@ pytestmark = [
 ]
 
 
-def test_one_cuda_replica_matches_the_cpu_loop():
+def _no_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = False  # TF32 convolutions differ from CPU at 1e-3
+
+
+def test_one_cuda_replica_matches_the_cpu_loop(client):
+    client.run(_no_tf32)
     x, y = make_data(64)
-    result = tiny_pipeline(x, y, device="cuda", replicas=1).fit(epochs=2)
+    result = tiny_pipeline(x, y, device="cuda", replicas=1).fit(epochs=2, client=client)
     assert result.history.info["workers"][0]["device"].startswith("cuda")
     batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-4  # cuDNN vs CPU kernels
+
+
+def test_two_replicas_on_one_gpu_reduce_through_gloo_and_warn(client):
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): replicas that share
+    a GPU reduce with gloo (CUDA tensors through host memory), and the user is told."""
+    client.run(_no_tf32)
+    x, y = make_data(64)
+    pipe = tiny_pipeline(x, y, device="cuda", replicas=2)
+    with pytest.warns(RuntimeWarning, match="share a GPU"):
+        result = pipe.fit(epochs=2, client=client)
+    workers = result.history.info["workers"]
+    assert {w["backend"] for w in workers} == {"gloo"}
+    assert all(w["device"].startswith("cuda") and w["shared_gpu"] for w in workers)
+    batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=2)
+    expected = reference_training(x, y, batches=batches, seed=0)
+    assert max_abs_diff(result.model, expected) <= 1e-4
+
+
+def test_spatial_two_on_one_gpu_equals_single_process_training(client):
+    """The partitioned model's CUDA path in a real fit: halo slabs packed on the GPU,
+    sent through host memory (gloo point to point), BatchNorm-free TinyCNN."""
+    import dataflow as dfl
+
+    client.run(_no_tf32)
+    x, y = make_data(64)
+    options = dict(batch=16, device="cuda", layout=dfl.Layout(spatial=2))
+    with pytest.warns(RuntimeWarning, match="share a GPU"):
+        result = tiny_pipeline(x, y, **options).fit(epochs=2, client=client)
+    assert result.history.info["replicas"] == 1
+    batches = tiny_pipeline(x, y, batch=16).sample_plan(epochs=2, replicas=1)
+    expected = reference_training(x, y, batches=batches, seed=0)
+    assert max_abs_diff(result.model, expected) <= 1e-4

@@ -38,6 +38,7 @@ def volume_pipeline(**options) -> dfl.Pipeline:
     y = rng.normal(size=(16, 2)).astype(np.float32)
     defaults = dict(
         model=Volume,
+        device="cpu",
         loss=torch.nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
         source=dfl.io.ArraySource(x, y),

@@ -38,6 +38,7 @@ class NormDropCNN(torch.nn.Module):
 def _pipeline(x, y, **options) -> dfl.Pipeline:
     return dfl.Pipeline(
         model=NormDropCNN,
+        device="cpu",
         loss=torch.nn.functional.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
         source=dfl.io.ArraySource(x, y),

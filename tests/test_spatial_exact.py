@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import spatial_cases
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -150,3 +151,13 @@ def test_dropout_masks_agree_across_the_group(pool2):
 def test_a_layer_it_cannot_partition_is_named(pool2, name, says):
     for message in pool2.run(spatial_cases.refused, name):
         assert message.startswith("ModelError") and says in message, message
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(case=cases(nd_choices=(2, 3)))
+def test_random_stacks_on_two_ranks_on_cuda(pool2, case):
+    """The CUDA path: halo pack kernels on the GPU, slabs through the group's backend."""
+    case = {**case, "device": "cuda"}
+    _check(pool2.run(spatial_cases.compare, case), case)

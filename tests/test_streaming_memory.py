@@ -56,6 +56,7 @@ class PoolNet(torch.nn.Module):
 def _pipeline(path, batch):
     return dfl.Pipeline(
         model=PoolNet,
+        device="cpu",
         loss=torch.nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.SGD(p, lr=1e-6),
         source=dfl.io.ZarrSource(path, "x", "y"),

@@ -178,6 +178,7 @@ def test_pipeline_plans_over_a_zarr_source(tmp_path):
     path, _, _ = _write(tmp_path, n=40)
     pipe = dfl.Pipeline(
         model=lambda: torch.nn.Flatten(),
+        device="cpu",
         loss=lambda out, target: out.sum() * 0,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         source=ZarrSource(path, "x", "y"),

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 def zarr_pipeline(path, **options):
     return dfl.Pipeline(
         model=TinyCNN,
+        device="cpu",
         loss=F.cross_entropy,
         optimizer=sgd,
         source=dfl.io.ZarrSource(path, x="x", y="y"),

@@ -9,6 +9,7 @@ queues what they answer as the machine's next events.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 from dataflow.checkpoint import ledger_from_state
@@ -31,6 +32,13 @@ from dataflow.runtime.replica import ReplicaState
 
 RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
 RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)
+
+SHARED_GPU_WARNING = (
+    "replicas {ranks} share a GPU with another replica: NCCL cannot run two ranks on one "
+    "GPU, so their gradients are reduced with gloo through host memory (correct, slower). "
+    "For NCCL, run one worker per GPU: dask-cuda's LocalCUDACluster, or --gpus-per-node "
+    "under mpirun (docs/hpc.md)"
+)
 
 
 class FitLoop:
@@ -127,6 +135,10 @@ class FitLoop:
             return
         info = self.recorder.history.info
         info["workers"] = info.get("workers", []) + infos
+        shared = [i["rank"] for i in infos if i.get("shared_gpu")]
+        if shared and not info.get("shared_gpu"):
+            info["shared_gpu"] = shared
+            warnings.warn(SHARED_GPU_WARNING.format(ranks=shared), RuntimeWarning, stacklevel=2)
         info["replicas"] = len(c.members)
         info["process_groups"] = info.get("process_groups", 0) + 1  # formed in this fit
         if c.fresh:

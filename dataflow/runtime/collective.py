@@ -10,6 +10,7 @@ connect to it at rank 0's worker address.
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from typing import Any
 
@@ -64,13 +65,16 @@ class Collective:
         self.device = device
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(prefix, store)
+        self.shared_gpu = False
         try:
             if device.type == "cuda":
+                self.shared_gpu = _shares_a_gpu(prefixed, rank, world_size, device, timeout_s)
+            if device.type == "cuda" and not self.shared_gpu:
                 self.backend = "nccl"
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 self._group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-            else:
+            else:  # CPU tensors, or CUDA tensors of ranks sharing a GPU (through the host)
                 self.backend = "gloo"
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = timeout
@@ -150,6 +154,22 @@ class Collective:
     @property
     def closed(self) -> bool:
         return self._group is None
+
+
+def _shares_a_gpu(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> bool:
+    """Whether any two ranks of the group run on the same GPU (several workers on a
+    one-GPU machine, or more workers than GPUs on a node). NCCL refuses that
+    ("Duplicate GPU detected"); gloo reduces CUDA tensors through host memory, slower
+    but correct. Every rank reaches the same answer from the same keys."""
+    if world_size == 1:
+        return False
+    props = torch.cuda.get_device_properties(device)
+    store.set(f"gpu/{rank}", f"{socket.gethostname()}/{props.uuid}")
+    store.wait([f"gpu/{r}" for r in range(world_size)], datetime.timedelta(seconds=timeout_s))
+    gpus = [store.get(f"gpu/{r}").decode() for r in range(world_size)]
+    return len(set(gpus)) < world_size
 
 
 def _gloo_device(host: str) -> Any:

@@ -287,6 +287,7 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
         "device": str(runtime.context.device),
         "torch_threads": torch.get_num_threads(),
         "backend": None if collective is None else collective.backend,
+        "shared_gpu": collective is not None and collective.shared_gpu,
         "malloc_relaxed": malloc_relaxed,
     }
 

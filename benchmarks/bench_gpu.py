@@ -1,0 +1,328 @@
+"""On one CUDA GPU: the Numba CUDA kernels against torch, and a one-replica fit against
+a hand-written torch loop.
+
+Needs a CUDA GPU (exits with a message otherwise). Two parts, each side timed in the
+same run, ratios printed:
+
+* ``kernels``: ``ops.flat`` (pack_scaled_, sum_of_squares), the fused optimizers, the
+  halo pack and the random flip / rotate transforms, each against the torch code a user
+  would write instead, on ResNet-50's parameter shapes (25.6 M elements) and a batch of
+  32 x 1 x 64^3 volumes. Median of ``--repeats`` calls, each between
+  ``torch.cuda.synchronize()``.
+* ``training``: a CNN (``--image`` px, ``--batch``) trained for ``--epochs`` by
+  ``Pipeline.fit(replicas=1, device="cuda")`` on a one-worker LocalCluster (data from
+  memory, and streamed from a zarr store through pinned host buffers), against the same
+  steps in a plain torch loop (host batches pinned and copied ``non_blocking``) and a
+  loop whose data already sits on the GPU (the upper bound). Steady state: the first
+  ``--warmup`` steps (rounded to a dataflow window) are left out of both.
+
+    python benchmarks/bench_gpu.py                      # both parts, ~3 minutes on an H100
+    python benchmarks/bench_gpu.py --part kernels
+
+Results are appended to ``benchmarks/results/gpu.json`` (``--out``, ``--overwrite``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from bench_ops_optim import resnet50_shapes
+from common import machine_info, save_run, steady_boundary, steady_fit, table
+
+NAME = "gpu"
+
+
+# -- kernels ------------------------------------------------------------------------------
+
+
+def cuda_median_ms(call: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def cuda_params(shapes: list[tuple[int, ...]], seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", generator=g) * 0.05)
+        p.grad = torch.randn(shape, device="cuda", generator=g) * 1e-3
+        params.append(p)
+    return params
+
+
+def kernel_groups() -> dict[str, dict[str, Callable[[], Any]]]:
+    """{op: {variant: call}}; the first variant of each is dataflow's kernel."""
+    from dataflow.ops import flat, halo
+    from dataflow.ops import transforms as T
+    from dataflow.ops.optim import FusedAdam, FusedSGD
+
+    shapes = resnet50_shapes()
+    grads = [p.grad for p in cuda_params(shapes)]
+    n = sum(g.numel() for g in grads)
+    bucket = torch.empty(n, device="cuda")
+    groups: dict[str, dict[str, Callable[[], Any]]] = {
+        "pack_scaled_ (ResNet-50 grads)": {
+            "dataflow": lambda: flat.pack_scaled_(bucket, grads, 0.37),
+            "torch _foreach_mul + cat": lambda: torch.cat(
+                [t.reshape(-1) for t in torch._foreach_mul(grads, 0.37)], out=bucket
+            ),
+        },
+        "sum_of_squares (ResNet-50 grads)": {
+            "dataflow": lambda: flat.sum_of_squares(grads),
+            "torch _foreach_norm": lambda: torch.stack(torch._foreach_norm(grads)).square(),
+        },
+    }
+    optimizers = {
+        "SGD momentum (ResNet-50)": (
+            lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
+            {
+                "torch foreach": lambda ps: torch.optim.SGD(
+                    ps, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True
+                ),
+                "torch fused": lambda ps: torch.optim.SGD(
+                    ps, lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True
+                ),
+            },
+        ),
+        "AdamW (ResNet-50)": (
+            lambda ps: FusedAdam(ps, lr=1e-3),
+            {
+                "torch foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+                "torch fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+            },
+        ),
+    }
+    for label, (ours, theirs) in optimizers.items():
+        groups[label] = {"dataflow": ours(cuda_params(shapes)).step}
+        for name, make in theirs.items():
+            groups[label][name] = make(cuda_params(shapes)).step
+
+    for shape in ((1, 16, 32, 32, 32), (32, 1, 64, 64, 64), (4, 32, 128, 128, 128)):
+        x = torch.randn(shape, device="cuda")
+        label = "x".join(map(str, shape))
+        groups[f"halo pack, 2 planes of {label}"] = {
+            "dataflow": lambda x=x: halo.pack_halo(x, 2, 2, "high"),
+            "torch narrow().contiguous()": lambda x=x: x.narrow(2, x.shape[2] - 2, 2).contiguous(),
+        }
+    volume = torch.randn(32, 1, 64, 64, 64, device="cuda")
+    flip = T.RandomFlip(axes=(2, 3, 4))
+    rot = T.RandomRotate90(axes=(3, 4))
+
+    def torch_flip() -> torch.Tensor:
+        draws = (torch.rand(volume.shape[0], 3) < 0.5).tolist()
+        out = volume.clone()
+        for i, drawn in enumerate(draws):
+            dims = [1 + a for a in range(3) if drawn[a]]  # a sample is (C, D, H, W)
+            if dims:
+                out[i] = volume[i].flip(dims)
+        return out
+
+    def torch_rot() -> torch.Tensor:
+        ks = torch.randint(0, 4, (volume.shape[0],)).tolist()
+        return torch.stack([torch.rot90(v, k, (2, 3)) for v, k in zip(volume, ks, strict=True)])
+
+    groups["RandomFlip(2,3,4) 32x1x64^3"] = {
+        "dataflow": lambda: flip(volume, seed=0),
+        "torch per-sample flip": torch_flip,
+    }
+    groups["RandomRotate90(3,4) 32x1x64^3"] = {
+        "dataflow": lambda: rot(volume, seed=0),
+        "torch per-sample rot90": torch_rot,
+    }
+    return groups
+
+
+def run_kernels(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for op, variants in kernel_groups().items():
+        times = {name: cuda_median_ms(call, args.repeats) for name, call in variants.items()}
+        best_torch = min(v for k, v in times.items() if k != "dataflow")
+        for name, ms in times.items():
+            rows.append(
+                {"op": op, "variant": name, "ms": ms, "torch_best_over_this": best_torch / ms}
+            )
+    print(
+        table(
+            [
+                [r["op"], r["variant"], f"{r['ms']:.3f}", f"{r['torch_best_over_this']:.2f}"]
+                for r in rows
+            ],
+            ["op", "variant", "ms (median)", "best torch / this"],
+        )
+    )
+    return rows
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+class GpuNet(torch.nn.Module):
+    """conv-BN-ReLU stages, strided, global pooling: enough work per step for a GPU."""
+
+    def __init__(self, width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        c = 3
+        for w in (width, 2 * width, 4 * width, 8 * width):
+            layers += [
+                torch.nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
+                torch.nn.BatchNorm2d(w),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(w, w, 3, padding=1, bias=False),
+                torch.nn.BatchNorm2d(w),
+                torch.nn.ReLU(),
+            ]
+            c = w
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def data(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.samples, 3, args.image, args.image), dtype=np.float32)
+    return x, rng.integers(0, 10, size=args.samples).astype(np.int64)
+
+
+def plain_loop(args: argparse.Namespace, batches: list[np.ndarray], resident: bool) -> list[float]:
+    """Step end times of the hand-written loop over the fit's own batches."""
+    x_np, y_np = data(args)
+    torch.manual_seed(0)
+    model = GpuNet().cuda().train()
+    opt = sgd(model.parameters())
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    if resident:
+        x, y = x.cuda(), y.cuda()
+    ends = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for index in batches:
+        idx = torch.from_numpy(index).to(x.device)
+        xb, yb = x.index_select(0, idx), y.index_select(0, idx)
+        if not resident:
+            xb = xb.pin_memory().cuda(non_blocking=True)
+            yb = yb.pin_memory().cuda(non_blocking=True)
+        loss = F.cross_entropy(model(xb), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter() - start)
+    return ends
+
+
+def fit(args: argparse.Namespace, source: Any, client: Any) -> Any:
+    import dataflow as dfl
+
+    pipe = dfl.Pipeline(
+        model=GpuNet,
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=source,
+        schedule=dfl.schedule.Fixed(args.batch),
+        device="cuda",
+        replicas=1,
+        progress=False,
+    )
+    return pipe, pipe.fit(epochs=args.epochs, client=client)
+
+
+def run_training(args: argparse.Namespace) -> dict[str, Any]:
+    from distributed import Client, LocalCluster
+
+    import dataflow as dfl
+
+    x, y = data(args)
+    out: dict[str, Any] = {"image": args.image, "batch": args.batch, "samples": args.samples}
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
+        ) as cluster,
+        Client(cluster) as client,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        dfl.io.to_zarr(f"{tmp}/train.zarr", x, y)
+        sources = {
+            "memory": dfl.io.ArraySource(x, y),
+            "zarr": dfl.io.ZarrSource(f"{tmp}/train.zarr", y="y"),
+        }
+        for name, source in sources.items():
+            pipe, result = fit(args, source, client)
+            steps = result.history.steps
+            first = steady_boundary(steps, args.warmup)
+            steady = steady_fit(steps, first)
+            out[f"dataflow_{name}"] = {
+                "samples_per_s": steady.samples_per_second,
+                "first_step": first,
+                "device": result.history.info["workers"][0].get("device"),
+            }
+        batches = [
+            np.concatenate(parts) for parts in pipe.sample_plan(epochs=args.epochs, replicas=1)
+        ]
+    for name, resident in (("torch_loop_pinned", False), ("torch_loop_resident", True)):
+        ends = plain_loop(args, batches, resident)
+        first = out["dataflow_memory"]["first_step"]
+        samples = sum(len(b) for b in batches[first:])
+        out[name] = {"samples_per_s": samples / (ends[-1] - ends[first - 1])}
+    base = out["torch_loop_pinned"]["samples_per_s"]
+    rows = [
+        [k, f"{v['samples_per_s']:.0f}", f"{v['samples_per_s'] / base:.3f}"]
+        for k, v in out.items()
+        if isinstance(v, dict)
+    ]
+    print(table(rows, ["side", "samples/s (steady)", "vs torch loop (pinned)"]))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["all", "kernels", "training"], default="all")
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per kernel (50)")
+    p.add_argument("--image", type=int, default=64, help="training image side (64)")
+    p.add_argument("--batch", type=int, default=256, help="global batch (256)")
+    p.add_argument("--samples", type=int, default=8192, help="training samples (8192)")
+    p.add_argument("--epochs", type=int, default=4, help="training epochs (4)")
+    p.add_argument("--warmup", type=int, default=16, help="steps left out of the rate (16)")
+    p.add_argument("--out", default=None, help="JSON path (default results/gpu.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace earlier runs in --out")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    run: dict[str, Any] = {
+        "machine": machine_info(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "args": vars(args),
+    }
+    if args.part in ("all", "kernels"):
+        run["kernels"] = run_kernels(args)
+    if args.part in ("all", "training"):
+        run["training"] = run_training(args)
+    print("saved", save_run(NAME, run, args.out, overwrite=args.overwrite))
+
+
+if __name__ == "__main__":
+    main()
