@@ -19,6 +19,7 @@ from dataflow.costmodel.layout import (
     LayoutModel,
     SavedCopies,
     candidates,
+    expected_max_excess,
     format_table,
 )
 from dataflow.spatial.geometry import Window, clip, exchange, halo_rows, split_extent
@@ -116,6 +117,42 @@ def test_the_step_adds_up_and_the_halo_hides_behind_the_interior():
     total = p.compute_s + p.halo_exposed_s + p.gather_s + p.reduce_s + p.allreduce_exposed_s
     assert math.isclose(p.step_s, total)
     assert p.to_dict()["layout"] == "spatial 1x2 dims 0 (2)"
+
+
+def test_the_expected_maximum_of_p_draws():
+    """Tabulated expected maxima of standard normals: 0.5642, 0.8463, 1.0294, 1.4236."""
+    assert expected_max_excess(1) == 0.0
+    for draws, table in ((2, 0.5642), (3, 0.8463), (4, 1.0294), (8, 1.4236)):
+        assert math.isclose(expected_max_excess(draws), table, rel_tol=0.03), draws
+
+
+def test_the_wait_for_the_slowest_rank_grows_with_the_group():
+    """No spread, no wait; with a spread, a group of P waits c_P x jitter x compute, and
+    the groups wait once more at the gradients' allreduce (less: the noise of a whole
+    step averages over its layers)."""
+    assert model().predict(spatial(2), global_batch=1).sync_s == 0.0
+    m = model(jitter=0.1)
+    assert m.predict(SAMPLE, global_batch=1).sync_s == 0.0  # one worker waits for nobody
+    two, four = (m.predict(spatial(p), global_batch=1) for p in (2, 4))
+    assert math.isclose(two.sync_s, 0.1 * expected_max_excess(2) * two.compute_s)
+    assert four.sync_s / four.compute_s > two.sync_s / two.compute_s
+    groups = m.predict(LayoutCandidate(groups=2), global_batch=2)
+    assert 0 < groups.sync_s < 0.1 * expected_max_excess(2) * groups.compute_s
+    assert math.isclose(
+        groups.step_s,
+        groups.compute_s + groups.allreduce_exposed_s + groups.fixed_s + groups.sync_s,
+    )
+
+
+def test_batchnorm_statistics_cost_one_collective_each_way():
+    """Forward: every rank's count, sums and squared deviations in one allreduce;
+    backward: the two gradient sums in one. A slow link's latency counts twice per
+    BatchNorm layer (plus the shape agreement once), not four times."""
+    latency_only = Link(latency_s=1e-3, bandwidth=1e15)
+    layers = [x for x in conv_stack() if x.kind in ("conv", "norm")][:2]
+    p = model(layers=layers, link=latency_only).predict(spatial(2), global_batch=1)
+    one = model(layers=layers[:1], link=latency_only).predict(spatial(2), global_batch=1)
+    assert math.isclose(p.reduce_s - one.reduce_s, 2 * one.reduce_s, rel_tol=1e-6)
 
 
 # -- memory -----------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class LayerTimings:
     region_fits: dict[str, LayerFit] = field(default_factory=dict)
     backward_fraction: float = 2 / 3
     points: list[dict[str, Any]] = field(default_factory=list)
+    jitter: float = 0.0  # relative spread of a layer's time between calls, time-weighted
 
 
 def measure_layers(
@@ -117,7 +118,7 @@ def measure_layers(
     nodes = {n.target if n.op == "call_module" else n.name: n for n in traced.graph.nodes}
     ops = {n.name: n for n in traced.graph.nodes}
     found = LayerTimings()
-    forward_s = total_s = 0.0
+    forward_s = total_s = spread_s = 0.0
     region = True
     for index, layer in enumerate(layers):
         on_region = region and layer.kind in REGION_KINDS
@@ -136,10 +137,11 @@ def measure_layers(
         timed = _time(
             [(op, (batch, *shape)) for _, op, shape, _ in runs], index > 0, repeats, warmup
         )
-        for (p, _, shape, voxels), (fwd, both, _) in zip(runs, timed, strict=True):
+        for (p, _, shape, voxels), (fwd, both, _, spread) in zip(runs, timed, strict=True):
             (split if p > 1 and layer.kind == "norm" else plain).append((voxels * batch, both))
             if p == 1:
                 forward_s, total_s = forward_s + fwd, total_s + both
+                spread_s += spread * both
             found.points.append(
                 dict(layer=layer.name, spatial=p, batch=batch, input=list(shape), voxels=voxels,
                      seconds=both, forward_s=fwd)
@@ -149,6 +151,7 @@ def measure_layers(
             found.region_fits[layer.name] = _fit(split)
     if total_s > 0:
         found.backward_fraction = min(1.0, max(0.0, 1.0 - forward_s / total_s))
+        found.jitter = spread_s / total_s
     return found
 
 
@@ -209,7 +212,8 @@ def _time(
     repeats: int,
     warmup: int,
 ) -> list[tuple[float, float, tuple[int, ...]]]:
-    """(forward, forward + backward seconds, output shape) of each ``(op, input shape)``
+    """(forward, forward + backward seconds, output shape, relative spread of the
+    latter) of each ``(op, input shape)``
     (the input needing a gradient unless it is the model's), the median of ``repeats``
     after ``warmup``; the runs take turns, so a burst of other work slows them alike."""
     setups = []
@@ -233,7 +237,19 @@ def _time(
             if i >= warmup:
                 fwd.append(mid - start)
                 both.append(end - start)
-    return [(statistics.median(f), statistics.median(b), shape) for *_, shape, f, b in setups]
+    return [
+        (statistics.median(f), statistics.median(b), shape, _relative_spread(b))
+        for *_, shape, f, b in setups
+    ]
+
+
+def _relative_spread(seconds: list[float]) -> float:
+    """A standard deviation over the median, robust to one outlier: 1.4826 × the
+    median absolute deviation (a normal's standard deviation) over the median."""
+    middle = statistics.median(seconds)
+    if middle <= 0 or len(seconds) < 3:
+        return 0.0
+    return 1.4826 * statistics.median(abs(t - middle) for t in seconds) / middle
 
 
 def _fit(points: list[tuple[int, float]]) -> LayerFit:
@@ -289,6 +305,7 @@ def calibrate_layout(
         region_fits=timings.region_fits,
         topology=topology,
         backward_fraction=timings.backward_fraction,
+        jitter=timings.jitter,
         optimizer_states=optimizer_states,
         fixed_s=_optimizer_seconds(module, repeats),
         name=name or type(module).__name__,
@@ -304,6 +321,8 @@ def calibrate_layout(
         "model's forward + backward over the sum of its layers alone",
         "topology": f"given: {topology.intra.name or 'link'} {topology.intra.source}".strip(),
         "fixed_s": "one SGD-with-momentum step of the parameters",
+        "jitter": f"{timings.jitter:.3f}: each layer's spread between its {repeats} calls "
+        "(1.4826 MAD over the median), weighted by its time",
     }
     return model.replace(
         fits={k: _scaled(f, scale) for k, f in timings.fits.items()},
