@@ -56,7 +56,10 @@ def layout_model(trainer: Any, *, calibrate: bool) -> Any:
     topology = cost.topology if cost is not None else Topology(intra=Link(**LOOPBACK))
     states = _optimizer_states(trainer, module)
     if calibrate:
-        return calibrate_layout(module, shape, link=topology, optimizer_states=states)
+        model = calibrate_layout(module, shape, link=topology, optimizer_states=states)
+        if cost is not None:  # what the engine measured a synchronous step to cost
+            model = model.replace(sync_overhead_s=cost.sync_overhead_s, shared=cost.compute.shared)
+        return model
     layers = tuple(layer_shapes(module, shape))
     zero = LayerFit(fixed_s=0.0, per_voxel_s=0.0)
     fits = {x.name: zero for x in layers if x.kind != "gather"}

@@ -144,6 +144,17 @@ def test_the_wait_for_the_slowest_rank_grows_with_the_group():
     )
 
 
+def test_a_measured_sync_overhead_replaces_the_wait_across_groups():
+    """``CostModel.sync_overhead_s`` (measured on real steps) is paid once per step by
+    any layout of more than one worker, and never by one worker alone."""
+    m = model(jitter=0.1, sync_overhead_s=0.004)
+    assert m.predict(SAMPLE, global_batch=1).sync_s == 0.0
+    groups = m.predict(LayoutCandidate(groups=2), global_batch=2)
+    assert math.isclose(groups.sync_s, 0.004)
+    two = m.predict(spatial(2), global_batch=1)
+    assert math.isclose(two.sync_s, 0.004 + 0.1 * expected_max_excess(2) * two.compute_s)
+
+
 def test_batchnorm_statistics_cost_one_collective_each_way():
     """Forward: every rank's count, sums and squared deviations in one allreduce;
     backward: the two gradient sums in one. A slow link's latency counts twice per

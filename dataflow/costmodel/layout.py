@@ -121,7 +121,12 @@ class LayoutModel:
     group waits for its slowest rank at every layer that exchanges a halo or reduces,
     and the groups wait for the slowest group at the gradients' allreduce: the expected
     maximum of ``P`` draws is ``c_P`` standard deviations above the mean (``c_2 =
-    0.56``, ``c_4 = 1.03``), see :func:`expected_max_excess`."""
+    0.56``, ``c_4 = 1.03``), see :func:`expected_max_excess`; ``sync_overhead_s``:
+    per step with more than one worker, what the engine measured a synchronous step to
+    cost beyond compute and the α-β allreduce (``CostModel.sync_overhead_s`` from
+    :func:`dataflow.costmodel.calibrate`: the wait for the slowest replica, the
+    gradient hooks' copies, the collective's wait loop). Given, it replaces the
+    statistical wait across groups."""
 
     layers: tuple[LayerShape, ...]
     fits: Mapping[str, LayerFit]
@@ -138,6 +143,7 @@ class LayoutModel:
     max_micro_batch: int | None = None
     saved: SavedCopies = field(default_factory=SavedCopies)
     jitter: float = 0.0
+    sync_overhead_s: float = 0.0
     name: str = ""
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -170,6 +176,8 @@ class LayoutModel:
         object.__setattr__(
             self, "shared", tuple(sorted((int(k), float(f)) for k, f in self.shared))
         )
+        if not (math.isfinite(self.sync_overhead_s) and self.sync_overhead_s >= 0):
+            raise ConfigError(f"LayoutModel(sync_overhead_s={self.sync_overhead_s}): >= 0")
         if not (math.isfinite(self.jitter) and self.jitter >= 0):
             raise ConfigError(f"LayoutModel(jitter={self.jitter}): a relative spread >= 0")
         if not self.fixed_s >= 0:
@@ -254,7 +262,11 @@ class LayoutModel:
             buckets, candidate.workers, self.topology, backward_s, self.overlap
         )
         memory = self._memory(max(r.saved_bytes for r in ranks))
-        sync = self._sync_seconds(candidate, compute)
+        within, across = self._sync_seconds(candidate, compute)
+        if self.sync_overhead_s and candidate.workers > 1:
+            sync = within * count + self.sync_overhead_s
+        else:
+            sync = (within + across) * count
         return LayoutPrediction(
             candidate=candidate,
             global_batch=global_batch,
@@ -268,7 +280,7 @@ class LayoutModel:
             allreduce_s=total,
             allreduce_exposed_s=exposed_ar,
             fixed_s=self.fixed_s,
-            sync_s=sync * count,
+            sync_s=sync,
             halo_bytes=rank.halo_bytes * count,
             memory=memory,
         )
@@ -297,17 +309,17 @@ class LayoutModel:
                 exposed += max(0.0, dims[0] - hidden) + sum(dims[1:]) + sum(dims)
         return sum(r.compute_s) * factor, halo, exposed, r
 
-    def _sync_seconds(self, candidate: LayoutCandidate, compute_s: float) -> float:
-        """The expected wait for the slowest rank in one micro-batch: inside a group at
-        every timed layer (each layer's noise is ``jitter`` of its time, the waits add
-        up to ``c_P × jitter × compute``), and across the groups once, at the
-        gradients' allreduce (the step's noise: ``jitter × compute / sqrt(layers)``)."""
+    def _sync_seconds(self, candidate: LayoutCandidate, compute_s: float) -> tuple[float, float]:
+        """The expected wait for the slowest rank in one micro-batch: (inside a group at
+        every timed layer: each layer's noise is ``jitter`` of its time, the waits add
+        up to ``c_P × jitter × compute``; across the groups once, at the gradients'
+        allreduce: the step's noise, ``jitter × compute / sqrt(layers)``)."""
         if not self.jitter or compute_s <= 0:
-            return 0.0
+            return 0.0, 0.0
         timed = max(1, sum(1 for x in self.layers if x.kind != "gather"))
         within = expected_max_excess(candidate.spatial) * self.jitter * compute_s
         across = expected_max_excess(candidate.groups) * self.jitter * compute_s / timed**0.5
-        return within + across
+        return within, across
 
     def _group_collectives(self, candidate: LayoutCandidate, batch: int) -> tuple[float, float]:
         """(gather, reductions) seconds of one forward + backward on a group of ``P``."""
