@@ -75,12 +75,6 @@ class Trainer:
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
-        if self.measures_noise and self.config.layout not in (None, Layout()):
-            raise ConfigError(
-                f"schedule={type(schedule).__name__} measures the gradient noise scale from "
-                "each replica's gradient, which a spatial layout splits over its workers; "
-                "use Stepwise or Fixed with layout=, or layout=None"
-            )
 
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``
@@ -219,12 +213,6 @@ class Trainer:
         if config.replicas is not None:
             workers = min(workers, config.replicas * config.spatial)
         layout, weighed = resolve(self, workers, epochs)
-        if self.measures_noise and layout is not None and layout.spatial > 1:
-            raise ConfigError(
-                f"layout='auto' chose {layout.describe()}, but "
-                f"{type(self.schedule).__name__} measures the gradient noise scale per "
-                "replica; use Stepwise or Fixed"
-            )
         if config.progress and weighed:
             from dataflow.costmodel.layout import format_table
 

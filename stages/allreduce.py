@@ -53,6 +53,14 @@ class AllReduce(Stage):
 
     def setup(self, replica: ReplicaContext) -> None:
         self._reducer = None
+        spatial = getattr(replica, "spatial", None)
+        size = spatial.group.size if spatial is not None else 1
+        # a spatial layout's replica is a group of workers, each with a part of its
+        # gradient: noise measurements sum the parts over the group first, and only the
+        # group's first worker reports them (the driver counts each replica once)
+        self._sample_group = spatial.collective if size > 1 else None
+        self._reports = spatial is None or spatial.rank == 0
+        self._replicas = replica.world_size // size
         if replica.collective is None:  # one worker: nothing to reduce
             return
         if replica.model is None:
@@ -63,6 +71,7 @@ class AllReduce(Stage):
             list(replica.model.parameters()),
             replica.collective,
             cap_bytes=int(self.bucket_mb * 2**20),
+            sample_group=self._sample_group if self._replicas > 1 else None,
         )
 
     def regroup(self, replica: ReplicaContext) -> None:
@@ -85,13 +94,14 @@ class AllReduce(Stage):
         the first micro-batch's gradient is read before the second one adds to it."""
         if self._reducer is not None:
             self._reducer.arm(step.last_micro_batch)
-        if not getattr(self, "_measure", False) or step.replica.world_size > 1:
+        if not getattr(self, "_measure", False) or self._replicas > 1:
             return
         if step.micro_index == 0:
             self._first_micro = (step.micro_size, step.micro_weight)
         elif step.micro_index == 1:
             weight = self._first_micro[1]
-            self._first_micro_sq = float(_grad_squared_norm(step.replica.model)) / weight**2
+            first_sq = self._replica_grad_sq(step.replica.model)
+            self._first_micro_sq = float(first_sq) / weight**2
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         if self._reducer is not None:
@@ -109,17 +119,31 @@ class AllReduce(Stage):
         committed steps, whatever a lost worker rolls back."""
         index, local, total = step.spec.index, step.local_batch, step.global_batch
         pairs = step.metrics.setdefault("norm_pairs", [])
-        if self._reducer is not None:
-            if 0 < local < total:
+        if self._replicas > 1:
+            if 0 < local < total and self._reports:
                 local_sq = self._reducer.local_sq / step.weight**2
                 pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
         elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
             size, _ = self._first_micro
             if size is not None and 0 < size < local:
+                # after the reducer (a one-group spatial layout) the grads are the
+                # group's whole gradient already; without one, this worker's
                 local_sq = float(_grad_squared_norm(step.replica.model))
                 step.metrics[GRAD_SQ] = local_sq  # the whole local gradient: Update's too
-                pairs.append((index, size, self._first_micro_sq, local, local_sq))
+                if self._reports:
+                    pairs.append((index, size, self._first_micro_sq, local, local_sq))
             del self._first_micro
+
+    def _replica_grad_sq(self, model: Any) -> Any:
+        """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial
+        layout the sum of the group's parts (one allreduce of a flat copy)."""
+        if self._sample_group is None:
+            return _grad_squared_norm(model)
+        flat = _flat_grads(model)
+        if flat is None:
+            return 0.0
+        self._sample_group.allreduce(flat)
+        return grad_squared_norm([flat])
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         """Average floating-point buffers (BatchNorm running statistics) over replicas.
@@ -141,6 +165,13 @@ class AllReduce(Stage):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _flat_grads(model: Any) -> Any:
+    import torch
+
+    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    return torch.cat(grads) if grads else None
 
 
 def _grad_squared_norm(model: Any) -> Any:

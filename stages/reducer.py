@@ -25,8 +25,20 @@ from dataflow.stages.buckets import assign_buckets
 
 
 class BucketReducer:
-    def __init__(self, params: list[torch.nn.Parameter], collective: Any, *, cap_bytes: int):
+    """``sample_group``: a spatial layout's group collective. Its workers each hold a
+    part of their replica's gradient (the parts sum to it), so a measured step sums the
+    packed buckets over the group before taking the replica's norm."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        collective: Any,
+        *,
+        cap_bytes: int,
+        sample_group: Any = None,
+    ):
         self.collective = collective
+        self.sample_group = sample_group
         self.params = [p for p in params if p.requires_grad]
         self.buckets = assign_buckets(
             [p.numel() * p.element_size() for p in self.params],
@@ -62,6 +74,7 @@ class BucketReducer:
         self.local_sq = self.reduced_sq = 0.0
         self.grad_sq = None
         self._local_parts: list[torch.Tensor] = []
+        self._group_works: list[Any] = []
         self._pending = [len(m) for m in self.buckets]
         self._packed = [False] * len(self.buckets)
         self._works: list[Any] = [None] * len(self.buckets)
@@ -94,7 +107,11 @@ class BucketReducer:
                     view.copy_(grad.reshape(-1))
                 else:
                     torch.mul(grad.reshape(-1), self._weight, out=view)
-        if self.measure:  # before the allreduce overwrites the buffer with the sum
+        if self.measure and self.sample_group is not None:  # the replica's: sum the parts
+            part = self._flat[b].clone()
+            self._local_parts.append(part)
+            self._group_works.append(self.sample_group.allreduce_async(part))
+        elif self.measure:  # before the allreduce overwrites the buffer with the sum
             self._local_parts.append(grad_squared_norm([self._flat[b]]))
         self._packed[b] = True
 
@@ -128,6 +145,11 @@ class BucketReducer:
                 "(or the driver) most likely failed first"
             ) from exc
         self.grad_sq = grad_squared_norm(self._flat)
+        if self.measure and self.sample_group is not None:
+            group_works, self._group_works = self._group_works, []
+            for work in group_works:
+                self.sample_group.wait(work)
+            self._local_parts = [grad_squared_norm(self._local_parts)]
         if self.measure:  # the one host sync of a measured step
             local = torch.stack(self._local_parts).sum()
             self.local_sq, self.reduced_sq = torch.stack([local, self.grad_sq]).tolist()

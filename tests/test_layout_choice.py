@@ -91,13 +91,6 @@ def test_auto_keeps_sample_parallelism_when_memory_allows():
     assert layout is None or layout.spatial == weighed[0].candidate.spatial
 
 
-def test_adaptive_is_refused_with_a_spatial_layout():
-    with pytest.raises(dfl.ConfigError, match="noise scale"):
-        volume_pipeline(
-            schedule=dfl.schedule.Adaptive(2, max_batch=8), layout=dfl.Layout(spatial=2)
-        )
-
-
 @pytest.mark.slow
 def test_a_fit_with_auto_trains_spatially_under_the_budget(client):
     budget = between_one_and_two()

@@ -62,6 +62,37 @@ def _keep_up_to(store: CheckpointStore, path) -> None:
 
 
 # -- checkpoints and exact resume ---------------------------------------------------------
+class DropCNN(torch.nn.Module):
+    """TinyCNN with dropout on the region and before the head: the group's shared mask
+    generator must come back with a resume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.drop = torch.nn.Dropout(0.3)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3)
+        self.drop2 = torch.nn.Dropout(0.3)
+        self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.drop(torch.relu(self.conv(x)))
+        x = torch.relu(self.conv2(x))
+        return self.head(self.drop2(x.flatten(1)))
+
+
+def test_a_resumed_spatial_fit_with_dropout_draws_the_same_masks(client, tmp_path):
+    x, y = make_data(64)
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = _pipeline(x, y, model=DropCNN).fit(2, client=client, checkpoint_every=2, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    store = CheckpointStore(tmp_path, keep=1000)
+    _keep_up_to(store, store.path(mid[0]["step"]))
+    resumed = _pipeline(x, y, model=DropCNN).fit(2, client=client, resume=True, **folder)
+    assert resumed.history.info["resumed_from"]["step"] == mid[0]["step"]
+    _same_weights(full.model, resumed.model)
+    assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
+
+
 def test_spatial_resume_is_bit_identical_and_resumes_on_another_layout(client, tmp_path):
     x, y = make_data(96)  # phase 0: epochs 0-1, 6 steps of 16 each; phase 1: 3 of 32
     epochs = 3

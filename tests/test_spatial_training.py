@@ -5,6 +5,7 @@ the partitioned model exchanges halos over a real gloo group, and the weights af
 20 steps equal single-process training on the same batches.
 """
 
+import numpy as np
 import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
@@ -57,3 +58,36 @@ def test_spatial_fit_streams_each_workers_region_from_zarr(client, tmp_path):
     batches = tiny_pipeline(x, y, batch=16, source=source).sample_plan(epochs=2, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-5
+
+
+def test_adaptive_with_spatial_two_measures_what_one_process_measures(client):
+    """The noise scale needs each replica's gradient, which the group's workers hold in
+    parts: the measured pairs are summed over the group, so a spatial=2 Adaptive fit
+    measures, grows the batch and scales the LR as one process does on the same data."""
+    x, _ = make_data(192)
+    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
+
+    def fit(**options):
+        schedule = dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0)
+        pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, **options)
+        return pipe.fit(epochs=4, client=client)
+
+    spatial = fit(layout=dfl.Layout(spatial=2))
+    single = fit(replicas=1)
+    assert spatial.history.info["replicas"] == 1
+    got, expected = spatial.history.phases, single.history.phases
+    assert [p["global_batch"] for p in got] == [p["global_batch"] for p in expected]
+    assert got[-1]["global_batch"] > got[0]["global_batch"]  # it measured, and grew
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine["micro_batches"] == theirs["micro_batches"] == [2]
+        if theirs["measured_noise_scale"] is None:
+            assert mine["measured_noise_scale"] is None
+        else:
+            assert mine["measured_noise_scale"] == pytest.approx(
+                theirs["measured_noise_scale"], rel=1e-4
+            )
+    assert max_abs_diff(spatial.model, single.model) <= 1e-5
+
+
+def plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.02)

@@ -211,6 +211,9 @@ class ReplicaRuntime:
             state.stages = {name: self.stages[name].phase_state() for name in self.order}
         if rng:
             state.rng = capture_rng()
+            dropout = getattr(ctx.model, "dropout_generator", None)  # a spatial group's
+            if dropout is not None:
+                state.rng["spatial_dropout"] = dropout.get_state()
         if buffers and ctx.model is not None:
             state.buffers = {
                 n: b.detach().to("cpu", copy=True) for n, b in ctx.model.named_buffers()
@@ -236,6 +239,9 @@ class ReplicaRuntime:
                     named[name].copy_(value)
         if state.rng is not None:
             restore_rng(state.rng)
+            dropout = getattr(ctx.model, "dropout_generator", None)
+            if dropout is not None and state.rng.get("spatial_dropout") is not None:
+                dropout.set_state(state.rng["spatial_dropout"])
 
     def commit(self, step: int, keep: int = 2) -> None:
         """Keep the state before ``step`` (weights, optimizer, random state) in host

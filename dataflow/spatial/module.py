@@ -118,7 +118,7 @@ class SpatialModule(nn.Module):
         traced = _trace(module)
         object.__setattr__(self, "_meta", copy.deepcopy(traced).to("meta"))  # not a child
         graph, self._layers = _rewrite(traced, group.rank)
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(seed)  # the group's dropout masks
         for layer in self._layers.values():
             if isinstance(layer, SharedDropout):
                 layer.generator = self._generator
@@ -136,6 +136,13 @@ class SpatialModule(nn.Module):
         gm = torch.fx.GraphModule(self, graph)
         object.__setattr__(self, "_graph_module", gm)
         self._plans: dict[Any, dict[str, Any]] = {}
+
+    @property
+    def dropout_generator(self) -> torch.Generator:
+        """The generator the group's dropout layers draw their shared masks from: its
+        state goes into commits and checkpoints with the process's random state, so a
+        rollback or a resume draws the same masks."""
+        return self._generator
 
     def forward(self, x: torch.Tensor) -> Any:
         full = self._global_shape(x)
