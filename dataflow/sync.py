@@ -1,10 +1,14 @@
-"""When a window's results may commit: the synchronisation policy.
+"""How replicas keep their weights in step: the synchronisation policy.
 
-The fit state machine asks its policy before it commits a window. Synchronous
-training (the only policy today) commits a window once every replica of the group
-finished it, in window order: all replicas took the same steps on the same
-weights. Asynchronous and local updates (replicas at different steps) plug in
-here with their own rule.
+``Synchronous()`` (the default): every step's gradients meet in the sample-weighted
+allreduce, so all replicas take the same steps on the same weights. ``Local(...)``:
+each replica steps on its own gradients for a period (a window of the engine), then
+all replicas average their weights and optimizer state, weighted by the samples each
+trained on (post-local SGD; Lin et al. 2020). With the balancer's speed-proportional
+split a fast replica trains more samples per period, so nobody waits for a step count.
+
+The fit state machine asks the policy before it commits a window: both policies
+commit a window once every replica finished it, in window order.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from dataflow.core.errors import ConfigError
 
 
 @runtime_checkable
@@ -28,3 +34,54 @@ class Synchronous:
 
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas
+
+    def describe(self) -> str:
+        return "synchronous: every step's gradients allreduced, weighted by samples"
+
+
+@dataclass(frozen=True)
+class Local:
+    """Local updates: each replica trains on its own gradients for one period, then
+    all replicas average weights (and, by default, optimizer state) weighted by the
+    samples each trained on in it. The period is one window of the engine:
+    ``period_seconds`` of work (the engine fits whole steps into it), or
+    ``period_steps`` steps. ``Local(period_steps=1)`` with SGD equals synchronous
+    training (tests/test_local_updates.py).
+
+    Communication falls by the steps per period; the price is that replicas drift
+    apart inside a period (keep periods short early in training, where gradients are
+    large). ``average_optimizer_state=False`` keeps each replica's momentum or Adam
+    moments its own (DiLoCo's inner optimizer does)."""
+
+    period_seconds: float | None = None
+    period_steps: int | None = None
+    average_optimizer_state: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.period_seconds is None) == (self.period_steps is None):
+            raise ConfigError(
+                "sync.Local: give period_seconds (wall-clock work between averages, e.g. 2.0) "
+                "or period_steps (steps between averages, e.g. 8), one of them"
+            )
+        steps = self.period_steps
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+        ):
+            raise ConfigError(f"sync.Local(period_steps={steps!r}): an int >= 1")
+        seconds = self.period_seconds
+        if seconds is not None and not (
+            isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0
+        ):
+            raise ConfigError(f"sync.Local(period_seconds={seconds!r}): seconds > 0")
+
+    def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
+        return len(results) == replicas
+
+    def describe(self) -> str:
+        period = (
+            f"{self.period_steps} step(s)"
+            if self.period_steps is not None
+            else f"{self.period_seconds:g} s of work"
+        )
+        state = "weights and optimizer state" if self.average_optimizer_state else "weights"
+        return f"local updates: {state} averaged every {period}, weighted by samples"

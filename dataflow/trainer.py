@@ -72,6 +72,12 @@ class Trainer:
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
         # on_non_finite: with "skip" a NaN step loss is a dropped step, not a failure; with
         # "rollback" the driver goes back to the last commit with half the LR.
+        if self.measures_noise and self.config.local_updates:
+            raise ConfigError(
+                f"schedule={type(schedule).__name__} measures the gradient noise scale from "
+                "every step's allreduce, which sync=Local does not run; use Stepwise or Fixed "
+                "with sync=Local"
+            )
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
@@ -178,6 +184,11 @@ class Trainer:
             requested = self.config.layout
             layout, weighed = self._layout(active, epochs)
             check_transforms(self.graph, layout)
+            if self.config.local_updates and layout is not None and layout.spatial > 1:
+                raise ConfigError(
+                    f"layout='auto' chose {layout.describe()}, which sync=Local cannot run "
+                    "(a group sums its gradient every step); give layout=None"
+                )
             self.config.layout = layout
             try:
                 result = run_fit(
@@ -187,6 +198,7 @@ class Trainer:
                 self.config.layout = requested
         if weighed:
             result.history.info["layout_candidates"] = [p.to_dict() for p in weighed]
+        result.history.info["sync"] = self.config.sync.describe()
         return result
 
     def _layout_table(self, workers: int, epochs: int) -> tuple[str, int]:

@@ -61,6 +61,9 @@ class TrainerConfig:
     # samples need more is refused, naming the smallest spatial split that fits;
     # layout="auto" picks the layout the cost model predicts fastest under it.
     memory_per_worker: int | str | None = None
+    # How replicas keep their weights in step: dataflow.sync.Synchronous() (every step)
+    # or dataflow.sync.Local(period_seconds=...) (local steps, then a weighted average).
+    sync: Any = None
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -69,7 +72,43 @@ class TrainerConfig:
         """Workers per replica (``layout.spatial``; 1 without a layout)."""
         return getattr(self.layout, "spatial", 1)
 
+    @property
+    def local_updates(self) -> bool:
+        from dataflow.sync import Local
+
+        return isinstance(self.sync, Local)
+
+    def _check_sync(self) -> None:
+        """A ``Local`` period is one window: it sets the window length."""
+        from dataflow.sync import Local, Synchronous, SyncPolicy
+
+        if self.sync is None:
+            self.sync = Synchronous()
+        if not isinstance(self.sync, SyncPolicy):
+            raise ConfigError(
+                f"sync={self.sync!r}: give dataflow.sync.Synchronous() or "
+                "dataflow.sync.Local(period_seconds=...)"
+            )
+        if not isinstance(self.sync, Local):
+            return
+        given = {"window_steps": self.sync.period_steps, "window_seconds": self.sync.period_seconds}
+        for name, value in given.items():
+            mine = getattr(self, name)
+            if value is not None and mine is not None and mine != value:
+                raise ConfigError(
+                    f"{name}={mine} and sync=Local(period_{name.split('_')[1]}={value}): a "
+                    f"local-update period is one window; drop {name}"
+                )
+            if value is not None:
+                setattr(self, name, value)
+        if self.spatial > 1:
+            raise ConfigError(
+                "sync=Local with a spatial layout: a group's workers must sum their parts of "
+                "the gradient every step; use sync=Synchronous() with layout=, or layout=None"
+            )
+
     def __post_init__(self) -> None:
+        self._check_sync()
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):

@@ -1,9 +1,13 @@
-"""AllReduce: the mean gradient of the global batch on every replica, overlapped."""
+"""AllReduce: the mean gradient of the global batch on every replica, overlapped; with
+local updates (``dataflow.sync.Local``), the replicas' sample-weighted average of their
+weights at the end of each window instead."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
@@ -61,12 +65,16 @@ class AllReduce(Stage):
         self._sample_group = spatial.collective if size > 1 else None
         self._reports = spatial is None or spatial.rank == 0
         self._replicas = replica.world_size // size
+        self._local = replica.local_updates and replica.collective is not None
+        self._window: dict[int, tuple[int, int]] = {}  # step -> (local, global) samples
         if replica.collective is None:  # one worker: nothing to reduce
             return
         if replica.model is None:
             raise ConfigError(f"{self.name}: needs a Forward stage upstream to build the model")
         state = list(replica.model.parameters()) + list(replica.model.buffers())
         replica.collective.broadcast([t.data for t in state], src=0)
+        if self._local:  # no per-step reduction: a weighted average at each window's end
+            return
         self._reducer = BucketReducer(
             list(replica.model.parameters()),
             replica.collective,
@@ -82,12 +90,15 @@ class AllReduce(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._measure = phase.measure_noise
+        self._window = {}
         if self._reducer is not None:
             self._reducer.measure = phase.measure_noise
 
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
+        if self._local:  # keyed by step: a window run again after a rollback counts once
+            self._window[step.spec.index] = (step.local_batch, step.global_batch)
 
     def begin_micro_batch(self, step: StepContext) -> None:
         """Only the last micro-batch's backward reduces. Measuring noise with one replica,
@@ -134,6 +145,17 @@ class AllReduce(Stage):
                     pairs.append((index, size, self._first_micro_sq, local, local_sq))
             del self._first_micro
 
+    def end_window(self, replica: ReplicaContext) -> None:
+        """Local updates: the replicas' weights (optimizer state, floating buffers) become
+        their average weighted by the samples each trained on in this window."""
+        if not getattr(self, "_local", False):
+            return
+        samples = sum(local for local, _ in self._window.values())
+        total = sum(whole for _, whole in self._window.values())
+        self._window = {}
+        weight = samples / total if total else 1.0 / replica.world_size
+        average_weighted_(_local_state(replica), weight, replica.collective)
+
     def _replica_grad_sq(self, model: Any) -> Any:
         """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial
         layout the sum of the group's parts (one allreduce of a flat copy)."""
@@ -167,9 +189,42 @@ class AllReduce(Stage):
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
-def _flat_grads(model: Any) -> Any:
-    import torch
+def _local_state(replica: ReplicaContext) -> list[Any]:
+    """What local updates average: parameters, floating buffers (BatchNorm's running
+    statistics) and, unless ``average_optimizer_state=False``, each parameter's
+    optimizer tensors of its shape (momentum, Adam's moments)."""
+    model, optimizer = replica.model, replica.optimizer
+    tensors = [p.data for p in model.parameters()]
+    tensors += [b.data for b in model.buffers() if b.is_floating_point()]
+    if replica.average_optimizer_state and optimizer is not None:
+        for param in model.parameters():
+            for value in optimizer.state.get(param, {}).values():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.shape == param.shape
+                ):
+                    tensors.append(value)
+    return tensors
 
+
+def average_weighted_(tensors: list[Any], weight: float, collective: Any) -> None:
+    """``t <- sum over replicas of weight_r * t_r``, in place, one allreduce per dtype
+    and device (the weights sum to 1 over the replicas)."""
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for members in groups.values():
+        flat = torch.cat([t.reshape(-1) for t in members]).mul_(weight)
+        collective.allreduce(flat)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n
+
+
+def _flat_grads(model: Any) -> Any:
     grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
     return torch.cat(grads) if grads else None
 

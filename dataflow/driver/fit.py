@@ -50,6 +50,8 @@ def run_fit(
         throttle={int(r): float(f) for r, f in config.throttle.items()},
         commit_windows=config.recover_lost_workers,
         layout=config.layout if size > 1 else None,
+        local_updates=config.local_updates,
+        average_optimizer_state=getattr(config.sync, "average_optimizer_state", True),
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(
@@ -126,6 +128,7 @@ def build_loop(
             may_join=config.elastic and not per_replica_caps,
             max_replicas=config.replicas if config.replicas is not None else config.max_workers,
             spatial=config.spatial,
+            sync=config.sync,
         )
     )
     recorder = Recorder(
