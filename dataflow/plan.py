@@ -184,12 +184,15 @@ class Plan:
         window_seconds: float = 1.0,
         max_window_steps: int = 10_000,
         window_steps: int | None = None,
+        epoch_ends_window: bool = False,
         tag: str = "plan",
         run: str = "",
         layout: str = "",
     ) -> Plan:
         """``window_steps`` fixes the steps per window; otherwise windows carry about
-        ``window_seconds`` of ``step_seconds`` steps."""
+        ``window_seconds`` of ``step_seconds`` steps. ``epoch_ends_window``: a window
+        also ends at each epoch's last step (local updates average there, so the
+        epoch's evaluation sees the averaged weights)."""
         if replicas < 1:
             raise ConfigError(f"Plan: replicas must be >= 1, got {replicas}")
         if not window_seconds > 0:
@@ -201,10 +204,13 @@ class Plan:
                     f"the plan has {replicas}"
                 )
         size = window_steps or steps_per_window(step_seconds, window_seconds, max_window_steps)
-        windows = tuple(
-            Window(index=i, first=first, stop=min(first + size, len(steps)))
-            for i, first in enumerate(range(0, len(steps), size))
-        )
+        bounds, first = [], 0
+        for position, spec in enumerate(steps):
+            full = position + 1 - first >= size
+            if full or position == len(steps) - 1 or (epoch_ends_window and spec.last_in_epoch):
+                bounds.append((first, position + 1))
+                first = position + 1
+        windows = tuple(Window(index=i, first=a, stop=b) for i, (a, b) in enumerate(bounds))
         return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout)
 
     def task_prefix(self, replica: int) -> str:

@@ -156,8 +156,20 @@ class Evaluate(Stage):
     def run(self, step: StepContext, *inputs: Any) -> Any:
         spec = step.spec
         if spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0:
-            step.metrics["eval"] = self.evaluate_shard(step)
+            if step.replica.local_updates:  # after the window's average (end_window)
+                self._due = step
+            else:
+                step.metrics["eval"] = self.evaluate_shard(step)
         return inputs[0] if inputs else None
+
+    def end_window(self, replica: Any) -> None:
+        """Local updates: the epoch's last step ends its window (``Plan.build``), and the
+        evaluation waits for AllReduce's end of window, which averages the replicas'
+        weights: it scores the averaged model, not this replica's own."""
+        step = getattr(self, "_due", None)
+        if step is not None:
+            self._due = None
+            step.metrics["eval"] = self.evaluate_shard(step)
 
     def prepare(self, batch: Any, device: torch.device) -> Any:
         """A held-out batch on ``device`` with the evaluation transforms applied, as the

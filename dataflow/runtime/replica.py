@@ -180,6 +180,8 @@ class ReplicaRuntime:
                 evals[index] = step.metrics["eval"]
         for name in self.order:  # checks made once per window (before any state leaves)
             self.stages[name].end_window(self.context)
+        if first_step < stop_step and "eval" in step.metrics:  # an evaluation at window end
+            evals[step.spec.index] = step.metrics["eval"]
         self.in_window, self.completed_step = False, stop_step
         return WindowResult(
             rank=rank,

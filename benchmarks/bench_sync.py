@@ -1,0 +1,158 @@
+"""Synchronous against local updates with one replica throttled: time to a target
+accuracy and final accuracy on the digits (sklearn's real 8x8 handwritten digits).
+
+Every side trains ``DigitsNet`` (benchmarks/common.py) on 2 replicas of a LocalCluster
+(1 thread each), replica 1 throttled ``--factor`` times (the engine makes it sleep
+``(factor - 1) x`` its compute each step), SGD with momentum, a fixed global batch,
+one phase per epoch (so the balancer re-splits), held-out accuracy after every epoch:
+
+* **sync even**: ``Even()``; the fast replica waits for the slow one at every step;
+* **sync balanced**: ``Throughput()``, local batches proportional to measured speed;
+* **local balanced**: ``Throughput()`` and ``sync.Local(period_seconds=--period)``:
+  local steps for a period, then a sample-weighted average of weights and momentum.
+
+Time to target: the driver's clock when the first epoch whose held-out accuracy
+reaches ``--target`` ended (the fit's start-up excluded: measured from the first step's
+arrival). ``--seeds`` seeds each (model init and shuffle), sides interleaved per seed.
+Results are appended to ``benchmarks/results/sync.json``.
+
+    python benchmarks/bench_sync.py              # 3 seeds x 3 sides, ~3 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from common import DigitsNet, save_run, table
+
+NAME = "sync"
+
+
+def momentum_sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def sides(period: float) -> dict[str, dict[str, Any]]:
+    import dataflow as dfl
+
+    return {
+        "sync even": dict(balancer=dfl.balance.Even()),
+        "sync balanced": dict(balancer=dfl.balance.Throughput()),
+        "local balanced": dict(
+            balancer=dfl.balance.Throughput(), sync=dfl.sync.Local(period_seconds=period)
+        ),
+    }
+
+
+def one_fit(args: argparse.Namespace, client: Any, data: dict, seed: int, options: dict) -> dict:
+    import dataflow as dfl
+
+    pipe = dfl.Pipeline(
+        model=DigitsNet,
+        loss=F.cross_entropy,
+        optimizer=momentum_sgd,
+        source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
+        eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
+        metrics={"accuracy": dfl.stages.accuracy},
+        schedule=dfl.schedule.Fixed(args.batch, epochs_per_phase=1),
+        throttle={1: args.factor},
+        replicas=2,
+        device="cpu",
+        seed=seed,
+        progress=False,
+        **options,
+    )
+    started = time.perf_counter()
+    result = pipe.fit(epochs=args.epochs, client=client)
+    wall = time.perf_counter() - started
+    steps, epochs = result.history.steps, result.history.epochs
+    origin = steps[0].time - steps[0].seconds  # the first step's start, on the driver
+    ends = {e: max(s.time for s in steps if s.epoch == e) - origin for e in range(args.epochs)}
+    accuracy = [float(e["eval_accuracy"]) for e in epochs]
+    reached = next((i for i, a in enumerate(accuracy) if a >= args.target), None)
+    return {
+        "seed": seed,
+        "final_accuracy": accuracy[-1],
+        "accuracy_per_epoch": accuracy,
+        "epoch_end_s": [ends[e] for e in range(args.epochs)],
+        "time_to_target_s": None if reached is None else ends[reached],
+        "train_s": ends[args.epochs - 1],
+        "fit_call_s": wall,
+        "splits": [p["local_batches"] for p in result.history.phases],
+    }
+
+
+def summary(runs: dict[str, list[dict]], target: float) -> list[list[str]]:
+    rows = []
+    base = statistics.mean(r["train_s"] for r in runs["sync balanced"])
+    for side, fits in runs.items():
+        acc = [100 * r["final_accuracy"] for r in fits]
+        times = [r["time_to_target_s"] for r in fits]
+        hit = [t for t in times if t is not None]
+        rows.append(
+            [
+                side,
+                f"{statistics.mean(acc):.2f} ({min(acc):.1f}-{max(acc):.1f})",
+                f"{statistics.mean(hit):.2f} ({len(hit)}/{len(fits)})" if hit else "never",
+                f"{statistics.mean(r['train_s'] for r in fits):.2f}",
+                f"{statistics.mean(r['train_s'] for r in fits) / base:.2f}",
+            ]
+        )
+    header = [
+        "side",
+        "final accuracy % (range)",
+        f"s to {100 * target:.0f} % (seeds)",
+        "train s",
+        "vs sync balanced",
+    ]
+    return [header, *rows]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds per side (3)")
+    p.add_argument("--epochs", type=int, default=10, help="epochs (10)")
+    p.add_argument("--batch", type=int, default=64, help="global batch (64)")
+    p.add_argument("--factor", type=float, default=2.0, help="slow-down of replica 1 (2.0)")
+    p.add_argument("--period", type=float, default=0.25, help="Local period_seconds (0.25)")
+    p.add_argument("--target", type=float, default=0.95, help="held-out accuracy target (0.95)")
+    p.add_argument("--out", default=None, help="JSON path (default results/sync.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace earlier runs in --out")
+    args = p.parse_args()
+
+    from distributed import Client, LocalCluster
+
+    from dataflow.datasets import digits_arrays
+
+    data = digits_arrays(seed=0)
+    runs: dict[str, list[dict]] = {side: [] for side in sides(args.period)}
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        for seed in range(args.seeds):
+            for side, options in sides(args.period).items():
+                fit = one_fit(args, client, data, seed, options)
+                runs[side].append(fit)
+                print(
+                    f"seed {seed} {side:15s} final {100 * fit['final_accuracy']:.2f} % "
+                    f"target at {fit['time_to_target_s']} s, trained {fit['train_s']:.2f} s"
+                )
+    rows = summary(runs, args.target)
+    print(table(rows[1:], rows[0]))
+    print(
+        "saved",
+        save_run(NAME, {"args": vars(args), "runs": runs}, args.out, overwrite=args.overwrite),
+    )
+
+
+if __name__ == "__main__":
+    main()
