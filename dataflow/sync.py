@@ -51,11 +51,21 @@ class Local:
     Communication falls by the steps per period; the price is that replicas drift
     apart inside a period (keep periods short early in training, where gradients are
     large). ``average_optimizer_state=False`` keeps each replica's momentum or Adam
-    moments its own (DiLoCo's inner optimizer does)."""
+    moments its own (DiLoCo's inner optimizer does).
+
+    ``outer_lr``, ``outer_momentum``, ``nesterov``: an outer optimizer on the averaged
+    pseudo-gradient ``Δ = θ_start − average(θ_r)`` (DiLoCo, Douillard et al. 2023: SGD
+    with Nesterov momentum, ``outer_lr=0.7, outer_momentum=0.9``): ``u ← μ u + Δ``,
+    ``θ ← θ_start − outer_lr (Δ + μ u)`` (without Nesterov ``− outer_lr u``). The
+    defaults (1, 0) are the plain average. The outer momentum is kept in the
+    optimizer's state (``"outer_momentum"``), so commits and checkpoints hold it."""
 
     period_seconds: float | None = None
     period_steps: int | None = None
     average_optimizer_state: bool = True
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    nesterov: bool = True
 
     def __post_init__(self) -> None:
         if (self.period_seconds is None) == (self.period_steps is None):
@@ -73,6 +83,18 @@ class Local:
             isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0
         ):
             raise ConfigError(f"sync.Local(period_seconds={seconds!r}): seconds > 0")
+        if not (isinstance(self.outer_lr, int | float) and 0 < self.outer_lr <= 10):
+            raise ConfigError(
+                f"sync.Local(outer_lr={self.outer_lr!r}): in (0, 10]; 1.0 is the plain "
+                "average, DiLoCo uses 0.7 with outer_momentum=0.9"
+            )
+        if not (isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
+            raise ConfigError(f"sync.Local(outer_momentum={self.outer_momentum!r}): in [0, 1)")
+
+    @property
+    def outer(self) -> bool:
+        """Whether an outer optimizer runs (anything but the plain average)."""
+        return self.outer_lr != 1.0 or self.outer_momentum != 0.0
 
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas
@@ -84,4 +106,11 @@ class Local:
             else f"{self.period_seconds:g} s of work"
         )
         state = "weights and optimizer state" if self.average_optimizer_state else "weights"
-        return f"local updates: {state} averaged every {period}, weighted by samples"
+        text = f"local updates: {state} averaged every {period}, weighted by samples"
+        if self.outer:
+            kind = "Nesterov " if self.nesterov and self.outer_momentum else ""
+            text += (
+                f"; outer {kind}SGD on the pseudo-gradient (lr {self.outer_lr:g}, momentum "
+                f"{self.outer_momentum:g})"
+            )
+        return text

@@ -65,7 +65,7 @@ class AllReduce(Stage):
         self._sample_group = spatial.collective if size > 1 else None
         self._reports = spatial is None or spatial.rank == 0
         self._replicas = replica.world_size // size
-        self._local = replica.local_updates and replica.collective is not None
+        self._local = replica.local_updates
         self._window: dict[int, tuple[int, int]] = {}  # step -> (local, global) samples
         if replica.collective is None:  # one worker: nothing to reduce
             return
@@ -98,6 +98,8 @@ class AllReduce(Stage):
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
         if self._local:  # keyed by step: a window run again after a rollback counts once
+            if not self._window and step.replica.local.outer:  # the window's first step
+                self._start = [p.detach().clone() for p in step.replica.model.parameters()]
             self._window[step.spec.index] = (step.local_batch, step.global_batch)
 
     def begin_micro_batch(self, step: StepContext) -> None:
@@ -154,7 +156,11 @@ class AllReduce(Stage):
         total = sum(whole for _, whole in self._window.values())
         self._window = {}
         weight = samples / total if total else 1.0 / replica.world_size
-        average_weighted_(_local_state(replica), weight, replica.collective)
+        if replica.collective is not None:
+            average_weighted_(_local_state(replica), weight, replica.collective)
+        if replica.local.outer:
+            outer_step_(replica, self._start)
+            self._start = None
 
     def _replica_grad_sq(self, model: Any) -> Any:
         """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial
@@ -196,16 +202,37 @@ def _local_state(replica: ReplicaContext) -> list[Any]:
     model, optimizer = replica.model, replica.optimizer
     tensors = [p.data for p in model.parameters()]
     tensors += [b.data for b in model.buffers() if b.is_floating_point()]
-    if replica.average_optimizer_state and optimizer is not None:
+    if replica.local.average_optimizer_state and optimizer is not None:
         for param in model.parameters():
-            for value in optimizer.state.get(param, {}).values():
+            for key, value in optimizer.state.get(param, {}).items():
                 if (
-                    isinstance(value, torch.Tensor)
+                    key != OUTER_MOMENTUM
+                    and isinstance(value, torch.Tensor)
                     and value.is_floating_point()
                     and value.shape == param.shape
                 ):
                     tensors.append(value)
     return tensors
+
+
+OUTER_MOMENTUM = "outer_momentum"  # optimizer state key: identical on every replica
+
+
+@torch.no_grad()
+def outer_step_(replica: ReplicaContext, start: list[torch.Tensor]) -> None:
+    """DiLoCo's outer step on the averaged weights (see ``dataflow.sync.Local``): the
+    pseudo-gradient is how far the average moved from the window's start."""
+    local, optimizer = replica.local, replica.optimizer
+    mu = local.outer_momentum
+    for param, before in zip(replica.model.parameters(), start, strict=True):
+        delta = before - param
+        if mu:
+            state = optimizer.state[param] if optimizer is not None else {}
+            buf = state.get(OUTER_MOMENTUM)
+            buf = delta.clone() if buf is None else buf.mul_(mu).add_(delta)
+            state[OUTER_MOMENTUM] = buf
+            delta = delta.add(buf, alpha=mu) if local.nesterov else buf
+        param.copy_(before - local.outer_lr * delta)
 
 
 def average_weighted_(tensors: list[Any], weight: float, collective: Any) -> None:

@@ -19,17 +19,21 @@ import dataflow as dfl
 from dataflow.core.errors import ConfigError
 
 
-def local_sgd_by_hand(x, y, plan, period: int, weights: list[float]) -> torch.nn.Module:
+def local_sgd_by_hand(
+    x, y, plan, period: int, weights: list[float], outer_lr: float = 1.0, mu: float = 0.0
+) -> torch.nn.Module:
     """Each replica: ``period`` SGD-with-momentum steps on its own parts of the plan
     from the common weights, then weights and momentum become their ``weights``-
-    weighted average."""
+    weighted average; with ``outer_lr``/``mu``, DiLoCo's outer Nesterov step on it."""
     torch.manual_seed(0)
     common = TinyCNN()
     opt = sgd(common.parameters())
+    outer = [torch.zeros_like(p) for p in common.parameters()]
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     replicas = len(plan[0])
     for start in range(0, len(plan), period):
         models, momenta = [], []
+        before = [p.detach().clone() for p in common.parameters()]
         for r in range(replicas):
             model = copy.deepcopy(common)
             local = sgd(model.parameters())
@@ -51,6 +55,11 @@ def local_sgd_by_hand(x, y, plan, period: int, weights: list[float]) -> torch.nn
                 opt.state[p]["momentum_buffer"] = sum(
                     w * mom[i] for w, mom in zip(weights, momenta, strict=True)
                 )
+            if outer_lr != 1.0 or mu:
+                for i, p in enumerate(common.parameters()):
+                    delta = before[i] - p
+                    outer[i] = mu * outer[i] + delta
+                    p.copy_(before[i] - outer_lr * (delta + mu * outer[i]))
     return common
 
 
@@ -87,6 +96,8 @@ class DigitsCNN(torch.nn.Module):
         (lambda: dfl.sync.Local(period_seconds=1.0, period_steps=4), "one of them"),
         (lambda: dfl.sync.Local(period_steps=0), "period_steps=0"),
         (lambda: dfl.sync.Local(period_seconds=-1), "period_seconds=-1"),
+        (lambda: dfl.sync.Local(period_steps=2, outer_lr=0), "outer_lr=0"),
+        (lambda: dfl.sync.Local(period_steps=2, outer_momentum=1.0), "outer_momentum=1.0"),
     ],
 )
 def test_a_bad_period_is_named(make, says):
@@ -169,16 +180,42 @@ def test_local_steps_then_a_sample_weighted_average(client):
 
 
 @pytest.mark.slow
-def test_a_resumed_local_fit_is_bit_identical(client, tmp_path):
+def test_diloco_outer_nesterov_step_on_the_averaged_pseudo_gradient(client):
+    """``Local(outer_lr=0.7, outer_momentum=0.9)``: after each period's weighted average,
+    an outer Nesterov step from the period's start along the pseudo-gradient, as
+    written out by hand."""
+    x, y = make_data(128)
+    split = dfl.balance.Proportional((3, 1))
+    sync = dfl.sync.Local(period_steps=4, outer_lr=0.7, outer_momentum=0.9)
+    pipe = tiny_pipeline(x, y, batch=16, balancer=split, sync=sync)
+    result = pipe.fit(epochs=2, client=client)
+    assert "outer Nesterov SGD" in result.history.info["sync"]
+    plan = pipe.sample_plan(epochs=2, replicas=2)
+    expected = local_sgd_by_hand(x, y, plan, period=4, weights=[0.75, 0.25], outer_lr=0.7, mu=0.9)
+    assert max_abs_diff(result.model, expected) <= 1e-5
+    plain = local_sgd_by_hand(x, y, plan, period=4, weights=[0.75, 0.25])
+    assert max_abs_diff(result.model, plain) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sync",
+    [
+        dfl.sync.Local(period_steps=2),
+        dfl.sync.Local(period_steps=2, outer_lr=0.7, outer_momentum=0.9),
+    ],
+    ids=["average", "diloco"],
+)
+def test_a_resumed_local_fit_is_bit_identical(client, tmp_path, sync):
     """Checkpoints are taken at window ends, after the average: a fit resumed from one
-    inside a phase (BatchNorm's statistics, dropout's random state, momentum) ends with
-    the uninterrupted fit's bits."""
+    inside a phase (BatchNorm's statistics, dropout's random state, momentum, the outer
+    momentum in the optimizer's state) ends with the uninterrupted fit's bits."""
     from test_mid_phase_checkpoints import _assert_same_weights, _keep_up_to, _pipeline
 
     from dataflow.checkpoint import CheckpointStore
 
     x, y = make_data(160)
-    local = dict(sync=dfl.sync.Local(period_steps=2))
+    local = dict(sync=sync)
     folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
     full = _pipeline(x, y, **local).fit(3, client=client, checkpoint_every=1, **folder)
     mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]

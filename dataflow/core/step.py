@@ -32,10 +32,14 @@ class ReplicaContext:
     # A spatial layout (this worker holds a region of every sample): ``wrap_model(m)``
     # partitions the model, ``region_of(source)`` cuts a source to this worker's region.
     spatial: Any = None
-    # dataflow.sync.Local: each replica steps on its own gradients; AllReduce averages
+    # a dataflow.sync.Local: each replica steps on its own gradients; AllReduce averages
     # the weights (and the optimizer state) at the end of each window instead
-    local_updates: bool = False
-    average_optimizer_state: bool = True
+    local: Any = None
+
+    @property
+    def local_updates(self) -> bool:
+        return self.local is not None
+
     state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
 
 

@@ -50,8 +50,7 @@ def run_fit(
         throttle={int(r): float(f) for r, f in config.throttle.items()},
         commit_windows=config.recover_lost_workers,
         layout=config.layout if size > 1 else None,
-        local_updates=config.local_updates,
-        average_optimizer_state=getattr(config.sync, "average_optimizer_state", True),
+        local=config.sync if config.local_updates else None,
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(

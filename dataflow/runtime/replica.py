@@ -56,8 +56,7 @@ class ReplicaSpec:
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
     layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
-    local_updates: bool = False  # dataflow.sync.Local: local steps, a weighted average per window
-    average_optimizer_state: bool = True  # ... of the optimizer's state too
+    local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
 
     @property
     def spatial(self) -> int:
@@ -107,8 +106,7 @@ class ReplicaRuntime:
             seed=spec.seed,
             collective=collective,
             spatial=spatial,
-            local_updates=spec.local_updates,
-            average_optimizer_state=spec.average_optimizer_state,
+            local=spec.local,
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}
