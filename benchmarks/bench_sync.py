@@ -9,14 +9,16 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
 * **sync even**: ``Even()``; the fast replica waits for the slow one at every step;
 * **sync balanced**: ``Throughput()``, local batches proportional to measured speed;
 * **local balanced**: ``Throughput()`` and ``sync.Local(period_seconds=--period)``:
-  local steps for a period, then a sample-weighted average of weights and momentum.
+  local steps for a period, then a sample-weighted average of weights and momentum;
+* **local + DiLoCo outer**: the same, then an outer Nesterov step on the averaged
+  pseudo-gradient (``outer_lr=0.7, outer_momentum=0.9``).
 
 Time to target: the driver's clock when the first epoch whose held-out accuracy
 reaches ``--target`` ended (the fit's start-up excluded: measured from the first step's
 arrival). ``--seeds`` seeds each (model init and shuffle), sides interleaved per seed.
 Results are appended to ``benchmarks/results/sync.json``.
 
-    python benchmarks/bench_sync.py              # 3 seeds x 3 sides, ~3 min on 2 cores
+    python benchmarks/bench_sync.py              # 3 seeds x 4 sides, ~2 min on 2 cores
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def sides(period: float) -> dict[str, dict[str, Any]]:
         "sync balanced": dict(balancer=dfl.balance.Throughput()),
         "local balanced": dict(
             balancer=dfl.balance.Throughput(), sync=dfl.sync.Local(period_seconds=period)
+        ),
+        "local + DiLoCo outer": dict(
+            balancer=dfl.balance.Throughput(),
+            sync=dfl.sync.Local(period_seconds=period, outer_lr=0.7, outer_momentum=0.9),
         ),
     }
 
