@@ -27,6 +27,9 @@ class ReplicaTotals:
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     task_seconds: float = 0.0
     windows: int = 0
+    # local updates: what lockstep (synchronous) steps would have made this replica wait
+    # for the slowest one, from the steps' measured times (max over replicas - its own)
+    lockstep_wait_s: float = 0.0
 
     def add(self, samples: int, stage_seconds: Mapping[str, float], task_seconds: float) -> None:
         self.samples += samples
@@ -41,6 +44,7 @@ class ReplicaTotals:
             "stage_seconds": dict(self.stage_seconds),
             "task_seconds": self.task_seconds,
             "windows": self.windows,
+            "lockstep_wait_s": self.lockstep_wait_s,
         }
 
     @classmethod
@@ -49,6 +53,7 @@ class ReplicaTotals:
             samples=int(state["samples"]),
             task_seconds=float(state["task_seconds"]),
             windows=int(state["windows"]),
+            lockstep_wait_s=float(state.get("lockstep_wait_s", 0.0)),  # older checkpoints
         )
         for name, value in state["stage_seconds"].items():
             totals.stage_seconds[name] += float(value)

@@ -128,8 +128,15 @@ class PhaseRecord(Record):
     # with a cost model, its prediction (``StepBreakdown.to_dict()``) for this phase.
     measured_step_seconds: float | None = None
     predicted: dict[str, Any] | None = None
-    # left out when None (older histories have neither)
-    optional: ClassVar[tuple[str, ...]] = ("measured_step_seconds", "predicted")
+    # Local updates: per replica, the seconds synchronous (lockstep) steps would have
+    # waited for the slowest replica in this phase, from each step's measured times
+    lockstep_wait_s: list[float] | None = None
+    # left out when None (older histories have none)
+    optional: ClassVar[tuple[str, ...]] = (
+        "measured_step_seconds",
+        "predicted",
+        "lockstep_wait_s",
+    )
 
     @classmethod
     def required(cls) -> tuple[str, ...]:

@@ -180,6 +180,21 @@ def test_local_steps_then_a_sample_weighted_average(client):
 
 
 @pytest.mark.slow
+def test_the_history_shows_the_wait_lockstep_steps_would_have_had(client):
+    """Replica 1 throttled 3x, an even split: under local updates nobody waits inside a
+    period, and each phase records what lockstep steps would have made each replica
+    wait (the fast one: most of its time; the slow one: about none)."""
+    x, y = make_data(64)
+    sync = dfl.sync.Local(period_steps=4)
+    result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
+    (phase,) = result.history.phases
+    fast, slow = phase["lockstep_wait_s"]
+    assert fast > 0 and fast > 5 * slow, phase["lockstep_wait_s"]
+    plain = tiny_pipeline(x, y).fit(epochs=1, client=client)
+    assert plain.history.phases[0].lockstep_wait_s is None  # only under local updates
+
+
+@pytest.mark.slow
 def test_diloco_outer_nesterov_step_on_the_averaged_pseudo_gradient(client):
     """``Local(outer_lr=0.7, outer_momentum=0.9)``: after each period's weighted average,
     an outer Nesterov step from the period's start along the pseudo-gradient, as

@@ -42,11 +42,13 @@ class Recorder:
         skips_non_finite: bool,
         progress: bool,
         cost_model: Any = None,
+        local_updates: bool = False,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
         # a CostModel with the fit's window and bucket sizes: each phase's prediction
         self.cost_model = cost_model
+        self.local_updates = local_updates  # record the wait lockstep steps would have had
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -108,6 +110,9 @@ class Recorder:
             w.checkpoint = None  # the history keeps the window's numbers, not its weights
         samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
         self._add_totals(filled, samples.sum(axis=1))
+        if self.local_updates and not salvaged:
+            seconds = np.array([w.step_seconds for w in filled], dtype=float)
+            self._wait[: len(filled)] += (seconds.max(axis=0) - seconds).sum(axis=1)
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
         self._record_samples(segment, specs, filled, salvaged)
         self.phase_windows.append((time.perf_counter(), len(specs)))
@@ -119,6 +124,7 @@ class Recorder:
             self._samples = np.concatenate([self._samples, np.zeros(grow, np.int64)])
             self._task = np.concatenate([self._task, np.zeros(grow)])
             self._windows = np.concatenate([self._windows, np.zeros(grow, np.int64)])
+            self._wait = np.concatenate([self._wait, np.zeros(grow)])
             for name in self._stage:
                 self._stage[name] = np.concatenate([self._stage[name], np.zeros(grow)])
         self._samples[:replicas] += samples
@@ -143,6 +149,7 @@ class Recorder:
                 samples=int(self._samples[r]),
                 task_seconds=float(self._task[r]),
                 windows=int(self._windows[r]),
+                lockstep_wait_s=float(self._wait[r]),
             )
             for name, column in self._stage.items():
                 totals.stage_seconds[name] += float(column[r])
@@ -154,6 +161,7 @@ class Recorder:
         self._samples = np.array([t.samples for t in totals], dtype=np.int64)
         self._task = np.array([t.task_seconds for t in totals], dtype=float)
         self._windows = np.array([t.windows for t in totals], dtype=np.int64)
+        self._wait = np.array([t.lockstep_wait_s for t in totals], dtype=float)
         names = {name for t in totals for name in t.stage_seconds}
         self._stage = {
             name: np.array([t.stage_seconds.get(name, 0.0) for t in totals], dtype=float)
@@ -308,6 +316,9 @@ class Recorder:
                 peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
                 skipped_steps=ends[0].get("skipped_steps", 0),
                 measured_step_seconds=self._measured_step_seconds(phase),
+                lockstep_wait_s=(
+                    [t.lockstep_wait_s for t in totals] if self.local_updates else None
+                ),
                 predicted=self._predicted(phase, first),
             )
         )
