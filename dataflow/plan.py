@@ -171,6 +171,7 @@ class Plan:
     tag: str = "plan"
     run: str = ""  # the fit's id: task keys must not collide with another fit's
     layout: str = ""  # how workers form replicas (Layout.describe()); "" = one each
+    sync: str = ""  # how replicas keep in step (SyncPolicy.describe()); "" = synchronous
 
     @classmethod
     def build(
@@ -188,6 +189,7 @@ class Plan:
         tag: str = "plan",
         run: str = "",
         layout: str = "",
+        sync: str = "",
     ) -> Plan:
         """``window_steps`` fixes the steps per window; otherwise windows carry about
         ``window_seconds`` of ``step_seconds`` steps. ``epoch_ends_window``: a window
@@ -211,7 +213,9 @@ class Plan:
                 bounds.append((first, position + 1))
                 first = position + 1
         windows = tuple(Window(index=i, first=a, stop=b) for i, (a, b) in enumerate(bounds))
-        return cls(tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout)
+        return cls(
+            tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout, sync
+        )
 
     def task_prefix(self, replica: int) -> str:
         """What the Dask dashboard groups by: the stages and the replica."""
@@ -241,6 +245,8 @@ class Plan:
         lines = [head, f"  stages per step: {' -> '.join(self.stage_names)}"]
         if self.layout:
             lines.append(f"  layout: {self.layout}")
+        if self.sync:
+            lines.append(f"  sync: {self.sync}")
         lines.append(f"  local batches per replica: {', '.join(map(str, splits[:4]))}")
         for window in self.windows[:3]:
             first, last = self.steps[window.first], self.steps[window.stop - 1]

@@ -135,7 +135,9 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
+                    epoch_ends_window=self.config.local_updates,
                     layout=layout,
+                    sync=self.config.sync.describe() if self.config.local_updates else "",
                 )
             )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)

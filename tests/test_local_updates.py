@@ -109,6 +109,8 @@ def test_the_period_is_the_window_and_conflicts_are_refused():
     x, y = make_data(32)
     pipe = tiny_pipeline(x, y, sync=dfl.sync.Local(period_steps=4))
     assert pipe.trainer.config.window_steps == 4
+    (plan,) = pipe.plan(epochs=2, replicas=2)  # 2 steps an epoch: a window ends at each
+    assert "sync: local updates" in str(plan) and len(plan.windows) == 2, str(plan)
     pipe = tiny_pipeline(x, y, sync=dfl.sync.Local(period_seconds=2.5))
     assert pipe.trainer.config.window_seconds == 2.5
     with pytest.raises(ConfigError, match="drop window_steps"):
