@@ -1,7 +1,7 @@
 """Synchronous against local updates with one replica throttled: time to a target
 accuracy and final accuracy on the digits (sklearn's real 8x8 handwritten digits).
 
-Every side trains ``DigitsNet`` (benchmarks/common.py) on 2 replicas of a LocalCluster
+Every side trains ``DigitsNet`` (benchmarks/common.py) on ``--replicas`` (2) of a LocalCluster
 (1 thread each), replica 1 throttled ``--factor`` times (the engine makes it sleep
 ``(factor - 1) x`` its compute each step), SGD with momentum, a fixed global batch,
 one phase per epoch (so the balancer re-splits), held-out accuracy after every epoch:
@@ -19,6 +19,7 @@ arrival). ``--seeds`` seeds each (model init and shuffle), sides interleaved per
 Results are appended to ``benchmarks/results/sync.json``.
 
     python benchmarks/bench_sync.py              # 3 seeds x 4 sides, ~2 min on 2 cores
+    python benchmarks/bench_sync.py --replicas 4 # oversubscribed on 2 cores
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def one_fit(args: argparse.Namespace, client: Any, data: dict, seed: int, option
         metrics={"accuracy": dfl.stages.accuracy},
         schedule=dfl.schedule.Fixed(args.batch, epochs_per_phase=1),
         throttle={1: args.factor},
-        replicas=2,
+        replicas=args.replicas,
         device="cpu",
         seed=seed,
         progress=False,
@@ -123,6 +124,7 @@ def summary(runs: dict[str, list[dict]], target: float) -> list[list[str]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per side (3)")
+    p.add_argument("--replicas", type=int, default=2, help="replicas, one worker each (2)")
     p.add_argument("--epochs", type=int, default=10, help="epochs (10)")
     p.add_argument("--batch", type=int, default=64, help="global batch (64)")
     p.add_argument("--factor", type=float, default=2.0, help="slow-down of replica 1 (2.0)")
@@ -140,7 +142,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {side: [] for side in sides(args.period)}
     with (
         LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
+            n_workers=args.replicas,
+            threads_per_worker=1,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
         ) as cluster,
         Client(cluster) as client,
     ):
