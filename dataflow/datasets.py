@@ -80,8 +80,12 @@ def _lognormal_fields(
     seed: int,
     amplitude_range: tuple[float, float],
     index_range: tuple[float, float],
+    box: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The fields, their parameters and each Gaussian field's variance."""
+    """The fields, their parameters and each Gaussian field's variance. ``box``: how
+    many times wider the box is than the 16^3 reference at the same resolution: ``k``
+    counts a box's fundamental modes, so the pivot sits at ``box × k_pivot`` and the
+    power per mode scales as ``box^(-n-3)`` (the power per unit volume stays put)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigError(f"cosmology_fields(n={n!r}): the number of fields, an int >= 1")
     if isinstance(side, bool) or not isinstance(side, int) or side < 4:
@@ -97,15 +101,20 @@ def _lognormal_fields(
     params = np.stack(
         [rng.uniform(*amplitude_range, size=n), rng.uniform(*index_range, size=n)], axis=1
     ).astype(np.float32)
-    g = gaussian_random_fields(params[:, 0], params[:, 1], side, rng)
+    amplitude = params[:, 0] * box ** (-params[:, 1] - 3) if box != 1.0 else params[:, 0]
+    g = gaussian_random_fields(amplitude, params[:, 1], side, rng)
     var = g.reshape(n, -1).var(axis=1)
     delta = (np.exp(g - var[:, None, None, None] / 2) - 1.0).astype(np.float32)[:, None]
     return delta, params, var
 
 
-def cosmology_arrays(n_train: int, n_test: int, side: int = 16, seed: int = 0) -> dict[str, Any]:
+def cosmology_arrays(
+    n_train: int, n_test: int, side: int = 16, seed: int = 0, *, box: float = 1.0
+) -> dict[str, Any]:
     """:func:`cosmology_fields` split into train and test, targets standardised with the
     training set's mean and std (so predicting 0 is the predict-the-mean baseline).
+    ``box``: the box ``box`` times as wide as the 16^3 reference at the same resolution
+    (``side = 16 × box`` keeps the fields' statistics per unit volume; >= 1).
 
     Keys: ``x_train``, ``y_train``, ``x_test``, ``y_test`` (arrays), ``params_test``
     (the test set's raw ``(A, n)``), ``target_mean``, ``target_std`` (lists, to undo the
@@ -114,7 +123,11 @@ def cosmology_arrays(n_train: int, n_test: int, side: int = 16, seed: int = 0) -
     """
     _check_count("cosmology_arrays", "n_train", n_train, 2)
     _check_count("cosmology_arrays", "n_test", n_test, 1)
-    x, params, var = _lognormal_fields(n_train + n_test, side, seed, AMPLITUDE_RANGE, INDEX_RANGE)
+    if not (isinstance(box, int | float) and not isinstance(box, bool) and box > 0):
+        raise ConfigError(f"cosmology_arrays(box={box!r}): the box's width over 16 cells, > 0")
+    x, params, var = _lognormal_fields(
+        n_train + n_test, side, seed, AMPLITUDE_RANGE, INDEX_RANGE, box=float(box)
+    )
     return {
         **_standardized_split(x, params, n_train),
         "params_test": params[n_train:],

@@ -3,8 +3,8 @@
 The task of ``examples/cosmoflow.py`` (a 3D CNN regresses the amplitude ``A`` and the
 spectral index ``n`` of simulated log-normal matter fields) on volumes 64 times as
 large: 64^3 fields at the resolution of its 16^3 ones, boxes four times as wide
-(``big_box_fields``: ``dataflow.datasets``' generator, same parameter ranges, the pivot
-and the power per unit volume held in physical units). A per-worker memory budget
+(``dataflow.datasets.cosmology_arrays(..., box=side / 16)``: same parameter ranges, the
+pivot and the power per unit volume held in physical units). A per-worker memory budget
 (``--memory-per-worker``) is smaller than one sample's training memory on one worker:
 weights, gradients, buckets and Adam's moments plus what autograd keeps for backward,
 as the layout model predicts it from the model's shapes
@@ -49,47 +49,18 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.costmodel.layout_candidates import LayoutCandidate
-from dataflow.datasets import AMPLITUDE_RANGE, INDEX_RANGE, gaussian_random_fields
+from dataflow.datasets import cosmology_arrays
 from dataflow.layout_choice import layout_model, parse_bytes
 from dataflow.runtime.cluster import client_or_local_cluster
 
 PARAMS = ("A", "n")  # amplitude, spectral index
 MIB = 1 << 20
 BLOCKS = 4  # conv blocks, each halving the side: the side must divide by 2**BLOCKS
-
-
-def big_box_fields(n_train: int, n_test: int, side: int, seed: int) -> dict:
-    """``cosmology_arrays`` in boxes ``side / 16`` times as wide as its 16^3 fields, at
-    their resolution: the same ``A`` and ``n`` ranges, the pivot ``k_pivot`` and the
-    power per unit volume held in physical units (``k`` counts a box's fundamental
-    modes, so a box ``f`` times as wide has its pivot at ``f k_pivot`` and ``f^3`` as
-    many modes)."""
-    f = side / 16
-    rng = np.random.default_rng(seed)
-    total = n_train + n_test
-    params = np.stack(
-        [rng.uniform(*AMPLITUDE_RANGE, size=total), rng.uniform(*INDEX_RANGE, size=total)], 1
-    ).astype(np.float32)
-    a, n = params[:, 0], params[:, 1]
-    g = gaussian_random_fields(a * f ** (-n - 3), n, side, rng)
-    var = g.reshape(total, -1).var(axis=1)
-    x = (np.exp(g - var[:, None, None, None] / 2) - 1.0).astype(np.float32)[:, None]
-    mean, std = params[:n_train].mean(axis=0), params[:n_train].std(axis=0)
-    y = ((params - mean) / std).astype(np.float32)
-    return {
-        "x_train": x[:n_train],
-        "y_train": y[:n_train],
-        "x_test": x[n_train:],
-        "y_test": y[n_train:],
-        "target_std": std.tolist(),
-        "field_variance": [float(var.min()), float(np.median(var)), float(var.max())],
-    }
 
 
 class CosmoFlowNet(torch.nn.Module):
@@ -250,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
 
     # 1. the dataset: generated, written to zarr chunked along depth, streamed back
-    data = big_box_fields(args.train, args.test, args.side, args.data_seed)
+    data = cosmology_arrays(args.train, args.test, args.side, args.data_seed, box=args.side / 16)
     sample_bytes = data["x_train"][0].nbytes
     half = args.side // 2
     stores = {}

@@ -6,6 +6,7 @@ import pytest
 from dataflow.core.errors import ConfigError
 from dataflow.datasets import (
     SIGNAL_CLASSES,
+    cosmology_arrays,
     grating_images,
     gratings_arrays,
     signal_waveforms,
@@ -80,3 +81,16 @@ def test_gratings_arrays_standardises_with_the_training_set():
 def test_bad_arguments_are_refused(call):
     with pytest.raises(ConfigError):
         call()
+
+
+def test_a_wider_box_keeps_the_fields_statistics_per_unit_volume():
+    """``box=2`` at side 32: twice the width at the 16^3 fields' resolution. The power
+    per unit volume is held, so the Gaussian fields' variance stays in the reference
+    range (a box twice as wide only adds the longer waves: a little more variance)."""
+    small = cosmology_arrays(16, 4, side=16, seed=1)["field_variance"]
+    wide = cosmology_arrays(16, 4, side=32, seed=1, box=2.0)["field_variance"]
+    unscaled = cosmology_arrays(16, 4, side=32, seed=1)["field_variance"]
+    assert small[1] <= wide[1] < 2 * small[1]
+    assert unscaled[1] > 1.5 * wide[1]  # the reference A per mode at 8x the modes: too much
+    with pytest.raises(ConfigError, match="box=0"):
+        cosmology_arrays(4, 2, box=0)
