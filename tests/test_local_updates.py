@@ -9,6 +9,7 @@ plan gives each replica."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -61,29 +62,6 @@ def local_sgd_by_hand(
                     outer[i] = mu * outer[i] + delta
                     p.copy_(before[i] - outer_lr * (delta + mu * outer[i]))
     return common
-
-
-class DigitsCNN(torch.nn.Module):
-    """benchmarks/common.py's DigitsNet (8x8 images, 10 classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(32 * 4 * 4, 64),
-            torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 # -- configuration ----------------------------------------------------------------------
@@ -246,9 +224,10 @@ def test_a_resumed_local_fit_is_bit_identical(client, tmp_path, sync):
 
 @pytest.mark.slow
 def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
-    """sklearn's real handwritten digits, 2 replicas, 10 epochs: averaging every 8 local
-    steps ends within 1 point of synchronous training's held-out accuracy (both about
-    99 %; benchmarks/bench_sync.py has 3 seeds with a throttled replica)."""
+    """sklearn's real handwritten digits, 2 replicas, 10 epochs, TinyCNN with 10 classes:
+    averaging every 8 local steps ends within 1 point of synchronous training's
+    held-out accuracy (95.6 and 95.8 % here; benchmarks/bench_sync.py has 3 seeds of a
+    larger net with a throttled replica)."""
     pytest.importorskip("sklearn")
     from dataflow.datasets import digits_arrays
 
@@ -256,7 +235,7 @@ def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
 
     def accuracy(**options) -> float:
         pipe = dfl.Pipeline(
-            model=DigitsCNN,
+            model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes
             loss=torch.nn.functional.cross_entropy,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
             source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
