@@ -146,6 +146,7 @@ class ReplicaRuntime:
         samples, losses, seconds, pairs = [], [], [], []
         read, digest = 0, None
         evals: dict[int, dict[str, float]] = {}
+        epoch_ends: list[StepContext] = []
         rank = self.context.rank
         for index in range(first_step, stop_step):
             spec = self.steps[index]
@@ -174,12 +175,13 @@ class ReplicaRuntime:
                 read += len(indices)
                 digest = add_digests(digest or 0, sample_digest(_host_indices(indices)))
             pairs.extend(step.metrics.get("norm_pairs", ()))
-            if "eval" in step.metrics:
-                evals[index] = step.metrics["eval"]
+            if step.spec.last_in_epoch:  # evaluations are read after end_window
+                epoch_ends.append(step)
         for name in self.order:  # checks made once per window (before any state leaves)
             self.stages[name].end_window(self.context)
-        if first_step < stop_step and "eval" in step.metrics:  # an evaluation at window end
-            evals[step.spec.index] = step.metrics["eval"]
+        for ended in epoch_ends:  # (local updates evaluate the average there)
+            if "eval" in ended.metrics:
+                evals[ended.spec.index] = ended.metrics["eval"]
         self.in_window, self.completed_step = False, stop_step
         return WindowResult(
             rank=rank,
