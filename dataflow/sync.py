@@ -1,7 +1,9 @@
 """How replicas keep their weights in step: the synchronisation policy.
 
 ``Synchronous()`` (the default): every step's gradients meet in the sample-weighted
-allreduce, so all replicas take the same steps on the same weights. ``Local(...)``:
+allreduce, so all replicas take the same steps on the same weights. ``Async(...)``:
+the weights live in a parameter store; each replica pushes its gradient and pulls
+fresh weights without a barrier, at most ``staleness`` versions behind. ``Local(...)``:
 each replica steps on its own gradients for a period (a window of the engine), then
 all replicas average their weights and optimizer state, weighted by the samples each
 trained on (post-local SGD; Lin et al. 2020). With the balancer's speed-proportional
@@ -113,4 +115,84 @@ class Local:
                 f"; outer {kind}SGD on the pseudo-gradient (lr {self.outer_lr:g}, momentum "
                 f"{self.outer_momentum:g})"
             )
+        return text
+
+
+STALENESS_LR = ("relative", "inverse", "none")
+
+
+@dataclass(frozen=True)
+class Async:
+    """Asynchronous updates through a parameter store (BPT-CNN's AGWU; Ji et al. 2019).
+
+    The global weights and the optimizer live in ``servers`` shards on the cluster
+    (shard ``k`` on replica ``k``'s worker, a contiguous share of the parameters each).
+    Every step a replica pushes its local mean gradient, weighted by its share of the
+    global batch ``n_r / B``, and pulls the weights the push produced: nobody waits for
+    a global barrier. A shard applies the pushes it holds as one update only while no
+    replica still computing would fall more than ``staleness`` versions behind, so every
+    applied gradient was computed on weights at most ``staleness`` versions old
+    (bounded staleness); a replica that would exceed it waits. ``Async(staleness=0)``
+    applies each version once every replica pushed: synchronous training.
+
+    ``staleness_lr``: how a stale gradient's step shrinks. ``"relative"`` (default)
+    scales it by ``(1 + τ₀) / (1 + τ)`` capped at 1, ``τ₀ = min(staleness, replicas - 1)``
+    the staleness of replicas pushing in turn, so on-time pushes keep the fit's LR and
+    a straggler's late one counts less; ``"inverse"`` by ``1 / (1 + τ)`` (Zhang et al.
+    2016); ``"none"`` not at all. ``delay_compensation=λ > 0``: DC-ASGD (Zheng et al.
+    2017), ``g + λ g ⊙ g ⊙ (θ_now − θ_pulled)``.
+
+    With the ``Throughput`` balancer each replica's batch follows its measured speed,
+    so all push at about the same rate and staleness stays low (Ji et al.).
+    Windows are the commit points: at each window's end every replica takes the
+    store's weights and optimizer state, so commits, rollbacks and checkpoints work as
+    in synchronous training."""
+
+    staleness: int = 1
+    servers: int = 1
+    staleness_lr: str = "relative"
+    delay_compensation: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("staleness", "servers"):
+            value, least = getattr(self, name), 0 if name == "staleness" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(
+                    f"sync.Async({name}={value!r}): an int >= {least}"
+                    + (
+                        " (0 is synchronous; 1-4 is usual)"
+                        if name == "staleness"
+                        else " (parameter-store shards; one per ~16 replicas)"
+                    )
+                )
+        if self.staleness_lr not in STALENESS_LR:
+            raise ConfigError(
+                f"sync.Async(staleness_lr={self.staleness_lr!r}): one of {STALENESS_LR}"
+            )
+        lam = self.delay_compensation
+        if isinstance(lam, bool) or not isinstance(lam, int | float) or not 0 <= lam <= 10:
+            raise ConfigError(
+                f"sync.Async(delay_compensation={lam!r}): DC-ASGD's lambda in [0, 10] "
+                "(0 turns it off; Zheng et al. use 0.04-2)"
+            )
+
+    def lr_factor(self, staleness: int, replicas: int) -> float:
+        """How much of its step a gradient ``staleness`` versions old takes."""
+        if self.staleness_lr == "none":
+            return 1.0
+        if self.staleness_lr == "inverse":
+            return 1.0 / (1 + staleness)
+        usual = min(self.staleness, max(replicas - 1, 0))
+        return min(1.0, (1 + usual) / (1 + staleness))
+
+    def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
+        return len(results) == replicas
+
+    def describe(self) -> str:
+        text = (
+            f"asynchronous: a parameter store of {self.servers} shard(s); pushes applied at "
+            f"most {self.staleness} version(s) stale, LR scaled '{self.staleness_lr}'"
+        )
+        if self.delay_compensation:
+            text += f", delay compensation {self.delay_compensation:g}"
         return text

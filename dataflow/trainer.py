@@ -72,11 +72,12 @@ class Trainer:
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
         # on_non_finite: with "skip" a NaN step loss is a dropped step, not a failure; with
         # "rollback" the driver goes back to the last commit with half the LR.
-        if self.measures_noise and self.config.local_updates:
+        if self.measures_noise and self.config.settles_at_window_end:
+            kind = "Local" if self.config.local_updates else "Async"
             raise ConfigError(
                 f"schedule={type(schedule).__name__} measures the gradient noise scale from "
-                "every step's allreduce, which sync=Local does not run; use Stepwise or Fixed "
-                "with sync=Local"
+                f"every step's allreduce, which sync={kind} does not run; use Stepwise or "
+                f"Fixed with sync={kind}"
             )
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
@@ -135,9 +136,9 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
-                    epoch_ends_window=self.config.local_updates,
+                    epoch_ends_window=self.config.settles_at_window_end,
                     layout=layout,
-                    sync=self.config.sync.describe() if self.config.local_updates else "",
+                    sync=self.config.sync.describe() if self.config.settles_at_window_end else "",
                 )
             )
             epoch, previous, index = phase.end_epoch, phase, index + len(steps)
@@ -186,9 +187,10 @@ class Trainer:
             requested = self.config.layout
             layout, weighed = self._layout(active, epochs)
             check_transforms(self.graph, layout)
-            if self.config.local_updates and layout is not None and layout.spatial > 1:
+            if self.config.settles_at_window_end and layout is not None and layout.spatial > 1:
                 raise ConfigError(
-                    f"layout='auto' chose {layout.describe()}, which sync=Local cannot run "
+                    f"layout='auto' chose {layout.describe()}, which sync="
+                    f"{type(self.config.sync).__name__} cannot run "
                     "(a group sums its gradient every step); give layout=None"
                 )
             self.config.layout = layout

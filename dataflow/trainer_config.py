@@ -78,16 +78,33 @@ class TrainerConfig:
 
         return isinstance(self.sync, Local)
 
+    @property
+    def asynchronous(self) -> bool:
+        from dataflow.sync import Async
+
+        return isinstance(self.sync, Async)
+
+    @property
+    def settles_at_window_end(self) -> bool:
+        """Local or asynchronous updates: replicas share weights only at window ends."""
+        return self.local_updates or self.asynchronous
+
     def _check_sync(self) -> None:
         """A ``Local`` period is one window: it sets the window length."""
-        from dataflow.sync import Local, Synchronous, SyncPolicy
+        from dataflow.sync import Async, Local, Synchronous, SyncPolicy
 
         if self.sync is None:
             self.sync = Synchronous()
         if not isinstance(self.sync, SyncPolicy):
             raise ConfigError(
-                f"sync={self.sync!r}: give dataflow.sync.Synchronous() or "
-                "dataflow.sync.Local(period_seconds=...)"
+                f"sync={self.sync!r}: give dataflow.sync.Synchronous(), "
+                "dataflow.sync.Async(staleness=...) or dataflow.sync.Local(period_seconds=...)"
+            )
+        if isinstance(self.sync, Async) and self.spatial > 1:
+            raise ConfigError(
+                "sync=Async with a spatial layout: a group's workers must sum their parts of "
+                "the gradient before it is pushed; use sync=Synchronous() with layout=, or "
+                "layout=None"
             )
         if not isinstance(self.sync, Local):
             return

@@ -1,6 +1,8 @@
 """AllReduce: the mean gradient of the global batch on every replica, overlapped; with
 local updates (``dataflow.sync.Local``), the replicas' sample-weighted average of their
-weights at the end of each window instead."""
+weights at the end of each window instead; with asynchronous updates
+(``dataflow.sync.Async``), each step's push to the parameter store and the pull of the
+weights it returns."""
 
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class AllReduce(Stage):
         self._reports = spatial is None or spatial.rank == 0
         self._replicas = replica.world_size // size
         self._local = replica.local_updates
+        self._async = replica.asynchronous is not None
         self._window: dict[int, tuple[int, int]] = {}  # step -> (local, global) samples
         if replica.collective is None:  # one worker: nothing to reduce
             return
@@ -73,7 +76,7 @@ class AllReduce(Stage):
             raise ConfigError(f"{self.name}: needs a Forward stage upstream to build the model")
         state = list(replica.model.parameters()) + list(replica.model.buffers())
         replica.collective.broadcast([t.data for t in state], src=0)
-        if self._local:  # no per-step reduction: a weighted average at each window's end
+        if self._local or self._async:  # no per-step reduction
             return
         self._reducer = BucketReducer(
             list(replica.model.parameters()),
@@ -97,7 +100,9 @@ class AllReduce(Stage):
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
-        if self._local:  # keyed by step: a window run again after a rollback counts once
+        if self._async:
+            self._window[step.spec.index] = (step.local_batch, step.global_batch)
+        elif self._local:  # keyed by step: a window run again after a rollback counts once
             if not self._window and step.replica.local.outer:  # the window's first step
                 self._start = [p.detach().clone() for p in step.replica.model.parameters()]
             self._window[step.spec.index] = (step.local_batch, step.global_batch)
@@ -117,6 +122,16 @@ class AllReduce(Stage):
             self._first_micro_sq = float(first_sq) / weight**2
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
+        store = step.replica.parameter_store
+        if getattr(self, "_async", False) and store is not None:
+            # The store applies the weighted gradient (at most `staleness` versions late)
+            # and returns the weights it produced: Update has nothing left to do.
+            reply = store.push(step.weight)
+            step.metrics["staleness"] = reply["staleness"]
+            step.metrics["store_wait_s"] = reply["waited_s"]
+            if reply["refused"]:
+                step.metrics["refused_non_finite"] = True
+            return Gradients(samples=grads.samples, reduced=True, applied=True)
         if self._reducer is not None:
             self._reducer.finish()
             step.metrics[GRAD_SQ] = self._reducer.grad_sq
@@ -149,7 +164,19 @@ class AllReduce(Stage):
 
     def end_window(self, replica: ReplicaContext) -> None:
         """Local updates: the replicas' weights (optimizer state, floating buffers) become
-        their average weighted by the samples each trained on in this window."""
+        their average weighted by the samples each trained on in this window.
+        Asynchronous updates: the runtime took the store's weights and optimizer state
+        already; the floating buffers (BatchNorm statistics) are averaged the same way."""
+        if getattr(self, "_async", False):
+            samples = sum(local for local, _ in self._window.values())
+            total = sum(whole for _, whole in self._window.values())
+            self._window = {}
+            if replica.collective is not None and replica.model is not None:
+                buffers = [b.data for b in replica.model.buffers() if b.is_floating_point()]
+                if buffers:
+                    weight = samples / total if total else 1.0 / replica.world_size
+                    average_weighted_(buffers, weight, replica.collective)
+            return
         if not getattr(self, "_local", False):
             return
         samples = sum(local for local, _ in self._window.values())

@@ -156,16 +156,17 @@ class Evaluate(Stage):
     def run(self, step: StepContext, *inputs: Any) -> Any:
         spec = step.spec
         if spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0:
-            if step.replica.local_updates:  # after the window's average (end_window)
+            if step.replica.settles_at_window_end:  # after the window's average or store sync
                 self._due = step
             else:
                 step.metrics["eval"] = self.evaluate_shard(step)
         return inputs[0] if inputs else None
 
     def end_window(self, replica: Any) -> None:
-        """Local updates: the epoch's last step ends its window (``Plan.build``), and the
-        evaluation waits for AllReduce's end of window, which averages the replicas'
-        weights: it scores the averaged model, not this replica's own."""
+        """Local or asynchronous updates: the epoch's last step ends its window
+        (``Plan.build``), and the evaluation waits for the window's end, where the
+        replicas' weights are averaged (or taken from the parameter store): it scores
+        the shared model, not this replica's own."""
         step = getattr(self, "_due", None)
         if step is not None:
             self._due = None

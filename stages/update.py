@@ -156,10 +156,19 @@ class Update(Stage):
         ):
             group["lr"] = lr_at(start, target, step_in_phase, self._warmup)
 
+    def begin_step(self, step: StepContext) -> None:
+        """The step's LR on the ramp, set before the step runs (with asynchronous
+        updates the parameter store steps in AllReduce, at this LR)."""
+        if getattr(self, "_warmup", 0):
+            self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
+
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         optimizer = step.replica.optimizer
-        if self._warmup:
-            self._set_lrs(optimizer, step.spec.index - self._first_step)
+        if grads.applied:  # the parameter store stepped; its weights are in the model
+            if step.metrics.get("refused_non_finite"):
+                self._refused(step)
+            optimizer.zero_grad()
+            return grads
         # Decided on the reduced gradient, identical on every replica, so all agree;
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
@@ -186,6 +195,19 @@ class Update(Stage):
             optimizer.step()
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def _refused(self, step: StepContext) -> None:
+        """The store refused this replica's non-finite gradient (nothing was applied)."""
+        if self.config.on_non_finite in ("raise", "rollback"):
+            raise NonFiniteError(
+                f"non-finite loss or gradient at step {step.spec.index} (epoch "
+                f"{step.spec.epoch}, phase {getattr(self, '_phase', '?')}) on replica "
+                f"{step.replica.rank}; the parameter store refused it. Lower the learning "
+                "rate, check the inputs for NaN/inf, or pass on_non_finite='skip' to drop "
+                "such steps"
+            )
+        self._skipped += 1
+        step.metrics["skipped"] = True
 
     def end_window(self, replica: ReplicaContext) -> None:
         """The deferred check: one host read per window."""

@@ -56,8 +56,10 @@ class ForwardOutput:
 class Gradients:
     """Marker flowing from Backward onwards: gradients live on ``model.parameters()``.
 
-    ``reduced`` is True once they are the mean gradient of the *global* batch.
+    ``reduced`` is True once they are the mean gradient of the *global* batch;
+    ``applied`` once a parameter store stepped on them (``dataflow.sync.Async``).
     """
 
     samples: int
     reduced: bool = False
+    applied: bool = False  # a parameter store applied them: the weights are its (Async)

@@ -35,10 +35,20 @@ class ReplicaContext:
     # a dataflow.sync.Local: each replica steps on its own gradients; AllReduce averages
     # the weights (and the optimizer state) at the end of each window instead
     local: Any = None
+    # a dataflow.sync.Async: gradients go to a parameter store, weights come back from
+    # it (``parameter_store``, the runtime's client; None with a single replica)
+    asynchronous: Any = None
+    parameter_store: Any = None
 
     @property
     def local_updates(self) -> bool:
         return self.local is not None
+
+    @property
+    def settles_at_window_end(self) -> bool:
+        """Whether replicas hold the same weights only at a window's end (local or
+        asynchronous updates): evaluations wait for it."""
+        return self.local is not None or self.asynchronous is not None
 
     state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
 

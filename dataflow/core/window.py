@@ -35,3 +35,7 @@ class WindowResult:
     # The replica's state at the window's end, when the driver asked for a checkpoint
     # there (:meth:`dataflow.runtime.replica.ReplicaRuntime.checkpoint_state`).
     checkpoint: dict[str, Any] | None = None
+    # Asynchronous updates: per step, the staleness the parameter store applied this
+    # replica's push at, and the seconds the push and pull took (waits included).
+    staleness: list[int] = field(default_factory=list)
+    store_wait_s: list[float] = field(default_factory=list)

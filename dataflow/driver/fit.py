@@ -51,6 +51,7 @@ def run_fit(
         commit_windows=config.recover_lost_workers,
         layout=config.layout if size > 1 else None,
         local=config.sync if config.local_updates else None,
+        asynchronous=config.sync if config.asynchronous else None,
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(
@@ -138,7 +139,7 @@ def build_loop(
         skips_non_finite=trainer.skips_non_finite,
         progress=config.progress,
         cost_model=planned_model(config, fit_plan),
-        local_updates=config.local_updates,
+        local_updates=config.settles_at_window_end,
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)

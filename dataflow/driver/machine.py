@@ -25,7 +25,7 @@ from dataflow.driver.state import FitState
 from dataflow.errors import ReplicaError
 from dataflow.layout import ReplicaGroups
 from dataflow.plan import Plan, checkpoint_windows
-from dataflow.sync import Local, Synchronous, SyncPolicy
+from dataflow.sync import Async, Local, Synchronous, SyncPolicy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +237,7 @@ class FitMachine(LostWorkers):
             step_seconds=s.step_seconds,
             window_seconds=config.window_seconds,
             window_steps=config.window_steps,
-            epoch_ends_window=isinstance(config.sync, Local),
+            epoch_ends_window=isinstance(config.sync, Local | Async),
             tag=tag
             + (f"-g{s.generation}" if s.generation else "")
             + (f"-r{s.rollbacks}" if s.rollbacks else ""),  # a task key must be new

@@ -11,6 +11,8 @@ from typing import Any
 
 from distributed import WorkerPlugin, get_worker
 
+from dataflow.ps.service import HANDLER, ShardRegistry
+
 PLUGIN_NAME = "dataflow"
 
 
@@ -25,6 +27,9 @@ class DataflowWorkerPlugin(WorkerPlugin):
         # Aborted process groups of finished fits: destroying one whose operation still
         # waits on a dead peer would freeze this worker until the timeout.
         self.retired_groups: list[Any] = []
+        # Parameter-store shards this worker hosts (sync.Async), and the RPC replicas call
+        self.ps = ShardRegistry(worker.loop)
+        worker.handlers[HANDLER] = self.ps.handle
 
     def teardown(self, worker: Any) -> None:
         for run_id in list(self.replicas):

@@ -57,6 +57,7 @@ class ReplicaSpec:
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
     layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
     local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
+    asynchronous: Any = None  # a dataflow.sync.Async: a parameter store, bounded staleness
 
     @property
     def spatial(self) -> int:
@@ -107,6 +108,7 @@ class ReplicaRuntime:
             collective=collective,
             spatial=spatial,
             local=spec.local,
+            asynchronous=spec.asynchronous,
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}
@@ -142,8 +144,20 @@ class ReplicaRuntime:
         if self.spec.commit_windows:
             self.commit(first_step)
         self.in_window = True
+        store = self.context.parameter_store
+        if store is None:
+            return self._run_steps(first_step, stop_step, started)
+        try:
+            store.begin_window(first_step)
+            return self._run_steps(first_step, stop_step, started)
+        except BaseException as exc:  # the others must not wait for this replica's pushes
+            store.abort(f"replica {self.context.rank} failed in window {first_step}: {exc!r}")
+            raise
+
+    def _run_steps(self, first_step: int, stop_step: int, started: float) -> WindowResult:
         stage_seconds = dict.fromkeys(self.order, 0.0)
         samples, losses, seconds, pairs = [], [], [], []
+        staleness, store_waits = [], []
         read, digest = 0, None
         evals: dict[int, dict[str, float]] = {}
         epoch_ends: list[StepContext] = []
@@ -175,8 +189,13 @@ class ReplicaRuntime:
                 read += len(indices)
                 digest = add_digests(digest or 0, sample_digest(_host_indices(indices)))
             pairs.extend(step.metrics.get("norm_pairs", ()))
+            if "staleness" in step.metrics:
+                staleness.append(step.metrics["staleness"])
+                store_waits.append(step.metrics["store_wait_s"])
             if step.spec.last_in_epoch:  # evaluations are read after end_window
                 epoch_ends.append(step)
+        if self.context.parameter_store is not None:  # wait for all; take the store's state
+            self.context.parameter_store.finish(stop_step)
         for name in self.order:  # checks made once per window (before any state leaves)
             self.stages[name].end_window(self.context)
         for ended in epoch_ends:  # (local updates evaluate the average there)
@@ -195,6 +214,8 @@ class ReplicaRuntime:
             samples_read=read,
             sample_digest=digest,
             norm_pairs=pairs,
+            staleness=staleness,
+            store_wait_s=store_waits,
         )
 
     def capture(
@@ -271,6 +292,8 @@ class ReplicaRuntime:
 
     def rollback(self, step: int) -> None:
         """Return to the state before ``step``: the last commit all replicas share."""
+        if self.context.parameter_store is not None:  # on every replica, alike
+            self.context.parameter_store.rolled_back()
         if not self.in_window and self.completed_step in (step, None):
             # finished exactly there, or ran no window since it was built or restored
             # (its state is where the driver started it): the state is the commit
@@ -376,6 +399,35 @@ class ReplicaRuntime:
             old.abort()
             self.retired.append(old)
 
+    def attach_store(self, worker: Any, registry: Any) -> None:
+        """Asynchronous updates: a client of the fit's parameter store for this replica
+        (none with a single replica), after setup and after every regroup; shards this
+        worker hosted for an earlier group are dropped (rebuilt from the commit)."""
+        policy, ctx = self.spec.asynchronous, self.context
+        if policy is None:
+            return
+        if ctx.parameter_store is not None:
+            ctx.parameter_store.close()
+        ctx.parameter_store = None
+        if ctx.collective is None:
+            return
+        from dataflow.ps.client import StoreClient
+
+        ctx.parameter_store = StoreClient(
+            run_id=f"{self.spec.run_id}/g{self.generation}",
+            policy=policy,
+            rank=ctx.rank,
+            replicas=ctx.world_size,
+            model=ctx.model,
+            optimizer=ctx.optimizer,
+            optimizer_factory=_optimizer_factory(self.stages.values()),
+            worker=worker,
+            registry=registry,
+            store=ctx.collective.store,
+            prefix=f"dataflow-ps/{self.spec.run_id}/g{self.generation}",
+            timeout_s=self.spec.collective_timeout_s,
+        )
+
     def weights_digest(self) -> str:
         """A hash of every parameter's bytes: replicas must agree bit for bit."""
         digest = hashlib.blake2b(digest_size=16)
@@ -390,13 +442,27 @@ class ReplicaRuntime:
     def abort(self) -> None:
         if self.context.collective is not None:
             self.context.collective.abort()
+        if self.context.parameter_store is not None:  # fail the store's waiting calls
+            self.context.parameter_store.abort("the fit's driver aborted the window")
 
     def close(self) -> None:
+        if self.context.parameter_store is not None:
+            self.context.parameter_store.close()
         for name in reversed(self.order):
             try:
                 self.stages[name].teardown(self.context)
             except Exception:  # teardown is best effort: the fit already ended
                 pass
+
+
+def _optimizer_factory(stages: Any) -> Any:
+    """The optimizer factory of the graph's Update stage (a parameter store builds the
+    same optimizer over its shard of the parameters)."""
+    for stage in stages:
+        factory = getattr(getattr(stage, "config", None), "optimizer", None)
+        if callable(factory):
+            return factory
+    raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
 
 
 def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:

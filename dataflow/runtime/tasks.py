@@ -148,6 +148,8 @@ class Regroup(Request):
             )
         runtime.regroup(collective, self.world_size // size)
         runtime.generation = self.generation
+        plugin = current_plugin()
+        runtime.attach_store(plugin.worker, plugin.ps)
         return self.rank
 
 
@@ -270,6 +272,7 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
         device_rank=rank,
     )
     runtime.generation = request.generation
+    runtime.attach_store(plugin.worker, plugin.ps)
     if snapshot is not None:
         runtime.restore(snapshot)
     plugin.replicas[spec.run_id] = runtime

@@ -1,0 +1,145 @@
+"""The parameter store's side on its host worker: the shards of each fit, and the one
+RPC handler (``dataflow_ps``) replicas call.
+
+Shards live in the worker plugin (``plugin.shards``, by fit and shard index), never in
+module globals. A shard serves one window at a time; a push or finish for a window the
+shard does not serve yet waits for the host to install it (after a rollback the host
+rebuilds its shard from the commit it rolled back to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from distributed.protocol import to_serialize
+
+from dataflow.ps.gate import StalenessError
+from dataflow.ps.shard import ParameterShard, Push, ShardError
+
+HANDLER = "dataflow_ps"
+
+
+class ShardRegistry:
+    """The shards a worker hosts, by (run id, shard index); lives in the plugin."""
+
+    def __init__(self, loop: Any = None) -> None:
+        self.shards: dict[tuple[str, int], ParameterShard] = {}
+        self.loop = loop  # the worker's event loop (tornado), where calls are served
+        self._changed: asyncio.Condition | None = None
+        # fit key -> the oldest incarnation still served: calls of an older one (a window
+        # a rollback aborted) fail at once instead of waiting for a shard never to come
+        self.oldest: dict[str, int] = {}
+
+    @property
+    def changed(self) -> asyncio.Condition:
+        if self._changed is None:  # made on the event loop, where it is used
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def install(self, run_id: str, shard: ParameterShard) -> None:
+        async with self.changed:
+            old = self.shards.get((run_id, shard.index))
+            if old is not None:
+                await old.fail("replaced: the host rebuilt its shard from a commit")
+            self.shards[(run_id, shard.index)] = shard
+            self.changed.notify_all()
+
+    async def drop(self, run_id: str) -> None:
+        async with self.changed:
+            for key in [k for k in self.shards if k[0] == run_id]:
+                await self.shards.pop(key).fail("dropped: the fit regrouped or ended")
+            self.changed.notify_all()
+
+    def discard(self, run_id: str, oldest: int | None = None) -> None:
+        """Forget ``run_id``'s shards now, from any thread: each is marked failed, so a
+        call already past the registry ends at its next check (a rollback or the fit's
+        end; the host rebuilds a shard at the next window it starts). ``oldest``: calls
+        of earlier incarnations are refused from now on."""
+        if oldest is not None:
+            self.oldest[run_id] = max(self.oldest.get(run_id, 0), oldest)
+        dropped = [self.shards.pop(k) for k in [k for k in self.shards if k[0] == run_id]]
+        for shard in dropped:
+            shard.error = shard.error or "dropped: its host rolled back, regrouped or ended"
+        if dropped and self.loop is not None:
+
+            async def wake() -> None:
+                for shard in dropped:
+                    await shard.fail(shard.error)
+                async with self.changed:
+                    self.changed.notify_all()
+
+            self.loop.add_callback(wake)
+
+    async def serving(
+        self, run_id: str, index: int, window: int, incarnation: int, timeout_s: float
+    ) -> Any:
+        """The shard once it serves ``window`` of ``incarnation`` (rollbacks so far)."""
+
+        def stale() -> bool:
+            return incarnation < self.oldest.get(run_id, 0)
+
+        def ready() -> bool:
+            shard = self.shards.get((run_id, index))
+            return shard is not None and (shard.window, shard.incarnation) == (
+                window,
+                incarnation,
+            )
+
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: ready() or stale()), timeout_s)
+                if stale():
+                    raise ShardError(
+                        f"parameter-store call of window {window} was rolled back (incarnation "
+                        f"{incarnation}, the host serves {self.oldest.get(run_id)})"
+                    )
+            except TimeoutError:
+                shard = self.shards.get((run_id, index))
+                raise ShardError(
+                    f"parameter-store shard {index} of fit {run_id} does not serve window "
+                    f"{window} after {timeout_s:g} s (it serves "
+                    f"{None if shard is None else shard.window}); its host replica is lost "
+                    "or behind"
+                ) from None
+            return self.shards[(run_id, index)]
+
+    async def handle(self, **msg: Any) -> dict[str, Any]:
+        """The ``dataflow_ps`` RPC: ``op`` is push, finish or fail."""
+        op, run_id, index = msg["op_name"], msg["run_id"], msg["shard"]
+        try:
+            if op == "fail":
+                shard = self.shards.get((run_id, index))
+                if shard is not None and shard.incarnation == msg["incarnation"]:
+                    await shard.fail(msg["reason"])
+                return {"status": "ok"}
+            shard = await self.serving(
+                run_id, index, msg["window"], msg["incarnation"], msg["timeout_s"]
+            )
+            if op == "push":
+                push = Push(
+                    grad=msg["grad"],
+                    weight=msg["weight"],
+                    lrs=list(msg["lrs"]),
+                    lr_ratio=msg["lr_ratio"],
+                    finite=msg["finite"],
+                )
+                reply = await shard.push(msg["replica"], push)
+                return {**reply, "weights": to_serialize(reply["weights"]), "status": "ok"}
+            if op == "finish":
+                final = await shard.finish(msg["replica"], msg["window"], msg["stop"])
+                await self.notify()  # pushes of the next window may wait on the registry
+                return {
+                    "status": "ok",
+                    "version": final["version"],
+                    "weights": to_serialize(final["weights"]),
+                    "optimizer": to_serialize(final["optimizer"]),
+                }
+            return {"status": "error", "message": f"unknown parameter-store op {op!r}"}
+        except (ShardError, StalenessError) as exc:
+            return {"status": "error", "message": str(exc)}
+
+    async def notify(self) -> None:
+        """Wake calls waiting for a shard (its window moved on)."""
+        async with self.changed:
+            self.changed.notify_all()
