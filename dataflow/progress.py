@@ -30,6 +30,9 @@ class ReplicaTotals:
     # local updates: what lockstep (synchronous) steps would have made this replica wait
     # for the slowest one, from the steps' measured times (max over replicas - its own)
     lockstep_wait_s: float = 0.0
+    # asynchronous updates: how many of its pushes the store applied at each staleness
+    # (index τ), the store's waits included in its step times
+    staleness_counts: list[int] = field(default_factory=list)
 
     def add(self, samples: int, stage_seconds: Mapping[str, float], task_seconds: float) -> None:
         self.samples += samples
@@ -45,6 +48,7 @@ class ReplicaTotals:
             "task_seconds": self.task_seconds,
             "windows": self.windows,
             "lockstep_wait_s": self.lockstep_wait_s,
+            "staleness_counts": list(self.staleness_counts),
         }
 
     @classmethod
@@ -54,6 +58,7 @@ class ReplicaTotals:
             task_seconds=float(state["task_seconds"]),
             windows=int(state["windows"]),
             lockstep_wait_s=float(state.get("lockstep_wait_s", 0.0)),  # older checkpoints
+            staleness_counts=[int(n) for n in state.get("staleness_counts", ())],
         )
         for name, value in state["stage_seconds"].items():
             totals.stage_seconds[name] += float(value)

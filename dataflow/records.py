@@ -131,12 +131,23 @@ class PhaseRecord(Record):
     # Local updates: per replica, the seconds synchronous (lockstep) steps would have
     # waited for the slowest replica in this phase, from each step's measured times
     lockstep_wait_s: list[float] | None = None
+    # Asynchronous updates: per replica, the pushes the parameter store applied at each
+    # staleness (``staleness_counts[r][τ]``; their sum is the replica's pushes)
+    staleness_counts: list[list[int]] | None = None
     # left out when None (older histories have none)
     optional: ClassVar[tuple[str, ...]] = (
         "measured_step_seconds",
         "predicted",
         "lockstep_wait_s",
+        "staleness_counts",
     )
+
+    @property
+    def pushes(self) -> list[int] | None:
+        """Asynchronous updates: the pushes each replica made in the phase."""
+        if self.staleness_counts is None:
+            return None
+        return [sum(counts) for counts in self.staleness_counts]
 
     @classmethod
     def required(cls) -> tuple[str, ...]:

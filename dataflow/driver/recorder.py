@@ -112,7 +112,15 @@ class Recorder:
         self._add_totals(filled, samples.sum(axis=1))
         if self.local_updates and not salvaged:
             seconds = np.array([w.step_seconds for w in filled], dtype=float)
+            if all(len(w.store_wait_s) == len(w.step_seconds) for w in filled):
+                # asynchronous: a step's work is its time less its wait on the store
+                seconds -= np.array([w.store_wait_s for w in filled], dtype=float)
             self._wait[: len(filled)] += (seconds.max(axis=0) - seconds).sum(axis=1)
+        for rank, w in enumerate(filled):
+            for tau in w.staleness:
+                counts = self._staleness.setdefault(rank, [])
+                counts.extend([0] * (tau + 1 - len(counts)))
+                counts[tau] += 1
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
         self._record_samples(segment, specs, filled, salvaged)
         self.phase_windows.append((time.perf_counter(), len(specs)))
@@ -150,6 +158,7 @@ class Recorder:
                 task_seconds=float(self._task[r]),
                 windows=int(self._windows[r]),
                 lockstep_wait_s=float(self._wait[r]),
+                staleness_counts=list(self._staleness.get(r, ())),
             )
             for name, column in self._stage.items():
                 totals.stage_seconds[name] += float(column[r])
@@ -162,6 +171,9 @@ class Recorder:
         self._task = np.array([t.task_seconds for t in totals], dtype=float)
         self._windows = np.array([t.windows for t in totals], dtype=np.int64)
         self._wait = np.array([t.lockstep_wait_s for t in totals], dtype=float)
+        self._staleness = {
+            r: list(t.staleness_counts) for r, t in enumerate(totals) if t.staleness_counts
+        }
         names = {name for t in totals for name in t.stage_seconds}
         self._stage = {
             name: np.array([t.stage_seconds.get(name, 0.0) for t in totals], dtype=float)
@@ -318,6 +330,11 @@ class Recorder:
                 measured_step_seconds=self._measured_step_seconds(phase),
                 lockstep_wait_s=(
                     [t.lockstep_wait_s for t in totals] if self.local_updates else None
+                ),
+                staleness_counts=(
+                    [t.staleness_counts for t in totals]
+                    if any(t.staleness_counts for t in totals)
+                    else None
                 ),
                 predicted=self._predicted(phase, first),
             )

@@ -1,0 +1,230 @@
+"""Asynchronous updates (``dfl.sync.Async``, issue 17): a parameter store on the
+cluster holds the weights and the optimizer; replicas push sample-weighted gradients
+and pull fresh weights without a global barrier, at most ``staleness`` versions late.
+
+The gate that enforces the bound is a pure state machine, checked here against random
+interleavings in milliseconds; the fits run on a real LocalCluster."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
+
+import dataflow as dfl
+from dataflow.core.errors import ConfigError
+from dataflow.ps import StalenessError, StalenessGate, shard_ranges
+
+# -- configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: dfl.sync.Async(staleness=-1), "staleness=-1"),
+        (lambda: dfl.sync.Async(staleness=1.5), "staleness=1.5"),
+        (lambda: dfl.sync.Async(servers=0), "servers=0"),
+        (lambda: dfl.sync.Async(staleness_lr="sqrt"), "staleness_lr='sqrt'"),
+        (lambda: dfl.sync.Async(delay_compensation=-0.1), "delay_compensation=-0.1"),
+    ],
+)
+def test_a_bad_async_setting_is_named(make, says):
+    with pytest.raises(ConfigError, match=says):
+        make()
+
+
+def test_async_refuses_what_it_cannot_run():
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match="sync=Async does not run"):
+        adaptive = dfl.schedule.Adaptive(8, max_batch=32)
+        tiny_pipeline(x, y, sync=dfl.sync.Async(), schedule=adaptive)
+    with pytest.raises(ConfigError, match="sync=Async with a spatial layout"):
+        tiny_pipeline(x, y, sync=dfl.sync.Async(), layout=dfl.Layout(spatial=2))
+    pipe = tiny_pipeline(x, y, sync=dfl.sync.Async(staleness=2), batch=8)
+    (plan,) = pipe.plan(epochs=2, replicas=2)
+    assert "sync: asynchronous" in str(plan)
+    # an epoch's evaluation must see the store's weights: windows end at epoch ends
+    assert {4, 8} <= {w.stop for w in plan.windows}  # 4 steps an epoch
+
+
+def test_the_staleness_lr_factors():
+    relative = dfl.sync.Async(staleness=3)
+    # 4 replicas pushing in turn are 3 versions stale: that keeps the fit's LR
+    assert [relative.lr_factor(t, 4) for t in range(4)] == [1.0, 1.0, 1.0, 1.0]
+    assert relative.lr_factor(3, 2) == pytest.approx(2 / 4)  # 2 replicas: usual is 1
+    inverse = dfl.sync.Async(staleness=3, staleness_lr="inverse")
+    assert [inverse.lr_factor(t, 4) for t in range(3)] == [1.0, 0.5, pytest.approx(1 / 3)]
+    assert dfl.sync.Async(staleness_lr="none").lr_factor(5, 2) == 1.0
+
+
+def test_shards_split_the_parameters_into_balanced_contiguous_runs():
+    assert shard_ranges([10, 1, 10, 1], 2) == [range(0, 2), range(2, 4)]
+    assert shard_ranges([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert shard_ranges([1, 1, 1], 3) == [range(0, 1), range(1, 2), range(2, 3)]
+    sizes = [random.Random(3).randint(1, 1000) for _ in range(40)]
+    ranges = shard_ranges(sizes, 7)
+    assert [i for r in ranges for i in r] == list(range(40)) and all(ranges)
+    with pytest.raises(ConfigError, match="servers=5"):
+        shard_ranges([1, 2, 3], 5)
+
+
+# -- the gate (pure) --------------------------------------------------------------------
+
+
+def test_staleness_zero_applies_a_version_once_every_replica_pushed():
+    gate = StalenessGate(replicas=3, staleness=0)
+    gate.push(0)
+    gate.push(2)
+    assert not gate.may_apply()  # replica 1 still computes on version 0
+    gate.push(1)
+    assert gate.apply() == {0: 0, 1: 0, 2: 0} and gate.version == 1
+    gate.push(1)  # on the new version
+    with pytest.raises(StalenessError, match="pushed without a pulled version"):
+        gate.push(1)  # twice without pulling
+
+
+def test_a_fast_replica_waits_at_the_bound_and_a_finished_one_holds_nobody_back():
+    gate = StalenessGate(replicas=2, staleness=1)
+    gate.push(0)
+    assert gate.apply() == {0: 0}  # replica 1 (on version 0) would be 1 stale: allowed
+    gate.push(0)
+    assert not gate.may_apply()  # version 2 would leave replica 1 two behind
+    gate.push(1)
+    assert gate.apply() == {0: 0, 1: 1}  # applied together; replica 1's is 1 stale
+    gate.push(0)
+    gate.finish(1)  # replica 1 ran its window's last step
+    assert gate.may_apply()
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+@pytest.mark.parametrize("replicas", [2, 5])
+def test_no_interleaving_exceeds_the_bound_or_deadlocks(staleness, replicas):
+    """Random speeds and interleavings: every push is applied, none more than
+    ``staleness`` versions late, and each replica's steps all get applied."""
+    rng = random.Random(staleness * 10 + replicas)
+    for _trial in range(50):
+        gate = StalenessGate(replicas=replicas, staleness=staleness)
+        left = {r: rng.randint(1, 12) for r in range(replicas)}  # steps per replica
+        applied = {r: 0 for r in range(replicas)}
+        computing = set(range(replicas))
+        while computing or gate.pending:
+            ready = [r for r in computing]
+            if ready and rng.random() < 0.8:
+                r = rng.choice(ready)
+                gate.push(r)
+                computing.discard(r)
+            while gate.may_apply():
+                for r, tau in gate.apply().items():
+                    assert 0 <= tau <= staleness
+                    applied[r] += 1
+                    left[r] -= 1
+                    if left[r]:
+                        computing.add(r)
+                    else:
+                        gate.finish(r)
+            if not computing and gate.pending:
+                assert gate.may_apply(), "deadlock: pushes pending, nobody computing"
+        assert all(n == 0 for n in left.values()) and gate.all_finished
+
+
+# -- on a cluster -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_staleness_zero_equals_synchronous_training(client):
+    """``Async(staleness=0)``: every version applies all replicas' pushes at once, as
+    the sample-weighted mean, with the optimizer on the store: synchronous training,
+    held-out metrics included, on an uneven 3:1 split."""
+    x, y = make_data(96)
+    held_out = dict(eval_source=dfl.io.ArraySource(x[:40], y[:40], shuffle=False))
+    split = dict(balancer=dfl.balance.Proportional((3, 1)))
+    sync = dfl.sync.Async(staleness=0)
+    async_ = tiny_pipeline(x, y, sync=sync, **split, **held_out).fit(epochs=2, client=client)
+    synchronous = tiny_pipeline(x, y, **split, **held_out).fit(epochs=2, client=client)
+    assert async_.history.info["sync"].startswith("asynchronous")
+    assert max_abs_diff(async_.model, synchronous.model) <= 1e-6
+    for mine, theirs in zip(async_.history.epochs, synchronous.history.epochs, strict=True):
+        assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    (phase,) = async_.history.phases
+    steps = len(synchronous.history.steps)
+    assert phase.staleness_counts == [[steps], [steps]]  # every push applied on time
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers):
+    """Replica 1 throttled 3x on an even split: the fast replica runs ahead until the
+    bound stops it. Every push the store applied was at most 1 version stale, some were
+    1 stale, and every sample is still trained once per epoch."""
+    x, y = make_data(128)
+    sync = dfl.sync.Async(staleness=1, servers=servers)
+    result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
+    (phase,) = result.history.phases
+    counts = phase.staleness_counts
+    assert all(len(c) <= 2 for c in counts), counts  # τ ∈ {0, 1} only
+    assert sum(c[1] for c in counts if len(c) > 1) > 0, counts  # it did run ahead
+    assert phase.pushes == [len(result.history.steps)] * 2
+    for epoch in range(2):
+        assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
+    fast, slow = phase.lockstep_wait_s
+    assert fast > slow, phase.lockstep_wait_s
+    assert np.isfinite([s["loss"] for s in result.history.steps]).all()
+
+
+@pytest.mark.slow
+def test_a_resumed_async_fit_is_bit_identical_at_staleness_zero(client, tmp_path):
+    """Checkpoints are taken at window ends, where every replica holds the store's
+    weights and optimizer state: a fit resumed inside a phase ends with the
+    uninterrupted fit's bits."""
+    from test_mid_phase_checkpoints import _assert_same_weights, _keep_up_to, _pipeline
+
+    from dataflow.checkpoint import CheckpointStore
+
+    x, y = make_data(160)
+    options = dict(sync=dfl.sync.Async(staleness=0))
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = _pipeline(x, y, **options).fit(3, client=client, checkpoint_every=1, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    store = CheckpointStore(tmp_path, keep=1000)
+    _keep_up_to(store, store.path(mid[1]["step"]))
+    resumed = _pipeline(x, y, **options).fit(3, client=client, resume=True, **folder)
+    assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
+    _assert_same_weights(full.model, resumed.model)
+    assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
+
+
+@pytest.mark.slow
+def test_async_updates_reach_the_synchronous_accuracy_on_the_digits(client):
+    """sklearn's real handwritten digits, 2 replicas (one throttled 2x), 10 epochs,
+    TinyCNN with 10 classes: staleness up to 2 ends within 1 point of synchronous
+    training's held-out accuracy."""
+    pytest.importorskip("sklearn")
+    from dataflow.datasets import digits_arrays
+
+    data = digits_arrays(seed=0)
+
+    def accuracy(**options) -> float:
+        pipe = dfl.Pipeline(
+            model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes
+            loss=torch.nn.functional.cross_entropy,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
+            eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
+            metrics={"accuracy": dfl.stages.accuracy},
+            schedule=dfl.schedule.Fixed(64),
+            replicas=2,
+            device="cpu",
+            progress=False,
+            throttle={1: 2.0},
+            **options,
+        )
+        return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
+
+    synchronous = accuracy()
+    asynchronous = accuracy(sync=dfl.sync.Async(staleness=2))
+    assert synchronous >= 0.95
+    assert abs(asynchronous - synchronous) <= 0.01, (asynchronous, synchronous)
