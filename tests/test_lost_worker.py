@@ -332,3 +332,38 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
     first_failure_phase = min(f["phase"] for f in failures if f["phase"] is not None)
     if first_failure_phase < result.history.phases[-1]["phase"]:
         assert result.history.info["regroups"], "a restarted worker rejoined the fit"
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_parameter_store_host_is_rebuilt_from_the_commit(tmp_path):
+    """``sync.Async``: replica 0's worker hosts the parameter store's shard. Killed
+    mid-window, the survivors roll back to the commit, the new rank 0 rebuilds the shard
+    from it, and nothing else is lost: with staleness 0 the fit equals synchronous
+    training over the same batches (the same exact reference as above), and every
+    sample is trained once per epoch."""
+    x, y = make_data(N_SAMPLES)
+    epochs = 2
+    sync = dfl.sync.Async(staleness=0)
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        marker = tmp_path / "killed"
+        trainer = _trainer(x, y, marker=str(marker), kill_step=27, kill_rank=0, sync=sync)
+        result = trainer.fit(epochs=epochs, client=client)
+    assert marker.exists()
+    [failure] = result.history.info["failures"]
+    assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2
+    _assert_exact_ledger(result, epochs)
+
+    trainer = _trainer(x, y)
+    plans = trainer.plan(epochs, replicas=3)
+    commit = failure["commit_step"]
+    rest = resplit_steps(plans[0].steps, commit, lambda size: Even().split(size, 2, []))
+    streams = trainer.load.streams
+    batches = [parts for spec, parts in streams(plans[0].steps, 0) if spec.index < commit]
+    batches += [parts for _, parts in streams(rest, 0)]
+    for plan in plans[1:]:
+        batches += [parts for _, parts in streams(plan.steps, 0)]
+    expected = reference_training(x, y, batches=batches, seed=0)
+    assert max_abs_diff(result.model, expected) < 1e-5
