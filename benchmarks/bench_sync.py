@@ -1,4 +1,4 @@
-"""Synchronous against local updates with one replica throttled: time to a target
+"""Synchronous against local and asynchronous updates with one replica throttled: time to a target
 accuracy and final accuracy on the digits (sklearn's real 8x8 handwritten digits).
 
 Every side trains ``DigitsNet`` (benchmarks/common.py) on ``--replicas`` (2) of a LocalCluster
@@ -11,7 +11,9 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
 * **local balanced**: ``Throughput()`` and ``sync.Local(period_seconds=--period)``:
   local steps for a period, then a sample-weighted average of weights and momentum;
 * **local + DiLoCo outer**: the same, then an outer Nesterov step on the averaged
-  pseudo-gradient (``outer_lr=0.7, outer_momentum=0.9``).
+  pseudo-gradient (``outer_lr=0.7, outer_momentum=0.9``);
+* **async even** / **async balanced**: ``sync.Async(staleness=--staleness)``, a parameter
+  store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits.
 
 Time to target: the driver's clock when the first epoch whose held-out accuracy
 reaches ``--target`` ended (the fit's start-up excluded: measured from the first step's
@@ -20,6 +22,7 @@ Results are appended to ``benchmarks/results/sync.json``.
 
     python benchmarks/bench_sync.py              # 3 seeds x 4 sides, ~2 min on 2 cores
     python benchmarks/bench_sync.py --replicas 4 # oversubscribed on 2 cores
+    python benchmarks/bench_sync.py --factor 1 --sides "sync balanced,async balanced"
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def momentum_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def sides(period: float) -> dict[str, dict[str, Any]]:
+def sides(period: float, staleness: int = 2) -> dict[str, dict[str, Any]]:
     import dataflow as dfl
 
     return {
@@ -53,6 +56,10 @@ def sides(period: float) -> dict[str, dict[str, Any]]:
         "local + DiLoCo outer": dict(
             balancer=dfl.balance.Throughput(),
             sync=dfl.sync.Local(period_seconds=period, outer_lr=0.7, outer_momentum=0.9),
+        ),
+        "async even": dict(balancer=dfl.balance.Even(), sync=dfl.sync.Async(staleness=staleness)),
+        "async balanced": dict(
+            balancer=dfl.balance.Throughput(), sync=dfl.sync.Async(staleness=staleness)
         ),
     }
 
@@ -129,6 +136,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64, help="global batch (64)")
     p.add_argument("--factor", type=float, default=2.0, help="slow-down of replica 1 (2.0)")
     p.add_argument("--period", type=float, default=0.25, help="Local period_seconds (0.25)")
+    p.add_argument("--staleness", type=int, default=2, help="Async staleness bound (2)")
+    p.add_argument(
+        "--sides",
+        default="sync even,sync balanced,local balanced,async even,async balanced",
+        help="comma-separated sides to run (default: all but DiLoCo)",
+    )
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy target (0.95)")
     p.add_argument("--out", default=None, help="JSON path (default results/sync.json)")
     p.add_argument("--overwrite", action="store_true", help="replace earlier runs in --out")
@@ -139,7 +152,12 @@ def main() -> None:
     from dataflow.datasets import digits_arrays
 
     data = digits_arrays(seed=0)
-    runs: dict[str, list[dict]] = {side: [] for side in sides(args.period)}
+    chosen = [side.strip() for side in args.sides.split(",")]
+    known = sides(args.period, args.staleness)
+    unknown = [side for side in chosen if side not in known]
+    if unknown or "sync balanced" not in chosen:
+        p.error(f"--sides: {unknown or 'sync balanced (the baseline)'}; known: {list(known)}")
+    runs: dict[str, list[dict]] = {side: [] for side in chosen}
     with (
         LocalCluster(
             n_workers=args.replicas,
@@ -150,7 +168,8 @@ def main() -> None:
         Client(cluster) as client,
     ):
         for seed in range(args.seeds):
-            for side, options in sides(args.period).items():
+            for side in chosen:
+                options = sides(args.period, args.staleness)[side]
                 fit = one_fit(args, client, data, seed, options)
                 runs[side].append(fit)
                 print(

@@ -134,12 +134,14 @@ class PhaseRecord(Record):
     # Asynchronous updates: per replica, the pushes the parameter store applied at each
     # staleness (``staleness_counts[r][τ]``; their sum is the replica's pushes)
     staleness_counts: list[list[int]] | None = None
+    samples_trained: list[int] | None = None  # per replica, in the phase (committed steps)
     # left out when None (older histories have none)
     optional: ClassVar[tuple[str, ...]] = (
         "measured_step_seconds",
         "predicted",
         "lockstep_wait_s",
         "staleness_counts",
+        "samples_trained",
     )
 
     @property

@@ -51,6 +51,7 @@ from dataflow.report_data import (
     stage_kind,
     step_time_split,
     step_wall_times,
+    sync_table,
 )
 from dataflow.report_plots import (
     _title,
@@ -227,6 +228,7 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
         _title(history),
         "",
         *notes,
+        *sync_table(history),
         "Tables: `steps.csv` (one row per step: loss, samples, samples_seen, seconds, "
         "wall_time, global_batch, lr), `epochs.csv` (one row per epoch), `history.json` "
         "(everything the fit recorded).",

@@ -131,3 +131,43 @@ def _epoch_ends(history: History, samples_seen: np.ndarray, times: np.ndarray) -
     for i, step in enumerate(history.steps):
         ends[int(step.get("epoch", -1))] = (float(samples_seen[i]), float(times[i]))
     return ends
+
+
+def sync_table(history: History) -> list[str]:
+    """Markdown lines: per phase and replica, the samples trained, the waits lockstep
+    steps would have had, and (asynchronous updates) the pushes and their staleness.
+    Empty when no phase recorded any of these (synchronous training)."""
+    rows = []
+    for phase in history.phases:
+        waits = phase.get("lockstep_wait_s")
+        counts = phase.get("staleness_counts")
+        if waits is None and counts is None:
+            continue
+        replicas = len(phase["local_batches"])
+        samples = phase.get("samples_trained") or [None] * replicas
+        for r in range(replicas):
+            mine = counts[r] if counts is not None and r < len(counts) else []
+            spread = ", ".join(f"{tau}: {n}" for tau, n in enumerate(mine) if n) or "-"
+            wait = f"{waits[r]:.2f}" if waits is not None and r < len(waits) else "-"
+            trained = samples[r] if samples[r] is not None else "-"
+            rows.append(
+                f"| {phase['phase']} | {r} | {trained} | {sum(mine) if mine else '-'} | "
+                f"{spread} | {wait} |"
+            )
+    if not rows:
+        return []
+    info = history.info.get("sync", "")
+    return [
+        "## Keeping replicas in step",
+        "",
+        f"{info}." if info else "",
+        "",
+        "| phase | replica | samples trained | pushes | pushes by staleness (versions: "
+        "count) | lockstep wait s |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Lockstep wait: the seconds synchronous steps would have made the replica wait for "
+        "the slowest, from every step's measured work.",
+        "",
+    ]

@@ -331,6 +331,7 @@ class Recorder:
                 lockstep_wait_s=(
                     [t.lockstep_wait_s for t in totals] if self.local_updates else None
                 ),
+                samples_trained=[t.samples for t in totals],
                 staleness_counts=(
                     [t.staleness_counts for t in totals]
                     if any(t.staleness_counts for t in totals)

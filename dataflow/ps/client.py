@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from distributed.protocol import to_serialize
+from distributed.protocol.serialize import Serialize
 from distributed.utils import sync
 
 from dataflow.ps.layout import shard_ranges
@@ -109,7 +110,7 @@ class StoreClient:
         messages = [
             dict(
                 op_name="push",
-                grad=to_serialize(flat),
+                grad=flat,
                 weight=float(weight),
                 lrs=lrs,
                 lr_ratio=lrs[0] / self.initial_lr if self.initial_lr else 1.0,
@@ -192,9 +193,21 @@ class StoreClient:
             timeout_s=self.timeout_s,
         )
 
+        here = self.worker.address
+
+        async def call(k: int, address: str, message: dict[str, Any]) -> dict[str, Any]:
+            if address == here:  # this worker hosts the shard: no socket, no serialization
+                reply = await self.registry.handle(shard=k, **common, **message)
+                return {k: v.data if isinstance(v, Serialize) else v for k, v in reply.items()}
+            wrapped = {
+                key: to_serialize(v) if isinstance(v, torch.Tensor) else v
+                for key, v in message.items()
+            }
+            return await getattr(self.worker.rpc(address), HANDLER)(shard=k, **common, **wrapped)
+
         async def call_all() -> list[dict[str, Any]]:
             calls = [
-                getattr(self.worker.rpc(address), HANDLER)(shard=k, **common, **message)
+                call(k, address, message)
                 for k, (address, message) in enumerate(zip(hosts, messages, strict=True))
             ]
             return await asyncio.gather(*calls)
