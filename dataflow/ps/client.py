@@ -45,7 +45,10 @@ class StoreClient:
         self.model, self.optimizer, self.factory = model, optimizer, optimizer_factory
         self.worker, self.registry, self.timeout_s = worker, registry, timeout_s
         self.params = list(model.parameters())
-        self.ranges = shard_ranges([p.numel() for p in self.params], policy.servers)
+        # one shard per replica at most (shard k lives on replica k's worker): fewer when
+        # a lost worker left fewer replicas than policy.servers
+        self.servers = min(policy.servers, replicas)
+        self.ranges = shard_ranges([p.numel() for p in self.params], self.servers)
         self.initial_lr = optimizer.param_groups[0]["lr"]
         self.store, self.prefix = store, prefix
         self.addresses: list[str] | None = None
@@ -53,7 +56,7 @@ class StoreClient:
         # rollbacks in this process group, counted alike on every replica: a shard built
         # after the n-th serves incarnation n, and calls of an aborted window fail fast
         self.incarnation = 0
-        if rank < policy.servers:  # where the other replicas find this shard
+        if rank < self.servers:  # where the other replicas find this shard
             store.set(f"{prefix}/ps/{rank}", worker.address)
 
     # -- windows ------------------------------------------------------------------------
@@ -61,7 +64,7 @@ class StoreClient:
         """Host: make sure the shard serves this window, else rebuild it from this
         replica's state (which is the commit the window starts from)."""
         self.window = first_step
-        if self.rank >= self.policy.servers:
+        if self.rank >= self.servers:
             return
         current = self.registry.shards.get((self.run_id, self.rank))
         if (
@@ -146,11 +149,11 @@ class StoreClient:
     def rolled_back(self) -> None:
         """Every replica rolled back: calls of the aborted window are refused from now."""
         self.incarnation += 1
-        if self.rank < self.policy.servers:
+        if self.rank < self.servers:
             self.registry.discard(self.run_id, oldest=self.incarnation)
 
     def close(self) -> None:
-        if self.rank < self.policy.servers:
+        if self.rank < self.servers:
             self.registry.discard(self.run_id, oldest=self.incarnation + 1)
 
     def abort(self, reason: str) -> None:
