@@ -65,6 +65,9 @@ class Local:
     period_seconds: float | None = None
     period_steps: int | None = None
     average_optimizer_state: bool = True
+    # None: on with period_seconds (each replica trains what it can in the period; a fast
+    # one takes over a slow one's remaining parts), off with period_steps (k steps each)
+    leases: bool | None = None
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     nesterov: bool = True
@@ -92,6 +95,10 @@ class Local:
             )
         if not (isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
             raise ConfigError(f"sync.Local(outer_momentum={self.outer_momentum!r}): in [0, 1)")
+        if self.leases is None:
+            object.__setattr__(self, "leases", self.period_seconds is not None)
+        if not isinstance(self.leases, bool):
+            raise ConfigError(f"sync.Local(leases={self.leases!r}): True or False")
 
     @property
     def outer(self) -> bool:
@@ -109,6 +116,8 @@ class Local:
         )
         state = "weights and optimizer state" if self.average_optimizer_state else "weights"
         text = f"local updates: {state} averaged every {period}, weighted by samples"
+        if self.leases:
+            text += "; sample leases (a fast replica takes over a slow one's parts)"
         if self.outer:
             kind = "Nesterov " if self.nesterov and self.outer_momentum else ""
             text += (
@@ -143,7 +152,11 @@ class Async:
     2017), ``g + λ g ⊙ g ⊙ (θ_now − θ_pulled)``.
 
     With the ``Throughput`` balancer each replica's batch follows its measured speed,
-    so all push at about the same rate and staleness stays low (Ji et al.).
+    so all push at about the same rate and staleness stays low (Ji et al.). With
+    ``leases=True`` a replica out of work in a window takes over a slower one's
+    remaining parts (``dataflow/runtime/leases.py``): fast replicas train more steps,
+    every sample still once per epoch; the price is that the slow replica's pushes
+    arrive staler (measured on the digits: about 1 point of accuracy, docs/sync.md).
     Windows are the commit points: at each window's end every replica takes the
     store's weights and optimizer state, so commits, rollbacks and checkpoints work as
     in synchronous training."""
@@ -152,6 +165,7 @@ class Async:
     servers: int = 1
     staleness_lr: str = "relative"
     delay_compensation: float = 0.0
+    leases: bool = False
 
     def __post_init__(self) -> None:
         for name in ("staleness", "servers"):
@@ -169,6 +183,8 @@ class Async:
             raise ConfigError(
                 f"sync.Async(staleness_lr={self.staleness_lr!r}): one of {STALENESS_LR}"
             )
+        if not isinstance(self.leases, bool):
+            raise ConfigError(f"sync.Async(leases={self.leases!r}): True or False")
         lam = self.delay_compensation
         if isinstance(lam, bool) or not isinstance(lam, int | float) or not 0 <= lam <= 10:
             raise ConfigError(
@@ -195,4 +211,6 @@ class Async:
         )
         if self.delay_compensation:
             text += f", delay compensation {self.delay_compensation:g}"
+        if self.leases:
+            text += "; sample leases (a fast replica takes over a slow one's parts)"
         return text

@@ -69,7 +69,9 @@ class AllReduce(Stage):
         self._replicas = replica.world_size // size
         self._local = replica.local_updates
         self._async = replica.asynchronous is not None
-        self._window: dict[int, tuple[int, int]] = {}  # step -> (local, global) samples
+        # (step, part) -> (local, global) samples trained in this window
+        self._window: dict[tuple[int, int], tuple[int, int]] = {}
+        self._window_range: tuple[int, int] | None = None
         if replica.collective is None:  # one worker: nothing to reduce
             return
         if replica.model is None:
@@ -94,18 +96,22 @@ class AllReduce(Stage):
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._measure = phase.measure_noise
         self._window = {}
+        self._global_of = {spec.index: spec.global_batch for spec in phase.steps}
         if self._reducer is not None:
             self._reducer.measure = phase.measure_noise
 
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
+        if (self._async or self._local) and step.replica.window is not self._window_range:
+            # a new window, or the replay of one rolled back: (the runtime's tuple is new each time)
+            self._window, self._window_range = {}, step.replica.window
         if self._async:
-            self._window[step.spec.index] = (step.local_batch, step.global_batch)
+            self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
         elif self._local:  # keyed by step: a window run again after a rollback counts once
             if not self._window and step.replica.local.outer:  # the window's first step
                 self._start = [p.detach().clone() for p in step.replica.model.parameters()]
-            self._window[step.spec.index] = (step.local_batch, step.global_batch)
+            self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
 
     def begin_micro_batch(self, step: StepContext) -> None:
         """Only the last micro-batch's backward reduces. Measuring noise with one replica,
@@ -168,8 +174,7 @@ class AllReduce(Stage):
         Asynchronous updates: the runtime took the store's weights and optimizer state
         already; the floating buffers (BatchNorm statistics) are averaged the same way."""
         if getattr(self, "_async", False):
-            samples = sum(local for local, _ in self._window.values())
-            total = sum(whole for _, whole in self._window.values())
+            samples, total = _window_shares(self._window, self._global_of, replica.window)
             self._window = {}
             if replica.collective is not None and replica.model is not None:
                 buffers = [b.data for b in replica.model.buffers() if b.is_floating_point()]
@@ -179,8 +184,7 @@ class AllReduce(Stage):
             return
         if not getattr(self, "_local", False):
             return
-        samples = sum(local for local, _ in self._window.values())
-        total = sum(whole for _, whole in self._window.values())
+        samples, total = _window_shares(self._window, self._global_of, replica.window)
         self._window = {}
         weight = samples / total if total else 1.0 / replica.world_size
         if replica.collective is not None:
@@ -220,6 +224,19 @@ class AllReduce(Stage):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _window_shares(
+    window: dict[tuple[int, int], tuple[int, int]], global_of: dict[int, int], steps: Any
+) -> tuple[int, int]:
+    """The samples this replica trained in the window (its parts of the steps, and any
+    taken over under sample leases) and the window's total, every step's global batch
+    (``steps``, the window's range; all of a step's parts may have been trained by
+    others): this replica's weight in the average is their ratio."""
+    samples = sum(local for local, _ in window.values())
+    if steps is not None:
+        return samples, sum(global_of[i] for i in range(*steps))
+    return samples, sum({step: total for (step, _), (_, total) in window.items()}.values())
 
 
 def _local_state(replica: ReplicaContext) -> list[Any]:

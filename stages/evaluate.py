@@ -155,7 +155,8 @@ class Evaluate(Stage):
 
     def run(self, step: StepContext, *inputs: Any) -> Any:
         spec = step.spec
-        if spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0:
+        due = spec.last_in_epoch and (spec.epoch + 1) % self.config.every_epochs == 0
+        if due and step.part is None:  # not on another replica's part (sample leases)
             if step.replica.settles_at_window_end:  # after the window's average or store sync
                 self._due = step
             else:

@@ -161,7 +161,18 @@ class Load(Stage):
             batch.y = _to_device(batch.y, device)
         return index, batch
 
+    def _read_part(self, step: StepContext) -> Batch:
+        """Replica ``step.part``'s batch of ``step``, read now (not prefetched): the plan
+        gives every replica's indices, so any replica can read any part."""
+        if self._parts is None:
+            self._parts = {spec.index: parts for spec, parts in self.streams(*self._phase)}
+        indices = self._parts[step.spec.index][step.part]
+        batch = self.source.read(indices)
+        batch.indices = indices
+        return self._stage((step.spec.index, batch))[1]
+
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
+        self._phase, self._parts = (phase.steps, replica.seed), None
         self._close()
         self._readers: list[EpochChunkReader] = []
         self._prefetcher = Prefetcher(
@@ -169,9 +180,20 @@ class Load(Stage):
         )
 
     def run(self, step: StepContext, *inputs: Any) -> Batch:
-        index, batch = self._prefetcher.get()
-        if index != step.spec.index:  # the plan and the loader disagree: never train on it
-            raise RuntimeError(f"Load: expected step {step.spec.index}, loader produced {index}")
+        if step.part is not None:  # a slower replica's part, taken over (sample leases)
+            batch = self._read_part(step)
+            step.metrics["sample_indices"] = batch.indices
+            return batch
+        while True:
+            index, batch = self._prefetcher.get()
+            if index == step.spec.index:
+                break
+            # Under sample leases a peer may have taken over parts of this replica's: it
+            # skips their batches. Anything else means the plan and the loader disagree.
+            if not (self._replica.settles_at_window_end and index < step.spec.index):
+                raise RuntimeError(
+                    f"Load: expected step {step.spec.index}, loader produced {index}"
+                )
         # The driver records them in its sample ledger when the window is committed.
         step.metrics["sample_indices"] = batch.indices
         return batch

@@ -158,16 +158,23 @@ def test_staleness_zero_equals_synchronous_training(client):
 @pytest.mark.parametrize("servers", [1, 2])
 def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers):
     """Replica 1 throttled 3x on an even split: the fast replica runs ahead until the
-    bound stops it. Every push the store applied was at most 1 version stale, some were
-    1 stale, and every sample is still trained once per epoch."""
+    bound stops it, and takes over parts of the slow one's batches (``leases=True``).
+    Every push the store applied was at most 1 version stale, some were 1 stale, and
+    every sample is still trained once per epoch."""
     x, y = make_data(128)
-    sync = dfl.sync.Async(staleness=1, servers=servers)
+    sync = dfl.sync.Async(staleness=1, servers=servers, leases=True)
     result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
     (phase,) = result.history.phases
     counts = phase.staleness_counts
     assert all(len(c) <= 2 for c in counts), counts  # τ ∈ {0, 1} only
     assert sum(c[1] for c in counts if len(c) > 1) > 0, counts  # it did run ahead
-    assert phase.pushes == [len(result.history.steps)] * 2
+    # sample leases: the fast replica took over parts of the slow one's batches
+    fast_pushes, slow_pushes = phase.pushes
+    assert fast_pushes + slow_pushes == 2 * len(result.history.steps)
+    assert fast_pushes > slow_pushes, phase.pushes
+    assert phase.samples_trained[0] > phase.samples_trained[1] and sum(
+        phase.samples_trained
+    ) == 2 * 128, phase.samples_trained
     for epoch in range(2):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
     fast, slow = phase.lockstep_wait_s
@@ -234,3 +241,23 @@ def test_async_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     print(f"\ndigits, mean of 3 seeds: async {asynchronous:.4f}, synchronous {synchronous:.4f}")
     assert synchronous >= 0.94
     assert asynchronous >= synchronous - 0.01, (asynchronous, synchronous)
+
+
+@pytest.mark.slow
+def test_local_updates_with_leases_let_the_fast_replica_train_more(client):
+    """``Local(period_seconds=...)`` hands out the window's parts on demand: with replica
+    1 throttled 3x on an even split, the fast replica takes over parts of the slow
+    one's batches, the average weighs each by what it trained, every sample is trained
+    once per epoch, and the replicas end identical."""
+    x, y = make_data(128)
+    sync = dfl.sync.Local(period_steps=4, leases=True)
+    result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
+    assert "sample leases" in result.history.info["sync"]
+    (phase,) = result.history.phases
+    fast, slow = phase.samples_trained
+    assert fast > slow and fast + slow == 2 * 128, phase.samples_trained
+    for epoch in range(2):
+        assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
+    # (the driver checks at the phase's end that every replica's weights are identical)
+    assert np.isfinite([s["loss"] for s in result.history.steps]).all()
+    assert [s["samples"] for s in result.history.steps] == [16] * len(result.history.steps)

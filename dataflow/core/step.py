@@ -39,6 +39,7 @@ class ReplicaContext:
     # it (``parameter_store``, the runtime's client; None with a single replica)
     asynchronous: Any = None
     parameter_store: Any = None
+    window: tuple[int, int] | None = None  # the running window's [first, stop) steps
 
     @property
     def local_updates(self) -> bool:
@@ -88,10 +89,18 @@ class StepContext:
     micro_index: int = 0  # which micro-batch of gradient accumulation is running
     micro_count: int = 1
     micro_size: int | None = None  # samples in the running micro-batch (None: whole batch)
+    # Whose part of the global batch this replica trains: its own (None), or, under
+    # sample leases, a slower replica's that it took over (dataflow.runtime.leases)
+    part: int | None = None
+
+    @property
+    def owner(self) -> int:
+        """The replica whose share of the step's global batch this is."""
+        return self.replica.rank if self.part is None else self.part
 
     @property
     def local_batch(self) -> int:
-        return self.spec.local_batches[self.replica.rank]
+        return self.spec.local_batches[self.owner]
 
     @property
     def global_batch(self) -> int:

@@ -39,3 +39,6 @@ class WindowResult:
     # replica's push at, and the seconds the push and pull took (waits included).
     staleness: list[int] = field(default_factory=list)
     store_wait_s: list[float] = field(default_factory=list)
+    # Sample leases: (step, part) of the parts of other replicas' batches this replica
+    # took over; ``samples``, ``losses`` and the digest include them
+    taken_over: list[tuple[int, int]] = field(default_factory=list)

@@ -22,6 +22,7 @@ from dataflow.core.rng import capture_rng, restore_rng
 from dataflow.core.window import WindowResult
 from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective
+from dataflow.runtime.leases import WindowLeases, planned_tasks
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
@@ -124,6 +125,7 @@ class ReplicaRuntime:
         # blocks the worker; see Collective.abort); the plugin keeps them past the fit.
         self.retired: list[Collective] = []
         self.generation = 0  # the driver's process-group generation this replica is in
+        self.rollbacks = 0  # in this generation, counted alike on every replica (leases)
         for name in self.order:
             self.stages[name].setup(self.context)
 
@@ -144,6 +146,7 @@ class ReplicaRuntime:
         if self.spec.commit_windows:
             self.commit(first_step)
         self.in_window = True
+        self.context.window = (first_step, stop_step)
         store = self.context.parameter_store
         if store is None:
             return self._run_steps(first_step, stop_step, started)
@@ -156,20 +159,22 @@ class ReplicaRuntime:
 
     def _run_steps(self, first_step: int, stop_step: int, started: float) -> WindowResult:
         stage_seconds = dict.fromkeys(self.order, 0.0)
-        samples, losses, seconds, pairs = [], [], [], []
-        staleness, store_waits = [], []
+        count = stop_step - first_step
+        samples, seconds, waits = [0] * count, [0.0] * count, [0.0] * count
+        task_losses, task_offsets, task_samples = [], [], []
+        pairs, staleness, taken = [], [], []
         read, digest = 0, None
         evals: dict[int, dict[str, float]] = {}
         epoch_ends: list[StepContext] = []
         rank = self.context.rank
-        for index in range(first_step, stop_step):
-            spec = self.steps[index]
+        for index, part in self._tasks(first_step, stop_step):
+            spec, offset = self.steps[index], index - first_step
             step_start = time.perf_counter()
-            step = StepContext(replica=self.context, spec=spec)
+            step = StepContext(replica=self.context, spec=spec, part=part)
             for name in self.order:
                 self.stages[name].begin_step(step)
             values: dict[str, Any] = {}
-            micro_batches = spec.micro_batches_of(rank)
+            micro_batches = spec.micro_batches_of(step.owner)
             step_compute = 0.0
             for group in self.groups:
                 if micro_batches > 1 and self.stages[group[0]].per_micro_batch:
@@ -181,9 +186,13 @@ class ReplicaRuntime:
                 pause = (self.throttle - 1.0) * step_compute
                 time.sleep(pause)
                 stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + pause
-            seconds.append(time.perf_counter() - step_start)
-            samples.append(spec.local_batches[rank])
-            losses.append(step.metrics.get("loss"))
+            seconds[offset] += time.perf_counter() - step_start
+            samples[offset] += step.local_batch
+            task_losses.append(step.metrics.get("loss"))
+            task_offsets.append(offset)
+            task_samples.append(step.local_batch)
+            if part is not None:
+                taken.append((index, part))
             indices = step.metrics.get("sample_indices")
             if indices is not None:  # the driver knows them from the plan: prove them
                 read += len(indices)
@@ -191,8 +200,8 @@ class ReplicaRuntime:
             pairs.extend(step.metrics.get("norm_pairs", ()))
             if "staleness" in step.metrics:
                 staleness.append(step.metrics["staleness"])
-                store_waits.append(step.metrics["store_wait_s"])
-            if step.spec.last_in_epoch:  # evaluations are read after end_window
+                waits[offset] += step.metrics["store_wait_s"]
+            if step.spec.last_in_epoch and part is None:  # evaluations: after end_window
                 epoch_ends.append(step)
         if self.context.parameter_store is not None:  # wait for all; take the store's state
             self.context.parameter_store.finish(stop_step)
@@ -206,7 +215,7 @@ class ReplicaRuntime:
             rank=rank,
             first_step=first_step,
             samples=samples,
-            losses=_to_floats(losses),
+            losses=_step_losses(_to_floats(task_losses), task_offsets, task_samples, count),
             step_seconds=seconds,
             stage_seconds=stage_seconds,
             task_seconds=time.perf_counter() - started,
@@ -215,8 +224,26 @@ class ReplicaRuntime:
             sample_digest=digest,
             norm_pairs=pairs,
             staleness=staleness,
-            store_wait_s=store_waits,
+            store_wait_s=waits if staleness else [],
+            taken_over=taken,
         )
+
+    def _tasks(self, first_step: int, stop_step: int) -> Any:
+        """(step, part) in the order this replica trains them: its own parts of every
+        step, or, under sample leases, parts handed out on demand (runtime/leases.py)."""
+        policy = self.spec.local or self.spec.asynchronous
+        collective = self.context.collective
+        if not getattr(policy, "leases", False) or collective is None:
+            return planned_tasks(first_step, stop_step)
+        key = f"dataflow-leases/{self.spec.run_id}/g{self.generation}/r{self.rollbacks}"
+        return WindowLeases(
+            collective.store,
+            f"{key}/w{first_step}",
+            first=first_step,
+            stop=stop_step,
+            replicas=self.context.world_size,
+            rank=self.context.rank,
+        ).tasks()
 
     def capture(
         self,
@@ -292,7 +319,8 @@ class ReplicaRuntime:
 
     def rollback(self, step: int) -> None:
         """Return to the state before ``step``: the last commit all replicas share."""
-        if self.context.parameter_store is not None:  # on every replica, alike
+        self.rollbacks += 1  # on every replica, alike: a replayed window's leases are new
+        if self.context.parameter_store is not None:
             self.context.parameter_store.rolled_back()
         if not self.in_window and self.completed_step in (step, None):
             # finished exactly there, or ran no window since it was built or restored
@@ -493,6 +521,24 @@ def _host_copy(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_host_copy(v) for v in value)
     return value
+
+
+def _step_losses(
+    losses: list[float | None], offsets: list[int], sizes: list[int], count: int
+) -> list[float | None]:
+    """Per step of the window, the sample-weighted mean loss of the parts this replica
+    trained of it (None for a step it trained no part of, or without a loss)."""
+    total, weight = [0.0] * count, [0] * count
+    seen = [False] * count
+    for loss, offset, size in zip(losses, offsets, sizes, strict=True):
+        if loss is None:
+            continue
+        seen[offset] = True
+        total[offset] += loss * size
+        weight[offset] += size
+    return [
+        (total[k] / weight[k] if weight[k] else total[k]) if seen[k] else None for k in range(count)
+    ]
 
 
 def _to_floats(values: list[Any]) -> list[float | None]:

@@ -147,7 +147,7 @@ class Regroup(Request):
                 _join_spatial(runtime.spec, collective, self.rank, self.generation)
             )
         runtime.regroup(collective, self.world_size // size)
-        runtime.generation = self.generation
+        runtime.generation, runtime.rollbacks = self.generation, 0
         plugin = current_plugin()
         runtime.attach_store(plugin.worker, plugin.ps)
         return self.rank
