@@ -172,9 +172,10 @@ def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers):
     fast_pushes, slow_pushes = phase.pushes
     assert fast_pushes + slow_pushes == 2 * len(result.history.steps)
     assert fast_pushes > slow_pushes, phase.pushes
-    assert phase.samples_trained[0] > phase.samples_trained[1] and sum(
-        phase.samples_trained
-    ) == 2 * 128, phase.samples_trained
+    assert (
+        phase.samples_trained[0] > phase.samples_trained[1]
+        and sum(phase.samples_trained) == 2 * 128
+    ), phase.samples_trained
     for epoch in range(2):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
     fast, slow = phase.lockstep_wait_s
