@@ -180,6 +180,12 @@ def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
     fast, slow = phase.lockstep_wait_s
     assert fast > slow, phase.lockstep_wait_s
+    # the report tabulates it all, replica by replica
+    from dataflow.report_data import sync_table
+
+    table = "\n".join(sync_table(result.history))
+    assert "Keeping replicas in step" in table and "asynchronous" in table
+    assert f"| 0 | 1 | {phase.samples_trained[1]} | {slow_pushes} |" in table, table
     assert np.isfinite([s["loss"] for s in result.history.steps]).all()
 
 

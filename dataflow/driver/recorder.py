@@ -267,13 +267,17 @@ class Recorder:
             # Sample leases: replicas took over each other's parts, so only the window's
             # whole is the plan's (digests add up); each part was claimed exactly once.
             with np.errstate(over="ignore"):
-                got, expected = got.sum(keepdims=True), expected.sum(keepdims=True)
-            known = known[:1]
+                if got.sum() != expected.sum():
+                    raise DataError(
+                        f"the replicas together read other samples than the plan gave them "
+                        f"in steps {specs[0].index}-{specs[-1].index} (sample leases): a part "
+                        "was lost or trained twice; please report this with the plan"
+                    )
+            return
         wrong = np.flatnonzero(known & (got != expected))
         if len(wrong):
             raise DataError(
-                f"replica {int(wrong[0])} (or, under sample leases, the replicas together) "
-                "read other samples than the plan gave it in steps "
+                f"replica {int(wrong[0])} read other samples than the plan gave it in steps "
                 f"{specs[0].index}-{specs[-1].index}: the loader lost or repeated data; "
                 "please report this with the plan (Pipeline.plan())"
             )
