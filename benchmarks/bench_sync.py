@@ -13,7 +13,11 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
 * **local + DiLoCo outer**: the same, then an outer Nesterov step on the averaged
   pseudo-gradient (``outer_lr=0.7, outer_momentum=0.9``);
 * **async even** / **async balanced**: ``sync.Async(staleness=--staleness)``, a parameter
-  store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits.
+  store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits; **async even +
+  leases**: ``leases=True``, the fast replica takes over the slow one's parts;
+* **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
+  let the fast replica take over the slow one's parts (no balancer needed).
+(``local balanced`` uses leases too: ``period_seconds`` turns them on.)
 
 Time to target: the driver's clock when the first epoch whose held-out accuracy
 reaches ``--target`` ended (the fit's start-up excluded: measured from the first step's
@@ -58,6 +62,10 @@ def sides(period: float, staleness: int = 2) -> dict[str, dict[str, Any]]:
             sync=dfl.sync.Local(period_seconds=period, outer_lr=0.7, outer_momentum=0.9),
         ),
         "async even": dict(balancer=dfl.balance.Even(), sync=dfl.sync.Async(staleness=staleness)),
+        "async even + leases": dict(
+            balancer=dfl.balance.Even(), sync=dfl.sync.Async(staleness=staleness, leases=True)
+        ),
+        "local even": dict(balancer=dfl.balance.Even(), sync=dfl.sync.Local(period_seconds=period)),
         "async balanced": dict(
             balancer=dfl.balance.Throughput(), sync=dfl.sync.Async(staleness=staleness)
         ),
@@ -139,7 +147,7 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=2, help="Async staleness bound (2)")
     p.add_argument(
         "--sides",
-        default="sync even,sync balanced,local balanced,async even,async balanced",
+        default="sync even,sync balanced,local even,local balanced,async even,async balanced",
         help="comma-separated sides to run (default: all but DiLoCo)",
     )
     p.add_argument("--target", type=float, default=0.95, help="held-out accuracy target (0.95)")

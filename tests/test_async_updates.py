@@ -268,3 +268,22 @@ def test_local_updates_with_leases_let_the_fast_replica_train_more(client):
     # (the driver checks at the phase's end that every replica's weights are identical)
     assert np.isfinite([s["loss"] for s in result.history.steps]).all()
     assert [s["samples"] for s in result.history.steps] == [16] * len(result.history.steps)
+
+
+@pytest.mark.slow
+def test_the_store_refuses_a_non_finite_gradient(client):
+    """A NaN in one replica's batch: the store applies nothing of it. ``raise`` stops the
+    fit naming the step (the other replica does not wait until the timeout);
+    ``skip`` drops that push and trains on, every weight finite."""
+    from test_non_finite import data_with_a_nan
+
+    from dataflow.errors import NonFiniteError
+
+    x, y = data_with_a_nan()
+    sync = dfl.sync.Async(staleness=1)
+    with pytest.raises(NonFiniteError, match=r"step \d+ .*the parameter store refused it"):
+        tiny_pipeline(x, y, sync=sync, dry_run=False).fit(epochs=1, client=client)
+    result = tiny_pipeline(x, y, sync=sync, on_non_finite="skip").fit(epochs=2, client=client)
+    assert result.history.phases[0]["skipped_steps"] >= 1
+    for tensor in result.model.state_dict().values():
+        assert torch.isfinite(tensor).all()

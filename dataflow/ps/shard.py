@@ -84,8 +84,8 @@ class ParameterShard:
             self.gate.finish(replica)
             self._apply_ready()
             if self.gate.all_finished:
-                self.finals[window] = self._final()
-                self.finals.pop(window - 1, None)
+                # (the previous window's finishers have all returned: none can be left)
+                self.finals = {window: self._final()}
                 self.window = stop
                 self.gate = StalenessGate(self.replicas, self.policy.staleness, self.gate.version)
                 self.start = self.finals[window]["weights"]
