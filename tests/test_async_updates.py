@@ -287,3 +287,48 @@ def test_the_store_refuses_a_non_finite_gradient(client):
     assert result.history.phases[0]["skipped_steps"] >= 1
     for tensor in result.model.state_dict().values():
         assert torch.isfinite(tensor).all()
+
+
+def test_a_version_is_the_staleness_weighted_sum_with_delay_compensation():
+    """The shard's arithmetic, on one parameter with plain SGD (lr 1): a version applies
+    ``Σ f(τ) (n_r / B) g_r``, a late push plus DC-ASGD's ``λ g ⊙ g ⊙ (θ_now − θ_pulled)``."""
+    from dataflow.ps.shard import ParameterShard, Push
+
+    policy = dfl.sync.Async(staleness=2, staleness_lr="inverse", delay_compensation=0.5)
+    start = torch.tensor([1.0, 2.0])
+    shard = ParameterShard(
+        index=0,
+        indices=range(1),
+        window=0,
+        incarnation=0,
+        weights=[start],
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0),
+        optimizer_state={},
+        policy=policy,
+        replicas=2,
+        timeout_s=1.0,
+    )
+    g0, g1 = torch.tensor([0.5, -1.0]), torch.tensor([2.0, 4.0])
+
+    def push(grad: torch.Tensor, weight: float) -> Push:
+        return Push(grad=grad, weight=weight, lrs=[1.0], lr_ratio=1.0, finite=True)
+
+    shard.gate.push(0)
+    shard.pushes[0] = push(g0, 0.25)
+    shard._apply(shard.gate.apply())  # replica 0 alone, on time: θ1 = θ0 - 0.25 g0
+    theta1 = start - 0.25 * g0
+    assert torch.allclose(shard.flat_weights(), theta1)
+    assert shard.replies[0]["staleness"] == 0
+    shard.gate.push(1)  # replica 1 pushes the gradient of θ0, one version late
+    shard.pushes[1] = push(g1, 0.75)
+    shard._apply(shard.gate.apply())
+    compensated = g1 + 0.5 * g1 * g1 * (theta1 - start)
+    expected = theta1 - 0.75 * (1 / 2) * compensated  # inverse: f(1) = 1/2
+    assert torch.allclose(shard.flat_weights(), expected)
+    assert shard.replies[1]["staleness"] == 1
+    refused = push(torch.tensor([float("nan"), 0.0]), 0.5)
+    refused.finite = False
+    shard.gate.push(0)
+    shard.pushes[0] = refused
+    shard._apply(shard.gate.apply())  # nothing applied, the replica told so
+    assert torch.allclose(shard.flat_weights(), expected) and shard.replies[0]["refused"]
