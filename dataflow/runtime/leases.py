@@ -24,21 +24,26 @@ class WindowLeases:
         self.replicas, self.rank = replicas, rank
         self.count = max(stop - first - 1, 0)  # the parts each replica may hand out
 
-    def _deque(self, part: int) -> tuple[bytes, int, int]:
+    def _deque(self, part: int) -> tuple[str, int, int, int]:
         key = f"{self.key}/{part}"
-        # creates the deque [0, count) unless a replica did already; returns its state
-        current = self.store.compare_set(key, "", f"0,{self.count}")
-        front, back = (int(v) for v in current.decode().split(","))
-        return current, front, back
+        # creates the deque [0, count) unless a replica did already; returns its state,
+        # "front,back,changes,claimer": the change count and the claimer's rank make
+        # every state unique, so a compare-and-set that lost a race never reads as won
+        # (two thieves taking the same part would otherwise both find the state they
+        # wanted: compare_set answers the value it finds)
+        current = self.store.compare_set(key, "", f"0,{self.count},0,-1").decode()
+        front, back, changes, _ = (int(v) for v in current.split(","))
+        return current, front, back, changes
 
     def _claim(self, part: int, from_front: bool) -> int | None:
         key = f"{self.key}/{part}"
         while True:
-            current, front, back = self._deque(part)
+            current, front, back, changes = self._deque(part)
             if front >= back:
                 return None
-            wanted = f"{front + 1},{back}" if from_front else f"{front},{back - 1}"
-            if self.store.compare_set(key, current.decode(), wanted).decode() == wanted:
+            after = (front + 1, back) if from_front else (front, back - 1)
+            wanted = f"{after[0]},{after[1]},{changes + 1},{self.rank}"
+            if self.store.compare_set(key, current, wanted).decode() == wanted:
                 return self.first + (front if from_front else back - 1)
 
     def take_own(self) -> int | None:
@@ -52,7 +57,7 @@ class WindowLeases:
             left = []
             for part in range(self.replicas):
                 if part != self.rank:
-                    _, front, back = self._deque(part)
+                    _, front, back, _ = self._deque(part)
                     if back > front:
                         left.append((back - front, part))
             if not left:

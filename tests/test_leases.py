@@ -1,0 +1,69 @@
+"""Sample leases (``dataflow/runtime/leases.py``): the parts of a window's batches,
+claimed by compare-and-set on a real TCPStore from concurrent threads. Every part is
+trained exactly once, whatever the speeds; a fast replica takes over a slow one's."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from dataflow.runtime.leases import WindowLeases, planned_tasks
+
+
+@pytest.fixture(scope="module")
+def store():
+    return dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+
+
+def run_window(store, key: str, speeds: list[float], first: int = 0, stop: int = 25) -> dict:
+    """Each replica in its own thread with its own connection, sleeping up to
+    ``speed`` ms per part: what each trained, in order."""
+    got: dict[int, list] = {}
+
+    def replica(rank: int, speed: float) -> None:
+        mine = dist.TCPStore("127.0.0.1", store.port, 1, False)
+        board = WindowLeases(mine, key, first=first, stop=stop, replicas=len(speeds), rank=rank)
+        got[rank] = []
+        for task in board.tasks():
+            got[rank].append(task)
+            time.sleep(speed * random.random() / 1000)
+
+    threads = [threading.Thread(target=replica, args=r) for r in enumerate(speeds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+@pytest.mark.parametrize("speeds", [[0.1, 0.1, 0.1, 0.1, 3.0], [1.0, 1.0], [0.0, 0.0, 0.0]])
+def test_every_part_is_trained_exactly_once(store, speeds):
+    """Four fast thieves racing for one slow replica's parts (the race that once gave
+    two thieves the same part), two equal replicas, and no delays at all."""
+    replicas = len(speeds)
+    for trial in range(4):
+        got = run_window(store, f"once/{replicas}/{speeds[-1]}/{trial}", speeds, 10, 35)
+        parts = [(step, rank if part is None else part) for rank, tasks in got.items()
+                 for step, part in tasks]  # fmt: skip
+        assert sorted(parts) == [(s, r) for s in range(10, 35) for r in range(replicas)]
+        for rank, tasks in got.items():  # its own part of the last step, last
+            assert tasks[-1] == (34, None), (rank, tasks[-3:])
+            own = [step for step, part in tasks if part is None]
+            assert own == sorted(own)  # its own parts from the front, in order
+
+
+def test_a_fast_replica_takes_over_a_slow_ones_parts(store):
+    got = run_window(store, "fast", [0.0, 5.0], 0, 21)
+    fast, slow = got[0], got[1]
+    assert len(fast) > len(slow) and any(part == 1 for _, part in fast)
+
+
+def test_a_one_step_window_and_no_leases():
+    assert list(planned_tasks(3, 6)) == [(3, None), (4, None), (5, None)]
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    board = WindowLeases(store, "single", first=7, stop=8, replicas=2, rank=1)
+    assert list(board.tasks()) == [(7, None)]  # the last step is never handed out
