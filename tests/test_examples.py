@@ -206,3 +206,15 @@ def test_digits_arrays_is_the_real_dataset_split_80_20():
     assert set(np.unique(data["y_test"])) == set(range(10))
     both = np.concatenate([data["y_train"], data["y_test"]])
     assert np.bincount(both).sum() == 1797
+
+
+@pytest.mark.slow
+def test_heterogeneous_with_local_updates_moves_samples_without_a_balancer(tmp_path):
+    """``--balancer even --sync local``: every phase splits the batch evenly, but with
+    sample leases the fast replica takes over parts of the slow one's batches, so the
+    slow replica trains clearly less than half of the samples."""
+    flags = ("--balancer", "even", "--sync", "local", "--epochs", "3", "--bar", "0.47")
+    result = run_example("heterogeneous", tmp_path, *flags)
+    phases = result["phases"]
+    assert all(p["slow_share"] == 0.5 for p in phases)  # the split stayed even
+    assert phases[-1]["trained_share"] < 0.47, [p["trained_share"] for p in phases]
