@@ -67,3 +67,27 @@ def test_a_one_step_window_and_no_leases():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
     board = WindowLeases(store, "single", first=7, stop=8, replicas=2, rank=1)
     assert list(board.tasks()) == [(7, None)]  # the last step is never handed out
+
+
+def test_a_replica_lost_after_a_leased_window_gets_what_the_others_did_not_train():
+    """The driver never got its result: under leases which parts it trained is unknown,
+    but every part was trained once, so its samples per step are the global batch less
+    the others' (the others took over some of its parts here)."""
+    from dataflow.core.step import StepSpec
+    from dataflow.core.window import WindowResult
+    from dataflow.driver.recorder import _salvage_leased
+
+    specs = tuple(
+        StepSpec(index=i, epoch=0, step_in_epoch=i, start=24 * i, global_batch=24,
+                 local_batches=(8, 8, 8), last_in_epoch=False)
+        for i in range(3)
+    )  # fmt: skip
+
+    def result(rank, samples, taken=()):
+        return WindowResult(rank=rank, first_step=0, samples=samples, losses=[None] * 3,
+                            step_seconds=[0.0] * 3, stage_seconds={}, task_seconds=0.0,
+                            taken_over=list(taken))  # fmt: skip
+
+    filled = [result(0, [16, 8, 8], [(0, 2)]), result(1, [8, 8, 8]), result(2, [8, 8, 8])]
+    _salvage_leased(filled, [2], specs)
+    assert filled[2].samples == [0, 8, 8]  # its part of step 0 was replica 0's

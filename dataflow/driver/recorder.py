@@ -106,6 +106,8 @@ class Recorder:
         filled = list(results)
         for rank in salvaged:
             filled[rank] = self._salvaged(specs, rank)
+        if salvaged and any(w is not None and w.taken_over for w in results):
+            _salvage_leased(filled, salvaged, specs)
         for w in filled:
             w.checkpoint = None  # the history keeps the window's numbers, not its weights
         samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
@@ -263,9 +265,12 @@ class Recorder:
         known = np.array([d is not None for d in reported])
         known[salvaged] = False
         got = np.array([d or 0 for d in reported], dtype=np.uint64)
-        if any(w.taken_over for w in window) and known.all():
+        if any(w.taken_over for w in window):
             # Sample leases: replicas took over each other's parts, so only the window's
             # whole is the plan's (digests add up); each part was claimed exactly once.
+            # A lost replica's digest is unknown: then the sum cannot be checked.
+            if not known.all():
+                return
             with np.errstate(over="ignore"):
                 if got.sum() != expected.sum():
                     raise DataError(
@@ -438,6 +443,21 @@ def steady_step_seconds(
     steps = sum(n for _, n in windows[start + 1 :])
     seconds = windows[-1][0] - windows[start][0]
     return seconds / steps if steps > 0 and seconds > 0 else None
+
+
+def _salvage_leased(filled: list[Any], salvaged: list[int], specs: tuple) -> None:
+    """Sample leases and a replica lost after its window finished: which parts it
+    trained is unknown, but every part of every step was trained exactly once, so its
+    samples are each step's global batch less what the others report (split over
+    several lost replicas by their planned shares)."""
+    known = [w for rank, w in enumerate(filled) if rank not in salvaged]
+    for i, spec in enumerate(specs):
+        left = spec.global_batch - sum(w.samples[i] for w in known)
+        planned = [spec.local_batches[rank] for rank in salvaged]
+        shares = [left * p // max(sum(planned), 1) for p in planned]
+        shares[0] += left - sum(shares)
+        for rank, share in zip(salvaged, shares, strict=True):
+            filled[rank].samples[i] = share
 
 
 class _EpochLayout:

@@ -45,31 +45,21 @@ class ShardRegistry:
             self.shards[(run_id, shard.index)] = shard
             self.changed.notify_all()
 
-    async def drop(self, run_id: str) -> None:
-        async with self.changed:
-            for key in [k for k in self.shards if k[0] == run_id]:
-                await self.shards.pop(key).fail("dropped: the fit regrouped or ended")
-            self.changed.notify_all()
-
     def discard(self, run_id: str, oldest: int | None = None) -> None:
-        """Forget ``run_id``'s shards now, from any thread: each is marked failed, so a
-        call already past the registry ends at its next check (a rollback or the fit's
+        """Forget ``run_id``'s shards, from any thread (a rollback, a regroup or the fit's
         end; the host rebuilds a shard at the next window it starts). ``oldest``: calls
-        of earlier incarnations are refused from now on."""
+        of earlier incarnations are refused from now on. The shards are dropped and
+        their waiting calls failed on the event loop, which owns the registry."""
         if oldest is not None:
             self.oldest[run_id] = max(self.oldest.get(run_id, 0), oldest)
-        dropped = [self.shards.pop(k) for k in [k for k in self.shards if k[0] == run_id]]
-        for shard in dropped:
-            shard.error = shard.error or "dropped: its host rolled back, regrouped or ended"
-        if dropped and self.loop is not None:
 
-            async def wake() -> None:
-                for shard in dropped:
-                    await shard.fail(shard.error)
-                async with self.changed:
-                    self.changed.notify_all()
+        async def forget() -> None:
+            for key in [k for k in self.shards if k[0] == run_id]:
+                await self.shards.pop(key).fail("dropped: its host rolled back or regrouped")
+            await self.notify()
 
-            self.loop.add_callback(wake)
+        if self.loop is not None:
+            self.loop.add_callback(forget)
 
     async def serving(
         self, run_id: str, index: int, window: int, incarnation: int, timeout_s: float
