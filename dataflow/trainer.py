@@ -72,13 +72,6 @@ class Trainer:
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
         # on_non_finite: with "skip" a NaN step loss is a dropped step, not a failure; with
         # "rollback" the driver goes back to the last commit with half the LR.
-        if self.measures_noise and self.config.settles_at_window_end:
-            kind = "Local" if self.config.local_updates else "Async"
-            raise ConfigError(
-                f"schedule={type(schedule).__name__} measures the gradient noise scale from "
-                f"every step's allreduce, which sync={kind} does not run; use Stepwise or "
-                f"Fixed with sync={kind}"
-            )
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies

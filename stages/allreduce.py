@@ -129,6 +129,9 @@ class AllReduce(Stage):
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         store = step.replica.parameter_store
+        unreduced = getattr(self, "_async", False) or getattr(self, "_local", False)
+        if unreduced and getattr(self, "_measure", False) and self._replicas > 1:
+            self._measure_at_window_start(step)
         if getattr(self, "_async", False) and store is not None:
             # The store applies the weighted gradient (at most `staleness` versions late)
             # and returns the weights it produced: Update has nothing left to do.
@@ -141,9 +144,31 @@ class AllReduce(Stage):
         if self._reducer is not None:
             self._reducer.finish()
             step.metrics[GRAD_SQ] = self._reducer.grad_sq
-        if getattr(self, "_measure", False):
+        if getattr(self, "_measure", False) and not (unreduced and self._replicas > 1):
             self._record_norms(step)
         return Gradients(samples=grads.samples, reduced=True)
+
+    def _measure_at_window_start(self, step: StepContext) -> None:
+        """Local or asynchronous updates measure the noise scale once per window, on
+        each replica's first part: every replica starts a window on the same weights,
+        so their first gradients, allreduced once (weighted by samples), are a big
+        batch's gradient on those weights. The pair is keyed by the window's first step."""
+        window = step.replica.window
+        if window is None or window is getattr(self, "_measured", None):
+            return
+        self._measured = window
+        params = list(step.replica.model.parameters())
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        ).to(torch.float64)
+        local, local_sq = step.local_batch, float(flat.dot(flat))
+        both = torch.cat([flat * local, flat.new_tensor([float(local)])])
+        step.replica.collective.allreduce(both)
+        total = float(both[-1])
+        big = both[:-1] / total if total else both[:-1]
+        if 0 < local < total and self._reports:
+            pairs = step.metrics.setdefault("norm_pairs", [])
+            pairs.append((window[0], local, local_sq, round(total), float(big.dot(big))))
 
     def _record_norms(self, step: StepContext) -> None:
         """One (small batch, |g_small|^2, big batch, |g_big|^2) pair per step, for the

@@ -39,9 +39,6 @@ def test_a_bad_async_setting_is_named(make, says):
 
 def test_async_refuses_what_it_cannot_run():
     x, y = make_data(32)
-    with pytest.raises(ConfigError, match="sync=Async does not run"):
-        adaptive = dfl.schedule.Adaptive(8, max_batch=32)
-        tiny_pipeline(x, y, sync=dfl.sync.Async(), schedule=adaptive)
     with pytest.raises(ConfigError, match="sync=Async with a spatial layout"):
         tiny_pipeline(x, y, sync=dfl.sync.Async(), layout=dfl.Layout(spatial=2))
     pipe = tiny_pipeline(x, y, sync=dfl.sync.Async(staleness=2), batch=8)

@@ -93,9 +93,6 @@ def test_the_period_is_the_window_and_conflicts_are_refused():
     assert pipe.trainer.config.window_seconds == 2.5
     with pytest.raises(ConfigError, match="drop window_steps"):
         tiny_pipeline(x, y, sync=dfl.sync.Local(period_steps=4), window_steps=2)
-    with pytest.raises(ConfigError, match="sync=Local does not run"):
-        adaptive = dfl.schedule.Adaptive(8, max_batch=32)
-        tiny_pipeline(x, y, sync=dfl.sync.Local(period_steps=4), schedule=adaptive)
     with pytest.raises(ConfigError, match="sync=Local with a spatial layout"):
         tiny_pipeline(x, y, sync=dfl.sync.Local(period_steps=4), layout=dfl.Layout(spatial=2))
     with pytest.raises(ConfigError, match=r"dataflow\.sync\.Synchronous"):
