@@ -157,6 +157,9 @@ class Async:
     remaining parts (``dataflow/runtime/leases.py``): fast replicas train more steps,
     every sample still once per epoch; the price is that the slow replica's pushes
     arrive staler (measured on the digits: about 1 point of accuracy, docs/sync.md).
+    ``overlap=True`` sends each push and computes the next step meanwhile, on the
+    weights of the reply before (one more version of staleness, counted exactly): the
+    push's round trip hides behind compute, as DDP hides its allreduce behind backward.
     Windows are the commit points: at each window's end every replica takes the
     store's weights and optimizer state, so commits, rollbacks and checkpoints work as
     in synchronous training."""
@@ -166,6 +169,7 @@ class Async:
     staleness_lr: str = "relative"
     delay_compensation: float = 0.0
     leases: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("staleness", "servers"):
@@ -185,6 +189,13 @@ class Async:
             )
         if not isinstance(self.leases, bool):
             raise ConfigError(f"sync.Async(leases={self.leases!r}): True or False")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"sync.Async(overlap={self.overlap!r}): True or False")
+        if self.overlap and self.staleness < 1:
+            raise ConfigError(
+                "sync.Async(overlap=True, staleness=0): a push overlapped with the next "
+                "step's compute is at least 1 version stale; give staleness >= 1"
+            )
         lam = self.delay_compensation
         if isinstance(lam, bool) or not isinstance(lam, int | float) or not 0 <= lam <= 10:
             raise ConfigError(
@@ -213,4 +224,6 @@ class Async:
             text += f", delay compensation {self.delay_compensation:g}"
         if self.leases:
             text += "; sample leases (a fast replica takes over a slow one's parts)"
+        if self.overlap:
+            text += "; each push overlapped with the next step"
         return text

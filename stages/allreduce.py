@@ -135,8 +135,7 @@ class AllReduce(Stage):
         if getattr(self, "_async", False) and store is not None:
             # The store applies the weighted gradient (at most `staleness` versions late)
             # and returns the weights it produced: Update has nothing left to do.
-            reply = store.push(step.weight)
-            step.metrics["staleness"] = reply["staleness"]
+            reply = store.push(step.weight)  # (the store client notes each staleness)
             step.metrics["store_wait_s"] = reply["waited_s"]
             if reply["refused"]:
                 step.metrics["refused_non_finite"] = True

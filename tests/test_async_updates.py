@@ -30,6 +30,7 @@ from dataflow.ps import StalenessError, StalenessGate, shard_ranges
         (lambda: dfl.sync.Async(servers=0), "servers=0"),
         (lambda: dfl.sync.Async(staleness_lr="sqrt"), "staleness_lr='sqrt'"),
         (lambda: dfl.sync.Async(delay_compensation=-0.1), "delay_compensation=-0.1"),
+        (lambda: dfl.sync.Async(staleness=0, overlap=True), "at least 1 version stale"),
     ],
 )
 def test_a_bad_async_setting_is_named(make, says):
@@ -97,14 +98,19 @@ def test_a_fast_replica_waits_at_the_bound_and_a_finished_one_holds_nobody_back(
     assert gate.may_apply()
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 3])
+@pytest.mark.parametrize(
+    ("staleness", "overlap"), [(0, False), (1, False), (3, False), (1, True), (3, True)]
+)
 @pytest.mark.parametrize("replicas", [2, 5])
-def test_no_interleaving_exceeds_the_bound_or_deadlocks(staleness, replicas):
+def test_no_interleaving_exceeds_the_bound_or_deadlocks(staleness, overlap, replicas):
     """Random speeds and interleavings: every push is applied, none more than
-    ``staleness`` versions late, and each replica's steps all get applied."""
-    rng = random.Random(staleness * 10 + replicas)
+    ``staleness`` versions late, and each replica's steps all get applied. With
+    ``overlap``, gradient k is computed on the weights of reply k - 2 (the push in
+    between is on the way): the staleness the gate reports is the true one."""
+    rng = random.Random(staleness * 10 + replicas + overlap)
     for _trial in range(50):
-        gate = StalenessGate(replicas=replicas, staleness=staleness)
+        gate = StalenessGate(replicas=replicas, staleness=staleness, overlap=overlap)
+        replies = {r: [] for r in range(replicas)}  # versions of each replica's replies
         left = {r: rng.randint(1, 12) for r in range(replicas)}  # steps per replica
         applied = {r: 0 for r in range(replicas)}
         computing = set(range(replicas))
@@ -115,8 +121,13 @@ def test_no_interleaving_exceeds_the_bound_or_deadlocks(staleness, replicas):
                 gate.push(r)
                 computing.discard(r)
             while gate.may_apply():
+                version = gate.version
                 for r, tau in gate.apply().items():
                     assert 0 <= tau <= staleness
+                    lag = 2 if overlap else 1  # the reply its gradient was computed after
+                    base = replies[r][-lag] if len(replies[r]) >= lag else 0
+                    assert tau == version - base
+                    replies[r].append(gate.version)
                     applied[r] += 1
                     left[r] -= 1
                     if left[r]:
@@ -152,14 +163,14 @@ def test_staleness_zero_equals_synchronous_training(client):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("servers", [1, 2])
-def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers):
+@pytest.mark.parametrize(("servers", "overlap"), [(1, False), (2, False), (1, True)])
+def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers, overlap):
     """Replica 1 throttled 3x on an even split: the fast replica runs ahead until the
     bound stops it, and takes over parts of the slow one's batches (``leases=True``).
     Every push the store applied was at most 1 version stale, some were 1 stale, and
     every sample is still trained once per epoch."""
     x, y = make_data(128)
-    sync = dfl.sync.Async(staleness=1, servers=servers, leases=True)
+    sync = dfl.sync.Async(staleness=1, servers=servers, leases=True, overlap=overlap)
     result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
     (phase,) = result.history.phases
     counts = phase.staleness_counts

@@ -11,6 +11,7 @@ from the last commit.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Any
 
@@ -56,6 +57,8 @@ class StoreClient:
         # rollbacks in this process group, counted alike on every replica: a shard built
         # after the n-th serves incarnation n, and calls of an aborted window fail fast
         self.incarnation = 0
+        self.applied: list[int] = []
+        self.outstanding: concurrent.futures.Future | None = None
         if rank < self.servers:  # where the other replicas find this shard
             store.set(f"{prefix}/ps/{rank}", worker.address)
 
@@ -64,6 +67,8 @@ class StoreClient:
         """Host: make sure the shard serves this window, else rebuild it from this
         replica's state (which is the commit the window starts from)."""
         self.window = first_step
+        self.applied: list[int] = []  # the staleness of each push applied in this window
+        self.outstanding = None  # overlap: the push in flight
         if self.rank >= self.servers:
             return
         current = self.registry.shards.get((self.run_id, self.rank))
@@ -99,8 +104,10 @@ class StoreClient:
 
     def push(self, weight: float) -> dict[str, Any]:
         """Send this step's local mean gradient (weighted ``n_r / B``) to every shard and
-        take the weights it produced. Returns the staleness it was applied at (the most
-        over shards), whether a shard refused it (not finite) and the seconds waited."""
+        take the weights it produced. Returns whether a shard refused it (not finite) and
+        the seconds waited. With ``overlap`` it sends and returns at once; the reply is
+        taken at the next push (or the window's end), so the next step computes on the
+        weights of the reply before, and a refusal is reported one step late."""
         started = time.perf_counter()
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -122,21 +129,33 @@ class StoreClient:
             )
             for flat in parts
         ]
-        replies = self._call_all(messages)
+        if self.policy.overlap:
+            refused = self._collect()  # the previous push's reply, before this one goes
+            self.outstanding = self._start(messages)
+        else:
+            refused = self._take(self._wait(self._start(messages)))
+        return {"refused": refused, "waited_s": time.perf_counter() - started}
+
+    def _collect(self) -> bool:
+        """Overlap: wait for the push in flight, if any, and take its weights."""
+        outstanding, self.outstanding = self.outstanding, None
+        return False if outstanding is None else self._take(self._wait(outstanding))
+
+    def _take(self, replies: list[dict[str, Any]]) -> bool:
+        """Load the weights a push produced; note the staleness it was applied at (the
+        most over shards). Returns whether a shard refused it."""
         with torch.no_grad():
             for indices, reply in zip(self.ranges, replies, strict=True):
                 self._load_weights(indices, reply["weights"])
-        return {
-            "staleness": max(r["staleness"] for r in replies),
-            "refused": any(r["refused"] for r in replies),
-            "waited_s": time.perf_counter() - started,
-        }
+        self.applied.append(max(r["staleness"] for r in replies))
+        return any(r["refused"] for r in replies)
 
     def finish(self, stop: int) -> int:
         """This replica's window is over: wait for all replicas, then take the store's
         weights and optimizer state (identical on every replica); returns the version."""
+        self._collect()
         messages = [dict(op_name="finish", replica=self.rank, stop=stop) for _ in self.ranges]
-        replies = self._call_all(messages)
+        replies = self._wait(self._start(messages))
         with torch.no_grad():
             for indices, reply in zip(self.ranges, replies, strict=True):
                 self._load_weights(indices, reply["weights"])
@@ -187,7 +206,9 @@ class StoreClient:
             self.addresses = [self.store.get(key).decode() for key in keys]
         return self.addresses
 
-    def _call_all(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _start(self, messages: list[dict[str, Any]]) -> concurrent.futures.Future:
+        """Send one message to each shard, on the worker's event loop; the future holds
+        their replies."""
         hosts = self._hosts()
         common = dict(
             run_id=self.run_id,
@@ -195,13 +216,12 @@ class StoreClient:
             incarnation=self.incarnation,
             timeout_s=self.timeout_s,
         )
-
         here = self.worker.address
 
         async def call(k: int, address: str, message: dict[str, Any]) -> dict[str, Any]:
             if address == here:  # this worker hosts the shard: no socket, no serialization
                 reply = await self.registry.handle(shard=k, **common, **message)
-                return {k: v.data if isinstance(v, Serialize) else v for k, v in reply.items()}
+                return {key: v.data if isinstance(v, Serialize) else v for key, v in reply.items()}
             wrapped = {
                 key: to_serialize(v) if isinstance(v, torch.Tensor) else v
                 for key, v in message.items()
@@ -215,7 +235,10 @@ class StoreClient:
             ]
             return await asyncio.gather(*calls)
 
-        replies = sync(self.worker.loop, call_all)
+        return asyncio.run_coroutine_threadsafe(call_all(), self.worker.loop.asyncio_loop)
+
+    def _wait(self, future: concurrent.futures.Future) -> list[dict[str, Any]]:
+        replies = future.result()
         for reply in replies:
             if reply.get("status") != "ok":
                 raise ShardError(

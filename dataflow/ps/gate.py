@@ -7,7 +7,9 @@ version. Applying ``v → v + 1`` is allowed only while every replica still comp
 for its pulled version ``p``. So every applied gradient is at most ``s`` versions
 stale, and with ``s = 0`` a version is applied once every replica pushed against it
 (synchronous training). A replica that finished its window no longer holds others
-back. No clocks, threads or tensors here: the shard drives it, the tests check it.
+back. With ``overlap`` a replica's next gradient is computed on the weights of the
+reply before (its push is on the way meanwhile), and the gate counts that base.
+No clocks, threads or tensors here: the shard drives it, the tests check it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ class StalenessGate:
     # replica -> the pulled version of its pushed, not yet applied gradient
     pending: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    # Overlap (Async(overlap=True)): a replica computes its next gradient while its push
+    # is on the way, on the weights of the reply before; ``replied`` is the version of
+    # the last reply each replica got, the base of the gradient after the one in flight
+    overlap: bool = False
+    replied: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.pulled and not self.finished:  # every replica starts on this version
             self.pulled = dict.fromkeys(range(self.replicas), self.version)
+            self.replied = dict.fromkeys(range(self.replicas), self.version)
 
     def push(self, replica: int) -> int:
         """``replica`` pushed the gradient of its pulled version; returns that version."""
@@ -49,8 +57,17 @@ class StalenessGate:
         """Whether the pending pushes may become the next version now."""
         if not self.pending:
             return False
-        after = self.version + 1
-        return all(after - base <= self.staleness for base in self.pulled.values())
+        after, bound = self.version + 1, self.staleness
+        if not self.overlap:
+            return all(after - base <= bound for base in self.pulled.values())
+        # Overlap: a replica computing holds two gradients back, the one under way (on
+        # ``pulled``) and the next (on ``replied``, pushed once it has pushed this one);
+        # a pending one's next gradient is on ``replied``. Keeping both within the bound
+        # here is what lets the version after a round of pushes always apply.
+        for replica, base in self.pulled.items():
+            if after - base > bound or after + 1 - self.replied[replica] > bound:
+                return False
+        return all(after - self.replied[replica] <= bound for replica in self.pending)
 
     def apply(self) -> dict[int, int]:
         """Apply the pending pushes as version ``v + 1``: their staleness by replica
@@ -63,7 +80,11 @@ class StalenessGate:
         applied = {r: self.version - base for r, base in self.pending.items()}
         self.version += 1
         for replica in self.pending:
-            self.pulled[replica] = self.version
+            if self.overlap:  # its next gradient is under way, on the previous reply's weights
+                self.pulled[replica] = self.replied[replica]
+                self.replied[replica] = self.version
+            else:
+                self.pulled[replica] = self.version
         self.pending = {}
         return applied
 

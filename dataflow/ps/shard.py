@@ -57,9 +57,10 @@ class ParameterShard:
             if k in optimizer_state:
                 self.optimizer.state[param] = _clone(optimizer_state[k])
         self.initial_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self.gate = StalenessGate(replicas, policy.staleness)
+        self.gate = StalenessGate(replicas, policy.staleness, overlap=policy.overlap)
         self.start = self.flat_weights()  # θ at the window's start: what everyone pulled
         self.pulled_weights = dict.fromkeys(range(replicas), self.start)  # for DC-ASGD
+        self.replied_weights = dict.fromkeys(range(replicas), self.start)  # (overlap)
         self.pushes: dict[int, Push] = {}
         self.replies: dict[int, dict[str, Any]] = {}
         self.finals: dict[int, dict[str, Any]] = {}  # by window: what finishers take
@@ -87,9 +88,15 @@ class ParameterShard:
                 # (the previous window's finishers have all returned: none can be left)
                 self.finals = {window: self._final()}
                 self.window = stop
-                self.gate = StalenessGate(self.replicas, self.policy.staleness, self.gate.version)
+                self.gate = StalenessGate(
+                    self.replicas,
+                    self.policy.staleness,
+                    self.gate.version,
+                    overlap=self.policy.overlap,
+                )
                 self.start = self.finals[window]["weights"]
                 self.pulled_weights = dict.fromkeys(range(self.replicas), self.start)
+                self.replied_weights = dict.fromkeys(range(self.replicas), self.start)
                 self.changed.notify_all()
             await self._wait_for(lambda: window in self.finals)
             return self.finals[window]
@@ -151,7 +158,11 @@ class ParameterShard:
         version = self.gate.version
         weights = self.flat_weights()
         for replica, push in pushes.items():
-            self.pulled_weights[replica] = weights
+            if self.policy.overlap:  # the next gradient is on the previous reply's weights
+                self.pulled_weights[replica] = self.replied_weights[replica]
+                self.replied_weights[replica] = weights
+            else:
+                self.pulled_weights[replica] = weights
             self.replies[replica] = {
                 "version": version,
                 "staleness": staleness[replica],

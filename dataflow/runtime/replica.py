@@ -162,7 +162,7 @@ class ReplicaRuntime:
         count = stop_step - first_step
         samples, seconds, waits = [0] * count, [0.0] * count, [0.0] * count
         task_losses, task_offsets, task_samples = [], [], []
-        pairs, staleness, taken = [], [], []
+        pairs, staleness, taken = [], [], []  # staleness: from the store client at the end
         read, digest = 0, None
         evals: dict[int, dict[str, float]] = {}
         epoch_ends: list[StepContext] = []
@@ -198,13 +198,14 @@ class ReplicaRuntime:
                 read += len(indices)
                 digest = add_digests(digest or 0, sample_digest(_host_indices(indices)))
             pairs.extend(step.metrics.get("norm_pairs", ()))
-            if "staleness" in step.metrics:
-                staleness.append(step.metrics["staleness"])
+            if "store_wait_s" in step.metrics:
                 waits[offset] += step.metrics["store_wait_s"]
             if step.spec.last_in_epoch and part is None:  # evaluations: after end_window
                 epoch_ends.append(step)
-        if self.context.parameter_store is not None:  # wait for all; take the store's state
-            self.context.parameter_store.finish(stop_step)
+        store = self.context.parameter_store
+        if store is not None:  # wait for all; take the store's state
+            store.finish(stop_step)
+            staleness = list(store.applied)  # every push of this replica's, as applied
         for name in self.order:  # checks made once per window (before any state leaves)
             self.stages[name].end_window(self.context)
         for ended in epoch_ends:  # (local updates evaluate the average there)
