@@ -14,7 +14,8 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
   pseudo-gradient (``outer_lr=0.7, outer_momentum=0.9``);
 * **async even** / **async balanced**: ``sync.Async(staleness=--staleness)``, a parameter
   store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits; **async even +
-  leases**: ``leases=True``, the fast replica takes over the slow one's parts;
+  leases**: ``leases=True``, the fast replica takes over the slow one's parts; **+
+  overlap**: ``overlap=True``, each push overlaps the next step's compute;
 * **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
   let the fast replica take over the slow one's parts (no balancer needed).
 (``local balanced`` uses leases too: ``period_seconds`` turns them on.)
@@ -68,6 +69,14 @@ def sides(period: float, staleness: int = 2) -> dict[str, dict[str, Any]]:
         "local even": dict(balancer=dfl.balance.Even(), sync=dfl.sync.Local(period_seconds=period)),
         "async balanced": dict(
             balancer=dfl.balance.Throughput(), sync=dfl.sync.Async(staleness=staleness)
+        ),
+        "async balanced + overlap": dict(
+            balancer=dfl.balance.Throughput(),
+            sync=dfl.sync.Async(staleness=staleness, overlap=True),
+        ),
+        "async even + leases + overlap": dict(
+            balancer=dfl.balance.Even(),
+            sync=dfl.sync.Async(staleness=staleness, leases=True, overlap=True),
         ),
     }
 
