@@ -23,6 +23,16 @@ from dataflow.core.window import WindowResult
 from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective
 from dataflow.runtime.leases import WindowLeases, planned_tasks
+from dataflow.runtime.window_parts import (
+    add_note,
+    host_copy,
+    host_indices,
+    micro_batch_groups,
+    micro_batch_sizes,
+    optimizer_factory,
+    step_losses,
+    to_floats,
+)
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
@@ -196,7 +206,7 @@ class ReplicaRuntime:
             indices = step.metrics.get("sample_indices")
             if indices is not None:  # the driver knows them from the plan: prove them
                 read += len(indices)
-                digest = add_digests(digest or 0, sample_digest(_host_indices(indices)))
+                digest = add_digests(digest or 0, sample_digest(host_indices(indices)))
             pairs.extend(step.metrics.get("norm_pairs", ()))
             if "store_wait_s" in step.metrics:
                 waits[offset] += step.metrics["store_wait_s"]
@@ -216,7 +226,7 @@ class ReplicaRuntime:
             rank=rank,
             first_step=first_step,
             samples=samples,
-            losses=_step_losses(_to_floats(task_losses), task_offsets, task_samples, count),
+            losses=step_losses(to_floats(task_losses), task_offsets, task_samples, count),
             step_seconds=seconds,
             stage_seconds=stage_seconds,
             task_seconds=time.perf_counter() - started,
@@ -261,7 +271,7 @@ class ReplicaRuntime:
         if model and ctx.model is not None:
             state.model = self.state_dict()
         if optimizer and ctx.optimizer is not None:
-            state.optimizer = _host_copy(ctx.optimizer.state_dict())
+            state.optimizer = host_copy(ctx.optimizer.state_dict())
         if stages:
             state.stages = {name: self.stages[name].phase_state() for name in self.order}
         if rng:
@@ -283,7 +293,7 @@ class ReplicaRuntime:
         if state.model is not None and ctx.model is not None:
             ctx.model.load_state_dict(state.model)
         if state.optimizer is not None and ctx.optimizer is not None:
-            ctx.optimizer.load_state_dict(_host_copy(state.optimizer))
+            ctx.optimizer.load_state_dict(host_copy(state.optimizer))
         for name, settings in (state.stages or {}).items():
             if settings is not None and name in self.stages:
                 self.stages[name].load_phase_state(settings)
@@ -354,7 +364,7 @@ class ReplicaRuntime:
             note = f"in stage {name!r} on replica {step.replica.rank}, step {step.spec.index}"
             if step.micro_count > 1:
                 note += f", micro-batch {step.micro_index + 1} of {step.micro_count}"
-            _add_note(exc, note)
+            add_note(exc, note)
             # Peers waiting on this replica in a collective fail now. A NaN caught before
             # the update is no such case: every replica saw the same reduced gradient and
             # stops at the same step, so the group stays usable for the rollback.
@@ -449,7 +459,7 @@ class ReplicaRuntime:
             replicas=ctx.world_size,
             model=ctx.model,
             optimizer=ctx.optimizer,
-            optimizer_factory=_optimizer_factory(self.stages.values()),
+            optimizer_factory=optimizer_factory(self.stages.values()),
             worker=worker,
             registry=registry,
             store=ctx.collective.store,
@@ -482,78 +492,3 @@ class ReplicaRuntime:
                 self.stages[name].teardown(self.context)
             except Exception:  # teardown is best effort: the fit already ended
                 pass
-
-
-def _optimizer_factory(stages: Any) -> Any:
-    """The optimizer factory of the graph's Update stage (a parameter store builds the
-    same optimizer over its shard of the parameters)."""
-    for stage in stages:
-        factory = getattr(getattr(stage, "config", None), "optimizer", None)
-        if callable(factory):
-            return factory
-    raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
-
-
-def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
-    """The stage order cut into groups: each run of consecutive ``per_micro_batch`` stages
-    (Forward, Backward) is one group, run once per micro-batch; every other stage alone."""
-    groups: list[tuple[str, ...]] = []
-    for name in order:
-        if stages[name].per_micro_batch and groups and stages[groups[-1][-1]].per_micro_batch:
-            groups[-1] = (*groups[-1], name)
-        else:
-            groups.append((name,))
-    return groups
-
-
-def micro_batch_sizes(size: int, count: int) -> list[int]:
-    """``size`` samples in ``count`` near-equal non-empty parts, larger parts first."""
-    count = max(1, min(count, size))
-    base, extra = divmod(size, count)
-    return [base + (1 if k < extra else 0) for k in range(count)]
-
-
-def _host_copy(value: Any) -> Any:
-    """A copy in host memory of nested dicts/lists of tensors (a state dict)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_host_copy(v) for v in value)
-    return value
-
-
-def _step_losses(
-    losses: list[float | None], offsets: list[int], sizes: list[int], count: int
-) -> list[float | None]:
-    """Per step of the window, the sample-weighted mean loss of the parts this replica
-    trained of it (None for a step it trained no part of, or without a loss)."""
-    total, weight = [0.0] * count, [0] * count
-    seen = [False] * count
-    for loss, offset, size in zip(losses, offsets, sizes, strict=True):
-        if loss is None:
-            continue
-        seen[offset] = True
-        total[offset] += loss * size
-        weight[offset] += size
-    return [
-        (total[k] / weight[k] if weight[k] else total[k]) if seen[k] else None for k in range(count)
-    ]
-
-
-def _to_floats(values: list[Any]) -> list[float | None]:
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [None if v is None else float(v) for v in values]
-    flat = iter(torch.stack([t.detach().float() for t in tensors]).cpu().tolist())
-    return [next(flat) if isinstance(v, torch.Tensor) else v for v in values]
-
-
-def _host_indices(indices: Any) -> Any:
-    return indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)

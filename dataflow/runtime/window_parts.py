@@ -1,0 +1,84 @@
+"""Small pure helpers of a replica's window: micro-batch groups and sizes, per-step
+losses from the parts trained, host copies of state. Kept apart from
+:mod:`dataflow.runtime.replica`, which runs the window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def optimizer_factory(stages: Any) -> Any:
+    """The optimizer factory of the graph's Update stage (a parameter store builds the
+    same optimizer over its shard of the parameters)."""
+    for stage in stages:
+        factory = getattr(getattr(stage, "config", None), "optimizer", None)
+        if callable(factory):
+            return factory
+    raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
+
+
+def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The stage order cut into groups: each run of consecutive ``per_micro_batch`` stages
+    (Forward, Backward) is one group, run once per micro-batch; every other stage alone."""
+    groups: list[tuple[str, ...]] = []
+    for name in order:
+        if stages[name].per_micro_batch and groups and stages[groups[-1][-1]].per_micro_batch:
+            groups[-1] = (*groups[-1], name)
+        else:
+            groups.append((name,))
+    return groups
+
+
+def micro_batch_sizes(size: int, count: int) -> list[int]:
+    """``size`` samples in ``count`` near-equal non-empty parts, larger parts first."""
+    count = max(1, min(count, size))
+    base, extra = divmod(size, count)
+    return [base + (1 if k < extra else 0) for k in range(count)]
+
+
+def host_copy(value: Any) -> Any:
+    """A copy in host memory of nested dicts/lists of tensors (a state dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: host_copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_copy(v) for v in value)
+    return value
+
+
+def step_losses(
+    losses: list[float | None], offsets: list[int], sizes: list[int], count: int
+) -> list[float | None]:
+    """Per step of the window, the sample-weighted mean loss of the parts this replica
+    trained of it (None for a step it trained no part of, or without a loss)."""
+    total, weight = [0.0] * count, [0] * count
+    seen = [False] * count
+    for loss, offset, size in zip(losses, offsets, sizes, strict=True):
+        if loss is None:
+            continue
+        seen[offset] = True
+        total[offset] += loss * size
+        weight[offset] += size
+    return [
+        (total[k] / weight[k] if weight[k] else total[k]) if seen[k] else None for k in range(count)
+    ]
+
+
+def to_floats(values: list[Any]) -> list[float | None]:
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [None if v is None else float(v) for v in values]
+    flat = iter(torch.stack([t.detach().float() for t in tensors]).cpu().tolist())
+    return [next(flat) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def host_indices(indices: Any) -> Any:
+    return indices.cpu().numpy() if isinstance(indices, torch.Tensor) else indices
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
