@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -171,7 +172,10 @@ def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers, over
     every sample is still trained once per epoch."""
     x, y = make_data(128)
     sync = dfl.sync.Async(staleness=1, servers=servers, leases=True, overlap=overlap)
-    result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
+    # (overlap with momentum 0.9 warns: a step's delay adds momentum)
+    calm = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5)) if overlap else {}
+    pipe = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}, **calm)
+    result = pipe.fit(epochs=2, client=client)
     (phase,) = result.history.phases
     counts = phase.staleness_counts
     assert all(len(c) <= 2 for c in counts), counts  # τ ∈ {0, 1} only
@@ -340,3 +344,14 @@ def test_a_version_is_the_staleness_weighted_sum_with_delay_compensation():
     shard.pushes[0] = refused
     shard._apply(shard.gate.apply())  # nothing applied, the replica told so
     assert torch.allclose(shard.flat_weights(), expected) and shard.replies[0]["refused"]
+
+
+def test_overlap_with_high_momentum_warns_before_any_worker_starts():
+    x, y = make_data(16)
+    sync = dfl.sync.Async(staleness=1, overlap=True)
+    with pytest.warns(RuntimeWarning, match="overlap=True\\) with SGD momentum 0.9"):
+        tiny_pipeline(x, y, sync=sync).trainer._dry_run()  # conftest's sgd: momentum 0.9
+    calm = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_pipeline(x, y, sync=sync, **calm).trainer._dry_run()
