@@ -103,15 +103,15 @@ class AllReduce(Stage):
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
-        if (self._async or self._local) and step.replica.window is not self._window_range:
-            # a new window, or the replay of one rolled back: (the runtime's tuple is new each time)
+        if not (self._async or self._local):
+            return
+        if step.replica.window is not self._window_range:
+            # a new window, or the replay of one rolled back (the runtime's tuple is new
+            # each time): what it trained starts from nothing
             self._window, self._window_range = {}, step.replica.window
-        if self._async:
-            self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
-        elif self._local:  # keyed by step: a window run again after a rollback counts once
-            if not self._window and step.replica.local.outer:  # the window's first step
+            if self._local and step.replica.local.outer:  # DiLoCo: the window's start
                 self._start = [p.detach().clone() for p in step.replica.model.parameters()]
-            self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
+        self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
 
     def begin_micro_batch(self, step: StepContext) -> None:
         """Only the last micro-batch's backward reduces. Measuring noise with one replica,
@@ -156,10 +156,10 @@ class AllReduce(Stage):
         if window is None or window is getattr(self, "_measured", None):
             return
         self._measured = window
-        params = list(step.replica.model.parameters())
-        flat = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-        ).to(torch.float64)
+        flat = _flat_grads(step.replica.model)
+        if flat is None:
+            return
+        flat = flat.to(torch.float64)
         local, local_sq = step.local_batch, float(flat.dot(flat))
         both = torch.cat([flat * local, flat.new_tensor([float(local)])])
         step.replica.collective.allreduce(both)
@@ -258,9 +258,7 @@ def _window_shares(
     (``steps``, the window's range; all of a step's parts may have been trained by
     others): this replica's weight in the average is their ratio."""
     samples = sum(local for local, _ in window.values())
-    if steps is not None:
-        return samples, sum(global_of[i] for i in range(*steps))
-    return samples, sum({step: total for (step, _), (_, total) in window.items()}.values())
+    return samples, sum(global_of[i] for i in range(*steps))
 
 
 def _local_state(replica: ReplicaContext) -> list[Any]:
@@ -320,7 +318,12 @@ def average_weighted_(tensors: list[Any], weight: float, collective: Any) -> Non
 
 
 def _flat_grads(model: Any) -> Any:
-    grads = [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    """Every parameter's gradient in one flat tensor, zeros where there is none (so all
+    replicas' copies line up for an allreduce); None for a model without parameters."""
+    grads = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        for p in model.parameters()
+    ]
     return torch.cat(grads) if grads else None
 
 

@@ -166,7 +166,7 @@ class Update(Stage):
         optimizer = step.replica.optimizer
         if grads.applied:  # the parameter store stepped; its weights are in the model
             if step.metrics.get("refused_non_finite"):
-                self._refused(step)
+                self._non_finite(step, "the parameter store refused it")
             optimizer.zero_grad()
             return grads
         # Decided on the reduced gradient, identical on every replica, so all agree;
@@ -181,30 +181,21 @@ class Update(Stage):
             self._first_bad = torch.where(~ok & (first < 0), index, first)
             optimizer.step()
         elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
-            if self.config.on_non_finite in ("raise", "rollback"):
-                raise NonFiniteError(
-                    f"non-finite loss or gradient at step {step.spec.index} (epoch "
-                    f"{step.spec.epoch}, phase {getattr(self, '_phase', '?')}) on replica "
-                    f"{step.replica.rank}; no update was applied. Lower the learning rate, "
-                    "check the inputs for NaN/inf, or pass on_non_finite='skip' to drop such "
-                    "steps"
-                )
-            self._skipped += 1
-            step.metrics["skipped"] = True
+            self._non_finite(step, "no update was applied")
         else:
             optimizer.step()
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
 
-    def _refused(self, step: StepContext) -> None:
-        """The store refused this replica's non-finite gradient (nothing was applied)."""
+    def _non_finite(self, step: StepContext, what: str) -> None:
+        """A non-finite step, by ``on_non_finite``: stop (raise, or the driver's rollback)
+        naming the step, or skip it and count it."""
         if self.config.on_non_finite in ("raise", "rollback"):
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {step.spec.index} (epoch "
                 f"{step.spec.epoch}, phase {getattr(self, '_phase', '?')}) on replica "
-                f"{step.replica.rank}; the parameter store refused it. Lower the learning "
-                "rate, check the inputs for NaN/inf, or pass on_non_finite='skip' to drop "
-                "such steps"
+                f"{step.replica.rank}; {what}. Lower the learning rate, check the inputs "
+                "for NaN/inf, or pass on_non_finite='skip' to drop such steps"
             )
         self._skipped += 1
         step.metrics["skipped"] = True

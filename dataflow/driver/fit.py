@@ -139,7 +139,7 @@ def build_loop(
         skips_non_finite=trainer.skips_non_finite,
         progress=config.progress,
         cost_model=planned_model(config, fit_plan),
-        local_updates=config.settles_at_window_end,
+        lockstep_wait=config.settles_at_window_end,
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)

@@ -42,13 +42,13 @@ class Recorder:
         skips_non_finite: bool,
         progress: bool,
         cost_model: Any = None,
-        local_updates: bool = False,
+        lockstep_wait: bool = False,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
         # a CostModel with the fit's window and bucket sizes: each phase's prediction
         self.cost_model = cost_model
-        self.local_updates = local_updates  # record the wait lockstep steps would have had
+        self.lockstep_wait = lockstep_wait  # record the wait lockstep steps would have had
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -112,7 +112,7 @@ class Recorder:
             w.checkpoint = None  # the history keeps the window's numbers, not its weights
         samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
         self._add_totals(filled, samples.sum(axis=1))
-        if self.local_updates and not salvaged:
+        if self.lockstep_wait and not salvaged:
             seconds = np.array([w.step_seconds for w in filled], dtype=float)
             if all(len(w.store_wait_s) == len(w.step_seconds) for w in filled):
                 # asynchronous: a step's work is its time less its wait on the store
@@ -345,7 +345,7 @@ class Recorder:
                 skipped_steps=ends[0].get("skipped_steps", 0),
                 measured_step_seconds=self._measured_step_seconds(phase),
                 lockstep_wait_s=(
-                    [t.lockstep_wait_s for t in totals] if self.local_updates else None
+                    [t.lockstep_wait_s for t in totals] if self.lockstep_wait else None
                 ),
                 samples_trained=[t.samples for t in totals],
                 staleness_counts=(

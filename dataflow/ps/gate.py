@@ -98,7 +98,3 @@ class StalenessGate:
     @property
     def all_finished(self) -> bool:
         return len(self.finished) == self.replicas
-
-    def expected_staleness(self) -> int:
-        """The staleness of replicas at equal speed pushing in turn: ``min(s, R - 1)``."""
-        return min(self.staleness, max(self.replicas - 1, 0))
