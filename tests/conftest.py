@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -84,3 +86,23 @@ def client():
 
     with client_or_local_cluster(None, n_workers=2, announce=False) as c:
         yield c
+
+
+def digits_accuracy(client, data: dict, **options) -> float:
+    """Held-out accuracy after 10 epochs of TinyCNN (10 classes) on sklearn's digits
+    (``dataflow.datasets.digits_arrays``), 2 replicas, batch 64, SGD with momentum 0.9:
+    the digits fits that compare synchronization policies."""
+    pipe = dfl.Pipeline(
+        model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
+        eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
+        metrics={"accuracy": dfl.stages.accuracy},
+        schedule=dfl.schedule.Fixed(64),
+        replicas=2,
+        device="cpu",
+        progress=False,
+        **options,
+    )
+    return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])

@@ -15,14 +15,19 @@ import dataflow as dfl
 pytestmark = pytest.mark.slow
 
 
+def learnable_data(n: int = 192) -> tuple[np.ndarray, np.ndarray]:
+    """make_data's inputs with labels that follow a signal in them (so |G|^2 is real)."""
+    x, _ = make_data(n)
+    return x, np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])
+
+
 def plain_sgd(params):
     return torch.optim.SGD(params, lr=0.02)
 
 
 @pytest.mark.parametrize("replicas", [2, 1])
 def test_adaptive_grows_the_batch_from_the_measured_noise_scale(client, replicas):
-    x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
+    x, y = learnable_data()
     schedule = dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0)
     pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, replicas=replicas)
     result = pipe.fit(epochs=4, client=client)
@@ -52,8 +57,7 @@ def test_adaptive_under_local_updates_measures_as_synchronous_training(client):
     replicas' first gradients (all on the window's starting weights), allreduced once.
     With one step per window that is every step, on the same weights as synchronous
     training: the same estimates, the same batches, the same model."""
-    x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])
+    x, y = learnable_data()
     schedule = dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0)
     options = dict(optimizer=plain_sgd, schedule=schedule, replicas=2)
     local = tiny_pipeline(x, y, sync=dfl.sync.Local(period_steps=1), **options)
@@ -72,8 +76,7 @@ def test_adaptive_under_local_updates_measures_as_synchronous_training(client):
 
 
 def test_adaptive_grows_the_batch_under_asynchronous_updates(client):
-    x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])
+    x, y = learnable_data()
     # one measurement per window: short windows, and trust an estimate from 3 of them
     schedule = dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0, min_measured_steps=3)
     sync = dfl.sync.Async(staleness=1)

@@ -7,14 +7,13 @@ interleavings in milliseconds; the fits run on a real LocalCluster."""
 
 from __future__ import annotations
 
-import functools
 import random
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
+from conftest import digits_accuracy, make_data, max_abs_diff, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
@@ -237,22 +236,7 @@ def test_async_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     data = digits_arrays(seed=0)
 
     def accuracy(seed: int, **options) -> float:
-        pipe = dfl.Pipeline(
-            model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes
-            loss=torch.nn.functional.cross_entropy,
-            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-            source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
-            eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
-            metrics={"accuracy": dfl.stages.accuracy},
-            schedule=dfl.schedule.Fixed(64),
-            replicas=2,
-            device="cpu",
-            progress=False,
-            throttle={1: 2.0},
-            seed=seed,
-            **options,
-        )
-        return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
+        return digits_accuracy(client, data, throttle={1: 2.0}, seed=seed, **options)
 
     seeds = range(3)
     synchronous = np.mean([accuracy(seed) for seed in seeds])

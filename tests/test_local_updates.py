@@ -9,12 +9,11 @@ plan gives each replica."""
 from __future__ import annotations
 
 import copy
-import functools
 
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, sgd, tiny_pipeline
+from conftest import TinyCNN, digits_accuracy, make_data, max_abs_diff, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
@@ -231,20 +230,7 @@ def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     data = digits_arrays(seed=0)
 
     def accuracy(**options) -> float:
-        pipe = dfl.Pipeline(
-            model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes
-            loss=torch.nn.functional.cross_entropy,
-            optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-            source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
-            eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
-            metrics={"accuracy": dfl.stages.accuracy},
-            schedule=dfl.schedule.Fixed(64),
-            replicas=2,
-            device="cpu",
-            progress=False,
-            **options,
-        )
-        return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
+        return digits_accuracy(client, data, **options)
 
     synchronous = accuracy()
     local = accuracy(sync=dfl.sync.Local(period_steps=8))
