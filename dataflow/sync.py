@@ -217,6 +217,14 @@ class Async:
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas
 
+    def survives_loss(self, lost: tuple[int, ...], replicas: int) -> bool:
+        """Whether the other replicas can finish the window in flight without ``lost``:
+        none of them hosted a shard of the store (replica ``k < servers`` hosts shard
+        ``k``), so every update they pushed is kept, and only their gradients in
+        flight are trained again."""
+        hosts = min(self.servers, replicas)
+        return 0 < len(lost) < replicas and all(rank >= hosts for rank in lost)
+
     def describe(self) -> str:
         text = (
             f"asynchronous: a parameter store of {self.servers} shard(s); pushes applied at "

@@ -135,7 +135,8 @@ class AllReduce(Stage):
         if getattr(self, "_async", False) and store is not None:
             # The store applies the weighted gradient (at most `staleness` versions late)
             # and returns the weights it produced: Update has nothing left to do.
-            reply = store.push(step.weight)  # (the store client notes each staleness)
+            # (the store client notes each staleness; the part names what was applied)
+            reply = store.push(step.weight, part=(step.spec.index, step.owner))
             step.metrics["store_wait_s"] = reply["waited_s"]
             if reply["refused"]:
                 step.metrics["refused_non_finite"] = True
@@ -195,16 +196,10 @@ class AllReduce(Stage):
     def end_window(self, replica: ReplicaContext) -> None:
         """Local updates: the replicas' weights (optimizer state, floating buffers) become
         their average weighted by the samples each trained on in this window.
-        Asynchronous updates: the runtime took the store's weights and optimizer state
-        already; the floating buffers (BatchNorm statistics) are averaged the same way."""
+        Asynchronous updates: the runtime took the store's weights, optimizer state and
+        floating buffers (BatchNorm statistics, averaged the same way) already."""
         if getattr(self, "_async", False):
-            samples, total = _window_shares(self._window, self._global_of, replica.window)
             self._window = {}
-            if replica.collective is not None and replica.model is not None:
-                buffers = [b.data for b in replica.model.buffers() if b.is_floating_point()]
-                if buffers:
-                    weight = samples / total if total else 1.0 / replica.world_size
-                    average_weighted_(buffers, weight, replica.collective)
             return
         if not getattr(self, "_local", False):
             return

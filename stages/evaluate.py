@@ -171,7 +171,11 @@ class Evaluate(Stage):
         step = getattr(self, "_due", None)
         if step is not None:
             self._due = None
-            step.metrics["eval"] = self.evaluate_shard(step)
+            scores = self.evaluate_shard(step)
+            for rank in replica.orphans:  # a lost replica's share, so none goes unscored
+                for key, value in self.evaluate_shard(step, rank).items():
+                    scores[key] += value
+            step.metrics["eval"] = scores
 
     def prepare(self, batch: Any, device: torch.device) -> Any:
         """A held-out batch on ``device`` with the evaluation transforms applied, as the
@@ -182,11 +186,14 @@ class Evaluate(Stage):
             setattr(batch, apply_to, fn(getattr(batch, apply_to)))
         return batch
 
-    def evaluate_shard(self, step: StepContext) -> dict[str, float]:
+    def evaluate_shard(self, step: StepContext, rank: int | None = None) -> dict[str, float]:
+        """Sums of the metrics over replica ``rank``'s share of the held-out set (this
+        replica's by default), and its ``count``."""
         replica = step.replica
+        rank = replica.rank if rank is None else rank
         n = self.source.num_samples
-        lo = n * replica.rank // replica.world_size
-        hi = n * (replica.rank + 1) // replica.world_size
+        lo = n * rank // replica.world_size
+        hi = n * (rank + 1) // replica.world_size
         sums = dict.fromkeys(self.config.metrics, 0.0)
         model = replica.model
         model.eval()

@@ -346,3 +346,74 @@ def test_a_group_that_fails_to_form_is_formed_again_then_the_error_stands():
     [form] = d.send(ev.GroupFailed(1, RuntimeError("stalled")))
     assert not form.fresh and form.joining == ("tcp://c",) and form.generation == 2
     assert d.send(ev.GroupFormed(2)) == [cmd.PlanSegment("phase", 3, phase=d.state.next_phase)]
+
+
+def _async_driver(workers=W, servers=1):
+    from dataflow.sync import Async
+
+    d = Driver(sync=Async(staleness=1, servers=servers))
+    _, calibration = d.start(workers=workers)
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    return d, train
+
+
+def test_async_a_lost_replica_is_released_and_the_survivors_keep_the_window_in_flight():
+    """Asynchronous updates, replica 2 (not a store host) lost mid-window: nothing is
+    rolled back at once. The survivors are told to finish the window in flight without
+    it; once it commits they regroup from its end, and the record says nothing was
+    lost but what they trained again."""
+    d, train = _async_driver()
+    w0 = train.plan.windows[0]
+    out = d.send(ev.WorkersLost(("tcp://c",)))
+    [release] = out
+    assert isinstance(release, cmd.ReleaseReplicas)
+    assert release.members == W[:2] and release.lost == (2,) and release.workers == ("tcp://c",)
+    assert release.window == train.first_window and release.stop_step == 2 + w0.n_steps
+    assert d.send(ev.WindowDone(0, train.first_window, {0: result(0, train.plan, w0)})) == []
+    survivor = result(1, train.plan, w0)
+    survivor.retrained = [(2, 2)]
+    out = d.send(ev.WindowDone(0, train.first_window, {1: survivor}))
+    kinds = [type(c) for c in out]
+    assert kinds == [
+        cmd.CommitWindow,
+        cmd.RecordFailure,
+        cmd.StopWindows,
+        cmd.RollBack,
+        cmd.FormGroup,
+    ]
+    assert out[0].results[2] is None  # the lost replica's samples: the rest of each step
+    record = out[1].record
+    assert record["kept_window"] and record["window_steps_lost"] == 0
+    assert record["retrained_parts"] == 1 and record["commit_step"] == 2 + w0.n_steps
+    assert out[3].step == 2 + w0.n_steps and out[4].members == W[:2]
+
+
+def test_async_a_lost_store_host_or_a_failed_release_rolls_back():
+    """A lost shard host takes the store's state with it: roll back to the commit. So
+    does a second loss while the survivors finish the released window, or its failure."""
+    d, _ = _async_driver()
+    out = d.send(ev.WorkersLost(("tcp://a",)))  # replica 0 hosts the store's shard
+    assert [type(c) for c in out][-3:] == [cmd.StopWindows, cmd.RollBack, cmd.FormGroup]
+    assert not of(cmd.ReleaseReplicas, out)
+
+    d, train = _async_driver()
+    d.send(ev.WorkersLost(("tcp://c",)))
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    [record] = of(cmd.RecordFailure, out)
+    assert record.record["lost"] == ["tcp://b", "tcp://c"]
+    assert record.record["window_steps_lost"] > 0 and "kept_window" not in record.record
+    [rollback] = of(cmd.RollBack, out)
+    assert rollback.members == ("tcp://a",) and rollback.step == 2
+
+    d, train = _async_driver()
+    d.send(ev.WorkersLost(("tcp://c",)))
+    error = ReplicaError("boom")
+    out = d.send(ev.WindowFailed(0, 0, train.first_window, error, False))
+    assert [type(c) for c in out][-3:] == [cmd.StopWindows, cmd.RollBack, cmd.FormGroup]
+    assert of(cmd.RollBack, out)[0].step == 2 and d.state.status == "forming"
+
+
+def test_async_with_two_servers_releases_only_replicas_that_host_no_shard():
+    d, _ = _async_driver(servers=2)
+    out = d.send(ev.WorkersLost(("tcp://b",)))  # replica 1 hosts shard 1
+    assert not of(cmd.ReleaseReplicas, out) and of(cmd.RollBack, out)

@@ -40,6 +40,9 @@ class ReplicaContext:
     asynchronous: Any = None
     parameter_store: Any = None
     window: tuple[int, int] | None = None  # the running window's [first, stop) steps
+    # Lost replicas whose held-out share this one evaluates at the window's end
+    # (asynchronous updates go on without them until the fit regroups)
+    orphans: tuple[int, ...] = ()
 
     @property
     def local_updates(self) -> bool:

@@ -42,3 +42,7 @@ class WindowResult:
     # Sample leases: (step, part) of the parts of other replicas' batches this replica
     # took over; ``samples``, ``losses`` and the digest include them
     taken_over: list[tuple[int, int]] = field(default_factory=list)
+    # A replica lost in the window (asynchronous updates): the parts of it this one
+    # trained again at the window's end (also in ``taken_over``: the store had not
+    # applied them)
+    retrained: list[tuple[int, int]] = field(default_factory=list)

@@ -111,6 +111,21 @@ class StopWindows:
 
 
 @dataclass(frozen=True)
+class ReleaseReplicas:
+    """Asynchronous updates: replicas ``lost`` (ranks; workers ``workers``) are gone,
+    and none hosted the parameter store. ``members`` (the survivors) finish the window
+    in flight (fit-wide number ``window``, ending before ``stop_step``) without them,
+    training again what the lost ones had not pushed, and run no later window."""
+
+    generation: int
+    members: tuple[str, ...]
+    lost: tuple[int, ...]
+    workers: tuple[str, ...]
+    window: int
+    stop_step: int
+
+
+@dataclass(frozen=True)
 class RollBack:
     """``members`` (in their new rank order) return to the state before ``step``."""
 

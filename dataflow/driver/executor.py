@@ -62,6 +62,7 @@ class Executor:
         self.size = getattr(getattr(spec, "layout", None), "spatial", 1) or 1
         self.groups: dict[str, tuple[str, ...]] = {}  # leader -> its group's workers
         self.slot_of: dict[Any, int] = {}  # window future -> the worker (slot) it ran on
+        self.released: set[str] = set()  # lost members the machine already handles
 
     # -- liveness -----------------------------------------------------------------------
     def available(self) -> list[str]:
@@ -71,7 +72,7 @@ class Executor:
         if not self.recover:
             return []
         alive = live_workers(self.client)
-        return [a for a in self.members if a not in alive]
+        return [a for a in self.members if a not in alive and a not in self.released]
 
     def raise_if_lost(self, grace: bool = False) -> None:
         """Raise :class:`Lost` if a member is gone. With ``grace`` (a task just failed,
@@ -260,6 +261,7 @@ class Executor:
         members = tuple(w for g in groups for w in g)
         self.members, self.generation = members, c.generation
         self.known.update(members)
+        self.released = set()
         world = len(members)
         if c.fresh:  # no window of an older group is in flight any more
             self.windows, self.slot_of, self.in_flight = {}, {}, []
@@ -412,6 +414,28 @@ class Executor:
         # Dropped, not cancelled: cancelling a chain of dependent futures can trip the
         # scheduler; a dropped task that still runs finds a newer generation and refuses.
         self.in_flight, self.windows, self.slot_of = [], {}, {}
+
+    def release(self, c: cmd.ReleaseReplicas) -> None:
+        """The survivors finish window ``c.window`` without the lost replicas: their
+        futures, and every later window's (which the survivors skip), are dropped from
+        what the driver waits on; the survivors' workers are told (not waiting: a
+        worker that died unnoticed would stall it)."""
+        self.released.update(c.workers)
+        self.windows = {
+            f: key for f, key in self.windows.items() if key[1] not in c.lost and key[2] <= c.window
+        }
+        self.slot_of = {f: slot for f, slot in self.slot_of.items() if f in self.windows}
+        survivors = list(self._workers_of(c.members))
+        with contextlib.suppress(Exception):
+            self.client.run(
+                remote.release_replicas,
+                self.run_id,
+                c.generation,
+                list(c.lost),
+                c.stop_step,
+                workers=survivors,
+                wait=False,
+            )
 
     def roll_back(self, c: cmd.RollBack) -> None:
         self.members = self._addressed(c)

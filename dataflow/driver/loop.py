@@ -290,7 +290,13 @@ class FitLoop:
     def _RecordFailure(self, c: cmd.RecordFailure) -> None:
         self.open_failure = self.recorder.failure(c.record)
         record = c.record
-        if self.progress and record["reason"] == "lost workers":
+        if self.progress and record.get("kept_window"):
+            print(
+                f"dataflow: the window in flight is kept ({record['retrained_parts']} part(s) "
+                f"trained again); going on from step {record['commit_step']} on "
+                f"{record.get('replicas_after')} replica(s)"
+            )
+        elif self.progress and record["reason"] == "lost workers":
             print(
                 f"dataflow: lost worker(s) {', '.join(record['lost'])}; rolling back to step "
                 f"{record['commit_step']} on {record.get('replicas_after')} replica(s)"
@@ -299,6 +305,14 @@ class FitLoop:
             print(
                 f"dataflow: {record.get('error')}; rolling back to step "
                 f"{record['commit_step']}, LR x {record.get('lr_factor')}"
+            )
+
+    def _ReleaseReplicas(self, c: cmd.ReleaseReplicas) -> None:
+        self.executor.release(c)
+        if self.progress:
+            print(
+                f"dataflow: lost worker(s) {', '.join(c.workers)}; the other replicas finish "
+                f"the window in flight without them (up to step {c.stop_step})"
             )
 
     def _StopWindows(self, c: cmd.StopWindows) -> None:

@@ -260,6 +260,8 @@ class FitMachine(LostWorkers):
         if event.generation != s.generation or event.window not in s.windows:
             return []  # a window of a group or plan that a recovery replaced
         s.pending.setdefault(event.window, {}).update(event.results)
+        if s.releasing:
+            return self._window_done_releasing()
         out = self._commit_ready(lost=())
         if s.windows or s.status != "running":
             return out
@@ -325,6 +327,8 @@ class FitMachine(LostWorkers):
         s, config = self.state, self.config
         if event.generation != s.generation or event.window not in s.windows:
             return []
+        if s.releasing:  # the survivors could not finish the released window
+            return self._abandon_release(())
         if not (
             event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks
         ):

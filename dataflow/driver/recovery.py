@@ -1,8 +1,11 @@
 """What the fit machine decides when workers are lost: salvage what the lost replicas'
 partners finished, roll the survivors back to the last commit, regroup them (with
 spares and joiners), restart from a checkpoint when no replica is left, or fail with
-the layout the remaining workers can run. A mixin of :class:`~dataflow.driver.machine.
-FitMachine` (its ``state`` and ``config``); pure, like the machine.
+the layout the remaining workers can run. Under asynchronous updates the survivors
+first finish the window in flight without the lost replicas (a *release*), so nothing
+but the lost replicas' gradients in flight is trained again. A mixin of
+:class:`~dataflow.driver.machine.FitMachine` (its ``state`` and ``config``); pure,
+like the machine.
 """
 
 from __future__ import annotations
@@ -59,18 +62,84 @@ class LostWorkers:
             return [cmd.Fail(lost=lost, remain=remain, phase=self._phase_index())]
         if s.status == "forming" and s.forming in ("start", "restart"):
             return self._lost_while_starting(event, lost_ranks)
+        if s.releasing:  # lost again while the survivors finish a window: roll back
+            return self._abandon_release(event.workers)
+        if s.status == "running" and self._may_release(lost_ranks):
+            return self._release(event, lost_ranks)
         # What to do again once the survivors are regrouped.
         resume = {"running": "rest", "ending": "end", "done": "finish"}.get(s.status)
         if s.status == "boundary":
             resume = "checkpoint" if config.checkpoints else "choose"
         return self._regroup_survivors(event, lost_ranks, after=resume or s.after_group)
 
+    # -- asynchronous updates: the survivors keep the window in flight ------------------
+    def _may_release(self, lost_ranks: tuple[int, ...]) -> bool:
+        survives = getattr(self.config.sync, "survives_loss", None)
+        return (
+            self.config.spatial == 1
+            and survives is not None
+            and survives(lost_ranks, self.state.layout.replicas)
+        )
+
+    def _release(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list[Any]:
+        """Commit what the survivors finished, then let them finish the window in flight
+        without the lost replicas (the store stops waiting for them); they regroup once
+        it commits (``_end_release``)."""
+        s = self.state
+        out = self._commit_ready(lost=lost_ranks)
+        if s.commit_window not in s.windows:  # nothing in flight: regroup now
+            return out + self._regroup_survivors(event, lost_ranks, after="rest")
+        plan, window, _ = s.windows[s.commit_window]
+        s.releasing, s.release_window = lost_ranks, s.commit_window
+        s.released_workers = tuple(w for w in s.layout.workers if w in event.workers)
+        release = cmd.ReleaseReplicas(
+            s.generation,
+            s.layout.without(lost_ranks).leaders,
+            lost_ranks,
+            s.released_workers,
+            s.commit_window,
+            plan.steps[window.stop - 1].index + 1,
+        )
+        return [*out, release]
+
+    def _window_done_releasing(self) -> list[Any]:
+        """A result while the survivors finish the released window: once it commits,
+        they regroup from its end, nothing rolled back."""
+        s = self.state
+        got = s.pending.get(s.release_window, {})
+        retrained = [p for r in got.values() for p in getattr(r, "retrained", ())]
+        out = self._commit_ready(lost=s.releasing)
+        if s.commit_window <= s.release_window:
+            return out
+        lost_ranks, workers = s.releasing, s.released_workers
+        s.releasing, s.released_workers, s.release_window = (), (), -1
+        kept = {"window_steps_lost": 0, "kept_window": True, "retrained_parts": len(retrained)}
+        event = ev.WorkersLost(workers)
+        return out + self._regroup_survivors(event, lost_ranks, after="rest", kept=kept)
+
+    def _abandon_release(self, more: tuple[str, ...]) -> list[Any]:
+        """The released window cannot finish (another worker lost, or it failed): the
+        survivors roll back to the commit, as under synchronous training."""
+        s = self.state
+        workers = (*s.released_workers, *(w for w in more if w not in s.released_workers))
+        s.releasing, s.released_workers, s.release_window = (), (), -1
+        lost_ranks = s.layout.lost_replicas(workers)
+        return self._regroup_survivors(ev.WorkersLost(workers), lost_ranks, after="rest")
+
+    # -- regrouping -------------------------------------------------------------------
     def _regroup_survivors(
-        self, event: ev.WorkersLost, lost_ranks: tuple[int, ...], *, after: str
+        self,
+        event: ev.WorkersLost,
+        lost_ranks: tuple[int, ...],
+        *,
+        after: str,
+        kept: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Go on without the lost replicas: commit what their partners finished, stop
         and roll the survivors back to the last commit, then regroup them (with the
-        workers that joined meanwhile) or, below ``min_workers``, save and fail."""
+        workers that joined meanwhile) or, below ``min_workers``, save and fail.
+        ``kept``: what the failure record says when the survivors finished the window
+        in flight (a release) and the rollback is to its end."""
         s, config = self.state, self.config
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
@@ -88,6 +157,7 @@ class LostWorkers:
             s.status, s.lost_everything = "restarting", record
             return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
+        record.update(kept or {})
         in_segment = after == "rest"
         s.windows.clear()
         s.pending.clear()

@@ -54,3 +54,8 @@ class FitState:
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     lost_everything: dict[str, Any] | None = None  # the failure record of a restart
+    # Asynchronous updates: replicas lost while the survivors finish the window in
+    # flight (fit-wide number ``release_window``) without them, and their workers
+    releasing: tuple[int, ...] = ()
+    released_workers: tuple[str, ...] = ()
+    release_window: int = -1

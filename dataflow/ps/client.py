@@ -59,6 +59,9 @@ class StoreClient:
         self.incarnation = 0
         self.applied: list[int] = []
         self.outstanding: concurrent.futures.Future | None = None
+        self.round = 0  # retrain rounds of this window (a replica was lost in it)
+        self.targets: dict[tuple[int, int], list[int]] = {}  # part -> shards lacking it
+        self.dropped: list[int] = []  # replicas the store was told are lost
         if rank < self.servers:  # where the other replicas find this shard
             store.set(f"{prefix}/ps/{rank}", worker.address)
 
@@ -69,6 +72,7 @@ class StoreClient:
         self.window = first_step
         self.applied: list[int] = []  # the staleness of each push applied in this window
         self.outstanding = None  # overlap: the push in flight
+        self.round, self.targets = 0, {}
         if self.rank >= self.servers:
             return
         current = self.registry.shards.get((self.run_id, self.rank))
@@ -102,23 +106,25 @@ class StoreClient:
 
         sync(self.worker.loop, install)
 
-    def push(self, weight: float) -> dict[str, Any]:
-        """Send this step's local mean gradient (weighted ``n_r / B``) to every shard and
-        take the weights it produced. Returns whether a shard refused it (not finite) and
-        the seconds waited. With ``overlap`` it sends and returns at once; the reply is
-        taken at the next push (or the window's end), so the next step computes on the
-        weights of the reply before, and a refusal is reported one step late."""
+    def push(self, weight: float, part: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Send this step's local mean gradient (weighted ``n_r / B``) of ``part`` (step,
+        owner) to every shard (in a retrain round: to the shards that lack the part) and
+        take the weights it produced. Returns whether a shard refused it (not finite)
+        and the seconds waited. With ``overlap`` it sends and returns at once; the reply
+        is taken at the next push (or the window's end), so the next step computes on
+        the weights of the reply before, and a refusal is reported one step late."""
         started = time.perf_counter()
+        shards = self.targets.get(part, range(len(self.ranges)))
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         parts = []
         finite = True
-        for indices in self.ranges:
-            flat = torch.cat([grads[k].detach().reshape(-1) for k in indices]).to("cpu")
+        for k in shards:
+            flat = torch.cat([grads[i].detach().reshape(-1) for i in self.ranges[k]]).to("cpu")
             parts.append(flat)
             finite = finite and bool(torch.isfinite(flat).all())
-        messages = [
-            dict(
+        messages = {
+            k: dict(
                 op_name="push",
                 grad=flat,
                 weight=float(weight),
@@ -126,9 +132,10 @@ class StoreClient:
                 lr_ratio=lrs[0] / self.initial_lr if self.initial_lr else 1.0,
                 finite=finite,
                 replica=self.rank,
+                part=None if part is None else list(part),
             )
-            for flat in parts
-        ]
+            for k, flat in zip(shards, parts, strict=True)
+        }
         if self.policy.overlap:
             refused = self._collect()  # the previous push's reply, before this one goes
             self.outstanding = self._start(messages)
@@ -141,29 +148,68 @@ class StoreClient:
         outstanding, self.outstanding = self.outstanding, None
         return False if outstanding is None else self._take(self._wait(outstanding))
 
-    def _take(self, replies: list[dict[str, Any]]) -> bool:
+    def _take(self, replies: dict[int, dict[str, Any]]) -> bool:
         """Load the weights a push produced; note the staleness it was applied at (the
         most over shards). Returns whether a shard refused it."""
         with torch.no_grad():
-            for indices, reply in zip(self.ranges, replies, strict=True):
-                self._load_weights(indices, reply["weights"])
-        self.applied.append(max(r["staleness"] for r in replies))
-        return any(r["refused"] for r in replies)
+            for k, reply in replies.items():
+                self._load_weights(self.ranges[k], reply["weights"])
+        self.applied.append(max(r["staleness"] for r in replies.values()))
+        return any(r["refused"] for r in replies.values())
 
-    def finish(self, stop: int) -> int:
-        """This replica's window is over: wait for all replicas, then take the store's
-        weights and optimizer state (identical on every replica); returns the version."""
+    def finish(
+        self, stop: int, planned: list[tuple[int, int]], share: float
+    ) -> list[tuple[int, int]]:
+        """This replica's window (or retrain round) is over: wait for all. Then either
+        take the store's weights and optimizer state (identical on every replica) and
+        the averaged floating buffers, and return ``[]``; or, a replica having been lost
+        in the window, take the current weights and return the (step, owner) parts this
+        replica trains again before it finishes once more. ``planned``: the window's
+        parts; ``share``: this replica's samples over the window's."""
         self._collect()
-        messages = [dict(op_name="finish", replica=self.rank, stop=stop) for _ in self.ranges]
+        buffers = self._buffers()
+        messages = {
+            k: dict(
+                op_name="finish",
+                replica=self.rank,
+                stop=stop,
+                round=self.round,
+                planned=[list(p) for p in planned],
+                buffers=buffers if k == 0 else None,
+                share=float(share),
+            )
+            for k in range(len(self.ranges))
+        }
         replies = self._wait(self._start(messages))
         with torch.no_grad():
-            for indices, reply in zip(self.ranges, replies, strict=True):
-                self._load_weights(indices, reply["weights"])
-                for k, state in reply["optimizer"].items():
-                    param = self.params[int(k)]
+            for k, reply in replies.items():
+                self._load_weights(self.ranges[k], reply["weights"])
+        self.dropped = sorted({r for reply in replies.values() for r in reply["dropped"]})
+        lacking: dict[tuple[int, int], list[int]] = {}
+        for k, reply in replies.items():
+            for step, owner in reply.get("retrain", ()):
+                lacking.setdefault((int(step), int(owner)), []).append(k)
+        if lacking:  # shared out alike on every survivor: the k-th part to the k-th
+            self.round += 1
+            live = [r for r in range(self.replicas) if r not in self.dropped]
+            mine = [p for i, p in enumerate(sorted(lacking)) if live[i % len(live)] == self.rank]
+            self.targets = {p: lacking[p] for p in mine}
+            return mine
+        with torch.no_grad():
+            for reply in replies.values():
+                for i, state in reply["optimizer"].items():
+                    param = self.params[int(i)]
                     self.optimizer.state[param] = _to(state, param.device)
-        self.window = stop
-        return sum(r["version"] for r in replies)
+            if replies[0].get("buffers") is not None:
+                self._load_buffers(replies[0]["buffers"])
+        self.window, self.round, self.targets = stop, 0, {}
+        return []
+
+    def orphans(self) -> list[int]:
+        """The lost replicas whose held-out share this replica evaluates (the k-th lost
+        one goes to the k-th live replica, round the live ones)."""
+        live = [r for r in range(self.replicas) if r not in self.dropped]
+        return [r for i, r in enumerate(self.dropped) if live[i % len(live)] == self.rank]
 
     def rolled_back(self) -> None:
         """Every replica rolled back: calls of the aborted window are refused from now."""
@@ -206,9 +252,9 @@ class StoreClient:
             self.addresses = [self.store.get(key).decode() for key in keys]
         return self.addresses
 
-    def _start(self, messages: list[dict[str, Any]]) -> concurrent.futures.Future:
-        """Send one message to each shard, on the worker's event loop; the future holds
-        their replies."""
+    def _start(self, messages: dict[int, dict[str, Any]]) -> concurrent.futures.Future:
+        """Send one message to each shard named, on the worker's event loop; the future
+        holds their replies, by shard."""
         hosts = self._hosts()
         common = dict(
             run_id=self.run_id,
@@ -218,7 +264,8 @@ class StoreClient:
         )
         here = self.worker.address
 
-        async def call(k: int, address: str, message: dict[str, Any]) -> dict[str, Any]:
+        async def call(k: int, message: dict[str, Any]) -> dict[str, Any]:
+            address = hosts[k]
             if address == here:  # this worker hosts the shard: no socket, no serialization
                 reply = await self.registry.handle(shard=k, **common, **message)
                 return {key: v.data if isinstance(v, Serialize) else v for key, v in reply.items()}
@@ -228,23 +275,35 @@ class StoreClient:
             }
             return await getattr(self.worker.rpc(address), HANDLER)(shard=k, **common, **wrapped)
 
-        async def call_all() -> list[dict[str, Any]]:
-            calls = [
-                call(k, address, message)
-                for k, (address, message) in enumerate(zip(hosts, messages, strict=True))
-            ]
-            return await asyncio.gather(*calls)
+        async def call_all() -> dict[int, dict[str, Any]]:
+            shards = list(messages)
+            replies = await asyncio.gather(*(call(k, messages[k]) for k in shards))
+            return dict(zip(shards, replies, strict=True))
 
         return asyncio.run_coroutine_threadsafe(call_all(), self.worker.loop.asyncio_loop)
 
-    def _wait(self, future: concurrent.futures.Future) -> list[dict[str, Any]]:
+    def _wait(self, future: concurrent.futures.Future) -> dict[int, dict[str, Any]]:
         replies = future.result()
-        for reply in replies:
+        for reply in replies.values():
             if reply.get("status") != "ok":
                 raise ShardError(
                     f"parameter store, replica {self.rank}: {reply.get('message', reply)}"
                 )
         return replies
+
+    def _buffers(self) -> torch.Tensor | None:
+        floats = [b.detach().reshape(-1) for b in self.model.buffers() if b.is_floating_point()]
+        if not floats:
+            return None
+        return torch.cat([b.to("cpu", torch.float64) for b in floats])
+
+    def _load_buffers(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for buffer in self.model.buffers():
+            if buffer.is_floating_point():
+                n = buffer.numel()
+                buffer.copy_(flat[offset : offset + n].view_as(buffer))
+                offset += n
 
     def _load_weights(self, indices: range, flat: torch.Tensor) -> None:
         offset = 0

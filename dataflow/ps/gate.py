@@ -7,8 +7,10 @@ version. Applying ``v → v + 1`` is allowed only while every replica still comp
 for its pulled version ``p``. So every applied gradient is at most ``s`` versions
 stale, and with ``s = 0`` a version is applied once every replica pushed against it
 (synchronous training). A replica that finished its window no longer holds others
-back. With ``overlap`` a replica's next gradient is computed on the weights of the
-reply before (its push is on the way meanwhile), and the gate counts that base.
+back, and neither does a *dropped* one (its worker was lost: its pushed gradients
+still apply, its in-flight one is gone). With ``overlap`` a replica's next gradient is
+computed on the weights of the reply before (its push is on the way meanwhile), and
+the gate counts that base.
 No clocks, threads or tensors here: the shard drives it, the tests check it.
 """
 
@@ -36,6 +38,7 @@ class StalenessGate:
     # the last reply each replica got, the base of the gradient after the one in flight
     overlap: bool = False
     replied: dict[int, int] = field(default_factory=dict)
+    dropped: set[int] = field(default_factory=set)  # lost replicas (finished for good)
 
     def __post_init__(self) -> None:
         if not self.pulled and not self.finished:  # every replica starts on this version
@@ -67,7 +70,11 @@ class StalenessGate:
         for replica, base in self.pulled.items():
             if after - base > bound or after + 1 - self.replied[replica] > bound:
                 return False
-        return all(after - self.replied[replica] <= bound for replica in self.pending)
+        return all(
+            after - self.replied[replica] <= bound
+            for replica in self.pending
+            if replica not in self.dropped  # no next gradient will come
+        )
 
     def apply(self) -> dict[int, int]:
         """Apply the pending pushes as version ``v + 1``: their staleness by replica
@@ -80,6 +87,8 @@ class StalenessGate:
         applied = {r: self.version - base for r, base in self.pending.items()}
         self.version += 1
         for replica in self.pending:
+            if replica in self.dropped:  # lost: it computes nothing more
+                continue
             if self.overlap:  # its next gradient is under way, on the previous reply's weights
                 self.pulled[replica] = self.replied[replica]
                 self.replied[replica] = self.version
@@ -92,8 +101,27 @@ class StalenessGate:
         """``replica`` ran its window's last step: it holds nobody back any more."""
         if replica in self.pending:
             raise StalenessError(f"replica {replica} finished with a push still pending")
+        if replica in self.dropped:
+            raise StalenessError(f"replica {replica} finished after it was dropped as lost")
         self.pulled.pop(replica, None)
         self.finished.add(replica)
+
+    def drop(self, replica: int) -> None:
+        """``replica`` is lost: its gradient in flight never comes, one it pushed still
+        applies, and it holds nobody back any more."""
+        if not 0 <= replica < self.replicas:
+            raise StalenessError(f"replica {replica} dropped: not one of {self.replicas}")
+        self.dropped.add(replica)
+        self.pulled.pop(replica, None)
+        self.finished.add(replica)
+
+    def renewed(self) -> StalenessGate:
+        """The gate of the next window (or retrain round): every replica starts on the
+        current version, except the dropped ones, which stay dropped."""
+        gate = StalenessGate(self.replicas, self.staleness, self.version, overlap=self.overlap)
+        for replica in sorted(self.dropped):
+            gate.drop(replica)
+        return gate
 
     @property
     def all_finished(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import torch
 from distributed.protocol import to_serialize
 
 from dataflow.ps.gate import StalenessError
@@ -30,6 +31,9 @@ class ShardRegistry:
         # fit key -> the oldest incarnation still served: calls of an older one (a window
         # a rollback aborted) fail at once instead of waiting for a shard never to come
         self.oldest: dict[str, int] = {}
+        # fit key -> replicas lost and released by the driver (kept for shards installed
+        # later: a host may rebuild its shard after the driver's word arrived)
+        self.dropped: dict[str, set[int]] = {}
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -43,6 +47,8 @@ class ShardRegistry:
             if old is not None:
                 await old.fail("replaced: the host rebuilt its shard from a commit")
             self.shards[(run_id, shard.index)] = shard
+            if self.dropped.get(run_id):
+                await shard.drop(self.dropped[run_id])
             self.changed.notify_all()
 
     def discard(self, run_id: str, oldest: int | None = None) -> None:
@@ -60,6 +66,13 @@ class ShardRegistry:
 
         if self.loop is not None:
             self.loop.add_callback(forget)
+
+    async def drop(self, run_id: str, replicas: Any) -> None:
+        """The driver released lost ``replicas`` of fit ``run_id``: the shards hosted here
+        stop waiting for them (now, and when installed later)."""
+        self.dropped.setdefault(run_id, set()).update(int(r) for r in replicas)
+        for key in [k for k in self.shards if k[0] == run_id]:
+            await self.shards[key].drop(self.dropped[run_id])
 
     async def serving(
         self, run_id: str, index: int, window: int, incarnation: int, timeout_s: float
@@ -113,17 +126,24 @@ class ShardRegistry:
                     lrs=list(msg["lrs"]),
                     lr_ratio=msg["lr_ratio"],
                     finite=msg["finite"],
+                    part=None if msg.get("part") is None else tuple(msg["part"]),
                 )
                 reply = await shard.push(msg["replica"], push)
                 return {**reply, "weights": to_serialize(reply["weights"]), "status": "ok"}
             if op == "finish":
-                final = await shard.finish(msg["replica"], msg["window"], msg["stop"])
+                final = await shard.finish(
+                    msg["replica"],
+                    msg["window"],
+                    msg["stop"],
+                    round=msg.get("round", 0),
+                    planned=msg.get("planned"),
+                    buffers=msg.get("buffers"),
+                    share=msg.get("share", 0.0),
+                )
                 await self.notify()  # pushes of the next window may wait on the registry
                 return {
                     "status": "ok",
-                    "version": final["version"],
-                    "weights": to_serialize(final["weights"]),
-                    "optimizer": to_serialize(final["optimizer"]),
+                    **{k: to_serialize(v) if _bulky(v) else v for k, v in final.items()},
                 }
             return {"status": "error", "message": f"unknown parameter-store op {op!r}"}
         except (ShardError, StalenessError) as exc:
@@ -133,3 +153,8 @@ class ShardRegistry:
         """Wake calls waiting for a shard (its window moved on)."""
         async with self.changed:
             self.changed.notify_all()
+
+
+def _bulky(value: Any) -> bool:
+    """Tensors and optimizer states travel as serialized frames, not msgpack."""
+    return isinstance(value, torch.Tensor | dict)

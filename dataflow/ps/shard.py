@@ -4,6 +4,13 @@ It lives in the host worker's plugin and runs on that worker's event loop (handl
 of :mod:`dataflow.ps.service`), so a push that must wait for the staleness bound
 awaits without holding a thread. Each version applies the pending pushes as one
 optimizer step on ``Σ_r f(τ_r) (n_r / B) g_r``, ``f`` the policy's staleness factor.
+
+A window ends at a barrier (``finish``). When a replica was lost in it (``drop``), the
+shard knows which parts of the window's steps it applied (each push names its step
+and owner): the barrier then answers with the parts still missing, the survivors
+train them (a *retrain round*) and finish again, so the lost replica costs only the
+gradient it had in flight. The barrier also averages the replicas' BatchNorm buffers
+(shard 0), weighted by the samples each trained, over the replicas that finished.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ class Push:
     lrs: list[float]  # the replica's LR per param group at this step
     lr_ratio: float  # the same as a ratio to the optimizer's initial LR (group 0)
     finite: bool
+    part: tuple[int, int] | None = None  # (step, owner): which part of which step
 
 
 class ShardError(RuntimeError):
@@ -63,7 +71,10 @@ class ParameterShard:
         self.replied_weights = dict.fromkeys(range(replicas), self.start)  # (overlap)
         self.pushes: dict[int, Push] = {}
         self.replies: dict[int, dict[str, Any]] = {}
-        self.finals: dict[int, dict[str, Any]] = {}  # by window: what finishers take
+        # by (window, round): what the finishers of that barrier take
+        self.finals: dict[tuple[int, int], dict[str, Any]] = {}
+        self.dropped: set[int] = set()  # replicas lost (for good: the fit regroups)
+        self._new_window()
         self.error: str | None = None
         self.changed = asyncio.Condition()
 
@@ -71,35 +82,56 @@ class ParameterShard:
     async def push(self, replica: int, push: Push) -> dict[str, Any]:
         async with self.changed:
             self._check()
+            if replica in self.dropped:
+                raise ShardError(f"replica {replica} pushed after it was dropped as lost")
             self.gate.push(replica)
             self.pushes[replica] = push
             self._apply_ready()
             await self._wait_for(lambda: replica in self.replies)
             return self.replies.pop(replica)
 
-    async def finish(self, replica: int, window: int, stop: int) -> dict[str, Any]:
-        """``replica`` ended window ``window``; waits for all, then everyone takes the
-        final weights and optimizer state, and the shard serves window ``stop``."""
+    async def finish(
+        self,
+        replica: int,
+        window: int,
+        stop: int,
+        *,
+        round: int = 0,
+        planned: Any = None,
+        buffers: torch.Tensor | None = None,
+        share: float = 0.0,
+    ) -> dict[str, Any]:
+        """``replica`` ended round ``round`` of window ``window``; waits for all, then
+        everyone takes the final weights and optimizer state (and the shard serves
+        window ``stop``), or, after a loss, the parts left to retrain. ``planned``: the
+        window's (step, owner) parts; ``buffers``: the replica's floating buffers, its
+        samples' ``share`` of the window weighting them in the average."""
         async with self.changed:
             self._check()
+            if replica in self.dropped:
+                raise ShardError(f"replica {replica} finished after it was dropped as lost")
             self.gate.finish(replica)
+            self.stop = stop
+            if planned is not None:
+                self.planned = {(int(step), int(owner)) for step, owner in planned}
+            if buffers is not None:
+                self.buffers[replica] = (float(share), buffers)
             self._apply_ready()
-            if self.gate.all_finished:
-                # (the previous window's finishers have all returned: none can be left)
-                self.finals = {window: self._final()}
-                self.window = stop
-                self.gate = StalenessGate(
-                    self.replicas,
-                    self.policy.staleness,
-                    self.gate.version,
-                    overlap=self.policy.overlap,
-                )
-                self.start = self.finals[window]["weights"]
-                self.pulled_weights = dict.fromkeys(range(self.replicas), self.start)
-                self.replied_weights = dict.fromkeys(range(self.replicas), self.start)
-                self.changed.notify_all()
-            await self._wait_for(lambda: window in self.finals)
-            return self.finals[window]
+            self._settle()
+            await self._wait_for(lambda: (window, round) in self.finals)
+            return self.finals[(window, round)]
+
+    async def drop(self, replicas: Any) -> None:
+        """The replicas' workers are lost: their pushes applied stay, their gradients in
+        flight are gone, nobody waits for them (a barrier they held settles now)."""
+        async with self.changed:
+            for replica in sorted(set(replicas) - self.dropped):
+                self.dropped.add(replica)
+                self.gate.drop(replica)
+                self.buffers.pop(replica, None)
+            self._apply_ready()
+            self._settle()
+            self.changed.notify_all()
 
     async def fail(self, reason: str) -> None:
         async with self.changed:
@@ -107,6 +139,43 @@ class ParameterShard:
             self.changed.notify_all()
 
     # -- inside ---------------------------------------------------------------------------
+    def _new_window(self) -> None:
+        self.round = 0  # retrain rounds of this window so far
+        self.stop: int | None = None  # the next window's first step (from the finishers)
+        self.applied_parts: set[tuple[int, int]] = set()
+        self.planned: set[tuple[int, int]] | None = None
+        self.buffers: dict[int, tuple[float, torch.Tensor]] = {}
+
+    def _settle(self) -> None:
+        """At the barrier (every replica finished or dropped, every push applied): the
+        window's final state, or, when a dropped replica left parts unapplied, a
+        retrain round of them on the current weights."""
+        if not self.gate.all_finished or self.gate.pending or self.stop is None:
+            return
+        # (the previous barrier's finishers have all returned: none can be left)
+        key, version = (self.window, self.round), self.gate.version
+        missing = self.planned - self.applied_parts if self.dropped and self.planned else set()
+        weights = self.flat_weights()
+        if missing:
+            self.finals = {
+                key: {
+                    "weights": weights,
+                    "version": version,
+                    "retrain": sorted(missing),
+                    "dropped": sorted(self.dropped),
+                }
+            }
+            self.round += 1
+        else:
+            self.finals = {key: {**self._final(), "dropped": sorted(self.dropped)}}
+            self.window = self.stop
+            self._new_window()
+        self.gate = self.gate.renewed()
+        self.start = weights
+        self.pulled_weights = dict.fromkeys(range(self.replicas), self.start)
+        self.replied_weights = dict.fromkeys(range(self.replicas), self.start)
+        self.changed.notify_all()
+
     def _check(self) -> None:
         if self.error is not None:
             raise ShardError(self.error)
@@ -138,6 +207,7 @@ class ParameterShard:
     @torch.no_grad()
     def _apply(self, staleness: dict[int, int]) -> None:
         pushes = {r: self.pushes.pop(r) for r in staleness}
+        self.applied_parts.update(p.part for p in pushes.values() if p.part is not None)
         now = self.flat_weights() if self.policy.delay_compensation else None
         total: torch.Tensor | None = None
         for replica, push in pushes.items():
@@ -191,7 +261,26 @@ class ParameterShard:
             for k, p in zip(self.indices, self.params, strict=True)
             if p in self.optimizer.state
         }
-        return {"weights": self.flat_weights(), "optimizer": state, "version": self.gate.version}
+        return {
+            "weights": self.flat_weights(),
+            "optimizer": state,
+            "version": self.gate.version,
+            "buffers": self._average_buffers(),
+        }
+
+    def _average_buffers(self) -> torch.Tensor | None:
+        """The finishers' buffers weighted by their shares, in replica order (the same
+        bits on every replica); over the replicas that finished, if one was lost."""
+        if not self.buffers:
+            return None
+        total = sum(share for share, _ in self.buffers.values())
+        average: torch.Tensor | None = None
+        for replica in sorted(self.buffers):
+            share, values = self.buffers[replica]
+            weight = share / total if total else 1.0 / len(self.buffers)
+            part = values.to(torch.float64) * weight
+            average = part if average is None else average.add_(part)
+        return average
 
 
 def _clone(value: Any) -> Any:

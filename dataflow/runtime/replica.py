@@ -11,80 +11,29 @@ import dataclasses
 import hashlib
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from dataflow.core.digest import add_digests, sample_digest
 from dataflow.core.errors import NonFiniteError
 from dataflow.core.rng import capture_rng, restore_rng
 from dataflow.core.window import WindowResult
-from dataflow.graph import Graph
 from dataflow.runtime.collective import Collective
 from dataflow.runtime.leases import WindowLeases, planned_tasks
+from dataflow.runtime.replica_spec import ReplicaSpec, ReplicaState, resolve_device
 from dataflow.runtime.window_parts import (
+    WindowTally,
     add_note,
     host_copy,
-    host_indices,
     micro_batch_groups,
     micro_batch_sizes,
     optimizer_factory,
-    step_losses,
-    to_floats,
 )
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
-
-@dataclass
-class ReplicaState:
-    """Parts of a replica's state, in host memory (None: not captured): weights,
-    optimizer state, stage settings (the LR ramp), random state, buffers."""
-
-    model: dict[str, torch.Tensor] | None = None
-    optimizer: dict[str, Any] | None = None
-    stages: dict[str, Any] | None = None
-    rng: dict[str, Any] | None = None
-    buffers: dict[str, torch.Tensor] | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """Everything a worker needs to build its replica; sent once per fit."""
-
-    run_id: str
-    graph: Graph
-    order: tuple[str, ...]
-    seed: int
-    device: str = "auto"
-    threads: int | None = None
-    collective_timeout_s: float = 300.0
-    relax_malloc: bool = True
-    freeze_gc: bool = True
-    pause_dask_profiler: bool = True
-    throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
-    commit_windows: bool = True  # keep the state at each window's start, to roll back to
-    layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
-    local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
-    asynchronous: Any = None  # a dataflow.sync.Async: a parameter store, bounded staleness
-
-    @property
-    def spatial(self) -> int:
-        return self.layout.spatial if self.layout is not None else 1
-
-
-def resolve_device(requested: str, rank: int) -> torch.device:
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(requested)
-    if device.type == "cuda" and device.index is None:
-        # dask-cuda gives each worker one visible GPU; otherwise spread ranks over GPUs.
-        device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    return device
+__all__ = ["ReplicaRuntime", "ReplicaSpec", "ReplicaState", "resolve_device"]
 
 
 class ReplicaRuntime:
@@ -136,6 +85,9 @@ class ReplicaRuntime:
         self.retired: list[Collective] = []
         self.generation = 0  # the driver's process-group generation this replica is in
         self.rollbacks = 0  # in this generation, counted alike on every replica (leases)
+        # (generation, step): the driver released a lost replica; windows from ``step`` on
+        # are not run (the survivors finish the window in flight, then regroup)
+        self.released_after: tuple[int, int] | None = None
         for name in self.order:
             self.stages[name].setup(self.context)
 
@@ -169,75 +121,84 @@ class ReplicaRuntime:
 
     def _run_steps(self, first_step: int, stop_step: int, started: float) -> WindowResult:
         stage_seconds = dict.fromkeys(self.order, 0.0)
-        count = stop_step - first_step
-        samples, seconds, waits = [0] * count, [0.0] * count, [0.0] * count
-        task_losses, task_offsets, task_samples = [], [], []
-        pairs, staleness, taken = [], [], []  # staleness: from the store client at the end
-        read, digest = 0, None
-        evals: dict[int, dict[str, float]] = {}
-        epoch_ends: list[StepContext] = []
-        rank = self.context.rank
+        tally = WindowTally(first_step, stop_step)
         for index, part in self._tasks(first_step, stop_step):
-            spec, offset = self.steps[index], index - first_step
-            step_start = time.perf_counter()
-            step = StepContext(replica=self.context, spec=spec, part=part)
-            for name in self.order:
-                self.stages[name].begin_step(step)
-            values: dict[str, Any] = {}
-            micro_batches = spec.micro_batches_of(step.owner)
-            step_compute = 0.0
-            for group in self.groups:
-                if micro_batches > 1 and self.stages[group[0]].per_micro_batch:
-                    step_compute += self._run_micro_batches(step, group, values, stage_seconds)
-                else:
-                    for name in group:
-                        step_compute += self._run_stage(step, name, values, stage_seconds)
-            if self.throttle > 1.0:  # a slow node, simulated: counted as compute
-                pause = (self.throttle - 1.0) * step_compute
-                time.sleep(pause)
-                stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + pause
-            seconds[offset] += time.perf_counter() - step_start
-            samples[offset] += step.local_batch
-            task_losses.append(step.metrics.get("loss"))
-            task_offsets.append(offset)
-            task_samples.append(step.local_batch)
-            if part is not None:
-                taken.append((index, part))
-            indices = step.metrics.get("sample_indices")
-            if indices is not None:  # the driver knows them from the plan: prove them
-                read += len(indices)
-                digest = add_digests(digest or 0, sample_digest(host_indices(indices)))
-            pairs.extend(step.metrics.get("norm_pairs", ()))
-            if "store_wait_s" in step.metrics:
-                waits[offset] += step.metrics["store_wait_s"]
-            if step.spec.last_in_epoch and part is None:  # evaluations: after end_window
-                epoch_ends.append(step)
-        store = self.context.parameter_store
+            self._train(index, part, tally, stage_seconds)
+        store, staleness = self.context.parameter_store, []
         if store is not None:  # wait for all; take the store's state
-            store.finish(stop_step)
+            self._settle_with_store(store, tally, stage_seconds, stop_step)
             staleness = list(store.applied)  # every push of this replica's, as applied
         for name in self.order:  # checks made once per window (before any state leaves)
             self.stages[name].end_window(self.context)
-        for ended in epoch_ends:  # (local updates evaluate the average there)
+        evals: dict[int, dict[str, float]] = {}
+        for ended in tally.epoch_ends:  # (local updates evaluate the average there)
             if "eval" in ended.metrics:
                 evals[ended.spec.index] = ended.metrics["eval"]
         self.in_window, self.completed_step = False, stop_step
         return WindowResult(
-            rank=rank,
+            rank=self.context.rank,
             first_step=first_step,
-            samples=samples,
-            losses=step_losses(to_floats(task_losses), task_offsets, task_samples, count),
-            step_seconds=seconds,
+            samples=tally.samples,
+            losses=tally.step_losses(),
+            step_seconds=tally.seconds,
             stage_seconds=stage_seconds,
             task_seconds=time.perf_counter() - started,
             evals=evals,
-            samples_read=read,
-            sample_digest=digest,
-            norm_pairs=pairs,
+            samples_read=tally.read,
+            sample_digest=tally.digest,
+            norm_pairs=tally.pairs,
             staleness=staleness,
-            store_wait_s=waits if staleness else [],
-            taken_over=taken,
+            store_wait_s=tally.waits if staleness else [],
+            taken_over=tally.taken,
+            retrained=tally.retrained,
         )
+
+    def _train(self, index: int, part: int | None, tally: WindowTally, stage_seconds: dict) -> None:
+        """One task: this replica's part of step ``index`` (``part`` None), or replica
+        ``part``'s part of it (taken over, or trained again after its replica was lost)."""
+        step_start = time.perf_counter()
+        step = StepContext(replica=self.context, spec=self.steps[index], part=part)
+        for name in self.order:
+            self.stages[name].begin_step(step)
+        values: dict[str, Any] = {}
+        micro_batches = step.spec.micro_batches_of(step.owner)
+        step_compute = 0.0
+        for group in self.groups:
+            if micro_batches > 1 and self.stages[group[0]].per_micro_batch:
+                step_compute += self._run_micro_batches(step, group, values, stage_seconds)
+            else:
+                for name in group:
+                    step_compute += self._run_stage(step, name, values, stage_seconds)
+        if self.throttle > 1.0:  # a slow node, simulated: counted as compute
+            pause = (self.throttle - 1.0) * step_compute
+            time.sleep(pause)
+            stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + pause
+        tally.add(step, time.perf_counter() - step_start)
+
+    def _settle_with_store(
+        self, store: Any, tally: WindowTally, stage_seconds: dict, stop_step: int
+    ) -> None:
+        """The window's barrier at the parameter store. A replica lost in the window left
+        parts the store never applied: they come back as retrain rounds, shared out over
+        the survivors, until every part of every step is applied once. Then the store's
+        weights, optimizer state and averaged buffers are this replica's."""
+        first = tally.first
+        planned = [
+            (i, r)
+            for i in range(first, stop_step)
+            for r, size in enumerate(self.steps[i].local_batches)
+            if size > 0
+        ]
+        total = sum(self.steps[i].global_batch for i in range(first, stop_step))
+        while True:
+            share = sum(tally.samples) / total if total else 0.0
+            retrain = store.finish(stop_step, planned, share)
+            if not retrain:
+                break
+            for index, part in retrain:
+                self._train(index, part, tally, stage_seconds)
+                tally.retrained.append((index, part))
+        self.context.orphans = tuple(store.orphans())
 
     def _tasks(self, first_step: int, stop_step: int) -> Any:
         """(step, part) in the order this replica trains them: its own parts of every

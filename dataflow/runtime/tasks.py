@@ -218,7 +218,11 @@ class RunWindow(Request):
     stop_step: int = 0
     checkpoint: bool = False
 
-    def run(self, runtime: ReplicaRuntime) -> WindowResult:
+    def run(self, runtime: ReplicaRuntime) -> WindowResult | None:
+        if runtime.released_after is not None:
+            generation, stop = runtime.released_after
+            if generation == self.generation and self.first_step >= stop:
+                return None  # after the window in flight of a release: the driver regroups
         return runtime.run_window(self.first_step, self.stop_step, self.checkpoint)
 
 
@@ -305,6 +309,21 @@ def abort_run(run_id: str, dask_worker: Any = None) -> None:
 async def abort_run_soon(run_id: str, dask_worker: Any = None) -> None:
     """:func:`abort_run` for ``client.run(..., wait=False)`` (which takes coroutines)."""
     abort_run(run_id, dask_worker)
+
+
+async def release_replicas(
+    run_id: str, generation: int, lost: list[int], stop_step: int, dask_worker: Any = None
+) -> None:
+    """Via ``client.run`` on every survivor (asynchronous updates): replicas ``lost``
+    are gone. The parameter-store shards hosted here stop waiting for them; the window
+    in flight finishes without them (its lost parts retrained) and no later window of
+    this group runs: the driver regroups the survivors from there."""
+    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
+    runtime = None if plugin is None else plugin.replicas.get(run_id)
+    if runtime is None or runtime.generation != generation:
+        return
+    runtime.released_after = (generation, stop_step)
+    await plugin.ps.drop(f"{run_id}/g{generation}", lost)
 
 
 def close_run(run_id: str, dask_worker: Any = None) -> None:

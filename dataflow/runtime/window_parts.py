@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from dataflow.core.digest import add_digests, sample_digest
+
 
 def optimizer_factory(stages: Any) -> Any:
     """The optimizer factory of the graph's Update stage (a parameter store builds the
@@ -82,3 +84,45 @@ def host_indices(indices: Any) -> Any:
 def add_note(exc: BaseException, note: str) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+class WindowTally:
+    """What a replica's window adds up as its tasks run: per step of the window, the
+    samples, seconds and store waits; per task, the loss; the parts taken over or
+    retrained; the digest of the samples read; noise pairs; epoch ends to evaluate."""
+
+    def __init__(self, first_step: int, stop_step: int) -> None:
+        count = stop_step - first_step
+        self.first, self.count = first_step, count
+        self.samples, self.seconds, self.waits = [0] * count, [0.0] * count, [0.0] * count
+        self.losses: list[Any] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.taken: list[tuple[int, int]] = []
+        self.retrained: list[tuple[int, int]] = []
+        self.pairs: list[Any] = []
+        self.epoch_ends: list[Any] = []
+        self.read, self.digest = 0, None
+
+    def add(self, step: Any, seconds: float) -> None:
+        """One task done: ``step`` (a StepContext) ran in ``seconds``."""
+        offset = step.spec.index - self.first
+        self.seconds[offset] += seconds
+        self.samples[offset] += step.local_batch
+        self.losses.append(step.metrics.get("loss"))
+        self.offsets.append(offset)
+        self.sizes.append(step.local_batch)
+        if step.part is not None:
+            self.taken.append((step.spec.index, step.part))
+        indices = step.metrics.get("sample_indices")
+        if indices is not None:  # the driver knows them from the plan: prove them
+            self.read += len(indices)
+            self.digest = add_digests(self.digest or 0, sample_digest(host_indices(indices)))
+        self.pairs.extend(step.metrics.get("norm_pairs", ()))
+        if "store_wait_s" in step.metrics:
+            self.waits[offset] += step.metrics["store_wait_s"]
+        if step.spec.last_in_epoch and step.part is None:  # evaluations: after end_window
+            self.epoch_ends.append(step)
+
+    def step_losses(self) -> list[float | None]:
+        return step_losses(to_floats(self.losses), self.offsets, self.sizes, self.count)

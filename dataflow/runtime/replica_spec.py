@@ -1,0 +1,61 @@
+"""What a replica is built from (``ReplicaSpec``, sent once per fit), the parts of its
+state that commits, rollbacks, joiners and checkpoints move (``ReplicaState``), and
+the device it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dataflow.graph import Graph
+
+
+@dataclass
+class ReplicaState:
+    """Parts of a replica's state, in host memory (None: not captured): weights,
+    optimizer state, stage settings (the LR ramp), random state, buffers."""
+
+    model: dict[str, torch.Tensor] | None = None
+    optimizer: dict[str, Any] | None = None
+    stages: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    buffers: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything a worker needs to build its replica; sent once per fit."""
+
+    run_id: str
+    graph: Graph
+    order: tuple[str, ...]
+    seed: int
+    device: str = "auto"
+    threads: int | None = None
+    collective_timeout_s: float = 300.0
+    relax_malloc: bool = True
+    freeze_gc: bool = True
+    pause_dask_profiler: bool = True
+    throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
+    commit_windows: bool = True  # keep the state at each window's start, to roll back to
+    layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
+    local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
+    asynchronous: Any = None  # a dataflow.sync.Async: a parameter store, bounded staleness
+
+    @property
+    def spatial(self) -> int:
+        return self.layout.spatial if self.layout is not None else 1
+
+
+def resolve_device(requested: str, rank: int) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is None:
+        # dask-cuda gives each worker one visible GPU; otherwise spread ranks over GPUs.
+        device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
