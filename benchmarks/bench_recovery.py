@@ -20,7 +20,14 @@ default ``window_seconds`` (1 s). Each round runs, in rotated order:
   nannies' restarts and starts again from the newest checkpoint. Reported: seconds
   from the kill to training resuming, and the steps redone.
 
+``--sync async`` runs every fit under ``dfl.sync.Async(staleness=1)``: a lost replica
+that hosts no store shard costs only its gradient in flight (the others finish the
+window without it and retrain the parts the store never applied), where synchronous
+training replays the window on every survivor. ``parts redone`` counts the work
+trained again: (replica, step) parts.
+
     python benchmarks/bench_recovery.py            # ~3-5 minutes on 2 cores
+    python benchmarks/bench_recovery.py --sync async --kinds "baseline,one worker killed"
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def build(args: argparse.Namespace, kill: KillAt | None) -> dfl.Trainer:
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
     g.add(stages.Update(common.OptimizerFactory(common.OptimConfig())), reduced)
     schedule = dfl.schedule.Fixed(args.batch, epochs_per_phase=args.epochs)
-    return dfl.Trainer(g, schedule=schedule, seed=0, progress=False, min_workers=1)
+    sync = dfl.sync.Async(staleness=1) if args.sync == "async" else dfl.sync.Synchronous()
+    return dfl.Trainer(g, schedule=schedule, seed=0, progress=False, min_workers=1, sync=sync)
 
 
 def kill_time(marker: str) -> float:
@@ -135,6 +143,12 @@ def measured_fit(args: argparse.Namespace, client: Any, kind: str, folder: Path)
             detected_s=min(f["detected_at"] for f in failures) - killed,
             resumed_s=max(f["resumed_at"] for f in done) - killed,
             steps_redone=sum(f["window_steps_lost"] for f in done),
+            # a rollback replays the window on every replica; a kept window (async)
+            # retrains only the parts the store never applied
+            parts_redone=sum(
+                f.get("retrained_parts", f["window_steps_lost"] * f["replicas_before"])
+                for f in done
+            ),
         )
         restarts = [f for f in failures if "restarted_from_step" in f]
         if restarts:
@@ -151,6 +165,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=50, help="a step inside the phase")
     p.add_argument("--every", type=int, default=4, help="windows between checkpoints")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--sync", choices=("sync", "async"), default="sync")
+    p.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated, from: " + ", ".join(KINDS)
+    )
     p.add_argument("--out", default=None, help="JSON file (default results/recovery.json)")
     p.add_argument("--overwrite", action="store_true")
     return p.parse_args(argv)
@@ -161,18 +179,22 @@ KINDS = ("baseline", "checkpointed", "one worker killed", "every replica killed"
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    kinds = tuple(k.strip() for k in args.kinds.split(","))
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or "baseline" not in kinds:
+        raise SystemExit(f"--kinds: {unknown or 'baseline missing'}; choose from {KINDS}")
     # `common` is imported on the workers by name (their sys.path is this process's, with
     # benchmarks/ in it); KillAt, defined in __main__, travels by value.
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            shift = round_index % len(KINDS)
-            for kind in KINDS[shift:] + KINDS[:shift]:
+            shift = round_index % len(kinds)
+            for kind in kinds[shift:] + kinds[:shift]:
                 row = one_fit(args, kind, Path(tmp))
                 row["round"] = round_index
                 rows.append(row)
                 print(f"round {round_index}: {kind}: {row['train_seconds']:.1f} s", flush=True)
-    summary = summarize(rows)
+    summary = summarize(rows, kinds)
     print(report(summary))
     path = common.save_run(
         "recovery",
@@ -184,13 +206,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
     def of(kind: str, key: str) -> list[float]:
         return [r[key] for r in rows if r["kind"] == kind and key in r]
 
     base = common.median(of("baseline", "train_seconds"))
-    out: dict[str, Any] = {"baseline_train_s": base}
-    for kind in KINDS[1:]:
+    out: dict[str, Any] = {"baseline_train_s": base, "kinds": [k for k in kinds if k != "baseline"]}
+    for kind in out["kinds"]:
         seconds = common.median(of(kind, "train_seconds"))
         out[kind] = {
             "train_s": seconds,
@@ -198,7 +220,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio_to_baseline": seconds / base,
             "ledger_exact": all(of(kind, "ledger_exact")),
         }
-        for key in ("detected_s", "resumed_s", "steps_redone", "checkpoint_write_s"):
+        for key in (
+            "detected_s",
+            "resumed_s",
+            "steps_redone",
+            "parts_redone",
+            "checkpoint_write_s",
+        ):
             values = of(kind, key)
             if values:
                 out[kind][key] = {"median": common.median(values), "max": max(values)}
@@ -210,7 +238,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def report(summary: dict[str, Any]) -> str:
     rows = []
-    for kind in KINDS[1:]:
+    for kind in summary["kinds"]:
         s = summary[kind]
         rows.append(
             [
@@ -222,6 +250,7 @@ def report(summary: dict[str, Any]) -> str:
                 if "resumed_s" in s
                 else "",
                 f"{s['steps_redone']['max']:.0f}" if "steps_redone" in s else "",
+                f"{s['parts_redone']['max']:.0f}" if "parts_redone" in s else "",
                 f"{s['checkpoint_write_s']['median'] * 1000:.0f} ms"
                 if "checkpoint_write_s" in s
                 else "",
@@ -244,6 +273,7 @@ def report(summary: dict[str, Any]) -> str:
                 "kill->detected s",
                 "kill->resumed s",
                 "steps redone (max)",
+                "parts redone (max)",
                 "ckpt write",
                 "ledger exact",
             ],

@@ -353,36 +353,30 @@ class Executor:
         (``state``, a ReplicaState), and, with as many replicas as were saved, its own
         random state and buffers."""
         same_world = len(buffers) == len(self.members)
-        self.gather(
-            [
-                self.send(
-                    remote.Restore(
-                        self.run_id,
-                        self.generation,
-                        dataclasses.replace(
-                            state,
-                            rng=rngs[r] if r < len(rngs) else None,
-                            buffers=buffers[r] if same_world else None,
-                        ),
-                    ),
-                    r,
-                    key=f"restore@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
-                )
-                for r in range(len(self.members))
-            ]
-        )
 
-    def begin_phase(self, c: cmd.BeginPhase, context: Any) -> None:
-        self.last = [
+        def restore(r: int) -> remote.Restore:
+            rng = rngs[r] if r < len(rngs) else None
+            own = dataclasses.replace(state, rng=rng, buffers=buffers[r] if same_world else None)
+            return remote.Restore(self.run_id, self.generation, own)
+
+        self.gather(self._each(restore, "restore", after=False))
+
+    def _each(self, make: Any, name: str, *, after: bool = True) -> list[Any]:
+        """``make(rank)``'s request sent to every replica's worker, behind its last task
+        (``after``), under a new key."""
+        return [
             self.send(
-                remote.BeginPhase(self.run_id, c.generation, context),
+                make(r),
                 r,
-                after=self.last[r],
-                key=f"begin-phase@replica{r}-{self.run_id}-p{c.phase.index}{self.tag()}"
-                f"-{self.serial()}",
+                after=self.last[r] if after else None,
+                key=f"{name}@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
             )
             for r in range(len(self.members))
         ]
+
+    def begin_phase(self, c: cmd.BeginPhase, context: Any) -> None:
+        request = remote.BeginPhase(self.run_id, c.generation, context)
+        self.last = self._each(lambda r: request, f"begin-phase-p{c.phase.index}")
 
     def submit_windows(self, c: cmd.SubmitWindows) -> None:
         plan = c.plan
@@ -451,33 +445,15 @@ class Executor:
         self.last = futures
 
     def end_phase(self, c: cmd.EndPhase) -> None:
-        ends = self.gather(
-            [
-                self.send(
-                    remote.EndPhase(self.run_id, c.generation),
-                    r,
-                    after=self.last[r],
-                    key=f"end-phase@replica{r}-{self.run_id}{self.tag()}-{self.serial()}",
-                )
-                for r in range(len(self.members))
-            ]
-        )
+        request = remote.EndPhase(self.run_id, c.generation)
+        ends = self.gather(self._each(lambda r: request, "end-phase"))
         self.in_flight = []
         self.queue.append(ev.PhaseEnded(c.generation, tuple(ends[:: self.size])))
 
     def replica_states(self, tag: str) -> list[Any]:
         """Every replica's part of a checkpoint, after its last task (rank 0's first)."""
-        return self.gather(
-            [
-                self.send(
-                    remote.Capture(self.run_id, self.generation, "checkpoint"),
-                    r,
-                    after=self.last[r],
-                    key=f"checkpoint@replica{r}-{self.run_id}-{tag}-{self.serial()}",
-                )
-                for r in range(len(self.members))
-            ]
-        )
+        request = remote.Capture(self.run_id, self.generation, "checkpoint")
+        return self.gather(self._each(lambda r: request, f"checkpoint-{tag}"))
 
     def final_weights(self) -> dict[str, Any]:
         request = remote.Capture(self.run_id, self.generation, "weights")
