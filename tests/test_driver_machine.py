@@ -365,7 +365,8 @@ def test_async_a_lost_replica_is_released_and_the_survivors_keep_the_window_in_f
     d, train = _async_driver()
     w0 = train.plan.windows[0]
     out = d.send(ev.WorkersLost(("tcp://c",)))
-    [release] = out
+    opened, release = out  # the record opens now (detected_at), and is updated later
+    assert opened.record["lost"] == ["tcp://c"] and opened.record["kept_window"] is False
     assert isinstance(release, cmd.ReleaseReplicas)
     assert release.members == W[:2] and release.lost == (2,) and release.workers == ("tcp://c",)
     assert release.window == train.first_window and release.stop_step == 2 + w0.n_steps
@@ -382,6 +383,7 @@ def test_async_a_lost_replica_is_released_and_the_survivors_keep_the_window_in_f
         cmd.FormGroup,
     ]
     assert out[0].results[2] is None  # the lost replica's samples: the rest of each step
+    assert out[1].update
     record = out[1].record
     assert record["kept_window"] and record["window_steps_lost"] == 0
     assert record["retrained_parts"] == 1 and record["commit_step"] == 2 + w0.n_steps
@@ -400,7 +402,7 @@ def test_async_a_lost_store_host_or_a_failed_release_rolls_back():
     d.send(ev.WorkersLost(("tcp://c",)))
     out = d.send(ev.WorkersLost(("tcp://b",)))
     [record] = of(cmd.RecordFailure, out)
-    assert record.record["lost"] == ["tcp://b", "tcp://c"]
+    assert record.update and record.record["lost"] == ["tcp://b", "tcp://c"]
     assert record.record["window_steps_lost"] > 0 and "kept_window" not in record.record
     [rollback] = of(cmd.RollBack, out)
     assert rollback.members == ("tcp://a",) and rollback.step == 2

@@ -91,6 +91,26 @@ def test_evaluation_applies_the_graph_transforms_without_a_cluster():
     assert abs(by_hand(model, x[32:], y[32:], transforms=(LOG, STD, FLIP)) - expected) > 1e-4
 
 
+def test_a_lost_replicas_held_out_share_is_scored_by_a_survivor():
+    """Asynchronous updates go on without a lost replica until the fit regroups: at the
+    window's end a survivor scores the lost one's share of the held-out set too
+    (``ReplicaContext.orphans``), so the epoch's metrics cover every sample."""
+    x, y = positive_data(60)
+    graph, evaluate = training_graph(x[:30], y[:30], x[30:], y[30:])
+    evaluate.bind(graph)
+    torch.manual_seed(0)
+    model = TinyCNN()
+    step = last_step(evaluate, model)
+    step.replica.world_size, step.replica.asynchronous = 3, dfl.sync.Async()
+    step.replica.orphans = (2,)
+    evaluate.run(step)  # deferred to the window's end (the store's weights)
+    evaluate.end_window(step.replica)
+    scores = step.metrics["eval"]
+    assert scores["count"] == 20  # its own third of the 30, and replica 2's
+    expected = (by_hand(model, x[30:40], y[30:40]) + by_hand(model, x[50:], y[50:])) / 2
+    assert scores["loss"] / 20 == pytest.approx(expected, rel=1e-5)
+
+
 def test_explicit_transforms_override_the_graph_and_random_ones_are_refused():
     x, y = positive_data(48)
     graph, evaluate = training_graph(x[:32], y[:32], x[32:], y[32:], eval_transforms=[LOG])

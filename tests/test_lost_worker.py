@@ -366,16 +366,18 @@ def test_a_lost_parameter_store_host_is_rebuilt_from_the_commit(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("leases", [False, True])
-def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(tmp_path, leases):
+@pytest.mark.parametrize(("leases", "servers"), [(False, 1), (True, 2)])
+def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(
+    tmp_path, leases, servers
+):
     """``Async(staleness=1)``, replica 2 (no store shard) killed while it computes step
     27: nothing is rolled back. The survivors finish the window in flight without it,
     train again at the window's end the parts the store never applied (at least the
     one it had in flight; under leases the others took over its unclaimed parts
     already), commit the window and regroup from its end. Every sample is still
-    trained once per epoch."""
+    trained once per epoch. With 2 servers each shard hands out what it lacks."""
     x, y = make_data(N_SAMPLES)
-    sync = dfl.sync.Async(staleness=1, leases=leases)
+    sync = dfl.sync.Async(staleness=1, leases=leases, servers=servers)
     with (
         LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
@@ -391,3 +393,26 @@ def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(tmp_
     assert failure["retrained_parts"] >= 1, failure  # the part in flight, at least
     _assert_exact_ledger(result, 2)
     assert all(math.isfinite(s["loss"]) for s in result.history.steps)
+
+
+@pytest.mark.timeout(120)
+def test_the_driver_hears_of_a_removed_member_without_polling():
+    """The executor's RemovalWatch: the scheduler's ``remove-worker`` event of a watched
+    worker sets ``removed`` (so a wait on a parameter store or on local steps, where
+    no task fails, notices the loss at once); another worker's leaves it alone."""
+    from dataflow.driver.membership import RemovalWatch
+
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(3)
+        first, second, third = sorted(client.scheduler_info()["workers"])
+        watch = RemovalWatch(client)
+        watch.watch((first, second))
+        client.retire_workers([third], close_workers=True)
+        assert not watch.removed.wait(timeout=2.0)  # not a member: no word
+        client.retire_workers([second], close_workers=True)
+        assert watch.removed.wait(timeout=60.0)
+        watch.close()
+        assert not watch.watched

@@ -157,9 +157,11 @@ class RecordPhase:
 
 @dataclass(frozen=True)
 class RecordFailure:
-    """One entry of ``history.info["failures"]``: what was lost and what it cost."""
+    """One entry of ``history.info["failures"]``: what was lost and what it cost.
+    ``update``: new values for the open entry (a release, then what it came to)."""
 
     record: dict[str, Any] = field(default_factory=dict)
+    update: bool = False
 
 
 @dataclass(frozen=True)

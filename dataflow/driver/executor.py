@@ -4,8 +4,9 @@ It carries out the state machine's cluster commands (form a group, begin a phase
 submit windows, stop, roll back, end the phase, gather replica states, restore,
 take the final weights) and turns what happens into events: a window's result or
 failure (futures keyed by generation, rank and window), a lost or a new worker
-(the scheduler asked directly, every ``LIVENESS_POLL_S`` while waiting). A task
-pinned to a worker that died never runs, so every wait watches the workers.
+(the scheduler asked directly, every ``LIVENESS_POLL_S`` while waiting, and at once
+when the scheduler reports a member removed). A task pinned to a worker that died
+never runs, so every wait watches the workers.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from dataflow.core.errors import (
 )
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.membership import LIVENESS_POLL_S, RemovalWatch, wait_some
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import available_workers, live_workers
 
 FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
-LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
 
 
 class Lost(Exception):
@@ -63,6 +64,7 @@ class Executor:
         self.groups: dict[str, tuple[str, ...]] = {}  # leader -> its group's workers
         self.slot_of: dict[Any, int] = {}  # window future -> the worker (slot) it ran on
         self.released: set[str] = set()  # lost members the machine already handles
+        self.removals = RemovalWatch(client)  # the scheduler's word of a lost member
 
     # -- liveness -----------------------------------------------------------------------
     def available(self) -> list[str]:
@@ -71,6 +73,7 @@ class Executor:
     def lost(self) -> list[str]:
         if not self.recover:
             return []
+        self.removals.removed.clear()
         alive = live_workers(self.client)
         return [a for a in self.members if a not in alive and a not in self.released]
 
@@ -103,7 +106,7 @@ class Executor:
         """``client.gather`` that cannot hang on a dead worker."""
         pending = list(futures)
         while pending:
-            done, pending = _wait_some(pending)
+            done, pending = wait_some(pending, self.removals.removed)
             failed = any(f.status == "error" for f in done)
             if failed or pending:
                 self.raise_if_lost(grace=failed)
@@ -136,7 +139,7 @@ class Executor:
         # A finished window may wait here for its group's other workers (spatial layouts):
         # wait on the rest, and harvest whatever finished.
         running = [f for f in self.windows if f.status != "finished"]
-        done = _wait_some(running)[0] if running else []
+        done = wait_some(running, self.removals.removed)[0] if running else []
         if not done and running:
             queued = len(self.queue)
             self._harvest()  # a window that finished before the wait began
@@ -262,6 +265,7 @@ class Executor:
         self.members, self.generation = members, c.generation
         self.known.update(members)
         self.released = set()
+        self.removals.watch(members)
         world = len(members)
         if c.fresh:  # no window of an older group is in flight any more
             self.windows, self.slot_of, self.in_flight = {}, {}, []
@@ -485,13 +489,4 @@ class Executor:
         self.in_flight, self.windows, self.last = [], {}, []
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
-
-
-def _wait_some(futures: list[Any]) -> tuple[list[Any], list[Any]]:
-    """The futures done within ``LIVENESS_POLL_S`` (maybe none), and the others."""
-    try:
-        wait(futures, timeout=LIVENESS_POLL_S, return_when="FIRST_COMPLETED")
-    except (TimeoutError, CancelledError):  # distributed.wait raises where concurrent's
-        pass  # returns; a cancelled future (its inputs died with a worker) is done
-    done = [f for f in futures if f.done()]
-    return done, [f for f in futures if not f.done()]
+        self.removals.close()

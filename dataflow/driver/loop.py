@@ -288,9 +288,11 @@ class FitLoop:
 
     # -- failures -------------------------------------------------------------------------
     def _RecordFailure(self, c: cmd.RecordFailure) -> None:
-        self.open_failure = self.recorder.failure(c.record)
+        self.open_failure = self.recorder.failure(c.record, self.open_failure if c.update else None)
         record = c.record
-        if self.progress and record.get("kept_window"):
+        if "kept_window" in record and not record["kept_window"]:
+            pass  # a release begins: _ReleaseReplicas says so
+        elif self.progress and record.get("kept_window"):
             print(
                 f"dataflow: the window in flight is kept ({record['retrained_parts']} part(s) "
                 f"trained again); going on from step {record['commit_step']} on "

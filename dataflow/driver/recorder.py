@@ -409,7 +409,10 @@ class Recorder:
                 )
 
     # -- failures and checkpoints -------------------------------------------------------
-    def failure(self, record: dict[str, Any]) -> dict[str, Any]:
+    def failure(self, record: dict[str, Any], open_entry: Any = None) -> dict[str, Any]:
+        """A new entry of ``history.info["failures"]``, or ``open_entry`` updated."""
+        if open_entry is not None:
+            return open_entry.update(record) or open_entry
         entry = {**record, "detected_at": time.time()}
         self.history.info.setdefault("failures", []).append(entry)
         return entry

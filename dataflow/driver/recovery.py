@@ -90,8 +90,12 @@ class LostWorkers:
         if s.commit_window not in s.windows:  # nothing in flight: regroup now
             return out + self._regroup_survivors(event, lost_ranks, after="rest")
         plan, window, _ = s.windows[s.commit_window]
+        record = self._failure(
+            "lost workers", tuple(w for w in s.layout.workers if w in event.workers)
+        )
+        record["kept_window"] = False  # until the survivors commit the window
         s.releasing, s.release_window = lost_ranks, s.commit_window
-        s.released_workers = tuple(w for w in s.layout.workers if w in event.workers)
+        s.released_workers = tuple(record["lost"])
         release = cmd.ReleaseReplicas(
             s.generation,
             s.layout.without(lost_ranks).leaders,
@@ -100,7 +104,7 @@ class LostWorkers:
             s.commit_window,
             plan.steps[window.stop - 1].index + 1,
         )
-        return [*out, release]
+        return [*out, cmd.RecordFailure(record), release]
 
     def _window_done_releasing(self) -> list[Any]:
         """A result while the survivors finish the released window: once it commits,
@@ -115,7 +119,9 @@ class LostWorkers:
         s.releasing, s.released_workers, s.release_window = (), (), -1
         kept = {"window_steps_lost": 0, "kept_window": True, "retrained_parts": len(retrained)}
         event = ev.WorkersLost(workers)
-        return out + self._regroup_survivors(event, lost_ranks, after="rest", kept=kept)
+        return out + self._regroup_survivors(
+            event, lost_ranks, after="rest", kept=kept, update=True
+        )
 
     def _abandon_release(self, more: tuple[str, ...]) -> list[Any]:
         """The released window cannot finish (another worker lost, or it failed): the
@@ -124,7 +130,8 @@ class LostWorkers:
         workers = (*s.released_workers, *(w for w in more if w not in s.released_workers))
         s.releasing, s.released_workers, s.release_window = (), (), -1
         lost_ranks = s.layout.lost_replicas(workers)
-        return self._regroup_survivors(ev.WorkersLost(workers), lost_ranks, after="rest")
+        event = ev.WorkersLost(workers)
+        return self._regroup_survivors(event, lost_ranks, after="rest", update=True)
 
     # -- regrouping -------------------------------------------------------------------
     def _regroup_survivors(
@@ -134,12 +141,14 @@ class LostWorkers:
         *,
         after: str,
         kept: dict[str, Any] | None = None,
+        update: bool = False,
     ) -> list[Any]:
         """Go on without the lost replicas: commit what their partners finished, stop
         and roll the survivors back to the last commit, then regroup them (with the
         workers that joined meanwhile) or, below ``min_workers``, save and fail.
         ``kept``: what the failure record says when the survivors finished the window
-        in flight (a release) and the rollback is to its end."""
+        in flight (a release) and the rollback is to its end; ``update``: the record
+        updates the release's."""
         s, config = self.state, self.config
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
@@ -163,7 +172,7 @@ class LostWorkers:
         s.pending.clear()
         s.layout = survivors
         out += [
-            cmd.RecordFailure(record),
+            cmd.RecordFailure(record, update=update),
             cmd.StopWindows(survivors.leaders),
             cmd.RollBack(survivors.leaders, s.committed_step),
         ]

@@ -1,0 +1,66 @@
+"""The executor's watch on the fit's workers: waits on futures that end early when the
+scheduler reports a member removed.
+
+The scheduler logs a ``remove-worker`` event on the topic named by the worker's
+address; the driver subscribes to its members' topics. Without it, a loss that fails
+no task (replicas waiting on a parameter store, local steps before the average) is
+noticed only at the next liveness poll (``LIVENESS_POLL_S``). Part of the executor:
+the one place on the driver that talks to Dask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import CancelledError
+from typing import Any
+
+from distributed import wait
+
+LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+WAKE_POLL_S = 0.05  # how soon a wait notices the scheduler's report of a removed member
+
+
+class RemovalWatch:
+    """``removed`` is set when the scheduler reports a watched worker removed; whoever
+    then asks the scheduler who is alive clears it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.removed = threading.Event()
+        self.watched: set[str] = set()
+
+    def watch(self, workers: tuple[str, ...]) -> None:
+        for address in workers:
+            if address not in self.watched:
+                self.watched.add(address)
+                with contextlib.suppress(Exception):
+                    self.client.subscribe_topic(address, self._on_event)
+
+    def _on_event(self, event: Any) -> None:
+        _, message = event
+        if isinstance(message, dict) and message.get("action") == "remove-worker":
+            self.removed.set()
+
+    def close(self) -> None:
+        for address in self.watched:
+            with contextlib.suppress(Exception):
+                self.client.unsubscribe_topic(address)
+        self.watched = set()
+
+
+def wait_some(futures: list[Any], woken: threading.Event | None = None) -> tuple[list, list]:
+    """The futures done within ``LIVENESS_POLL_S`` (maybe none), and the others; sooner
+    once ``woken`` is set (a member removed: the caller asks who is alive)."""
+    deadline = time.monotonic() + LIVENESS_POLL_S
+    while True:
+        left = deadline - time.monotonic()
+        timeout = LIVENESS_POLL_S if woken is None else min(WAKE_POLL_S, max(left, 0.001))
+        try:
+            wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
+        except (TimeoutError, CancelledError):  # distributed.wait raises where concurrent's
+            pass  # returns; a cancelled future (its inputs died with a worker) is done
+        done = [f for f in futures if f.done()]
+        if done or woken is None or woken.is_set() or time.monotonic() >= deadline:
+            return done, [f for f in futures if not f.done()]
