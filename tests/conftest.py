@@ -99,10 +99,9 @@ def digits_accuracy(client, data: dict, **options) -> float:
         source=dfl.io.ArraySource(data["x_train"], data["y_train"]),
         eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
         metrics={"accuracy": dfl.stages.accuracy},
-        schedule=dfl.schedule.Fixed(64),
         replicas=2,
         device="cpu",
         progress=False,
-        **options,
+        **{"schedule": dfl.schedule.Fixed(64), **options},
     )
     return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
