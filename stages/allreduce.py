@@ -103,13 +103,13 @@ class AllReduce(Stage):
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
             self._reducer.begin_step(step.weight)
-        if not (self._async or self._local):
+        if not self._local:  # (asynchronous updates: the store tracks each part)
             return
         if step.replica.window is not self._window_range:
             # a new window, or the replay of one rolled back (the runtime's tuple is new
             # each time): what it trained starts from nothing
             self._window, self._window_range = {}, step.replica.window
-            if self._local and step.replica.local.outer:  # DiLoCo: the window's start
+            if step.replica.local.outer:  # DiLoCo: the window's start
                 self._start = [p.detach().clone() for p in step.replica.model.parameters()]
         self._window[(step.spec.index, step.owner)] = (step.local_batch, step.global_batch)
 
@@ -198,9 +198,6 @@ class AllReduce(Stage):
         their average weighted by the samples each trained on in this window.
         Asynchronous updates: the runtime took the store's weights, optimizer state and
         floating buffers (BatchNorm statistics, averaged the same way) already."""
-        if getattr(self, "_async", False):
-            self._window = {}
-            return
         if not getattr(self, "_local", False):
             return
         samples, total = _window_shares(self._window, self._global_of, replica.window)

@@ -411,11 +411,11 @@ class Recorder:
     # -- failures and checkpoints -------------------------------------------------------
     def failure(self, record: dict[str, Any], open_entry: Any = None) -> dict[str, Any]:
         """A new entry of ``history.info["failures"]``, or ``open_entry`` updated."""
-        if open_entry is not None:
-            return open_entry.update(record) or open_entry
-        entry = {**record, "detected_at": time.time()}
-        self.history.info.setdefault("failures", []).append(entry)
-        return entry
+        if open_entry is None:
+            open_entry = {"detected_at": time.time()}
+            self.history.info.setdefault("failures", []).append(open_entry)
+        open_entry.update(record)
+        return open_entry
 
     def checkpoint_written(
         self, path: Any, phase: int, step: int, mid_phase: bool, seconds: float

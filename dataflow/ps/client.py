@@ -189,10 +189,9 @@ class StoreClient:
         for k, reply in replies.items():
             for step, owner in reply.get("retrain", ()):
                 lacking.setdefault((int(step), int(owner)), []).append(k)
-        if lacking:  # shared out alike on every survivor: the k-th part to the k-th
+        if lacking:
             self.round += 1
-            live = [r for r in range(self.replicas) if r not in self.dropped]
-            mine = [p for i, p in enumerate(sorted(lacking)) if live[i % len(live)] == self.rank]
+            mine = self._my_share(sorted(lacking))
             self.targets = {p: lacking[p] for p in mine}
             return mine
         with torch.no_grad():
@@ -206,10 +205,14 @@ class StoreClient:
         return []
 
     def orphans(self) -> list[int]:
-        """The lost replicas whose held-out share this replica evaluates (the k-th lost
-        one goes to the k-th live replica, round the live ones)."""
+        """The lost replicas whose held-out share this replica evaluates."""
+        return self._my_share(self.dropped)
+
+    def _my_share(self, items: list[Any]) -> list[Any]:
+        """This replica's items of a list every survivor holds alike: the k-th goes to
+        the k-th live replica, round the live ones."""
         live = [r for r in range(self.replicas) if r not in self.dropped]
-        return [r for i, r in enumerate(self.dropped) if live[i % len(live)] == self.rank]
+        return [item for i, item in enumerate(items) if live[i % len(live)] == self.rank]
 
     def rolled_back(self) -> None:
         """Every replica rolled back: calls of the aborted window are refused from now."""
