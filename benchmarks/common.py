@@ -325,11 +325,13 @@ def window_ends(steps: Sequence[dict[str, Any]]) -> list[int]:
 
 
 def steady_boundary(steps: Sequence[dict[str, Any]], warmup: int) -> int:
-    """The first step counted as steady: the first window start at or after ``warmup``."""
-    for end in window_ends(steps):
-        if end + 1 >= warmup:
-            return end + 1
-    raise ValueError(f"no window ends after warm-up step {warmup}; run more steps")
+    """The first step counted as steady: the first window start at or after ``warmup``,
+    else the last window start (windows grow as the driver calibrates, so a short run
+    may hold one long window after the warm-up ones)."""
+    starts = [end + 1 for end in window_ends(steps)[:-1]]
+    if not starts:
+        raise ValueError("the run is one window: run more steps to time a steady state")
+    return next((s for s in starts if s >= warmup), starts[-1])
 
 
 @dataclass
