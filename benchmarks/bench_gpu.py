@@ -267,7 +267,16 @@ def plain_loop(
     return ends, ends[0]
 
 
-def fit(args: argparse.Namespace, source: Any, client: Any) -> Any:
+FIT_VARIANTS: dict[str, dict[str, Any]] = {
+    # name: (source, Pipeline step options); "auto" is bf16 + channels_last on an H100
+    "dataflow_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
+    "dataflow_memory": {"source": "memory"},
+    "dataflow_zarr": {"source": "zarr"},
+    "dataflow_memory_compiled": {"source": "memory", "compile": True},
+}
+
+
+def fit(args: argparse.Namespace, source: Any, client: Any, **options: Any) -> Any:
     import dataflow as dfl
 
     pipe = dfl.Pipeline(
@@ -279,6 +288,7 @@ def fit(args: argparse.Namespace, source: Any, client: Any) -> Any:
         device="cuda",
         replicas=1,
         progress=False,
+        **options,
     )
     return pipe, pipe.fit(epochs=args.epochs, client=client)
 
@@ -302,15 +312,25 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
             "memory": dfl.io.ArraySource(x, y),
             "zarr": dfl.io.ZarrSource(f"{tmp}/train.zarr", y="y"),
         }
-        for name, source in sources.items():
-            pipe, result = fit(args, source, client)
+        for name, variant in FIT_VARIANTS.items():
+            if name not in args.fits:
+                continue
+            options = {k: v for k, v in variant.items() if k != "source"}
+            pipe, result = fit(args, sources[variant["source"]], client, **options)
             steps = result.history.steps
             first = steady_boundary(steps, args.warmup)
             steady = steady_fit(steps, first)
-            out[f"dataflow_{name}"] = {
+            worker = result.history.info["workers"][0]
+            phase = result.history.phases[0]
+            out[name] = {
                 "samples_per_s": steady.samples_per_second,
                 "first_step": first,
-                "device": result.history.info["workers"][0].get("device"),
+                "device": worker.get("device"),
+                "step_options": {
+                    k: worker.get(k) for k in ("precision", "memory_format", "compile")
+                },
+                "compile_seconds": phase.compile_seconds,
+                "compiled_shapes": phase.compiled_shapes,
             }
         batches = [
             np.concatenate(parts) for parts in pipe.sample_plan(epochs=args.epochs, replicas=1)
@@ -319,19 +339,32 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
         if name not in args.loops:
             continue
         ends, first_step_s = plain_loop(args, batches, **options)
-        first = out["dataflow_memory"]["first_step"]
+        first = next(v["first_step"] for v in out.values() if isinstance(v, dict))
         samples = sum(len(b) for b in batches[first:])
         out[name] = {
             "samples_per_s": samples / (ends[-1] - ends[first - 1]),
             "first_step_s": first_step_s,
         }
-    base = out["torch_loop_resident"]["samples_per_s"]
+    base = out.get("torch_loop_resident", {}).get("samples_per_s", float("nan"))
     rows = [
         [k, f"{v['samples_per_s']:.0f}", f"{v['samples_per_s'] / base:.3f}"]
         for k, v in out.items()
         if isinstance(v, dict)
     ]
     print(table(rows, ["side", "samples/s (steady)", "vs torch loop (resident, fp32)"]))
+    same_settings = {  # each fit against the hand loop with its settings
+        "dataflow_memory_fp32": "torch_loop_resident",
+        "dataflow_memory": "torch_loop_resident_bf16_cl",
+        "dataflow_zarr": "torch_loop_resident_bf16_cl",
+        "dataflow_memory_compiled": "torch_loop_resident_bf16_cl_compiled",
+    }
+    out["ratios"] = {
+        f"{fit_side} / {loop}": out[fit_side]["samples_per_s"] / out[loop]["samples_per_s"]
+        for fit_side, loop in same_settings.items()
+        if fit_side in out and loop in out
+    }
+    for label, ratio in out["ratios"].items():
+        print(f"{label}: {ratio:.3f}")
     return out
 
 
@@ -344,6 +377,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8192, help="training samples (8192)")
     p.add_argument("--epochs", type=int, default=12, help="training epochs (12)")
     p.add_argument("--warmup", type=int, default=16, help="steps left out of the rate (16)")
+    p.add_argument(
+        "--fits",
+        nargs="*",
+        default=list(FIT_VARIANTS),
+        choices=list(FIT_VARIANTS),
+        help="Pipeline.fit variants to time (all)",
+    )
     p.add_argument(
         "--loops",
         nargs="*",

@@ -11,6 +11,7 @@ from typing import Any
 
 from dataflow.balance import Balancer, Even
 from dataflow.core.errors import ConfigError
+from dataflow.core.precision import check_step_options
 
 
 @dataclass(kw_only=True)
@@ -64,6 +65,13 @@ class TrainerConfig:
     # How replicas keep their weights in step: dataflow.sync.Synchronous() (every step)
     # or dataflow.sync.Local(period_seconds=...) (local steps, then a weighted average).
     sync: Any = None
+    # How a step computes on its device (dataflow.core.precision): autocast dtype
+    # ("auto": bf16 on a GPU that supports it, fp32 on the CPU), the memory format of
+    # model and batches ("auto": channels_last on CUDA for 2-D/3-D conv models), and
+    # torch.compile of the model (False: eager). Parameters and the allreduce stay fp32.
+    precision: str = "auto"
+    channels_last: bool | str = "auto"
+    compile: bool | str = False
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -126,6 +134,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self._check_sync()
+        check_step_options(self.precision, self.channels_last, self.compile)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):

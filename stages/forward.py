@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from dataflow.core.errors import ConfigError, DataError, LossError, ModelError
+from dataflow.core.precision import StepOptions, resolve_step_options
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
+from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
 
 
 def call_model(model: torch.nn.Module, x: Any, device: torch.device | None = None) -> Any:
@@ -32,6 +34,16 @@ def build_model(factory: Callable[[], Any], seed: int) -> torch.nn.Module:
             f"{type(model).__name__}, not a torch.nn.Module; pass the model class or a "
             "function that returns a new module, e.g. model=lambda: MyNet(width=32)"
         )
+    tensors = (*model.named_parameters(), *model.named_buffers())
+    meta = next((name for name, t in tensors if t.is_meta), None)
+    if meta is not None:  # torch would say 'Cannot copy out of meta tensor' at .to(device)
+        raise ConfigError(
+            f"model factory {getattr(factory, '__name__', factory)!r} built the model on the "
+            f"meta device: its parameters (e.g. {meta!r}) have a shape but no values to train. "
+            "Build it on the CPU (drop device='meta' / torch.device('meta')), or materialise "
+            "it in the factory: model.to_empty(device='cpu'), then initialise every parameter "
+            "(each layer's reset_parameters(), or model.load_state_dict(weights))"
+        )
     return model
 
 
@@ -43,18 +55,35 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_mismatch(model: torch.nn.Module, x: Any) -> str | None:
-    """Why ``model(x)`` cannot work when a floating input's dtype is not the model's (torch
-    says 'Input type (double) and bias type (float)' without naming the input or the fix)."""
+def dtype_mismatch(
+    model: torch.nn.Module, x: Any, error: BaseException | None = None
+) -> str | None:
+    """Why ``model(x)`` cannot work when an input's dtype is not the model's (torch says
+    'Input type (double) and bias type (float)' without naming the input or the fix).
+
+    Floating inputs of another precision, and integer or bool inputs (not cast: the data
+    is cast where it is made, or in a transform, as for float64). An integer input is named
+    only when torch's ``error``, if given, is about types: a model may take integers
+    itself (an embedding) and fail for another reason."""
     expected = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     inputs = x if isinstance(x, tuple) else (x,)
     for i, value in enumerate(inputs):
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-            continue
-        if expected is None or value.dtype == expected:
+        if not isinstance(value, torch.Tensor) or expected is None or value.is_complex():
             continue
         field = f"x[{i}]" if isinstance(x, tuple) else "x"
         want, have = _dtype(expected), _dtype(value.dtype)
+        if not value.is_floating_point():
+            if error is not None and "type" not in str(error).lower():
+                continue
+            return (
+                f"{field} is {have} but the model's parameters are {want}; cast the data to "
+                f"{want} (when making it: x.astype(numpy.{want}), or a transform: "
+                f"transforms=[lambda x: x.to(torch.{want})], scaled too for 8-bit images: "
+                f"lambda x: x.to(torch.{want}) / 255), or cast in the model's forward "
+                "(x = x.float())"
+            )
+        if value.dtype == expected:
+            continue
         return (
             f"{field} is {have} but the model's parameters are {want}; cast the data to {want} "
             f"(when making it: x.astype(numpy.{want}), or a transform: "
@@ -185,22 +214,48 @@ class Forward(Stage):
         model = build_model(self.config.model, replica.seed)
         if replica.spatial is not None:  # this worker computes its region of each sample
             model = replica.spatial.wrap_model(model)
-        replica.model = model.to(replica.device).train()
+        options = resolve_step_options(
+            *replica.requested_step_options,
+            replica.device,
+            model,
+            spatial=replica.spatial is not None,
+        )
+        replica.step_options = options
+        model = model.to(replica.device)
+        if (memory_format := options.torch_memory_format()) is not None:
+            model = model.to(memory_format=memory_format)  # once: weights stay in it
+        replica.model = model.train()
+        self._compiled = CompiledModel(model, options.compile) if options.compile else None
 
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:
         if batch.size == 0:  # this replica has no samples in this step
             return ForwardOutput(loss=None, output=None, batch=batch)
+        options: StepOptions = step.replica.step_options or EAGER_FP32
+        x = to_memory_format(batch.x, options.torch_memory_format())
+        compiled = getattr(self, "_compiled", None)
         try:
-            output = call_model(step.replica.model, batch.x)
+            with autocast(step.replica.device, options):
+                output = compiled(x) if compiled is not None else call_model(step.replica.model, x)
+                loss = compute_loss(self.config.loss, output, batch.y)
         except (RuntimeError, TypeError) as exc:  # torch's dtype errors name no input, no fix
-            mismatch = dtype_mismatch(step.replica.model, batch.x)
+            mismatch = dtype_mismatch(step.replica.model, batch.x, exc)
             if mismatch is None:
                 raise
             raise DataError(f"{mismatch}. torch said: {str(exc).splitlines()[0]}") from exc
-        loss = compute_loss(self.config.loss, output, batch.y)
         if step.micro_count > 1:  # accumulating: each micro-batch's share of the local mean
             loss = loss * step.micro_weight
             step.metrics["loss"] = step.metrics.get("loss", 0.0) + loss.detach()
         else:
             step.metrics["loss"] = loss.detach()
         return ForwardOutput(loss=loss, output=output, batch=batch)
+
+    def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
+        compiled = getattr(self, "_compiled", None)
+        if compiled is None:
+            return {}
+        return compiled.phase_report()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_compiled", None)  # worker-side: a compiled model never travels
+        return state

@@ -38,12 +38,24 @@ def sgd(params):
 
 
 def reference_training(
-    x, y, *, batches, seed, optimizer=sgd, after_backward=None, lrs=None
+    x,
+    y,
+    *,
+    batches,
+    seed,
+    optimizer=sgd,
+    after_backward=None,
+    lrs=None,
+    autocast_dtype=None,
+    memory_format=None,
 ) -> torch.nn.Module:
     """The plain single-process torch loop over ``batches`` (global batches of indices);
-    ``lrs``: the LR of each step, when a schedule changes it."""
+    ``lrs``: the LR of each step, when a schedule changes it; ``autocast_dtype`` and
+    ``memory_format``: a user's mixed-precision, channels_last loop."""
     torch.manual_seed(seed)
     model = TinyCNN()
+    if memory_format is not None:
+        model = model.to(memory_format=memory_format)
     opt = optimizer(model.parameters())
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for step, parts in enumerate(batches):
@@ -51,7 +63,13 @@ def reference_training(
             for group in opt.param_groups:
                 group["lr"] = lrs[step]
         index = torch.from_numpy(np.concatenate(parts))
-        loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        xb = xt[index]
+        if memory_format is not None:
+            xb = xb.contiguous(memory_format=memory_format)
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=bool(autocast_dtype)
+        ):
+            loss = torch.nn.functional.cross_entropy(model(xb), yt[index])
         opt.zero_grad()
         loss.backward()
         if after_backward is not None:

@@ -10,6 +10,10 @@ pytestmark = [
 ]
 
 
+# compared with the CPU's fp32 loop: "auto" would train in bf16 with channels_last on CUDA
+FP32 = dict(precision="fp32", channels_last=False)
+
+
 def _no_tf32() -> None:
     torch.backends.cudnn.allow_tf32 = False  # TF32 convolutions differ from CPU at 1e-3
 
@@ -17,7 +21,7 @@ def _no_tf32() -> None:
 def test_one_cuda_replica_matches_the_cpu_loop(client):
     client.run(_no_tf32)
     x, y = make_data(64)
-    result = tiny_pipeline(x, y, device="cuda", replicas=1).fit(epochs=2, client=client)
+    result = tiny_pipeline(x, y, device="cuda", replicas=1, **FP32).fit(epochs=2, client=client)
     assert result.history.info["workers"][0]["device"].startswith("cuda")
     batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0)
@@ -29,7 +33,7 @@ def test_two_replicas_on_one_gpu_reduce_through_gloo_and_warn(client):
     a GPU reduce with gloo (CUDA tensors through host memory), and the user is told."""
     client.run(_no_tf32)
     x, y = make_data(64)
-    pipe = tiny_pipeline(x, y, device="cuda", replicas=2)
+    pipe = tiny_pipeline(x, y, device="cuda", replicas=2, **FP32)
     with pytest.warns(RuntimeWarning, match="share a GPU"):
         result = pipe.fit(epochs=2, client=client)
     workers = result.history.info["workers"]
@@ -47,10 +51,46 @@ def test_spatial_two_on_one_gpu_equals_single_process_training(client):
 
     client.run(_no_tf32)
     x, y = make_data(64)
-    options = dict(batch=16, device="cuda", layout=dfl.Layout(spatial=2))
+    options = dict(batch=16, device="cuda", layout=dfl.Layout(spatial=2), **FP32)
     with pytest.warns(RuntimeWarning, match="share a GPU"):
         result = tiny_pipeline(x, y, **options).fit(epochs=2, client=client)
     assert result.history.info["replicas"] == 1
     batches = tiny_pipeline(x, y, batch=16).sample_plan(epochs=2, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) <= 1e-4
+
+
+def test_auto_trains_in_bf16_channels_last_on_cuda_as_the_same_cuda_loop(client):
+    """precision="auto" and channels_last="auto" on an H100: bf16 autocast and
+    channels_last, equal to the hand-written CUDA loop with those settings (to bf16's
+    tolerance); compile=True compiles and agrees with that eager fit."""
+    x, y = make_data(64)
+    result = tiny_pipeline(x, y, device="cuda", replicas=1).fit(epochs=2, client=client)
+    (worker,) = result.history.info["workers"]
+    assert (worker["precision"], worker["memory_format"]) == ("bf16", "channels_last")
+    batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=1)
+    expected = _cuda_reference(x, y, batches)
+    assert max_abs_diff(result.model, expected) <= 2e-2
+    compiled = tiny_pipeline(x, y, device="cuda", replicas=1, compile=True)
+    compiled = compiled.fit(epochs=2, client=client)
+    assert max_abs_diff(compiled.model, result.model) <= 2e-2
+    assert compiled.history.phases[0].compiled_shapes[0] >= 1
+
+
+def _cuda_reference(x, y, batches):
+    import numpy as np
+    from conftest import TinyCNN, sgd
+
+    torch.manual_seed(0)
+    model = TinyCNN().cuda().to(memory_format=torch.channels_last)
+    opt = sgd(model.parameters())
+    xt, yt = torch.from_numpy(x).cuda(), torch.from_numpy(y).cuda()
+    for parts in batches:
+        index = torch.from_numpy(np.concatenate(parts)).cuda()
+        xb = xt[index].contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(xb), yt[index])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.cpu()

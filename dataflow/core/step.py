@@ -43,6 +43,10 @@ class ReplicaContext:
     # Lost replicas whose held-out share this one evaluates at the window's end
     # (asynchronous updates go on without them until the fit regroups)
     orphans: tuple[int, ...] = ()
+    # The step options asked for (dataflow.core.precision: precision, channels_last,
+    # compile); Forward resolves them against the device and model into ``step_options``
+    requested_step_options: tuple[Any, Any, Any] = ("fp32", False, False)
+    step_options: Any = None
 
     @property
     def local_updates(self) -> bool:

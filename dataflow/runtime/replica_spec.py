@@ -43,6 +43,10 @@ class ReplicaSpec:
     layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
     local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
     asynchronous: Any = None  # a dataflow.sync.Async: a parameter store, bounded staleness
+    # requested step options (dataflow.core.precision), resolved by each worker
+    precision: str = "fp32"
+    channels_last: bool | str = False
+    compile: bool | str = False
 
     @property
     def spatial(self) -> int:

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import torch
 
 from dataflow.core.errors import ReplicaError
+from dataflow.core.precision import StepOptions
 from dataflow.core.window import WindowResult
 from dataflow.runtime.collective import Collective, connect_store, open_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
@@ -292,6 +293,8 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
         "rank": rank,
         "worker": plugin.worker.address,
         "device": str(runtime.context.device),
+        # what the step computes in: precision, memory format, compile mode
+        **(runtime.context.step_options or StepOptions()).describe(),
         "torch_threads": torch.get_num_threads(),
         "backend": None if collective is None else collective.backend,
         "shared_gpu": collective is not None and collective.shared_gpu,
