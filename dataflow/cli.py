@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dataflow.core.errors import ConfigError, DataflowError
 
@@ -128,7 +129,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    from dataflow.costmodel import presets, scaling
+    from dataflow.costmodel import presets, scaling, scaling_table
     from dataflow.costmodel.model import CostModel
 
     if args.published:
@@ -138,11 +139,17 @@ def _scale(args: argparse.Namespace) -> int:
     if args.network:
         model = model.with_network(presets.interconnect(args.network), per_node=args.per_node)
     counts = scaling.worker_counts(args.max_workers)
+    per_epoch, dataset = _samples_per_epoch(args, model)
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs {args.epochs}: give the epochs to train, >= 1")
+    size = f"{args.epochs} epochs (--epochs) of {per_epoch:,} samples ({dataset})"
+    lines = []
     if args.stepwise or args.adaptive:
         if args.stepwise:
             phases = scaling.stepwise_phases(
-                args.stepwise, epochs=args.epochs, samples_per_epoch=args.samples_per_epoch
+                args.stepwise, epochs=args.epochs, samples_per_epoch=per_epoch
             )
+            what = f"Stepwise schedule {args.stepwise}"
         else:
             initial, _, final = args.adaptive.partition(":")
             try:
@@ -152,29 +159,59 @@ def _scale(args: argparse.Namespace) -> int:
                     f"--adaptive {args.adaptive!r}: write INITIAL:FINAL global batches"
                 ) from None
             phases = scaling.adaptive_phases(
-                first, last, epochs=args.epochs, samples_per_epoch=args.samples_per_epoch
+                first, last, epochs=args.epochs, samples_per_epoch=per_epoch
             )
+            what = f"schedule of a batch doubling each phase from {first} to {last}"
+        table = scaling_table.schedule_rows(
+            model, phases=phases, samples_per_epoch=per_epoch, counts=counts
+        )
+        lines.append(f"{model.name or args.model}: {what} over {size}")
+        lines += [
+            f"  phase {i}: epochs {p.epochs} at global batch {p.step.global_batch:,} "
+            f"({p.samples:,} samples)"
+            for i, p in enumerate(table[0].phases)
+        ]
         rows = scaling.schedule_scaling(model, phases=phases, counts=counts)
-        what = "schedule " + ", ".join(f"{b} x {s:,} samples" for b, s in phases)
+        title = f"{model.name}: {what} (terms: the largest batch's phase)"
     else:
         local = (
             args.local_batch
             or int(model.notes.get("local_batch", 0))
             or max(b for b, _ in model.compute.points)
         )
+        table = scaling_table.weak_rows(
+            model, local_batch=local, epochs=args.epochs, samples_per_epoch=per_epoch, counts=counts
+        )
         rows = scaling.weak_scaling(model, local_batch=local, counts=counts)
         what = f"local batch {local} (weak scaling)"
-    print(
-        f"{model.name or args.model}: {what}; topology {model.topology.algorithm}, "
-        f"{model.topology.per_node} per node"
-    )
-    print(scaling.format_rows(rows))
+        lines.append(f"{model.name or args.model}: {what}; time for {size}")
+        title = f"{model.name}: {what}"
+    lines.append(f"topology {model.topology.algorithm}, {model.topology.per_node} per node")
+    print("\n".join(lines))
+    print(scaling_table.format_table(table))
+    print(scaling_table.time_to_train(table, f"{args.epochs} epochs of {per_epoch:,} samples"))
+    print("\n".join(scaling_table.explain(model, table)))
     if args.out:
         from dataflow.costmodel.plot import write_scaling_png
 
-        path = write_scaling_png(rows, args.out, title=f"{model.name}: {what}")
+        path = write_scaling_png(rows, args.out, title=title)
         print(f"wrote {path}")
     return 0
+
+
+def _samples_per_epoch(args: argparse.Namespace, model: Any) -> tuple[int, str]:
+    """The dataset size, and where it came from: --samples-per-epoch, the size the
+    model was calibrated on, or ImageNet's (said so)."""
+    from dataflow.costmodel.scaling import IMAGENET_TRAIN
+
+    if args.samples_per_epoch is not None:
+        if args.samples_per_epoch < 1:
+            raise ConfigError(f"--samples-per-epoch {args.samples_per_epoch}: give an int >= 1")
+        return args.samples_per_epoch, "--samples-per-epoch"
+    recorded = model.notes.get("samples_per_epoch", "")
+    if str(recorded).isdigit() and int(recorded) > 0:
+        return int(recorded), "the calibrated source's; --samples-per-epoch for another"
+    return IMAGENET_TRAIN, "ImageNet's, the default: give yours with --samples-per-epoch"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,9 +371,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INITIAL:FINAL",
         help="a batch doubling each phase from INITIAL to FINAL (global batches)",
     )
-    scale.add_argument("--epochs", type=int, default=90, help="schedule length (default 90)")
     scale.add_argument(
-        "--samples-per-epoch", type=int, default=1_281_167, help="default: ImageNet's"
+        "--epochs", type=int, default=90, help="epochs to train, the schedule's length (default 90)"
+    )
+    scale.add_argument(
+        "--samples-per-epoch",
+        type=int,
+        metavar="N",
+        help="the dataset's size, for the time to train (default: the one a calibrated model "
+        "was measured on, else ImageNet's 1,281,167)",
     )
     scale.add_argument(
         "--network",

@@ -41,10 +41,19 @@ def parse_bytes(value: Any, field: str = "memory_per_worker") -> int | None:
     )
 
 
+# Layer timings measured in this process, one per model architecture, sample shape,
+# optimizer and torch threads: every later choice for the same inputs reuses them, so
+# the same call predicts the same (a fresh timing each call moved the prediction by
+# orders of magnitude on a busy machine). ``forget_layout_measurements()`` clears it.
+_MEASURED: dict[str, Any] = {}
+
+
 def layout_model(trainer: Any, *, calibrate: bool) -> Any:
     """The pipeline's :class:`~dataflow.costmodel.layout.LayoutModel`: its layers from a
     trace at one sample's shape, and (``calibrate``) each layer's compute timed here, on
-    the driver; without, memory only (every layer's compute counted as 0)."""
+    the driver, once per model architecture and sample shape in this process (later
+    calls reuse that measurement, named in every prediction's ``basis``); without,
+    memory only (every layer's compute counted as 0)."""
     from dataflow.costmodel.collective import Link, Topology
     from dataflow.costmodel.layout import LayoutModel
     from dataflow.costmodel.layout_ranks import LayerFit
@@ -55,15 +64,43 @@ def layout_model(trainer: Any, *, calibrate: bool) -> Any:
     cost = trainer.config.cost_model
     topology = cost.topology if cost is not None else Topology(intra=Link(**LOOPBACK))
     states = _optimizer_states(trainer, module)
+    layers = tuple(layer_shapes(module, shape))
     if calibrate:
-        model = calibrate_layout(module, shape, link=topology, optimizer_states=states)
+        key = _measurement_key(module, shape, states, layers)
+        if key not in _MEASURED:
+            _MEASURED[key] = calibrate_layout(module, shape, link=topology, optimizer_states=states)
+        model = _MEASURED[key]
+        link = topology.intra
+        notes = {**model.notes, "topology": f"given: {link.name or 'link'} {link.source}".strip()}
+        model = model.replace(topology=topology, notes=notes)
         if cost is not None:  # what the engine measured a synchronous step to cost
             model = model.replace(sync_overhead_s=cost.sync_overhead_s, shared=cost.compute.shared)
         return model
-    layers = tuple(layer_shapes(module, shape))
     zero = LayerFit(fixed_s=0.0, per_voxel_s=0.0)
     fits = {x.name: zero for x in layers if x.kind != "gather"}
-    return LayoutModel(layers=layers, fits=fits, topology=topology, optimizer_states=states)
+    return LayoutModel(
+        layers=layers,
+        fits=fits,
+        topology=topology,
+        optimizer_states=states,
+        basis=MEMORY_ONLY,
+    )
+
+
+MEMORY_ONLY = "memory only: the layout is given, compute not measured (counted as 0)"
+
+
+def forget_layout_measurements() -> None:
+    """Drop the layer timings this process measured: the next ``layout="auto"`` choice
+    measures again (and names the new measurement in its ``basis``)."""
+    _MEASURED.clear()
+
+
+def _measurement_key(module: Any, shape: tuple, states: int, layers: tuple) -> str:
+    import torch
+
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    return repr((kind, shape, states, torch.get_num_threads(), layers))
 
 
 def _optimizer_states(trainer: Any, module: Any) -> int:

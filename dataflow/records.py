@@ -127,6 +127,8 @@ class PhaseRecord(Record):
     # ``steady_step_seconds``: window commits after the phase's first windows), and,
     # with a cost model, its prediction (``StepBreakdown.to_dict()``) for this phase.
     measured_step_seconds: float | None = None
+    # why the steady step time was not used (implausible: ``plausible_step_seconds``)
+    measured_step_note: str | None = None
     predicted: dict[str, Any] | None = None
     # Local updates: per replica, the seconds synchronous (lockstep) steps would have
     # waited for the slowest replica in this phase, from each step's measured times
@@ -138,6 +140,7 @@ class PhaseRecord(Record):
     # left out when None (older histories have none)
     optional: ClassVar[tuple[str, ...]] = (
         "measured_step_seconds",
+        "measured_step_note",
         "predicted",
         "lockstep_wait_s",
         "staleness_counts",

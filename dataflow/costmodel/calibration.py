@@ -20,6 +20,7 @@ from dataflow.core.errors import BatchSizeError, ConfigError, ModelError
 from dataflow.costmodel.collective import Link, Topology
 from dataflow.costmodel.compute import ComputeFit, MemoryModel
 from dataflow.costmodel.model import MIB, CostModel
+from dataflow.costmodel.screening import Screened, discarded_note, screen
 
 DEFAULT_SIZES = (4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 ROUND_TRIPS = 30  # chained no-op tasks timed for the window overhead
@@ -106,10 +107,8 @@ def calibrate(
     shipped = _ship(client, request, workers)  # the graph (and its source) sent once
     measured = _on(client, workers[0], probe.time_steps, shipped)
     per_batch = measured["batches"]
-    points = tuple(
-        (b, statistics.median(w["compute_s"] for w in per_batch[b]["windows"])) for b in batches
-    )
-    points = _monotone(points)
+    screened = _screen(per_batch, batches, "compute")
+    points = screened.points
     fractions = [w["backward_fraction"] for b in batches for w in per_batch[b]["windows"]]
     backward = statistics.median(fractions)
     where = f"worker {workers[0]}, {measured['torch_threads']} torch thread(s)"
@@ -117,7 +116,7 @@ def calibrate(
         f"the pipe's step (load, transforms, forward, loss, backward, update) at local "
         f"batches {list(batches)} on {where}: median of {repeats} windows of {steps} steps "
         "(the batches taking turns) "
-        f"after {warmup} warm-up steps, less the wait on Load"
+        f"after {warmup} warm-up steps, less the wait on Load; {screened.note()}"
     )
     notes["backward_fraction"] = "the Backward stage's median share of that step"
 
@@ -171,9 +170,11 @@ def calibrate(
             optimizer_states=int(measured["optimizer_states"]),
         ),
         name=name or _model_name(trainer),
-        notes=notes,
+        notes={**notes, "samples_per_epoch": str(source.num_samples)},
+        discarded=screened.discarded,
     )
     model = _synchronous(client, workers, request, model, source.num_samples)
+    model = model.replace(notes={**model.notes, "discarded": discarded_note(model.discarded)})
     if config.window_seconds is None:  # what the fit plans from this model
         from dataflow.costmodel.planning import window_seconds
 
@@ -310,11 +311,19 @@ def _synchronous(
         for rank, worker in enumerate(workers)
     ]
     ranks = client.gather(futures)
+    screens = [
+        _screen(r["batches"], sizes, f"synchronous step, rank {rank}")
+        for rank, r in enumerate(ranks)
+    ]
+    discarded = model.discarded + tuple(d for x in screens for d in x.discarded)
+    steps = [dict(x.points) for x in screens]
+    sizes = [b for b in sizes if all(b in p for p in steps)]
+    if not sizes:
+        notes["sync_overhead_s"] = "not measured: no plausible synchronous step (see discarded)"
+        return model.replace(notes=notes, discarded=discarded)
     alone, rest = [], []
     for b in sizes:
-        step = max(
-            statistics.median(w["compute_s"] for w in r["batches"][b]["windows"]) for r in ranks
-        )
+        step = max(p[b] for p in steps)
         exposed = model.breakdown(replicas=world, global_batch=b * world).allreduce_exposed_s
         alone.append(model.compute.seconds(b))
         rest.append(step - exposed)
@@ -330,7 +339,7 @@ def _synchronous(
         f"allreduce = s × t_compute(b) + c, s = {slope:.3f} ({local} replicas per node)"
     )
     notes["sync_overhead_s"] = f"c = {extra * 1e3:.3f} ms, of the same fit (see shared)"
-    return model.replace(compute=compute, sync_overhead_s=extra, notes=notes)
+    return model.replace(compute=compute, sync_overhead_s=extra, notes=notes, discarded=discarded)
 
 
 def _scale_and_offset(alone: list[float], rest: list[float]) -> tuple[float, float]:
@@ -350,13 +359,13 @@ def _scale_and_offset(alone: list[float], rest: list[float]) -> tuple[float, flo
     return slope, extra
 
 
-def _monotone(points: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
-    """A larger batch never takes less time: noise that says otherwise is flattened."""
-    out, best = [], 0.0
-    for batch, seconds in points:
-        best = max(best, seconds)
-        out.append((batch, best))
-    return tuple(out)
+def _screen(per_batch: dict[int, Any], batches: Sequence[int], term: str) -> Screened:
+    """The median window of each batch, implausible windows left out (and said)."""
+    samples = {b: [w["compute_s"] for w in per_batch[b]["windows"]] for b in batches}
+    screened = screen(samples, term=term)
+    if not screened.points:
+        raise ModelError(f"calibrate: no plausible {term} time was measured ({screened.note()})")
+    return screened
 
 
 def fit_alpha_beta(times: dict[int, float]) -> tuple[float, float]:

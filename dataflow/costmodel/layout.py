@@ -41,6 +41,7 @@ from dataflow.costmodel.collective import (
     exposed_allreduce_seconds,
 )
 from dataflow.costmodel.layout_candidates import LayoutCandidate, candidates, splits_of
+from dataflow.costmodel.layout_prediction import LayoutPrediction, format_table
 from dataflow.costmodel.layout_ranks import (
     KINDS,
     WHOLE_AFTER,
@@ -55,53 +56,7 @@ from dataflow.costmodel.layout_ranks import (
 MIB = 1 << 20
 FIRST_BUCKET_BYTES = MIB  # as stages/buckets.py and DDP
 MAX_SPATIAL = 4096  # how far the "smallest P that fits" search looks
-
-
-@dataclass(frozen=True, kw_only=True)
-class LayoutPrediction:
-    """One candidate's predicted step (seconds) and memory per worker (bytes).
-    ``fits``: under the budget (None: no budget given)."""
-
-    candidate: LayoutCandidate
-    global_batch: int
-    local_batch: int
-    micro_batches: int
-    compute_s: float
-    halo_s: float  # all halo traffic, hidden or not
-    halo_exposed_s: float
-    gather_s: float
-    reduce_s: float
-    allreduce_s: float
-    allreduce_exposed_s: float
-    fixed_s: float
-    sync_s: float = 0.0  # waiting for the slowest rank at the synchronisation points
-    halo_bytes: int  # received per step by the slowest rank, forward
-    memory: Mapping[str, int]
-    fits: bool | None = None
-
-    @property
-    def step_s(self) -> float:
-        return (
-            self.compute_s
-            + self.halo_exposed_s
-            + self.gather_s
-            + self.reduce_s
-            + self.allreduce_exposed_s
-            + self.fixed_s
-            + self.sync_s
-        )
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.memory["total"]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["memory"] = dict(self.memory)
-        out.update(
-            layout=self.candidate.describe(), step_s=self.step_s, memory_bytes=self.memory_bytes
-        )
-        return out
+GIVEN = "layer fits given to LayoutModel(fits=...), no calibration recorded"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +81,10 @@ class LayoutModel:
     cost beyond compute and the α-β allreduce (``CostModel.sync_overhead_s`` from
     :func:`dataflow.costmodel.calibrate`: the wait for the slowest replica, the
     gradient hooks' copies, the collective's wait loop). Given, it replaces the
-    statistical wait across groups."""
+    statistical wait across groups. ``basis``: what the fits rest on (the calibration
+    that measured them, when, where; :func:`dataflow.spatial.profile.calibrate_layout`
+    writes it), named in every prediction: predictions are a pure function of the
+    model, so the same model and inputs always predict the same."""
 
     layers: tuple[LayerShape, ...]
     fits: Mapping[str, LayerFit]
@@ -146,6 +104,7 @@ class LayoutModel:
     sync_overhead_s: float = 0.0
     name: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    basis: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -283,6 +242,7 @@ class LayoutModel:
             sync_s=sync,
             halo_bytes=rank.halo_bytes * count,
             memory=memory,
+            basis=self.basis or GIVEN,
         )
 
     def slowdown(self, busy: int) -> float:
@@ -450,32 +410,6 @@ def expected_max_excess(draws: int) -> float:
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / (1 << 30):.3g} GiB" if nbytes >= 1 << 28 else f"{nbytes / MIB:.3g} MiB"
-
-
-def format_table(predictions: Sequence[LayoutPrediction]) -> str:
-    """The candidates as ``pipe.plan()`` lists them: predicted step and memory."""
-    header = ("layout", "local", "step ms", "compute", "halo", "gather", "reduce", "allreduce")
-    header += ("wait",)
-    header += ("MiB", "fits")
-    rows = [header]
-    for p in predictions:
-        rows.append(
-            (
-                p.candidate.describe(),
-                str(p.local_batch),
-                f"{p.step_s * 1e3:.2f}",
-                f"{p.compute_s * 1e3:.2f}",
-                f"{p.halo_exposed_s * 1e3:.2f}",
-                f"{p.gather_s * 1e3:.2f}",
-                f"{p.reduce_s * 1e3:.2f}",
-                f"{p.allreduce_exposed_s * 1e3:.2f}",
-                f"{p.sync_s * 1e3:.2f}",
-                f"{p.memory_bytes / MIB:.1f}",
-                {None: "", True: "yes", False: "no"}[p.fits],
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 __all__ = [

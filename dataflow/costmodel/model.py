@@ -81,6 +81,9 @@ class CostModel:
     costs beyond its compute and the α-β allreduce (waiting for the slowest replica, the
     gradient hooks' copies into the buckets, the collective's wait loop; 0 unless
     calibrated: :func:`dataflow.costmodel.calibrate` measures it from real steps).
+    ``discarded``: the timing samples a calibration found implausible and left out (or
+    adjusted), each a dict with its ``term``, ``batch``, ``seconds``, ``action`` and
+    ``reason`` (:func:`dataflow.costmodel.screening.screen`).
     """
 
     compute: ComputeFit
@@ -98,8 +101,10 @@ class CostModel:
     memory: MemoryModel | None = None
     name: str = ""
     notes: dict[str, str] = field(default_factory=dict)  # where each term came from
+    discarded: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "discarded", tuple(dict(d) for d in self.discarded))
         if isinstance(self.gradient_bytes, bool) or not isinstance(self.gradient_bytes, int):
             raise ConfigError(f"CostModel(gradient_bytes={self.gradient_bytes!r}): an int")
         if self.gradient_bytes < 0:

@@ -320,6 +320,7 @@ class Recorder:
             total = sum(stages.values())
             data_wait.append(sum(stages.get(n, 0.0) for n in loads) / total if total > 0 else 0.0)
         first = segment[0]
+        measured, measured_note = self._measured_step_seconds(phase)
         self.history.phases.append(
             PhaseRecord(
                 phase=phase.index,
@@ -343,7 +344,8 @@ class Recorder:
                 chunks_decoded=[end.get("chunks_decoded", 0) for end in ends],
                 peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
                 skipped_steps=ends[0].get("skipped_steps", 0),
-                measured_step_seconds=self._measured_step_seconds(phase),
+                measured_step_seconds=measured,
+                measured_step_note=measured_note,
                 lockstep_wait_s=(
                     [t.lockstep_wait_s for t in totals] if self.lockstep_wait else None
                 ),
@@ -357,13 +359,10 @@ class Recorder:
             )
         )
 
-    def _measured_step_seconds(self, phase: Any) -> float | None:
-        steady = steady_step_seconds(self.phase_windows)
-        if steady is not None:
-            return steady
+    def _measured_step_seconds(self, phase: Any) -> tuple[float | None, str | None]:
         steps = self.history.steps
         seconds = [s["seconds"] for s in steps if s["phase"] == phase.index]
-        return float(np.median(seconds)) if seconds else None
+        return plausible_step_seconds(steady_step_seconds(self.phase_windows), seconds)
 
     def _predicted(self, phase: Any, first: Any) -> dict[str, Any] | None:
         """The cost model's step at this phase's replicas, batch and split."""
@@ -446,6 +445,23 @@ def steady_step_seconds(
     steps = sum(n for _, n in windows[start + 1 :])
     seconds = windows[-1][0] - windows[start][0]
     return seconds / steps if steps > 0 and seconds > 0 else None
+
+
+def plausible_step_seconds(
+    steady: float | None, step_seconds: list[float], floor: float = 0.5
+) -> tuple[float | None, str | None]:
+    """(the phase's measured step, a note when it is not the steady one): the steady
+    step on the driver's clock, unless it is under ``floor`` x the replicas' median
+    step (the driver cannot see steps faster than the replicas run them: it committed
+    windows that had finished together); then, or without one, that median."""
+    median = float(np.median(step_seconds)) if step_seconds else None
+    if steady is None or median is None or steady >= floor * median:
+        return (steady if steady is not None else median), None
+    return median, (
+        f"the window commits gave {steady:.3g} s a step, under {floor:g} x the replicas' "
+        f"median step of {median:.3g} s (windows committed together): implausible, "
+        "discarded; the median step is recorded"
+    )
 
 
 def _salvage_leased(filled: list[Any], salvaged: list[int], specs: tuple) -> None:

@@ -14,6 +14,9 @@ together with a link into a :class:`~dataflow.costmodel.layout.LayoutModel`.
 from __future__ import annotations
 
 import copy
+import datetime
+import hashlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -310,24 +313,67 @@ def calibrate_layout(
         fixed_s=_optimizer_seconds(module, repeats),
         name=name or type(module).__name__,
     )
-    scale = 1.0
+    scale, scale_note = 1.0, "not measured"
     if whole_model:
         summed = model.predict(LayoutCandidate(groups=1), global_batch=batch).compute_s
-        scale = _whole_seconds(module, (batch, *sample_shape), repeats) / summed if summed else 1.0
+        ratio = _whole_seconds(module, (batch, *sample_shape), repeats) / summed if summed else 1.0
+        scale, scale_note = plausible_scale(ratio)
+    jitter, jitter_note = plausible_jitter(timings.jitter)
     notes = {
         "compute": f"each layer alone, forward + backward, at spatial {list(spatial)} along "
         f"dim {dim}, local batch {batch}: median of {repeats}; "
         f"{torch.get_num_threads()} torch thread(s); scaled by {scale:.3f}, the whole "
-        "model's forward + backward over the sum of its layers alone",
+        f"model's forward + backward over the sum of its layers alone ({scale_note})",
         "topology": f"given: {topology.intra.name or 'link'} {topology.intra.source}".strip(),
         "fixed_s": "one SGD-with-momentum step of the parameters",
-        "jitter": f"{timings.jitter:.3f}: each layer's spread between its {repeats} calls "
-        "(1.4826 MAD over the median), weighted by its time",
+        "jitter": f"{jitter:.3f}: each layer's spread between its {repeats} calls "
+        f"(1.4826 MAD over the median), weighted by its time ({jitter_note})",
     }
-    return model.replace(
+    model = model.replace(
         fits={k: _scaled(f, scale) for k, f in timings.fits.items()},
         region_fits={k: _scaled(f, scale) for k, f in timings.region_fits.items()},
+        jitter=jitter,
         notes=notes,
+    )
+    return model.replace(basis=_basis(model, sample_shape, batch, scale))
+
+
+SCALE_RANGE = (1 / 3, 3.0)  # the whole model over its layers alone: ~1.2 measured here
+JITTER_CAP = 0.5  # a layer's relative spread beyond this is a disturbed measurement
+
+
+def plausible_scale(ratio: float) -> tuple[float, str]:
+    """(the scale applied, why): the whole model's step over its layers' sum, unless it
+    is outside ``SCALE_RANGE`` (a disturbed timing of one or the other): then 1."""
+    low, high = SCALE_RANGE
+    if low <= ratio <= high:
+        return ratio, "measured"
+    return 1.0, (
+        f"measured {ratio:.3g}, outside [{low:.2f}, {high:g}]: implausible, discarded, "
+        "the layers' own times are used"
+    )
+
+
+def plausible_jitter(jitter: float) -> tuple[float, str]:
+    """(the spread applied, why): capped at ``JITTER_CAP`` (beyond it the timings were
+    mostly disturbance, and the waits they predict are not the engine's)."""
+    if jitter <= JITTER_CAP:
+        return jitter, "measured"
+    return JITTER_CAP, f"measured {jitter:.3g}, capped at {JITTER_CAP:g}: a disturbed machine"
+
+
+def _basis(model: LayoutModel, sample_shape: Sequence[int], batch: int, scale: float) -> str:
+    """What every prediction of ``model`` rests on: this calibration, named by a digest
+    of what it measured, with where, when and at what."""
+    regions = {f"region:{k}": f for k, f in model.region_fits.items()}
+    fits = sorted({**model.fits, **regions}.items())
+    measured = repr((fits, model.fixed_s, model.jitter, model.backward_fraction))
+    digest = hashlib.sha1(measured.encode()).hexdigest()[:10]
+    when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    return (
+        f"calibrate_layout {digest}: {model.name} at {tuple(sample_shape)}, local batch {batch}, "
+        f"measured {when} in process {os.getpid()} ({torch.get_num_threads()} torch "
+        f"thread(s)), scale {scale:.3f}, jitter {model.jitter:.3f}"
     )
 
 
@@ -368,6 +414,8 @@ def _optimizer_seconds(module: nn.Module, repeats: int) -> float:
 
 
 __all__ = [
+    "JITTER_CAP",
+    "SCALE_RANGE",
     "LayerTimings",
     "SavedBytes",
     "calibrate_layout",
