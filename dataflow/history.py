@@ -79,6 +79,8 @@ class FitResult:
                 f"{phase['local_batches']}, samples/s per replica "
                 f"{[round(v) for v in phase['samples_per_second']]}"
             )
+        if (skipped := skipped_text(h)) is not None:
+            lines.append(f"  {skipped}")
         if h.epochs:
             last = h.epochs[-1]
             metrics = ", ".join(
@@ -86,3 +88,29 @@ class FitResult:
             )
             lines.append(f"  epoch {last['epoch']}: {metrics}")
         return "\n".join(lines)
+
+
+def skipped_steps(steps: list[Any], phase: int | None = None) -> list[int]:
+    """The committed steps whose update was dropped as not finite (``skipped``), of
+    ``phase`` or of every phase."""
+    return [
+        s["step"]
+        for s in steps
+        if s.get("skipped") is True and (phase is None or s.get("phase") == phase)
+    ]
+
+
+def skipped_text(history: History, shown: int = 10) -> str | None:
+    """One line counting the skipped steps and naming the first ``shown``, or None."""
+    steps = skipped_steps(history.steps)
+    count = len(steps) or sum(int(p.get("skipped_steps") or 0) for p in history.phases)
+    if not count:
+        return None
+    names = ", ".join(str(i) for i in steps[:shown]) + (", ..." if len(steps) > shown else "")
+    plural = "" if count == 1 else "s"
+    which = f": step{'' if len(steps) == 1 else 's'} {names}" if steps else ""
+    return (
+        f"{count} step{plural} skipped for a non-finite loss or gradient "
+        f"(on_non_finite='skip'){which}; {'it' if count == 1 else 'they'} changed no "
+        "weight, optimizer state or buffer (BatchNorm statistics)"
+    )

@@ -22,7 +22,8 @@ class Pipeline:
     ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
     ``eval_source`` with ``metrics`` evaluates at the end of every epoch.
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
-    (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``).
+    (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
+    weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
     Everything else (``replicas``, ``device``, ``window_seconds``, ``balancer``,
     ``progress`` ...) is a :class:`~dataflow.trainer.TrainerConfig` field.
     """

@@ -62,7 +62,9 @@ class Record(Mapping[str, Any]):
 @dataclasses.dataclass(eq=False)
 class StepRecord(Record):
     """One committed global step: its loss (sample-weighted mean over the replicas),
-    samples, the slowest replica's seconds, and the wall time since training began."""
+    samples, the slowest replica's seconds, and the wall time since training began;
+    ``skipped``: True when its update was dropped as not finite (``on_non_finite="skip"``;
+    under local or asynchronous updates, some replica's part of it), else absent."""
 
     step: int
     phase: int
@@ -71,6 +73,8 @@ class StepRecord(Record):
     samples: int
     seconds: float
     time: float
+    skipped: bool | None = None
+    optional: ClassVar[tuple[str, ...]] = ("skipped",)
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,7 +126,7 @@ class PhaseRecord(Record):
     data_wait_fraction: list[float] | None = None  # per replica: share of step time in Load
     chunks_decoded: list[int] | None = None
     peak_buffered_samples: list[int] | None = None
-    skipped_steps: int = 0  # non-finite, dropped
+    skipped_steps: int = 0  # non-finite, dropped (the committed steps marked ``skipped``)
     # The phase's steady step time on the driver's clock (the recorder's
     # ``steady_step_seconds``: window commits after the phase's first windows), and,
     # with a cost model, its prediction (``StepBreakdown.to_dict()``) for this phase.

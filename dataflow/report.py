@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow.core.errors import DataflowError
-from dataflow.history import History
+from dataflow.history import History, skipped_text
 from dataflow.report_data import (
     OPTIONAL_FIELDS,
     REPORT_FIELDS,
@@ -129,12 +129,13 @@ def _matplotlib() -> Any:
 
 
 def write_steps_csv(history: History, path: Path) -> Path:
-    """One row per step, with the samples seen, reconstructed wall time, batch and LR."""
+    """One row per step, with the samples seen, reconstructed wall time, batch and LR,
+    and ``skipped`` (True where the update was dropped as not finite)."""
     phases = {p.get("phase"): p for p in history.phases}
     times = step_wall_times(history.steps)
     seen = 0
     columns = ["step", "phase", "epoch", "loss", "samples", "samples_seen", "seconds"]
-    columns += ["time", "wall_time", "global_batch", "lr"]
+    columns += ["time", "wall_time", "global_batch", "lr", "skipped"]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -222,15 +223,17 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
     if board is not None:
         written.append(board)
         notes.append("TensorBoard: `tensorboard --logdir tensorboard`\n")
+    skipped = skipped_text(history)
     summary = [
         "# Training report",
         "",
         _title(history),
         "",
+        *([f"{skipped[0].upper()}{skipped[1:]}.", ""] if skipped else []),
         *notes,
         *sync_table(history),
         "Tables: `steps.csv` (one row per step: loss, samples, samples_seen, seconds, "
-        "wall_time, global_batch, lr), `epochs.csv` (one row per epoch), `history.json` "
+        "wall_time, global_batch, lr, skipped), `epochs.csv` (one row per epoch), `history.json` "
         "(everything the fit recorded).",
         "",
     ]

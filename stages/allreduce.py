@@ -138,7 +138,9 @@ class AllReduce(Stage):
             # (the store client notes each staleness; the part names what was applied)
             reply = store.push(step.weight, part=(step.spec.index, step.owner))
             step.metrics["store_wait_s"] = reply["waited_s"]
-            if reply["refused"]:
+            # the store refuses exactly the pushes that are not finite: known here at once
+            # (with overlap its reply comes a step late), so Update skips this very step
+            if not reply["finite"]:
                 step.metrics["refused_non_finite"] = True
             return Gradients(samples=grads.samples, reduced=True, applied=True)
         if self._reducer is not None:
@@ -194,10 +196,11 @@ class AllReduce(Stage):
             del self._first_micro
 
     def end_window(self, replica: ReplicaContext) -> None:
-        """Local updates: the replicas' weights (optimizer state, floating buffers) become
-        their average weighted by the samples each trained on in this window.
-        Asynchronous updates: the runtime took the store's weights, optimizer state and
-        floating buffers (BatchNorm statistics, averaged the same way) already."""
+        """Local updates: the replicas' weights (optimizer state, buffers) become their
+        average weighted by the samples each trained on in this window (integer buffers,
+        BatchNorm's ``num_batches_tracked``, rounded). Asynchronous updates: the runtime
+        took the store's weights, optimizer state and buffers (BatchNorm statistics,
+        averaged the same way) already."""
         if not getattr(self, "_local", False):
             return
         samples, total = _window_shares(self._window, self._global_of, replica.window)
@@ -205,6 +208,7 @@ class AllReduce(Stage):
         weight = samples / total if total else 1.0 / replica.world_size
         if replica.collective is not None:
             average_weighted_(_local_state(replica), weight, replica.collective)
+            average_counts_(replica.model, weight, replica.collective)
         if replica.local.outer:
             outer_step_(replica, self._start)
             self._start = None
@@ -307,6 +311,22 @@ def average_weighted_(tensors: list[Any], weight: float, collective: Any) -> Non
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+def average_counts_(model: Any, weight: float, collective: Any) -> None:
+    """Integer buffers (BatchNorm's ``num_batches_tracked``) to their weighted average over
+    the replicas, rounded, as floating ones are averaged: a replica that skipped a step
+    (``on_non_finite="skip"``) or trained more parts counted other batches, and every
+    replica must hold the same. One small allreduce; none for a model without them."""
+    counts = [b for b in model.buffers() if not (b.is_floating_point() or b.is_complex())]
+    if not counts:
+        return
+    flat = torch.cat([b.detach().reshape(-1).double() for b in counts]).mul_(weight)
+    collective.allreduce(flat)
+    offset = 0
+    for b in counts:
+        b.copy_(flat[offset : offset + b.numel()].round().view_as(b))
+        offset += b.numel()
 
 
 def _flat_grads(model: Any) -> Any:

@@ -158,9 +158,14 @@ class Update(Stage):
 
     def begin_step(self, step: StepContext) -> None:
         """The step's LR on the ramp, set before the step runs (with asynchronous
-        updates the parameter store steps in AllReduce, at this LR)."""
+        updates the parameter store steps in AllReduce, at this LR). With ``"skip"``, a
+        copy of the model's buffers before any forward of the step (of every
+        micro-batch): a skipped step puts them back (BatchNorm statistics and
+        ``num_batches_tracked``), as its update leaves weights and optimizer untouched."""
         if getattr(self, "_warmup", 0):
             self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
+        if self.config.on_non_finite == "skip":
+            self._buffers = [b.detach().clone() for b in step.replica.model.buffers()]
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         optimizer = step.replica.optimizer
@@ -199,6 +204,11 @@ class Update(Stage):
             )
         self._skipped += 1
         step.metrics["skipped"] = True
+        saved, self._buffers = getattr(self, "_buffers", None), None
+        if saved is not None:  # the step's forwards updated them (NaN into BatchNorm's)
+            with torch.no_grad():
+                for buffer, before in zip(step.replica.model.buffers(), saved, strict=True):
+                    buffer.copy_(before)
 
     def end_window(self, replica: ReplicaContext) -> None:
         """The deferred check: one host read per window."""

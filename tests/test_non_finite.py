@@ -1,14 +1,26 @@
-"""A NaN in the data: caught before the update, then either stop or drop the step."""
+"""A NaN in the data: caught before the update, then either stop or drop the step.
+
+A dropped step leaves the replica as it was before it: weights, optimizer state and
+every buffer (BatchNorm's running statistics and ``num_batches_tracked``, which the
+step's forward passes had already moved). The fast tests run one replica in this
+process, as the dry run does; the ``slow`` ones fit on the session's LocalCluster."""
+
+import copy
+import csv
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, tiny_pipeline
+from conftest import make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.errors import ConfigError, NonFiniteError
-
-pytestmark = pytest.mark.slow
+from dataflow.history import FitResult, History, skipped_text
+from dataflow.records import StepRecord
+from dataflow.report import write_report
+from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+from dataflow.stages.base import PhaseContext
 
 
 def data_with_a_nan(n=64, bad=37):
@@ -17,6 +29,258 @@ def data_with_a_nan(n=64, bad=37):
     return x, y
 
 
+class BNNet(torch.nn.Module):
+    """TinyCNN with a BatchNorm after each convolution."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.flatten(1))
+
+
+def learnable_data(n: int, nan_at=(), seed: int = 0):
+    """3 classes, each a fixed pattern under noise (chance: about 1/3), with a NaN in the
+    samples ``nan_at``."""
+    patterns = np.random.default_rng(123).normal(size=(3, 1, 8, 8))
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n)
+    x = (rng.normal(size=(n, 1, 8, 8)) + patterns[y]).astype(np.float32)
+    x[list(nan_at), 0, 3, 3] = np.nan
+    return x, y.astype(np.int64)
+
+
+def accuracy(model: torch.nn.Module, x, y) -> float:
+    model.eval()
+    with torch.no_grad():
+        return float((model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).float().mean())
+
+
+def in_process(trainer: dfl.Trainer, epochs: int, micro_batches: int = 1):
+    """One replica of ``trainer``'s graph in this process (as the dry run builds it), its
+    phase begun: the runtime and the phase's steps."""
+    order = trainer.graph.validate(replicas=1)
+    spec = ReplicaSpec(run_id="test", graph=trainer.graph, order=order, seed=0, device="cpu")
+    runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+    [plan] = trainer.plan(epochs, 1)
+    steps = plan.steps
+    if micro_batches > 1:
+        steps = tuple(dataclasses.replace(s, micro_batches=(micro_batches,)) for s in steps)
+    runtime.begin_phase(PhaseContext(index=0, steps=steps, lr=None))
+    return runtime, steps
+
+
+class PoisonSteps(dfl.stages.Stage):
+    """Test stage: a NaN in the last sample of the batch at each step of ``steps``."""
+
+    def __init__(self, steps) -> None:
+        super().__init__("PoisonSteps")
+        self.steps = set(steps)
+
+    def run(self, step, batch):
+        if step.spec.index in self.steps:
+            batch.x = batch.x.clone()
+            batch.x[-1, 0, 0, 0] = float("nan")
+        return batch
+
+
+def poisoned_graph(steps, on_non_finite="skip", optimizer=sgd) -> dfl.Trainer:
+    x, y = learnable_data(64)
+    g = dfl.Graph()
+    batch = g.add(dfl.stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(PoisonSteps(steps), batch)
+    out = g.add(dfl.stages.Forward(BNNet, torch.nn.functional.cross_entropy), batch)
+    reduced = g.add(dfl.stages.AllReduce(), g.add(dfl.stages.Backward(), out))
+    g.add(dfl.stages.Update(optimizer, on_non_finite=on_non_finite), reduced)
+    return dfl.Trainer(g, schedule=dfl.schedule.Fixed(16), progress=False, device="cpu")
+
+
+def replica_state(runtime: ReplicaRuntime) -> dict:
+    """Copies of every parameter, buffer and optimizer tensor of the replica."""
+    ctx = runtime.context
+    return {
+        "model": {k: v.detach().clone() for k, v in ctx.model.state_dict().items()},
+        "optimizer": copy.deepcopy(ctx.optimizer.state_dict()),
+    }
+
+
+def assert_bit_identical(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bit_identical(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert_bit_identical(u, v, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_skipped_step_leaves_buffers_weights_and_optimizer_state_bit_identical(micro_batches):
+    """The NaN is in the step's last sample: with 2 micro-batches the first one's forward
+    (clean) has moved the BatchNorm statistics too; all of it is undone."""
+    runtime, steps = in_process(poisoned_graph(steps={1}), epochs=1, micro_batches=micro_batches)
+    try:
+        runtime.run_window(0, 1)  # a step applied: momentum and BatchNorm statistics exist
+        before = replica_state(runtime)
+        assert int(before["model"]["bn.num_batches_tracked"]) == micro_batches
+        result = runtime.run_window(1, 2)
+        assert result.skipped == [1]
+        assert_bit_identical(replica_state(runtime), before)
+        result = runtime.run_window(2, len(steps))  # and it trains on
+        assert result.skipped == []
+        after = runtime.context.model.state_dict()
+        assert int(after["bn.num_batches_tracked"]) == micro_batches * (len(steps) - 1)
+        assert all(torch.isfinite(t).all() for t in after.values())
+        assert not torch.equal(after["bn.running_mean"], before["model"]["bn.running_mean"])
+    finally:
+        runtime.close()
+
+
+def test_raise_still_stops_at_the_step_before_anything_changes():
+    runtime, _ = in_process(poisoned_graph(steps={1}, on_non_finite="raise"), epochs=1)
+    try:
+        runtime.run_window(0, 1)
+        with pytest.raises(NonFiniteError, match=r"at step 1 .*no update was applied.*'skip'"):
+            runtime.run_window(1, 2)
+    finally:
+        runtime.close()
+
+
+def test_skipping_equals_training_without_the_poisoned_batches():
+    """A BatchNorm CNN, 3 NaN samples in 192, 3 epochs on one replica: the skipped steps
+    are those whose batch holds a NaN, and the result is the plain torch loop that never
+    saw those batches: weights and running statistics (not NaN), so the model scores on
+    clean data like the clean run, far above chance."""
+    bad = (5, 77, 150)
+    x, y = learnable_data(192, nan_at=bad)
+    pipe = dfl.Pipeline(
+        model=BNNet,
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(16),
+        on_non_finite="skip",
+        device="cpu",
+        progress=False,
+    )
+    batches = [np.concatenate(parts) for parts in pipe.sample_plan(epochs=3, replicas=1)]
+    poisoned = [i for i, b in enumerate(batches) if np.isin(b, bad).any()]
+    assert 3 <= len(poisoned) <= 9  # each NaN sample in one step of each epoch
+    runtime, steps = in_process(pipe.trainer, epochs=3)
+    try:
+        result = runtime.run_window(0, len(steps))
+        state = runtime.state_dict()
+    finally:
+        runtime.close()
+    assert result.skipped == poisoned
+
+    torch.manual_seed(0)  # the reference: the same steps without the poisoned batches
+    reference = BNNet()
+    opt = sgd(reference.parameters())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for i, index in enumerate(batches):
+        if i not in poisoned:
+            loss = torch.nn.functional.cross_entropy(reference(xt[index]), yt[index])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    expected = reference.state_dict()
+    for key, value in state.items():
+        assert torch.isfinite(value).all(), key
+        assert torch.allclose(value.double(), expected[key].double(), atol=1e-5), key
+    assert int(state["bn.num_batches_tracked"]) == len(batches) - len(poisoned)
+    model = BNNet()
+    model.load_state_dict(state)
+    clean_x, clean_y = learnable_data(300, seed=1)
+    assert accuracy(model, clean_x, clean_y) > 0.8  # chance: about 1/3
+
+
+def test_the_summary_and_the_report_name_the_skipped_steps(tmp_path):
+    steps = [
+        StepRecord(step=i, phase=0, epoch=0, loss=0.5, samples=16, seconds=0.01, time=0.01 * i,
+                   skipped=True if i in (3, 7) else None)
+        for i in range(10)
+    ]  # fmt: skip
+    history = History(steps=steps)
+    assert skipped_text(history).startswith(
+        "2 steps skipped for a non-finite loss or gradient (on_non_finite='skip'): steps 3, 7;"
+    )
+    assert skipped_text(History(steps=steps[:3])) is None
+    loaded = History.from_json(history.to_json(tmp_path / "h.json"))
+    assert [s.get("skipped") for s in loaded.steps] == [s.skipped for s in steps]
+    assert "skipped" not in loaded.steps[0]  # absent, not False, where nothing was skipped
+    assert "  2 steps skipped" in FitResult(BNNet(), history).summary().splitlines()[1]
+    write_report(history, tmp_path / "report")  # (no phases: the plots are left out)
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "2 steps skipped for a non-finite loss or gradient" in report
+    rows = list(csv.DictReader((tmp_path / "report" / "steps.csv").read_text().splitlines()))
+    assert [r["skipped"] for r in rows[2:5]] == ["", "True", ""]
+
+
+def momentum_half(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.5)  # overlap warns above 0.5
+
+
+SYNCS = {
+    "synchronous": (None, sgd),
+    "local": (dfl.sync.Local(period_steps=3), sgd),
+    "async": (dfl.sync.Async(staleness=1), sgd),
+    "async-overlap": (dfl.sync.Async(staleness=1, overlap=True), momentum_half),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", list(SYNCS))
+def test_skip_keeps_batchnorm_statistics_and_records_the_skipped_steps(client, sync):
+    """The issue's case, scaled down: a BatchNorm CNN on 2 replicas, a few NaN samples,
+    ``on_non_finite="skip"``. Every step whose global batch holds a NaN is skipped (under
+    local or asynchronous updates: the part of the replica that read it), and the model
+    returned scores on clean held-out data far above chance: no NaN reached its running
+    statistics. The history flags those steps, the phase counts them, the summary says so."""
+    policy, optimizer = SYNCS[sync]
+    bad = (5, 77, 150)
+    x, y = learnable_data(192, nan_at=bad)
+    clean_x, clean_y = learnable_data(300, seed=1)
+    pipe = dfl.Pipeline(
+        model=BNNet,
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=optimizer,
+        source=dfl.io.ArraySource(x, y),
+        eval_source=dfl.io.ArraySource(clean_x, clean_y, shuffle=False),
+        metrics={"accuracy": dfl.stages.accuracy},
+        schedule=dfl.schedule.Fixed(16),
+        on_non_finite="skip",
+        replicas=2,
+        device="cpu",
+        progress=False,
+        **({} if policy is None else {"sync": policy}),
+    )
+    result = pipe.fit(epochs=3, client=client)
+    batches = [np.concatenate(parts) for parts in pipe.sample_plan(epochs=3, replicas=2)]
+    poisoned = [i for i, b in enumerate(batches) if np.isin(b, bad).any()]
+    history = result.history
+    assert [s["step"] for s in history.steps if s.get("skipped")] == poisoned
+    assert history.phases[0]["skipped_steps"] == len(poisoned)
+    assert f"{len(poisoned)} steps skipped for a non-finite loss" in result.summary()
+    for key, tensor in result.model.state_dict().items():
+        assert torch.isfinite(tensor).all(), key
+    assert result.model.bn.num_batches_tracked > 0
+    assert history.epochs[-1]["eval_accuracy"] > 0.8  # chance: about 1/3
+    assert accuracy(result.model, clean_x, clean_y) > 0.8
+
+
+@pytest.mark.slow
 def test_a_nan_stops_the_fit_before_the_update_and_names_the_step(client):
     x, y = data_with_a_nan()
     pipe = tiny_pipeline(x, y, dry_run=False)
@@ -24,6 +288,7 @@ def test_a_nan_stops_the_fit_before_the_update_and_names_the_step(client):
         pipe.fit(epochs=1, client=client)
 
 
+@pytest.mark.slow
 def test_skip_drops_only_the_poisoned_steps_and_trains_on(client):
     x, y = data_with_a_nan()
     pipe = tiny_pipeline(x, y, on_non_finite="skip")
@@ -61,6 +326,7 @@ class PoisonOnce(dfl.stages.Stage):
         return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", ["step", "window"])
 def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_path, check):
     """``check="window"`` (a GPU's default): the verdict is read once per window, the
@@ -95,6 +361,7 @@ def test_rollback_goes_back_to_the_last_window_and_halves_the_lr(client, tmp_pat
         assert torch.isfinite(tensor).all()
 
 
+@pytest.mark.slow
 def test_a_window_check_stops_the_fit_naming_the_step_and_refuses_skip(client):
     from conftest import TinyCNN, sgd
 

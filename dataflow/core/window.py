@@ -46,3 +46,6 @@ class WindowResult:
     # trained again at the window's end (also in ``taken_over``: the store had not
     # applied them)
     retrained: list[tuple[int, int]] = field(default_factory=list)
+    # on_non_finite="skip": the steps whose update this replica dropped (its part of
+    # them, under local or asynchronous updates), their state left as before the step
+    skipped: list[int] = field(default_factory=list)

@@ -20,7 +20,7 @@ from dataflow.core.digest import index_hashes
 from dataflow.core.errors import DataError, LossError
 from dataflow.core.window import WindowResult
 from dataflow.driver.machine import MachineConfig
-from dataflow.history import History
+from dataflow.history import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
 from dataflow.progress import ReplicaTotals
@@ -203,6 +203,7 @@ class Recorder:
         weighted = np.where(known, losses * samples, 0.0).sum(axis=0)
         step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
         step_totals = samples.sum(axis=0)
+        skipped = {index for w in window for index in w.skipped}  # on_non_finite="skip"
         now = time.perf_counter() - self.train_started
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
@@ -220,6 +221,7 @@ class Recorder:
                     samples=total,
                     seconds=float(seconds[i]),
                     time=now,
+                    skipped=spec.index in skipped or None,
                 )
             )
             self.samples_seen += total
@@ -228,9 +230,7 @@ class Recorder:
                 self.epoch_samples += total
             if spec.last_in_epoch:
                 self._record_epoch(spec, window)
-        for w in window:  # so do its gradient-norm pairs (the noise scale)
-            if w.norm_pairs:
-                self.phase_pairs.extend(w.norm_pairs)
+        self.phase_pairs.extend(p for w in window for p in w.norm_pairs)  # so do its noise pairs
         if self.bar is not None:
             last = self.history.steps[-1]
             self.bar.update(len(specs))
@@ -343,7 +343,7 @@ class Recorder:
                 data_wait_fraction=data_wait,
                 chunks_decoded=[end.get("chunks_decoded", 0) for end in ends],
                 peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
-                skipped_steps=ends[0].get("skipped_steps", 0),
+                skipped_steps=len(skipped_steps(self.history.steps, phase.index)),
                 measured_step_seconds=measured,
                 measured_step_note=measured_note,
                 lockstep_wait_s=(

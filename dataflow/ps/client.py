@@ -109,10 +109,11 @@ class StoreClient:
     def push(self, weight: float, part: tuple[int, int] | None = None) -> dict[str, Any]:
         """Send this step's local mean gradient (weighted ``n_r / B``) of ``part`` (step,
         owner) to every shard (in a retrain round: to the shards that lack the part) and
-        take the weights it produced. Returns whether a shard refused it (not finite)
-        and the seconds waited. With ``overlap`` it sends and returns at once; the reply
-        is taken at the next push (or the window's end), so the next step computes on
-        the weights of the reply before, and a refusal is reported one step late."""
+        take the weights it produced. Returns whether a shard refused it (not finite),
+        whether this push is finite (the shards refuse it if not) and the seconds waited.
+        With ``overlap`` it sends and returns at once; the reply is taken at the next
+        push (or the window's end), so the next step computes on the weights of the reply
+        before, and a refusal is reported one step late (``finite`` at once)."""
         started = time.perf_counter()
         shards = self.targets.get(part, range(len(self.ranges)))
         lrs = [group["lr"] for group in self.optimizer.param_groups]
@@ -141,7 +142,7 @@ class StoreClient:
             self.outstanding = self._start(messages)
         else:
             refused = self._take(self._wait(self._start(messages)))
-        return {"refused": refused, "waited_s": time.perf_counter() - started}
+        return {"refused": refused, "finite": finite, "waited_s": time.perf_counter() - started}
 
     def _collect(self) -> bool:
         """Overlap: wait for the push in flight, if any, and take its weights."""
@@ -162,7 +163,7 @@ class StoreClient:
     ) -> list[tuple[int, int]]:
         """This replica's window (or retrain round) is over: wait for all. Then either
         take the store's weights and optimizer state (identical on every replica) and
-        the averaged floating buffers, and return ``[]``; or, a replica having been lost
+        the averaged buffers, and return ``[]``; or, a replica having been lost
         in the window, take the current weights and return the (step, owner) parts this
         replica trains again before it finishes once more. ``planned``: the window's
         parts; ``share``: this replica's samples over the window's."""
@@ -295,17 +296,21 @@ class StoreClient:
         return replies
 
     def _buffers(self) -> torch.Tensor | None:
-        floats = [b.detach().reshape(-1) for b in self.model.buffers() if b.is_floating_point()]
-        if not floats:
+        """The buffers the store averages, as one float64 tensor: floating ones (BatchNorm
+        statistics) and integer ones (``num_batches_tracked``: a replica that skipped a
+        step counted one batch less; rounded back when loaded)."""
+        kept = [b.detach().reshape(-1) for b in self.model.buffers() if not b.is_complex()]
+        if not kept:
             return None
-        return torch.cat([b.to("cpu", torch.float64) for b in floats])
+        return torch.cat([b.to("cpu", torch.float64) for b in kept])
 
     def _load_buffers(self, flat: torch.Tensor) -> None:
         offset = 0
         for buffer in self.model.buffers():
-            if buffer.is_floating_point():
+            if not buffer.is_complex():
                 n = buffer.numel()
-                buffer.copy_(flat[offset : offset + n].view_as(buffer))
+                value = flat[offset : offset + n].view_as(buffer)
+                buffer.copy_(value if buffer.is_floating_point() else value.round())
                 offset += n
 
     def _load_weights(self, indices: range, flat: torch.Tensor) -> None:

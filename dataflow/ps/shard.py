@@ -104,7 +104,7 @@ class ParameterShard:
         """``replica`` ended round ``round`` of window ``window``; waits for all, then
         everyone takes the final weights and optimizer state (and the shard serves
         window ``stop``), or, after a loss, the parts left to retrain. ``planned``: the
-        window's (step, owner) parts; ``buffers``: the replica's floating buffers, its
+        window's (step, owner) parts; ``buffers``: the replica's buffers (float64), its
         samples' ``share`` of the window weighting them in the average."""
         async with self.changed:
             self._check()

@@ -151,6 +151,7 @@ class ReplicaRuntime:
             store_wait_s=tally.waits if staleness else [],
             taken_over=tally.taken,
             retrained=tally.retrained,
+            skipped=tally.skipped,
         )
 
     def _train(self, index: int, part: int | None, tally: WindowTally, stage_seconds: dict) -> None:

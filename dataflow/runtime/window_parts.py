@@ -89,7 +89,8 @@ def add_note(exc: BaseException, note: str) -> None:
 class WindowTally:
     """What a replica's window adds up as its tasks run: per step of the window, the
     samples, seconds and store waits; per task, the loss; the parts taken over or
-    retrained; the digest of the samples read; noise pairs; epoch ends to evaluate."""
+    retrained; the steps skipped (not finite); the digest of the samples read; noise
+    pairs; epoch ends to evaluate."""
 
     def __init__(self, first_step: int, stop_step: int) -> None:
         count = stop_step - first_step
@@ -100,6 +101,7 @@ class WindowTally:
         self.sizes: list[int] = []
         self.taken: list[tuple[int, int]] = []
         self.retrained: list[tuple[int, int]] = []
+        self.skipped: list[int] = []  # steps whose update was dropped (not finite)
         self.pairs: list[Any] = []
         self.epoch_ends: list[Any] = []
         self.read, self.digest = 0, None
@@ -114,6 +116,8 @@ class WindowTally:
         self.sizes.append(step.local_batch)
         if step.part is not None:
             self.taken.append((step.spec.index, step.part))
+        if step.metrics.get("skipped"):  # Update dropped it (on_non_finite="skip")
+            self.skipped.append(step.spec.index)
         indices = step.metrics.get("sample_indices")
         if indices is not None:  # the driver knows them from the plan: prove them
             self.read += len(indices)
