@@ -66,11 +66,12 @@ class FitResult:
         h = self.history
         info = h.info
         samples = sum(s["samples"] for s in h.steps)
-        seconds = info.get("train_seconds", 0.0) or float("nan")
+        seconds = info.get("train_seconds", 0.0) or float("nan")  # every run's, resumed
+        runs = len(info.get("segments") or ())
         lines = [
             f"trained {info.get('epochs')} epoch(s), {len(h.steps)} steps, {samples} samples "
-            f"on {info.get('replicas')} replica(s) in {seconds:.1f} s "
-            f"({samples / seconds:.0f} samples/s)",
+            f"on {info.get('replicas')} replica(s) in {seconds:.1f} s"
+            f"{f' over {runs} runs' if runs > 1 else ''} ({samples / seconds:.0f} samples/s)",
         ]
         for phase in h.phases:
             lines.append(

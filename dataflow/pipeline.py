@@ -20,7 +20,9 @@ class Pipeline:
 
     ``model`` is a factory called once per replica (a class, or ``lambda: Net()``);
     ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
-    ``eval_source`` with ``metrics`` evaluates at the end of every epoch.
+    ``eval_source`` evaluates at the end of every epoch: the held-out loss
+    (``eval_loss``) and each of ``metrics`` (``eval_<name>``; a ``"loss"`` entry
+    replaces the training loss function there).
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
     (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
@@ -64,7 +66,8 @@ class Pipeline:
         node = graph.add(AllReduce(bucket_mb=bucket_mb), node)
         node = graph.add(Update(optimizer, on_non_finite=on_non_finite), node)
         if eval_source is not None:
-            graph.add(Evaluate(eval_source, metrics=metrics or {"loss": loss}), node)
+            # the held-out loss always (eval_loss), next to the metrics asked for
+            graph.add(Evaluate(eval_source, metrics={"loss": loss, **(metrics or {})}), node)
         elif metrics:
             raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
         self.graph = graph

@@ -73,7 +73,8 @@ class PhaseProgress:
     ``segment``: the steps running now (after a lost worker, the rest re-split);
     ``norm_pairs``: the gradient-norm pairs of the committed steps (the noise scale is
     updated from them when the phase ends); ``epoch_loss``: the running (sum, samples)
-    of the epoch in progress; ``totals``: per replica, its work so far.
+    of the epoch in progress; ``totals``: per replica, its work so far; ``seconds``:
+    the phase's wall time so far.
     """
 
     phase: PhaseSpec
@@ -84,6 +85,7 @@ class PhaseProgress:
     norm_pairs: list[tuple] = field(default_factory=list)
     epoch_loss: tuple[float, int] = (0.0, 0)
     totals: list[ReplicaTotals] = field(default_factory=list)
+    seconds: float = 0.0  # the phase's wall time so far (on the driver's clock)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -95,6 +97,7 @@ class PhaseProgress:
             "norm_pairs": [tuple(pair) for pair in self.norm_pairs],
             "epoch_loss": (float(self.epoch_loss[0]), int(self.epoch_loss[1])),
             "totals": [t.to_dict() for t in self.totals],
+            "seconds": float(self.seconds),
         }
 
     @classmethod
@@ -109,4 +112,5 @@ class PhaseProgress:
             norm_pairs=[tuple(pair) for pair in state["norm_pairs"]],
             epoch_loss=(float(loss_sum), int(loss_samples)),
             totals=[ReplicaTotals.from_dict(t) for t in state["totals"]],
+            seconds=float(state.get("seconds", 0.0)),  # older checkpoints: not recorded
         )

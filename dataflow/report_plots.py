@@ -61,6 +61,14 @@ def _shade_phases(ax: Any, bounds: list[tuple[float, float, str]], label: bool) 
             )
 
 
+def _resume_seams(history: History, x: np.ndarray) -> list[float]:
+    """Along ``x`` (one value per step): where each resumed run took over (the end of
+    the step before its first; ``info["segments"]``)."""
+    position = {s.get("step"): i for i, s in enumerate(history.steps)}
+    starts = [seg.get("start_step", 0) for seg in (history.info.get("segments") or [])[1:]]
+    return [float(x[position[start - 1]]) for start in starts if start - 1 in position]
+
+
 def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
     if window <= 1 or len(values) < window:
         return values
@@ -75,8 +83,10 @@ def _title(history: History) -> str:
     seconds = _number(info.get("train_seconds"))
     parts = [f"run {info.get('run_id', '?')}", f"{info.get('replicas', '?')} replica(s)"]
     parts += [f"{info.get('epochs', len(history.epochs))} epoch(s)", f"{samples:,} samples"]
-    if math.isfinite(seconds) and seconds > 0:
-        parts.append(f"{seconds:.1f} s training ({samples / seconds:,.0f} samples/s)")
+    runs = len(info.get("segments") or ())
+    if math.isfinite(seconds) and seconds > 0:  # every run's, when resumed
+        over = f" over {runs} runs" if runs > 1 else ""
+        parts.append(f"{seconds:.1f} s training{over} ({samples / seconds:,.0f} samples/s)")
     return "  ·  ".join(parts)
 
 
@@ -111,6 +121,8 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
     ]
     for x, col, xlabel in xs:
         bounds = _phase_bounds(history, x)
+        for seam_row, seam in itertools.product(axes[:, col], _resume_seams(history, x)):
+            seam_row.axvline(seam, color="#8e44ad", ls="--", lw=1.2, zorder=1)
         ax = axes[0][col]
         _shade_phases(ax, bounds, label=True)
         ax.plot(x, loss, color="#3a7bd5", alpha=0.25, lw=0.8, label="train loss, each step")
@@ -181,6 +193,11 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
         "learning rate). Wall time per step is reconstructed from step durations (results "
         "arrive one window of steps at a time)."
     )
+    if _resume_seams(history, seen):
+        caption += (
+            " Dashed purple lines: a run resumed from a checkpoint; wall time counts each run's "
+            "training seconds back to back."
+        )
     return _finish(fig, plt, history, path, caption)
 
 

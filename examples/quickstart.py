@@ -37,7 +37,8 @@ def main() -> None:
         client = Client(args.scheduler)
     result = pipe.fit(epochs=args.epochs, client=client)
     result.history.to_json("runs/quickstart/history.json")
-    print("final held-out accuracy:", result.history.epochs[-1]["eval_accuracy"])
+    last = result.history.epochs[-1]
+    print(f"final held-out accuracy {last['eval_accuracy']:.1%}, loss {last['eval_loss']:.3f}")
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def test_checkpoint_loads_weights_only(tmp_path: Path) -> None:
 
 def test_mid_phase_progress_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
     """A PhaseProgress (the phase, its steps with re-split history, the pairs, the
-    per-replica totals) saved in a checkpoint comes back equal, tuples as tuples."""
+    per-replica totals, its seconds) saved in a checkpoint comes back equal, tuples as tuples."""
     from dataflow.plan import phase_steps, resplit_steps
     from dataflow.progress import PhaseProgress, ReplicaTotals
 
@@ -182,6 +182,7 @@ def test_mid_phase_progress_round_trips_through_a_weights_only_file(tmp_path: Pa
         norm_pairs=[(3, 3, 1.5, 6, 0.5)],
         epoch_loss=(4.5, 12),
         totals=[totals],
+        seconds=3.25,
     )
     store = CheckpointStore(tmp_path)
     store.save(make_checkpoint(Net(), 5, in_phase=progress.to_dict()))
@@ -192,6 +193,9 @@ def test_mid_phase_progress_round_trips_through_a_weights_only_file(tmp_path: Pa
     assert segment[0].earlier_splits  # the nested tuples survived
     assert back.norm_pairs == progress.norm_pairs and back.epoch_loss == (4.5, 12)
     assert back.totals[0].to_dict() == totals.to_dict()
+    assert back.seconds == 3.25  # the phase's wall time so far: a resume goes on from it
+    older = {k: v for k, v in loaded.in_phase.items() if k != "seconds"}
+    assert PhaseProgress.from_dict(older).seconds == 0.0  # written before it was kept
 
 
 def test_a_format_1_checkpoint_still_loads_as_a_phase_boundary(tmp_path: Path) -> None:

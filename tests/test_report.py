@@ -157,6 +157,35 @@ def test_report_of_an_old_history_without_the_optional_fields(tmp_path):
     assert (tmp_path / "history.json") not in written  # never overwrites its own input
 
 
+def test_a_resumed_history_reports_every_run(tmp_path):
+    """A fit stopped and resumed: two segments, the steps' times going on across the
+    seam; the summary and the report's title divide every sample by both runs' seconds,
+    and the wall-time panel marks the seam."""
+    from dataflow.history import FitResult
+    from dataflow.report_plots import _resume_seams
+
+    history = adaptive_history()
+    steps, split = history.steps, len(history.steps) // 2
+    first = steps[split - 1]["time"] + 0.25  # its last checkpoint, after its last step
+    history.info["segments"] = [
+        {"run": 0, "start_step": 0, "end_step": split, "seconds": first},
+        {"run": 1, "start_step": split, "end_step": len(steps), "seconds": 2.0},
+    ]
+    resumed_at = steps[split]["time"]
+    for step in steps[split:]:  # the resumed run's clock starts later: times go on
+        step["time"] = first + 0.5 * (step["time"] - resumed_at) + 0.1
+    history.info["train_seconds"] = first + 2.0
+    samples = sum(s["samples"] for s in steps)
+    headline = FitResult(None, history).summary().splitlines()[0]
+    assert f"over 2 runs ({samples / (first + 2.0):.0f} samples/s)" in headline
+    times = step_wall_times(steps)
+    assert (np.diff(times) >= 0).all()
+    assert _resume_seams(history, times) == [times[split - 1]]
+    out = tmp_path / "report"
+    assert_report(out, write_report(history, out))
+    assert "over 2 runs" in (out / "report.md").read_text()
+
+
 def test_plots_lacking_their_fields_are_skipped_and_named(tmp_path):
     history = adaptive_history()
     for phase in history.phases:

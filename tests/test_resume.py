@@ -7,12 +7,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from resume_driver import data, pipeline
 
 from dataflow.checkpoint import CheckpointStore
 from dataflow.errors import ConfigError, IncompatibleCheckpointError
+from dataflow.report import step_wall_times
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -49,6 +51,40 @@ def test_a_killed_driver_resumes_bit_identical_to_an_uninterrupted_run(client, t
     assert len(resumed.history.steps) == len(uninterrupted.history.steps)
     for epoch in range(epochs):
         assert resumed.ledger.consumed(epoch).tolist() == list(range(len(x)))
+
+
+def test_a_resumed_fit_counts_time_and_throughput_over_its_runs(client, tmp_path):
+    """Trained 2 epochs, then resumed to 4: the history keeps each run as a segment, the
+    resumed steps' times go on from the first run's, and the summary's samples/s is
+    every sample over both runs' seconds (not over the resumed run's alone)."""
+    x, y = (a[:256] for a in data())
+    first = pipeline(x, y).fit(2, client=client, checkpoint_dir=tmp_path)
+    resumed = pipeline(x, y).fit(4, client=client, checkpoint_dir=tmp_path, resume=True)
+    history, split = resumed.history, len(first.history.steps)
+    segments = history.info["segments"]
+    assert [(s["run"], s["start_step"], s["end_step"]) for s in segments] == [
+        (0, 0, split),
+        (1, split, len(history.steps)),
+    ]
+    assert segments[0]["run_id"] == first.history.info["run_id"]
+    assert segments[1]["run_id"] == history.info["run_id"] != segments[0]["run_id"]
+    samples = [s["samples"] for s in history.steps]
+    assert [s["samples"] for s in segments] == [sum(samples[:split]), sum(samples[split:])]
+    # the first run's part up to its checkpoint (its last steps' times, then the write)
+    assert first.history.steps[-1]["time"] <= segments[0]["seconds"]
+    assert segments[0]["seconds"] <= first.history.info["train_seconds"]
+    # step times go on across the seam: the resumed run's start after the first run's
+    times = np.array([s["time"] for s in history.steps])
+    assert (np.diff(times) >= 0).all()
+    assert times[split] >= segments[0]["seconds"]
+    assert [s["time"] for s in history.steps[:split]] == [s["time"] for s in first.history.steps]
+    total = sum(s["seconds"] for s in segments)
+    assert history.info["train_seconds"] == pytest.approx(total)
+    assert total > segments[1]["seconds"]
+    # the report's wall-time axis is monotonic, the summary counts both runs
+    assert (np.diff(step_wall_times(history.steps)) >= 0).all()
+    headline = resumed.summary().splitlines()[0]
+    assert f"in {total:.1f} s over 2 runs ({sum(samples) / total:.0f} samples/s)" in headline
 
 
 def test_resume_refuses_another_model_and_needs_a_folder(client, tmp_path):

@@ -78,6 +78,7 @@ class CheckpointWriter:
             norm_pairs=list(recorder.phase_pairs),
             epoch_loss=(recorder.epoch_loss_sum, recorder.epoch_samples),
             totals=list(recorder.totals),
+            seconds=time.perf_counter() - recorder.phase_started,
         )
         return self._write(states, machine.phase, epoch, step, {}, recorder, progress)
 
@@ -94,6 +95,7 @@ class CheckpointWriter:
         """``states``: each replica's ReplicaState, rank 0's with the weights."""
         started = time.perf_counter()
         leader = states[0]
+        recorder.record_segments(step)  # the runs so far, this one up to ``step``
         path = self.store.save(
             Checkpoint(
                 model_state=leader.model or {},

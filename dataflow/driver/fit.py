@@ -83,7 +83,7 @@ def run_fit(
     failed = True
     try:
         state = loop.run(workers)
-        info["train_seconds"] = time.perf_counter() - recorder.train_started
+        recorder.record_segments()  # info["segments"], train_seconds: every run's
         failed = False
     finally:
         recorder.close_bar()

@@ -88,6 +88,8 @@ class FitLoop:
         if noise is not None:
             rec.noise.load_state_dict(noise)
         saved = History(**checkpoint.history)
+        if not self.training:  # a resume (not a restart in this fit): after the saved runs
+            rec.clock.resumed(checkpoint.history, checkpoint.step)
         info = rec.history.info
         rec.history = History(steps=saved.steps, epochs=saved.epochs, phases=saved.phases)
         rec.history.info = info
@@ -175,7 +177,7 @@ class FitLoop:
             self.open_failure = None
         if not self.training:  # the clock of the history starts once the replicas are up
             self.training = True
-            self.recorder.train_started = time.perf_counter()
+            self.recorder.clock.start()
         self.executor.queue.append(ev.GroupFormed(c.generation))
 
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
@@ -210,7 +212,10 @@ class FitLoop:
             n = len(self.members)
             todo = self.planner.resumed(progress.segment, self.start.step, n)
             carried = progress.totals if len(progress.totals) == n else None
-            self.recorder.begin_phase(progress.phase, progress.steps, todo, carried=carried)
+            self._announce(progress.phase, progress.steps, todo)
+            self.recorder.begin_phase(
+                progress.phase, progress.steps, todo, carried=carried, elapsed=progress.seconds
+            )
             self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
             self.executor.queue.append(
                 ev.SegmentPlanned(
@@ -238,6 +243,7 @@ class FitLoop:
         if c.kind == "phase":
             measured = self.recorder.measured_speeds()
             steps = self.planner.phase_steps(c.phase, c.replicas, self.next_index, measured)
+            self._announce(c.phase, steps, steps)
             self.recorder.begin_phase(c.phase, steps, steps)
             self.executor.queue.append(ev.SegmentPlanned(c.phase, steps, steps))
             return
@@ -246,6 +252,13 @@ class FitLoop:
         self.executor.queue.append(
             ev.SegmentPlanned(c.phase, state.phase_steps, todo, continued=True)
         )
+
+    def _announce(self, phase: Any, steps: tuple, todo: tuple) -> None:
+        """The phase's plan, one line, before its progress bar opens: as many steps as
+        the bar counts (the calibration steps included)."""
+        if self.progress and todo:
+            self.recorder.close_bar()
+            print(phase_line(phase, steps, todo, self.machine.config), flush=True)
 
     def _BeginPhase(self, c: cmd.BeginPhase) -> None:
         phase = c.phase
@@ -262,8 +275,6 @@ class FitLoop:
         self.executor.begin_phase(c, context)
 
     def _SubmitWindows(self, c: cmd.SubmitWindows) -> None:
-        if self.progress and c.plan.tag.startswith("train") and self.recorder.bar is not None:
-            self.recorder.bar.write(str(c.plan).splitlines()[0])
         self.executor.submit_windows(c)
 
     def _CommitWindow(self, c: cmd.CommitWindow) -> None:
@@ -388,3 +399,24 @@ class FitLoop:
 
     def _Finish(self, c: cmd.Finish) -> None:
         self.final_state = self.executor.final_weights()
+
+
+def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
+    """``Plan phase 0: epochs 0-2, global batch 64, 2 replica(s), 120 steps in windows of
+    about 1 s (after 2 one-step calibration windows)``; a resumed phase says where it
+    goes on from."""
+    replicas = len(todo[0].local_batches)
+    done = todo[0].index - steps[0].index
+    resumed = f" (resumed at step {todo[0].index}: {done} done)" if done else ""
+    if config.window_steps:
+        windows = f"windows of {config.window_steps} step(s)"
+    else:
+        windows = (
+            f"windows of about {config.window_seconds:.3g} s (after "
+            f"{config.calibration_steps} one-step calibration windows)"
+        )
+    return (
+        f"Plan phase {phase.index}: epochs {phase.start_epoch}-{phase.end_epoch - 1}, global "
+        f"batch {phase.global_batch}, {replicas} replica(s), {len(steps)} steps{resumed} in "
+        f"{windows}"
+    )

@@ -16,10 +16,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dataflow.core import kinds
-from dataflow.core.digest import index_hashes
 from dataflow.core.errors import DataError, LossError
 from dataflow.core.window import WindowResult
+from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.machine import MachineConfig
+from dataflow.driver.sample_check import SampleCheck
 from dataflow.history import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
 from dataflow.noise_scale import NoiseScaleTracker, NormPair
@@ -53,10 +54,9 @@ class Recorder:
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
         self.reset_counts()
-        self.train_started = time.perf_counter()
+        self.clock = RunClock()  # the fit's training seconds, over its runs
         self.bar: Any = None
-        self._layouts: dict[int, _EpochLayout] = {}  # step -> its epoch's streams
-        self._layout_of: tuple = ()
+        self.sample_check = SampleCheck(load, seed)
 
     def reset_counts(self) -> None:
         self.samples_seen = 0
@@ -67,9 +67,12 @@ class Recorder:
         self.phase_windows: list[tuple[float, int]] = []  # (commit time, steps) this phase
 
     # -- a phase ----------------------------------------------------------------------
-    def begin_phase(self, phase: Any, steps: tuple, todo: tuple, *, carried=None) -> None:
-        """A new phase (or a resumed one, ``carried``: its totals so far)."""
-        self.phase_pairs, self.phase_started = [], time.perf_counter()
+    def begin_phase(
+        self, phase: Any, steps: tuple, todo: tuple, *, carried=None, elapsed: float = 0.0
+    ) -> None:
+        """A new phase (or a resumed one, ``carried``: its totals so far, ``elapsed``: the
+        seconds it ran before)."""
+        self.phase_pairs, self.phase_started = [], time.perf_counter() - elapsed
         self.phase_windows = []
         self.totals = list(carried or [])
         self.close_bar()
@@ -124,7 +127,7 @@ class Recorder:
                 counts.extend([0] * (tau + 1 - len(counts)))
                 counts[tau] += 1
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
-        self._record_samples(segment, specs, filled, salvaged)
+        self.sample_check.record(self.ledger, segment, specs, filled, salvaged)
         self.phase_windows.append((time.perf_counter(), len(specs)))
 
     def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:
@@ -204,7 +207,7 @@ class Recorder:
         step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
         step_totals = samples.sum(axis=0)
         skipped = {index for w in window for index in w.skipped}  # on_non_finite="skip"
-        now = time.perf_counter() - self.train_started
+        now = self.clock.now()  # since training began, earlier runs included
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
             if not math.isfinite(loss) and not self.skips_non_finite:
@@ -239,52 +242,6 @@ class Recorder:
                 loss=f"{last['loss']:.4g}",
                 samples_s=f"{self.samples_seen / max(now, 1e-9):.0f}",
                 refresh=False,
-            )
-
-    def _record_samples(self, segment: tuple, specs: tuple, window: list, salvaged: list) -> None:
-        """The window is committed: its samples count. They follow from the plan (each
-        replica reads a prefix of its epoch stream); each replica reported only a
-        digest of what it read, checked here against the plan's, every replica at once."""
-        if self._layout_of is not segment:
-            self._layouts = {}
-            for epoch, epoch_steps, streams in self.load.epoch_streams(segment, self.seed):
-                layout = _EpochLayout.of(epoch, epoch_steps, streams)
-                for spec in epoch_steps:
-                    self._layouts[spec.index] = layout
-            self._layout_of = segment
-        reported = [w.sample_digest for w in window]
-        expected = np.zeros(len(window), dtype=np.uint64)
-        for layout in dict.fromkeys(self._layouts[spec.index] for spec in specs):
-            mine = [spec.index for spec in specs if self._layouts[spec.index] is layout]
-            start, stop = layout.cumulative(mine[0]), layout.cumulative(mine[-1] + 1)
-            positions = self.ledger.record_spans(
-                layout.epoch, layout.flat, layout.bounds, start, stop
-            )
-            with np.errstate(over="ignore"):
-                expected += layout.digests(positions, stop - start)
-        known = np.array([d is not None for d in reported])
-        known[salvaged] = False
-        got = np.array([d or 0 for d in reported], dtype=np.uint64)
-        if any(w.taken_over for w in window):
-            # Sample leases: replicas took over each other's parts, so only the window's
-            # whole is the plan's (digests add up); each part was claimed exactly once.
-            # A lost replica's digest is unknown: then the sum cannot be checked.
-            if not known.all():
-                return
-            with np.errstate(over="ignore"):
-                if got.sum() != expected.sum():
-                    raise DataError(
-                        f"the replicas together read other samples than the plan gave them "
-                        f"in steps {specs[0].index}-{specs[-1].index} (sample leases): a part "
-                        "was lost or trained twice; please report this with the plan"
-                    )
-            return
-        wrong = np.flatnonzero(known & (got != expected))
-        if len(wrong):
-            raise DataError(
-                f"replica {int(wrong[0])} read other samples than the plan gave it in steps "
-                f"{specs[0].index}-{specs[-1].index}: the loader lost or repeated data; "
-                "please report this with the plan (Pipeline.plan())"
             )
 
     def _record_epoch(self, spec: Any, window: list[Any]) -> None:
@@ -429,6 +386,15 @@ class Recorder:
             }
         )
 
+    def record_segments(self, end_step: int | None = None) -> None:
+        """``info["segments"]``: each run of the fit, this one up to ``end_step`` (default:
+        after its last step); ``info["train_seconds"]``: their seconds together."""
+        info, steps = self.history.info, self.history.steps
+        if end_step is None:
+            end_step = steps[-1]["step"] + 1 if steps else self.clock.start_step
+        info["segments"] = self.clock.segments(end_step, self.samples_seen, info.get("run_id"))
+        info["train_seconds"] = train_seconds(info["segments"])
+
 
 def steady_step_seconds(
     windows: list[tuple[float, int]], skip: int = MachineConfig.calibration_steps + 1
@@ -477,40 +443,3 @@ def _salvage_leased(filled: list[Any], salvaged: list[int], specs: tuple) -> Non
         shares[0] += left - sum(shares)
         for rank, share in zip(salvaged, shares, strict=True):
             filled[rank].samples[i] = share
-
-
-class _EpochLayout:
-    """One epoch's streams, concatenated: replica ``r`` reads
-    ``flat[bounds[r]:bounds[r + 1]]`` in order, ``cumulative(step)[r]`` of it before
-    ``step``."""
-
-    def __init__(
-        self, epoch: int, first: int, flat: np.ndarray, bounds: np.ndarray, cum: np.ndarray
-    ) -> None:
-        self.epoch, self.first, self.flat, self.bounds, self.cum = epoch, first, flat, bounds, cum
-        self._hashes: np.ndarray | None = None
-
-    @classmethod
-    def of(cls, epoch: int, steps: list, streams: list[np.ndarray]) -> _EpochLayout:
-        lengths = np.array([len(s) for s in streams], dtype=np.int64)
-        bounds = np.concatenate([[0], np.cumsum(lengths)])
-        flat = np.concatenate(streams) if streams else np.zeros(0, dtype=np.int64)
-        local = np.array([spec.local_batches for spec in steps], dtype=np.int64)
-        cum = np.concatenate([np.zeros((1, len(streams)), np.int64), np.cumsum(local, axis=0)])
-        return cls(epoch, steps[0].index, flat, bounds, cum)
-
-    def cumulative(self, step: int) -> np.ndarray:
-        return self.cum[step - self.first]
-
-    def digests(self, positions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Each replica's digest of ``flat[positions]`` (replica by replica, ``lengths``)."""
-        if self._hashes is None:
-            self._hashes = index_hashes(self.flat)
-        out = np.zeros(len(lengths), dtype=np.uint64)
-        if len(positions):
-            starts = np.cumsum(lengths) - lengths
-            nonempty = lengths > 0
-            with np.errstate(over="ignore"):
-                sums = np.add.reduceat(self._hashes[positions], starts[nonempty])
-            out[nonempty] = sums
-        return out

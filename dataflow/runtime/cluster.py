@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import dask.config
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, WorkerPlugin
 from distributed.comm import connect
 from distributed.deploy import Cluster
 from distributed.utils import LoopRunner, sync
@@ -22,6 +23,35 @@ MAIN_GUARD_HINT = (
     "import your script: if it calls fit() at top level, put that code under "
     '`if __name__ == "__main__":` (or pass client=distributed.Client(...))'
 )
+
+
+# The keys of the engine's tasks: ``<stages>@replica<r>-...fit<run id>...``, the rendezvous
+ENGINE_TASK = re.compile(r"(@replica\d+-|^rendezvous-)\S*fit[0-9a-f]{12}")
+
+
+class QuietEngineFailures(logging.Filter):
+    """Drops the "Compute Failed" record ``distributed.worker`` logs when one of the
+    engine's tasks raises: the fit raises that error on the driver itself, with the
+    worker's traceback, so the user reads it once (not also as an escaped log block per
+    replica). Other tasks' failures are logged as usual."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Compute Failed") or not record.args:
+            return True
+        args = record.args if isinstance(record.args, tuple) else (record.args,)
+        return ENGINE_TASK.search(str(args[0])) is None
+
+
+class QuietEngineFailuresPlugin(WorkerPlugin):
+    """Installs :class:`QuietEngineFailures` on each worker of the embedded cluster (a
+    nanny's restarted worker too: the scheduler hands plugins to every new worker)."""
+
+    name = "dataflow-quiet-failures"
+
+    def setup(self, worker: Any) -> None:
+        logger = logging.getLogger("distributed.worker")
+        if not any(isinstance(f, QuietEngineFailures) for f in logger.filters):
+            logger.addFilter(QuietEngineFailures())
 
 
 def live_workers(client: Client) -> dict[str, dict[str, Any]]:
@@ -82,7 +112,8 @@ def client_or_local_cluster(
     - a ``distributed.Client``: as is (left open: it is the caller's);
     - a scheduler address (``"tcp://10.0.0.5:8786"``) or a cluster object (``LocalCluster``,
       dask-jobqueue's ``SLURMCluster``): a Client connected to it, closed after the block;
-    - ``None``: a LocalCluster (one single-threaded process per core), closed after.
+    - ``None``: a LocalCluster (one single-threaded process per core), closed after;
+      its workers do not log the engine's failed tasks, which the fit raises itself.
     """
     if isinstance(client, Client):
         yield client
@@ -97,6 +128,7 @@ def client_or_local_cluster(
         raise ConfigError(_not_a_client(client))
     n = n_workers or os.cpu_count() or 1
     with start_local_cluster(n) as cluster, Client(cluster) as local:
+        local.register_plugin(QuietEngineFailuresPlugin())  # a replica's error: once
         if announce:
             print(
                 f"dataflow: LocalCluster with {n} worker process(es); "

@@ -1,0 +1,108 @@
+"""What a user reads in the terminal: the phase's plan line before its progress bar (as
+many steps as the bar counts), the held-out loss next to the metrics asked for, rounded
+figures, and an error raised on a worker shown once.
+
+Each runs a script in a fresh interpreter with an embedded LocalCluster, as a user does
+(``python examples/quickstart.py``), and reads its output: slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(args: list[str], cwd: Path, timeout: float = 280) -> subprocess.CompletedProcess:
+    """stdout and stderr in one stream, in the order they were written (unbuffered)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def test_quickstart_prints_its_plan_before_the_bar_and_rounded_metrics(tmp_path):
+    done = run([str(EXAMPLES / "quickstart.py"), "--epochs", "1"], tmp_path)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:]
+    # the plan line comes once, before the bar, and counts the bar's steps (with the
+    # one-step calibration windows)
+    plans = re.findall(r"Plan phase 0: .*?, (\d+) steps in windows of about", out)
+    assert len(plans) == 1, out[-3000:]
+    assert out.index("Plan phase 0:") < out.index("phase 0 (B=64)")
+    totals = set(re.findall(r"phase 0 \(B=64\):.*?\| *\d+/(\d+) \[", out))
+    history = json.loads((tmp_path / "runs" / "quickstart" / "history.json").read_text())
+    assert totals == set(plans) == {str(len(history["steps"]))}
+    # metrics={"accuracy": ...} keeps the held-out loss too
+    last = history["epochs"][-1]
+    assert {"eval_loss", "eval_accuracy"} <= set(last)
+    epoch_line = next(line for line in out.splitlines() if line.startswith("  epoch 0:"))
+    assert "eval_loss" in epoch_line and "eval_accuracy" in epoch_line
+    final = out.strip().splitlines()[-1]
+    assert re.fullmatch(r"final held-out accuracy \d{1,3}\.\d%, loss \d+\.\d{3}", final), final
+    assert final.startswith(f"final held-out accuracy {last['eval_accuracy']:.1%}")
+
+
+FAILS_ON_A_WORKER = '''
+import distributed
+import numpy as np
+import torch
+
+import dataflow as dfl
+
+
+class FailsOnAWorker(torch.nn.Module):
+    """Trains in the driver's dry run, raises on a Dask worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        try:
+            distributed.get_worker()
+        except ValueError:  # not on a worker
+            return self.lin(x)
+        raise ValueError("boom on the worker")
+
+
+if __name__ == "__main__":
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    dfl.Pipeline(
+        model=FailsOnAWorker,
+        device="cpu",
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        source=dfl.io.ArraySource(x, rng.integers(0, 3, size=64)),
+        schedule=dfl.schedule.Fixed(16),
+    ).fit(1)
+'''
+
+
+def test_an_error_on_a_worker_is_shown_once(tmp_path):
+    """Not also as distributed's "Compute Failed" log block (an escaped traceback) per
+    replica: the fit raises it once, with the worker's traceback as its cause."""
+    script = tmp_path / "fails_on_a_worker.py"
+    script.write_text(FAILS_ON_A_WORKER)
+    done = run([str(script)], tmp_path)
+    out = done.stdout
+    assert done.returncode == 1, out[-3000:]
+    assert "Compute Failed" not in out, out[-3000:]
+    assert out.count("dataflow.core.errors.ReplicaError: replica") == 1, out[-3000:]
+    # the worker's error: its traceback's last line and the ReplicaError's message
+    assert out.count("ValueError: boom on the worker") == 2, out[-3000:]
+    assert out.rstrip().endswith("failed: ValueError: boom on the worker"), out[-3000:]
