@@ -27,6 +27,7 @@ from dataflow.driver.fit import run_fit
 from dataflow.driver.planner import Planner
 from dataflow.graph import Graph
 from dataflow.history import FitResult
+from dataflow.label_watch import watch_labels
 from dataflow.layout import Layout
 from dataflow.layout_choice import check_transforms
 from dataflow.plan import Plan, phase_steps
@@ -263,9 +264,11 @@ class Trainer:
         A factory that returns no module, a loss that is not a scalar, a transform
         that fails: each surfaces here, before any worker starts, with a plain traceback.
         Stages are shallow-copied, so what their setup stores never reaches the workers.
-        It runs on the CPU whatever the fit's device: a CUDA error here (a label out of
-        range is a device-side assert) would poison the driver's CUDA context and hide
-        the message, and the driver's GPU, if it has one, may be a worker's.
+        It runs on the CPU whatever the fit's device: a CUDA error here would poison the
+        driver's CUDA context and hide the message, and the driver's GPU, if it has one,
+        may be a worker's. It learns which class labels are valid (``label_watch``): its
+        own samples' labels are checked before the loss, and ``Load`` checks every batch's
+        on the workers, on the host (torch's own check is a device-side assert on CUDA).
         """
         graph = self.graph.shallow_copy()
         order = graph.validate(replicas=1)
@@ -273,6 +276,7 @@ class Trainer:
         phase = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=size)
         steps = phase_steps(num_samples=self.source.num_samples, phase=phase, split=lambda n: (n,))
         step = dataclasses.replace(steps[0], last_in_epoch=False)  # no end-of-epoch evaluation
+        labels = watch_labels(graph, self.load, step, self.config.seed)
         spec = ReplicaSpec(
             run_id="dry-run", graph=graph, order=order, seed=self.config.seed, device="cpu"
         )
@@ -288,6 +292,7 @@ class Trainer:
             runtime.run_window(step.index, step.index + 1)
         finally:
             runtime.close()
+        self.load.labels = labels.for_workers()
 
 
 def _check_checkpoint_every(every: Any, directory: Any) -> None:

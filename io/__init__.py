@@ -2,6 +2,7 @@
 
 from dataflow.io.array_source import ArraySource
 from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader
+from dataflow.io.labels import LabelError
 from dataflow.io.ledger import SampleLedger
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sampler import steps_per_epoch
@@ -21,6 +22,7 @@ __all__ = [
     "ArraySource",
     "BatchBuffers",
     "EpochChunkReader",
+    "LabelError",
     "Prefetcher",
     "SampleLedger",
     "VariableNotFoundError",

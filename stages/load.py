@@ -11,6 +11,7 @@ from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Source, missing_members
 from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
+from dataflow.io.labels import LabelCheck
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
     DEFAULT_BUFFER_CHUNKS,
@@ -92,6 +93,9 @@ class Load(Stage):
         self.config = LoadConfig(
             prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks
         )
+        # Set by the fit's dry run when the targets are class labels (dataflow.label_watch):
+        # every batch's labels are checked on the host, before they go to the device.
+        self.labels: LabelCheck | None = None
 
     def setup(self, replica: ReplicaContext) -> None:
         self._replica = replica
@@ -155,6 +159,8 @@ class Load(Stage):
     def _stage(self, item: Any) -> tuple[int, Batch]:
         """On CUDA: pinned host memory, then an asynchronous copy (on the loader thread)."""
         index, batch = item
+        if self.labels is not None:  # a label the model has no class for names its sample
+            self.labels.check(batch.y, batch.indices)
         device = self._replica.device
         if device.type != "cpu":
             batch.x = _to_device(batch.x, device)

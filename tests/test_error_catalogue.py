@@ -400,8 +400,9 @@ CAUGHT = [
     Mistake(
         "labels-out-of-range",
         lambda _: fit(source=dfl.io.ArraySource(make_data(64)[0], make_data(64)[1] + 3)),
-        IndexError,  # torch's own check, raised in the dry run (CPU)
-        r"^Target \d+ is out of bounds",
+        dfl.io.LabelError,  # the dry run's own samples, checked before the loss
+        r"^label [3-5] of sample \d+ in y of ArraySource\(x=\(64, 1, 8, 8\), y=\(64,\), "
+        r"shuffle=True\) is not a class of the model: valid labels are 0 to 2",
         note=r"^in stage 'Forward' on replica 0, step 0$",
     ),
     Mistake(
@@ -472,6 +473,22 @@ CAUGHT = [
         lambda _: fit(model=lambda: TinyCNN().double()),
         dfl.DataError,
         r"^x is float32 but the model's parameters are float64; cast the data to float64",
+    ),
+    Mistake(
+        "x-integer-dtype",
+        lambda _: fit(
+            source=dfl.io.ArraySource(make_data(64)[0].astype(np.int64), make_data(64)[1])
+        ),
+        dfl.DataError,
+        r"^x is int64 but the model's parameters are float32; cast the data to float32 .*"
+        r"x\.astype\(numpy\.float32\).*torch said: Input type \(long int\)",
+    ),
+    Mistake(
+        "model-on-meta-device",
+        lambda _: fit(model=lambda: TinyCNN().to("meta")),
+        dfl.ConfigError,
+        r"^model factory '<lambda>' built the model on the meta device: its parameters "
+        r"\(e\.g\. 'conv\.weight'\) have a shape but no values.*to_empty\(device='cpu'\)",
     ),
     Mistake(
         "loss-needs-targets-but-source-has-none",

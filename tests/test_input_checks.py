@@ -80,7 +80,14 @@ def test_a_loss_that_needs_targets_is_told_apart_from_one_that_fails() -> None:
 def test_dtype_mismatch_names_the_input() -> None:
     model = TinyCNN()
     assert dtype_mismatch(model, torch.zeros(2, 1, 8, 8)) is None
-    assert dtype_mismatch(model, torch.zeros(2, 1, 8, 8, dtype=torch.uint8)) is None  # not float
+    uint8 = torch.zeros(2, 1, 8, 8, dtype=torch.uint8)
+    assert dtype_mismatch(model, uint8).startswith("x is uint8 but the model's parameters are")
+    # an integer input is named only when torch's error is about types: a model may take
+    # integers itself (an embedding) and fail for another reason
+    shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x64 and 32x3)")
+    assert dtype_mismatch(model, uint8, shapes) is None
+    types = RuntimeError("Input type (unsigned char) and bias type (float) should be the same")
+    assert dtype_mismatch(model, uint8, types).startswith("x is uint8")
     both = (torch.zeros(2, 1), torch.zeros(2, 1, dtype=torch.float64))
     assert dtype_mismatch(model, both).startswith("x[1] is float64 but the model's parameters")
 
