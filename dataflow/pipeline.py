@@ -26,7 +26,10 @@ class Pipeline:
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
     (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
-    Everything else (``replicas``, ``device``, ``window_seconds``, ``balancer``,
+    ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
+    gathered there ("auto": when it fits in a quarter of the free device memory).
+    Everything else (``replicas``, ``device``, ``precision``, ``channels_last``,
+    ``compile``, ``window_seconds``, ``balancer``,
     ``progress`` ...) is a :class:`~dataflow.trainer.TrainerConfig` field.
     """
 
@@ -46,6 +49,7 @@ class Pipeline:
         prefetch: int = 2,
         drop_last: bool = False,
         buffer_chunks: int = 4,
+        data_on_device: bool | str = "auto",
         on_non_finite: str = "raise",
         **trainer_options: Any,
     ) -> None:
@@ -57,7 +61,13 @@ class Pipeline:
             transforms = [transforms]
         graph = Graph()
         node = graph.add(
-            Load(source, prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks)
+            Load(
+                source,
+                prefetch=prefetch,
+                drop_last=drop_last,
+                buffer_chunks=buffer_chunks,
+                data_on_device=data_on_device,
+            )
         )
         for fn in transforms:
             node = graph.add(Transform(fn), node)

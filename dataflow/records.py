@@ -141,6 +141,14 @@ class PhaseRecord(Record):
     # staleness (``staleness_counts[r][τ]``; their sum is the replica's pushes)
     staleness_counts: list[list[int]] | None = None
     samples_trained: list[int] | None = None  # per replica, in the phase (committed steps)
+    # compile=...: per replica, seconds of the calls that compiled a new input shape,
+    # and how many shapes were compiled in this phase (0: the compiled code was reused)
+    compile_seconds: list[float] | None = None
+    compiled_shapes: list[int] | None = None
+    # precision="fp16": steps skipped because the scaled gradient overflowed (not a
+    # non-finite failure), and the loss scale at the phase's end (alike on all replicas)
+    overflow_steps: int | None = None
+    loss_scale: float | None = None
     # left out when None (older histories have none)
     optional: ClassVar[tuple[str, ...]] = (
         "measured_step_seconds",
@@ -149,6 +157,10 @@ class PhaseRecord(Record):
         "lockstep_wait_s",
         "staleness_counts",
         "samples_trained",
+        "compile_seconds",
+        "compiled_shapes",
+        "overflow_steps",
+        "loss_scale",
     )
 
     @property

@@ -135,6 +135,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         self._check_sync()
         check_step_options(self.precision, self.channels_last, self.compile)
+        if self.precision == "fp16" and (self.settles_at_window_end or self.spatial > 1):
+            what = "a spatial layout" if self.spatial > 1 else f"sync={type(self.sync).__name__}"
+            raise ConfigError(
+                f"precision='fp16' with {what}: its loss scale is decided each step from the "
+                "allreduced gradient, which only synchronous sample-parallel training has; "
+                "use precision='bf16' (no loss scale needed) or 'fp32'"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):

@@ -98,6 +98,8 @@ class ArraySource:
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch."""
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
+        if self.x.device.type != "cpu":  # uploaded once (io.device_copy): gather there
+            index = index.to(self.x.device)
         x = self.x.index_select(0, index)
         y = None if self.y is None else self.y.index_select(0, index)
         return Batch(x=x, y=y, size=len(index), indices=indices)

@@ -102,7 +102,9 @@ class AllReduce(Stage):
 
     def begin_step(self, step: StepContext) -> None:
         if self._reducer is not None:
-            self._reducer.begin_step(step.weight)
+            # fp16: packing already weights each gradient, so it divides the loss scale
+            # out too; everything after the allreduce sees unscaled gradients
+            self._reducer.begin_step(step.weight / loss_scale_of(step.replica))
         if not self._local:  # (asynchronous updates: the store tracks each part)
             return
         if step.replica.window is not self._window_range:
@@ -123,7 +125,7 @@ class AllReduce(Stage):
         if step.micro_index == 0:
             self._first_micro = (step.micro_size, step.micro_weight)
         elif step.micro_index == 1:
-            weight = self._first_micro[1]
+            weight = self._first_micro[1] * loss_scale_of(step.replica)
             first_sq = self._replica_grad_sq(step.replica.model)
             self._first_micro_sq = float(first_sq) / weight**2
 
@@ -146,6 +148,8 @@ class AllReduce(Stage):
         if self._reducer is not None:
             self._reducer.finish()
             step.metrics[GRAD_SQ] = self._reducer.grad_sq
+        elif not unreduced and (scale := loss_scale_of(step.replica)) != 1.0:
+            unscale_grads_(step.replica.model, scale)  # one replica: nothing packed them
         if getattr(self, "_measure", False) and not (unreduced and self._replicas > 1):
             self._record_norms(step)
         return Gradients(samples=grads.samples, reduced=True)
@@ -182,7 +186,8 @@ class AllReduce(Stage):
         pairs = step.metrics.setdefault("norm_pairs", [])
         if self._replicas > 1:
             if 0 < local < total and self._reports:
-                local_sq = self._reducer.local_sq / step.weight**2
+                packed = step.weight / loss_scale_of(step.replica)
+                local_sq = self._reducer.local_sq / packed**2
                 pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
         elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
             size, _ = self._first_micro
@@ -342,3 +347,15 @@ def _flat_grads(model: Any) -> Any:
 def _grad_squared_norm(model: Any) -> Any:
     """Sum over parameters of |grad|^2 (0-d float64 tensor, one launch)."""
     return grad_squared_norm([p.grad for p in model.parameters()])
+
+
+def loss_scale_of(replica: ReplicaContext) -> float:
+    """The factor the replica's gradients carry: fp16's loss scale, else 1."""
+    scale = getattr(replica, "loss_scale", None)
+    return 1.0 if scale is None else float(scale.scale)
+
+
+def unscale_grads_(model: Any, scale: float) -> None:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / scale)

@@ -6,11 +6,14 @@ from dataflow.stages.base import ForwardOutput, Gradients, Stage, StepContext
 
 
 class Backward(Stage):
-    """``loss.backward()``; with micro-batches, once per micro-batch (gradients accumulate)."""
+    """``loss.backward()``; with micro-batches, once per micro-batch (gradients accumulate).
+    In fp16 the loss is multiplied by the replica's loss scale first, so small gradients
+    do not flush to zero in fp16; the allreduce divides the scale out."""
 
     per_micro_batch = True
 
     def run(self, step: StepContext, out: ForwardOutput) -> Gradients:
         if out.loss is not None:
-            out.loss.backward()
+            scale = step.replica.loss_scale  # fp16: AllReduce divides it out again
+            (out.loss if scale is None else out.loss * scale.scale).backward()
         return Gradients(samples=out.batch.size)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dataflow.core.errors import ConfigError, DataError, LossError, ModelError
-from dataflow.core.precision import StepOptions, resolve_step_options
+from dataflow.core.precision import LossScale, StepOptions, resolve_step_options
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
 from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
 
@@ -221,6 +221,7 @@ class Forward(Stage):
             spatial=replica.spatial is not None,
         )
         replica.step_options = options
+        replica.loss_scale = LossScale() if options.precision == "fp16" else None
         model = model.to(replica.device)
         if (memory_format := options.torch_memory_format()) is not None:
             model = model.to(memory_format=memory_format)  # once: weights stay in it

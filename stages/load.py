@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Source, missing_members
 from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
+from dataflow.io.device_copy import DATA_ON_DEVICE, device_copy
 from dataflow.io.labels import LabelCheck
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
@@ -32,6 +34,9 @@ class LoadConfig:
     prefetch: int = 2
     drop_last: bool = False
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS  # shuffle buffer, in chunks of the source
+    # An in-memory source uploaded to the GPU once ("auto": when it fits in a quarter of
+    # the free device memory; see io.device_copy)
+    data_on_device: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.drop_last, bool):
@@ -43,6 +48,13 @@ class LoadConfig:
             raise ConfigError(
                 f"Load(buffer_chunks={self.buffer_chunks!r}): the shuffle buffer mixes samples "
                 "across this many chunks; it must be an int >= 1"
+            )
+        if self.data_on_device not in DATA_ON_DEVICE or not isinstance(
+            self.data_on_device, bool | str
+        ):
+            raise ConfigError(
+                f"data_on_device={self.data_on_device!r}: use 'auto' (an in-memory source that "
+                "fits in a quarter of the GPU's free memory is uploaded once), True or False"
             )
         if not isinstance(self.prefetch, int) or self.prefetch < 1:
             raise ConfigError(
@@ -80,6 +92,7 @@ class Load(Stage):
         prefetch: int = 2,
         drop_last: bool = False,
         buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+        data_on_device: bool | str = "auto",
         name: str | None = None,
     ) -> None:
         super().__init__(name)
@@ -91,7 +104,10 @@ class Load(Stage):
             )
         self.source = source
         self.config = LoadConfig(
-            prefetch=prefetch, drop_last=drop_last, buffer_chunks=buffer_chunks
+            prefetch=prefetch,
+            drop_last=drop_last,
+            buffer_chunks=buffer_chunks,
+            data_on_device=data_on_device,
         )
         # Set by the fit's dry run when the targets are class labels (dataflow.label_watch):
         # every batch's labels are checked on the host, before they go to the device.
@@ -106,6 +122,12 @@ class Load(Stage):
         self._buffers = BatchBuffers(
             keep=self.config.prefetch + BUFFER_SLACK, pin_memory=replica.device.type == "cuda"
         )
+        # An in-memory source on the GPU: uploaded once, batches gathered there; its
+        # labels are checked once here instead of batch by batch
+        self._resident = device_copy(self.source, replica.device, self.config.data_on_device)
+        replica.state["data_on_device"] = self._resident is not None
+        if self._resident is not None and self.labels is not None and self.source.y is not None:
+            self.labels.check(self.source.y, np.arange(self.source.num_samples))
 
     def streams(self, steps: Any, seed: int) -> Any:
         """Every replica's sample indices per step of ``steps`` (pure; see io.sharding)."""
@@ -145,7 +167,8 @@ class Load(Stage):
                 self._readers.append(reader)
                 batches = iter(reader)
             else:
-                batches = (self.source.read(indices) for indices in mine)
+                source = self._reads_from
+                batches = (source.read(indices) for indices in mine)
             try:
                 for spec, batch in zip(epoch_steps, batches, strict=False):
                     batch.indices = mine[spec.index - epoch_steps[0].index]
@@ -159,6 +182,8 @@ class Load(Stage):
     def _stage(self, item: Any) -> tuple[int, Batch]:
         """On CUDA: pinned host memory, then an asynchronous copy (on the loader thread)."""
         index, batch = item
+        if self._resident is not None:  # on the device already, its labels checked
+            return index, batch
         if self.labels is not None:  # a label the model has no class for names its sample
             self.labels.check(batch.y, batch.indices)
         device = self._replica.device
@@ -167,13 +192,18 @@ class Load(Stage):
             batch.y = _to_device(batch.y, device)
         return index, batch
 
+    @property
+    def _reads_from(self) -> Any:
+        """The source batches are read from: its copy on the device, if it has one."""
+        return self._resident if self._resident is not None else self.source
+
     def _read_part(self, step: StepContext) -> Batch:
         """Replica ``step.part``'s batch of ``step``, read now (not prefetched): the plan
         gives every replica's indices, so any replica can read any part."""
         if self._parts is None:
             self._parts = {spec.index: parts for spec, parts in self.streams(*self._phase)}
         indices = self._parts[step.spec.index][step.part]
-        batch = self.source.read(indices)
+        batch = self._reads_from.read(indices)
         batch.indices = indices
         return self._stage((step.spec.index, batch))[1]
 

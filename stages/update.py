@@ -107,8 +107,12 @@ class Update(Stage):
         if check == "auto":
             gpu = replica.device.type == "cuda"
             check = "window" if gpu and self.config.on_non_finite != "skip" else "step"
-        self._deferred = check == "window"
+        # fp16's loss scale: an overflowed step is skipped before its update, so the
+        # verdict is read every step (as torch's GradScaler does)
+        self._loss_scale = replica.loss_scale
+        self._deferred = check == "window" and self._loss_scale is None
         self._first_bad: torch.Tensor | None = None  # deferred: the window's first bad step
+        self._overflows = 0
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
@@ -143,11 +147,16 @@ class Update(Stage):
     def phase_state(self) -> dict[str, Any] | None:
         if not hasattr(self, "_phase"):
             return None
-        return {key: getattr(self, key) for key in self._PHASE_KEYS}
+        state = {key: getattr(self, key) for key in self._PHASE_KEYS}
+        if getattr(self, "_loss_scale", None) is not None:  # fp16: in checkpoints too
+            state["loss_scale"] = self._loss_scale.state_dict()
+        return state
 
     def load_phase_state(self, state: dict[str, Any]) -> None:
         for key in self._PHASE_KEYS:
             setattr(self, key, state[key])
+        if state.get("loss_scale") is not None and getattr(self, "_loss_scale", None):
+            self._loss_scale.load_state_dict(state["loss_scale"])
         self._skipped = 0
 
     def _set_lrs(self, optimizer: torch.optim.Optimizer, step_in_phase: int) -> None:
@@ -164,7 +173,7 @@ class Update(Stage):
         ``num_batches_tracked``), as its update leaves weights and optimizer untouched."""
         if getattr(self, "_warmup", 0):
             self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
-        if self.config.on_non_finite == "skip":
+        if self.config.on_non_finite == "skip" or getattr(self, "_loss_scale", None):
             self._buffers = [b.detach().clone() for b in step.replica.model.buffers()]
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
@@ -186,11 +195,26 @@ class Update(Stage):
             self._first_bad = torch.where(~ok & (first < 0), index, first)
             optimizer.step()
         elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
-            self._non_finite(step, "no update was applied")
+            scale = getattr(self, "_loss_scale", None)
+            if scale is not None and scale.scale > scale.min_scale:
+                self._overflowed(step, scale)
+            else:  # no loss scale, or no room left to lower it: not an fp16 overflow
+                self._non_finite(step, "no update was applied")
         else:
             optimizer.step()
+            if getattr(self, "_loss_scale", None) is not None:
+                self._loss_scale.update(overflowed=False)
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def _overflowed(self, step: StepContext, scale: Any) -> None:
+        """fp16: the scaled gradient overflowed. Not a failure: the step is dropped as
+        torch's GradScaler drops it (weights, optimizer and buffers as before) and the
+        scale halved, on every replica alike (the verdict read the reduced gradient)."""
+        scale.update(overflowed=True)
+        self._overflows += 1
+        step.metrics["overflow"] = True
+        self._restore_buffers(step)
 
     def _non_finite(self, step: StepContext, what: str) -> None:
         """A non-finite step, by ``on_non_finite``: stop (raise, or the driver's rollback)
@@ -204,6 +228,9 @@ class Update(Stage):
             )
         self._skipped += 1
         step.metrics["skipped"] = True
+        self._restore_buffers(step)
+
+    def _restore_buffers(self, step: StepContext) -> None:
         saved, self._buffers = getattr(self, "_buffers", None), None
         if saved is not None:  # the step's forwards updated them (NaN into BatchNorm's)
             with torch.no_grad():
@@ -224,7 +251,11 @@ class Update(Stage):
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         skipped, self._skipped = getattr(self, "_skipped", 0), 0
-        return {"skipped_steps": skipped}
+        stats: dict[str, Any] = {"skipped_steps": skipped}
+        if getattr(self, "_loss_scale", None) is not None:
+            stats["overflow_steps"], self._overflows = self._overflows, 0
+            stats["loss_scale"] = self._loss_scale.scale
+        return stats
 
 
 def _finite_flag(loss: Any, grad_sq: Any, model: torch.nn.Module) -> torch.Tensor:

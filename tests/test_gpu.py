@@ -94,3 +94,15 @@ def _cuda_reference(x, y, batches):
         loss.backward()
         opt.step()
     return model.cpu()
+
+
+def test_an_in_memory_source_is_uploaded_once_and_trains_as_from_the_host(client):
+    """data_on_device="auto" uploads the small ArraySource to the GPU and gathers each
+    batch there: the same batches, so the same weights as reading from host memory."""
+    x, y = make_data(64)
+    on_device = tiny_pipeline(x, y, device="cuda", replicas=1, **FP32).fit(epochs=2, client=client)
+    from_host = tiny_pipeline(x, y, device="cuda", replicas=1, data_on_device=False, **FP32)
+    from_host = from_host.fit(epochs=2, client=client)
+    assert on_device.history.info["workers"][0]["data_on_device"] is True
+    assert from_host.history.info["workers"][0]["data_on_device"] is False
+    assert max_abs_diff(on_device.model, from_host.model) <= 1e-6

@@ -4,10 +4,12 @@ equal to the hand-written torch loop with the same settings."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
 
+import dataflow as dfl
 from dataflow.core.errors import ConfigError
 from dataflow.core.precision import LossScale, StepOptions, resolve_step_options
 from dataflow.stages.compiled import to_memory_format
@@ -57,11 +59,23 @@ def test_channels_last_follows_the_convolutions():
         resolve_step_options("fp32", True, False, CPU, TinyCNN(), spatial=True)
 
 
-def test_fp16_and_cudagraphs_are_refused_on_the_cpu():
-    with pytest.raises(ConfigError, match="fp16"):
-        resolve_step_options("fp16", False, False, CPU, TinyCNN())
+def test_cudagraphs_is_refused_on_the_cpu():
     with pytest.raises(ConfigError, match="cudagraphs"):
         resolve_step_options("fp32", False, "cudagraphs", CPU, TinyCNN())
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (dict(sync=dfl.sync.Async(staleness=1)), "sync=Async"),
+        (dict(sync=dfl.sync.Local(period_steps=2)), "sync=Local"),
+        (dict(layout=dfl.Layout(spatial=2)), "a spatial layout"),
+    ],
+)
+def test_fp16_is_refused_where_no_allreduced_gradient_decides_the_scale(options, named):
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match=f"precision='fp16' with {named}"):
+        tiny_pipeline(x, y, precision="fp16", **options)
 
 
 def test_batches_take_the_models_memory_format():
@@ -130,3 +144,66 @@ def test_compiled_fit_agrees_with_eager_and_compiles_once_per_shape(client):
     assert all(s > 0 for s in phase.compile_seconds)
     assert {w["compile"] for w in compiled.history.info["workers"]} == {"default"}
     assert eager.history.phases[0].compiled_shapes is None
+
+
+class Loud(TinyCNN):
+    """TinyCNN on inputs scaled by 3e3: fp16 gradients times the initial loss scale
+    (2^16) overflow, so the scale must back off before any update applies."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 3e3)
+
+
+def grad_scaler_loop(x, y, batches, model_class):
+    """A user's fp16 loop with torch's GradScaler (its defaults: 2^16, halve on
+    overflow, double after 2000 good steps), on the fit's batches."""
+    torch.manual_seed(0)
+    model = model_class()
+    opt = sgd_(model)
+    scaler = torch.amp.GradScaler("cpu")
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    skipped = 0
+    for parts in batches:
+        index = torch.from_numpy(np.concatenate(parts))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped += scaler.get_scale() < before
+    return model, skipped, scaler.get_scale()
+
+
+def sgd_(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_class", [TinyCNN, Loud], ids=["no-overflow", "overflow"])
+def test_fp16_fit_skips_and_scales_as_torchs_grad_scaler(client, model_class):
+    """Two replicas in fp16 with the engine's loss scale train as one process with
+    torch's GradScaler: the same steps skipped for overflow (recorded, not a non-finite
+    failure under on_non_finite="raise"), the same final scale, the same weights."""
+    x, y = make_data(96)
+    pipe = tiny_pipeline(x, y, model=model_class, precision="fp16", replicas=2)
+    result = pipe.fit(epochs=2, client=client)
+    batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=2)
+    expected, skipped, scale = grad_scaler_loop(x, y, batches, model_class)
+    (phase,) = result.history.phases
+    assert (phase.overflow_steps, phase.loss_scale) == (skipped, scale)
+    assert (skipped > 0) == (model_class is Loud)
+    # fp16 rounds each replica's half batch apart from the whole batch; Loud's inputs
+    # (x 3e3) amplify that into the weights
+    assert max_abs_diff(result.model, expected) <= (1e-2 if model_class is Loud else 2e-3)
+    assert {w["precision"] for w in result.history.info["workers"]} == {"fp16"}
+
+
+def test_data_on_device_is_validated_and_stays_on_the_host_without_a_gpu():
+    from dataflow.io.device_copy import device_copy
+
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match="data_on_device='yes'"):
+        tiny_pipeline(x, y, data_on_device="yes")
+    assert device_copy(dfl.io.ArraySource(x, y), CPU, True) is None  # CPU: nothing to upload

@@ -119,11 +119,6 @@ def resolve_step_options(
     cuda = device.type == "cuda"
     if precision == "auto":
         precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    if precision == "fp16" and not cuda:
-        raise ConfigError(
-            "precision='fp16' on the CPU: torch computes fp16 on the CPU slowly and without "
-            "a loss scale's benefit; use precision='bf16' (or 'fp32') on the CPU, fp16 on GPUs"
-        )
     dims = _conv_dims(model)
     memory_format = None
     wanted = channels_last is True or (channels_last == "auto" and cuda)

@@ -47,6 +47,8 @@ class ReplicaContext:
     # compile); Forward resolves them against the device and model into ``step_options``
     requested_step_options: tuple[Any, Any, Any] = ("fp32", False, False)
     step_options: Any = None
+    # fp16: the loss scale (dataflow.core.precision.LossScale), alike on every replica
+    loss_scale: Any = None
 
     @property
     def local_updates(self) -> bool:

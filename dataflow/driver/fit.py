@@ -52,6 +52,9 @@ def run_fit(
         layout=config.layout if size > 1 else None,
         local=config.sync if config.local_updates else None,
         asynchronous=config.sync if config.asynchronous else None,
+        precision=config.precision,
+        channels_last=config.channels_last,
+        compile=config.compile,
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(

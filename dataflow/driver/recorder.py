@@ -210,7 +210,8 @@ class Recorder:
         now = self.clock.now()  # since training began, earlier runs included
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
-            if not math.isfinite(loss) and not self.skips_non_finite:
+            dropped = spec.index in skipped  # its update was dropped (skip, fp16 overflow)
+            if not math.isfinite(loss) and not (self.skips_non_finite or dropped):
                 raise LossError(
                     f"the loss is {loss} at step {spec.index} (epoch {spec.epoch}); training "
                     "diverged: lower the learning rate or check the inputs for NaN/inf"
@@ -307,6 +308,10 @@ class Recorder:
                     [t.lockstep_wait_s for t in totals] if self.lockstep_wait else None
                 ),
                 samples_trained=[t.samples for t in totals],
+                compile_seconds=_per_replica(ends, "compile_seconds"),
+                compiled_shapes=_per_replica(ends, "compiled_shapes"),
+                overflow_steps=ends[0].get("overflow_steps"),
+                loss_scale=ends[0].get("loss_scale"),
                 staleness_counts=(
                     [t.staleness_counts for t in totals]
                     if any(t.staleness_counts for t in totals)
@@ -443,3 +448,9 @@ def _salvage_leased(filled: list[Any], salvaged: list[int], specs: tuple) -> Non
         shares[0] += left - sum(shares)
         for rank, share in zip(salvaged, shares, strict=True):
             filled[rank].samples[i] = share
+
+
+def _per_replica(ends: list[dict[str, Any]], key: str) -> list[Any] | None:
+    """Each replica's ``key`` from its end-of-phase statistics; None when none has it."""
+    values = [end.get(key) for end in ends]
+    return values if any(v is not None for v in values) else None

@@ -69,6 +69,7 @@ class ReplicaRuntime:
             spatial=spatial,
             local=spec.local,
             asynchronous=spec.asynchronous,
+            requested_step_options=(spec.precision, spec.channels_last, spec.compile),
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}
@@ -232,6 +233,8 @@ class ReplicaRuntime:
         ctx, state = self.context, ReplicaState()
         if model and ctx.model is not None:
             state.model = self.state_dict()
+            if ctx.loss_scale is not None:  # fp16: the scale goes with the weights
+                state.loss_scale = ctx.loss_scale.state_dict()
         if optimizer and ctx.optimizer is not None:
             state.optimizer = host_copy(ctx.optimizer.state_dict())
         if stages:
@@ -254,6 +257,8 @@ class ReplicaRuntime:
         ctx = self.context
         if state.model is not None and ctx.model is not None:
             ctx.model.load_state_dict(state.model)
+        if state.loss_scale is not None and ctx.loss_scale is not None:
+            ctx.loss_scale.load_state_dict(state.loss_scale)
         if state.optimizer is not None and ctx.optimizer is not None:
             ctx.optimizer.load_state_dict(host_copy(state.optimizer))
         for name, settings in (state.stages or {}).items():

@@ -22,6 +22,7 @@ class ReplicaState:
     stages: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
     buffers: dict[str, torch.Tensor] | None = None
+    loss_scale: dict[str, Any] | None = None  # fp16's LossScale.state_dict()
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,7 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
         "device": str(runtime.context.device),
         # what the step computes in: precision, memory format, compile mode
         **(runtime.context.step_options or StepOptions()).describe(),
+        "data_on_device": bool(runtime.context.state.get("data_on_device")),
         "torch_threads": torch.get_num_threads(),
         "backend": None if collective is None else collective.backend,
         "shared_gpu": collective is not None and collective.shared_gpu,

@@ -116,7 +116,8 @@ class WindowTally:
         self.sizes.append(step.local_batch)
         if step.part is not None:
             self.taken.append((step.spec.index, step.part))
-        if step.metrics.get("skipped"):  # Update dropped it (on_non_finite="skip")
+        if step.metrics.get("skipped") or step.metrics.get("overflow"):
+            # Update dropped it (on_non_finite="skip", or fp16's scaled gradient overflowed)
             self.skipped.append(step.spec.index)
         indices = step.metrics.get("sample_indices")
         if indices is not None:  # the driver knows them from the plan: prove them
