@@ -104,14 +104,23 @@ def skipped_steps(steps: list[Any], phase: int | None = None) -> list[int]:
 def skipped_text(history: History, shown: int = 10) -> str | None:
     """One line counting the skipped steps and naming the first ``shown``, or None."""
     steps = skipped_steps(history.steps)
-    count = len(steps) or sum(int(p.get("skipped_steps") or 0) for p in history.phases)
+    overflows = sum(int(p.get("overflow_steps") or 0) for p in history.phases)
+    non_finite = sum(int(p.get("skipped_steps") or 0) for p in history.phases)
+    count = len(steps) or non_finite + overflows
     if not count:
         return None
     names = ", ".join(str(i) for i in steps[:shown]) + (", ..." if len(steps) > shown else "")
     plural = "" if count == 1 else "s"
     which = f": step{'' if len(steps) == 1 else 's'} {names}" if steps else ""
+    if overflows:  # precision="fp16": the loss scale's overflows, not failures
+        scale = next(p.get("loss_scale") for p in reversed(history.phases))
+        why = f"{overflows} for an fp16 overflow (loss scale now {scale:g})"
+        if count > overflows:
+            why += f" and {count - overflows} for a non-finite loss or gradient"
+        reason = f"skipped, {why}"
+    else:
+        reason = "skipped for a non-finite loss or gradient (on_non_finite='skip')"
     return (
-        f"{count} step{plural} skipped for a non-finite loss or gradient "
-        f"(on_non_finite='skip'){which}; {'it' if count == 1 else 'they'} changed no "
+        f"{count} step{plural} {reason}{which}; {'it' if count == 1 else 'they'} changed no "
         "weight, optimizer state or buffer (BatchNorm statistics)"
     )

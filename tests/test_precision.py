@@ -198,6 +198,8 @@ def test_fp16_fit_skips_and_scales_as_torchs_grad_scaler(client, model_class):
     # (x 3e3) amplify that into the weights
     assert max_abs_diff(result.model, expected) <= (1e-2 if model_class is Loud else 2e-3)
     assert {w["precision"] for w in result.history.info["workers"]} == {"fp16"}
+    if skipped:
+        assert f"{skipped} for an fp16 overflow (loss scale now {scale:g})" in result.summary()
 
 
 def test_data_on_device_is_validated_and_stays_on_the_host_without_a_gpu():
