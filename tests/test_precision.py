@@ -154,6 +154,13 @@ class Loud(TinyCNN):
         return super().forward(x * 3e3)
 
 
+class Warm(TinyCNN):
+    """Inputs x 30: the first fp16 steps overflow at 2^16; at 8192 none do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 30.0)
+
+
 def grad_scaler_loop(x, y, batches, model_class):
     """A user's fp16 loop with torch's GradScaler (its defaults: 2^16, halve on
     overflow, double after 2000 good steps), on the fit's batches."""
@@ -209,3 +216,25 @@ def test_data_on_device_is_validated_and_stays_on_the_host_without_a_gpu():
     with pytest.raises(ConfigError, match="data_on_device='yes'"):
         tiny_pipeline(x, y, data_on_device="yes")
     assert device_copy(dfl.io.ArraySource(x, y), CPU, True) is None  # CPU: nothing to upload
+
+
+@pytest.mark.slow
+def test_a_resumed_fp16_fit_keeps_its_loss_scale_and_is_bit_identical(client, tmp_path):
+    """The loss scale is in every checkpoint: an fp16 fit stopped after 2 epochs and
+    resumed to 4 equals the uninterrupted 4-epoch fit bit for bit. Warm overflows in its
+    first steps (2^16 -> 8192), so a resume that began again from 2^16 would skip other
+    steps."""
+    x, y = make_data(128)
+
+    def pipe() -> dfl.Pipeline:
+        schedule = dfl.schedule.Fixed(16, epochs_per_phase=1)
+        return tiny_pipeline(x, y, model=Warm, precision="fp16", replicas=2, schedule=schedule)
+
+    pipe().fit(2, client=client, checkpoint_dir=tmp_path)
+    resumed = pipe().fit(4, client=client, checkpoint_dir=tmp_path, resume=True)
+    whole = pipe().fit(4, client=client)
+    scales = [p.loss_scale for p in whole.history.phases]
+    assert whole.history.phases[0].overflow_steps > 0 and scales[0] < 2.0**16
+    assert [p.get("loss_scale") for p in resumed.history.phases] == scales
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
