@@ -135,6 +135,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         self._check_sync()
         check_step_options(self.precision, self.channels_last, self.compile)
+        if self.compile and self.spatial > 1:
+            raise ConfigError(
+                f"compile={self.compile!r} with a spatial layout: the partitioned model "
+                "exchanges halos between workers inside its forward, which torch.compile "
+                "cannot trace; use compile=False with layout=, or layout=None"
+            )
         if self.precision == "fp16" and (self.settles_at_window_end or self.spatial > 1):
             what = "a spatial layout" if self.spatial > 1 else f"sync={type(self.sync).__name__}"
             raise ConfigError(

@@ -78,6 +78,12 @@ def test_fp16_is_refused_where_no_allreduced_gradient_decides_the_scale(options,
         tiny_pipeline(x, y, precision="fp16", **options)
 
 
+def test_compile_is_refused_with_a_spatial_layout():
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match="compile=True with a spatial layout"):
+        tiny_pipeline(x, y, compile=True, layout=dfl.Layout(spatial=2))
+
+
 def test_batches_take_the_models_memory_format():
     x4, x5 = torch.zeros(2, 3, 4, 5), torch.zeros(2, 1, 3, 4, 5)
     assert to_memory_format(x4, torch.channels_last).is_contiguous(
