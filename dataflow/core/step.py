@@ -87,6 +87,10 @@ class StepSpec:
     def micro_batches_of(self, rank: int) -> int:
         return self.micro_batches[rank] if self.micro_batches else 1
 
+    def micro_batch_size_of(self, rank: int) -> int:
+        """The most samples replica ``rank`` holds in one forward/backward of this step."""
+        return -(-self.local_batches[rank] // max(1, self.micro_batches_of(rank)))
+
 
 @dataclass
 class StepContext:

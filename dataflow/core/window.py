@@ -49,3 +49,7 @@ class WindowResult:
     # on_non_finite="skip": the steps whose update this replica dropped (its part of
     # them, under local or asynchronous updates), their state left as before the step
     skipped: list[int] = field(default_factory=list)
+    # On CUDA, the first window of a phase: the peak memory it allocated above what the
+    # replica held before it, the most samples one forward/backward held, and the
+    # device memory the step could use (``dataflow.runtime.device_memory``)
+    memory: dict[str, float] | None = None

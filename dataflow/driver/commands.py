@@ -40,12 +40,15 @@ class ChoosePhase:
 class PlanSegment:
     """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``"phase"``
     (``phase`` from its first step), ``"rest"`` (the phase's steps from ``commit_step``
-    re-split after a recovery) or ``"resume"`` (a resumed fit's first segment)."""
+    re-split after a recovery) or ``"resume"`` (a resumed fit's first segment).
+    ``memory_cap``: the micro-batch cap out-of-memory errors taught the fit (None:
+    none), below the user's ``max_micro_batch``."""
 
     kind: str
     replicas: int
     phase: Any = None
     commit_step: int = 0
+    memory_cap: int | None = None
 
 
 @dataclass(frozen=True)

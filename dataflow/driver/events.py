@@ -75,14 +75,17 @@ class WindowDone:
 @dataclass(frozen=True)
 class WindowFailed:
     """A window failed for a reason other than a lost worker (the executor checked the
-    workers first): ``error`` is the root cause, ``non_finite`` a NaN/inf caught before
-    the update (every replica sees the same reduced gradient)."""
+    workers first): ``error`` is the root cause (raised on replica ``rank``),
+    ``non_finite`` a NaN/inf caught before the update (every replica sees the same
+    reduced gradient), ``out_of_memory`` torch's out-of-memory error (the replica's
+    micro-batch did not fit its device)."""
 
     generation: int
     rank: int
     window: int
     error: BaseException
     non_finite: bool = False
+    out_of_memory: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from dataflow.core.errors import (
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.membership import LIVENESS_POLL_S, RemovalWatch, wait_some
+from dataflow.driver.memory import is_out_of_memory
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import available_workers, live_workers
 
@@ -157,15 +158,17 @@ class Executor:
             return
         future = failed[0]
         generation, rank, window = self.windows.pop(future)
-        self.raise_if_lost(grace=True)  # a peer's death is the usual cause
-        if future.status == "cancelled":
+        first = None if future.status == "cancelled" else future.exception()
+        # A peer's death is the usual cause; an out-of-memory error is its own.
+        self.raise_if_lost(grace=not is_out_of_memory(first))
+        if first is None:
             error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
+        elif isinstance(first, NonFiniteError):
+            error = first
         else:
-            error = future.exception()
-            if not isinstance(error, NonFiniteError):
-                error = self._root_cause(future, rank, error)
-        non_finite = isinstance(error, NonFiniteError)
-        self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite))
+            rank, error = self._root_cause(future, rank, first)
+        non_finite, oom = isinstance(error, NonFiniteError), is_out_of_memory(error)
+        self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite, oom))
 
     def _harvest(self, lost: list[str] = ()) -> None:
         """Queue the result of every window that finished, in window order, except on
@@ -198,10 +201,10 @@ class Executor:
         # mid-phase checkpoint state it may carry) past this point.
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
 
-    def _root_cause(self, first: Any, rank: int, error: BaseException) -> BaseException:
-        """The first real failure: a peer's "connection closed" is only its echo.
-        ``error`` is ``first``'s, kept in case no future reads as failed any more (a
-        future the scheduler released or lost meanwhile)."""
+    def _root_cause(self, first: Any, rank: int, error: BaseException) -> tuple[int, BaseException]:
+        """The first real failure and the rank it was raised on: a peer's "connection
+        closed" is only its echo. ``error`` is ``first``'s, kept in case no future reads
+        as failed any more (a future the scheduler released or lost meanwhile)."""
         futures = {first: (self.generation, rank, -1), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=FAILURE_GRACE_S)
@@ -210,9 +213,9 @@ class Executor:
         )
         real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
         if not failed:
-            return as_replica_error(error, rank, self._worker(rank))
+            return rank, as_replica_error(error, rank, self._worker(rank))
         (_, r), future = (real or failed)[0]
-        return as_replica_error(future.exception(), r, self._worker(r))
+        return r, as_replica_error(future.exception(), r, self._worker(r))
 
     def _worker(self, rank: int) -> str:
         slot = rank * self.size

@@ -240,15 +240,19 @@ class FitLoop:
         self.executor.queue.append(ev.PhaseChosen(phase))
 
     def _PlanSegment(self, c: cmd.PlanSegment) -> None:
+        if c.memory_cap is not None:  # learned (out of memory) or measured (CUDA)
+            self.recorder.history.info["micro_batch_cap"] = c.memory_cap
         if c.kind == "phase":
             measured = self.recorder.measured_speeds()
-            steps = self.planner.phase_steps(c.phase, c.replicas, self.next_index, measured)
+            steps = self.planner.phase_steps(
+                c.phase, c.replicas, self.next_index, measured, memory_cap=c.memory_cap
+            )
             self._announce(c.phase, steps, steps)
             self.recorder.begin_phase(c.phase, steps, steps)
             self.executor.queue.append(ev.SegmentPlanned(c.phase, steps, steps))
             return
         state = self.machine.state
-        todo = self.planner.rest(state.segment, c.commit_step, c.replicas)
+        todo = self.planner.rest(state.segment, c.commit_step, c.replicas, c.memory_cap)
         self.executor.queue.append(
             ev.SegmentPlanned(c.phase, state.phase_steps, todo, continued=True)
         )
@@ -313,6 +317,13 @@ class FitLoop:
             print(
                 f"dataflow: lost worker(s) {', '.join(record['lost'])}; rolling back to step "
                 f"{record['commit_step']} on {record.get('replicas_after')} replica(s)"
+            )
+        elif self.progress and record.get("reason") == "out-of-memory":
+            print(
+                f"dataflow: replica {record['rank']} ran out of device memory with "
+                f"micro-batches of {record['micro_batch']} samples; redoing from step "
+                f"{record['commit_step']} with micro-batches of at most "
+                f"{record['micro_batch_cap']}"
             )
         elif self.progress and record["reason"] == "non-finite":
             print(

@@ -20,6 +20,13 @@ from typing import Any
 
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.memory import (
+    halved_cap,
+    largest_micro_batch,
+    largest_planned,
+    measured_cap,
+    out_of_memory_error,
+)
 from dataflow.driver.recovery import LostWorkers
 from dataflow.driver.state import FitState
 from dataflow.errors import ReplicaError
@@ -42,6 +49,7 @@ class MachineConfig:
     roll_back_non_finite: bool = False  # on_non_finite="rollback"
     max_rollbacks: int = 3  # per phase
     lr_cut: float = 0.5  # the LR factor applied per rollback
+    max_memory_halvings: int = 4  # per phase: out-of-memory errors the fit recovers from
     max_restarts: int = 3  # from one checkpoint, when every replica is lost
     max_group_retries: int = 3  # a group that fails to form with no member lost
     checkpoints: bool = False  # a checkpoint folder was given
@@ -169,9 +177,12 @@ class FitMachine(LostWorkers):
         s.status, s.after_group = "planning", kind
         if kind == "choose":
             return [cmd.ChoosePhase()]
+        cap = s.memory_cap
         if kind == "phase":
-            return [cmd.PlanSegment("phase", s.layout.replicas, phase=s.next_phase)]
-        return [cmd.PlanSegment("rest", s.layout.replicas, s.phase, s.committed_step)]
+            return [cmd.PlanSegment("phase", s.layout.replicas, phase=s.next_phase, memory_cap=cap)]
+        return [
+            cmd.PlanSegment("rest", s.layout.replicas, s.phase, s.committed_step, memory_cap=cap)
+        ]
 
     def _workers_joined(self, event: ev.WorkersJoined) -> list[Any]:
         s = self.state
@@ -202,7 +213,7 @@ class FitMachine(LostWorkers):
         s.phase, s.phase_steps = event.phase, event.phase_steps
         s.segment = event.todo or s.segment  # nothing left: the phase record keeps its split
         if new_phase:
-            s.lr_factor, s.rollbacks = 1.0, 0
+            s.lr_factor, s.rollbacks, s.memory_halvings = 1.0, 0, 0
         if event.lr_factor is not None:  # a resumed phase's
             s.lr_factor = event.lr_factor
         if event.rollbacks is not None:
@@ -267,6 +278,9 @@ class FitMachine(LostWorkers):
             return out
         s.step_seconds = _step_seconds(s.last_results)
         if s.planned_until < s.segment[-1].index + 1:
+            cap = s.memory_cap
+            if cap is not None and largest_planned(s.segment, s.planned_until) > cap:
+                return [*out, *self._plan("rest")]  # a measured cap: the rest under it
             return [*out, self._submit_next()]
         s.status = "ending"
         return [*out, cmd.EndPhase(s.generation, self.members)]
@@ -293,6 +307,9 @@ class FitMachine(LostWorkers):
             s.commit_window += 1
             if None not in results:
                 s.last_results = results
+                measured = measured_cap(results)  # on CUDA, a phase's first window
+                if measured is not None:
+                    s.memory_cap = min(measured, s.memory_cap or measured)
             if marked:
                 states = tuple(getattr(r, "checkpoint", None) for r in results)
                 if all(state is not None for state in states):
@@ -329,6 +346,8 @@ class FitMachine(LostWorkers):
             return []
         if s.releasing:  # the survivors could not finish the released window
             return self._abandon_release(())
+        if event.out_of_memory:
+            return self._out_of_memory(event)
         if not (
             event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks
         ):
@@ -347,6 +366,50 @@ class FitMachine(LostWorkers):
             cmd.RollBack(self.members, s.committed_step, leave_group=False),
             *self._plan("rest"),
         ]
+
+    def _out_of_memory(self, event: ev.WindowFailed) -> list[Any]:
+        """Replica ``event.rank`` ran out of device memory: halve the micro-batch cap and
+        redo the rest of the phase from the commit, as more, smaller micro-batches
+        (gradient accumulation: the same steps). The cap is every replica's: they run
+        one model on near-equal shares, mostly on alike devices, so a micro-batch one
+        could not hold the others would fail on next; one cap also survives regroups
+        (ranks renumber) and stays for the fit's later phases. The failed replica broke
+        the collective its peers waited in, so the group is formed again, as after a
+        lost worker, with no member lost. Past ``max_memory_halvings`` in a phase, or
+        when one sample did not fit, the fit fails naming the cap."""
+        s, config = self.state, self.config
+        plan, window, _ = s.windows[event.window]
+        ran = largest_micro_batch(plan, window, event.rank)
+        cap = halved_cap(ran, s.memory_cap)
+        if cap < 1 or s.memory_halvings >= config.max_memory_halvings:
+            s.status = "failed"
+            error = out_of_memory_error(
+                event.error,
+                rank=event.rank,
+                ran=ran,
+                halvings=s.memory_halvings,
+                budget=config.max_memory_halvings,
+                phase=self._phase_index(),
+            )
+            return [cmd.Fail(error=error)]
+        s.memory_halvings += 1
+        s.memory_cap = cap
+        record = self._failure(
+            "out-of-memory",
+            (),
+            error=str(event.error),
+            rank=event.rank,
+            micro_batch=ran,
+            micro_batch_cap=cap,
+        )
+        s.windows.clear()
+        s.pending.clear()
+        out: list[Any] = [
+            cmd.RecordFailure(record),
+            cmd.StopWindows(self.members),
+            cmd.RollBack(self.members, s.committed_step),
+        ]
+        return out + self._form(s.layout, after="rest")
 
     def _phase_index(self) -> int | None:
         return None if self.state.phase is None else self.state.phase.index

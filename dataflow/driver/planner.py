@@ -51,26 +51,34 @@ class Planner:
         replicas: int,
         first_index: int,
         measured: Sequence[Sequence[float]] = (),
+        memory_cap: int | None = None,
     ) -> tuple[StepSpec, ...]:
         """The phase's steps, split by the balancer from the speeds ``measured`` so far
-        (per past phase, each replica's samples/s)."""
+        (per past phase, each replica's samples/s); ``memory_cap``: the micro-batch cap
+        the fit learned from out-of-memory errors."""
         return phase_steps(
             num_samples=self.num_samples,
             phase=phase,
             split=lambda size: self.balancer.split(size, replicas, measured),
             drop_last=self.drop_last,
             first_index=first_index,
-            micro_batches=self.micro_batches(replicas),
+            micro_batches=self.micro_batches(replicas, memory_cap=memory_cap),
         )
 
-    def rest(self, segment: tuple[StepSpec, ...], commit: int, replicas: int) -> tuple:
+    def rest(
+        self,
+        segment: tuple[StepSpec, ...],
+        commit: int,
+        replicas: int,
+        memory_cap: int | None = None,
+    ) -> tuple:
         """The steps of ``segment`` from ``commit`` on, split anew over ``replicas`` (after
         a recovery); every sample of the epoch in progress is still read once."""
         return resplit_steps(
             segment,
             commit,
             split=lambda size: self.balancer.split(size, replicas, []),
-            micro_batches=self.micro_batches(replicas, after_loss=True),
+            micro_batches=self.micro_batches(replicas, after_loss=True, memory_cap=memory_cap),
         )
 
     def resumed(self, segment: tuple[StepSpec, ...], commit: int, replicas: int) -> tuple:
@@ -82,16 +90,27 @@ class Planner:
         return self.rest(segment, commit, replicas)
 
     def micro_batches(
-        self, replicas: int, after_loss: bool = False
+        self, replicas: int, after_loss: bool = False, memory_cap: int | None = None
     ) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
         """Each replica's micro-batches for a split: above the memory cap, accumulate; one
-        replica estimates the gradient noise from two micro-batches of each step."""
+        replica estimates the gradient noise from two micro-batches of each step. The cap
+        is the user's ``max_micro_batch`` and, below it, ``memory_cap`` (learned)."""
         minimum = 2 if replicas == 1 and self.measures_noise else 1
 
         def count(local: tuple[int, ...]) -> tuple[int, ...]:
             caps = self.max_micro_batch
             if after_loss and isinstance(caps, tuple) and len(caps) != len(local):
                 caps = min(caps)  # after a lost worker: the tightest cap for every replica
-            return micro_batch_counts(local, caps, minimum=minimum)
+            return micro_batch_counts(local, tighter(caps, memory_cap), minimum=minimum)
 
         return count
+
+
+def tighter(caps: int | tuple[int, ...] | None, cap: int | None) -> int | tuple[int, ...] | None:
+    """The user's cap (one, or one per replica) lowered to ``cap`` where it is larger; the
+    user's stays an upper bound."""
+    if cap is None:
+        return caps
+    if isinstance(caps, tuple):
+        return tuple(min(c, cap) for c in caps)
+    return cap if caps is None else min(caps, cap)

@@ -51,6 +51,10 @@ class FitState:
     countdown: int = 0  # windows until the next mid-phase checkpoint
     lr_factor: float = 1.0  # on_non_finite="rollback": the phase's LR cut so far
     rollbacks: int = 0  # ... in this phase
+    # Out-of-memory errors: the micro-batch cap learned (kept for the fit's later
+    # phases; None: none) and the halvings in this phase
+    memory_cap: int | None = None
+    memory_halvings: int = 0
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     lost_everything: dict[str, Any] | None = None  # the failure record of a restart

@@ -19,6 +19,7 @@ from dataflow.core.errors import NonFiniteError
 from dataflow.core.rng import capture_rng, restore_rng
 from dataflow.core.window import WindowResult
 from dataflow.runtime.collective import Collective
+from dataflow.runtime.device_memory import MemoryProbe, largest_micro_batch
 from dataflow.runtime.leases import WindowLeases, planned_tasks
 from dataflow.runtime.replica_spec import ReplicaSpec, ReplicaState, resolve_device
 from dataflow.runtime.window_parts import (
@@ -89,17 +90,24 @@ class ReplicaRuntime:
         # (generation, step): the driver released a lost replica; windows from ``step`` on
         # are not run (the survivors finish the window in flight, then regroup)
         self.released_after: tuple[int, int] | None = None
+        self.measure_memory = False  # on CUDA: the phase's first window measures its memory
         for name in self.order:
             self.stages[name].setup(self.context)
 
     def begin_phase(self, phase: PhaseContext) -> None:
         self.steps = {spec.index: spec for spec in phase.steps}
+        self.measure_memory = self.context.device.type == "cuda" and not phase.continued
         for name in self.order:
             self.stages[name].begin_phase(self.context, phase)
 
     def run_window(self, first_step: int, stop_step: int, checkpoint: bool = False) -> WindowResult:
         with self.lock:
+            probe = MemoryProbe(self.context.device) if self.measure_memory else None
+            self.measure_memory = False
             result = self._run_window(first_step, stop_step)
+            if probe is not None:
+                held = largest_micro_batch(self.steps, first_step, stop_step, self.context.rank)
+                result.memory = probe.finish(held)
             if checkpoint:
                 result.checkpoint = self.checkpoint_state()
             return result

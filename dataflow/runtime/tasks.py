@@ -171,6 +171,9 @@ class RollBack(Request):
             runtime.rollback(self.step)
             runtime.context.rank = self.rank // runtime.spec.spatial
             runtime.slot = self.rank
+        if runtime.context.device.type == "cuda":  # what a failed window (out of memory) held
+            gc.collect()
+            torch.cuda.empty_cache()
         return self.rank
 
 
