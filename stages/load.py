@@ -13,6 +13,7 @@ from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Source, missing_members
 from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
 from dataflow.io.device_copy import DATA_ON_DEVICE, device_copy
+from dataflow.io.device_staging import CudaCopies, DeviceStager
 from dataflow.io.labels import LabelCheck
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
@@ -80,7 +81,9 @@ class Load(Stage):
     (:class:`dataflow.io.chunk_reader.BatchBuffers`).
     On CUDA they are assembled straight into pinned memory from torch's caching host
     allocator, which reuses pinned blocks once the asynchronous copies reading them
-    have finished, and copied to the device with ``non_blocking=True``.
+    have finished, and copied to the device on a side stream, ``prefetch`` batches
+    ahead; the compute stream waits on each batch's event (:mod:`dataflow.io.device_staging`).
+    An in-memory source that fits on the GPU is uploaded once instead (``data_on_device``).
     """
 
     kind = kinds.LOAD
@@ -126,6 +129,8 @@ class Load(Stage):
         # labels are checked once here instead of batch by batch
         self._resident = device_copy(self.source, replica.device, self.config.data_on_device)
         replica.state["data_on_device"] = self._resident is not None
+        cuda = replica.device.type == "cuda"
+        self._stager = DeviceStager(CudaCopies(replica.device)) if cuda else None
         if self._resident is not None and self.labels is not None and self.source.y is not None:
             self.labels.check(self.source.y, np.arange(self.source.num_samples))
 
@@ -186,10 +191,8 @@ class Load(Stage):
             return index, batch
         if self.labels is not None:  # a label the model has no class for names its sample
             self.labels.check(batch.y, batch.indices)
-        device = self._replica.device
-        if device.type != "cpu":
-            batch.x = _to_device(batch.x, device)
-            batch.y = _to_device(batch.y, device)
+        if self._stager is not None:  # copied on a side stream, an event marks its end
+            self._stager.stage(batch)
         return index, batch
 
     @property
@@ -205,7 +208,11 @@ class Load(Stage):
         indices = self._parts[step.spec.index][step.part]
         batch = self._reads_from.read(indices)
         batch.indices = indices
-        return self._stage((step.spec.index, batch))[1]
+        return self._handed_over(self._stage((step.spec.index, batch))[1])
+
+    def _handed_over(self, batch: Batch) -> Batch:
+        """The batch, its copy to the device waited for on the compute stream."""
+        return batch if self._stager is None else self._stager.hand_over(batch)
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         self._phase, self._parts = (phase.steps, replica.seed), None
@@ -232,7 +239,7 @@ class Load(Stage):
                 )
         # The driver records them in its sample ledger when the window is committed.
         step.metrics["sample_indices"] = batch.indices
-        return batch
+        return self._handed_over(batch)
 
     def _close(self) -> None:
         if getattr(self, "_prefetcher", None) is not None:
@@ -253,16 +260,3 @@ class Load(Stage):
 
     def __getstate__(self) -> dict[str, Any]:  # runtime state stays on the worker
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """Pinned host memory, then an asynchronous copy. A chunked source's batches are
-    already pinned (assembled there); others are copied into a pinned block first. Both
-    come from torch's caching host allocator, which reuses the pinned block only after
-    the copy recorded on it has finished, so dropping the host tensor here is safe."""
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, torch.Tensor):
-        pinned = value if value.is_pinned() else value.pin_memory()
-        return pinned.to(device, non_blocking=True)
-    return value

@@ -24,6 +24,9 @@ class Batch:
     y: Any = None
     size: int = 0
     indices: Any = None  # sample indices in the source, for the sample ledger
+    # On a GPU: the event marking the end of its copy to the device (io.device_staging),
+    # until the compute stream has been told to wait for it
+    ready: Any = None
 
     def slice(self, start: int, stop: int) -> Batch:
         """Samples ``[start, stop)``: one micro-batch of gradient accumulation (views)."""
