@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
