@@ -1,39 +1,45 @@
-"""Data sources for the Load stage: in-memory arrays and zarr stores."""
+"""Data sources for the Load stage: in-memory arrays and zarr stores.
 
-from dataflow.io.array_source import ArraySource
-from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader
-from dataflow.io.labels import LabelError
-from dataflow.io.ledger import SampleLedger
-from dataflow.io.prefetch import Prefetcher
-from dataflow.io.sampler import steps_per_epoch
-from dataflow.io.sharding import (
-    chunk_sizes,
-    continued_streams,
-    replica_epochs,
-    replica_streams,
-    shard_epoch,
-    source_chunk_sizes,
-)
-from dataflow.io.stream import stream_batches
-from dataflow.io.writer import to_zarr
-from dataflow.io.zarr_source import VariableNotFoundError, ZarrSource
+Each name is imported on first use (PEP 562): the pure modules that need only the
+sampler or the sharding (the planner, the schedules, the driver's state machine)
+import ``dataflow.io.sampler`` without loading torch or zarr through this package.
+"""
 
-__all__ = [
-    "ArraySource",
-    "BatchBuffers",
-    "EpochChunkReader",
-    "LabelError",
-    "Prefetcher",
-    "SampleLedger",
-    "VariableNotFoundError",
-    "ZarrSource",
-    "chunk_sizes",
-    "continued_streams",
-    "replica_epochs",
-    "replica_streams",
-    "shard_epoch",
-    "source_chunk_sizes",
-    "steps_per_epoch",
-    "stream_batches",
-    "to_zarr",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "ArraySource": "dataflow.io.array_source",
+    "BatchBuffers": "dataflow.io.chunk_reader",
+    "EpochChunkReader": "dataflow.io.chunk_reader",
+    "LabelError": "dataflow.io.labels",
+    "SampleLedger": "dataflow.io.ledger",
+    "Prefetcher": "dataflow.io.prefetch",
+    "steps_per_epoch": "dataflow.io.sampler",
+    "chunk_sizes": "dataflow.io.sharding",
+    "continued_streams": "dataflow.io.sharding",
+    "replica_epochs": "dataflow.io.sharding",
+    "replica_streams": "dataflow.io.sharding",
+    "shard_epoch": "dataflow.io.sharding",
+    "source_chunk_sizes": "dataflow.io.sharding",
+    "stream_batches": "dataflow.io.stream",
+    "to_zarr": "dataflow.io.writer",
+    "VariableNotFoundError": "dataflow.io.zarr_source",
+    "ZarrSource": "dataflow.io.zarr_source",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dataflow.io' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
