@@ -79,19 +79,26 @@ class StepRecord(Record):
 
 @dataclasses.dataclass(eq=False)
 class EpochRecord(Record):
-    """One epoch: the mean training loss and each evaluation metric (``eval_<name>``)."""
+    """One epoch: the mean training loss, each evaluation metric (``eval_<name>``) and
+    how many held-out samples the evaluation scored (``held_out_samples``: the whole
+    held-out set, each sample once, replicas lost or not; absent without one)."""
 
     epoch: int
     train_loss: float
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    held_out_samples: int | None = None
+    optional: ClassVar[tuple[str, ...]] = ("held_out_samples",)
 
     def _names(self) -> list[str]:
-        return ["epoch", "train_loss", *self.metrics]
+        counted = [] if self.held_out_samples is None else ["held_out_samples"]
+        return ["epoch", "train_loss", *self.metrics, *counted]
 
     def __getitem__(self, key: str) -> Any:
         if key in self.metrics:
             return self.metrics[key]
-        if key in ("epoch", "train_loss"):
+        if key in ("epoch", "train_loss") or (
+            key == "held_out_samples" and self.held_out_samples is not None
+        ):
             return getattr(self, key)
         raise KeyError(key)
 

@@ -28,6 +28,18 @@ def test_records_read_as_dicts_and_equal_the_dicts_of_a_loaded_history(tmp_path)
     assert math.isnan(float(loaded.steps[0]["loss"]))  # strict JSON: "nan"
 
 
+def test_an_epoch_counts_the_held_out_samples_its_evaluation_scored(tmp_path):
+    evaluated = EpochRecord(0, 1.25, {"eval_loss": 0.5}, held_out_samples=90)
+    assert evaluated["held_out_samples"] == 90
+    assert set(evaluated) == {"epoch", "train_loss", "eval_loss", "held_out_samples"}
+    plain = EpochRecord(1, 1.0)  # no evaluation: no count, as in older histories
+    assert "held_out_samples" not in plain and plain.get("held_out_samples") is None
+    history = History(epochs=[evaluated, plain], info={})
+    loaded = History.from_json(history.to_json(tmp_path / "h.json"))
+    assert loaded.epochs == [evaluated.to_dict(), plain.to_dict()]
+    assert loaded.epochs[0]["held_out_samples"] == 90
+
+
 def test_the_report_needs_exactly_the_records_fields():
     assert REPORT_FIELDS["steps"] == (
         "step",

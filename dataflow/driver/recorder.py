@@ -250,12 +250,13 @@ class Recorder:
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
         metrics: dict[str, float] = {}
         evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
+        count = None  # the held-out samples the evaluation scored
         if evals:
             count = sum(e["count"] for e in evals)
             for key in evals[0]:
                 if key != "count":
                     metrics[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
-        self.history.epochs.append(EpochRecord(spec.epoch, train_loss, metrics))
+        self.history.epochs.append(EpochRecord(spec.epoch, train_loss, metrics, count))
 
     # -- phase end --------------------------------------------------------------------
     def end_phase(self, phase: Any, phase_steps: tuple, segment: tuple, ends: tuple) -> None:

@@ -118,6 +118,9 @@ class ReplicaRuntime:
             self.commit(first_step)
         self.in_window = True
         self.context.window = (first_step, stop_step)
+        # A window's orphans are its own: set at its store barrier, read by its evaluation
+        # (a later window, in a regrouped and smaller group, must not score them again)
+        self.context.orphans = ()
         store = self.context.parameter_store
         if store is None:
             return self._run_steps(first_step, stop_step, started)
