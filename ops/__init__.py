@@ -1,6 +1,7 @@
-"""Numba kernels on the data and gradient paths: a CPU kernel (``@njit``) and a CUDA
-kernel (``numba.cuda.jit``) per op, behind one call that dispatches on the tensor's
-device (``dataflow.ops.registry``).
+"""Numba kernels on the data and gradient paths: a CPU kernel (``@njit``) per op and, on
+CUDA, a Numba kernel (``numba.cuda.jit``) or, where that lost to torch on the device,
+torch code, behind one call that dispatches on the tensor's device
+(``dataflow.ops.registry``).
 
 Data path, usable as ``Pipeline(transforms=[...])``: :class:`Log1p`,
 :class:`Standardize`, :class:`RandomFlip`, :class:`RandomRotate90`, each with the cast

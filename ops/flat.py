@@ -12,6 +12,15 @@ interface), plus a table of where each source starts in it. Kernels only touch t
 sources' own elements; the gaps between them are never read. One compiled kernel serves
 any number of tensors, and under the CUDA simulator an ordinary array is the arena.
 
+On CUDA both keep their Numba kernels. Against torch on an H100
+(``benchmarks/bench_gpu.py``, ResNet-50's 161 gradients, torch time / ours, 2026-11-26
+then 11-24) they are at par: ``pack_scaled_`` 0.80, 0.97, 0.88, 1.15, 1.37 against
+``torch._foreach_mul`` + ``cat``; ``sum_of_squares`` 0.86, 1.40, 0.78, 0.85, 1.82
+against ``torch._foreach_norm``. At par, the simpler code is ours: one call does what
+the reducer needs, where torch's way scales copies of every gradient before the
+``cat`` (a second bucket's worth of memory), needs its own fill for the gradients that
+are None, and gives norms in the gradients' dtype unless asked for float64 sums.
+
 Dtypes float32 and float64, one dtype per call; scale factors are applied in that
 dtype, as ``torch.mul`` with a Python scalar does. Inputs that are only read may be
 non-contiguous (they are copied first); outputs written in place must be contiguous.

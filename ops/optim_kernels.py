@@ -5,8 +5,15 @@ once, however many tensors it holds. The arithmetic is torch's own, in the same 
 and rounding (``torch.optim.SGD`` / ``AdamW``, single-tensor path): scalars are cast to
 the buffer's dtype first, and where torch fuses a multiply-add (``add(.., alpha=)``,
 ``lerp``, ``addcmul``) the CPU kernel calls ``llvm.fma`` (:func:`fma`), so float32 SGD
-matches torch bit for bit. CUDA kernels write ``a * b + c``, which NVVM contracts to an
-FMA as nvcc does for torch's kernels.
+matches torch bit for bit. The AdamW CUDA kernel writes ``a * b + c``, which NVVM
+contracts to an FMA as nvcc does for torch's kernels.
+
+SGD has no Numba CUDA kernel: on CUDA it is torch's fused SGD over the flat buffer
+(:func:`sgd_torch`, the op's ``torch_cuda``). The Numba kernel it had lost to
+``torch.optim.SGD(fused=True)`` on an H100 (``benchmarks/bench_gpu.py``, ResNet-50's
+parameters, torch time / ours: 0.80, 0.85, 0.59 on 2026-11-26; 1.20, 0.80 on 11-24).
+AdamW keeps its kernel: at par with or ahead of ``AdamW(fused=True)`` (1.06, 1.47,
+1.00; 1.05, 0.69 on 11-24).
 
 The options that change the loop (nesterov, maximize, ...) are compile-time constants:
 each combination is its own kernel, built once and cached on disk.
@@ -108,6 +115,41 @@ def sgd_reference(
     return p.add(d, alpha=-lr), m
 
 
+def sgd_torch(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    first: bool,
+) -> None:
+    """:func:`sgd_cpu` on tensors, by torch's fused SGD: what FusedSGD runs on CUDA.
+
+    ``torch._fused_sgd_`` is the kernel of ``torch.optim.SGD(fused=True)``, called here
+    on one flat buffer instead of a list of parameters: the same elementwise update, in
+    one launch. It does not round the scalars to the buffer's dtype first as the CPU
+    kernel does, so the two may differ in the last bit of float32 (both are torch's
+    SGD; the CPU kernel is its single-tensor path).
+    """
+    torch._fused_sgd_(
+        [p],
+        [g],
+        [m] if momentum else [],
+        weight_decay=weight_decay,
+        momentum=momentum,
+        lr=lr,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+        is_first_step=bool(first and momentum),
+    )
+
+
 # -- AdamW ------------------------------------------------------------------------------
 
 
@@ -206,25 +248,6 @@ def _import_cuda() -> None:
 
 
 @functools.cache
-def _sgd_cuda_kernel(momentum: bool, weight_decay: bool, nesterov: bool, maximize: bool) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(p, g, m, neg_lr, wd, mu, damp1, first):
-        for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-            d = -g[i] if maximize else g[i]
-            if weight_decay:
-                d = p[i] * wd + d
-            if momentum:
-                b = d if first else d * damp1 + m[i] * mu
-                m[i] = b
-                d = b * mu + d if nesterov else b
-            p[i] = d * neg_lr + p[i]
-
-    return kernel
-
-
-@functools.cache
 def _adamw_cuda_kernel(maximize: bool, lerp_from_end: bool) -> Any:
     _import_cuda()
 
@@ -248,14 +271,6 @@ def _grid(n: int, stream: Any) -> tuple[int, int, Any]:
     return min(blocks(n, threads)[0], MAX_BLOCKS), threads, stream
 
 
-def sgd_cuda(p: Any, g: Any, m: Any, *, stream: Any, **params: Any) -> None:
-    """:func:`sgd_cpu` on device arrays, queued on ``stream`` (0 under the simulator)."""
-    t = p.dtype.type
-    lr, wd, mu, damp = (params[k] for k in ("lr", "weight_decay", "momentum", "dampening"))
-    kernel = _sgd_cuda_kernel(mu != 0, wd != 0, params["nesterov"], params["maximize"])
-    kernel[_grid(p.size, stream)](p, g, m, t(-lr), t(wd), t(mu), t(1 - damp), params["first"])
-
-
 def adamw_cuda(p: Any, g: Any, m: Any, v: Any, *, stream: Any, **params: Any) -> None:
     """:func:`adamw_cpu` on device arrays, queued on ``stream`` (0 under the simulator)."""
     maximize = params.pop("maximize")
@@ -264,5 +279,5 @@ def adamw_cuda(p: Any, g: Any, m: Any, v: Any, *, stream: Any, **params: Any) ->
     kernel[_grid(p.size, stream)](p, g, m, v, *s.values())
 
 
-SGD_STEP = register(Op("sgd_step", sgd_cpu, sgd_cuda, sgd_reference))
+SGD_STEP = register(Op("sgd_step", sgd_cpu, None, sgd_reference, torch_cuda=sgd_torch))
 ADAMW_STEP = register(Op("adamw_step", adamw_cpu, adamw_cuda, adamw_reference))

@@ -14,6 +14,10 @@ writing into a copy would silently lose the result.
 CUDA kernels are compiled lazily (numba-cuda imported on first CUDA use), so CPU
 users never pay for it, and under ``NUMBA_ENABLE_CUDASIM=1`` they run on the CPU
 simulator, which is how CI tests them against the same references.
+
+Where an op's Numba CUDA kernel lost to torch on the device (``benchmarks/bench_gpu.py``)
+it was removed, and the op's ``torch_cuda`` (torch code, tested on CPU tensors against
+the CPU kernel) runs on CUDA tensors instead.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ class Op:
     """The :class:`dataflow.core.protocols.Kernel` of this package. ``cpu(*arrays,
     **params)`` takes numpy arrays; ``cuda(*device_arrays, stream=, **params)`` takes numba
     device arrays; ``reference`` is the plain torch/numpy definition both are tested
-    against."""
+    against. ``torch_cuda(*tensors, **params)``, for an op without a ``cuda`` kernel, is
+    torch code that runs on CUDA tensors instead (the arguments of ``cpu``, as tensors),
+    queued on torch's current stream like any torch op."""
 
     name: str
     cpu: Callable[..., Any]
@@ -49,6 +55,12 @@ class Op:
     reference: Callable[..., Any]
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
     extra: dict[str, Any] = field(default_factory=dict)
+    torch_cuda: Callable[..., Any] | None = None
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether CUDA tensors are supported (a Numba kernel or torch code)."""
+        return self.cuda is not None or self.torch_cuda is not None
 
 
 REGISTRY: dict[str, Op] = {}
@@ -70,7 +82,7 @@ def register(op: Op) -> Op:
 
 def _supported(op: Op) -> str:
     names = ", ".join(str(d).removeprefix("torch.") for d in op.dtypes)
-    devices = "cpu, cuda" if op.cuda is not None else "cpu"
+    devices = "cpu, cuda" if op.on_cuda else "cpu"
     return f"dtypes {names} on {devices}"
 
 
@@ -82,7 +94,7 @@ def check(op: Op, tensors: Sequence[torch.Tensor], inplace: Sequence[int] = ()) 
             f"{op.name}: all tensors must be on one device, got {sorted(map(str, devices))}"
         )
     device = devices.pop()
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and op.cuda is None):
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not op.on_cuda):
         raise OpError(f"{op.name}: device {device} is not supported; supported: {_supported(op)}")
     for t in tensors:
         if t.dtype not in op.dtypes:
@@ -133,8 +145,11 @@ def _quiet_low_occupancy() -> None:
 
 
 def launch(op: Op, *tensors: torch.Tensor, inplace: Sequence[int] = (), **params: Any) -> Any:
-    """Run ``op`` on ``tensors`` with the kernel for their device."""
+    """Run ``op`` on ``tensors`` with the kernel for their device (on CUDA, its torch
+    code where it has no Numba kernel)."""
     device = check(op, tensors, inplace)
+    if device.type == "cuda" and op.cuda is None:
+        return op.torch_cuda(*tensors, **params)
     arrays = as_arrays(tensors, device)
     if device.type == "cpu":
         return op.cpu(*arrays, **params)

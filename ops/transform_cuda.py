@@ -2,6 +2,9 @@
 users never import numba-cuda; ``ops/transform_kernels.py`` holds the CPU kernels and
 the rules they share (:func:`~dataflow.ops.transform_kernels.compute_dtype`).
 
+Log1p and Standardize only: RandomFlip and RandomRotate90 run torch code on CUDA
+(``ops/transform_torch.py``, which says why).
+
 Each entry takes numba device arrays (flat C-contiguous) and ``stream=``, and writes the
 output dtype directly: the cast is fused.
 """
@@ -77,58 +80,12 @@ def _cuda_standardize(ct: Any, final: Any) -> Any:
     return kernel
 
 
-@functools.cache
-def _cuda_flip(final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, flags: Any, channels: int, d: int, h: int, w: int) -> None:
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            sw = i % w
-            sh = (i // w) % h
-            sd = (i // (w * h)) % d
-            nc = i // (w * h * d)
-            n = nc // channels
-            sd = d - 1 - sd if flags[n, 0] else sd
-            sh = h - 1 - sh if flags[n, 1] else sh
-            sw = w - 1 - sw if flags[n, 2] else sw
-            out[i] = final(x[((nc * d + sd) * h + sh) * w + sw])
-
-    return kernel
-
-
-@functools.cache
-def _cuda_rot90(final: Any) -> Any:
-    _import_cuda()
-
-    @cuda.jit
-    def kernel(x: Any, out: Any, ks: Any, channels: int, l_: int, p: int, m_: int, r: int):
-        for e in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            t = e // r
-            j = t % p
-            m = (t // p) % m_
-            i = (t // (p * m_)) % p
-            block = t // (p * m_ * p)  # over (nc, l)
-            k = ks[block // l_ // channels]
-            si, sj = i, j
-            if k == 1:
-                si, sj = j, p - 1 - i
-            elif k == 2:
-                si, sj = p - 1 - i, p - 1 - j
-            elif k == 3:
-                si, sj = p - 1 - j, i
-            src = (((block * p + si) * m_ + m) * p + sj) * r + e % r
-            out[e] = final(x[src])
-
-    return kernel
-
-
 def _flat(a: Any) -> Any:
     return a.reshape(a.size)
 
 
 def _device(a: Any, dtype: Any, stream: Any) -> Any:
-    """Host data (the per-sample choices, per-channel statistics) copied on ``stream``."""
+    """Host data (the per-channel statistics) copied on ``stream``."""
     return _import_cuda().to_device(np.ascontiguousarray(a, dtype=dtype), stream=stream)
 
 
@@ -152,18 +109,3 @@ def standardize_cuda(x: Any, out: Any, *, mean: Any, std: Any, stream: Any = 0) 
         kernel = _cuda_standardize(_nb(ct), _final_type(ct, out.dtype))
         inner = math.prod(x.shape[2:])
         kernel[_config(x.size, stream)](_flat(x), _flat(out), m, s, inner)
-
-
-def flip_cuda(x: Any, out: Any, *, flags: Any, stream: Any = 0) -> None:
-    if x.size:
-        f = _device(flags, np.uint8, stream)
-        kernel = _cuda_flip(_final_type(x.dtype, out.dtype))
-        kernel[_config(x.size, stream)](_flat(x), _flat(out), f, *x.shape[1:])
-
-
-def rot90_cuda(x: Any, out: Any, *, ks: Any, stream: Any = 0) -> None:
-    if x.size:
-        k = _device(ks, np.int64, stream)
-        kernel = _cuda_rot90(_final_type(x.dtype, out.dtype))
-        c, l_, p, m_, _, r = x.shape[1:]
-        kernel[_config(x.size, stream)](_flat(x), _flat(out), k, c, l_, p, m_, r)

@@ -1,9 +1,11 @@
 """Raw kernels of the data-path ops (``ops/transforms.py``) on flat C-contiguous arrays.
 
-Each op has a CPU entry here (numpy arrays in, ``numba.njit(parallel=True)`` kernel) and
-a CUDA entry in ``ops/transform_cuda.py`` (numba device arrays and ``stream=``, kernel
-built on first use, so CPU users never import numba-cuda); the names below forward to
-it. Both write the output dtype directly: the cast is fused.
+Each op has a CPU entry here (numpy arrays in, ``numba.njit(parallel=True)`` kernel).
+Log1p and Standardize also have a CUDA entry in ``ops/transform_cuda.py`` (numba device
+arrays and ``stream=``, kernel built on first use, so CPU users never import
+numba-cuda); the names below forward to it. RandomFlip and RandomRotate90 run torch
+code on CUDA (``ops/transform_torch.py``). The kernels write the output dtype directly:
+the cast is fused.
 
 Arithmetic runs in float32, or float64 when the input or the output is float64
 (:func:`compute_dtype`), and is rounded once to the output dtype (a float64 value meant
@@ -414,11 +416,3 @@ def log1p_cuda(*arrays: Any, **params: Any) -> None:
 
 def standardize_cuda(*arrays: Any, **params: Any) -> None:
     _cuda().standardize_cuda(*arrays, **params)
-
-
-def flip_cuda(*arrays: Any, **params: Any) -> None:
-    _cuda().flip_cuda(*arrays, **params)
-
-
-def rot90_cuda(*arrays: Any, **params: Any) -> None:
-    _cuda().rot90_cuda(*arrays, **params)

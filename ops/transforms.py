@@ -20,6 +20,10 @@ The random ops draw their per-sample choices on the host from
 ``numpy.random.default_rng(seed)`` (:func:`draw_flips`, :func:`draw_rotations`) and one
 kernel applies them; ``wants_seed = True`` makes ``stages.Transform`` pass
 ``seed=(fit seed, step, replica rank)``, so runs are reproducible.
+
+On CUDA tensors Log1p and Standardize run Numba CUDA kernels; RandomFlip and
+RandomRotate90 run torch code (``ops/transform_torch.py``, where the measurements that
+decided it are), equal bit for bit to their CPU kernels for the same choices.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from dataflow.core.errors import ConfigError
 from dataflow.ops import transform_kernels as kernels
 from dataflow.ops.registry import Op, OpError, launch, register
+from dataflow.ops.transform_torch import flip_torch, rot90_torch
 
 FLOATS = (torch.float16, torch.float32, torch.float64)
 INTEGERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -96,9 +101,18 @@ STANDARDIZE = register(
         SUPPORTED,
     )
 )
-FLIP = register(Op("RandomFlip", kernels.flip_cpu, kernels.flip_cuda, flip_reference, SUPPORTED))
+FLIP = register(
+    Op("RandomFlip", kernels.flip_cpu, None, flip_reference, SUPPORTED, torch_cuda=flip_torch)
+)
 ROT90 = register(
-    Op("RandomRotate90", kernels.rot90_cpu, kernels.rot90_cuda, rot90_reference, SUPPORTED)
+    Op(
+        "RandomRotate90",
+        kernels.rot90_cpu,
+        None,
+        rot90_reference,
+        SUPPORTED,
+        torch_cuda=rot90_torch,
+    )
 )
 
 

@@ -3,7 +3,9 @@
 Under ``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported, so in a subprocess) each
 op's ``Op.cuda`` entry runs on numba's CPU simulator with simulated device arrays and
 ``stream=0``, against the op's reference; tiny sizes, the simulator is slow. The ``gpu``
-tests run the same ops and both optimizers on real CUDA tensors against torch.
+tests run the same ops and both optimizers on real CUDA tensors against torch. FusedSGD
+has no Numba CUDA kernel (torch's fused SGD runs on CUDA: test_ops_torch_paths.py tests
+that path on the CPU; the ``gpu`` test here, bit for bit against ``SGD(fused=True)``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from dataflow.ops import flat, halo
 from dataflow.ops.optim import FusedAdam, FusedSGD
-from dataflow.ops.optim_kernels import ADAMW_STEP, SGD_STEP
+from dataflow.ops.optim_kernels import ADAMW_STEP
 
 F32_RTOL = 1e-5  # the simulator rounds a * b + c twice where the device fuses it
 F64_RTOL = 1e-12
@@ -86,11 +88,6 @@ def simulated_flat_ops() -> None:
         print(f"flat ops ok: {np.dtype(dtype).name}")
 
 
-SGD_CASES = [
-    dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False),
-    dict(momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=True, maximize=False),
-    dict(momentum=0.8, dampening=0.3, weight_decay=1e-3, nesterov=False, maximize=True),
-]
 ADAM_CASES = [
     dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False),
     dict(beta1=0.3, beta2=0.9, eps=1e-6, weight_decay=0.0, maximize=True),  # lerp from end
@@ -98,22 +95,12 @@ ADAM_CASES = [
 
 
 def simulated_optimizer_kernels() -> None:
-    """The SGD and AdamW CUDA kernels vs torch's update (run under the simulator)."""
+    """The AdamW CUDA kernel vs torch's update (run under the simulator)."""
     from numba import config, cuda
 
     assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
     rng = np.random.default_rng(1)
     for dtype in (np.float32, np.float64):
-        for case in SGD_CASES:
-            p, g, m = (rng.normal(size=37).astype(dtype) for _ in range(3))
-            for first in (True, False):
-                dp, dg, dm = (cuda.to_device(a) for a in (p, g, m))
-                SGD_STEP.cuda(dp, dg, dm, stream=0, lr=0.1, first=first, **case)
-                tensors = (torch.from_numpy(a) for a in (p, g, m))
-                ep, em = SGD_STEP.reference(*tensors, lr=0.1, first=first, **case)
-                _close(dp.copy_to_host(), ep, dtype)
-                if case["momentum"]:
-                    _close(dm.copy_to_host(), em, dtype)
         for case in ADAM_CASES:
             p, g, m = (rng.normal(size=37).astype(dtype) for _ in range(3))
             v = rng.uniform(0, 1, size=37).astype(dtype)
@@ -220,3 +207,35 @@ def test_fused_optimizers_on_cuda_match_torch(ours, theirs):
 
     for a, b in zip(train(ours).parameters(), train(theirs).parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_sgd_on_cuda_is_torchs_fused_sgd_bit_for_bit(dtype):
+    """On CUDA FusedSGD runs torch's fused kernel over its flat buffer: one formula per
+    element, so the same weights as ``torch.optim.SGD(fused=True)`` to the bit."""
+    torch.backends.cudnn.deterministic = True
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+
+    def train(make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+        ).to(device="cuda", dtype=dtype)
+        opt = make(model.parameters())
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(8, 1, 8, 8, device="cuda", dtype=dtype, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return model, opt
+
+    (ours, opt), (theirs, _) = (
+        train(lambda p: FusedSGD(p, **kw)),
+        train(lambda p: torch.optim.SGD(p, **kw, fused=True)),
+    )
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(s["momentum_buffer"].is_cuda for s in opt.state.values())

@@ -92,8 +92,9 @@ class Collective(Protocol):
 @runtime_checkable
 class Kernel(Protocol):
     """One op: ``cpu(*arrays, **params)`` takes numpy arrays, ``cuda(*device_arrays,
-    stream=, **params)`` numba device arrays (None: CPU only), and ``reference`` is the
-    plain torch/numpy definition both are tested against (``dataflow.ops.Op``)."""
+    stream=, **params)`` numba device arrays (None: no Numba CUDA kernel; ``ops.Op`` may
+    then run torch code on CUDA), and ``reference`` is the plain torch/numpy definition
+    both are tested against (``dataflow.ops.Op``)."""
 
     name: str
     cpu: Callable[..., Any]
