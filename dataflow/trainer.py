@@ -178,7 +178,12 @@ class Trainer:
         self.graph.validate(replicas=self.config.replicas or 1)
         if self.config.dry_run:
             self._dry_run()
-        with client_or_local_cluster(client, announce=self.config.progress) as active:
+        with (
+            client_or_local_cluster(client, announce=self.config.progress) as active,
+            # Dask's default-client lookups (distributed.wait) find the fit's client: one
+            # connected to an address or a cluster object is not Dask's default
+            active.as_current(),
+        ):
             requested = self.config.layout
             layout, weighed = self._layout(active, epochs)
             check_transforms(self.graph, layout)

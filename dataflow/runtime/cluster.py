@@ -17,6 +17,9 @@ from distributed.deploy import Cluster
 from distributed.utils import LoopRunner, sync
 
 from dataflow.errors import ConfigError
+from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
+
+WORKER_PRELOAD = "dataflow.runtime.interrupt"  # its dask_setup: workers ignore SIGINT
 
 MAIN_GUARD_HINT = (
     "the embedded LocalCluster's worker processes failed to start. Worker processes "
@@ -74,9 +77,17 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
             processes=True,
             dashboard_address=":0",
             silence_logs=logging.ERROR,
+            preload=_worker_preloads(),
         )
     except RuntimeError as exc:  # "Nanny failed to start": say the likely cause
         raise ConfigError(MAIN_GUARD_HINT) from exc
+
+
+def _worker_preloads() -> list[str]:
+    """Dask's configured worker preloads, and the one that makes the embedded cluster's
+    workers ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
+    configured = dask.config.get("distributed.worker.preload", None) or []
+    return [*([configured] if isinstance(configured, str) else configured), WORKER_PRELOAD]
 
 
 def check_scheduler(address: str) -> None:
@@ -113,37 +124,58 @@ def client_or_local_cluster(
     - a scheduler address (``"tcp://10.0.0.5:8786"``) or a cluster object (``LocalCluster``,
       dask-jobqueue's ``SLURMCluster``): a Client connected to it, closed after the block;
     - ``None``: a LocalCluster (one single-threaded process per core), closed after;
-      its workers do not log the engine's failed tasks, which the fit raises itself.
+      its workers do not log the engine's failed tasks, which the fit raises itself,
+      and ignore Ctrl-C: a KeyboardInterrupt in the block closes it in bounded time.
+
+    A KeyboardInterrupt in the block leaves one line that says so (``interrupt.py``).
     """
     if isinstance(client, Client):
-        yield client
+        with saying_interrupted("the fit stopped, the client stays open"):
+            yield client
         return
     if isinstance(client, (str, Cluster)):
         if isinstance(client, str):
             check_scheduler(client)
-        with Client(client, set_as_default=False) as connected:
+        with (
+            Client(client, set_as_default=False) as connected,
+            saying_interrupted("the fit stopped, disconnecting from the cluster"),
+        ):
             yield connected
         return
     if client is not None:
         raise ConfigError(_not_a_client(client))
     n = n_workers or os.cpu_count() or 1
-    with start_local_cluster(n) as cluster, Client(cluster) as local:
+    with contextlib.ExitStack() as closing:
+        cluster = start_local_cluster(n)
+        closing.callback(cluster.close)
+        local = Client(cluster)
+        closing.callback(local.close)
         local.register_plugin(QuietEngineFailuresPlugin())  # a replica's error: once
         if announce:
             print(
                 f"dataflow: LocalCluster with {n} worker process(es); "
                 f"dashboard {local.dashboard_link}"
             )
-        yield local
+        try:
+            yield local
+        except KeyboardInterrupt:  # Ctrl-C: closed here, in bounded time, not by the stack
+            closing.pop_all()  # (a second close would wait for the cut-short first one)
+            say_interrupted("the fit stopped, closing its LocalCluster")
+            close_quickly(local, cluster)
+            raise
+
+
+ACCEPTED = (
+    "a distributed.Client, a scheduler address such as 'tcp://10.0.0.5:8786', a cluster "
+    "object (LocalCluster, dask-jobqueue's SLURMCluster), or None for an embedded LocalCluster"
+)
 
 
 def _not_a_client(client: Any) -> str:
-    return (
-        f"client={client!r} ({type(client).__name__}) is not a client; pass a "
-        "distributed.Client, a scheduler address such as 'tcp://10.0.0.5:8786', a cluster "
-        "object (LocalCluster, dask-jobqueue's SLURMCluster), or None for an embedded "
-        "LocalCluster"
-    )
+    if isinstance(client, type) and issubclass(client, (Client, Cluster)):
+        name = client.__name__
+        return f"client={name} is a class; pass an instance, {name}(...) (fit takes {ACCEPTED})"
+    return f"client={client!r} ({type(client).__name__}) is not a client; pass {ACCEPTED}"
 
 
 def available_workers(client: Client) -> list[str]:

@@ -1,0 +1,143 @@
+"""What ``fit(client=...)`` runs on (a cluster object, a scheduler address, anything else),
+and a Ctrl-C during a fit on the embedded LocalCluster."""
+
+import operator
+import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import distributed
+import pytest
+from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
+from distributed import Client, LocalCluster
+
+import dataflow as dfl
+from dataflow.runtime.cluster import client_or_local_cluster
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def no_default_client(monkeypatch):
+    """As in a script that made no Client of its own: Dask's default-client lookups
+    (``distributed.wait`` makes one) find none, whatever clients other tests opened."""
+    monkeypatch.setattr(distributed.client, "_global_clients", weakref.WeakValueDictionary())
+    with pytest.raises(ValueError, match="No clients found"):
+        distributed.default_client()
+
+
+def _clients(client: Client) -> set[str]:
+    return set(client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.clients)))
+
+
+@pytest.mark.slow
+def test_fit_on_a_cluster_object_and_on_its_address(no_default_client) -> None:
+    x, y = make_data(64)
+    batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=2)
+    expected = reference_training(x, y, batches=batches, seed=0)
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster, set_as_default=False) as watcher,
+    ):
+        before = _clients(watcher)
+        for target in (cluster, cluster.scheduler_address):
+            result = tiny_pipeline(x, y).fit(2, client=target)
+            assert len(result.history.steps) == 8  # 2 epochs of 64 samples at 16
+            assert max_abs_diff(result.model, expected) <= 1e-5
+            assert _clients(watcher) == before  # the client fit connected is closed again
+        # the caller's cluster stays up, with its workers
+        assert len(watcher.scheduler_info()["workers"]) == 2
+        assert watcher.submit(operator.add, 41, 1).result() == 42
+        assert cluster.status.name == "running"
+
+
+@pytest.mark.parametrize(
+    ("client", "shown"),
+    [
+        (True, r"client=True \(bool\)"),
+        (["tcp://127.0.0.1:8786"], r"client=\['tcp://127\.0\.0\.1:8786'\] \(list\)"),
+        (LocalCluster, r"client=LocalCluster is a class; pass an instance, LocalCluster\(\.\.\.\)"),
+    ],
+    ids=["bool", "list-of-addresses", "cluster-class"],
+)
+def test_anything_else_as_client_is_named_with_what_fit_accepts(client, shown) -> None:
+    x, y = make_data(32)
+    with pytest.raises(dfl.ConfigError) as caught:
+        tiny_pipeline(x, y).fit(1, client=client)
+    message = str(caught.value)
+    assert caught.match(f"^{shown}")
+    for accepted in ("distributed.Client", "scheduler address", "cluster object", "None"):
+        assert accepted in message
+
+
+def test_an_interrupt_on_a_cluster_of_the_callers_says_so_and_propagates(capsys) -> None:
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        with (
+            pytest.raises(KeyboardInterrupt),
+            client_or_local_cluster(cluster, announce=False) as connected,
+        ):
+            raise KeyboardInterrupt  # in the fit
+        assert connected.status == "closed" and cluster.status.name == "running"
+        with Client(cluster, set_as_default=False) as caller:
+            with pytest.raises(KeyboardInterrupt), client_or_local_cluster(caller):
+                raise KeyboardInterrupt
+            assert caller.status == "running"
+    assert capsys.readouterr().err.splitlines() == [
+        "dataflow: interrupted; the fit stopped, disconnecting from the cluster",
+        "dataflow: interrupted; the fit stopped, the client stays open",
+    ]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_fit_on_the_embedded_cluster_promptly_and_quietly(tmp_path) -> None:
+    started, log = tmp_path / "started", tmp_path / "output.txt"
+    with log.open("w") as output:
+        driver = subprocess.Popen(
+            [sys.executable, str(HERE / "interrupt_driver.py"), str(started)],
+            cwd=HERE,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a process group of its own, as a terminal's job
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert driver.poll() is None, f"the fit ended before it trained:\n{log.read_text()}"
+            assert time.monotonic() < deadline, "the fit did not start training in time"
+            time.sleep(0.05)
+        # Ctrl-C: the terminal sends SIGINT to the whole foreground group, the embedded
+        # cluster's worker processes included
+        os.killpg(driver.pid, signal.SIGINT)
+        try:
+            driver.wait(timeout=20)  # a bound, not a speed target: it took 32-34 s before
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the driver still ran 20 s after Ctrl-C:\n{log.read_text()}")
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    text = log.read_text()
+    assert driver.returncode == -signal.SIGINT, text  # the KeyboardInterrupt propagated
+    assert text.count("dataflow: interrupted; ") == 1, text
+    assert text.count("Traceback") == 1 and text.rstrip().endswith("KeyboardInterrupt"), text
+    assert "Dask Worker process" not in text and "Timed out" not in text, text
+    _assert_group_ends(driver.pid)  # the cluster's worker processes ended with the driver
+
+
+def _assert_group_ends(group: int, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(group, signal.SIGKILL)
+            pytest.fail("worker processes of the embedded cluster outlived the driver")
+        time.sleep(0.1)
