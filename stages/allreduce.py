@@ -94,17 +94,21 @@ class AllReduce(Stage):
         self.setup(replica)
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
-        self._measure = phase.measure_noise
+        self._measure = phase.measure_noise  # local/asynchronous updates: every window
+        self._measures = phase.measures  # synchronous: the steps of the schedule's cadence
         self._window = {}
         self._global_of = {spec.index: spec.global_batch for spec in phase.steps}
-        if self._reducer is not None:
-            self._reducer.measure = phase.measure_noise
 
     def begin_step(self, step: StepContext) -> None:
+        measures = getattr(self, "_measures", None)
+        self._measuring = measures is not None and measures(step.spec.index)
         if self._reducer is not None:
             # fp16: packing already weights each gradient, so it divides the loss scale
             # out too; everything after the allreduce sees unscaled gradients
-            self._reducer.begin_step(step.weight / loss_scale_of(step.replica))
+            self._reducer.begin_step(
+                step.weight / loss_scale_of(step.replica),
+                measure=self._measuring and self._replicas > 1,
+            )
         if not self._local:  # (asynchronous updates: the store tracks each part)
             return
         if step.replica.window is not self._window_range:
@@ -120,14 +124,14 @@ class AllReduce(Stage):
         the first micro-batch's gradient is read before the second one adds to it."""
         if self._reducer is not None:
             self._reducer.arm(step.last_micro_batch)
-        if not getattr(self, "_measure", False) or self._replicas > 1:
+        if not getattr(self, "_measuring", False) or self._replicas > 1:
             return
         if step.micro_index == 0:
             self._first_micro = (step.micro_size, step.micro_weight)
         elif step.micro_index == 1:
             weight = self._first_micro[1] * loss_scale_of(step.replica)
             first_sq = self._replica_grad_sq(step.replica.model)
-            self._first_micro_sq = float(first_sq) / weight**2
+            self._first_micro_sq = first_sq / weight**2  # on the device: no sync mid-step
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
         store = step.replica.parameter_store
@@ -150,7 +154,7 @@ class AllReduce(Stage):
             step.metrics[GRAD_SQ] = self._reducer.grad_sq
         elif not unreduced and (scale := loss_scale_of(step.replica)) != 1.0:
             unscale_grads_(step.replica.model, scale)  # one replica: nothing packed them
-        if getattr(self, "_measure", False) and not (unreduced and self._replicas > 1):
+        if getattr(self, "_measuring", False) and not (unreduced and self._replicas > 1):
             self._record_norms(step)
         return Gradients(samples=grads.samples, reduced=True)
 
@@ -177,24 +181,27 @@ class AllReduce(Stage):
             pairs.append((window[0], local, local_sq, round(total), float(big.dot(big))))
 
     def _record_norms(self, step: StepContext) -> None:
-        """One (small batch, |g_small|^2, big batch, |g_big|^2) pair per step, for the
-        driver's noise-scale estimate: this replica's local batch inside the global
-        batch, or (one replica) its first micro-batch inside its local batch. They go
-        back with the window (``step.metrics["norm_pairs"]``), so the driver counts only
+        """One (small batch, |g_small|^2, big batch, |g_big|^2) pair per measured step,
+        for the driver's noise-scale estimate: this replica's local batch inside the
+        global batch, or (one replica) its first micro-batch inside its local batch. The
+        squared norms stay on the device (0-d tensors, no sync in the step); they go back
+        with the window (``step.metrics["norm_pairs"]``, read once at its end by
+        ``dataflow.runtime.window_parts.host_pairs``), so the driver counts only
         committed steps, whatever a lost worker rolls back."""
         index, local, total = step.spec.index, step.local_batch, step.global_batch
         pairs = step.metrics.setdefault("norm_pairs", [])
         if self._replicas > 1:
             if 0 < local < total and self._reports:
-                packed = step.weight / loss_scale_of(step.replica)
-                local_sq = self._reducer.local_sq / packed**2
-                pairs.append((index, local, local_sq, total, self._reducer.reduced_sq))
+                # the packed buffer held (b_r/B) g_r (fp16: the packing divided the loss
+                # scale out), so (b_r/B)^2 divides out of its squared norm
+                local_sq = self._reducer.local_sq / step.weight**2
+                pairs.append((index, local, local_sq, total, self._reducer.grad_sq))
         elif step.spec.micro_batches_of(step.replica.rank) > 1 and hasattr(self, "_first_micro"):
             size, _ = self._first_micro
             if size is not None and 0 < size < local:
                 # after the reducer (a one-group spatial layout) the grads are the
                 # group's whole gradient already; without one, this worker's
-                local_sq = float(_grad_squared_norm(step.replica.model))
+                local_sq = _grad_squared_norm(step.replica.model)
                 step.metrics[GRAD_SQ] = local_sq  # the whole local gradient: Update's too
                 if self._reports:
                     pairs.append((index, size, self._first_micro_sq, local, local_sq))

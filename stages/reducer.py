@@ -10,7 +10,9 @@ replica, as collectives must be issued in the same order everywhere.
 
 After the allreduce, one launch of :func:`dataflow.ops.grad_squared_norm` over all
 buckets gives the reduced gradient's squared norm (``grad_sq``, left on the device: no
-host sync), which Update's non-finite check and the noise-scale estimate share.
+host sync), which Update's non-finite check and the noise-scale estimate share. On a
+step that measures the noise, each bucket's squared norm is taken as it is packed,
+before its allreduce overwrites it; their sum (``local_sq``) stays on the device too.
 """
 
 from __future__ import annotations
@@ -63,15 +65,18 @@ class BucketReducer:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._armed = False
         self._weight = 1.0
-        self.measure = False  # record squared gradient norms (for the noise-scale estimate)
-        self.local_sq = 0.0  # |w g_r|^2 of this step's packed (weighted) local gradient
-        self.reduced_sq = 0.0  # |G|^2 of this step's reduced gradient (when measuring)
+        self.measure = False  # this step records the local squared norm (noise scale)
+        # |w g_r|^2 of a measured step's packed (weighted) local gradient, 0-d on the device
+        self.local_sq: torch.Tensor | None = None
         self.grad_sq: torch.Tensor | None = None  # |G|^2 every step, 0-d on the device
 
-    def begin_step(self, weight: float) -> None:
-        """Arm the hooks for this step's backward with this replica's weight ``b_r / B``."""
+    def begin_step(self, weight: float, measure: bool = False) -> None:
+        """Arm the hooks for this step's backward with this replica's weight ``b_r / B``;
+        ``measure``: take the local squared norm too (every replica measures the same
+        steps: a spatial layout's group reduces its parts for it)."""
         self._weight = weight
-        self.local_sq = self.reduced_sq = 0.0
+        self.measure = measure
+        self.local_sq = None
         self.grad_sq = None
         self._local_parts: list[torch.Tensor] = []
         self._group_works: list[Any] = []
@@ -150,9 +155,9 @@ class BucketReducer:
             for work in group_works:
                 self.sample_group.wait(work)
             self._local_parts = [grad_squared_norm(self._local_parts)]
-        if self.measure:  # the one host sync of a measured step
-            local = torch.stack(self._local_parts).sum()
-            self.local_sq, self.reduced_sq = torch.stack([local, self.grad_sq]).tolist()
+        if self.measure:  # left on the device: the replica reads it once per window
+            parts = self._local_parts
+            self.local_sq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         for i, param in enumerate(self.params):
             reduced = self._views[i].view_as(param)
             if param.grad is None:

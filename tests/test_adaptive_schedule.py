@@ -309,6 +309,10 @@ def test_phase_spec_and_measurement_validate():
         ({"samples_per_epoch": 1000}, dfl.ConfigError, "give steps_per_phase=... too"),
         ({"min_measured_steps": -1}, dfl.ConfigError, "min_measured_steps=-1.*int >= 0"),
         ({"min_measured_steps": 2.0}, dfl.ConfigError, "min_measured_steps=2.0"),
+        ({"measure_every": 0}, dfl.ConfigError, r"measure_every=0.*'auto' or an int >= 1"),
+        ({"measure_every": "often"}, dfl.ConfigError, "measure_every='often'"),
+        ({"measure_every": True}, dfl.ConfigError, "measure_every=True"),
+        ({"measure_every": 2.0}, dfl.ConfigError, "measure_every=2.0"),
     ],
 )
 def test_adaptive_validates_every_field(kwargs, error, match):
@@ -425,3 +429,41 @@ def test_measured_steps_not_reported_counts_the_first_phases_steps():
         ).global_batch
         == 16
     )
+
+
+# -- how often the noise is measured ------------------------------------------------------
+
+
+def test_measure_every_auto_keeps_enough_measured_steps_per_phase():
+    """By default ("auto") every step of a phase under 120 steps is measured, and every
+    k-th step of a longer one with k = phase steps // 60: at least 60 measured steps, where
+    the tracker's EMA is within 10 % of the variance of measuring every step."""
+    auto = Adaptive(8, max_batch=64)
+    assert auto.measure_every == "auto" and "measure_every='auto'" in repr(auto)
+    lengths = (1, 24, 119, 120, 179, 180, 600, 6000)
+    assert [auto.measure_interval(s) for s in lengths] == [1, 1, 1, 2, 2, 3, 10, 100]
+    for steps in range(1, 2000, 7):
+        k = auto.measure_interval(steps)
+        measured = len(range(0, steps, k))
+        assert measured == steps or measured >= 60
+    fixed_k = Adaptive(8, max_batch=64, measure_every=4)
+    assert [fixed_k.measure_interval(s) for s in (1, 24, 6000)] == [4, 4, 4]
+    assert "measure_every=4" in repr(fixed_k)
+
+
+def test_steps_measured_are_every_kth_of_the_fit_by_index():
+    from dataflow.core.step import PhaseContext
+    from dataflow.driver.planner import Planner
+
+    phase = PhaseContext(index=1, steps=(), lr=None, measure_noise=True, measure_every=3)
+    assert [i for i in range(10, 20) if phase.measures(i)] == [12, 15, 18]
+    assert not PhaseContext(index=0, steps=(), lr=None, measure_every=3).measures(0)
+    assert PhaseContext(index=0, steps=(), lr=None, measure_noise=True).measures(7)
+
+    def planner(schedule):
+        noise = schedule.measures_noise
+        return Planner(schedule=schedule, balancer=None, num_samples=1, measures_noise=noise)
+
+    assert planner(Adaptive(8, max_batch=64)).measure_every(600) == 10
+    assert planner(Adaptive(8, max_batch=64, measure_every=5)).measure_every(24) == 5
+    assert planner(Fixed(8)).measure_every(600) == 1

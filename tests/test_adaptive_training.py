@@ -3,14 +3,18 @@ scale from the allreduce (or from micro-batches on one replica) and the schedule
 the batch and the LR from it."""
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, max_abs_diff, tiny_pipeline
+from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
 
 import dataflow as dfl
+from dataflow.driver.recorder import Recorder
+from dataflow.stages.allreduce import loss_scale_of
 
 pytestmark = pytest.mark.slow
 
@@ -89,3 +93,101 @@ def test_adaptive_grows_the_batch_under_asynchronous_updates(client):
     assert phases[-1]["global_batch"] > phases[0]["global_batch"]
     for epoch in range(4):
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
+
+
+def squared_norm(model: torch.nn.Module) -> float:
+    return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+
+
+class WitnessAllReduce(dfl.stages.AllReduce):
+    """AllReduce that also takes every step's pair as the engine did before its norms
+    stayed on the device: floats read inside the step (a host sync each), this replica's
+    |g_r|^2 from its own gradient before the allreduce writes the mean back (fp16's loss
+    scale divided out), the reduced |G|^2 after; one JSON line per step and replica."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def run(self, step, grads):
+        local_sq = squared_norm(step.replica.model) / loss_scale_of(step.replica) ** 2
+        out = super().run(step, grads)
+        pair = [step.spec.index, step.local_batch, local_sq, step.global_batch]
+        pair.append(squared_norm(step.replica.model))
+        with open(Path(self.folder) / f"replica{step.replica.rank}.jsonl", "a") as f:
+            f.write(json.dumps(pair) + "\n")
+        return out
+
+
+@pytest.mark.parametrize(
+    ("precision", "measure_every"), [("fp32", "auto"), ("fp32", 3), ("fp16", "auto")]
+)
+def test_pairs_read_once_per_window_equal_per_step_reads_on_the_measured_steps(
+    client, tmp_path, monkeypatch, precision, measure_every
+):
+    """The pairs the driver's tracker is fed (norms left on the device, read once per
+    window) equal, step for step, the per-step reads of the previous method. With
+    measure_every=3 only every third step of the fit has pairs (one per replica); "auto"
+    measures every step of these short phases. In fp16 the loss scale is divided out of
+    the local norm as from the reduced one."""
+    fed: list[tuple] = []
+    track = Recorder._track_noise
+
+    def spy(recorder, pairs):
+        fed.extend(pairs)
+        return track(recorder, pairs)
+
+    monkeypatch.setattr(Recorder, "_track_noise", spy)
+    x, y = learnable_data()
+    graph = dfl.Graph()
+    out = graph.add(
+        dfl.stages.Forward(TinyCNN, torch.nn.functional.cross_entropy),
+        graph.add(dfl.stages.Load(dfl.io.ArraySource(x, y))),
+    )
+    reduced = graph.add(WitnessAllReduce(str(tmp_path)), graph.add(dfl.stages.Backward(), out))
+    graph.add(dfl.stages.Update(plain_sgd), reduced)
+    schedule = dfl.schedule.Adaptive(8, max_batch=32, measure_every=measure_every)
+    options = dict(device="cpu", replicas=2, precision=precision, dry_run=False)
+    trainer = dfl.Trainer(graph, schedule=schedule, progress=False, **options)
+    history = trainer.fit(epochs=3, client=client).history
+
+    witness: dict[int, list] = {}
+    for file in sorted(tmp_path.glob("replica*.jsonl")):
+        for line in file.read_text().splitlines():
+            index, *pair = json.loads(line)
+            witness.setdefault(index, []).append(pair)
+    steps = [s["step"] for s in history.steps]
+    assert sorted(witness) == steps
+    assert all(len(w) == 2 for w in witness.values()), witness
+    every = 1 if measure_every == "auto" else measure_every
+    skipped = {s["step"] for s in history.steps if s.get("skipped")}
+    measured = [i for i in steps if i % every == 0 and i not in skipped]
+    got: dict[int, list] = {}
+    for index, *pair in fed:
+        got.setdefault(index, []).append(pair)
+    assert sorted(got) == measured and len(measured) >= len(steps) // every - 1
+    for index in measured:
+        assert len(got[index]) == 2  # one pair per replica
+        for mine, theirs in zip(sorted(got[index]), sorted(witness[index]), strict=True):
+            assert mine[0] == theirs[0] and mine[2] == theirs[2]  # batches
+            assert mine[1] == pytest.approx(theirs[1], rel=1e-5)  # |g_r|^2
+            assert mine[3] == pytest.approx(theirs[3], rel=1e-5)  # |G|^2
+
+
+class Warm(TinyCNN):
+    """Inputs x 30: the first fp16 steps overflow at the initial loss scale 2^16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x * 30.0)
+
+
+def test_fp16_overflow_steps_are_left_out_of_the_noise_estimate(client):
+    """A step dropped for an fp16 overflow (or a non-finite skip) has no finite norms:
+    its pairs are left out of the estimate, which the steps that trained still feed."""
+    x, y = learnable_data()
+    schedule = dfl.schedule.Adaptive(8, max_batch=32, min_measured_steps=0)
+    options = dict(model=Warm, optimizer=plain_sgd, replicas=2, precision="fp16")
+    pipe = tiny_pipeline(x, y, schedule=schedule, **options)
+    phases = pipe.fit(epochs=2, client=client).history.phases
+    assert phases[0].overflow_steps > 0
+    assert all(p["measured_noise_scale"] is None or p["measured_noise_scale"] >= 0 for p in phases)

@@ -96,14 +96,36 @@ def test_the_reduced_squared_norm_is_left_on_the_device_and_measured_once():
     x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
     recorder = LaunchRecorder(model)
     reducer = BucketReducer(list(model.parameters()), recorder, cap_bytes=600)
-    reducer.measure = True
-    reducer.begin_step(weight=0.5)
+    reducer.begin_step(weight=0.5, measure=True)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     reducer.finish()
     expected = sum(p.grad.double().pow(2).sum() for p in model.parameters())
     assert isinstance(reducer.grad_sq, torch.Tensor) and reducer.grad_sq.dtype == torch.float64
     torch.testing.assert_close(reducer.grad_sq, expected, rtol=1e-12, atol=0)
-    # one rank: the reduced gradient is the packed (weighted) local one
-    assert reducer.reduced_sq == pytest.approx(float(expected), rel=1e-12)
-    assert reducer.local_sq == pytest.approx(float(expected), rel=1e-12)
+    # one rank: the reduced gradient is the packed (weighted) local one; both left on
+    # the device as 0-d tensors (read once per window, not per step)
+    assert isinstance(reducer.local_sq, torch.Tensor) and reducer.local_sq.dim() == 0
+    torch.testing.assert_close(reducer.local_sq, expected, rtol=1e-12, atol=0)
+    reducer.begin_step(weight=0.5)  # a step that does not measure takes no local norm
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    assert reducer.local_sq is None and reducer.grad_sq is not None
     reducer.close()
+
+
+def test_a_windows_pairs_are_read_to_the_host_at_once_without_skipped_steps():
+    """AllReduce leaves a measured step's squared norms on the device; the replica reads
+    a window's pairs together at its end, as floats, leaving out the steps whose update
+    was dropped (an fp16 overflow has no finite norm)."""
+    from dataflow.runtime.window_parts import host_pairs
+
+    local, reduced = torch.tensor(2.5, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    pairs = [
+        (3, 4, local / 0.25, 8, reduced),
+        (4, 4, 1.5, 8, 0.5),  # already on the host (local updates measure once per window)
+        (5, 4, torch.tensor(float("inf")), 8, reduced),
+    ]
+    got = host_pairs(pairs, skipped=[5])
+    assert got == [(3, 4, 10.0, 8, 1.0), (4, 4, 1.5, 8, 0.5)]
+    assert all(isinstance(v, int | float) for pair in got for v in pair)
+    assert host_pairs([]) == []

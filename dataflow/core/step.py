@@ -149,7 +149,15 @@ class PhaseContext:
     lr_scale: float = 1.0
     warmup_steps: int = 0
     measure_noise: bool = False  # record gradient norms for the noise-scale estimate
+    # ... on the steps whose index is a multiple of this (the schedule's cadence)
+    measure_every: int = 1
     # The rest of a phase after a lost worker (``steps`` start at the commit, split over
     # the survivors): stages keep their phase-level settings (LR ramp, statistics).
     continued: bool = False
     lr_factor: float = 1.0  # on_non_finite="rollback": the LR cut after each rollback
+
+    def measures(self, index: int) -> bool:
+        """Whether step ``index`` records gradient norms for the noise-scale estimate:
+        every ``measure_every``-th step of the fit (by global index, so a phase continued
+        after a lost worker, or resumed, measures the same steps)."""
+        return self.measure_noise and index % max(1, self.measure_every) == 0

@@ -273,6 +273,7 @@ class FitLoop:
             lr_scale=phase.lr_scale,
             warmup_steps=phase.warmup_steps,
             measure_noise=self.measures_noise,
+            measure_every=self.planner.measure_every(len(self.machine.state.phase_steps)),
             continued=c.continued,
             lr_factor=c.lr_factor,
         )

@@ -45,6 +45,12 @@ class Planner:
             start_epoch=start_epoch, total_epochs=total_epochs, previous=previous, **extra
         )
 
+    def measure_every(self, phase_steps: int) -> int:
+        """The noise is measured on every k-th step of a phase of ``phase_steps`` steps:
+        the schedule's ``measure_interval`` (``Adaptive.measure_every``), else every step."""
+        interval = getattr(self.schedule, "measure_interval", None)
+        return interval(phase_steps) if self.measures_noise and interval is not None else 1
+
     def phase_steps(
         self,
         phase: PhaseSpec,

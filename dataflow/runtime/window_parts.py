@@ -4,6 +4,7 @@ losses from the parts trained, host copies of state. Kept apart from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -75,6 +76,30 @@ def to_floats(values: list[Any]) -> list[float | None]:
         return [None if v is None else float(v) for v in values]
     flat = iter(torch.stack([t.detach().float() for t in tensors]).cpu().tolist())
     return [next(flat) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def host_pairs(pairs: list[tuple], skipped: Sequence[int] = ()) -> list[tuple]:
+    """A window's gradient-norm pairs ``(step, small, small_sq, big, big_sq)`` with their
+    squared norms on the host as floats: AllReduce leaves them on the device (0-d
+    tensors), so a window reads them in one transfer per device here instead of one
+    host sync per step. Pairs of ``skipped`` steps (their update dropped: not finite,
+    or an fp16 overflow) are left out; the estimate is fed from steps that trained."""
+    drop = set(skipped)
+    pairs = [pair for pair in pairs if pair[0] not in drop]
+    groups: dict[tuple, list[torch.Tensor]] = {}  # 0-d tensors by device and dtype
+    for pair in pairs:
+        for value in pair:
+            if isinstance(value, torch.Tensor):
+                groups.setdefault((value.device, value.dtype), []).append(value)
+    if not groups:
+        return [tuple(pair) for pair in pairs]
+    host: dict[int, float] = {}
+    for tensors in groups.values():
+        values = torch.stack(tensors).reshape(-1).tolist()  # one read per device
+        host.update(zip(map(id, tensors), values, strict=True))
+    return [
+        tuple(host[id(v)] if isinstance(v, torch.Tensor) else v for v in pair) for pair in pairs
+    ]
 
 
 def host_indices(indices: Any) -> Any:
