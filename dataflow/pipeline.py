@@ -28,6 +28,8 @@ class Pipeline:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
     gathered there ("auto": when it fits in a quarter of the free device memory).
+    ``decode_threads``: threads per replica decoding a chunked source's chunks (zarr,
+    dask; "auto": min(4, the replica's cores); the batches do not depend on it).
     Everything else (``replicas``, ``device``, ``precision``, ``channels_last``,
     ``compile``, ``window_seconds``, ``balancer``,
     ``progress`` ...) is a :class:`~dataflow.trainer.TrainerConfig` field.
@@ -50,6 +52,7 @@ class Pipeline:
         drop_last: bool = False,
         buffer_chunks: int = 4,
         data_on_device: bool | str = "auto",
+        decode_threads: int | str = "auto",
         on_non_finite: str = "raise",
         **trainer_options: Any,
     ) -> None:
@@ -67,6 +70,7 @@ class Pipeline:
                 drop_last=drop_last,
                 buffer_chunks=buffer_chunks,
                 data_on_device=data_on_device,
+                decode_threads=decode_threads,
             )
         )
         for fn in transforms:

@@ -6,8 +6,10 @@ sample index go through ``io.chunk_reader`` so each chunk is decoded once:
 - :class:`ZarrArrayReader`: a ``zarr.Array``. Zarr returns the fill value for a
   chunk absent from the store, so ``missing`` asks the store whether each stored
   object exists, and a chunk that fails to decode is named (``ChunkReadError``).
-  Several slabs are read in one request (``read_slabs``): zarr fetches and decodes
-  all their chunks concurrently.
+  Slabs are decoded on the calling thread (``io.zarr_decode``), so the chunk
+  reader's ``decode_threads`` threads decode that many chunks at once; layouts it
+  does not know (zarr v2, sharding) go through zarr's own read, several slabs in
+  one request (zarr fetches and decodes all their chunks concurrently).
 - :class:`DaskArrayReader`: a ``dask.array`` (e.g. an xarray variable opened with
   dask chunks). Computed chunk by chunk with the synchronous scheduler: it runs
   inside a Dask worker, where a nested distributed compute would deadlock.
@@ -41,6 +43,7 @@ from zarr.core.sync import sync
 from dataflow.core.errors import ChunkMissingError, ChunkReadError
 from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.region import chunk_range
+from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 RESIDENT_BYTES = 64 * 2**20
 SLAB_KEEP = 32
@@ -154,6 +157,7 @@ class ZarrArrayReader(ArrayReader):
         # (shuffle buffer, batch, read ahead), and never more than SLAB_KEEP, idle between
         # epochs.
         self.slabs = BatchBuffers(keep=SLAB_KEEP)
+        self.decoder = chunk_decoder(array)  # None: zarr reads it (v2, sharded)
 
     @functools.cached_property
     def bounds(self) -> np.ndarray:
@@ -196,11 +200,14 @@ class ZarrArrayReader(ArrayReader):
             raise  # unreachable: _raise_read_error always raises
 
     def read_slabs(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
-        """All ``ranges`` in one request: zarr fetches and decodes every chunk they hold
-        concurrently (its event loop and thread pool), instead of one slab after the other.
-        Each slab is decoded into a reused buffer (:attr:`slabs`) when the layout allows."""
+        """Every slab of ``ranges``, each decoded into a reused buffer (:attr:`slabs`) when
+        the layout allows. On the calling thread where :attr:`decoder` knows the layout;
+        else all ``ranges`` in one zarr request, which fetches and decodes every chunk they
+        hold concurrently (its event loop and thread pool)."""
         if self.resident:
             return super().read_slabs(ranges)
+        if self.decoder is not None:
+            return [self._decode(start, stop) for start, stop in ranges]
         array = self.array.async_array
         outs = [self._out(stop - start) for start, stop in ranges]
 
@@ -222,6 +229,23 @@ class ZarrArrayReader(ArrayReader):
                 "alone succeeded, so the store may be changing underneath: retry, or re-copy it"
             ) from exc
         return [native(np.moveaxis(np.asarray(b), self.sample_dim, 0)) for b in blocks]
+
+    def _decode(self, start: int, stop: int) -> np.ndarray:
+        """Samples ``[start, stop)``, decoded on this thread (see ``io.zarr_decode``)."""
+        dtype = self.dtype.newbyteorder("=")  # the copy out of each chunk converts
+        if self.sample_dim == 0:
+            block = self.slabs.take_array(stop - start, self.read_shape[1:], dtype)
+        else:  # storage layout, the sample axis moved first below
+            shape = list(self.read_shape)
+            shape[self.sample_dim] = stop - start
+            block = np.empty(shape, dtype)
+        try:
+            self.decoder.read(self._selection(start, stop), block)
+        except MissingObject as exc:  # the store changed since the epoch's check
+            raise missing_chunk_error(self, [exc.key]) from None
+        except ObjectDecodeError as exc:
+            raise self._decode_error(exc.key, exc.error) from exc.error
+        return native(np.moveaxis(block, self.sample_dim, 0))
 
     def _out(self, rows: int) -> NDBuffer | None:
         """A reused buffer for a slab of ``rows`` samples: memory a previous slab left,
@@ -249,15 +273,17 @@ class ZarrArrayReader(ArrayReader):
             try:
                 self.array[region]
             except Exception as chunk_exc:
-                raise ChunkReadError(
-                    f"ZarrSource: chunk {self._key(coords)!r} of array {self.name!r} could not "
-                    f"be read or decoded ({chunk_exc}); the file is corrupt or truncated: "
-                    "re-write or re-copy the store"
-                ) from chunk_exc
+                raise self._decode_error(self._key(coords), chunk_exc) from chunk_exc
         raise ChunkReadError(
             f"ZarrSource: reading array {self.name!r} failed ({exc}); every chunk read alone "
             "succeeded, so the store may be changing underneath: retry, or re-copy it"
         ) from exc
+
+    def _decode_error(self, key: str, exc: Exception) -> ChunkReadError:
+        return ChunkReadError(
+            f"ZarrSource: chunk {key!r} of array {self.name!r} could not be read or decoded "
+            f"({exc}); the file is corrupt or truncated: re-write or re-copy the store"
+        )
 
 
 class DaskArrayReader(ArrayReader):

@@ -7,17 +7,21 @@ reader knows each chunk's first and last use: it decodes a chunk for the first
 batch that needs it, keeps it while later batches still need it, and drops it
 after its last use. Memory is the chunks live at once, which the shuffle buffer
 bounds (about ``buffer_chunks`` chunks plus the ones the current batch spans),
-plus the chunks decoded ahead (``decode_ahead`` batches' new chunks), whatever
-the dataset size.
+plus the chunks decoded ahead (``decode_ahead`` batches' new chunks: one with one
+decode thread, two with several, so the threads never wait for the assembly to take
+a batch), whatever the dataset size.
 
-Speed: the new chunks of a batch are decoded in one request to the source (zarr
-fetches and decodes them concurrently, on its own threads), on a background
-thread that runs ahead of the assembly, so decoding overlaps the gather and the
-consumer. The gather copies each sample once, straight from its decoded chunk
+Speed: the new chunks of a batch are decoded on a pool of ``decode_threads``
+threads, one chunk per call to the source (``ZarrSource`` decodes on the calling
+thread, ``io.zarr_decode``; zstd and blosc release the GIL, so the decode rate
+grows with the threads), ahead of the assembly, so decoding overlaps the gather
+and the consumer. With one thread, each batch's new chunks go to the source in one
+request. The gather copies each sample once, straight from its decoded chunk
 into the batch, with numpy (one thread: torch's intra-op threads would compete
 with the decode for the cores), into an output buffer reused from
 :class:`BatchBuffers` (fresh memory costs a page fault per 4 KiB on first touch,
-about as much as the copy itself).
+about as much as the copy itself). The batches are the same whatever the thread
+count: each chunk decodes to the same values, and the assembly is in batch order.
 
 Before the first batch, every chunk of the epoch is checked to exist, so a
 missing chunk fails the epoch before any step trains on it.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +42,7 @@ import numpy as np
 import torch
 
 from dataflow.core.batch import Batch
+from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import ChunkedSource
 
 
@@ -179,7 +185,36 @@ def _gather(
 
 # -- decode ahead -----------------------------------------------------------------------
 
-DEFAULT_DECODE_AHEAD = 1  # decode requests in flight ahead of the assembly
+DEFAULT_DECODE_AHEAD = 1  # batches' new chunks decoded ahead of the assembly: one thread
+THREADED_DECODE_AHEAD = 2  # several threads: the next batch's chunks fill a batch's tail
+AUTO_DECODE_THREADS = 4  # decode_threads="auto": at most this many
+
+
+def auto_decode_threads(device: torch.device | str | None = None) -> int:
+    """``decode_threads="auto"``: ``min(4, cores for this reader)``. The cores are the
+    thread budget torch has here (a replica's: ``threads_per_replica``, else its worker's
+    threads; 1 per worker on the default LocalCluster, where the decode shares the core
+    with the compute); on a GPU, where the host cores are otherwise idle, at least this
+    process's cores shared among the GPUs it sees (one replica each)."""
+    cores = torch.get_num_threads()
+    if device is not None and torch.device(device).type == "cuda":
+        try:
+            host = len(os.sched_getaffinity(0))
+        except AttributeError:  # no affinity on this platform
+            host = os.cpu_count() or 1
+        cores = max(cores, host // max(1, torch.cuda.device_count()))
+    return max(1, min(AUTO_DECODE_THREADS, cores))
+
+
+def check_decode_threads(where: str, value: Any) -> None:
+    """``decode_threads`` is ``"auto"`` or an int >= 1 (ConfigError naming ``where``)."""
+    if value == "auto" and isinstance(value, str):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{where}(decode_threads={value!r}): the threads that decode a chunked source's "
+            "chunks; use an int >= 1, or 'auto' (min(4, the cores this reader has))"
+        )
 
 
 class _InlineDecoder:
@@ -196,35 +231,51 @@ class _InlineDecoder:
         pass
 
 
-class _ThreadDecoder:
-    """Decodes jobs (each one batch's new chunks) on ``ahead`` threads, in order: at most
+class _PoolDecoder:
+    """Decodes jobs (each one batch's new chunks) on ``threads`` threads, in order: at most
     ``ahead`` jobs decoded or decoding that the assembly has not taken yet, so memory
-    stays bounded; with ``ahead >= 2`` the next request starts while the last chunks of
-    the previous one still decode, and the cores stay busy."""
+    stays bounded. With several threads a job is split into one call per chunk, so its
+    chunks decode at once; the pool takes calls first in, first out, so the chunks of the
+    job the assembly needs next go first. ``ahead=0``: a job starts when it is asked for."""
 
     def __init__(
-        self, read: Callable[[list[int]], dict[int, Batch]], jobs: list[list[int]], ahead: int
+        self,
+        read: Callable[[list[int]], dict[int, Batch]],
+        jobs: list[list[int]],
+        ahead: int,
+        threads: int,
     ) -> None:
         self._read = read
         self._jobs = iter(jobs)
-        self._pending: collections.deque[Future] = collections.deque()
-        self._executor = ThreadPoolExecutor(max_workers=ahead, thread_name_prefix="dataflow-decode")
+        self._ahead = ahead
+        self._split = threads > 1
+        self._pending: collections.deque[list[Future]] = collections.deque()
+        self._executor = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="dataflow-decode"
+        )
         for _ in range(ahead):
             self._submit()
 
     def _submit(self) -> None:
         job = next(self._jobs, None)
         if job is not None:
-            self._pending.append(self._executor.submit(self._read, job))
+            parts = [[chunk] for chunk in job] if self._split else [job]
+            self._pending.append([self._executor.submit(self._read, part) for part in parts])
 
     def get(self) -> dict[int, Batch]:
-        decoded = self._pending.popleft().result()  # a decode error is raised at its batch
-        self._submit()  # ``ahead`` jobs in flight again
+        if not self._pending:  # ahead=0: nothing started before the assembly asks
+            self._submit()
+        decoded: dict[int, Batch] = {}
+        for future in self._pending.popleft():  # chunk order: the first failing one raises,
+            decoded.update(future.result())  # at its batch
+        if self._ahead:
+            self._submit()  # ``ahead`` jobs in flight again
         return decoded
 
     def close(self) -> None:
-        for future in self._pending:
-            future.cancel()
+        for futures in self._pending:
+            for future in futures:
+                future.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -237,7 +288,11 @@ class EpochChunkReader:
     ``buffers``: where batch outputs come from (a :class:`BatchBuffers`, shared across
     epochs by the caller so buffers are reused from one epoch to the next; its reuse
     rule makes handing batches on safe). ``decode_ahead``: how many batches' new chunks
-    may be decoded before the assembly needs them (0: decode on the iterating thread).
+    may be decoded before the assembly needs them (0: none; with one thread, decoded
+    on the iterating thread; None: 1 with one thread, 2 with several, whose threads
+    would otherwise wait while a batch's last chunk decodes). ``decode_threads``: the
+    threads that decode chunks (``"auto"``: :func:`auto_decode_threads`); the batches
+    do not depend on it.
     """
 
     def __init__(
@@ -246,10 +301,12 @@ class EpochChunkReader:
         batches: Sequence[np.ndarray],
         *,
         buffers: BatchBuffers | None = None,
-        decode_ahead: int = DEFAULT_DECODE_AHEAD,
+        decode_ahead: int | None = None,
+        decode_threads: int | str = "auto",
     ) -> None:
-        if decode_ahead < 0:
+        if decode_ahead is not None and decode_ahead < 0:
             raise ValueError(f"EpochChunkReader(decode_ahead={decode_ahead}): must be >= 0")
+        check_decode_threads("EpochChunkReader", decode_threads)
         self.source = source
         self.batches = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
         self.bounds = np.asarray(source.chunk_bounds, dtype=np.int64)
@@ -257,9 +314,16 @@ class EpochChunkReader:
         self.touched = [np.unique(chunks).tolist() for chunks in self.chunks]
         self.last_use = last_uses(self.chunks)
         self.buffers = BatchBuffers() if buffers is None else buffers
+        self.decode_threads = (
+            auto_decode_threads() if decode_threads == "auto" else int(decode_threads)
+        )
+        if decode_ahead is None:
+            one = self.decode_threads == 1
+            decode_ahead = DEFAULT_DECODE_AHEAD if one else THREADED_DECODE_AHEAD
         self.decode_ahead = decode_ahead
         self.decoded = 0  # chunks decoded so far: the test of "once per epoch"
-        self.requests = 0  # read_chunks calls: one per batch that needs new chunks
+        # read_chunks calls: one per batch that needs new chunks (one thread), else per chunk
+        self.requests = 0
         self.peak_live_samples = 0  # most decoded samples held at once: the memory bound
         self._held = 0
         self._lock = threading.Lock()
@@ -288,10 +352,11 @@ class EpochChunkReader:
             news.append([c for c in touched if c not in seen])
             seen.update(touched)
         jobs = [new for new in news if new]
-        if self.decode_ahead == 0 or len(jobs) <= 1:
-            decoder: Any = _InlineDecoder(self._read, jobs)
+        one_at_a_time = self.decode_threads == 1 or all(len(job) == 1 for job in jobs)
+        if one_at_a_time and (self.decode_ahead == 0 or len(jobs) <= 1):
+            decoder: Any = _InlineDecoder(self._read, jobs)  # nothing to overlap
         else:
-            decoder = _ThreadDecoder(self._read, jobs, self.decode_ahead)
+            decoder = _PoolDecoder(self._read, jobs, self.decode_ahead, self.decode_threads)
         live: dict[int, Batch] = {}
         try:
             for position, indices in enumerate(self.batches):

@@ -19,9 +19,9 @@ from typing import Any
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError
 from dataflow.io.chunk_reader import (
-    DEFAULT_DECODE_AHEAD,
     BatchBuffers,
     EpochChunkReader,
+    check_decode_threads,
     is_chunked,
 )
 from dataflow.io.prefetch import Prefetcher
@@ -41,16 +41,20 @@ def stream_batches(
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     prefetch: int = 2,
     drop_last: bool = False,
-    decode_ahead: int = DEFAULT_DECODE_AHEAD,
+    decode_ahead: int | None = None,
+    decode_threads: int | str = "auto",
 ) -> Iterator[Batch]:
     """Yield the batches of one epoch of ``source``; ``batch.indices`` says which samples.
 
-    ``prefetch``: batches assembled ahead (a background thread). ``decode_ahead``
-    (chunked sources): decode requests in flight ahead of the assembly, each one
-    batch's new chunks, on that many more threads.
+    ``prefetch``: batches assembled ahead (a background thread). Chunked sources:
+    ``decode_ahead``: batches whose new chunks are decoded ahead of the assembly (None:
+    1 with one decode thread, 2 with several); ``decode_threads``: the threads decoding
+    them (``"auto"``: min(4, torch's threads here)); the batches are the same whatever
+    the thread count.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"stream_batches(batch_size={batch_size!r}): must be an int >= 1")
+    check_decode_threads("stream_batches", decode_threads)
     total = source.num_samples
     used = total - total % batch_size if drop_last else total
     [order] = shard_epoch(
@@ -66,7 +70,13 @@ def stream_batches(
     def produce() -> Iterator[Batch]:
         if is_chunked(source):
             buffers = BatchBuffers(keep=prefetch + BUFFER_SLACK)
-            yield from EpochChunkReader(source, batches, buffers=buffers, decode_ahead=decode_ahead)
+            yield from EpochChunkReader(
+                source,
+                batches,
+                buffers=buffers,
+                decode_ahead=decode_ahead,
+                decode_threads=decode_threads,
+            )
         else:
             for indices in batches:
                 batch = source.read(indices)

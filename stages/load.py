@@ -10,7 +10,13 @@ import numpy as np
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Source, missing_members
-from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, is_chunked
+from dataflow.io.chunk_reader import (
+    BatchBuffers,
+    EpochChunkReader,
+    auto_decode_threads,
+    check_decode_threads,
+    is_chunked,
+)
 from dataflow.io.device_copy import DATA_ON_DEVICE, device_copy
 from dataflow.io.device_staging import CudaCopies, DeviceStager
 from dataflow.io.labels import LabelCheck
@@ -37,6 +43,8 @@ class LoadConfig:
     # An in-memory source uploaded to the GPU once ("auto": when it fits in a quarter of
     # the free device memory; see io.device_copy)
     data_on_device: bool | str = "auto"
+    # Threads decoding a chunked source's chunks ("auto": min(4, the replica's cores))
+    decode_threads: int | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.drop_last, bool):
@@ -61,6 +69,7 @@ class LoadConfig:
                 f"Load(prefetch={self.prefetch!r}): prefetch is the number of batches read "
                 "ahead and must be an int >= 1"
             )
+        check_decode_threads("Load", self.decode_threads)
 
 
 class Load(Stage):
@@ -70,8 +79,9 @@ class Load(Stage):
     whole chunks in a shuffled order, mixed by a shuffle buffer of ``buffer_chunks``
     chunks, ``prefetch`` batches ahead on a background thread. A chunked source
     (zarr, dask) is read through :class:`dataflow.io.EpochChunkReader`, which decodes
-    each chunk once per epoch, the new chunks of each batch in one concurrent request
-    on a second thread that runs ahead. The indices of every batch trained on are
+    each chunk once per epoch, the new chunks of each batch ahead of the assembly on
+    ``decode_threads`` threads ("auto": min(4, the replica's cores: its torch threads,
+    or on a GPU the host's cores per GPU)). The indices of every batch trained on are
     reported with each window's results, for the driver's sample ledger.
 
     Batches are assembled into output buffers that are reused (no fresh memory per
@@ -95,6 +105,7 @@ class Load(Stage):
         drop_last: bool = False,
         buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
         data_on_device: bool | str = "auto",
+        decode_threads: int | str = "auto",
         name: str | None = None,
     ) -> None:
         super().__init__(name)
@@ -110,6 +121,7 @@ class Load(Stage):
             drop_last=drop_last,
             buffer_chunks=buffer_chunks,
             data_on_device=data_on_device,
+            decode_threads=decode_threads,
         )
         # Set by the fit's dry run when the targets are class labels (dataflow.label_watch):
         # every batch's labels are checked on the host, before they go to the device.
@@ -121,6 +133,8 @@ class Load(Stage):
             self.source = replica.spatial.region_of(self.source)
         self._prefetcher: Prefetcher | None = None
         self._readers = []
+        threads = self.config.decode_threads  # after the worker set torch's threads
+        self._decode_threads = auto_decode_threads(replica.device) if threads == "auto" else threads
         self._buffers = BatchBuffers(
             keep=self.config.prefetch + BUFFER_SLACK, pin_memory=replica.device.type == "cuda"
         )
@@ -167,7 +181,12 @@ class Load(Stage):
         for _, epoch_steps, parts in epochs:
             mine = [step_parts[rank] for step_parts in parts]
             if is_chunked(self.source):  # checks the epoch's chunks exist, then decodes once
-                reader = EpochChunkReader(self.source, mine, buffers=self._buffers)
+                reader = EpochChunkReader(
+                    self.source,
+                    mine,
+                    buffers=self._buffers,
+                    decode_threads=self._decode_threads,
+                )
                 self._readers.append(reader)
                 batches = iter(reader)
             else:

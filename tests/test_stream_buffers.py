@@ -122,13 +122,14 @@ def test_the_pool_keeps_at_most_keep_buffers_and_allocates_beyond():
     assert all(t.shape == (3, 2) for t in again)
 
 
-def test_each_batch_decodes_its_new_chunks_in_one_request_each_chunk_once(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_batch_decodes_its_new_chunks_in_one_request_each_chunk_once(tmp_path, threads):
     path, x, _ = _store(tmp_path, n=200, per_chunk=4)  # 50 chunks
     source = CountingZarrSource(path, "x", "y")
     source.requests = []
     order = np.random.default_rng(0).permutation(200)  # any order: chunks scattered
     batches = [order[i : i + 24] for i in range(0, 200, 24)]
-    reader = EpochChunkReader(source, batches, decode_ahead=2)
+    reader = EpochChunkReader(source, batches, decode_ahead=2, decode_threads=threads)
     for got, want in zip(reader, batches, strict=True):
         assert np.array_equal(got.x.numpy(), x[want])
         del got
@@ -139,9 +140,13 @@ def test_each_batch_decodes_its_new_chunks_in_one_request_each_chunk_once(tmp_pa
     # alternate between two buffers each; only the short last batch needs a new one.
     assert reader.buffers.reused == 2 * (len(batches) - 3)
     assert reader.buffers.allocated == 2 * 3
-    assert len(source.requests) == reader.requests <= len(batches)  # one per batch at most
-    scattered = [r for r in source.requests if len(r) > 1 and np.diff(r).max() > 1]
-    assert scattered  # non-consecutive chunks went together into one request
+    assert len(source.requests) == reader.requests
+    if threads == 1:  # one request per batch at most
+        assert reader.requests <= len(batches)
+        scattered = [r for r in source.requests if len(r) > 1 and np.diff(r).max() > 1]
+        assert scattered  # non-consecutive chunks went together into one request
+    else:  # one chunk per request, the threads decode a batch's chunks at once
+        assert sorted(source.requests) == [[c] for c in range(50)]
 
 
 def test_stopping_early_stops_the_decode_thread(tmp_path):
