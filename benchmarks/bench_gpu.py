@@ -280,7 +280,8 @@ def plain_loop(
 FIT_VARIANTS: dict[str, dict[str, Any]] = {
     # name: (source, Pipeline step options); "auto" is bf16 + channels_last on an H100
     "dataflow_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
-    "dataflow_memory": {"source": "memory"},
+    "dataflow_memory": {"source": "memory"},  # uploaded to the GPU once (data_on_device)
+    "dataflow_memory_host": {"source": "memory", "data_on_device": False},
     "dataflow_zarr": {"source": "zarr"},
     "dataflow_memory_compiled": {"source": "memory", "compile": True},
 }
@@ -365,6 +366,7 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     same_settings = {  # each fit against the hand loop with its settings
         "dataflow_memory_fp32": "torch_loop_resident",
         "dataflow_memory": "torch_loop_resident_bf16_cl",
+        "dataflow_memory_host": "torch_loop_resident_bf16_cl",
         "dataflow_zarr": "torch_loop_resident_bf16_cl",
         "dataflow_memory_compiled": "torch_loop_resident_bf16_cl_compiled",
     }
