@@ -16,9 +16,10 @@ Contenders, one at a time (never two at once), each over one epoch in the order 
   chunk in store order: decoding alone, the ceiling.
 * (b) ``dataflow``: ``dataflow.io.stream_batches(ZarrSource(path, "x", "y"), batch,
   seed=0, prefetch=2)``: chunk-order shuffle, a shuffle buffer of 4 chunks, each chunk
-  decoded once (each batch's new chunks in one concurrent zarr request, on a decode
-  thread ``--decode-ahead`` requests ahead), batches assembled on one background
-  thread into reused output buffers.
+  decoded once (each batch's new chunks on ``decode_threads="auto"`` threads, 2 on a
+  2-core machine, ``--decode-ahead`` batches ahead: the library's default, 2 with
+  several threads), batches assembled on one background thread into reused output
+  buffers.
 * (c) ``DataLoader``: ``torch.utils.data.DataLoader`` over a map-style Dataset whose
   ``__getitem__`` returns ``arr[i]`` (one sample: zarr decodes its whole chunk),
   ``shuffle=True``, the same batch, ``num_workers=1`` (one reader, like (b)).
@@ -33,6 +34,13 @@ Contenders, one at a time (never two at once), each over one epoch in the order 
   replica, from ``history.phases[*]["stage_seconds"]``. With ``--fit-memory`` (default
   on) the same fit on the same data in memory (``ArraySource``) gives the speed without
   reading: the difference is what decoding on the loader thread costs the compute.
+* (f) decode threads (``streaming_threads.py``): on (a)'s store, every chunk decoded by
+  N threads (``ZarrSource.read_chunks``, one chunk a call, as ``EpochChunkReader``'s
+  decode pool does; the same by N processes, the machine's ceiling; the same through
+  zarr's own read), and a (b) epoch with
+  ``decode_threads=N``, for each N of ``--decode-threads`` (default 1,2), plus a (b)
+  epoch of the reader before decode threads; printed as rates and ratios to N=1, the
+  decode ratio at N=2 against >= 1.7 (PASS/MISS).
 
 Figures: samples/s and MB/s (decoded; stored = compressed bytes read) after the first
 batch (the start-up of each contender: thread or worker process, first chunks, is
@@ -48,6 +56,7 @@ meanwhile (``common.measure_side``). Results are appended to
 
     python benchmarks/bench_streaming.py           # 0.5 GiB, ~2.5 minutes on 2 cores
     python benchmarks/bench_streaming.py --gb 2    # the issue's 2 GB figure, ~3.5 minutes
+    python benchmarks/bench_streaming.py --contenders f   # decode threads only, ~7 minutes
 """
 
 from __future__ import annotations
@@ -79,6 +88,8 @@ from common import (
     ship_to_workers,
     table,
 )
+from streaming_threads import run_part as decode_threads_part
+from streaming_threads import zarr_read_only
 
 NAME = "streaming"
 DIMS = ("sample", "channel", "d0", "d1", "d2")  # the xarray copy's dimension names
@@ -247,15 +258,25 @@ def zarr_in_order(path: Path) -> Pass:
 
 
 def dataflow_stream(
-    path: Path, batch: int, seed: int, prefetch: int, buffer_chunks: int, decode_ahead: int
+    path: Path,
+    batch: int,
+    seed: int,
+    prefetch: int,
+    buffer_chunks: int,
+    decode_ahead: int | None,
+    decode_threads: int | str = "auto",
+    zarr_read: bool = False,
 ) -> Pass:
-    """(b) One epoch of ``dataflow.io.stream_batches`` over a ZarrSource."""
+    """(b) One epoch of ``dataflow.io.stream_batches`` over a ZarrSource (``zarr_read``:
+    every chunk read through zarr itself, as before decode threads)."""
     from dataflow.io import ZarrSource, stream_batches
 
     seen: list[np.ndarray] = []
 
     def batches() -> Iterable[Any]:
         source = ZarrSource(str(path), "x", "y")
+        if zarr_read:
+            zarr_read_only(source)
         return stream_batches(
             source,
             batch,
@@ -263,6 +284,7 @@ def dataflow_stream(
             prefetch=prefetch,
             buffer_chunks=buffer_chunks,
             decode_ahead=decode_ahead,
+            decode_threads=decode_threads,
         )
 
     def size(b: Any) -> int:
@@ -432,7 +454,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-ahead",
         type=int,
         default=None,
-        help="stream_batches decode_ahead: decode requests in flight (default: the library's)",
+        help="stream_batches decode_ahead: batches decoded ahead (default: the library's)",
+    )
+    p.add_argument(
+        "--decode-threads",
+        default="1,2",
+        help="(f): the decode thread counts to compare with 1, comma separated (default 1,2)",
     )
     p.add_argument(
         "--loader-workers", type=int, default=1, help="DataLoader num_workers of (c) (default 1)"
@@ -446,9 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--contenders",
-        default="abcde",
-        help="which of a (zarr), b (dataflow), c (DataLoader), d (xbatcher), e (training) "
-        "to run (default abcde)",
+        default="abcdef",
+        help="which of a (zarr), b (dataflow), c (DataLoader), d (xbatcher), e (training), "
+        "f (decode threads) to run (default abcdef)",
     )
     p.add_argument("--fit-samples", type=int, default=512, help="volumes in (e)'s store (512)")
     p.add_argument("--fit-batch", type=int, default=16, help="(e) global batch (default 16)")
@@ -468,10 +495,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON file (default benchmarks/results/streaming.json)")
     p.add_argument("--overwrite", action="store_true", help="replace the file instead of appending")
     args = p.parse_args(argv)
-    if args.decode_ahead is None:
-        from dataflow.io.chunk_reader import DEFAULT_DECODE_AHEAD
-
-        args.decode_ahead = DEFAULT_DECODE_AHEAD
     sample_bytes = 4 * args.channels * args.side**3
     if args.samples is None:
         args.samples = max(1, round((0.5 if args.gb is None else args.gb) * 2**30 / sample_bytes))
@@ -647,6 +670,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"(d) against its own store's ceiling: {d_ceiling:.2f} x (a) on the copy")
             ratios["d/a_copy"] = d_ceiling
 
+        threads: dict[str, Any] = {}
+        if "f" in args.contenders:
+            threads = decode_threads_part(
+                store,
+                args,
+                quiet_args,
+                sample_bytes,
+                lambda n, zarr_read: dataflow_stream(
+                    store,
+                    args.batch,
+                    args.seed,
+                    args.prefetch,
+                    args.buffer_chunks,
+                    args.decode_ahead,
+                    decode_threads=n,
+                    zarr_read=zarr_read,
+                ),
+            )
+            quiet.update(threads.pop("quiet"))
+
         fit: dict[str, Any] = {}
         if "e" in args.contenders:
             from dataflow.io import ArraySource, ZarrSource
@@ -713,6 +756,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "contenders": results,
                 "failures": failures,
                 "ratios": ratios,
+                "decode_threads": threads,
                 "fit": fit,
                 "quiet": quiet,
                 "disturbed": any(q["disturbed"] for a in quiet.values() for q in a),
