@@ -47,33 +47,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import save_run, ship_to_workers, table
+from common import SignalNet, save_run, ship_to_workers, table
 
 NAME = "adaptive_cost"
 SIDES = ("fixed", "fixed-phased", "adaptive")
-
-
-class SignalNet(torch.nn.Module):
-    """Three 1D conv stages, global average pooling, a linear head (6 classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv1d(1, 16, 7, padding=3),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool1d(2),
-            torch.nn.Conv1d(16, 32, 5, padding=2),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool1d(2),
-            torch.nn.Conv1d(32, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool1d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(32, 6),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 def sgd(params: Any) -> torch.optim.Optimizer:

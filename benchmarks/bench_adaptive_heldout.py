@@ -53,7 +53,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
+from common import (
+    CosmoNet,
+    DigitsNet,
+    Optimizer,
+    SignalNet,
+    TargetMSE,
+    save_run,
+    ship_to_workers,
+    table,
+)
 
 from dataflow.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
 
@@ -86,29 +95,6 @@ TUNE_LRS = {"sgd": (0.003, 0.01, 0.03, 0.1), "adam": (0.0003, 0.001, 0.003)}
 # -- models and metrics (module level: pickled to the workers by value) ---------------------
 
 
-class SignalNet(torch.nn.Module):
-    """Three 1D conv stages, global average pooling, a linear head (6 classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv1d(1, 16, 7, padding=3),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool1d(2),
-            torch.nn.Conv1d(16, 32, 5, padding=2),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool1d(2),
-            torch.nn.Conv1d(32, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool1d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(32, 6),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
 class GratingNet(torch.nn.Module):
     """Two 2D conv stages on 16x16, a two-layer head (3 targets)."""
 
@@ -129,29 +115,6 @@ class GratingNet(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-
-@dataclass(frozen=True)
-class TargetMSE:
-    """The held-out MSE of one regression target (column ``j``), an eval metric."""
-
-    j: int
-
-    def __call__(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((output[:, self.j] - y[:, self.j]) ** 2).mean()
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    """Picklable ``params -> SGD(lr, momentum 0.9)`` or ``Adam(lr)``."""
-
-    kind: str
-    lr: float
-
-    def __call__(self, params: Any) -> torch.optim.Optimizer:
-        if self.kind == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
-        return torch.optim.Adam(params, lr=self.lr)
 
 
 # -- datasets ---------------------------------------------------------------------------

@@ -43,9 +43,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn.functional as F
-from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
+from common import (
+    CosmoNet,
+    DigitsNet,
+    Optimizer,
+    TargetMSE,
+    save_run,
+    ship_to_workers,
+    table,
+)
 
 from dataflow.datasets import cosmology_arrays, digits_arrays
 
@@ -77,29 +84,6 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "unit": "R^2 %",
     },
 }
-
-
-@dataclass(frozen=True)
-class TargetMSE:
-    """The held-out MSE of one regression target (column ``j``), an eval metric."""
-
-    j: int
-
-    def __call__(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((output[:, self.j].float() - y[:, self.j]) ** 2).mean()
-
-
-@dataclass(frozen=True)
-class Optimizer:
-    """Picklable ``params -> SGD(lr, momentum 0.9)`` or ``Adam(lr)``."""
-
-    kind: str
-    lr: float
-
-    def __call__(self, params: Any) -> torch.optim.Optimizer:
-        if self.kind == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
-        return torch.optim.Adam(params, lr=self.lr)
 
 
 @dataclass

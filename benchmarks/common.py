@@ -117,6 +117,53 @@ def ship_to_workers() -> None:
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+class SignalNet(torch.nn.Module):
+    """Three 1D conv stages, global average pooling, a linear head (6 classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv1d(1, 16, 7, padding=3),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool1d(2),
+            torch.nn.Conv1d(16, 32, 5, padding=2),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool1d(2),
+            torch.nn.Conv1d(32, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool1d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32, 6),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass(frozen=True)
+class TargetMSE:
+    """The held-out MSE of one regression target (column ``j``), an eval metric (in
+    fp32 whatever the output's precision)."""
+
+    j: int
+
+    def __call__(self, output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((output[:, self.j].float() - y[:, self.j]) ** 2).mean()
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Picklable ``params -> SGD(lr, momentum 0.9)`` or ``Adam(lr)``."""
+
+    kind: str
+    lr: float
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        if self.kind == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(params, lr=self.lr)
+
+
 class DigitsNet(torch.nn.Module):
     """The digits benchmarks' 2D CNN (8x8 images, 10 classes)."""
 
