@@ -123,3 +123,46 @@ def digits_accuracy(client, data: dict, **options) -> float:
         **{"schedule": dfl.schedule.Fixed(64), **options},
     )
     return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Report a failure even when formatting its traceback fails.
+
+    CPython 3.11 before 3.11.8 keeps the AST converter's recursion depth in state that
+    all threads share (python/cpython#106905): when pytest parses a failing test's
+    source while a Dask, Numba or torch thread also converts an AST, ``ast.parse``
+    raises ``SystemError: AST constructor recursion depth mismatch`` and pytest stops
+    the whole session with an INTERNALERROR, hiding which test failed. Format it again
+    (the race is momentary), then fall back to the exception's own text."""
+    try:
+        return (yield)
+    except (SystemError, Warning) as error:
+        # (pluggy rewraps it as PluggyTeardownRaisedWarning, an error under -W error)
+        if "recursion depth mismatch" not in str(error):
+            raise
+    from _pytest.reports import TestReport
+
+    try:
+        return TestReport.from_item_and_call(item, call)
+    except SystemError:
+        pass  # raced again
+    excinfo = call.excinfo
+    text = f"{excinfo.typename}: {excinfo.value}" if excinfo else "failed"
+    if excinfo is not None and excinfo.traceback:
+        entry = excinfo.traceback[-1]
+        text = f"{entry.path}:{entry.lineno + 1}: {text}"
+    return TestReport(
+        item.nodeid,
+        item.location,
+        {name: 1 for name in item.keywords},
+        "failed",
+        f"{text}\n(traceback not shown: CPython's AST converter raised SystemError while "
+        "pytest formatted it; python/cpython#106905)",
+        call.when,
+        item._report_sections,
+        call.duration,
+        call.start,
+        call.stop,
+        item.user_properties,
+    )

@@ -158,19 +158,15 @@ def test_a_replica_lost_under_async_leaves_no_held_out_sample_unscored_or_twice(
 
 
 # Every combination, but Async with an evaluation: the test above is those two cells.
-# Found by this matrix and not fixed yet: under Local with an in-memory source, the fit
-# after the kill hangs until the test's timeout (seen 2 runs of 2 on a loaded 2-core
-# machine; the zarr cells recover). Skipped, not xfailed: a hang costs 300 s a cell.
-LOCAL_MEMORY_HANGS = pytest.mark.skip(
-    reason="known defect: a worker killed under sync=Local with an ArraySource hangs the fit"
-)
+# (The Local cells once hung: the driver read a failed window's exception with no
+# timeout, and a window whose worker had died read as "lost", waiting forever for a
+# recomputation its dead worker never runs.)
 CELLS = [
     pytest.param(
         sync,
         evaluate,
         data,
         id=f"{sync}-{'eval' if evaluate else 'noeval'}-{data}",
-        marks=[LOCAL_MEMORY_HANGS] if (sync, data) == ("local", "memory") else [],
     )
     for sync in SYNCS
     for evaluate in (True, False)

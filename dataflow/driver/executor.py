@@ -123,6 +123,18 @@ class Executor:
                 self.raise_if_lost(grace=True)
                 raise
 
+    def _exception(self, future: Any) -> BaseException | None:
+        """A failed future's exception, without hanging: a task whose worker died after
+        it finished reads as failed, then as "lost" (the scheduler waits to recompute it
+        on its dead worker), and ``future.exception()`` would wait for that forever."""
+        while True:
+            try:
+                return future.exception(timeout=LIVENESS_POLL_S)
+            except TimeoutError:
+                self.raise_if_lost(grace=True)
+            except CancelledError:
+                return None
+
     def events(self):
         """The fit's events, as they happen: queued ones first, then window results."""
         while True:
@@ -158,7 +170,7 @@ class Executor:
             return
         future = failed[0]
         generation, rank, window = self.windows.pop(future)
-        first = None if future.status == "cancelled" else future.exception()
+        first = None if future.status == "cancelled" else self._exception(future)
         # A peer's death is the usual cause; an out-of-memory error is its own.
         self.raise_if_lost(grace=not is_out_of_memory(first))
         if first is None:
@@ -211,11 +223,13 @@ class Executor:
         failed = sorted(
             ((window, r), f) for f, (_, r, window) in futures.items() if f.status == "error"
         )
-        real = [item for item in failed if not isinstance(item[1].exception(), CollectiveError)]
+        errors = {f: _exception_now(f) for _, f in failed}
+        failed = [item for item in failed if errors[item[1]] is not None]
+        real = [item for item in failed if not isinstance(errors[item[1]], CollectiveError)]
         if not failed:
             return rank, as_replica_error(error, rank, self._worker(rank))
         (_, r), future = (real or failed)[0]
-        return r, as_replica_error(future.exception(), r, self._worker(r))
+        return r, as_replica_error(errors[future], r, self._worker(r))
 
     def _worker(self, rank: int) -> str:
         slot = rank * self.size
@@ -484,8 +498,12 @@ class Executor:
         return workers
 
     def close(self, *, failed: bool) -> None:
-        """Release the fit's futures and its replicas on the workers."""
+        """Release the fit's futures and its replicas on the workers still alive (a
+        broadcast to a dead worker's address waits the whole connect timeout, 30 s)."""
         members = list(self.members)
+        with contextlib.suppress(Exception):
+            live = live_workers(self.client)
+            members = [a for a in members if a in live]
         if failed:
             with contextlib.suppress(Exception):
                 self.client.run(remote.abort_run, self.run_id, workers=members)
@@ -493,3 +511,12 @@ class Executor:
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
         self.removals.close()
+
+
+def _exception_now(future: Any) -> BaseException | None:
+    """The exception of a future that read as failed; None if it no longer does (its
+    worker died since, and the scheduler waits to recompute it)."""
+    try:
+        return future.exception(timeout=LIVENESS_POLL_S)
+    except (TimeoutError, CancelledError):
+        return None
