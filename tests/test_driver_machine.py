@@ -419,3 +419,19 @@ def test_async_with_two_servers_releases_only_replicas_that_host_no_shard():
     d, _ = _async_driver(servers=2)
     out = d.send(ev.WorkersLost(("tcp://b",)))  # replica 1 hosts shard 1
     assert not of(cmd.ReleaseReplicas, out) and of(cmd.RollBack, out)
+
+
+def test_only_rendezvous_errors_form_the_group_again():
+    """A group that failed to form is formed again only for errors of forming it (the
+    engine's CollectiveError, torch.distributed's store and network errors); a model
+    factory's own RuntimeError fails the fit at once instead of being retried."""
+    import torch.distributed as dist
+
+    from dataflow.core.errors import CollectiveError
+    from dataflow.driver.loop import _is_rendezvous_error
+
+    assert _is_rendezvous_error(CollectiveError("replica 1 could not join"))
+    assert _is_rendezvous_error(dist.DistNetworkError("connection refused"))
+    assert _is_rendezvous_error(dist.DistStoreError("timed out"))
+    assert not _is_rendezvous_error(RuntimeError("no weights file on this node"))
+    assert not _is_rendezvous_error(ValueError("bad"))

@@ -105,12 +105,13 @@ class Executor:
     # -- waiting --------------------------------------------------------------------------
     def gather(self, futures: list[Any]) -> list[Any]:
         """``client.gather`` that cannot hang on a dead worker."""
-        pending = list(futures)
+        pending, graced = list(futures), False
         while pending:
             done, pending = wait_some(pending, self.removals.removed)
             failed = any(f.status == "error" for f in done)
-            if failed or pending:
-                self.raise_if_lost(grace=failed)
+            if failed or pending:  # a failure's grace once: the others' errors follow
+                self.raise_if_lost(grace=failed and not graced)
+                graced = graced or failed
         return [self._result(f) for f in futures]
 
     def _result(self, future: Any) -> Any:

@@ -130,7 +130,9 @@ class FitLoop:
     def _FormGroup(self, c: cmd.FormGroup) -> None:
         try:
             infos = self.executor.form_group(c)
-        except (CollectiveError, RuntimeError) as error:  # torch's DistError included
+        except Exception as error:
+            if not _is_rendezvous_error(error):
+                raise  # the user's own (a model factory's, a source's): no retry mends it
             # No member was lost (the executor checked): a peer restarted or stalled in
             # the rendezvous. The machine forms the group again, a few times.
             self.executor.queue.append(ev.GroupFailed(c.generation, error))
@@ -432,3 +434,12 @@ def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
         f"batch {phase.global_batch}, {replicas} replica(s), {len(steps)} steps{resumed} in "
         f"{windows}"
     )
+
+
+def _is_rendezvous_error(error: BaseException) -> bool:
+    """An error of forming the process group (worth forming it again): the engine's
+    :class:`CollectiveError`, or torch.distributed's store and network errors
+    (``DistError`` and its subclasses, named here so the driver need not import torch)."""
+    if isinstance(error, CollectiveError):
+        return True
+    return any(kind.__name__ == "DistError" for kind in type(error).__mro__)
