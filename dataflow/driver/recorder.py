@@ -116,11 +116,12 @@ class Recorder:
         samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
         self._add_totals(filled, samples.sum(axis=1))
         if self.lockstep_wait and not salvaged:
-            seconds = np.array([w.step_seconds for w in filled], dtype=float)
+            store_waits = None
             if all(len(w.store_wait_s) == len(w.step_seconds) for w in filled):
-                # asynchronous: a step's work is its time less its wait on the store
-                seconds -= np.array([w.store_wait_s for w in filled], dtype=float)
-            self._wait[: len(filled)] += (seconds.max(axis=0) - seconds).sum(axis=1)
+                store_waits = [w.store_wait_s for w in filled]
+            self._wait[: len(filled)] += lockstep_wait(
+                [w.step_seconds for w in filled], store_waits
+            )
         for rank, w in enumerate(filled):
             for tau in w.staleness:
                 counts = self._staleness.setdefault(rank, [])
@@ -455,3 +456,14 @@ def _per_replica(ends: list[dict[str, Any]], key: str) -> list[Any] | None:
     """Each replica's ``key`` from its end-of-phase statistics; None when none has it."""
     values = [end.get(key) for end in ends]
     return values if any(v is not None for v in values) else None
+
+
+def lockstep_wait(step_seconds: Any, store_wait_s: Any = None) -> np.ndarray:
+    """Per replica, the seconds it would have waited had every step been lockstep
+    (synchronous): at each step, the slowest replica's work less its own, summed.
+    ``step_seconds`` is replicas x steps; under asynchronous updates a step's work is
+    its time less ``store_wait_s`` (its wait on the parameter store)."""
+    seconds = np.array(step_seconds, dtype=float)
+    if store_wait_s is not None:
+        seconds -= np.array(store_wait_s, dtype=float)
+    return (seconds.max(axis=0) - seconds).sum(axis=1)
