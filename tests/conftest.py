@@ -125,6 +125,20 @@ def digits_accuracy(client, data: dict, **options) -> float:
     return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
 
 
+# Fixtures that start processes (a LocalCluster's workers, a LocalGroup's ranks): every
+# test using one is slow.
+PROCESS_FIXTURES = frozenset({"client", "empty_cluster", "cluster_client", "pool2", "pool4"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` every test that starts processes through a cluster fixture, so the
+    ``not slow`` tier never starts one (a module's own ``pytestmark`` stays as it is)."""
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     """Report a failure even when formatting its traceback fails.

@@ -44,6 +44,7 @@ def run_example(
     return result
 
 
+@pytest.mark.slow  # one interpreter per example
 def test_every_example_has_help():
     """``--help`` of each example in a fresh interpreter (all at once: each launch
     imports torch and dask, a few seconds)."""

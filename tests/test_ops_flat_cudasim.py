@@ -125,6 +125,7 @@ def _run_simulated(function: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a child interpreter with the simulator on
 @pytest.mark.parametrize(
     ("function", "expected"),
     [

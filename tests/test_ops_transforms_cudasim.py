@@ -113,6 +113,7 @@ def simulate() -> None:
     sys.exit(1 if failed else 0)
 
 
+@pytest.mark.slow  # a child interpreter with the simulator on
 def test_cuda_kernels_match_the_references_under_the_simulator():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     done = subprocess.run(

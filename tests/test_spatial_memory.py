@@ -21,6 +21,8 @@ from dataflow.spatial.local_group import LocalGroup
 from dataflow.spatial.module import SpatialModule
 from dataflow.spatial.profile import layer_shapes, saved_activation_bytes
 
+pytestmark = pytest.mark.slow  # process groups of 2 and 4 ranks (LocalGroup)
+
 SAMPLE = (4, 32, 32, 32)  # CosmoFlow's 4 redshifts, a 32^3 crop
 BATCH = 1
 TOLERANCE = 0.15
