@@ -237,7 +237,7 @@ class SlowStep(stages.Stage):
         return batch
 
 
-def _chaos_monkey(client, started, stop, kills, seed=7, mean_interval_s=10.0, for_s=90.0):
+def _chaos_monkey(client, started, stop, kills, seed=7, mean_interval_s=8.0, for_s=30.0):
     """Once training has started, SIGKILL a random worker process at Poisson times (the
     nannies restart them under new addresses) for ``for_s`` seconds, or until ``stop``.
     (Bounded: every recovery lengthens the fit, which would otherwise draw more kills.)"""
@@ -272,10 +272,10 @@ class Started(stages.Stage):
         return batch
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(300)
 def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tmp_path):
     x, y = make_data(N_SAMPLES)
-    epochs = 24
+    epochs = 12
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     batch = g.add(Started(str(tmp_path / "started")), batch)
@@ -283,9 +283,11 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(stages.Backward(), out)
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), grads))
-    schedule = dfl.schedule.Stepwise({0: 12, 8: 24, 16: 48}, lr_scaling="none")
+    schedule = dfl.schedule.Stepwise({0: 12, 4: 24, 8: 48}, lr_scaling="none")
+    # (a worker killed while a group forms leaves its peers waiting for it up to the
+    # collective timeout: kept short, so such a recovery costs seconds, not a minute)
     trainer = dfl.Trainer(
-        g, schedule=schedule, seed=0, progress=False, window_seconds=0.5, collective_timeout_s=20.0
+        g, schedule=schedule, seed=0, progress=False, window_seconds=0.5, collective_timeout_s=10.0
     )
     kills: list = []
     started, stop = threading.Event(), threading.Event()
