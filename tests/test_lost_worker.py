@@ -135,7 +135,11 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
     assert len(pids_before - pids_after) == 1, "one worker process was really killed"
 
     [failure] = result.history.info["failures"]
-    assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2
+    # On a loaded machine the nanny's restart can be back before the survivors regroup
+    # (usually 0.1 s after the kill); it then joins the new group at once.
+    joined_at_once = bool(failure["joined"])
+    assert failure["replicas_before"] == 3
+    assert failure["replicas_after"] == (3 if joined_at_once else 2), failure
     assert failure["phase"] == 0 and failure["commit_step"] <= 27
     # at most the window in progress is lost, and it is replayed
     assert failure["window_steps_lost"] >= 27 - failure["commit_step"]
@@ -147,10 +151,11 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
 
     _assert_exact_ledger(result, epochs)
     phases = result.history.phases
-    assert phases[0]["replicas"] == 2  # phase 0 finished on the survivors
-    # the nanny restarted the killed worker; it joined at the next phase boundary
+    # phase 0 finished on the survivors; the nanny restarted the killed worker, and it
+    # joined at the next phase boundary (or at the recovery, when back before it)
+    assert phases[0]["replicas"] == (3 if joined_at_once else 2)
     assert [p["replicas"] for p in phases[1:]] == [3, 3]
-    assert [r["phase"] for r in result.history.info["regroups"]] == [1]
+    assert [r["phase"] for r in result.history.info["regroups"]] == [0 if joined_at_once else 1]
 
     # same quality as the failure-free run (same seed and data, other replica counts
     # for part of the run: the gradients are the same mean, so it stays close)

@@ -290,7 +290,11 @@ class Executor:
             self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
             self.last = [None] * world
             host, port = self._rendezvous(world)
-            infos = self.gather([self._setup(r, host, port) for r in range(world)])
+            try:
+                infos = self.gather([self._setup(r, host, port) for r in range(world)])
+            except Lost:
+                self._abort_forming(c.generation)
+                raise
             return infos[:: self.size]  # one per replica: its leader's
         joining = set(c.joining)
         snapshot = None
@@ -323,12 +327,23 @@ class Executor:
             infos = self.gather(setups)
             self.gather(regroups)
         except Lost:
+            self._abort_forming(c.generation)
             alive = [a for a in c.joining if a not in self.lost()]
             with contextlib.suppress(Exception):
                 self.client.run(remote.close_run_soon, self.run_id, workers=alive, wait=False)
             raise
         self.last = [*regroups, *setups]
         return infos[:: self.size]
+
+    def _abort_forming(self, generation: int) -> None:
+        """A member was lost while group ``generation`` formed: the others stop waiting
+        for it to arrive (not waiting for them: a worker that died unnoticed would stall
+        it), so their workers are free for the next group at once."""
+        alive = [a for a in self.members if a not in self.lost()]
+        with contextlib.suppress(Exception):
+            self.client.run(
+                remote.abort_group_soon, self.run_id, generation, workers=alive, wait=False
+            )
 
     def scatter_spec(self, workers: list[str] | None) -> None:
         """Send the replica spec once (to ``workers``, else to every member)."""

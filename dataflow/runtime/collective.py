@@ -42,6 +42,45 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> di
     )
 
 
+ARRIVAL_POLL_S = 0.05  # how often a rank forming a group checks who has arrived
+
+
+def await_arrivals(
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    aborted: Any,
+    prefix: str,
+) -> None:
+    """Announce ``rank`` at the group's store and wait until every rank has, checking
+    ``aborted()`` between looks.
+
+    Gloo's constructor waits for a missing peer the whole collective timeout and
+    cannot be interrupted: a peer killed while the group forms would keep the others'
+    workers busy that long, and every later task there (the next attempt to form a
+    group) queued behind. Arriving first, where the wait can be given up, leaves
+    gloo only the peers that are there."""
+    arrived = dist.PrefixStore(f"{prefix}/arrived", store)
+    arrived.set(str(rank), "1")
+    names = [str(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not arrived.check(names):
+        if aborted():
+            raise CollectiveError(
+                f"replica {rank}: forming process group {prefix!r} was aborted (a peer "
+                "was lost meanwhile; the driver forms another)"
+            )
+        if time.monotonic() >= deadline:
+            missing = [n for n in names if not arrived.check([n])]
+            raise CollectiveError(
+                f"replica {rank}: ranks {', '.join(missing)} of process group {prefix!r} "
+                f"did not arrive within {timeout_s:g} s"
+            )
+        time.sleep(ARRIVAL_POLL_S)
+
+
 SPIN_S = 0.001  # waiting on a collective: spin this long (the usual wait is short) ...
 NAP_S = 0.0002  # ... then check for completion or an abort at this interval
 

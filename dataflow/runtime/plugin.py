@@ -23,6 +23,9 @@ class DataflowWorkerPlugin(WorkerPlugin):
         self.worker = worker
         self.replicas: dict[str, Any] = {}  # run id -> ReplicaRuntime
         self.stores: dict[str, Any] = {}  # run id -> rank 0's TCPStore until the group forms
+        # Process groups (by group key) the driver gave up forming: a rank waiting for
+        # its peers to arrive stops waiting
+        self.aborted_groups: set[str] = set()
         self.profiler_paused_by: set[str] = set()  # runs that asked for the profiler off
         # Aborted process groups of finished fits: destroying one whose operation still
         # waits on a dead peer would freeze this worker until the timeout.
@@ -71,6 +74,9 @@ class DataflowWorkerPlugin(WorkerPlugin):
             if not self.profiler_paused_by:
                 self._set_profiler(running=True)
         self.stores.pop(run_id, None)
+        self.aborted_groups = {
+            k for k in self.aborted_groups if k != run_id and not k.startswith(f"{run_id}/")
+        }
         runtime = self.replicas.pop(run_id, None)
         if runtime is not None:
             runtime.close()

@@ -20,7 +20,12 @@ import torch
 from dataflow.core.errors import ReplicaError
 from dataflow.core.precision import StepOptions
 from dataflow.core.window import WindowResult
-from dataflow.runtime.collective import Collective, connect_store, open_store
+from dataflow.runtime.collective import (
+    Collective,
+    await_arrivals,
+    connect_store,
+    open_store,
+)
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec, resolve_device
@@ -60,10 +65,19 @@ def _join_group(
     if world_size == 1:
         return None
     key = group_key(spec.run_id, generation)
+    plugin = current_plugin()
     if rank == 0:
-        store = current_plugin().stores.pop(key)
+        store = plugin.stores.pop(key)
     else:
         store = connect_store(host, port, world_size, spec.collective_timeout_s)
+    await_arrivals(
+        store,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=spec.collective_timeout_s,
+        aborted=lambda: key in plugin.aborted_groups,
+        prefix=key,
+    )
     collective = Collective(
         store,
         rank=rank,
@@ -311,6 +325,14 @@ def abort_run(run_id: str, dask_worker: Any = None) -> None:
     plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
     if plugin is not None:
         plugin.abort_run(run_id)
+
+
+async def abort_group_soon(run_id: str, generation: int, dask_worker: Any = None) -> None:
+    """Via ``client.run(..., wait=False)``: give up forming the fit's process group of
+    ``generation`` here (a member was lost while it formed; the driver forms another)."""
+    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
+    if plugin is not None:
+        plugin.aborted_groups.add(group_key(run_id, generation))
 
 
 async def abort_run_soon(run_id: str, dask_worker: Any = None) -> None:
