@@ -435,3 +435,26 @@ def test_only_rendezvous_errors_form_the_group_again():
     assert _is_rendezvous_error(dist.DistStoreError("timed out"))
     assert not _is_rendezvous_error(RuntimeError("no weights file on this node"))
     assert not _is_rendezvous_error(ValueError("bad"))
+
+
+def test_every_event_and_command_type_has_a_handler():
+    """Dispatch is exhaustive: the ``Event`` and ``Command`` unions hold every event and
+    command class their modules define, the machine has a handler for each event, and
+    the loop's table (built at import) one for each command."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from dataflow.driver.loop import COMMAND_HANDLERS
+
+    def defined(module) -> set:
+        return {
+            c
+            for _, c in inspect.getmembers(module, inspect.isclass)
+            if c.__module__ == module.__name__ and dataclasses.is_dataclass(c)
+        }
+
+    assert set(typing.get_args(ev.Event)) == defined(ev)
+    assert set(typing.get_args(cmd.Command)) == defined(cmd)
+    assert set(Driver().machine._handlers) == set(typing.get_args(ev.Event))
+    assert set(COMMAND_HANDLERS) == set(typing.get_args(cmd.Command))

@@ -214,6 +214,7 @@ Command = (
     | CommitWindow
     | WriteCheckpoint
     | StopWindows
+    | ReleaseReplicas
     | RollBack
     | EndPhase
     | RecordPhase

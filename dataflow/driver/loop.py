@@ -9,6 +9,7 @@ queues what they answer as the machine's next events.
 from __future__ import annotations
 
 import time
+import typing
 import warnings
 from typing import Any
 
@@ -118,7 +119,7 @@ class FitLoop:
         anew from the WorkersLost event)."""
         for i, command in enumerate(commands):
             try:
-                getattr(self, "_" + type(command).__name__)(command)
+                COMMAND_HANDLERS[type(command)](self, command)
             except Lost as lost:
                 # The machine already chose to stop: a loss on the way does not change it.
                 for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
@@ -443,3 +444,10 @@ def _is_rendezvous_error(error: BaseException) -> bool:
     if isinstance(error, CollectiveError):
         return True
     return any(kind.__name__ == "DistError" for kind in type(error).__mro__)
+
+
+# Every command's handler, looked up once at import: a Command type without a
+# ``FitLoop._<Name>`` method fails the import, not a fit.
+COMMAND_HANDLERS = {
+    kind: getattr(FitLoop, f"_{kind.__name__}") for kind in typing.get_args(cmd.Command)
+}
