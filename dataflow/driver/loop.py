@@ -21,8 +21,9 @@ from dataflow.core.step import PhaseContext
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
-from dataflow.driver.executor import Executor, Lost
+from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
+from dataflow.driver.membership import Lost
 from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
 from dataflow.history import History

@@ -64,3 +64,11 @@ def wait_some(futures: list[Any], woken: threading.Event | None = None) -> tuple
         done = [f for f in futures if f.done()]
         if done or woken is None or woken.is_set() or time.monotonic() >= deadline:
             return done, [f for f in futures if not f.done()]
+
+
+class Lost(Exception):
+    """Internal: workers of the fit are gone while a command waited on them."""
+
+    def __init__(self, workers: list[str]) -> None:
+        super().__init__(f"lost workers {workers}")
+        self.workers = workers
