@@ -91,3 +91,52 @@ def test_a_replica_lost_after_a_leased_window_gets_what_the_others_did_not_train
     filled = [result(0, [16, 8, 8], [(0, 2)]), result(1, [8, 8, 8]), result(2, [8, 8, 8])]
     _salvage_leased(filled, [2], specs)
     assert filled[2].samples == [0, 8, 8]  # its part of step 0 was replica 0's
+
+
+def test_a_lost_replica_that_took_over_a_survivors_part_passes_the_sample_check():
+    """Found in a loaded CI run: replica 2 took over replica 0's part of a step, then was
+    killed before the driver collected that window. The survivors' results name no
+    takeover, yet replica 0 trained less than planned; the driver must not read that as
+    lost data (it knows from the sync policy that parts move), and the lost replica's
+    samples are what the others did not train."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import dataflow as dfl
+    from dataflow import stages
+    from dataflow.core.digest import sample_digest
+    from dataflow.core.step import StepSpec
+    from dataflow.core.window import WindowResult
+    from dataflow.driver.recorder import Recorder
+
+    x, y = np.zeros((72, 2), np.float32), np.zeros(72, np.int64)
+    load = stages.Load(dfl.io.ArraySource(x, y))
+    specs = tuple(
+        StepSpec(index=i, epoch=0, step_in_epoch=i, start=24 * i, global_batch=24,
+                 local_batches=(8, 8, 8), last_in_epoch=i == 2)
+        for i in range(3)
+    )  # fmt: skip
+    parts = [p for _, p in load.streams(specs, 0)]  # per step, per replica: indices
+
+    def survivor(rank, steps):
+        trained = np.concatenate([parts[i][rank] for i in steps])
+        return WindowResult(rank=rank, first_step=0,
+                            samples=[8 if i in steps else 0 for i in range(3)],
+                            losses=[1.0 if i in steps else None for i in range(3)],
+                            step_seconds=[0.01] * 3, stage_seconds={}, task_seconds=0.0,
+                            sample_digest=sample_digest(trained))  # fmt: skip
+
+    def recorder(leases):
+        return Recorder(graph=None, order=(), load=load, seed=0, skips_non_finite=False,
+                        progress=False, leases=leases)  # fmt: skip
+
+    plan = SimpleNamespace(steps=specs, phase=SimpleNamespace(index=0))
+    window = SimpleNamespace(first=0, stop=3)
+    results = (survivor(0, [1, 2]), survivor(1, [0, 1, 2]), None)  # 2 trained 0's step 0
+    leased = recorder(leases=True)
+    leased.commit_window(plan, window, results, specs)
+    assert [s.samples for s in leased.history.steps] == [24, 24, 24]
+    assert leased.ledger.summary()[0]["consumed"] == 72
+    with pytest.raises(dfl.errors.DataError, match="replica 0 read other samples"):
+        recorder(leases=False).commit_window(plan, window, results, specs)  # no leases

@@ -44,12 +44,16 @@ class Recorder:
         progress: bool,
         cost_model: Any = None,
         lockstep_wait: bool = False,
+        leases: bool = False,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
         # a CostModel with the fit's window and bucket sizes: each phase's prediction
         self.cost_model = cost_model
         self.lockstep_wait = lockstep_wait  # record the wait lockstep steps would have had
+        # Sample leases: parts move between replicas within a window, so a lost
+        # replica's result may hold parts the survivors' results do not mention.
+        self.leases = leases
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -109,7 +113,7 @@ class Recorder:
         filled = list(results)
         for rank in salvaged:
             filled[rank] = self._salvaged(specs, rank)
-        if salvaged and any(w is not None and w.taken_over for w in results):
+        if salvaged and self.leases:
             _salvage_leased(filled, salvaged, specs)
         for w in filled:
             w.checkpoint = None  # the history keeps the window's numbers, not its weights
@@ -128,7 +132,8 @@ class Recorder:
                 counts.extend([0] * (tau + 1 - len(counts)))
                 counts[tau] += 1
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
-        self.sample_check.record(self.ledger, segment, specs, filled, salvaged)
+        moved = self.leases and bool(salvaged)  # the lost may have taken parts over
+        self.sample_check.record(self.ledger, segment, specs, filled, salvaged, moved)
         self.phase_windows.append((time.perf_counter(), len(specs)))
 
     def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:

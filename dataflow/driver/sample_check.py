@@ -25,10 +25,18 @@ class SampleCheck:
         self._layout_of: tuple = ()
 
     def record(
-        self, ledger: Any, segment: tuple, specs: tuple, window: list, salvaged: list
+        self,
+        ledger: Any,
+        segment: tuple,
+        specs: tuple,
+        window: list,
+        salvaged: list,
+        parts_moved: bool = False,
     ) -> None:
         """The window is committed: its samples go to ``ledger`` (which refuses a repeat),
-        and each replica's digest is checked against the plan's, every replica at once."""
+        and each replica's digest is checked against the plan's, every replica at once.
+        ``parts_moved``: parts may have moved between replicas (sample leases) even
+        where no known result says so (a lost replica's result is unknown)."""
         if self._layout_of is not segment:
             self._layouts = {}
             for epoch, epoch_steps, streams in self.load.epoch_streams(segment, self.seed):
@@ -47,7 +55,7 @@ class SampleCheck:
         known = np.array([d is not None for d in reported])
         known[salvaged] = False
         got = np.array([d or 0 for d in reported], dtype=np.uint64)
-        if any(w.taken_over for w in window):
+        if parts_moved or any(w.taken_over for w in window):
             # Sample leases: replicas took over each other's parts, so only the window's
             # whole is the plan's (digests add up); each part was claimed exactly once.
             # A lost replica's digest is unknown: then the sum cannot be checked.
