@@ -26,6 +26,8 @@ class Pipeline:
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
     (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
+    ``allreduce_dtype``: "fp32" (exact), or "bf16" to halve the bytes each gradient
+    allreduce moves (synchronous updates; parameters and optimizer stay fp32).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
     gathered there ("auto": when it fits in a quarter of the free device memory).
     ``decode_threads``: threads per replica decoding a chunked source's chunks (zarr,
@@ -48,6 +50,7 @@ class Pipeline:
         eval_source: Any = None,
         metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
         bucket_mb: float | None = None,
+        allreduce_dtype: str = "fp32",
         prefetch: int = 2,
         drop_last: bool = False,
         buffer_chunks: int = 4,
@@ -77,7 +80,7 @@ class Pipeline:
             node = graph.add(Transform(fn), node)
         node = graph.add(Forward(model, loss), node)
         node = graph.add(Backward(), node)
-        node = graph.add(AllReduce(bucket_mb=bucket_mb), node)
+        node = graph.add(AllReduce(bucket_mb=bucket_mb, dtype=allreduce_dtype), node)
         node = graph.add(Update(optimizer, on_non_finite=on_non_finite), node)
         if eval_source is not None:
             # the held-out loss always (eval_loss), next to the metrics asked for

@@ -71,6 +71,18 @@ class Trainer:
         self.drop_last = loads[0].config.drop_last
         forwards = [s for s in graph if isinstance(s, Forward)]
         self.model_factory = forwards[0].config.model if forwards else None
+        narrow = [
+            s.name
+            for s in graph
+            if s.kind == kinds.ALLREDUCE and getattr(s.config, "dtype", "fp32") != "fp32"
+        ]
+        if narrow and self.config.settles_at_window_end:
+            raise ConfigError(
+                f"allreduce dtype 'bf16' (stage {narrow[0]!r}) with sync="
+                f"{type(self.config.sync).__name__}: only synchronous gradient allreduces "
+                "travel narrowed (local and asynchronous updates move weights, which bf16 "
+                "would round); use allreduce_dtype='fp32' or the default synchronous sync"
+            )
         self.measures_noise = bool(getattr(schedule, "measures_noise", False))
         # on_non_finite: with "skip" a NaN step loss is a dropped step, not a failure; with
         # "rollback" the driver goes back to the last commit with half the LR.

@@ -17,6 +17,7 @@ from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.reducer import BucketReducer
 
+WIRE_DTYPES = ("fp32", "bf16")
 GRAD_SQ = "grad_sq"  # step.metrics key: |G|^2 of the reduced gradient (a float or 0-d tensor)
 
 
@@ -24,8 +25,16 @@ GRAD_SQ = "grad_sq"  # step.metrics key: |G|^2 of the reduced gradient (a float 
 class AllReduceConfig:
     # None: the fit's cost model plans it (TrainerConfig.cost_model), else 25 MiB
     bucket_mb: float | None = None
+    # what the gradient buckets travel as: "fp32", or "bf16" (half the bytes)
+    dtype: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in WIRE_DTYPES:
+            raise ConfigError(
+                f"AllReduce(dtype={self.dtype!r}) (Pipeline(allreduce_dtype=...)): use "
+                "'fp32' (exact) or 'bf16' (half the bytes on the wire, each replica's "
+                "weighted gradient rounded to bf16 before the sum)"
+            )
         if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ConfigError(
                 f"AllReduce(bucket_mb={self.bucket_mb}): the bucket size in MiB must be > 0 "
@@ -38,6 +47,8 @@ class AllReduce(Stage):
     (default: the size the fit's cost model plans, else 25 MiB, DDP's).
 
     At setup, rank 0's weights are broadcast so every replica starts identical.
+    ``dtype="bf16"`` sends each bucket as bf16 (half the bytes; synchronous updates
+    only: under local or asynchronous updates weights, not gradients, would be rounded).
     With one replica it does nothing. Each step it leaves the reduced gradient's squared
     norm in ``step.metrics["grad_sq"]`` (on the device, not synced) for Update's
     non-finite check; with one replica only when it measures the noise scale.
@@ -47,9 +58,11 @@ class AllReduce(Stage):
 
     DEFAULT_BUCKET_MB = 25.0
 
-    def __init__(self, *, bucket_mb: float | None = None, name: str | None = None) -> None:
+    def __init__(
+        self, *, bucket_mb: float | None = None, dtype: str = "fp32", name: str | None = None
+    ) -> None:
         super().__init__(name)
-        self.config = AllReduceConfig(bucket_mb=bucket_mb)
+        self.config = AllReduceConfig(bucket_mb=bucket_mb, dtype=dtype)
         self.planned_bucket_mb: float | None = None  # set by the fit from its cost model
 
     @property
@@ -85,6 +98,7 @@ class AllReduce(Stage):
             replica.collective,
             cap_bytes=int(self.bucket_mb * 2**20),
             sample_group=self._sample_group if self._replicas > 1 else None,
+            wire_dtype=torch.bfloat16 if self.config.dtype == "bf16" else None,
         )
 
     def regroup(self, replica: ReplicaContext) -> None:

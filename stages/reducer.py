@@ -13,6 +13,11 @@ buckets gives the reduced gradient's squared norm (``grad_sq``, left on the devi
 host sync), which Update's non-finite check and the noise-scale estimate share. On a
 step that measures the noise, each bucket's squared norm is taken as it is packed,
 before its allreduce overwrites it; their sum (``local_sq``) stays on the device too.
+
+``wire_dtype=torch.bfloat16`` halves the bytes each allreduce moves (as DDP's bf16
+compression hook): the weighted fp32 bucket is rounded to bf16 once, summed in bf16,
+and widened back into the fp32 bucket; the local norms are taken before the rounding,
+and the parameters, their gradients after the step and the optimizer stay fp32.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class BucketReducer:
         *,
         cap_bytes: int,
         sample_group: Any = None,
+        wire_dtype: torch.dtype | None = None,
     ):
         self.collective = collective
         self.sample_group = sample_group
@@ -61,6 +67,11 @@ class BucketReducer:
                 self._bucket_of[i] = b
                 offset += n
             self._flat.append(flat)
+        # what each bucket's allreduce moves: the fp32 bucket itself, or a narrower copy
+        self._wire = [
+            flat if wire_dtype in (None, flat.dtype) else torch.empty_like(flat, dtype=wire_dtype)
+            for flat in self._flat
+        ]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._armed = False
@@ -126,9 +137,10 @@ class BucketReducer:
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self._packed[self._next_launch]:
-            self._works[self._next_launch] = self.collective.allreduce_async(
-                self._flat[self._next_launch]
-            )
+            b = self._next_launch
+            if self._wire[b] is not self._flat[b]:
+                self._wire[b].copy_(self._flat[b])  # rounded once, after the local norm
+            self._works[b] = self.collective.allreduce_async(self._wire[b])
             self._next_launch += 1
 
     def finish(self) -> None:
@@ -149,6 +161,9 @@ class BucketReducer:
                 f"allreduce failed on replica {self.collective.rank}: {exc}; another replica "
                 "(or the driver) most likely failed first"
             ) from exc
+        for flat, wire in zip(self._flat, self._wire, strict=True):
+            if wire is not flat:
+                flat.copy_(wire)
         self.grad_sq = grad_squared_norm(self._flat)
         if self.measure and self.sample_group is not None:
             group_works, self._group_works = self._group_works, []

@@ -244,3 +244,56 @@ def test_a_resumed_fp16_fit_keeps_its_loss_scale_and_is_bit_identical(client, tm
     assert [p.get("loss_scale") for p in resumed.history.phases] == scales
     for name, tensor in whole.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_bf16_allreduce_trains_as_fp32_to_bf16s_tolerance(client):
+    """``allreduce_dtype="bf16"``: two replicas whose gradient buckets travel as bf16
+    land within bf16's rounding of the exact fp32 loop, measurably apart from it (the
+    wire really was bf16), with fp32 parameters."""
+    x, y = make_data(96)
+    result = tiny_pipeline(x, y, replicas=2, allreduce_dtype="bf16").fit(2, client=client)
+    batches = tiny_pipeline(x, y).sample_plan(epochs=2, replicas=2)
+    exact = reference_training(x, y, batches=batches, seed=0)
+    assert 1e-7 < max_abs_diff(result.model, exact) <= 2e-2
+    assert result.model.state_dict()["conv.weight"].dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_a_bf16_allreduce_meets_fp16_loss_scaling_and_the_noise_scale(client):
+    """Features meet: fp16 autocast with the engine's loss scale, an Adaptive schedule
+    measuring the gradient noise scale and held-out evaluation, all over a bf16 wire.
+    The overflowed steps are the fp32 wire's (an inf stays inf in bf16), and the noise
+    scale measured is the fp32 wire's to bf16's rounding (the local norms are taken
+    from the unscaled fp32 buckets, before the rounding)."""
+    x, _ = make_data(192)
+    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # a learnable signal
+    options = dict(
+        model=Loud,
+        precision="fp16",
+        replicas=2,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.002),
+        schedule=dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0),
+        eval_source=dfl.io.ArraySource(*make_data(32, seed=1)),
+    )
+    narrow = tiny_pipeline(x, y, allreduce_dtype="bf16", **options).fit(3, client=client)
+    wide = tiny_pipeline(x, y, **options).fit(3, client=client)
+    overflows = [p.overflow_steps for p in narrow.history.phases]
+    assert overflows == [p.overflow_steps for p in wide.history.phases] and sum(overflows) > 0
+    pairs = [
+        (a.measured_noise_scale, b.measured_noise_scale)
+        for a, b in zip(narrow.history.phases, wide.history.phases, strict=True)
+    ]
+    measured = [(a, b) for a, b in pairs if a is not None and b is not None]
+    assert measured, pairs
+    for a, b in measured:
+        assert a == pytest.approx(b, rel=0.1)
+    assert all(np.isfinite(e["eval_loss"]) for e in narrow.history.epochs)
+
+
+def test_a_bf16_allreduce_is_refused_where_weights_travel():
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match="allreduce dtype 'bf16'.*sync=Local"):
+        tiny_pipeline(x, y, allreduce_dtype="bf16", sync=dfl.sync.Local(period_steps=2))
+    with pytest.raises(ConfigError, match=r"AllReduce\(dtype='fp8'\)"):
+        tiny_pipeline(x, y, allreduce_dtype="fp8")

@@ -129,3 +129,39 @@ def test_a_windows_pairs_are_read_to_the_host_at_once_without_skipped_steps():
     assert got == [(3, 4, 10.0, 8, 1.0), (4, 4, 1.5, 8, 0.5)]
     assert all(isinstance(v, int | float) for pair in got for v in pair)
     assert host_pairs([]) == []
+
+
+def test_a_bf16_wire_sends_half_the_bytes_and_leaves_fp32_gradients():
+    """``AllReduce(dtype="bf16")``: each bucket travels as bf16, once rounded from the
+    weighted fp32 bucket; the gradients written back are fp32 and equal that rounding
+    (one rank: the sum is the bucket itself), and a measured step's local norm is taken
+    before the rounding (exact fp32)."""
+    torch.manual_seed(0)
+    model = TinyCNN()
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected = grads_of(model)
+    model.zero_grad(set_to_none=True)
+
+    sent = []
+
+    class Wire(LaunchRecorder):
+        def allreduce_async(self, tensor):
+            sent.append((tensor.dtype, tensor.numel() * tensor.element_size()))
+            return super().allreduce_async(tensor)
+
+    reducer = BucketReducer(
+        list(model.parameters()), Wire(model), cap_bytes=600, wire_dtype=torch.bfloat16
+    )
+    reducer.begin_step(weight=0.25, measure=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    assert {dtype for dtype, _ in sent} == {torch.bfloat16}
+    assert sum(n for _, n in sent) * 2 == sum(g.numel() * 4 for g in expected)
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        assert param.grad.dtype == torch.float32
+        rounded = (0.25 * grad).to(torch.bfloat16).float()
+        assert torch.equal(param.grad, rounded)
+        assert (param.grad - 0.25 * grad).abs().max() <= 2**-8 * (0.25 * grad).abs().max()
+    exact_sq = sum(float((0.25 * g).pow(2).sum()) for g in expected)
+    assert float(reducer.local_sq) == pytest.approx(exact_sq, rel=1e-6)
