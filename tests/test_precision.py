@@ -293,7 +293,7 @@ def test_a_bf16_allreduce_meets_fp16_loss_scaling_and_the_noise_scale(client):
 
 def test_a_bf16_allreduce_is_refused_where_weights_travel():
     x, y = make_data(32)
-    with pytest.raises(ConfigError, match="allreduce dtype 'bf16'.*sync=Local"):
+    with pytest.raises(ConfigError, match=r"allreduce dtype 'bf16'.*sync=Local"):
         tiny_pipeline(x, y, allreduce_dtype="bf16", sync=dfl.sync.Local(period_steps=2))
     with pytest.raises(ConfigError, match=r"AllReduce\(dtype='fp8'\)"):
         tiny_pipeline(x, y, allreduce_dtype="fp8")
