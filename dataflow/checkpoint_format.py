@@ -35,7 +35,8 @@ class Checkpoint:
     """The state of a fit at the start of global step ``step`` (nothing of it run yet).
 
     ``schedule_state``: ``{"previous": phase_to_dict(previous PhaseSpec) or None, ...}``
-    plus the state dicts of any schedule helper (e.g. ``"noise": tracker.state_dict()``).
+    plus the state dicts of any schedule helper (e.g. ``"noise": tracker.state_dict()``)
+    and ``"memory_cap"``, the micro-batch cap out-of-memory errors taught the fit.
     ``ledger``: :func:`ledger_state`. ``rng``: the driver's :func:`capture_rng`;
     ``replica_rng``: one :func:`capture_rng` per replica, taken on its worker.
 

@@ -86,6 +86,14 @@ def test_the_learned_cap_stays_for_the_fits_later_phases():
     assert d.state.memory_cap == 2
 
 
+def test_a_resumed_fit_starts_with_the_cap_its_checkpoint_kept():
+    d = Driver()
+    d.send(ev.Started(tuple(W[:2]), restore=True, memory_cap=2))
+    assert d.send(ev.GroupFormed(0)) == [cmd.ChoosePhase()]
+    [plan_cmd] = d.send(ev.PhaseChosen(PHASE0))
+    assert plan_cmd == cmd.PlanSegment("phase", 2, phase=PHASE0, memory_cap=2)
+
+
 def test_past_the_halving_budget_the_fit_fails_naming_the_cap():
     d = Driver(max_memory_halvings=1)
     _, submit = d.start()
@@ -250,22 +258,28 @@ class RunsOutAbove(TinyCNN):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_fit_that_runs_out_of_memory_recovers_with_exact_accumulated_steps(client):
+def test_a_fit_that_runs_out_of_memory_recovers_with_exact_accumulated_steps(client, tmp_path):
+    """Then resumed from its checkpoint, it keeps the cap it learned: the next phase
+    runs as micro-batches at once, without running out of memory again."""
     x, y = make_data(96)
     # Phase 0: 8 samples (4 per replica) fit; phase 1: 32 (16 each) run out twice (16,
-    # then 8) and go on with micro-batches of 4 from the commit; phase 2 starts there.
+    # then 8) and go on with micro-batches of 4 from the commit; phase 2 (resumed)
+    # starts there.
     schedule = dfl.schedule.Stepwise({0: 8, 1: 32, 2: 64}, lr_scaling="none")
     pipe = tiny_pipeline(x, y, model=RunsOutAbove, schedule=schedule, replicas=2)
-    result = pipe.fit(epochs=3, client=client)
-    failures = result.history.info["failures"]
+    first = pipe.fit(epochs=2, client=client, checkpoint_dir=tmp_path)
+    failures = first.history.info["failures"]
     assert [f["reason"] for f in failures] == ["out-of-memory"] * 2
     assert [(f["phase"], f["micro_batch"], f["micro_batch_cap"]) for f in failures] == [
         (1, 16, 8),
         (1, 8, 4),
     ]
-    assert result.history.info["micro_batch_cap"] == 4
+    assert first.history.info["micro_batch_cap"] == 4
     phase1_start = 96 // 8
     assert all(f["commit_step"] == phase1_start for f in failures)  # rolled back there
+    result = pipe.fit(epochs=3, client=client, checkpoint_dir=tmp_path, resume=True)
+    assert not result.history.info.get("failures"), "the resumed fit kept the cap"
+    assert result.history.info["micro_batch_cap"] == 4
     for phase in result.history.phases:
         held = [
             -(-b // m) for b, m in zip(phase["local_batches"], phase["micro_batches"], strict=True)

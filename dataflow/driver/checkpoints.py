@@ -28,19 +28,22 @@ class ResumePoint:
     step: int = 0
     measurement: PhaseMeasurement | None = None
     progress: PhaseProgress | None = None
+    memory_cap: int | None = None  # the micro-batch cap the fit had learned
 
     @classmethod
     def of(cls, checkpoint: Checkpoint) -> ResumePoint:
+        state = checkpoint.schedule_state
+        cap = state.get("memory_cap")  # (absent from checkpoints before it was kept)
         if checkpoint.mid_phase:
             progress = PhaseProgress.from_dict(checkpoint.in_phase)
-            return cls(progress.phase.start_epoch, None, checkpoint.step, None, progress)
-        state = checkpoint.schedule_state
+            return cls(progress.phase.start_epoch, None, checkpoint.step, None, progress, cap)
         measured = state.get("measurement")
         return cls(
             checkpoint.epoch,
             phase_from_dict(state.get("previous")),
             checkpoint.step,
             None if measured is None else PhaseMeasurement(**measured),
+            memory_cap=cap,
         )
 
 
@@ -55,13 +58,21 @@ class CheckpointWriter:
         return self.store.load_latest(self.fingerprint)
 
     def save_boundary(
-        self, states: list[dict], phase: Any, next_step: int, measurement: Any, recorder: Any
+        self,
+        states: list[dict],
+        phase: Any,
+        next_step: int,
+        measurement: Any,
+        recorder: Any,
+        memory_cap: int | None = None,
     ) -> Path:
         """At a phase boundary: rank 0's synchronized weights and optimizer state, every
-        replica's random state, and the driver's schedule, ledger and history."""
+        replica's random state, and the driver's schedule, ledger and history, with the
+        micro-batch cap out-of-memory errors taught the fit."""
         schedule_state = {
             "previous": phase_to_dict(phase),
             "measurement": dataclasses.asdict(measurement),
+            "memory_cap": memory_cap,
         }
         return self._write(states, phase, phase.end_epoch, next_step, schedule_state, recorder)
 
@@ -80,7 +91,8 @@ class CheckpointWriter:
             totals=list(recorder.totals),
             seconds=time.perf_counter() - recorder.phase_started,
         )
-        return self._write(states, machine.phase, epoch, step, {}, recorder, progress)
+        schedule_state = {"memory_cap": machine.memory_cap}
+        return self._write(states, machine.phase, epoch, step, schedule_state, recorder, progress)
 
     def _write(
         self,

@@ -16,10 +16,12 @@ from typing import Any
 @dataclass(frozen=True)
 class Started:
     """The fit begins on ``workers`` (one replica each, in rank order); ``restore``: the
-    replicas load a checkpoint once their group is formed (``fit(resume=True)``)."""
+    replicas load a checkpoint once their group is formed (``fit(resume=True)``);
+    ``memory_cap``: the micro-batch cap the resumed fit had learned (None: none)."""
 
     workers: tuple[str, ...]
     restore: bool = False
+    memory_cap: int | None = None
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,10 @@ class FitLoop:
         if self.checkpoint is None:
             self.previous, self.measurement, self.epoch, self.next_index = None, None, 0, 0
         self.executor.known.update(self.executor.available())
-        self.apply(self.machine.handle(ev.Started(tuple(workers), self.checkpoint is not None)))
+        started = ev.Started(
+            tuple(workers), self.checkpoint is not None, memory_cap=self.start.memory_cap
+        )
+        self.apply(self.machine.handle(started))
         for event in self.executor.events():
             self.apply(self.machine.handle(event))
             if self.final_state is not None:
@@ -354,7 +357,9 @@ class FitLoop:
         writer, state = self.writer, self.machine.state
         if c.kind == "phase":
             states = self.executor.replica_states(f"p{c.phase.index}")
-            writer.save_boundary(states, c.phase, c.step, self.measurement, self.recorder)
+            writer.save_boundary(
+                states, c.phase, c.step, self.measurement, self.recorder, state.memory_cap
+            )
             return
         if c.kind == "survivors":
             try:

@@ -124,6 +124,7 @@ class FitMachine(LostWorkers):
         s = self.state
         s.layout, s.generation, s.status = self._groups(event.workers), 0, "forming"
         s.forming, s.after_group, s.restoring = "start", "choose", event.restore
+        s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
         return [
             cmd.FormGroup(
                 0, self.members, fresh=True, restore=event.restore, groups=s.layout.groups
