@@ -224,7 +224,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from distributed import Client, LocalCluster
 
-    from dataflow.datasets import signals_arrays
+    from dataflow.tools.datasets import signals_arrays
 
     args = parse_args(argv)
     if args.measure_every and not has_measure_every():

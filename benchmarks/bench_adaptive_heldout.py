@@ -1,7 +1,7 @@
 """Adaptive against a fixed small batch on four kinds of data, with SGD and with Adam.
 
 Issue 15, item 7: "Adaptive keeps small-batch accuracy on data it was not tuned on".
-Four datasets of different kinds, all made on the spot (``dataflow.datasets``), each
+Four datasets of different kinds, all made on the spot (``dataflow.tools.datasets``), each
 with a fixed held-out split:
 
 * **digits** (2D images, classification): sklearn's bundled handwritten digits, 8x8,
@@ -64,7 +64,7 @@ from common import (
     table,
 )
 
-from dataflow.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
+from dataflow.tools.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
 
 NAME = "adaptive_heldout"
 B0, BMAX = 16, 512

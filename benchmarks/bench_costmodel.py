@@ -1,7 +1,7 @@
 """Does the calibrated cost model predict the step time of real fits on this machine?
 
 For each model (the demo's 2D FieldNet on random fields; a CosmoFlow-style 3D CNN on
-``dataflow.datasets`` log-normal volumes), on one 2-worker LocalCluster (1 thread each):
+``dataflow.tools.datasets`` log-normal volumes), on one 2-worker LocalCluster (1 thread each):
 
 1. calibrate once (``dataflow.costmodel.calibrate``, the pipe at its middle batch);
 2. run real fits with ``cost_model=`` at three global batches B: 1 replica at B, and
@@ -56,12 +56,12 @@ def adam(params: Any) -> torch.optim.Optimizer:
 def workload(name: str, samples: int) -> dict[str, Any]:
     """The model, loss, optimizer and data of one benchmark model."""
     if name == "fieldnet":
-        from dataflow.demo import FieldNet, random_fields
+        from dataflow.tools.demo import FieldNet, random_fields
 
         x, y = random_fields(samples)
         return {"model": FieldNet, "loss": F.cross_entropy, "optimizer": sgd, "x": x, "y": y}
     if name == "cosmoflow":
-        from dataflow.datasets import cosmology_arrays
+        from dataflow.tools.datasets import cosmology_arrays
 
         data = cosmology_arrays(samples, 1, side=16)
         x, y = data["x_train"], data["y_train"]

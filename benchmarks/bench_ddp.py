@@ -2,7 +2,7 @@
 
 Both sides: the same CNN and initial weights, the same in-memory data, the same global
 batches in the same order, each of the 2 ranks taking half of every global batch
-(``dataflow.balance.Even``), SGD with momentum, one torch thread per rank, gloo, and
+(``dataflow.schedule.balance.Even``), SGD with momentum, one torch thread per rank, gloo, and
 nothing else running (the sides run one after the other).
 
 * DDP: ``torch.multiprocessing.spawn`` of 2 processes, ``init_process_group("gloo")``,
@@ -119,7 +119,7 @@ def ddp_rank(
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from dataflow.balance import Even
+    from dataflow.schedule.balance import Even
 
     if relax:
         relax_malloc()

@@ -10,11 +10,11 @@ order; data and split fixed), on one embedded 2-worker LocalCluster (1 thread pe
 worker, 2 replicas) reused by every fit:
 
 * **digits** (2D images, classification): sklearn's bundled handwritten digits, 8x8,
-  10 classes, 80/20 split (``dataflow.datasets.digits_arrays``); the 2D CNN of
+  10 classes, 80/20 split (``dataflow.tools.datasets.digits_arrays``); the 2D CNN of
   examples/digits.py; SGD (momentum 0.9); score: held-out accuracy (%).
 * **cosmo** (3D volumes, regression): log-normal 16^3 density fields, targets the
   power spectrum's amplitude ``A`` and index ``n``, standardised
-  (``dataflow.datasets.cosmology_arrays``); the 3D CNN of examples/cosmoflow.py; Adam;
+  (``dataflow.tools.datasets.cosmology_arrays``); the 3D CNN of examples/cosmoflow.py; Adam;
   score: held-out R^2 (%), ``100 (1 - MSE / MSE_mean)`` averaged over ``A`` and ``n``
   (``MSE_mean``: predict-the-training-mean on the same held-out set); the held-out
   MSE of each target is recorded too.
@@ -55,7 +55,7 @@ from common import (
     table,
 )
 
-from dataflow.datasets import cosmology_arrays, digits_arrays
+from dataflow.tools.datasets import cosmology_arrays, digits_arrays
 
 NAME = "precision"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-allreduce")

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
 
-from dataflow.datasets import (
+from dataflow.tools.datasets import (
     AMPLITUDE_RANGE,
     INDEX_RANGE,
     K_PIVOT,
@@ -74,7 +74,7 @@ DEFAULT_LR = {"digits": 0.01, "cosmo": 0.003}
 # -- the datasets --------------------------------------------------------------------------
 
 
-# The generators are the library's (the examples use them too): dataflow.datasets.
+# The generators are the library's (the examples use them too): dataflow.tools.datasets.
 
 
 def write_zarr(arrays: dict[str, Any], root: Path) -> tuple[Any, Any]:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CpuMeter, save_run, table, wait_quiet
 
 from dataflow.costmodel.collective import Link, Topology
-from dataflow.costmodel.layout import LayoutCandidate
+from dataflow.costmodel.layout_cost import LayoutCandidate
 from dataflow.spatial.geometry import split_extent
 from dataflow.spatial.local_group import LocalGroup
 from dataflow.spatial.module import SpatialModule

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, CosmoNet
 
 import dataflow as dfl
-from dataflow.layout_choice import layout_model
+from dataflow.planning.layout_choice import layout_model
 
 
 def pipeline(x, y, batch: int, layout=None, **options) -> dfl.Pipeline:

@@ -166,7 +166,7 @@ def main() -> None:
 
     from distributed import Client, LocalCluster
 
-    from dataflow.datasets import digits_arrays
+    from dataflow.tools.datasets import digits_arrays
 
     data = digits_arrays(seed=0)
     chosen = [side.strip() for side in args.sides.split(",")]

@@ -278,10 +278,10 @@ def timed_steps(
 
 def planned_batches(work: Workload, replicas: int) -> list[list[torch.Tensor]]:
     """Per step, each replica's sample indices, exactly as a dataflow fit reads them."""
-    from dataflow.balance import Even
     from dataflow.io import replica_streams
-    from dataflow.plan import phase_steps
+    from dataflow.planning.plan import phase_steps
     from dataflow.schedule import PhaseSpec
+    from dataflow.schedule.balance import Even
 
     phase = PhaseSpec(index=0, start_epoch=0, end_epoch=work.epochs, global_batch=work.batch)
     steps = phase_steps(

@@ -31,33 +31,33 @@ from dataflow.core.errors import (
 # the schedules, the driver's state machine) import without torch.distributed or Dask.
 _LAZY = {
     "Graph": "dataflow.graph",
-    "Layout": "dataflow.layout",
+    "Layout": "dataflow.planning.layout",
     "Node": "dataflow.graph",
     "FitResult": "dataflow.history",
     "History": "dataflow.history",
     "Pipeline": "dataflow.pipeline",
-    "Plan": "dataflow.plan",
+    "Plan": "dataflow.planning.plan",
     "Trainer": "dataflow.trainer",
     "TrainerConfig": "dataflow.trainer",
 }
-_SUBMODULES = (
-    "balance",
-    "costmodel",
-    "errors",
-    "io",
-    "ops",
-    "schedule",
-    "spatial",
-    "stages",
-    "sync",
-)
+_SUBMODULES = {  # the public subpackages, at their homes
+    "balance": "dataflow.schedule.balance",
+    "costmodel": "dataflow.costmodel",
+    "errors": "dataflow.errors",
+    "io": "dataflow.io",
+    "ops": "dataflow.ops",
+    "schedule": "dataflow.schedule",
+    "spatial": "dataflow.spatial",
+    "stages": "dataflow.stages",
+    "sync": "dataflow.sync",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif name in _SUBMODULES:
-        value = importlib.import_module(f"dataflow.{name}")
+        value = importlib.import_module(_SUBMODULES[name])
     else:
         raise AttributeError(f"module 'dataflow' has no attribute {name!r}")
     globals()[name] = value

@@ -2,7 +2,7 @@
 
 A graph is built once on the driver, validated once (cycles, dangling inputs, a
 Forward with no Backward, an Update with no AllReduce upstream when there is more
-than one replica), then unrolled over replicas and steps by :mod:`dataflow.plan`.
+than one replica), then unrolled over replicas and steps by :mod:`dataflow.planning.plan`.
 """
 
 from __future__ import annotations

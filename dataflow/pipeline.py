@@ -9,7 +9,7 @@ import torch
 
 from dataflow.core.errors import ConfigError
 from dataflow.graph import Graph
-from dataflow.history import FitResult
+from dataflow.history.result import FitResult
 from dataflow.schedule import Fixed, Schedule
 from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
 from dataflow.trainer import Trainer

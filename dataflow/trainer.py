@@ -26,11 +26,11 @@ from dataflow.driver.costplan import FitPlan, plan_fit
 from dataflow.driver.fit import run_fit
 from dataflow.driver.planner import Planner
 from dataflow.graph import Graph
-from dataflow.history import FitResult
+from dataflow.history.result import FitResult
 from dataflow.label_watch import watch_labels
-from dataflow.layout import Layout
-from dataflow.layout_choice import check_transforms
-from dataflow.plan import Plan, phase_steps
+from dataflow.planning.layout import Layout
+from dataflow.planning.layout_choice import check_transforms
+from dataflow.planning.plan import Plan, phase_steps
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
 from dataflow.stages import Forward, Load, Update
@@ -219,8 +219,8 @@ class Trainer:
 
     def _layout_table(self, workers: int, epochs: int) -> tuple[str, int]:
         """The layout on ``workers`` and the candidates the layout model weighed."""
-        from dataflow.costmodel.layout import format_table
-        from dataflow.layout_choice import resolve
+        from dataflow.costmodel.layout_cost import format_table
+        from dataflow.planning.layout_choice import resolve
 
         layout, weighed = resolve(self, workers, epochs)
         chosen = layout.describe() if layout is not None else "sample parallel"
@@ -234,7 +234,7 @@ class Trainer:
         config = self.config
         if config.layout != "auto" and config.memory_per_worker is None:
             return config.layout, []
-        from dataflow.layout_choice import resolve
+        from dataflow.planning.layout_choice import resolve
         from dataflow.runtime.cluster import available_workers
 
         workers = len(available_workers(client))
@@ -242,7 +242,7 @@ class Trainer:
             workers = min(workers, config.replicas * config.spatial)
         layout, weighed = resolve(self, workers, epochs)
         if config.progress and weighed:
-            from dataflow.costmodel.layout import format_table
+            from dataflow.costmodel.layout_cost import format_table
 
             print(format_table(weighed))
         return layout, weighed

@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataflow.balance import Balancer, Even
 from dataflow.core.errors import ConfigError
 from dataflow.core.precision import check_step_options
+from dataflow.schedule.balance import Balancer, Even
 
 
 @dataclass(kw_only=True)
@@ -250,7 +250,7 @@ class TrainerConfig:
                     f"{type(self.cost_model).__name__}"
                 )
         if self.layout is not None:
-            from dataflow.layout import Layout
+            from dataflow.planning.layout import Layout
 
             if not isinstance(self.layout, Layout) and self.layout != "auto":
                 raise ConfigError(
@@ -258,14 +258,14 @@ class TrainerConfig:
                     f"each sample over 2 workers, or 'auto' (the cost model chooses), got "
                     f"{type(self.layout).__name__} {self.layout!r}"
                 )
-        from dataflow.layout_choice import parse_bytes
+        from dataflow.planning.layout_choice import parse_bytes
 
         parse_bytes(self.memory_per_worker)
         if isinstance(self.balancer, str | bytes) or not isinstance(self.balancer, Balancer):
             raise ConfigError(
-                f"balancer must be a dataflow.balance balancer such as "
-                f"dataflow.balance.Throughput() or Even(), got {type(self.balancer).__name__} "
-                f"{self.balancer!r}"
+                "balancer must be a balancer object such as dfl.balance.Throughput() or "
+                f"dfl.balance.Even() (import dataflow as dfl), got "
+                f"{type(self.balancer).__name__} {self.balancer!r}"
             )
 
 

@@ -1,6 +1,6 @@
 """CosmoFlow in miniature: a 3D CNN regresses the two parameters of simulated matter fields.
 
-Each sample is a 3D log-normal density field (``dataflow.datasets.cosmology_fields``)
+Each sample is a 3D log-normal density field (``dataflow.tools.datasets.cosmology_fields``)
 whose power spectrum ``P(k) = A (k / k_pivot)^n`` is set by an amplitude ``A`` and a
 spectral index ``n``: the shape of the CosmoFlow task, where a CNN reads cosmological
 parameters off a simulated universe. The fields are written to a zarr store
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import dataflow as dfl
-from dataflow.datasets import cosmology_arrays
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.datasets import cosmology_arrays
 
 PARAMS = ("A", "n")  # amplitude, spectral index
 

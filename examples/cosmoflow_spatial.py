@@ -3,12 +3,12 @@
 The task of ``examples/cosmoflow.py`` (a 3D CNN regresses the amplitude ``A`` and the
 spectral index ``n`` of simulated log-normal matter fields) on volumes 64 times as
 large: 64^3 fields at the resolution of its 16^3 ones, boxes four times as wide
-(``dataflow.datasets.cosmology_arrays(..., box=side / 16)``: same parameter ranges, the
+(``dataflow.tools.datasets.cosmology_arrays(..., box=side / 16)``: same parameter ranges, the
 pivot and the power per unit volume held in physical units). A per-worker memory budget
 (``--memory-per-worker``) is smaller than one sample's training memory on one worker:
 weights, gradients, buckets and Adam's moments plus what autograd keeps for backward,
 as the layout model predicts it from the model's shapes
-(``dataflow.layout_choice.layout_model``). By default the budget lies halfway between
+(``dataflow.planning.layout_choice.layout_model``). By default the budget lies halfway between
 one sample on one worker and one sample split over two, so sample parallelism does not
 fit and ``Layout(spatial=2)`` does: the two workers form one sample group, each reads
 its half of every volume from a zarr store chunked along depth
@@ -54,9 +54,9 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.costmodel.layout_candidates import LayoutCandidate
-from dataflow.datasets import cosmology_arrays
-from dataflow.layout_choice import layout_model, parse_bytes
+from dataflow.planning.layout_choice import layout_model, parse_bytes
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.datasets import cosmology_arrays
 
 PARAMS = ("A", "n")  # amplitude, spectral index
 MIB = 1 << 20

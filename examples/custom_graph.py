@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow import stages
-from dataflow.demo import FieldNet, random_fields
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.demo import FieldNet, random_fields
 
 
 class ClipGradNorm(stages.Stage):

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import dataflow as dfl
-from dataflow.datasets import digits_arrays
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.datasets import digits_arrays
 
 
 class DigitsNet(torch.nn.Module):

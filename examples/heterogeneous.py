@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 
 import dataflow as dfl
-from dataflow.demo import FieldNet, random_fields
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.demo import FieldNet, random_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -118,8 +118,8 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
     from distributed import Client
 
     import dataflow as dfl
-    from dataflow.demo import FieldNet, random_fields
     from dataflow.runtime.cluster import live_workers
+    from dataflow.tools.demo import FieldNet, random_fields
 
     workers_expected = world_size - 2
     out = Path(args.out)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import dataflow as dfl
-from dataflow.demo import FieldNet, random_fields
+from dataflow.tools.demo import FieldNet, random_fields
 
 
 def main() -> None:

@@ -108,7 +108,7 @@ def client():
 
 def digits_accuracy(client, data: dict, **options) -> float:
     """Held-out accuracy after 10 epochs of TinyCNN (10 classes) on sklearn's digits
-    (``dataflow.datasets.digits_arrays``), 2 replicas, batch 64, SGD with momentum 0.9:
+    (``dataflow.tools.datasets.digits_arrays``), 2 replicas, batch 64, SGD with momentum 0.9:
     the digits fits that compare synchronization policies."""
     pipe = dfl.Pipeline(
         model=functools.partial(TinyCNN, classes=10),  # digits: 1 x 8 x 8, 10 classes

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.noise_scale import adascale_gain
 from dataflow.schedule import Adaptive, Fixed, PhaseMeasurement, PhaseSpec, Schedule, Stepwise
+from dataflow.schedule.noise_scale import adascale_gain
 
 # The target rule alone, as before min_efficiency and may_shrink: the arithmetic of the
 # target, the growth cap and the LR rules, without the efficiency bound.

@@ -298,7 +298,7 @@ def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers, over
     waits = phase.lockstep_wait_s  # measured durations: only their shape is asserted here
     assert len(waits) == 2 and all(w >= 0 and np.isfinite(w) for w in waits), waits
     # the report tabulates it all, replica by replica
-    from dataflow.report_data import sync_table
+    from dataflow.history.report_data import sync_table
 
     table = "\n".join(sync_table(result.history))
     assert "Keeping replicas in step" in table and "asynchronous" in table
@@ -341,7 +341,7 @@ def test_async_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     synchronous, which failed this bound once in CI. Measured with this setting: means
     of 8 seeds 96.4, 96.7 and 97.1 % asynchronous against 96.5 % synchronous."""
     pytest.importorskip("sklearn")
-    from dataflow.datasets import digits_arrays
+    from dataflow.tools.datasets import digits_arrays
 
     data = digits_arrays(seed=0)
     schedule = dfl.schedule.Stepwise({0: 64, 7: 256}, lr_scaling="none")

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.balance import Even, Proportional, proportional_split
+from dataflow.schedule.balance import Even, Proportional, proportional_split
 from dataflow.stages.buckets import assign_buckets
 
 

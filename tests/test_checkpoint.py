@@ -39,7 +39,7 @@ from dataflow.errors import (
     DataflowError,
     IncompatibleCheckpointError,
 )
-from dataflow.history import History
+from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.schedule import Fixed, PhaseSpec
 
@@ -165,8 +165,8 @@ def test_checkpoint_loads_weights_only(tmp_path: Path) -> None:
 def test_mid_phase_progress_round_trips_through_a_weights_only_file(tmp_path: Path) -> None:
     """A PhaseProgress (the phase, its steps with re-split history, the pairs, the
     per-replica totals, its seconds) saved in a checkpoint comes back equal, tuples as tuples."""
-    from dataflow.plan import phase_steps, resplit_steps
-    from dataflow.progress import PhaseProgress, ReplicaTotals
+    from dataflow.checkpoint.progress import PhaseProgress, ReplicaTotals
+    from dataflow.planning.plan import phase_steps, resplit_steps
 
     phase = PhaseSpec(index=1, start_epoch=2, end_epoch=4, global_batch=6, lr_scale=2.0)
     steps = phase_steps(num_samples=20, phase=phase, split=lambda n: (n - n // 2, n // 2))
@@ -433,7 +433,7 @@ def test_unwritable_directory_is_refused_at_construction(tmp_path: Path) -> None
     child = textwrap.dedent(
         """
         import os, tempfile
-        from dataflow.checkpoint_store import CheckpointStore
+        from dataflow.checkpoint.store import CheckpointStore
         from dataflow.errors import CheckpointError
         os.setgid(65534)
         os.setuid(65534)  # nobody: from here on, permissions apply

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.balance import proportional_split
 from dataflow.io import EpochChunkReader, SampleLedger, ZarrSource, replica_epochs
-from dataflow.plan import phase_steps
+from dataflow.planning.plan import phase_steps
 from dataflow.schedule import PhaseSpec
+from dataflow.schedule.balance import proportional_split
 
 
 class CountingZarrSource(ZarrSource):

@@ -9,9 +9,9 @@ import pytest
 import zarr
 
 import dataflow as dfl
-from dataflow.cli import build_parser, main
-from dataflow.convert import convert
-from dataflow.store_info import store_info
+from dataflow.tools.cli import build_parser, main
+from dataflow.tools.convert import convert
+from dataflow.tools.info import store_info
 
 COMMANDS = ("demo", "convert", "info", "plot")
 
@@ -64,10 +64,10 @@ def test_every_command_has_help(command, capsys):
 
 @pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
 def test_help_from_a_fresh_process(command):
-    """``python -m dataflow.cli [COMMAND] --help`` in a new interpreter: the module imports
+    """``python -m dataflow.tools.cli [COMMAND] --help`` in a new interpreter: the module imports
     and parses on its own (each launch imports torch and dask: a few seconds)."""
     done = subprocess.run(
-        [sys.executable, "-m", "dataflow.cli", *command, "--help"],
+        [sys.executable, "-m", "dataflow.tools.cli", *command, "--help"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dataflow.cli import main
 from dataflow.costmodel import presets
+from dataflow.tools.cli import main
 
 
 def test_scale_on_a_preset_writes_a_png(tmp_path, capsys):

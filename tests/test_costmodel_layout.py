@@ -12,7 +12,7 @@ import pytest
 
 from dataflow.core.errors import ConfigError
 from dataflow.costmodel.collective import Link, Topology
-from dataflow.costmodel.layout import (
+from dataflow.costmodel.layout_cost import (
     LayerFit,
     LayerShape,
     LayoutCandidate,
@@ -278,7 +278,7 @@ def test_bad_input_names_the_field(build, words):
 
 def test_the_layout_model_imports_neither_torch_nor_dask():
     code = (
-        "import sys, dataflow.costmodel.layout as L; "
+        "import sys, dataflow.costmodel.layout_cost as L; "
         "print(sorted(m for m in ('torch', 'distributed', 'dask', 'numba') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

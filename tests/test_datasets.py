@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dataflow.core.errors import ConfigError
-from dataflow.datasets import (
+from dataflow.tools.datasets import (
     SIGNAL_CLASSES,
     cosmology_arrays,
     grating_images,

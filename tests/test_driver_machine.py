@@ -15,7 +15,7 @@ from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.machine import FitMachine, MachineConfig, replay
 from dataflow.errors import ReplicaError
-from dataflow.plan import phase_steps, resplit_steps
+from dataflow.planning.plan import phase_steps, resplit_steps
 
 W = ("tcp://a", "tcp://b", "tcp://c")
 

@@ -3,7 +3,7 @@
 Each example writes ``result.json`` (its figures) and ``history.json`` to ``--out``; the
 tests read those numbers, not the printed text. The example runs start a real
 LocalCluster in a fresh interpreter (marked slow; CI runs them). The generators of
-``dataflow.datasets`` are checked here too: the examples' data must mean what they say.
+``dataflow.tools.datasets`` are checked here too: the examples' data must mean what they say.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataflow.datasets import cosmology_arrays, cosmology_fields, digits_arrays
+from dataflow.tools.datasets import cosmology_arrays, cosmology_fields, digits_arrays
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NAMES = ("cosmoflow", "cosmoflow_spatial", "digits", "heterogeneous", "custom_graph")
@@ -143,7 +143,7 @@ def test_custom_graph_clips_the_reduced_gradient(tmp_path):
     assert result["test_accuracy"] >= 0.9
 
 
-# -- dataflow.datasets ----------------------------------------------------------------
+# -- dataflow.tools.datasets ----------------------------------------------------------------
 
 
 def spectral_index(g: np.ndarray) -> float:

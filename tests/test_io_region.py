@@ -10,10 +10,10 @@ import zarr
 from zarr.storage import LocalStore, WrapperStore
 
 import dataflow as dfl
-from dataflow.cli import main as cli_main
-from dataflow.convert import convert
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io import ArraySource, EpochChunkReader, ZarrSource, to_zarr
+from dataflow.tools.cli import main as cli_main
+from dataflow.tools.convert import convert
 
 
 class CountingStore(WrapperStore):

@@ -24,11 +24,11 @@ ENGINE = (
     "dataflow.runtime",
     "dataflow.schedule",
     "dataflow.checkpoint",
-    "dataflow.report",
+    "dataflow.history.report",
     "dataflow.pipeline",
-    "dataflow.cli",
-    "dataflow.plan",
-    "dataflow.balance",
+    "dataflow.tools.cli",
+    "dataflow.planning.plan",
+    "dataflow.schedule.balance",
     "dataflow.history",
 )
 

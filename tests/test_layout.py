@@ -9,7 +9,7 @@ from test_driver_machine import PHASE0, Driver, of, planned
 import dataflow as dfl
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
-from dataflow.layout import ReplicaGroups, fewer_workers_hint
+from dataflow.planning.layout import ReplicaGroups, fewer_workers_hint
 from dataflow.spatial.geometry import Window, exchange, grid_shape, split_extent
 
 FIVE = tuple(f"tcp://w{i}" for i in range(5))

@@ -12,8 +12,19 @@ from test_layout_choice import volume_pipeline
 
 import dataflow.spatial.profile as profile
 from dataflow.costmodel.collective import Link, Topology
-from dataflow.costmodel.layout import GIVEN, LayerFit, LayoutCandidate, LayoutModel, format_table
-from dataflow.layout_choice import MEMORY_ONLY, forget_layout_measurements, layout_model, resolve
+from dataflow.costmodel.layout_cost import (
+    GIVEN,
+    LayerFit,
+    LayoutCandidate,
+    LayoutModel,
+    format_table,
+)
+from dataflow.planning.layout_choice import (
+    MEMORY_ONLY,
+    forget_layout_measurements,
+    layout_model,
+    resolve,
+)
 from dataflow.spatial.profile import JITTER_CAP, plausible_jitter, plausible_scale
 
 

@@ -11,7 +11,7 @@ import torch
 
 import dataflow as dfl
 from dataflow.costmodel.layout_candidates import LayoutCandidate
-from dataflow.layout_choice import layout_model, parse_bytes, resolve
+from dataflow.planning.layout_choice import layout_model, parse_bytes, resolve
 
 
 class Volume(torch.nn.Module):

@@ -121,7 +121,7 @@ def test_one_step_per_period_equals_synchronous_training(client):
 
 def test_windows_end_at_epoch_ends_under_local_updates():
     """The epoch's evaluation must see the averaged weights: a window ends there."""
-    from dataflow.plan import Plan
+    from dataflow.planning.plan import Plan
     from dataflow.schedule import PhaseSpec
 
     x, y = make_data(40)
@@ -228,7 +228,7 @@ def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     held-out accuracy (95.6 and 95.8 % here; benchmarks/bench_sync.py has 3 seeds of a
     larger net with a throttled replica)."""
     pytest.importorskip("sklearn")
-    from dataflow.datasets import digits_arrays
+    from dataflow.tools.datasets import digits_arrays
 
     data = digits_arrays(seed=0)
 

@@ -13,7 +13,7 @@ from conftest import make_data, tiny_pipeline
 import dataflow as dfl
 from dataflow.checkpoint import CheckpointStore
 from dataflow.errors import ConfigError
-from dataflow.plan import Plan, checkpoint_windows
+from dataflow.planning.plan import Plan, checkpoint_windows
 from dataflow.schedule import PhaseSpec
 from dataflow.stages.base import StepSpec
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from dataflow.history import History
+from dataflow.history.result import History
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "mpi_train.py"

@@ -15,7 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.noise_scale import NoiseScaleTracker, NormPair, adascale_gain, unbiased_estimates
+from dataflow.schedule.noise_scale import (
+    NoiseScaleTracker,
+    NormPair,
+    adascale_gain,
+    unbiased_estimates,
+)
 
 DIM = 1000
 TRUE_NOISE_SCALE = 200.0

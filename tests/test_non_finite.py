@@ -16,9 +16,9 @@ from conftest import make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.errors import ConfigError, NonFiniteError
-from dataflow.history import FitResult, History, skipped_text
-from dataflow.records import StepRecord
-from dataflow.report import write_report
+from dataflow.history.records import StepRecord
+from dataflow.history.report import write_report
+from dataflow.history.result import FitResult, History, skipped_text
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
 from dataflow.stages.base import PhaseContext
 

@@ -15,7 +15,6 @@ from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_
 from test_driver_machine import PHASE0, Driver, W, of, result
 
 import dataflow as dfl
-from dataflow.balance import Even
 from dataflow.core.phase import PhaseSpec
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
@@ -23,6 +22,7 @@ from dataflow.driver.memory import halved_cap, is_out_of_memory, measured_cap, m
 from dataflow.driver.planner import Planner
 from dataflow.errors import ReplicaError
 from dataflow.runtime.device_memory import MemoryProbe
+from dataflow.schedule.balance import Even
 
 OOM = MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")  # the machine sees a flag
 

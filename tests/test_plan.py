@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.balance import Proportional, proportional_split
-from dataflow.plan import Plan, phase_steps, steps_per_window
+from dataflow.planning.plan import Plan, phase_steps, steps_per_window
 from dataflow.schedule import PhaseSpec
+from dataflow.schedule.balance import Proportional, proportional_split
 
 STAGES = ("Load", "Forward", "Backward", "AllReduce", "Update")
 

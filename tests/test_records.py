@@ -2,9 +2,9 @@
 
 import math
 
-from dataflow.history import History
-from dataflow.records import EpochRecord, PhaseRecord, StepRecord
-from dataflow.report_data import REPORT_FIELDS, missing_fields
+from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.history.report_data import REPORT_FIELDS, missing_fields
+from dataflow.history.result import History
 
 
 def _phase() -> PhaseRecord:

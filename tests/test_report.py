@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from conftest import make_data, tiny_pipeline
 
 import dataflow as dfl
-from dataflow.history import History
-from dataflow.report import (
+from dataflow.history.report import (
     REPORT_FIELDS,
     TERMS,
     ReportError,
@@ -24,6 +23,7 @@ from dataflow.report import (
     write_report,
     write_tensorboard,
 )
+from dataflow.history.result import History
 
 pytest.importorskip("matplotlib")
 
@@ -161,8 +161,8 @@ def test_a_resumed_history_reports_every_run(tmp_path):
     """A fit stopped and resumed: two segments, the steps' times going on across the
     seam; the summary and the report's title divide every sample by both runs' seconds,
     and the wall-time panel marks the seam."""
-    from dataflow.history import FitResult
-    from dataflow.report_plots import _resume_seams
+    from dataflow.history.report_plots import _resume_seams
+    from dataflow.history.result import FitResult
 
     history = adaptive_history()
     steps, split = history.steps, len(history.steps) // 2

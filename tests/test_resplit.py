@@ -10,10 +10,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dataflow.balance import Even
 from dataflow.io import replica_streams
-from dataflow.plan import phase_steps, resplit_steps
+from dataflow.planning.plan import phase_steps, resplit_steps
 from dataflow.schedule import PhaseSpec
+from dataflow.schedule.balance import Even
 
 
 def _steps(n, batch, replicas, epochs=2, drop_last=False):

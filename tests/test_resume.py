@@ -14,7 +14,7 @@ from resume_driver import data, pipeline
 
 from dataflow.checkpoint import CheckpointStore
 from dataflow.errors import ConfigError, IncompatibleCheckpointError
-from dataflow.report import step_wall_times
+from dataflow.history.report import step_wall_times
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent

@@ -5,8 +5,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.balance import Throughput, smoothed_speeds
 from dataflow.schedule import Fixed, PhaseMeasurement, Stepwise, lr_at
+from dataflow.schedule.balance import Throughput, smoothed_speeds
 
 
 def phases(schedule, epochs):

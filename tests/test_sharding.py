@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dataflow as dfl
-from dataflow.balance import proportional_split
 from dataflow.io.sharding import chunk_sizes, shard_epoch
+from dataflow.schedule.balance import proportional_split
 
 
 @settings(max_examples=300, deadline=None)

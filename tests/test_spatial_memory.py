@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dataflow.costmodel.collective import Link, Topology
-from dataflow.costmodel.layout import LayerFit, LayoutCandidate, LayoutModel
+from dataflow.costmodel.layout_cost import LayerFit, LayoutCandidate, LayoutModel
 from dataflow.spatial.geometry import split_extent
 from dataflow.spatial.local_group import LocalGroup
 from dataflow.spatial.module import SpatialModule

@@ -21,9 +21,9 @@ from distributed import Client, LocalCluster
 
 import dataflow as dfl
 from dataflow import stages
-from dataflow.balance import Even
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
-from dataflow.plan import resplit_steps
+from dataflow.planning.plan import resplit_steps
+from dataflow.schedule.balance import Even
 
 pytestmark = pytest.mark.slow  # real worker processes, really killed
 

@@ -5,7 +5,7 @@ import pytest
 import xarray as xr
 
 import dataflow as dfl
-from dataflow.cli import main
+from dataflow.tools.cli import main
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])

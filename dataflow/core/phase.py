@@ -62,7 +62,7 @@ class PhaseMeasurement:
     """What the driver measured in the phase that just ended, for adaptive schedules.
 
     ``noise_scale``, ``gradient_sq`` and ``trace_cov`` come from
-    :class:`dataflow.noise_scale.NoiseScaleTracker` (None when not measured);
+    :class:`dataflow.schedule.noise_scale.NoiseScaleTracker` (None when not measured);
     ``samples_per_second`` is the phase's global throughput, ``steps`` its step count.
     ``measured_steps`` is how many steps the estimate rests on: the tracker's ``steps``,
     every step whose gradient norms it took since the fit began (None: not reported;

@@ -1,6 +1,6 @@
 """The cost model: predict a fit's step time, throughput, scaling efficiency and memory
 term by term, and plan from it (worker count by goodput, window and bucket sizes, the
-layout: :mod:`dataflow.costmodel.layout`).
+layout: :mod:`dataflow.costmodel.layout_cost`).
 
 Prediction is pure (no torch, no Dask). :func:`calibrate` measures the terms on a real
 cluster; :mod:`dataflow.costmodel.presets` builds models from published hardware
@@ -24,14 +24,14 @@ from dataflow.costmodel.collective import (
     two_level_seconds,
 )
 from dataflow.costmodel.compute import ComputeFit, MemoryModel, fit_line
-from dataflow.costmodel.layout import (
+from dataflow.costmodel.layout_cost import (
     LayerFit,
     LayerShape,
     LayoutCandidate,
     LayoutModel,
     LayoutPrediction,
 )
-from dataflow.costmodel.layout import candidates as layout_candidates
+from dataflow.costmodel.layout_cost import candidates as layout_candidates
 from dataflow.costmodel.model import CostModel, StepBreakdown
 from dataflow.costmodel.planning import (
     best_batch,

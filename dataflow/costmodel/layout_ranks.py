@@ -1,7 +1,7 @@
 """A model's layers as the layout model sees them, and one rank of a spatial group layer
 by layer: what it computes, sends and keeps.
 
-The layout model (:mod:`dataflow.costmodel.layout`) asks here, for one rank's grid
+The layout model (:mod:`dataflow.costmodel.layout_cost`) asks here, for one rank's grid
 coordinates, each layer's local output size, its halo traffic and the bytes autograd
 keeps for backward. The rows come from :mod:`dataflow.spatial.geometry`
 (``split_extent``, ``Window.needed``, ``exchange``), the same functions the partitioned
@@ -22,7 +22,7 @@ from dataflow.spatial.geometry import Interval, Window, clip, exchange, split_ex
 
 if TYPE_CHECKING:
     from dataflow.costmodel.collective import Link
-    from dataflow.costmodel.layout import LayoutModel
+    from dataflow.costmodel.layout_cost import LayoutModel
 
 INDEX_BYTES = 8  # max pooling keeps int64 indices of its outputs
 KINDS = ("conv", "pool", "norm", "pointwise", "gather", "reduce", "dense")

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from dataflow.checkpoint import Checkpoint, ledger_state, phase_from_dict, phase_to_dict
-from dataflow.checkpoint_store import STEPS_COUNT
+from dataflow.checkpoint.progress import PhaseProgress
+from dataflow.checkpoint.store import STEPS_COUNT
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.core.plain import to_plain
 from dataflow.core.rng import capture_rng
-from dataflow.progress import PhaseProgress
-from dataflow.records import plain_rows
+from dataflow.history.records import plain_rows
 
 
 @dataclass(frozen=True)

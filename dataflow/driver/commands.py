@@ -71,7 +71,7 @@ class SubmitWindows:
 
     generation: int
     members: tuple[str, ...]
-    plan: Any  # dataflow.plan.Plan
+    plan: Any  # dataflow.planning.plan.Plan
     first_window: int
     checkpoints: frozenset[int] = frozenset()
 
@@ -84,7 +84,7 @@ class CommitWindow:
     follow from the plan."""
 
     plan: Any
-    window: Any  # dataflow.plan.Window
+    window: Any  # dataflow.planning.plan.Window
     results: tuple[Any, ...]
     segment: tuple[Any, ...] = ()  # the steps running: what each replica's reads follow from
 

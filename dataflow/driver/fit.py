@@ -17,7 +17,7 @@ from dataflow.driver.executor import Executor
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
-from dataflow.history import FitResult
+from dataflow.history.result import FitResult
 from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica import ReplicaSpec
 from dataflow.stages.forward import build_model

@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 from dataflow.checkpoint import ledger_from_state
+from dataflow.checkpoint.progress import PhaseProgress
 from dataflow.core.errors import CollectiveError, WorkerLostError
 from dataflow.core.phase import PhaseMeasurement
 from dataflow.core.rng import restore_rng
@@ -26,11 +27,10 @@ from dataflow.driver.machine import FitMachine
 from dataflow.driver.membership import Lost
 from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
-from dataflow.history import History
-from dataflow.layout import fewer_workers_hint
-from dataflow.noise_scale import NoiseScaleTracker
-from dataflow.progress import PhaseProgress
+from dataflow.history.result import History
+from dataflow.planning.layout import fewer_workers_hint
 from dataflow.runtime.replica import ReplicaState
+from dataflow.schedule.noise_scale import NoiseScaleTracker
 
 RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
 RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)

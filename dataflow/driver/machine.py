@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dataflow.core.errors import ReplicaError
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.memory import (
@@ -29,9 +30,8 @@ from dataflow.driver.memory import (
 )
 from dataflow.driver.recovery import LostWorkers
 from dataflow.driver.state import FitState
-from dataflow.errors import ReplicaError
-from dataflow.layout import ReplicaGroups
-from dataflow.plan import Plan, checkpoint_windows
+from dataflow.planning.layout import ReplicaGroups
+from dataflow.planning.plan import Plan, checkpoint_windows
 from dataflow.sync import Async, Local, Synchronous, SyncPolicy
 
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dataflow.balance import micro_batch_counts
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.core.step import StepSpec
-from dataflow.plan import phase_steps, resplit_steps
+from dataflow.planning.plan import phase_steps, resplit_steps
+from dataflow.schedule.balance import micro_batch_counts
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,17 +15,17 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from dataflow.checkpoint.progress import ReplicaTotals
 from dataflow.core import kinds
 from dataflow.core.errors import DataError, LossError
 from dataflow.core.window import WindowResult
 from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.machine import MachineConfig
 from dataflow.driver.sample_check import SampleCheck
-from dataflow.history import History, skipped_steps
+from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.history.result import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
-from dataflow.noise_scale import NoiseScaleTracker, NormPair
-from dataflow.progress import ReplicaTotals
-from dataflow.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.schedule.noise_scale import NoiseScaleTracker, NormPair
 
 
 class Recorder:

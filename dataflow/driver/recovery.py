@@ -14,7 +14,7 @@ from typing import Any
 
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
-from dataflow.layout import ReplicaGroups
+from dataflow.planning.layout import ReplicaGroups
 
 
 class LostWorkers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dataflow.layout import ReplicaGroups
+from dataflow.planning.layout import ReplicaGroups
 
 STATUSES = (
     "idle",

@@ -20,9 +20,9 @@ from distributed.protocol import to_serialize
 from distributed.protocol.serialize import Serialize
 from distributed.utils import sync
 
-from dataflow.ps.layout import shard_ranges
 from dataflow.ps.service import HANDLER
 from dataflow.ps.shard import ParameterShard, ShardError
+from dataflow.ps.shard_layout import shard_ranges
 
 
 class StoreClient:

@@ -16,7 +16,7 @@ from distributed.comm import connect
 from distributed.deploy import Cluster
 from distributed.utils import LoopRunner, sync
 
-from dataflow.errors import ConfigError
+from dataflow.core.errors import ConfigError
 from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
 
 WORKER_PRELOAD = "dataflow.runtime.interrupt"  # its dask_setup: workers ignore SIGINT

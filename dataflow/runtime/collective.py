@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataflow.errors import CollectiveError
+from dataflow.core.errors import CollectiveError
 
 
 def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:

@@ -24,7 +24,7 @@ from dataflow.core import kinds
 from dataflow.core.errors import DataflowError, ModelError
 from dataflow.core.phase import PhaseSpec
 from dataflow.core.step import PhaseContext
-from dataflow.plan import phase_steps
+from dataflow.planning.plan import phase_steps
 from dataflow.runtime.collective import Collective, connect_store
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
 from dataflow.runtime.plugin import current_plugin

@@ -41,7 +41,9 @@ class ReplicaSpec:
     pause_dask_profiler: bool = True
     throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
-    layout: Any = None  # dataflow.layout.Layout; spatial > 1: a replica is a group of workers
+    layout: Any = (
+        None  # dataflow.planning.layout.Layout; spatial > 1: a replica is a group of workers
+    )
     local: Any = None  # a dataflow.sync.Local: local steps, a weighted average per window
     asynchronous: Any = None  # a dataflow.sync.Async: a parameter store, bounded staleness
     # requested step options (dataflow.core.precision), resolved by each worker

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dataflow.core.errors import ConfigError
-from dataflow.layout import Layout
+from dataflow.planning.layout import Layout
 from dataflow.runtime.collective import Collective
 from dataflow.spatial.comm import SpatialGroup
 from dataflow.spatial.module import SpatialModule

@@ -1,4 +1,4 @@
-"""Measure what the layout model (:mod:`dataflow.costmodel.layout`) needs of a model:
+"""Measure what the layout model (:mod:`dataflow.costmodel.layout_cost`) needs of a model:
 its layers' shapes, each layer's compute at the local sizes the layouts give it, and
 the bytes autograd keeps for backward.
 
@@ -8,7 +8,7 @@ gathers go. ``measure_layers`` times
 each layer's forward + backward alone, in this process, on the local input it would
 see under each spatial split (its region, with the halo for convolution and pooling),
 and fits ``a × calls + c × voxels × batch`` per layer. ``calibrate_layout`` puts it
-together with a link into a :class:`~dataflow.costmodel.layout.LayoutModel`.
+together with a link into a :class:`~dataflow.costmodel.layout_cost.LayoutModel`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 from dataflow.core.errors import ConfigError, ModelError
 from dataflow.costmodel.collective import Link, Topology
 from dataflow.costmodel.compute import fit_line
-from dataflow.costmodel.layout import LayerFit, LayerShape, LayoutCandidate, LayoutModel
+from dataflow.costmodel.layout_cost import LayerFit, LayerShape, LayoutCandidate, LayoutModel
 from dataflow.costmodel.layout_ranks import REGION_KINDS, WHOLE_AFTER, work_voxels
 from dataflow.spatial.comm import SpatialGroup
 from dataflow.spatial.geometry import clip, split_extent

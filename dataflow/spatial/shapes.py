@@ -1,5 +1,6 @@
-"""A model's layers as the layout model sees them (:class:`~dataflow.costmodel.layout.LayerShape`):
-traced with ``torch.fx``, shapes from meta tensors, each node classified as
+"""A model's layers as the layout model sees them
+(:class:`~dataflow.costmodel.layout_cost.LayerShape`): traced with ``torch.fx``,
+shapes from meta tensors, each node classified as
 ``SpatialModule`` classifies it, with a "gather" where it would insert one."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``dataflow`` command line: ``demo``, ``convert``, ``info``, ``plot`` and ``scale``.
 
-Each command is a thin layer over a library function (``dataflow.convert``,
-``dataflow.store_info``, ``dataflow.report``), so everything the CLI does is
+Each command is a thin layer over a library function (``dataflow.tools.convert``,
+``dataflow.tools.info``, ``dataflow.history.report``), so everything the CLI does is
 also a Python call. A ``DataflowError`` (a bad path, variable, argument) is
 printed as one line, without a traceback, and the command exits with status 1.
 """
@@ -22,9 +22,9 @@ def _demo(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     import dataflow as dfl
-    from dataflow.demo import SLOPES, FieldNet, growing_batches, random_fields
-    from dataflow.report import write_report
+    from dataflow.history.report import write_report
     from dataflow.runtime.cluster import client_or_local_cluster
+    from dataflow.tools.demo import SLOPES, FieldNet, growing_batches, random_fields
 
     started = time.perf_counter()
     x, y = random_fields(args.samples + args.eval_samples, size=args.size, seed=args.seed)
@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from dataflow.convert import convert
+    from dataflow.tools.convert import convert
 
     started = time.perf_counter()
     done = convert(
@@ -104,7 +104,7 @@ def _spatial_chunks(pairs: list[str] | None) -> dict[int | str, int] | None:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from dataflow.store_info import store_info
+    from dataflow.tools.info import store_info
 
     info = store_info(
         args.store,
@@ -117,7 +117,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from dataflow.report import write_report
+    from dataflow.history.report import write_report
 
     source = Path(args.history)
     out = Path(args.out) if args.out else source.parent / "report"

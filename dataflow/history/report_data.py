@@ -1,8 +1,8 @@
 """The data behind the training report: the fields each plot reads, and the numbers
 derived from a history (wall time of each step, the per-step time split into ``TERMS``).
 
-Pure functions of a ``History``'s records, no matplotlib: ``dataflow.report`` explains the
-time split and writes the files; ``dataflow.report_plots`` draws the figures.
+Pure functions of a ``History``'s records, no matplotlib: ``dataflow.history.report`` explains the
+time split and writes the files; ``dataflow.history.report_plots`` draws the figures.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from dataflow.history import History
-from dataflow.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.history.result import History
 
 # The fields each plot reads: the trainer must write them (tests/test_report.py).
-# What the report needs: the records' required fields (one schema, dataflow.records).
+# What the report needs: the records' required fields (one schema, dataflow.history.records).
 REPORT_FIELDS: dict[str, tuple[str, ...]] = {
     "steps": StepRecord.required(),
     "epochs": EpochRecord.required(),
@@ -59,7 +59,7 @@ def missing_fields(history: History) -> list[str]:
     return missing
 
 
-def _number(value: Any) -> float:
+def as_number(value: Any) -> float:
     """A JSON value as a float: NaN for None, strings like "nan" and missing values."""
     try:
         return float(value)
@@ -74,8 +74,8 @@ def step_wall_times(steps: Sequence[dict[str, Any]]) -> np.ndarray:
     window share (almost) one stamp; each is moved back by the durations of the
     steps after it in that window, never before the previous window's end.
     """
-    stamps = np.array([_number(s.get("time")) for s in steps], dtype=float)
-    seconds = np.array([max(_number(s.get("seconds")), 0.0) for s in steps], dtype=float)
+    stamps = np.array([as_number(s.get("time")) for s in steps], dtype=float)
+    seconds = np.array([max(as_number(s.get("seconds")), 0.0) for s in steps], dtype=float)
     seconds = np.nan_to_num(seconds)
     out = stamps.copy()
     start = 0
@@ -106,19 +106,19 @@ def stage_kind(name: str, info: dict[str, Any]) -> str:
 def step_time_split(phase: dict[str, Any], info: dict[str, Any]) -> list[dict[str, float]]:
     """Per replica, seconds per step in each of ``TERMS`` (see the module docstring)."""
     steps = max(int(phase.get("steps") or 0), 1)
-    wall = _number(phase.get("seconds"))
+    wall = as_number(phase.get("seconds"))
     split = []
     for stages in phase.get("stage_seconds") or []:
         terms = dict.fromkeys(TERMS, 0.0)
         for name, seconds in stages.items():
-            terms[stage_kind(name, info)] += _number(seconds) / steps
+            terms[stage_kind(name, info)] += as_number(seconds) / steps
         in_stages = sum(terms.values())
         terms["engine overhead"] = max(wall / steps - in_stages, 0.0) if math.isfinite(wall) else 0
         split.append(terms)
     return split
 
 
-def _eval_metrics(epochs: Sequence[dict[str, Any]]) -> list[str]:
+def eval_metric_names(epochs: Sequence[dict[str, Any]]) -> list[str]:
     names: list[str] = []
     for row in epochs:
         names += [k for k in row if k.startswith("eval_") and k not in names]

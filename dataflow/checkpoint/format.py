@@ -44,7 +44,7 @@ class Checkpoint:
     ramp); ``replica_buffers``: each replica's buffers (BatchNorm statistics, which
     differ between replicas until a phase ends). ``in_phase``: None at a phase
     boundary; mid-phase, where the fit stands inside the phase
-    (:class:`dataflow.progress.PhaseProgress`).
+    (:class:`dataflow.checkpoint.progress.PhaseProgress`).
     """
 
     model_state: dict[str, torch.Tensor]

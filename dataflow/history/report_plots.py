@@ -1,7 +1,7 @@
 """The training report's figures (matplotlib): ``plot_training``, ``plot_schedule``,
 ``plot_replicas`` and ``plot_step_time``, each ``(history, path, plt) -> path``.
 
-``dataflow.report.write_report`` picks the plots a history has the fields for and passes
+``dataflow.history.report.write_report`` picks the plots a history has the fields for and passes
 ``plt`` (matplotlib.pyplot on the Agg backend); what each plot shows: its docstring and caption.
 """
 
@@ -15,17 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from dataflow.history import History
-from dataflow.report_data import (
+from dataflow.history.report_data import (
     STEP_TIME_CAPTION,
     TERM_COLORS,
     TERMS,
     _epoch_ends,
-    _eval_metrics,
-    _number,
+    as_number,
+    eval_metric_names,
     step_time_split,
     step_wall_times,
 )
+from dataflow.history.result import History
 
 
 def _phase_bounds(history: History, x: np.ndarray) -> list[tuple[float, float, str]]:
@@ -77,10 +77,10 @@ def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def _title(history: History) -> str:
+def report_title(history: History) -> str:
     info = history.info
-    samples = sum(int(_number(s.get("samples")) or 0) for s in history.steps)
-    seconds = _number(info.get("train_seconds"))
+    samples = sum(int(as_number(s.get("samples")) or 0) for s in history.steps)
+    seconds = as_number(info.get("train_seconds"))
     parts = [f"run {info.get('run_id', '?')}", f"{info.get('replicas', '?')} replica(s)"]
     parts += [f"{info.get('epochs', len(history.epochs))} epoch(s)", f"{samples:,} samples"]
     runs = len(info.get("segments") or ())
@@ -92,7 +92,7 @@ def _title(history: History) -> str:
 
 def _finish(fig: Any, plt: Any, history: History, path: Path, caption: str = "") -> Path:
     """Title with the run's summary, the caption wrapped under the plots, saved as PNG."""
-    fig.suptitle(_title(history), fontsize=10)
+    fig.suptitle(report_title(history), fontsize=10)
     lines = textwrap.wrap(caption, width=int(fig.get_figwidth() * 15)) if caption else []
     if lines:
         fig.text(0.01, 0.01, "\n".join(lines), ha="left", va="bottom", fontsize=8, color="0.3")
@@ -106,12 +106,12 @@ def _finish(fig: Any, plt: Any, history: History, path: Path, caption: str = "")
 
 def plot_training(history: History, path: Path, plt: Any) -> Path:
     """Loss and each evaluation metric against samples seen (left) and wall time (right)."""
-    samples = np.array([_number(s.get("samples")) for s in history.steps])
+    samples = np.array([as_number(s.get("samples")) for s in history.steps])
     seen = np.cumsum(np.nan_to_num(samples))
     times = step_wall_times(history.steps)
-    loss = np.array([_number(s.get("loss")) for s in history.steps])
+    loss = np.array([as_number(s.get("loss")) for s in history.steps])
     ends = _epoch_ends(history, seen, times)
-    metrics = [m for m in _eval_metrics(history.epochs) if m != "eval_loss"]
+    metrics = [m for m in eval_metric_names(history.epochs) if m != "eval_loss"]
     rows = 1 + len(metrics)
     fig, axes = plt.subplots(rows, 2, figsize=(13, 3.9 * rows + 0.6), squeeze=False, sharex="col")
     window = max(1, len(loss) // 40)
@@ -138,7 +138,7 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
         rows_in = [e for e in history.epochs if e.get("epoch") in ends]
         ax.plot(
             epoch_x,
-            [_number(e.get("train_loss")) for e in rows_in],
+            [as_number(e.get("train_loss")) for e in rows_in],
             "o",
             color="#1f3f73",
             ms=5,
@@ -147,7 +147,7 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
         if any("eval_loss" in e for e in rows_in):
             ax.plot(
                 epoch_x,
-                [_number(e.get("eval_loss")) for e in rows_in],
+                [as_number(e.get("eval_loss")) for e in rows_in],
                 "s--",
                 color="#d64545",
                 ms=5,
@@ -167,7 +167,7 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
             name = metric.removeprefix("eval_")
             ax.plot(
                 epoch_x,
-                [_number(e.get(metric)) for e in rows_in],
+                [as_number(e.get(metric)) for e in rows_in],
                 "s-",
                 color="#2a9d5b",
                 ms=5,
@@ -203,8 +203,8 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
 
 def _phase_edges(history: History) -> tuple[list[float], list[float]]:
     """Epoch edges of the phases, for step plots: x (len n+1) and the phases' values."""
-    starts = [_number(p.get("start_epoch")) for p in history.phases]
-    ends = [_number(p.get("end_epoch")) for p in history.phases]
+    starts = [as_number(p.get("start_epoch")) for p in history.phases]
+    ends = [as_number(p.get("end_epoch")) for p in history.phases]
     return [*starts, ends[-1]], ends
 
 
@@ -217,18 +217,18 @@ def plot_schedule(history: History, path: Path, plt: Any) -> Path:
     """Global batch and learning rate per phase (and the noise scale and gain when the
     schedule measured them), against epochs."""
     phases = history.phases
-    noise = [_number(p.get("noise_scale")) for p in phases]
-    measured = [_number(p.get("measured_noise_scale")) for p in phases]
-    gain = [_number(p.get("gain")) for p in phases]
+    noise = [as_number(p.get("noise_scale")) for p in phases]
+    measured = [as_number(p.get("measured_noise_scale")) for p in phases]
+    gain = [as_number(p.get("gain")) for p in phases]
     has_gain = any(math.isfinite(g) for g in gain)
     rows = 3 if has_gain else 2
     fig, axes = plt.subplots(rows, 1, figsize=(9, 2.9 * rows + 0.4), sharex=True)
     edges, _ = _phase_edges(history)
-    batch = [_number(p.get("global_batch")) for p in phases]
+    batch = [as_number(p.get("global_batch")) for p in phases]
     ax = axes[0]
     _step_plot(ax, history, batch, color="#3a7bd5", label="global batch B (all replicas)")
     for p, b in zip(phases, batch, strict=True):
-        middle = (_number(p.get("start_epoch")) + _number(p.get("end_epoch"))) / 2
+        middle = (as_number(p.get("start_epoch")) + as_number(p.get("end_epoch"))) / 2
         steps = p.get("steps", "?")
         ax.annotate(
             f"B={b:g}\n{steps} steps",
@@ -254,7 +254,7 @@ def plot_schedule(history: History, path: Path, plt: Any) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
-    lr = [_number(p.get("lr")) for p in phases]
+    lr = [as_number(p.get("lr")) for p in phases]
     _step_plot(ax, history, lr, color="#2a9d5b", label="learning rate at the end of the phase")
     ax.set_ylabel("learning rate")
     ax.set_title("Learning rate per phase")
@@ -328,8 +328,8 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
         offset = (r - (count - 1) / 2) * width
         ax.bar(x + offset, rates, width, color=colors(r % 10), label=labels[r])
     for k, phase in enumerate(phases):
-        samples = int(_number(phase.get("global_batch")) * _number(phase.get("steps")))
-        seconds = _number(phase.get("seconds"))
+        samples = int(as_number(phase.get("global_batch")) * as_number(phase.get("steps")))
+        seconds = as_number(phase.get("seconds"))
         if seconds > 0:
             ax.text(
                 x[k],
@@ -358,17 +358,17 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
 
 def _batch_of(phase: dict[str, Any], rank: int) -> float:
     local = phase.get("local_batches") or []
-    return _number(local[rank]) if rank < len(local) else 0.0
+    return as_number(local[rank]) if rank < len(local) else 0.0
 
 
 def _micro_of(phase: dict[str, Any], rank: int) -> int:
     micro = phase.get("micro_batches") or []
-    return int(_number(micro[rank])) if rank < len(micro) and micro[rank] else 1
+    return int(as_number(micro[rank])) if rank < len(micro) and micro[rank] else 1
 
 
 def _rate_of(phase: dict[str, Any], rank: int) -> float:
     rates = phase.get("samples_per_second") or []
-    return _number(rates[rank]) if rank < len(rates) else 0.0
+    return as_number(rates[rank]) if rank < len(rates) else 0.0
 
 
 def _time_unit(longest: float) -> tuple[float, str]:
@@ -389,7 +389,7 @@ def plot_step_time(history: History, path: Path, plt: Any) -> Path:
         for r in range(len(split)):
             positions.append(pos)
             tick_labels.append(f"r{r}")
-            batches.append(max(_number(phase.get("global_batch")), 1.0))
+            batches.append(max(as_number(phase.get("global_batch")), 1.0))
             pos += 1
         groups.append(((first + pos - 1) / 2, phase))
         pos += 0.8

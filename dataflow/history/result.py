@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from dataflow.core.plain import to_plain
+from dataflow.history.records import plain_rows
 from dataflow.io.ledger import SampleLedger
-from dataflow.records import plain_rows
 
 
 @dataclass
@@ -19,7 +19,7 @@ class History:
     """``steps``: loss, samples, seconds per global step; ``epochs``: mean train loss and
     evaluation metrics; ``phases``: global batch, lr, split, per-replica samples/s.
 
-    A fit's rows are typed records (:mod:`dataflow.records`: ``StepRecord``,
+    A fit's rows are typed records (:mod:`dataflow.history.records`: ``StepRecord``,
     ``EpochRecord``, ``PhaseRecord``), which also read as dicts; a history loaded from
     JSON holds dicts with the same keys."""
 

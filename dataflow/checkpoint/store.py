@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from dataflow.checkpoint_format import FORMAT_VERSION, Checkpoint, plain_state
+from dataflow.checkpoint.fingerprint import compare_fingerprints
+from dataflow.checkpoint.format import FORMAT_VERSION, Checkpoint, plain_state
 from dataflow.core.errors import CheckpointError, ConfigError, IncompatibleCheckpointError
-from dataflow.fingerprint import compare_fingerprints
 
 STEPS_FILE = "history-steps.jsonl"  # the fit's history steps, one JSON line each
 STEPS_COUNT = "steps_in_file"  # Checkpoint.history key (format 3): the steps it covers

@@ -12,8 +12,8 @@ from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.costmodel.planning import statistical_efficiency
 from dataflow.io.sampler import steps_per_epoch
-from dataflow.noise_scale import adascale_gain
-from dataflow.schedule_rules import LR_RULES, _finite_number, _positive_int, _round_down
+from dataflow.schedule.noise_scale import adascale_gain
+from dataflow.schedule.rules import LR_RULES, _finite_number, _positive_int, _round_down
 
 ADAPTIVE_LR_RULES = ("adascale", "adascale-sqrt", *sorted(LR_RULES))
 
@@ -30,7 +30,7 @@ class Adaptive:
     """The auto-tuner: grows the global batch toward the measured gradient noise scale.
 
     Phase 0 runs at ``initial_batch`` ``B0``. During each phase the driver estimates the
-    noise scale ``B_noise`` (:class:`dataflow.noise_scale.NoiseScaleTracker`, the
+    noise scale ``B_noise`` (:class:`dataflow.schedule.noise_scale.NoiseScaleTracker`, the
     critical batch size of McCandlish et al. 2018). At the boundary the wanted batch is
     the smaller of ``target × B_noise`` and, with ``min_efficiency`` (default 0.8), the
     largest batch that keeps that fraction of the small batch's progress per sample,
@@ -78,7 +78,7 @@ class Adaptive:
     which belongs to ``initial_batch``:
 
     - ``"adascale"``: AdaScale's gain ``(1 + B_noise/B0)/(1 + B_noise/B)``
-      (:func:`dataflow.noise_scale.adascale_gain`), between 1 and ``B/B0``: linear
+      (:func:`dataflow.schedule.noise_scale.adascale_gain`), between 1 and ``B/B0``: linear
       scaling while noise dominates, less once the batch nears the noise scale. The
       gain is recomputed at each boundary from the latest estimate (measured at the
       previous batch, close to the new one since growth is bounded); without a trusted

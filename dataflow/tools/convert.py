@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.history.report import MissingDependencyError
 from dataflow.io import VariableNotFoundError, to_zarr
-from dataflow.report import MissingDependencyError
 
 FORMATS = {
     ".npy": "numpy",

@@ -1,8 +1,6 @@
-"""Batch-size schedules: what global batch and learning rate each phase uses.
-
-A phase is a run of epochs with one global batch size ``B``, one learning rate
-and one set of replicas. The engine asks the schedule for the next phase at each
-phase boundary, so adaptive schedules can decide from what was measured.
+"""The schedules decided before the fit: ``Fixed`` (one global batch) and ``Stepwise``
+(the batch and LR at given epochs). ``Adaptive`` decides from measurements
+(:mod:`dataflow.schedule.adaptive`).
 """
 
 from __future__ import annotations
@@ -10,26 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dataflow.adaptive import ADAPTIVE_LR_RULES, Adaptive
 from dataflow.core.errors import BatchSizeError, ConfigError
-from dataflow.core.phase import PhaseMeasurement, PhaseSpec, lr_at
-from dataflow.core.protocols import Schedule
-from dataflow.schedule_rules import LR_RULES, _check_lr, _positive_int
-
-# PhaseSpec, PhaseMeasurement, lr_at and the Schedule protocol live in dataflow.core
-# (stages use them too), Adaptive in dataflow/adaptive.py; they are re-exported here,
-# their public home.
-__all__ = [
-    "ADAPTIVE_LR_RULES",
-    "LR_RULES",
-    "Adaptive",
-    "Fixed",
-    "PhaseMeasurement",
-    "PhaseSpec",
-    "Schedule",
-    "Stepwise",
-    "lr_at",
-]
+from dataflow.core.phase import PhaseMeasurement, PhaseSpec
+from dataflow.schedule.rules import LR_RULES, _check_lr, _positive_int
 
 
 @dataclass(frozen=True)

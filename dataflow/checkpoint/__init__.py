@@ -1,13 +1,14 @@
 """Checkpoints: everything a fit needs to resume exactly, in one import.
 
-:class:`Checkpoint` and its format (``dataflow.checkpoint_format``),
-:class:`CheckpointStore` (``dataflow.checkpoint_store``: atomic writes with a
+:class:`Checkpoint` and its format (``dataflow.checkpoint.format``),
+:class:`CheckpointStore` (``dataflow.checkpoint.store``: atomic writes with a
 checksummed manifest, listing, ``keep``, ``load_latest``), :func:`fingerprint` and
-:func:`compare_fingerprints` (``dataflow.fingerprint``: what must match to resume),
+:func:`compare_fingerprints` (``dataflow.checkpoint.fingerprint``: what must match to resume),
 :func:`capture_rng` and :func:`restore_rng` (``dataflow.core.rng``).
 """
 
-from dataflow.checkpoint_format import (
+from dataflow.checkpoint.fingerprint import compare_fingerprints, fingerprint
+from dataflow.checkpoint.format import (
     FORMAT_VERSION,
     Checkpoint,
     ledger_from_state,
@@ -18,9 +19,8 @@ from dataflow.checkpoint_format import (
     steps_from_list,
     steps_to_list,
 )
-from dataflow.checkpoint_store import WRITE_DELAY_ENV, CheckpointStore
+from dataflow.checkpoint.store import WRITE_DELAY_ENV, CheckpointStore
 from dataflow.core.rng import capture_rng, restore_rng
-from dataflow.fingerprint import compare_fingerprints, fingerprint
 
 __all__ = [
     "FORMAT_VERSION",

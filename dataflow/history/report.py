@@ -24,8 +24,8 @@ into terms, per replica, per step (a term's seconds over the phase / its steps):
 So each bar adds up to the phase's wall time divided by its steps.
 
 This module holds the entry points (``load_history``, ``write_report``, the CSV tables and
-TensorBoard); the figures are in ``dataflow.report_plots``, the numbers they plot in
-``dataflow.report_data`` (both re-exported here).
+TensorBoard); the figures are in ``dataflow.history.report_plots``, the numbers they plot in
+``dataflow.history.report_data`` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -38,28 +38,28 @@ from pathlib import Path
 from typing import Any
 
 from dataflow.core.errors import DataflowError
-from dataflow.history import History, skipped_text
-from dataflow.report_data import (
+from dataflow.history.report_data import (
     OPTIONAL_FIELDS,
     REPORT_FIELDS,
     STEP_TIME_CAPTION,
     TERM_COLORS,
     TERMS,
-    _eval_metrics,
-    _number,
+    as_number,
+    eval_metric_names,
     missing_fields,
     stage_kind,
     step_time_split,
     step_wall_times,
     sync_table,
 )
-from dataflow.report_plots import (
-    _title,
+from dataflow.history.report_plots import (
     plot_replicas,
     plot_schedule,
     plot_step_time,
     plot_training,
+    report_title,
 )
+from dataflow.history.result import History, skipped_text
 
 __all__ = [
     "OPTIONAL_FIELDS",
@@ -140,7 +140,7 @@ def write_steps_csv(history: History, path: Path) -> Path:
         writer = csv.writer(f)
         writer.writerow(columns)
         for step, wall in zip(history.steps, times, strict=True):
-            seen += int(_number(step.get("samples")) or 0)
+            seen += int(as_number(step.get("samples")) or 0)
             phase = phases.get(step.get("phase"), {})
             row = {**step, "samples_seen": seen, "wall_time": round(float(wall), 6)}
             row.update(global_batch=phase.get("global_batch"), lr=phase.get("lr"))
@@ -149,7 +149,7 @@ def write_steps_csv(history: History, path: Path) -> Path:
 
 
 def write_epochs_csv(history: History, path: Path) -> Path:
-    columns = ["epoch", "train_loss", *_eval_metrics(history.epochs)]
+    columns = ["epoch", "train_loss", *eval_metric_names(history.epochs)]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -227,7 +227,7 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
     summary = [
         "# Training report",
         "",
-        _title(history),
+        report_title(history),
         "",
         *([f"{skipped[0].upper()}{skipped[1:]}.", ""] if skipped else []),
         *notes,
@@ -255,21 +255,21 @@ def write_tensorboard(history: History, logdir: str | Path) -> Path | None:
         seen = 0
         epoch_seen: dict[int, int] = {}
         for step in history.steps:
-            seen += int(_number(step.get("samples")) or 0)
-            writer.add_scalar("train/loss", _number(step.get("loss")), seen)
-            writer.add_scalar("train/step_seconds", _number(step.get("seconds")), seen)
+            seen += int(as_number(step.get("samples")) or 0)
+            writer.add_scalar("train/loss", as_number(step.get("loss")), seen)
+            writer.add_scalar("train/step_seconds", as_number(step.get("seconds")), seen)
             epoch_seen[int(step.get("epoch", -1))] = seen
         for row in history.epochs:
             at = epoch_seen.get(int(row.get("epoch", -1)), 0)
             for key, value in row.items():
-                if key != "epoch" and math.isfinite(_number(value)):
-                    writer.add_scalar(f"epoch/{key}", _number(value), at)
+                if key != "epoch" and math.isfinite(as_number(value)):
+                    writer.add_scalar(f"epoch/{key}", as_number(value), at)
         for phase in history.phases:
-            start = int(_number(phase.get("start_epoch")))
+            start = int(as_number(phase.get("start_epoch")))
             at = epoch_seen.get(start - 1, 0)
             for key in ("global_batch", "lr", "noise_scale", "gain"):
-                if math.isfinite(_number(phase.get(key))):
-                    writer.add_scalar(f"phase/{key}", _number(phase.get(key)), at)
+                if math.isfinite(as_number(phase.get(key))):
+                    writer.add_scalar(f"phase/{key}", as_number(phase.get(key)), at)
     finally:
         writer.close()
     return logdir

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from dataflow.core.errors import ConfigError
-from dataflow.layout import Layout
+from dataflow.planning.layout import Layout
 
 # Between processes of one machine (gloo over loopback TCP), when no calibrated cost
 # model says otherwise: about what tests/bench_costmodel measured on this repository's
@@ -49,13 +49,13 @@ _MEASURED: dict[str, Any] = {}
 
 
 def layout_model(trainer: Any, *, calibrate: bool) -> Any:
-    """The pipeline's :class:`~dataflow.costmodel.layout.LayoutModel`: its layers from a
+    """The pipeline's :class:`~dataflow.costmodel.layout_cost.LayoutModel`: its layers from a
     trace at one sample's shape, and (``calibrate``) each layer's compute timed here, on
     the driver, once per model architecture and sample shape in this process (later
     calls reuse that measurement, named in every prediction's ``basis``); without,
     memory only (every layer's compute counted as 0)."""
     from dataflow.costmodel.collective import Link, Topology
-    from dataflow.costmodel.layout import LayoutModel
+    from dataflow.costmodel.layout_cost import LayoutModel
     from dataflow.costmodel.layout_ranks import LayerFit
     from dataflow.spatial.profile import calibrate_layout, layer_shapes
 
