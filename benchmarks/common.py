@@ -31,8 +31,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from dataflow.runtime.malloc import relax_malloc as relax_malloc
 
+RESULTS = Path(__file__).resolve().parent / "results"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.append(str(EXAMPLES))
+
+# The examples' models, not copies: what a user runs is what is measured.
+import cosmoflow  # noqa: E402
+import digits  # noqa: E402
+from cosmoflow import CosmoNet as CosmoNet  # noqa: E402
+from digits import DigitsNet as DigitsNet  # noqa: E402
 
 # -- model and data ---------------------------------------------------------------------
 
@@ -111,10 +121,12 @@ class OptimizerFactory:
 
 
 def ship_to_workers() -> None:
-    """Pickle this module by value, so Dask workers need not import ``common``."""
+    """Pickle this module and the examples' (whose models the benchmarks train) by
+    value, so Dask workers need not import them."""
     import cloudpickle
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    for module in (sys.modules[__name__], cosmoflow, digits):
+        cloudpickle.register_pickle_by_value(module)
 
 
 class SignalNet(torch.nn.Module):
@@ -162,59 +174,6 @@ class Optimizer:
         if self.kind == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         return torch.optim.Adam(params, lr=self.lr)
-
-
-class DigitsNet(torch.nn.Module):
-    """The digits benchmarks' 2D CNN (8x8 images, 10 classes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(16, 32, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(32 * 4 * 4, 64),
-            torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-class CosmoNet(torch.nn.Module):
-    """examples/cosmoflow.py's 3D CNN: log1p of the density contrast (in the model, so
-    evaluation, which reads its source untransformed, sees it too), three conv stages,
-    global average pooling (field statistics at three scales), a small head for (A, n)."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        w = width
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv3d(1, w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(w, 2 * w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.MaxPool3d(2),
-            torch.nn.Conv3d(2 * w, 4 * w, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool3d(1),
-        )
-        self.head = torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(4 * w, 4 * w),
-            torch.nn.ReLU(),
-            torch.nn.Linear(4 * w, 2),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(torch.log1p(x)))
 
 
 # -- the hand-written baseline ---------------------------------------------------------
@@ -751,27 +710,6 @@ def print_gc(fit: dict[str, Any]) -> None:
         for g in fit["worker_gc"]
     ]
     print("worker garbage collections during the fit: " + "; ".join(parts))
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
-
-
-def relax_malloc(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
-    """glibc: serve allocations below ``mmap_threshold`` from the heap, trim rarely.
-
-    Undoes, inside a running process, what ``MALLOC_TRIM_THRESHOLD_=65536`` in the
-    environment does at start-up: with it, glibc's dynamic mmap threshold is off, so
-    every tensor over 128 KiB is a fresh ``mmap`` (zeroed pages, a page fault per 4 KiB)
-    and is ``munmap``-ed when freed. Returns False where there is no glibc.
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    ok = libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
-    return ok and libc.mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
 
 
 def pin_process(core: int) -> int:
