@@ -94,7 +94,12 @@ def run_fit(
     info["fit_seconds"] = time.perf_counter() - started
     model = build_model(trainer.model_factory, config.seed)
     model.load_state_dict(state)
-    result = FitResult(model=model, history=recorder.history, ledger=recorder.ledger)
+    result = FitResult(
+        model=model,
+        history=recorder.history,
+        ledger=recorder.ledger,
+        driver_log=loop.machine.log,
+    )
     if config.progress:
         print(result.summary())
     return result

@@ -21,6 +21,7 @@ from typing import Any
 from dataflow.core.errors import ReplicaError
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.log import DriverLog
 from dataflow.driver.memory import (
     halved_cap,
     largest_micro_batch,
@@ -66,7 +67,7 @@ class FitMachine(LostWorkers):
     def __init__(self, config: MachineConfig) -> None:
         self.config = config
         self.state = FitState()
-        self.log: list[Any] = []
+        self.log = DriverLog(config)  # loggable copies of (event, commands), bounded
         self._handlers = {
             ev.Started: self._started,
             ev.GroupFormed: self._group_formed,
@@ -83,11 +84,13 @@ class FitMachine(LostWorkers):
         }
 
     def handle(self, event: Any) -> list[Any]:
-        """The commands ``event`` leads to; the event is logged first."""
-        self.log.append(event)
+        """The commands ``event`` leads to; both go to the log (as plain copies)."""
         if self.state.status in ("done", "failed") and not isinstance(event, ev.WorkersLost):
-            return []
-        return self._handlers[type(event)](event)
+            commands: list[Any] = []
+        else:
+            commands = self._handlers[type(event)](event)
+        self.log.record(event, commands)
+        return commands
 
     # -- membership -------------------------------------------------------------------
     @property

@@ -61,7 +61,7 @@ def halved_cap(ran: int, cap: int | None) -> int:
 
 
 def out_of_memory_error(
-    error: BaseException, *, rank: int, ran: int, halvings: int, budget: int, phase: Any
+    error: Any, *, rank: int, ran: int, halvings: int, budget: int, phase: Any
 ) -> ReplicaError:
     """The error a fit stops with when halving the micro-batch cap cannot help."""
     if ran <= 1:
@@ -76,7 +76,8 @@ def out_of_memory_error(
             f"{ran}, or free the device's memory"
         )
     failure = ReplicaError(f"replica {rank} ran out of device memory in phase {phase} {why}")
-    failure.__cause__ = error
+    # (a replayed log holds the error's name and message, not the exception)
+    failure.__cause__ = error if isinstance(error, BaseException) else None
     return failure
 
 

@@ -55,12 +55,17 @@ class History:
 
 @dataclass
 class FitResult:
-    """The trained model (synchronized weights, on the driver's CPU), its history, and the
-    sample ledger (which sample indices each replica trained on in each epoch)."""
+    """The trained model (synchronized weights, on the driver's CPU), its history, the
+    sample ledger (which sample indices each replica trained on in each epoch), and the
+    driver's log: every event its state machine handled and the commands it gave, as
+    plain data (:class:`dataflow.driver.log.DriverLog`; ``dataflow.driver.machine.replay
+    (log.config, log.events)`` makes the same decisions again: attach it to a bug
+    report)."""
 
     model: torch.nn.Module
     history: History
     ledger: SampleLedger | None = None
+    driver_log: Any = None
 
     def summary(self) -> str:
         h = self.history
