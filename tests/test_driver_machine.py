@@ -467,3 +467,14 @@ def test_every_event_and_command_type_has_a_handler():
     assert set(typing.get_args(cmd.Command)) == defined(cmd)
     assert set(Driver().machine._handlers) == set(typing.get_args(ev.Event))
     assert set(COMMAND_HANDLERS) == set(typing.get_args(cmd.Command))
+
+
+def test_the_log_is_a_ring_bounded_by_the_results_it_holds():
+    from dataflow.driver.log import DriverLog
+
+    log = DriverLog(config=None, limit=10)
+    for window in range(4):  # 1 + 3 results each: at most 2 fit in 10
+        log.record(ev.WindowDone(0, window, {r: None for r in range(3)}), [])
+    assert [e.window for e in log.events] == [2, 3] and log.dropped == 2
+    log.record(ev.WorkersLost(("tcp://a",)), [cmd.ChoosePhase()])
+    assert len(log) == 3 and log.commands == [cmd.ChoosePhase()]

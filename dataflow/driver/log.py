@@ -9,8 +9,10 @@ megabytes of weights alive. ``dataflow.driver.machine.replay`` feeds the events 
 fresh machine, which gives the same commands: a fit's decisions can be replayed from its
 log (``FitResult.driver_log``), as distributed replays a worker's stimulus log.
 
-The log is a ring of the last ``limit`` entries; a fit shorter than that replays from
-its start. Pure: no torch, Dask or I/O.
+The log is a ring: it keeps the newest entries whose size (one per entry plus one per
+replica result it holds) stays within ``limit``, so a fit of 1,024 replicas keeps about
+100 window rounds and one of 2 replicas about 30,000; a fit shorter than that replays
+from its start (``dropped`` is 0). Pure: no torch, Dask or I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-LOG_LIMIT = 100_000  # entries: as distributed's stimulus log; a window round is one
+LOG_LIMIT = 100_000  # entries plus the replica results they hold (see the docstring)
 STATE_TAKEN = "<replica state>"  # a replica's state (weights) went with this result
 
 
@@ -79,17 +81,24 @@ def _states_taken(states: Any) -> Any:
 
 class DriverLog:
     """The ring of (event, commands) entries of one fit, with the machine's ``config``
-    (what a replay needs)."""
+    (what a replay needs); ``limit``: see the module docstring."""
 
     def __init__(self, config: Any, limit: int = LOG_LIMIT) -> None:
-        self.config = config
-        self.entries: deque[tuple[Any, tuple[Any, ...]]] = deque(maxlen=limit)
+        self.config, self.limit = config, limit
+        self.entries: deque[tuple[Any, tuple[Any, ...]]] = deque()
+        self._sizes: deque[int] = deque()
+        self._size = 0
         self.dropped = 0  # entries the ring let go (0: the log starts at the fit's start)
 
     def record(self, event: Any, commands: list[Any]) -> None:
-        if len(self.entries) == self.entries.maxlen:
-            self.dropped += 1
+        size = 1 + len(getattr(event, "results", ()) or ())
         self.entries.append((loggable(event), tuple(loggable(c) for c in commands)))
+        self._sizes.append(size)
+        self._size += size
+        while self._size > self.limit and len(self.entries) > 1:
+            self.entries.popleft()
+            self._size -= self._sizes.popleft()
+            self.dropped += 1
 
     @property
     def events(self) -> list[Any]:
