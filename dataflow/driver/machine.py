@@ -30,7 +30,7 @@ from dataflow.driver.memory import (
     out_of_memory_error,
 )
 from dataflow.driver.recovery import LostWorkers
-from dataflow.driver.state import FitState
+from dataflow.driver.state import FitState, Forming, Status
 from dataflow.planning.layout import ReplicaGroups
 from dataflow.planning.plan import Plan, checkpoint_windows
 from dataflow.sync import Async, Local, Synchronous, SyncPolicy
@@ -85,7 +85,9 @@ class FitMachine(LostWorkers):
 
     def handle(self, event: Any) -> list[Any]:
         """The commands ``event`` leads to; both go to the log (as plain copies)."""
-        if self.state.status in ("done", "failed") and not isinstance(event, ev.WorkersLost):
+        if self.state.status in (Status.DONE, Status.FAILED) and not isinstance(
+            event, ev.WorkersLost
+        ):
             commands: list[Any] = []
         else:
             commands = self._handlers[type(event)](event)
@@ -119,14 +121,14 @@ class FitMachine(LostWorkers):
     ) -> list[Any]:
         s = self.state
         s.generation += 1
-        s.layout, s.joining, s.after_group, s.status = layout, joining, after, "forming"
+        s.layout, s.joining, s.after_group, s.status = layout, joining, after, Status.FORMING
         s.available = tuple(w for w in s.available if w not in layout.workers)
         return [cmd.FormGroup(s.generation, layout.leaders, joining=joining, groups=layout.groups)]
 
     def _started(self, event: ev.Started) -> list[Any]:
         s = self.state
-        s.layout, s.generation, s.status = self._groups(event.workers), 0, "forming"
-        s.forming, s.after_group, s.restoring = "start", "choose", event.restore
+        s.layout, s.generation, s.status = self._groups(event.workers), 0, Status.FORMING
+        s.forming, s.after_group, s.restoring = Forming.START, "choose", event.restore
         s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
         return [
             cmd.FormGroup(
@@ -136,17 +138,17 @@ class FitMachine(LostWorkers):
 
     def _group_formed(self, event: ev.GroupFormed) -> list[Any]:
         s = self.state
-        if event.generation != s.generation or s.status != "forming":
+        if event.generation != s.generation or s.status != Status.FORMING:
             return []
-        after, s.forming, s.joining, s.group_retries = s.after_group, "regroup", (), 0
+        after, s.forming, s.joining, s.group_retries = s.after_group, Forming.REGROUP, (), 0
         if after == "end":
-            s.status = "ending"
+            s.status = Status.ENDING
             return [cmd.EndPhase(s.generation, self.members)]
         if after == "checkpoint":
-            s.status, s.after_group = "boundary", "choose"
+            s.status, s.after_group = Status.BOUNDARY, "choose"
             return [self._phase_checkpoint(), cmd.ChoosePhase()]
         if after == "finish":
-            s.status = "done"
+            s.status = Status.DONE
             return [cmd.Finish(self.members)]
         s.restoring = False
         return self._plan(after)
@@ -155,14 +157,14 @@ class FitMachine(LostWorkers):
         """Form the same group again under a new generation (members that joined the
         failed one refuse its late tasks), a few times; then the error stands."""
         s = self.state
-        if event.generation != s.generation or s.status != "forming":
+        if event.generation != s.generation or s.status != Status.FORMING:
             return []
         s.group_retries += 1
         if s.group_retries > self.config.max_group_retries:
-            s.status = "failed"
+            s.status = Status.FAILED
             return [cmd.Fail(error=event.error)]
         s.generation += 1
-        fresh = s.forming in ("start", "restart")
+        fresh = s.forming in (Forming.START, Forming.RESTART)
         return [
             cmd.FormGroup(
                 s.generation,
@@ -178,7 +180,7 @@ class FitMachine(LostWorkers):
         """Ask the planner: ``"choose"`` the next phase, ``"phase"`` the chosen phase's
         steps, ``"rest"`` the running phase's steps from the commit on."""
         s = self.state
-        s.status, s.after_group = "planning", kind
+        s.status, s.after_group = Status.PLANNING, kind
         if kind == "choose":
             return [cmd.ChoosePhase()]
         cap = s.memory_cap
@@ -197,10 +199,10 @@ class FitMachine(LostWorkers):
     # -- phases -----------------------------------------------------------------------
     def _phase_chosen(self, event: ev.PhaseChosen) -> list[Any]:
         s = self.state
-        if s.status not in ("planning", "boundary"):
+        if s.status not in (Status.PLANNING, Status.BOUNDARY):
             return []
         if event.phase is None:
-            s.status = "done"
+            s.status = Status.DONE
             return [cmd.Finish(self.members)]
         s.next_phase = event.phase
         joiners = self._joinable()
@@ -211,7 +213,7 @@ class FitMachine(LostWorkers):
 
     def _segment_planned(self, event: ev.SegmentPlanned) -> list[Any]:
         s = self.state
-        if s.status != "planning":
+        if s.status != Status.PLANNING:
             return []
         new_phase = s.phase is None or event.phase.index != s.phase.index
         s.phase, s.phase_steps = event.phase, event.phase_steps
@@ -227,10 +229,10 @@ class FitMachine(LostWorkers):
         s.pending.clear()
         s.commit_window = s.next_window
         if not event.todo:
-            s.status = "ending"
+            s.status = Status.ENDING
             return [cmd.EndPhase(s.generation, self.members)]
         s.committed_step = s.planned_until = event.todo[0].index
-        s.status = "running"
+        s.status = Status.RUNNING
         begin = cmd.BeginPhase(
             s.generation, self.members, event.phase, event.todo, event.continued, s.lr_factor
         )
@@ -278,7 +280,7 @@ class FitMachine(LostWorkers):
         if s.releasing:
             return self._window_done_releasing()
         out = self._commit_ready(lost=())
-        if s.windows or s.status != "running":
+        if s.windows or s.status != Status.RUNNING:
             return out
         s.step_seconds = _step_seconds(s.last_results)
         if s.planned_until < s.segment[-1].index + 1:
@@ -286,7 +288,7 @@ class FitMachine(LostWorkers):
             if cap is not None and largest_planned(s.segment, s.planned_until) > cap:
                 return [*out, *self._plan("rest")]  # a measured cap: the rest under it
             return [*out, self._submit_next()]
-        s.status = "ending"
+        s.status = Status.ENDING
         return [*out, cmd.EndPhase(s.generation, self.members)]
 
     def _commit_ready(self, lost: Iterable[int]) -> list[Any]:
@@ -324,13 +326,13 @@ class FitMachine(LostWorkers):
 
     def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
         s = self.state
-        if event.generation != s.generation or s.status != "ending":
+        if event.generation != s.generation or s.status != Status.ENDING:
             return []
         digests = {end.get("weights_digest") for end in event.ends}
         if len(digests) > 1:
-            s.status = "failed"
+            s.status = Status.FAILED
             return [cmd.Fail(error=_diverged(s.phase.index, digests))]
-        s.status = "boundary"
+        s.status = Status.BOUNDARY
         out: list[Any] = [cmd.RecordPhase(s.phase, s.phase_steps, s.segment, tuple(event.ends))]
         if self.config.checkpoints:
             out.append(self._phase_checkpoint())
@@ -355,7 +357,7 @@ class FitMachine(LostWorkers):
         if not (
             event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks
         ):
-            s.status = "failed"
+            s.status = Status.FAILED
             return [cmd.Fail(error=event.error)]
         # Every replica saw the same reduced gradient and stopped before the update:
         # the group is intact, so the replicas roll back in place, with a lower LR.
@@ -386,7 +388,7 @@ class FitMachine(LostWorkers):
         ran = largest_micro_batch(plan, window, event.rank)
         cap = halved_cap(ran, s.memory_cap)
         if cap < 1 or s.memory_halvings >= config.max_memory_halvings:
-            s.status = "failed"
+            s.status = Status.FAILED
             error = out_of_memory_error(
                 event.error,
                 rank=event.rank,

@@ -14,6 +14,7 @@ from typing import Any
 
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.state import Forming, Status
 from dataflow.planning.layout import ReplicaGroups
 
 
@@ -43,7 +44,7 @@ class LostWorkers:
     def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
         s, config = self.state, self.config
         s.available = tuple(w for w in s.available if w not in event.workers)
-        if s.status == "forming" and s.forming == "regroup" and s.joining:
+        if s.status == Status.FORMING and s.forming == Forming.REGROUP and s.joining:
             # Joiners (alive or not) go back to the pool; the group is formed again.
             alive = tuple(w for w in s.joining if w not in event.workers)
             s.layout = ReplicaGroups(tuple(g for g in s.layout.groups if g[0] not in s.joining))
@@ -53,22 +54,22 @@ class LostWorkers:
                 layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
                 return self._form(layout, joining=joiners, after=s.after_group)
         lost_ranks = s.layout.lost_replicas(event.workers)
-        if not lost_ranks or s.status in ("failed", "restarting", "idle"):
+        if not lost_ranks or s.status in (Status.FAILED, Status.RESTARTING, Status.IDLE):
             return []
         if not config.recover_lost_workers:
-            s.status = "failed"
+            s.status = Status.FAILED
             lost = tuple(w for w in s.layout.workers if w in event.workers)
             remain = s.layout.replicas - len(lost_ranks)
             return [cmd.Fail(lost=lost, remain=remain, phase=self._phase_index())]
-        if s.status == "forming" and s.forming in ("start", "restart"):
+        if s.status == Status.FORMING and s.forming in (Forming.START, Forming.RESTART):
             return self._lost_while_starting(event, lost_ranks)
         if s.releasing:  # lost again while the survivors finish a window: roll back
             return self._abandon_release(event.workers)
-        if s.status == "running" and self._may_release(lost_ranks):
+        if s.status == Status.RUNNING and self._may_release(lost_ranks):
             return self._release(event, lost_ranks)
         # What to do again once the survivors are regrouped.
-        resume = {"running": "rest", "ending": "end", "done": "finish"}.get(s.status)
-        if s.status == "boundary":
+        resume = {Status.RUNNING: "rest", Status.ENDING: "end", Status.DONE: "finish"}.get(s.status)
+        if s.status == Status.BOUNDARY:
             resume = "checkpoint" if config.checkpoints else "choose"
         return self._regroup_survivors(event, lost_ranks, after=resume or s.after_group)
 
@@ -151,7 +152,7 @@ class LostWorkers:
         updates the release's."""
         s, config = self.state, self.config
         lost = tuple(w for w in s.layout.workers if w in event.workers)
-        out = self._commit_ready(lost=lost_ranks) if s.status == "running" else []
+        out = self._commit_ready(lost=lost_ranks) if s.status == Status.RUNNING else []
         survivors = s.layout.without(lost_ranks)
         partners = self._release_partners(lost_ranks, event.workers)
         if not survivors.replicas and partners:
@@ -161,9 +162,9 @@ class LostWorkers:
             s.windows.clear()
             s.pending.clear()
             if not config.checkpoints:
-                s.status = "failed"
+                s.status = Status.FAILED
                 return [*out, cmd.Fail(lost=lost, remain=0, phase=self._phase_index())]
-            s.status, s.lost_everything = "restarting", record
+            s.status, s.lost_everything = Status.RESTARTING, record
             return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         record.update(kept or {})
@@ -178,7 +179,7 @@ class LostWorkers:
         ]
         joiners = self._joinable()
         if survivors.replicas + len(joiners) < config.min_workers:
-            s.status = "failed"
+            s.status = Status.FAILED
             if in_segment and config.checkpoints:
                 out.append(
                     cmd.WriteCheckpoint(
@@ -237,9 +238,9 @@ class LostWorkers:
         if config.max_replicas is not None:
             groups = min(groups, config.max_replicas)
         if config.checkpoints and config.may_join and groups >= max(1, config.min_workers):
-            s.status, s.lost_everything = "restarting", record
+            s.status, s.lost_everything = Status.RESTARTING, record
             return [*out, cmd.AwaitRestart(had=groups)]
-        s.status = "failed"
+        s.status = Status.FAILED
         fail = cmd.Fail(
             lost=lost,
             remain=0,
@@ -254,11 +255,11 @@ class LostWorkers:
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         survivors = s.layout.without(lost_ranks)
         self._release_partners(lost_ranks, event.workers)
-        if not survivors.replicas and s.forming == "restart":  # wait for workers again
-            s.status = "restarting"
+        if not survivors.replicas and s.forming == Forming.RESTART:  # wait for workers again
+            s.status = Status.RESTARTING
             return [cmd.AwaitRestart(had=s.layout.replicas)]
         if not survivors.replicas or survivors.replicas < config.min_workers:
-            s.status, s.layout = "failed", survivors
+            s.status, s.layout = Status.FAILED, survivors
             left = len(survivors.workers) + len(s.available)
             return [
                 cmd.Fail(lost=lost, remain=survivors.replicas, starting=True, workers_left=left)
@@ -277,12 +278,12 @@ class LostWorkers:
 
     def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
         s, config = self.state, self.config
-        if s.status != "restarting":
+        if s.status != Status.RESTARTING:
             return []
         record = dict(s.lost_everything or {})
         exhausted = event.step is not None and s.restarts.get(event.step, 0) >= config.max_restarts
         if event.step is None or exhausted or not event.workers:
-            s.status = "failed"
+            s.status = Status.FAILED
             return [
                 cmd.Fail(
                     lost=tuple(record.get("lost", ())),
@@ -300,7 +301,7 @@ class LostWorkers:
         s.available = tuple(w for w in s.available if w not in event.workers)
         s.layout = self._groups(tuple(event.workers))
         if not s.layout.replicas:  # too few workers for one group (a spatial layout)
-            s.status = "failed"
+            s.status = Status.FAILED
             return [
                 cmd.Fail(
                     lost=tuple(record.get("lost", ())),
@@ -311,7 +312,12 @@ class LostWorkers:
             ]
         s.generation += 1
         s.committed_step, s.step_seconds, s.phase = event.step, None, None
-        s.status, s.forming, s.after_group, s.restoring = "forming", "restart", "choose", True
+        s.status, s.forming, s.after_group, s.restoring = (
+            Status.FORMING,
+            Forming.RESTART,
+            "choose",
+            True,
+        )
         return [
             cmd.RecordFailure(record),
             cmd.Restart(event.step),

@@ -4,21 +4,33 @@ history, which the recorder keeps)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from dataflow.planning.layout import ReplicaGroups
 
-STATUSES = (
-    "idle",
-    "forming",
-    "planning",
-    "running",
-    "ending",
-    "boundary",
-    "restarting",
-    "done",
-    "failed",
-)
+
+class Status(StrEnum):
+    """What the machine waits for (see :class:`FitState`)."""
+
+    IDLE = "idle"
+    FORMING = "forming"
+    PLANNING = "planning"
+    RUNNING = "running"
+    ENDING = "ending"
+    BOUNDARY = "boundary"
+    RESTARTING = "restarting"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Forming(StrEnum):
+    """Why a group is being formed, which decides what a loss meanwhile means: the fit's
+    first group, a restart from a checkpoint, or the survivors' (and joiners') regroup."""
+
+    START = "start"
+    RESTART = "restart"
+    REGROUP = "regroup"
 
 
 @dataclass
@@ -28,12 +40,12 @@ class FitState:
     ``boundary``: the phase checkpoint and the next phase, ``restarting``: workers and
     a checkpoint after every replica was lost)."""
 
-    status: str = "idle"
+    status: Status = Status.IDLE
     layout: ReplicaGroups = field(default_factory=ReplicaGroups)  # the replicas, in rank order
     generation: int = 0  # of the process group; a task of an older one is stale
     available: tuple[str, ...] = ()  # workers of the client that may join
     joining: tuple[str, ...] = ()  # joiners of the group being formed
-    forming: str = "start"  # "start", "restart" or "regroup": what a loss while forming means
+    forming: Forming = Forming.START  # what a loss while forming means
     restoring: bool = False  # the group being formed loads a checkpoint
     after_group: str = "choose"  # what follows the group (or what a loss interrupted)
     next_phase: Any = None  # chosen, not yet planned
