@@ -236,7 +236,9 @@ def test_workers_join_at_a_phase_boundary_and_the_next_phase_is_planned_for_them
     phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
     [form] = d.send(ev.PhaseChosen(phase1))
     assert form.members == W and form.joining == ("tcp://c",) and form.generation == 1
-    assert d.send(ev.GroupFormed(1)) == [cmd.PlanSegment("phase", 3, phase=phase1)]
+    assert d.send(ev.GroupFormed(1)) == [
+        cmd.PlanSegment("phase", 3, phase=phase1, commit_step=8)
+    ]  # from step 8
 
 
 def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
@@ -354,7 +356,7 @@ def test_a_group_that_fails_to_form_is_formed_again_then_the_error_stands():
     d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)))
     [form] = d.send(ev.GroupFailed(1, RuntimeError("stalled")))
     assert not form.fresh and form.joining == ("tcp://c",) and form.generation == 2
-    assert d.send(ev.GroupFormed(2)) == [cmd.PlanSegment("phase", 3, phase=d.state.next_phase)]
+    assert d.send(ev.GroupFormed(2)) == [cmd.PlanSegment("phase", 3, d.state.next_phase, 8)]
 
 
 def _async_driver(workers=W, servers=1):
@@ -478,3 +480,23 @@ def test_the_log_is_a_ring_bounded_by_the_results_it_holds():
     assert [e.window for e in log.events] == [2, 3] and log.dropped == 2
     log.record(ev.WorkersLost(("tcp://a",)), [cmd.ChoosePhase()])
     assert len(log) == 3 and log.commands == [cmd.ChoosePhase()]
+
+
+def test_the_machine_keeps_the_fits_position_and_ends_it_when_every_epoch_is_trained():
+    """The position (next epoch, first step, the phase before) is machine state: the
+    schedule is asked for a phase from it, and the end of training is the machine's
+    decision, not the planner's answer."""
+    d = Driver(epochs=PHASE0.end_epoch)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.finish_plan(train)
+    out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    assert [type(c) for c in out] == [cmd.RecordPhase, cmd.Finish]
+    assert (d.state.epoch, d.state.next_step, d.state.previous) == (2, 8, PHASE0)
+    assert d.state.status == "done"
+
+    resumed = Driver(epochs=3)  # a resume from the checkpoint after PHASE0
+    resumed.send(ev.Started(tuple(W[:2]), restore=True, epoch=2, step=8, previous=PHASE0))
+    assert resumed.send(ev.GroupFormed(0)) == [cmd.ChoosePhase(2, PHASE0)]
+    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
+    assert resumed.send(ev.PhaseChosen(phase1)) == [cmd.PlanSegment("phase", 2, phase1, 8)]

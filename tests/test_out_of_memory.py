@@ -78,7 +78,7 @@ def test_the_learned_cap_stays_for_the_fits_later_phases():
     d.send(ev.PhaseEnded(1, ({"weights_digest": "x"},) * 2))
     phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
     [plan_cmd] = d.send(ev.PhaseChosen(phase1))
-    assert plan_cmd == cmd.PlanSegment("phase", 2, phase=phase1, memory_cap=2)
+    assert plan_cmd == cmd.PlanSegment("phase", 2, phase1, 8, memory_cap=2)
     steps = planner().phase_steps(phase1, 2, 8, memory_cap=plan_cmd.memory_cap)
     assert {s.micro_batches for s in steps} == {(4, 4)}
     d.send(ev.SegmentPlanned(phase1, steps, steps))

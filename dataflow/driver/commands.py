@@ -32,8 +32,13 @@ class FormGroup:
 
 @dataclass(frozen=True)
 class ChoosePhase:
-    """Ask the schedule for the phase after the last one (and, with
-    ``scale_with_batch``, the cluster for the workers it needs)."""
+    """Ask the schedule for the phase that starts at ``epoch``, after ``previous`` (None:
+    the fit's first, or the first after a resume from inside a phase) with the
+    measurement the recorder took of it (and, with ``scale_with_batch``, the cluster for
+    the workers it needs). The machine asks only while epochs are left."""
+
+    epoch: int = 0
+    previous: Any = None  # PhaseSpec
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class PlanSegment:
     kind: str
     replicas: int
     phase: Any = None
-    commit_step: int = 0
+    commit_step: int = 0  # "rest": the first step not committed; "phase": its first step
     memory_cap: int | None = None
 
 

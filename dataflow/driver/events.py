@@ -22,6 +22,11 @@ class Started:
     workers: tuple[str, ...]
     restore: bool = False
     memory_cap: int | None = None
+    # where the fit starts (a resume: the checkpoint's): the first epoch and step to
+    # train, and the phase before them (None: none, or the checkpoint is inside a phase)
+    epoch: int = 0
+    step: int = 0
+    previous: Any = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,8 @@ class RestartPoint:
 
     step: int | None
     workers: tuple[str, ...]
+    epoch: int = 0  # the checkpoint's first epoch to train, and the phase before it
+    previous: Any = None
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ def build_loop(
             max_replicas=config.replicas if config.replicas is not None else config.max_workers,
             spatial=config.spatial,
             sync=config.sync,
+            epochs=epochs,
         )
     )
     recorder = Recorder(

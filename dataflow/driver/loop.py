@@ -100,16 +100,21 @@ class FitLoop:
             self.writer.saved_steps = len(saved.steps)
         restore_rng(checkpoint.rng)
         self.checkpoint = checkpoint
-        self.previous, self.measurement = self.start.previous, self.start.measurement
-        self.epoch, self.next_index = self.start.epoch, self.start.step
+        self.measurement = self.start.measurement
 
     def run(self, workers: list[str]) -> dict[str, Any]:
         """Train; returns rank 0's final weights."""
         if self.checkpoint is None:
-            self.previous, self.measurement, self.epoch, self.next_index = None, None, 0, 0
+            self.measurement = None
         self.executor.known.update(self.executor.available())
+        start = self.start  # (a fresh fit: the start of it)
         started = ev.Started(
-            tuple(workers), self.checkpoint is not None, memory_cap=self.start.memory_cap
+            tuple(workers),
+            self.checkpoint is not None,
+            memory_cap=start.memory_cap,
+            epoch=start.epoch,
+            step=start.step,
+            previous=start.previous,
         )
         self.apply(self.machine.handle(started))
         for event in self.executor.events():
@@ -201,7 +206,11 @@ class FitLoop:
             if found:
                 self.checkpoint = self.writer.load_latest()
                 step, workers = self.checkpoint.step, tuple(found)
-        self.executor.queue.append(ev.RestartPoint(step, workers))
+        if step is None:
+            self.executor.queue.append(ev.RestartPoint(None, workers))
+            return
+        point = ResumePoint.of(self.checkpoint)
+        self.executor.queue.append(ev.RestartPoint(step, workers, point.epoch, point.previous))
 
     def _Restart(self, c: cmd.Restart) -> None:
         if self.progress:
@@ -235,11 +244,8 @@ class FitLoop:
                 )
             )
             return
-        if self.epoch >= self.epochs:
-            self.executor.queue.append(ev.PhaseChosen(None))
-            return
-        phase = self.planner.next_phase(self.epoch, self.epochs, self.previous, self.measurement)
-        if self.scale is not None and self.previous is not None:
+        phase = self.planner.next_phase(c.epoch, self.epochs, c.previous, self.measurement)
+        if self.scale is not None and c.previous is not None:
             self.scale(phase)  # ask the cluster for the workers the batch needs
         joined = self.executor.joined_event()
         if joined is not None:
@@ -252,7 +258,7 @@ class FitLoop:
         if c.kind == "phase":
             measured = self.recorder.measured_speeds()
             steps = self.planner.phase_steps(
-                c.phase, c.replicas, self.next_index, measured, memory_cap=c.memory_cap
+                c.phase, c.replicas, c.commit_step, measured, memory_cap=c.memory_cap
             )
             self._announce(c.phase, steps, steps)
             self.recorder.begin_phase(c.phase, steps, steps)
@@ -306,8 +312,6 @@ class FitLoop:
             steps=len(c.phase_steps),
             measured_steps=rec.noise.steps,
         )
-        self.previous, self.epoch = c.phase, c.phase.end_epoch
-        self.next_index = c.phase_steps[0].index + len(c.phase_steps)
 
     # -- failures -------------------------------------------------------------------------
     def _RecordFailure(self, c: cmd.RecordFailure) -> None:

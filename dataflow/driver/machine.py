@@ -58,6 +58,7 @@ class MachineConfig:
     may_join: bool = True  # workers that join the client join the fit
     max_replicas: int | None = None  # the most replicas joins may grow the fit to
     spatial: int = 1  # workers per replica (Layout.spatial): groups form from P workers
+    epochs: int | None = None  # the fit's length; None: until the schedule has no phase
     sync: SyncPolicy = field(default_factory=Synchronous)
 
 
@@ -130,6 +131,7 @@ class FitMachine(LostWorkers):
         s.layout, s.generation, s.status = self._groups(event.workers), 0, Status.FORMING
         s.forming, s.after_group, s.restoring = Forming.START, "choose", event.restore
         s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
+        s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous
         return [
             cmd.FormGroup(
                 0, self.members, fresh=True, restore=event.restore, groups=s.layout.groups
@@ -146,10 +148,11 @@ class FitMachine(LostWorkers):
             return [cmd.EndPhase(s.generation, self.members)]
         if after == "checkpoint":
             s.status, s.after_group = Status.BOUNDARY, "choose"
-            return [self._phase_checkpoint(), cmd.ChoosePhase()]
-        if after == "finish":
+            return [self._phase_checkpoint(), *self._next_phase()]
+        if after == "finish":  # lost before the fit's last checkpoint or weights: again
             s.status = Status.DONE
-            return [cmd.Finish(self.members)]
+            again = [self._phase_checkpoint()] if self.config.checkpoints and s.phase else []
+            return [*again, cmd.Finish(self.members)]
         s.restoring = False
         return self._plan(after)
 
@@ -182,10 +185,11 @@ class FitMachine(LostWorkers):
         s = self.state
         s.status, s.after_group = Status.PLANNING, kind
         if kind == "choose":
-            return [cmd.ChoosePhase()]
+            return self._next_phase()
         cap = s.memory_cap
         if kind == "phase":
-            return [cmd.PlanSegment("phase", s.layout.replicas, phase=s.next_phase, memory_cap=cap)]
+            replicas = s.layout.replicas
+            return [cmd.PlanSegment("phase", replicas, s.next_phase, s.next_step, memory_cap=cap)]
         return [
             cmd.PlanSegment("rest", s.layout.replicas, s.phase, s.committed_step, memory_cap=cap)
         ]
@@ -334,12 +338,23 @@ class FitMachine(LostWorkers):
             return [cmd.Fail(error=_diverged(s.phase.index, digests))]
         s.status = Status.BOUNDARY
         out: list[Any] = [cmd.RecordPhase(s.phase, s.phase_steps, s.segment, tuple(event.ends))]
+        s.previous, s.epoch = s.phase, s.phase.end_epoch
+        s.next_step = s.phase_steps[0].index + len(s.phase_steps)
         if self.config.checkpoints:
             out.append(self._phase_checkpoint())
         # Still "boundary" until the phase is chosen: a loss meanwhile writes the
         # checkpoint again on the survivors.
         s.after_group = "choose"
-        return [*out, cmd.ChoosePhase()]
+        return [*out, *self._next_phase()]
+
+    def _next_phase(self) -> list[Any]:
+        """The end of training (every epoch trained: the machine's own decision), or the
+        schedule asked for the next phase."""
+        s = self.state
+        if self.config.epochs is not None and s.epoch >= self.config.epochs:
+            s.status = Status.DONE
+            return [cmd.Finish(self.members)]
+        return [cmd.ChoosePhase(s.epoch, s.previous)]
 
     def _phase_checkpoint(self) -> cmd.WriteCheckpoint:
         s = self.state

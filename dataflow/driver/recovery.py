@@ -312,6 +312,7 @@ class LostWorkers:
             ]
         s.generation += 1
         s.committed_step, s.step_seconds, s.phase = event.step, None, None
+        s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous
         s.status, s.forming, s.after_group, s.restoring = (
             Status.FORMING,
             Forming.RESTART,

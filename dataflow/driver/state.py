@@ -48,6 +48,11 @@ class FitState:
     forming: Forming = Forming.START  # what a loss while forming means
     restoring: bool = False  # the group being formed loads a checkpoint
     after_group: str = "choose"  # what follows the group (or what a loss interrupted)
+    # the fit's position between phases: the first epoch and global step the next phase
+    # starts at, and the last phase trained (None: none yet, or resumed inside a phase)
+    epoch: int = 0
+    next_step: int = 0
+    previous: Any = None
     next_phase: Any = None  # chosen, not yet planned
     phase: Any = None  # PhaseSpec running
     phase_steps: tuple[Any, ...] = ()  # the phase as planned
