@@ -500,3 +500,17 @@ def test_the_machine_keeps_the_fits_position_and_ends_it_when_every_epoch_is_tra
     assert resumed.send(ev.GroupFormed(0)) == [cmd.ChoosePhase(2, PHASE0)]
     phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
     assert resumed.send(ev.PhaseChosen(phase1)) == [cmd.PlanSegment("phase", 2, phase1, 8)]
+
+
+def test_scale_with_batch_asks_the_cluster_once_before_a_later_phase_and_takes_joiners():
+    d = Driver(scale_with_batch=True)
+    assert d.send(ev.Started(tuple(W[:2]))) and d.send(ev.GroupFormed(0)) == [cmd.ChoosePhase()]
+    assert of(cmd.ScaleCluster, d.send(ev.PhaseChosen(PHASE0))) == []  # the first: as is
+    d2 = Driver(scale_with_batch=True, epochs=3)
+    d2.send(ev.Started(tuple(W[:2]), epoch=2, step=8, previous=PHASE0))  # after PHASE0
+    d2.send(ev.GroupFormed(0))
+    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=24)
+    assert d2.send(ev.PhaseChosen(phase1)) == [cmd.ScaleCluster(phase1)]
+    d2.send(ev.WorkersJoined((W[2],)))  # the worker the cluster started
+    [form] = d2.send(ev.PhaseChosen(phase1))  # said again once scaled: not asked twice
+    assert isinstance(form, cmd.FormGroup) and form.joining == (W[2],)

@@ -42,6 +42,15 @@ class ChoosePhase:
 
 
 @dataclass(frozen=True)
+class ScaleCluster:
+    """``scale_with_batch``: ask the cluster for the workers ``phase``'s batch needs
+    (how many: the cost plan's), then say ``PhaseChosen(phase)`` again, the workers that
+    came first."""
+
+    phase: Any  # PhaseSpec
+
+
+@dataclass(frozen=True)
 class PlanSegment:
     """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``"phase"``
     (``phase`` from its first step), ``"rest"`` (the phase's steps from ``commit_step``
@@ -213,6 +222,7 @@ class Finish:
 Command = (
     FormGroup
     | ChoosePhase
+    | ScaleCluster
     | PlanSegment
     | BeginPhase
     | SubmitWindows

@@ -395,6 +395,22 @@ class Executor(GroupForming):
         self.known.update(workers)
         return workers
 
+    def scale_cluster(self, wanted: int, timeout_s: float) -> str | None:
+        """Ask the client's cluster for ``wanted`` workers and wait for them; the reason
+        when it could not (None: they are here)."""
+        cluster = getattr(self.client, "cluster", None)
+        if cluster is None or not hasattr(cluster, "scale"):
+            return (
+                "the client has no cluster object to scale (connected by address?); start "
+                "more workers yourself, they join at the next phase"
+            )
+        cluster.scale(wanted)
+        try:
+            self.client.wait_for_workers(wanted, timeout=timeout_s)
+        except TimeoutError:
+            return f"only some workers arrived in {timeout_s} s"
+        return None
+
     def close(self, *, failed: bool) -> None:
         """Release the fit's futures and its replicas on the workers still alive (a
         broadcast to a dead worker's address waits the whole connect timeout, 30 s)."""

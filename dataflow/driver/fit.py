@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from distributed import Client
+if TYPE_CHECKING:
+    from distributed import Client
+
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
@@ -138,6 +140,7 @@ def build_loop(
             spatial=config.spatial,
             sync=config.sync,
             epochs=epochs,
+            scale_with_batch=bool(config.scale_with_batch and config.elastic),
         )
     )
     recorder = Recorder(
@@ -209,20 +212,10 @@ def _request_workers(executor: Executor, config: Any, phase: Any, recorder: Reco
     """``scale_with_batch``: the workers ``driver/costplan.workers_wanted`` asks for."""
     scaling: dict[str, Any] = {"phase": phase.index, **workers_wanted(config, phase.global_batch)}
     wanted = scaling["requested"]
-    client = executor.client
     if wanted <= len(executor.available()):
         return
-    cluster = getattr(client, "cluster", None)
-    if cluster is None or not hasattr(cluster, "scale"):
-        scaling["error"] = (
-            "the client has no cluster object to scale (connected by address?); start "
-            "more workers yourself, they join at the next phase"
-        )
-    else:
-        cluster.scale(wanted)
-        try:
-            client.wait_for_workers(wanted, timeout=config.scale_timeout_s)
-        except TimeoutError:
-            scaling["error"] = f"only some workers arrived in {config.scale_timeout_s} s"
+    error = executor.scale_cluster(wanted, config.scale_timeout_s)
+    if error is not None:
+        scaling["error"] = error
     scaling["workers"] = len(executor.available())
     recorder.history.info.setdefault("scaling", []).append(scaling)

@@ -245,12 +245,18 @@ class FitLoop:
             )
             return
         phase = self.planner.next_phase(c.epoch, self.epochs, c.previous, self.measurement)
-        if self.scale is not None and c.previous is not None:
-            self.scale(phase)  # ask the cluster for the workers the batch needs
         joined = self.executor.joined_event()
         if joined is not None:
             self.executor.queue.append(joined)
         self.executor.queue.append(ev.PhaseChosen(phase))
+
+    def _ScaleCluster(self, c: cmd.ScaleCluster) -> None:
+        if self.scale is not None:
+            self.scale(c.phase)  # the workers the batch needs, from the cost plan
+        joined = self.executor.joined_event()
+        if joined is not None:
+            self.executor.queue.append(joined)
+        self.executor.queue.append(ev.PhaseChosen(c.phase))
 
     def _PlanSegment(self, c: cmd.PlanSegment) -> None:
         if c.memory_cap is not None:  # learned (out of memory) or measured (CUDA)

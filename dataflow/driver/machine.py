@@ -59,6 +59,7 @@ class MachineConfig:
     max_replicas: int | None = None  # the most replicas joins may grow the fit to
     spatial: int = 1  # workers per replica (Layout.spatial): groups form from P workers
     epochs: int | None = None  # the fit's length; None: until the schedule has no phase
+    scale_with_batch: bool = False  # ask the cluster for workers before each later phase
     sync: SyncPolicy = field(default_factory=Synchronous)
 
 
@@ -208,6 +209,13 @@ class FitMachine(LostWorkers):
         if event.phase is None:
             s.status = Status.DONE
             return [cmd.Finish(self.members)]
+        if (
+            self.config.scale_with_batch
+            and s.previous is not None
+            and s.scaled_for != event.phase.index
+        ):  # more workers for a larger batch: asked for once, before the phase is planned
+            s.scaled_for = event.phase.index
+            return [cmd.ScaleCluster(event.phase)]
         s.next_phase = event.phase
         joiners = self._joinable()
         if joiners:

@@ -54,6 +54,7 @@ class FitState:
     next_step: int = 0
     previous: Any = None
     next_phase: Any = None  # chosen, not yet planned
+    scaled_for: int | None = None  # the phase the cluster was last scaled for
     phase: Any = None  # PhaseSpec running
     phase_steps: tuple[Any, ...] = ()  # the phase as planned
     segment: tuple[Any, ...] = ()  # the steps running now (re-split after a recovery)
