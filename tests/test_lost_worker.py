@@ -93,11 +93,12 @@ def _trainer(x, y, *, marker=None, kill_step=0, kill_rank=1, wait_step=None, see
 def _recovered_reference(x, y, epochs, failure):
     """Synchronous training in one process over the batches a fit on 3 replicas trains
     when one is lost in phase 0: the plan up to the commit, then the rest of the epoch
-    re-split over the 2 survivors, then the later phases as planned."""
+    re-split over the replicas after the recovery (the 2 survivors, or 3 when the nanny's
+    restart was back in time to join the new group), then the later phases as planned."""
     trainer = _trainer(x, y)
     plans = trainer.plan(epochs, replicas=3)
-    commit = failure["commit_step"]
-    rest = resplit_steps(plans[0].steps, commit, lambda size: Even().split(size, 2, []))
+    commit, after = failure["commit_step"], failure["replicas_after"]
+    rest = resplit_steps(plans[0].steps, commit, lambda size: Even().split(size, after, []))
     streams = trainer.load.streams
     batches = [parts for spec, parts in streams(plans[0].steps, 0) if spec.index < commit]
     batches += [parts for _, parts in streams(rest, 0)]
