@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
 from distributed import Client, LocalCluster
+from test_driver_replay import assert_log_replays
 
 import dataflow as dfl
 from dataflow import stages
@@ -130,7 +131,9 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
         # killed at step 27 of phase 0 (steps 0-39); held at step 39 until the nanny has
         # restarted the worker, so that phase 1 starts with it
         trainer = _trainer(x, y, marker=str(marker), kill_step=27, wait_step=39)
-        result = trainer.fit(epochs=epochs, client=client)
+        # (mid-phase checkpoints too: the driver's log of this fit must replay them)
+        folder = dict(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+        result = trainer.fit(epochs=epochs, client=client, **folder)
         killed_at = float(marker.read_text())
         pids_after = set(client.run(os.getpid).values())
     assert len(pids_before - pids_after) == 1, "one worker process was really killed"
@@ -169,6 +172,8 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
     # Exact: the survivors rolled back to the commit and trained on the rest of the epoch
     # as re-split; a single process following the same global batches ends the same.
     assert max_abs_diff(result.model, _recovered_reference(x, y, epochs, failure)) < 1e-5
+    # the driver's log of it replays to the same commands (tests/test_driver_replay.py)
+    assert_log_replays(result, phases={0, 1, 2})
 
 
 @pytest.mark.timeout(240)
