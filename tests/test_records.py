@@ -53,3 +53,24 @@ def test_the_report_needs_exactly_the_records_fields():
     assert "stage_seconds" in REPORT_FIELDS["phases"]
     history = History(phases=[_phase()], info={})
     assert [m for m in missing_fields(history) if m.startswith("phases")] == []
+
+
+def test_a_failure_record_is_typed_reads_as_a_dict_and_is_completed_by_field():
+    import pytest
+
+    from dataflow.core.plain import to_plain
+    from dataflow.history.records import FailureRecord
+
+    record = FailureRecord(reason="lost workers", phase=0, commit_step=24, lost=["tcp://b"])
+    assert record["commit_step"] == 24 and "replicas_after" not in record  # None: absent
+    record.update({"replicas_after": 2}, resumed_at=5.0)
+    record["joined"] = []
+    assert record == {"reason": "lost workers", "phase": 0, "commit_step": 24,
+                      "lost": ["tcp://b"], "replicas_after": 2, "joined": [],
+                      "resumed_at": 5.0}  # fmt: skip
+    with pytest.raises(KeyError, match="no field 'replica_after'"):
+        record["replica_after"] = 2  # a typo is an error, not a new key
+    copy = record.copy()
+    copy.lost.append("tcp://c")
+    assert record.lost == ["tcp://b"]
+    assert to_plain({"failures": [record]}, json=True)["failures"][0]["replicas_after"] == 2

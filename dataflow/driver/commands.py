@@ -9,7 +9,7 @@ members it addresses, so a test can check each goes to a live member.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -177,7 +177,7 @@ class RecordFailure:
     """One entry of ``history.info["failures"]``: what was lost and what it cost.
     ``update``: new values for the open entry (a release, then what it came to)."""
 
-    record: dict[str, Any] = field(default_factory=dict)
+    record: Any  # dataflow.history.records.FailureRecord
     update: bool = False
 
 

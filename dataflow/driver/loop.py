@@ -69,7 +69,7 @@ class FitLoop:
         self.start = ResumePoint()
         self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
         self.resume_in_phase: PhaseProgress | None = None
-        self.open_failure: dict[str, Any] | None = None
+        self.open_failure: Any = None  # the FailureRecord a recovery still completes
         self.saved_path: Any = None  # the survivors' checkpoint before WorkerLostError
         self.members: tuple[str, ...] = ()  # whose totals the recorder holds, in rank order
         self.final_state: Any = None

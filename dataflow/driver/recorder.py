@@ -22,7 +22,7 @@ from dataflow.core.window import WindowResult
 from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.machine import MachineConfig
 from dataflow.driver.sample_check import SampleCheck
-from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
+from dataflow.history.records import EpochRecord, FailureRecord, PhaseRecord, StepRecord
 from dataflow.history.result import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
 from dataflow.schedule.noise_scale import NoiseScaleTracker, NormPair
@@ -377,11 +377,14 @@ class Recorder:
                 )
 
     # -- failures and checkpoints -------------------------------------------------------
-    def failure(self, record: dict[str, Any], open_entry: Any = None) -> dict[str, Any]:
-        """A new entry of ``history.info["failures"]``, or ``open_entry`` updated."""
+    def failure(self, record: FailureRecord, open_entry: Any = None) -> FailureRecord:
+        """A new entry of ``history.info["failures"]`` (a copy of ``record``: the
+        command's stays as the machine decided it), or ``open_entry`` updated."""
         if open_entry is None:
-            open_entry = {"detected_at": time.time()}
+            open_entry = record.copy()
+            open_entry.detected_at = time.time()
             self.history.info.setdefault("failures", []).append(open_entry)
+            return open_entry
         open_entry.update(record)
         return open_entry
 

@@ -15,6 +15,7 @@ from typing import Any
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.state import Forming, Status
+from dataflow.history.records import FailureRecord
 from dataflow.planning.layout import ReplicaGroups
 
 
@@ -24,22 +25,22 @@ class LostWorkers:
     state: Any
     config: Any
 
-    def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> dict[str, Any]:
+    def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> FailureRecord:
         """A ``history.info["failures"]`` entry; at most the window in progress is lost."""
         s = self.state
         in_progress = s.committed_step
         if s.commit_window in s.windows:
             plan, window, _ = s.windows[s.commit_window]
             in_progress = plan.steps[window.stop - 1].index + 1
-        return {
-            "phase": self._phase_index(),
-            "reason": reason,
-            "lost": list(lost),
-            "commit_step": s.committed_step,
-            "replicas_before": s.layout.replicas,
-            "window_steps_lost": in_progress - s.committed_step,
+        return FailureRecord(
+            reason=reason,
+            phase=self._phase_index(),
+            commit_step=s.committed_step,
+            lost=list(lost),
+            replicas_before=s.layout.replicas,
+            window_steps_lost=in_progress - s.committed_step,
             **extra,
-        }
+        )
 
     def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
         s, config = self.state, self.config
@@ -280,7 +281,12 @@ class LostWorkers:
         s, config = self.state, self.config
         if s.status != Status.RESTARTING:
             return []
-        record = dict(s.lost_everything or {})
+        lost_all = s.lost_everything
+        record = (
+            lost_all.copy()
+            if lost_all is not None
+            else FailureRecord(reason="every replica lost", phase=None, commit_step=0)
+        )
         exhausted = event.step is not None and s.restarts.get(event.step, 0) >= config.max_restarts
         if event.step is None or exhausted or not event.workers:
             s.status = Status.FAILED
@@ -295,7 +301,7 @@ class LostWorkers:
         s.restarts[event.step] = s.restarts.get(event.step, 0) + 1
         record.update(
             restarted_from_step=event.step,
-            window_steps_lost=s.committed_step + record.get("window_steps_lost", 0) - event.step,
+            window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - event.step,
             replicas_after=len(event.workers) // config.spatial,
         )
         s.available = tuple(w for w in s.available if w not in event.workers)

@@ -75,7 +75,7 @@ class FitState:
     memory_halvings: int = 0
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
-    lost_everything: dict[str, Any] | None = None  # the failure record of a restart
+    lost_everything: Any = None  # the FailureRecord of a restart (every replica lost)
     # Asynchronous updates: replicas lost while the survivors finish the window in
     # flight (fit-wide number ``release_window``) without them, and their workers
     releasing: tuple[int, ...] = ()

@@ -185,6 +185,54 @@ class PhaseRecord(Record):
         )  # fmt: skip
 
 
+@dataclasses.dataclass(eq=False)
+class FailureRecord(Record):
+    """One entry of ``history.info["failures"]``: what failed and where the fit stood
+    (``reason``: "lost workers", "every replica lost", "out-of-memory" or "non-finite";
+    ``commit_step``: the step it went on from; ``window_steps_lost``: the steps trained
+    again), then how it went on (``replicas_after``, ``joined``, ``resumed_at``, ...).
+    The machine builds it, the loop completes it as the recovery goes on (``update``,
+    item assignment of a field), and it reads as a dict like the other records."""
+
+    reason: str
+    phase: int | None
+    commit_step: int
+    lost: list[str] = dataclasses.field(default_factory=list)
+    replicas_before: int | None = None
+    window_steps_lost: int | None = None
+    replicas_after: int | None = None
+    joined: list[str] | None = None
+    # asynchronous updates: the survivors finished the window in flight (True once it
+    # committed) and trained these parts of the lost replicas again
+    kept_window: bool | None = None
+    retrained_parts: int | None = None
+    error: str | None = None  # out-of-memory, non-finite: the error's message
+    rank: int | None = None  # out-of-memory: the replica, what it held, the new cap
+    micro_batch: int | None = None
+    micro_batch_cap: int | None = None
+    lr_factor: float | None = None  # non-finite: the phase's LR factor after the cut
+    restarted_from_step: int | None = None  # every replica lost: the checkpoint's step
+    detected_at: float | None = None  # wall clock (time.time()) of the detection
+    resumed_at: float | None = None  # ... and of training going on
+    optional: ClassVar[tuple[str, ...]] = (
+        "replicas_before", "window_steps_lost", "replicas_after", "joined", "kept_window",
+        "retrained_parts", "error", "rank", "micro_batch", "micro_batch_cap", "lr_factor",
+        "restarted_from_step", "detected_at", "resumed_at",
+    )  # fmt: skip
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in _field_names(type(self)):
+            raise KeyError(f"FailureRecord has no field {key!r}")
+        setattr(self, key, value)
+
+    def update(self, other: Mapping[str, Any] = (), **fields: Any) -> None:  # type: ignore[assignment]
+        for key, value in {**dict(other), **fields}.items():
+            self[key] = value
+
+    def copy(self) -> FailureRecord:
+        return dataclasses.replace(self, lost=list(self.lost))
+
+
 def plain_rows(rows: list[Any]) -> list[Any]:
     """Records as dicts (JSON, checkpoints); dicts (older histories) as they are."""
     return [row.to_dict() if isinstance(row, Record) else row for row in rows]
