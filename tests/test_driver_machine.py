@@ -514,3 +514,14 @@ def test_scale_with_batch_asks_the_cluster_once_before_a_later_phase_and_takes_j
     d2.send(ev.WorkersJoined((W[2],)))  # the worker the cluster started
     [form] = d2.send(ev.PhaseChosen(phase1))  # said again once scaled: not asked twice
     assert isinstance(form, cmd.FormGroup) and form.joining == (W[2],)
+
+
+def test_the_root_cause_is_the_first_real_failure_not_its_echoes():
+    from dataflow.core.errors import CollectiveError
+    from dataflow.driver.root_cause import root_cause
+
+    echo, real = CollectiveError("connection closed by peer"), ValueError("bad sample")
+    # window 3 rank 0 echoes rank 1's real failure; a later window's real one loses
+    assert root_cause([((3, 0), echo), ((3, 1), real), ((4, 0), KeyError("x"))]) == 1
+    assert root_cause([((3, 1), echo), ((3, 0), echo)]) == 1  # only echoes: the earliest
+    assert root_cause([((3, 0), None), ((2, 1), None)]) is None  # none readable

@@ -21,7 +21,6 @@ from typing import Any
 from distributed import Client, wait
 
 from dataflow.core.errors import (
-    CollectiveError,
     NonFiniteError,
     ReplicaError,
     as_replica_error,
@@ -31,6 +30,7 @@ from dataflow.driver import events as ev
 from dataflow.driver.group_forming import GroupForming
 from dataflow.driver.membership import LIVENESS_POLL_S, Lost, RemovalWatch, wait_some
 from dataflow.driver.memory import is_out_of_memory
+from dataflow.driver.root_cause import root_cause
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import available_workers, live_workers
 
@@ -214,16 +214,13 @@ class Executor(GroupForming):
         futures = {first: (self.generation, rank, -1), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=FAILURE_GRACE_S)
-        failed = sorted(
-            ((window, r), f) for f, (_, r, window) in futures.items() if f.status == "error"
-        )
-        errors = {f: _exception_now(f) for _, f in failed}
-        failed = [item for item in failed if errors[item[1]] is not None]
-        real = [item for item in failed if not isinstance(errors[item[1]], CollectiveError)]
-        if not failed:
+        failed = [((w, r), f) for f, (_, r, w) in futures.items() if f.status == "error"]
+        errors = [(key, _exception_now(f)) for key, f in failed]
+        chosen = root_cause(errors)
+        if chosen is None:
             return rank, as_replica_error(error, rank, self._worker(rank))
-        (_, r), future = (real or failed)[0]
-        return r, as_replica_error(errors[future], r, self._worker(r))
+        (_, r), cause = errors[chosen]
+        return r, as_replica_error(cause, r, self._worker(r))
 
     def _worker(self, rank: int) -> str:
         slot = rank * self.size
