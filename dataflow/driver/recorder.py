@@ -22,7 +22,13 @@ from dataflow.core.window import WindowResult
 from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.machine import MachineConfig
 from dataflow.driver.sample_check import SampleCheck
-from dataflow.history.records import EpochRecord, FailureRecord, PhaseRecord, StepRecord
+from dataflow.history.records import (
+    CheckpointRecord,
+    EpochRecord,
+    FailureRecord,
+    PhaseRecord,
+    StepRecord,
+)
 from dataflow.history.result import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
 from dataflow.schedule.noise_scale import NoiseScaleTracker, NormPair
@@ -392,13 +398,9 @@ class Recorder:
         self, path: Any, phase: int, step: int, mid_phase: bool, seconds: float
     ) -> None:
         self.history.info.setdefault("checkpoints", []).append(
-            {
-                "path": str(path),
-                "phase": phase,
-                "step": step,
-                "mid_phase": mid_phase,
-                "seconds": seconds,
-            }
+            CheckpointRecord(
+                path=str(path), phase=phase, step=step, mid_phase=mid_phase, seconds=seconds
+            )
         )
 
     def record_segments(self, end_step: int | None = None) -> None:

@@ -186,6 +186,19 @@ class PhaseRecord(Record):
 
 
 @dataclasses.dataclass(eq=False)
+class CheckpointRecord(Record):
+    """One entry of ``history.info["checkpoints"]``: a checkpoint written, where the fit
+    stood (``step``: the first step it has not trained; ``mid_phase``: inside ``phase``,
+    not at its end) and how long writing it took."""
+
+    path: str
+    phase: int
+    step: int
+    mid_phase: bool
+    seconds: float
+
+
+@dataclasses.dataclass(eq=False)
 class FailureRecord(Record):
     """One entry of ``history.info["failures"]``: what failed and where the fit stood
     (``reason``: "lost workers", "every replica lost", "out-of-memory" or "non-finite";
