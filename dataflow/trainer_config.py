@@ -42,7 +42,8 @@ class TrainerConfig:
     # Memory cap: the most samples one replica's forward/backward holds; a larger local
     # batch is run as micro-batches with gradient accumulation. One int, or one per replica.
     max_micro_batch: int | tuple[int, ...] | None = None
-    throttle: dict[int, float] = field(default_factory=dict)  # rank -> simulated slow-down
+    # rank -> simulated slow-down: a factor, or a schedule of factors over wall time
+    throttle: dict[int, Any] = field(default_factory=dict)
     # With replicas=None, workers that joined the client are used from the next phase.
     elastic: bool = True
     # Ask the cluster for more workers (up to max_workers) when a phase's batch per
@@ -199,12 +200,14 @@ class TrainerConfig:
                 f"after losing some), got {self.min_workers!r}"
             )
         if not isinstance(self.throttle, dict) or any(
-            isinstance(r, bool) or not isinstance(r, int) or r < 0 or not float(f) >= 1.0
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 or not _slows(f)
             for r, f in self.throttle.items()
         ):
             raise ConfigError(
                 f"throttle={self.throttle!r}: give {{rank: factor}} with factors >= 1, e.g. "
-                "{1: 2.0} to make replica 1 take twice its compute time (a simulated slow node)"
+                "{1: 2.0} to make replica 1 take twice its compute time (a simulated slow node), "
+                "or a moving one: {1: dfl.SlowdownSchedule.alternating(1.0, 3.0, every_s=3.0)} "
+                "or {1: dfl.NoisyNeighbour(seed=0)}"
             )
         caps = (
             self.max_micro_batch
@@ -279,3 +282,14 @@ def check_options(options: dict[str, Any]) -> None:
             raise ConfigError(
                 f"unknown option {name}={value!r}{hint} Valid options: {', '.join(valid)}"
             )
+
+
+def _slows(value: Any) -> bool:
+    """A throttle value: a factor >= 1, or a slow-down schedule."""
+    from dataflow.core.slowdown import as_slowdown
+
+    try:
+        as_slowdown(value)
+    except (ConfigError, TypeError, ValueError):
+        return False
+    return True

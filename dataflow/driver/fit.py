@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
+from dataflow.core.slowdown import as_slowdown
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.costplan import FitPlan, planned_model, workers_wanted
 from dataflow.driver.executor import Executor
@@ -49,7 +50,8 @@ def run_fit(
         relax_malloc=config.relax_malloc,
         freeze_gc=config.freeze_gc,
         pause_dask_profiler=config.pause_dask_profiler,
-        throttle={int(r): float(f) for r, f in config.throttle.items()},
+        throttle={int(r): as_slowdown(f) for r, f in config.throttle.items()},
+        started_at=time.time(),
         commit_windows=config.recover_lost_workers,
         layout=config.layout if size > 1 else None,
         local=config.sync if config.local_updates else None,

@@ -56,8 +56,9 @@ class ReplicaRuntime:
         # the driver sets it again at each regroup and rollback.
         self.slot = rank if device_rank is None else device_rank
         # A simulated slow node (tests, benchmarks, demos): each step sleeps
-        # (throttle - 1) x its compute, i.e. the stages that do not wait on data or peers.
-        self.throttle = spec.throttle.get(rank, 1.0)
+        # (factor - 1) x its compute, i.e. the stages that do not wait on data or peers;
+        # the factor may move over the fit's wall time (dataflow.core.slowdown).
+        self.slowdown = spec.throttle.get(rank)
         self.waiting = {n for n in spec.order if spec.graph[n].waits_on_peers_or_data}
         self.order = spec.order
         self.stages = {name: spec.graph[name] for name in spec.order}
@@ -183,11 +184,16 @@ class ReplicaRuntime:
             else:
                 for name in group:
                     step_compute += self._run_stage(step, name, values, stage_seconds)
-        if self.throttle > 1.0:  # a slow node, simulated: counted as compute
-            pause = (self.throttle - 1.0) * step_compute
+        factor = 1.0 if self.slowdown is None else self.slowdown.factor_at(self._fit_seconds())
+        if factor > 1.0:  # a slow node, simulated: counted as compute
+            pause = (factor - 1.0) * step_compute
             time.sleep(pause)
             stage_seconds[THROTTLE] = stage_seconds.get(THROTTLE, 0.0) + pause
         tally.add(step, time.perf_counter() - step_start)
+
+    def _fit_seconds(self) -> float:
+        """Seconds since the fit began, the clock of a moving slow-down."""
+        return time.time() - self.spec.started_at
 
     def _settle_with_store(
         self, store: Any, tally: WindowTally, stage_seconds: dict, stop_step: int

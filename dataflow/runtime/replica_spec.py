@@ -39,7 +39,8 @@ class ReplicaSpec:
     relax_malloc: bool = True
     freeze_gc: bool = True
     pause_dask_profiler: bool = True
-    throttle: dict[int, float] = field(default_factory=dict)  # rank -> slow-down factor
+    throttle: dict[int, Any] = field(default_factory=dict)  # rank -> core.slowdown.Slowdown
+    started_at: float = 0.0  # the driver's time.time() at the fit's start (slow-down clock)
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
     layout: Any = (
         None  # dataflow.planning.layout.Layout; spatial > 1: a replica is a group of workers
