@@ -28,6 +28,7 @@ Results are appended to ``benchmarks/results/sync.json``.
     python benchmarks/bench_sync.py              # 3 seeds x 4 sides, ~2 min on 2 cores
     python benchmarks/bench_sync.py --replicas 4 # oversubscribed on 2 cores
     python benchmarks/bench_sync.py --factor 1 --sides "sync balanced,async balanced"
+    python benchmarks/bench_sync.py --factor 3 --moving 3   # a straggler that comes and goes
 """
 
 from __future__ import annotations
@@ -81,6 +82,16 @@ def sides(period: float, staleness: int = 2) -> dict[str, dict[str, Any]]:
     }
 
 
+def slowdown(args: argparse.Namespace) -> Any:
+    """Replica 1's slow-down: ``--factor`` throughout, or with ``--moving S`` a straggler
+    that comes and goes (1x and ``--factor`` by turns, S seconds each)."""
+    import dataflow as dfl
+
+    if args.moving is None:
+        return args.factor
+    return dfl.SlowdownSchedule.alternating(1.0, args.factor, every_s=args.moving)
+
+
 def one_fit(args: argparse.Namespace, client: Any, data: dict, seed: int, options: dict) -> dict:
     import dataflow as dfl
 
@@ -92,7 +103,7 @@ def one_fit(args: argparse.Namespace, client: Any, data: dict, seed: int, option
         eval_source=dfl.io.ArraySource(data["x_test"], data["y_test"], shuffle=False),
         metrics={"accuracy": dfl.stages.accuracy},
         schedule=dfl.schedule.Fixed(args.batch, epochs_per_phase=1),
-        throttle={1: args.factor},
+        throttle={1: slowdown(args)},
         replicas=args.replicas,
         device="cpu",
         seed=seed,
@@ -152,6 +163,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10, help="epochs (10)")
     p.add_argument("--batch", type=int, default=64, help="global batch (64)")
     p.add_argument("--factor", type=float, default=2.0, help="slow-down of replica 1 (2.0)")
+    p.add_argument(
+        "--moving",
+        type=float,
+        default=None,
+        help="a moving straggler: replica 1 at 1x and --factor by turns, this many s each",
+    )
     p.add_argument("--period", type=float, default=0.25, help="Local period_seconds (0.25)")
     p.add_argument("--staleness", type=int, default=2, help="Async staleness bound (2)")
     p.add_argument(
