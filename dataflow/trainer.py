@@ -95,8 +95,13 @@ class Trainer:
         uses (the user's, the cost model's or the defaults; ``driver/costplan.py``)."""
         reducers = [s for s in self.graph if s.kind == kinds.ALLREDUCE]
         user_bucket = next((r.config.bucket_mb for r in reducers if r.config.bucket_mb), None)
+        bf16 = any(getattr(r.config, "dtype", "fp32") == "bf16" for r in reducers)
         return plan_fit(
-            self.config, user_bucket_mb=user_bucket, replicas=replicas, global_batch=global_batch
+            self.config,
+            user_bucket_mb=user_bucket,
+            replicas=replicas,
+            global_batch=global_batch,
+            wire_scale=0.5 if bf16 else 1.0,
         )
 
     def planner(self) -> Planner:

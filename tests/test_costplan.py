@@ -106,3 +106,24 @@ def test_the_plan_uses_the_planned_window_and_bucket():
     (reducer,) = [s for s in pipe.graph if isinstance(s, dfl.stages.AllReduce)]
     assert reducer.config.bucket_mb is None and reducer.bucket_mb == 25.0  # not planned yet
     assert pipe.trainer.fit_plan(2, 8).chosen_by["bucket_mb"] == "cost model"
+
+
+def test_a_bf16_allreduce_plans_with_the_bytes_it_moves():
+    """``allreduce_dtype="bf16"`` halves what each allreduce moves: the model predicts
+    from the wire's bytes, and the bucket it picks in wire bytes is packed from twice as
+    many fp32 gradient bytes."""
+    from dataflow.driver.costplan import planned_model
+
+    model = cost_model()
+    config = TrainerConfig(cost_model=model)
+    wide = plan_fit(config, user_bucket_mb=None, replicas=4, global_batch=128)
+    narrow = plan_fit(config, user_bucket_mb=None, replicas=4, global_batch=128, wire_scale=0.5)
+    assert narrow.wire_scale == 0.5 and narrow.to_dict()["wire_scale"] == 0.5
+    assert planned_model(config, narrow).gradient_bytes == model.gradient_bytes // 2
+    wire_bucket = planned_model(config, narrow).bucket_bytes
+    assert wire_bucket == int(narrow.bucket_mb * 0.5 * MIB)  # fp32 bucket, bf16 on the wire
+    exposed = [
+        planned_model(config, p).breakdown(replicas=4, global_batch=128).allreduce_exposed_s
+        for p in (wide, narrow)
+    ]
+    assert exposed[1] <= exposed[0]

@@ -160,7 +160,8 @@ def build_loop(
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)
     scale = None
     if config.scale_with_batch and config.elastic:
-        scale = lambda phase: _request_workers(executor, config, phase, recorder)  # noqa: E731
+        wire = fit_plan.wire_scale
+        scale = lambda phase: _request_workers(executor, config, phase, recorder, wire)  # noqa: E731
     loop = FitLoop(
         machine=machine,
         executor=executor,
@@ -210,9 +211,12 @@ def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
     return fit_plan
 
 
-def _request_workers(executor: Executor, config: Any, phase: Any, recorder: Recorder) -> None:
+def _request_workers(
+    executor: Executor, config: Any, phase: Any, recorder: Recorder, wire_scale: float = 1.0
+) -> None:
     """``scale_with_batch``: the workers ``driver/costplan.workers_wanted`` asks for."""
-    scaling: dict[str, Any] = {"phase": phase.index, **workers_wanted(config, phase.global_batch)}
+    wanted = workers_wanted(config, phase.global_batch, wire_scale)
+    scaling: dict[str, Any] = {"phase": phase.index, **wanted}
     wanted = scaling["requested"]
     if wanted <= len(executor.available()):
         return
