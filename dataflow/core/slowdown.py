@@ -54,6 +54,7 @@ class SlowdownSchedule:
 
     points: tuple[tuple[float, float], ...]
     period_s: float | None = None
+    _starts: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         points = tuple((float(t), float(f)) for t, f in self.points)
@@ -71,6 +72,7 @@ class SlowdownSchedule:
                 f"than the last point ({times[-1]} s)"
             )
         object.__setattr__(self, "points", points)
+        object.__setattr__(self, "_starts", tuple(times))
 
     @classmethod
     def alternating(cls, *factors: float, every_s: float) -> SlowdownSchedule:
@@ -86,7 +88,7 @@ class SlowdownSchedule:
     def factor_at(self, t: float) -> float:
         if self.period_s is not None:
             t = math.fmod(max(t, 0.0), self.period_s)
-        i = bisect.bisect_right([p for p, _ in self.points], t) - 1
+        i = bisect.bisect_right(self._starts, t) - 1  # once per step: no list built
         return 1.0 if i < 0 else self.points[i][1]
 
 
@@ -101,9 +103,9 @@ class NoisyNeighbour:
     on_s: float = 3.0
     off_s: float = 3.0
     seed: int = 0
-    _spells: list[tuple[float, float]] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
+    # the spells drawn so far (start second, factor), extended as later times are asked
+    _starts: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
+    _factors: list[float] = field(default_factory=list, init=False, repr=False, compare=False)
     _rng: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,20 +114,21 @@ class NoisyNeighbour:
                 f"NoisyNeighbour(low={self.low}, high={self.high}, on_s={self.on_s}, "
                 f"off_s={self.off_s}): need 1 <= low <= high and spells > 0 s"
             )
+        self._restart()
+
+    def _restart(self) -> None:
+        """No spell drawn yet: the history starts over from the seed (off at 0 s)."""
+        object.__setattr__(self, "_starts", [0.0])
+        object.__setattr__(self, "_factors", [1.0])
+        object.__setattr__(self, "_rng", random.Random(self.seed))
 
     def factor_at(self, t: float) -> float:
-        spells = self._spells  # (start second, factor), generated as far as asked
-        if not spells:
-            object.__setattr__(self, "_rng", random.Random(self.seed))
-            spells.append((0.0, 1.0))
-        rng = self._rng
-        while spells[-1][0] <= t:
-            start, factor = spells[-1]
-            on = factor == 1.0
-            length = rng.expovariate(1.0 / (self.off_s if on else self.on_s))
-            spells.append((start + length, rng.uniform(self.low, self.high) if on else 1.0))
-        i = bisect.bisect_right([s for s, _ in spells], max(t, 0.0)) - 1
-        return spells[i][1]
+        starts, factors, rng = self._starts, self._factors, self._rng
+        while starts[-1] <= t:
+            off = factors[-1] == 1.0
+            starts.append(starts[-1] + rng.expovariate(1.0 / (self.off_s if off else self.on_s)))
+            factors.append(rng.uniform(self.low, self.high) if off else 1.0)
+        return factors[bisect.bisect_right(starts, max(t, 0.0)) - 1]
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the workers: the seed, not the draws
         return {"low": self.low, "high": self.high, "on_s": self.on_s, "off_s": self.off_s,
@@ -134,8 +137,7 @@ class NoisyNeighbour:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             object.__setattr__(self, key, value)
-        object.__setattr__(self, "_spells", [])
-        object.__setattr__(self, "_rng", None)
+        self._restart()
 
 
 def as_slowdown(value: Any, where: str = "throttle") -> Slowdown:

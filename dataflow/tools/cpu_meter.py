@@ -106,22 +106,6 @@ class CpuMeter:
         return {k: getattr(self, k) for k in keys}
 
 
-def _busy() -> tuple[float, float]:
-    """(busy, steal) CPU seconds of the machine since boot, from /proc/stat."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except OSError:
-        return 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / tick, steal / tick
-
-
-def _own() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def cores_per_process(
     a: tuple[float, dict[tuple[int, int], float]],
     b: tuple[float, dict[tuple[int, int], float]],
