@@ -22,24 +22,26 @@ import time
 from typing import Any
 
 import torch
+from bench_precision import SETTINGS
 from common import CosmoNet, save_run, table
 
 from dataflow.tools.datasets import cosmology_arrays
 
 NAME = "precision_seeds"
+COSMO = SETTINGS["cosmo"]  # bench_precision's: Adam, its LR, batch, train and test sizes
 
 
 def fit(data: dict[str, torch.Tensor], bf16: bool, seed: int, epochs: int) -> float:
     """Held-out R^2 (%, mean over A and n) of one hand-written fit."""
     torch.manual_seed(seed)
     model = CosmoNet()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    optimizer = torch.optim.Adam(model.parameters(), lr=COSMO["lr"])
     order = torch.Generator().manual_seed(seed)
     x, y = data["x_train"], data["y_train"]
     for _ in range(epochs):
         perm = torch.randperm(len(x), generator=order)
-        for start in range(0, len(x), 32):
-            idx = perm[start : start + 32]
+        for start in range(0, len(x), COSMO["batch"]):
+            idx = perm[start : start + COSMO["batch"]]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 out = model(x[idx])
             loss = torch.nn.functional.mse_loss(out.float(), y[idx])
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    arrays = cosmology_arrays(512, 256)
+    arrays = cosmology_arrays(COSMO["train"], COSMO["test"])
     data = {k: torch.tensor(arrays[k]) for k in ("x_train", "y_train", "x_test", "y_test")}
     started = time.perf_counter()
     scores = {

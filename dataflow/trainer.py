@@ -71,11 +71,11 @@ class Trainer:
         self.drop_last = loads[0].config.drop_last
         forwards = [s for s in graph if isinstance(s, Forward)]
         self.model_factory = forwards[0].config.model if forwards else None
-        narrow = [
-            s.name
-            for s in graph
-            if s.kind == kinds.ALLREDUCE and getattr(s.config, "dtype", "fp32") != "fp32"
-        ]
+        # the gradient allreduces, and the bytes they move per fp32 byte (a custom
+        # allreduce stage without a wire dtype moves fp32)
+        self.reducers = [s for s in graph if s.kind == kinds.ALLREDUCE]
+        narrow = [s.name for s in self.reducers if getattr(s, "wire_scale", 1.0) != 1.0]
+        self.wire_scale = min((getattr(s, "wire_scale", 1.0) for s in self.reducers), default=1.0)
         if narrow and self.config.settles_at_window_end:
             raise ConfigError(
                 f"allreduce dtype 'bf16' (stage {narrow[0]!r}) with sync="
@@ -93,15 +93,13 @@ class Trainer:
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``
         uses (the user's, the cost model's or the defaults; ``driver/costplan.py``)."""
-        reducers = [s for s in self.graph if s.kind == kinds.ALLREDUCE]
-        user_bucket = next((r.config.bucket_mb for r in reducers if r.config.bucket_mb), None)
-        bf16 = any(getattr(r.config, "dtype", "fp32") == "bf16" for r in reducers)
+        user_bucket = next((r.config.bucket_mb for r in self.reducers if r.config.bucket_mb), None)
         return plan_fit(
             self.config,
             user_bucket_mb=user_bucket,
             replicas=replicas,
             global_batch=global_batch,
-            wire_scale=0.5 if bf16 else 1.0,
+            wire_scale=self.wire_scale,
         )
 
     def planner(self) -> Planner:

@@ -17,7 +17,8 @@ from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.reducer import BucketReducer
 
-WIRE_DTYPES = ("fp32", "bf16")
+# what each bucket travels as, and its bytes on the wire per fp32 gradient byte
+WIRE_SCALE = {"fp32": 1.0, "bf16": 0.5}
 GRAD_SQ = "grad_sq"  # step.metrics key: |G|^2 of the reduced gradient (a float or 0-d tensor)
 
 
@@ -29,7 +30,7 @@ class AllReduceConfig:
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in WIRE_DTYPES:
+        if self.dtype not in WIRE_SCALE:
             raise ConfigError(
                 f"AllReduce(dtype={self.dtype!r}) (Pipeline(allreduce_dtype=...)): use "
                 "'fp32' (exact) or 'bf16' (half the bytes on the wire, each replica's "
@@ -64,6 +65,11 @@ class AllReduce(Stage):
         super().__init__(name)
         self.config = AllReduceConfig(bucket_mb=bucket_mb, dtype=dtype)
         self.planned_bucket_mb: float | None = None  # set by the fit from its cost model
+
+    @property
+    def wire_scale(self) -> float:
+        """Bytes each allreduce moves per fp32 gradient byte (0.5 over a bf16 wire)."""
+        return WIRE_SCALE[self.config.dtype]
 
     @property
     def bucket_mb(self) -> float:
