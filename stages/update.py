@@ -112,12 +112,21 @@ class Update(Stage):
         self._loss_scale = replica.loss_scale
         self._deferred = check == "window" and self._loss_scale is None
         self._first_bad: torch.Tensor | None = None  # deferred: the window's first bad step
+        # Local updates: a replica alone sees its non-finite step (no reduced gradient
+        # carries it to the others), so it raises at the window's end, after the average
+        # its peers wait for, not in the step (they would wait out the collective timeout
+        # and leave a broken group for the rollback)
+        self._raise_at_window_end = (
+            replica.local_updates and replica.world_size > 1 and self.config.on_non_finite != "skip"
+        )
+        self._local_bad: int | None = None  # the window's first bad step
         self._overflows = 0
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
         ramped from the current LR over ``warmup_steps`` (set step by step in run)."""
         self._first_bad = None  # a verdict of a window a recovery discarded
+        self._local_bad = None
         groups = replica.optimizer.param_groups
         if phase.continued and getattr(self, "_phase", None) == phase.index:
             # The LR ramp goes on from the phase's start, as without the failure; after a
@@ -173,7 +182,11 @@ class Update(Stage):
         ``num_batches_tracked``), as its update leaves weights and optimizer untouched."""
         if getattr(self, "_warmup", 0):
             self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
-        if self.config.on_non_finite == "skip" or getattr(self, "_loss_scale", None):
+        if (
+            self.config.on_non_finite == "skip"
+            or getattr(self, "_loss_scale", None)
+            or getattr(self, "_raise_at_window_end", False)
+        ):
             self._buffers = [b.detach().clone() for b in step.replica.model.buffers()]
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
@@ -219,6 +232,11 @@ class Update(Stage):
     def _non_finite(self, step: StepContext, what: str) -> None:
         """A non-finite step, by ``on_non_finite``: stop (raise, or the driver's rollback)
         naming the step, or skip it and count it."""
+        if getattr(self, "_raise_at_window_end", False):
+            if self._local_bad is None:
+                self._local_bad = step.spec.index
+            self._restore_buffers(step)
+            return
         if self.config.on_non_finite in ("raise", "rollback"):
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {step.spec.index} (epoch "
@@ -238,16 +256,42 @@ class Update(Stage):
                     buffer.copy_(before)
 
     def end_window(self, replica: ReplicaContext) -> None:
-        """The deferred check: one host read per window."""
+        """The deferred check (one host read per window), and under local updates the
+        replicas' agreement on the window's non-finite steps."""
         first, self._first_bad = getattr(self, "_first_bad", None), None
-        if first is not None and (bad := int(first)) >= 0:
+        deferred_bad = int(first) if first is not None and int(first) >= 0 else None
+        if getattr(self, "_raise_at_window_end", False):
+            bad, self._local_bad = self._local_bad, None
+            self._agree_on_bad_steps(replica, bad if deferred_bad is None else deferred_bad)
+        elif deferred_bad is not None:
             raise NonFiniteError(
-                f"non-finite loss or gradient at step {bad} (phase "
+                f"non-finite loss or gradient at step {deferred_bad} (phase "
                 f"{getattr(self, '_phase', '?')}) on replica {replica.rank}, found at the end "
                 "of its window (check='window'): the window's updates are discarded. Lower "
                 "the learning rate, check the inputs for NaN/inf, or pass "
                 "on_non_finite='skip' to drop such steps"
             )
+
+    def _agree_on_bad_steps(self, replica: ReplicaContext, bad: int | None) -> None:
+        """Local updates: the replicas learn together whether any found a non-finite step
+        in the window (one allreduce of each replica's first bad step, ``bad``), and all
+        raise, so none is left waiting in a later collective of the window (an
+        evaluation's) for a peer that stopped: the group stays whole for the rollback."""
+        first_bad = torch.zeros(replica.world_size, dtype=torch.float64)
+        if bad is not None:
+            first_bad[replica.rank] = bad + 1
+        if replica.collective is not None:  # None: left alone after a regroup
+            device = next(replica.model.parameters()).device
+            first_bad = replica.collective.allreduce(first_bad.to(device)).cpu()
+        found = [(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0]
+        if not found:
+            return
+        where = ", ".join(f"step {step} on replica {rank}" for rank, step in found)
+        raise NonFiniteError(
+            f"non-finite loss or gradient at {where} (phase {getattr(self, '_phase', '?')}); "
+            "the window's local updates are discarded. Lower the learning rate, check the "
+            "inputs for NaN/inf, or pass on_non_finite='skip' to drop such steps"
+        )
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         skipped, self._skipped = getattr(self, "_skipped", 0), 0

@@ -15,7 +15,10 @@ replica from (issue 25, item 5).
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+from pathlib import Path
 
 import dask
 import numpy as np
@@ -188,3 +191,135 @@ def test_a_worker_killed_mid_window_recovers_in_every_configuration(
         for epoch in result.history.epochs:
             assert "held_out_samples" not in epoch
             assert not any(key.startswith("eval_") for key in epoch), epoch
+
+
+# -- a NaN in one batch, under each on_non_finite policy ---------------------------------
+# Four factors: the policy (3), how replicas train (synchronous sample-parallel, a
+# spatial layout of 2 workers a sample (synchronous only), Async, Local: 4), an
+# evaluation (2) and the data (2): 48 fits for the full product. These 12 cover every
+# pair of values of any two factors (each policy meets each way of training in one
+# cell, and each of those meets both evaluations and both sources), which is where
+# the failures found so far came from (issue 25, item 5 was a pair: Async x evaluation).
+NAN_STEP = 7  # in window [5, 10): the commit before it is step 5
+NAN_CELLS = [
+    ("raise", "sync", False, "zarr"),
+    ("raise", "spatial", False, "zarr"),
+    ("raise", "async", True, "zarr"),
+    ("raise", "local", False, "memory"),
+    ("skip", "sync", True, "zarr"),
+    ("skip", "spatial", True, "memory"),
+    ("skip", "async", False, "memory"),
+    ("skip", "local", False, "memory"),
+    ("rollback", "sync", True, "memory"),
+    ("rollback", "spatial", False, "memory"),
+    ("rollback", "async", True, "zarr"),
+    ("rollback", "local", True, "zarr"),
+]
+TRAINING = {**SYNCS, "spatial": lambda: dict(window_steps=WINDOW, layout=dfl.Layout(spatial=2))}
+
+
+def test_the_nan_cells_cover_every_pair_of_factor_values():
+    values = [("raise", "skip", "rollback"), tuple(TRAINING), (True, False), ("memory", "zarr")]
+    needed = {
+        (i, a, j, b)
+        for i, j in itertools.combinations(range(4), 2)
+        for a in values[i]
+        for b in values[j]
+    }
+    covered = {
+        (i, cell[i], j, cell[j])
+        for cell in NAN_CELLS
+        for i, j in itertools.combinations(range(4), 2)
+    }
+    assert covered == needed
+
+
+class PoisonOnce(stages.Stage):
+    """Test stage: a NaN in one sample of replica 0's batch at step ``step`` (under a
+    spatial layout: in spatial rank 0's part of it), once per ``marker`` file."""
+
+    def __init__(self, marker: str, *, step: int) -> None:
+        super().__init__("PoisonOnce")
+        self.marker, self.step = marker, step
+
+    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        spatial = step.replica.spatial
+        part = 0 if spatial is None else spatial.rank
+        if (
+            step.spec.index == self.step
+            and (step.replica.rank, part) == (0, 0)
+            and step.replica.world_size * (1 if spatial is None else spatial.group.size) > 1
+            and not os.path.exists(self.marker)
+        ):
+            Path(self.marker).touch()
+            batch.x = batch.x.clone()
+            batch.x[0].view(-1)[0] = float("nan")
+        return batch
+
+
+def _nan_fit(client, folder, *, policy: str, training: str, evaluate: bool, data: str):
+    source, held_out = _sources(data, folder)
+    marker = folder / "poisoned"
+    g = dfl.Graph()
+    batch = g.add(stages.Load(source))
+    batch = g.add(PoisonOnce(str(marker), step=NAN_STEP), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
+    node = g.add(stages.Update(sgd, on_non_finite=policy), reduced)
+    if evaluate:
+        g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), node)
+    trainer = dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(BATCH),
+        seed=0,
+        progress=False,
+        collective_timeout_s=20.0,
+        **TRAINING[training](),
+    )
+    return trainer, held_out, marker
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("policy", "training", "evaluate", "data"),
+    [
+        pytest.param(*cell, id=f"{cell[0]}-{cell[1]}-{'eval' if cell[2] else 'noeval'}-{cell[3]}")
+        for cell in NAN_CELLS
+    ],
+)
+def test_a_nan_in_one_batch_is_handled_by_each_policy_in_every_pairing(
+    client, tmp_path, policy, training, evaluate, data
+):
+    """``raise``: the fit stops naming the step, before its update. ``skip``: the step
+    (under Async or Local: replica 0's part of it) is dropped and recorded, the rest
+    trains. ``rollback``: back to the window's commit with half the LR, each step
+    committed once. Those that go on end with every sample of every epoch counted once,
+    finite weights and, with an evaluation, the whole held-out set scored."""
+    trainer, held_out, marker = _nan_fit(
+        client, tmp_path, policy=policy, training=training, evaluate=evaluate, data=data
+    )
+    if policy == "raise":
+        with pytest.raises(dfl.NonFiniteError, match=rf"step {NAN_STEP}\b"):
+            trainer.fit(epochs=EPOCHS, client=client)
+        assert marker.exists()
+        return
+    result = trainer.fit(epochs=EPOCHS, client=client)
+    assert marker.exists()
+    history = result.history
+    if policy == "skip":
+        assert [s["step"] for s in history.steps if s.get("skipped")] == [NAN_STEP]
+        assert history.phases[0]["skipped_steps"] == 1
+        assert not history.info.get("failures")
+    else:
+        [failure] = history.info["failures"]
+        assert failure["reason"] == "non-finite" and failure["lr_factor"] == 0.5, failure
+        assert failure["commit_step"] <= NAN_STEP, failure
+        assert not any(s.get("skipped") for s in history.steps)
+    summary = result.ledger.summary()
+    assert summary == {e: {"consumed": N_TRAIN, "unused": 0} for e in range(EPOCHS)}, summary
+    steps = [s["step"] for s in history.steps]
+    assert steps == list(range(EPOCHS * N_TRAIN // BATCH)), "each step committed once, in order"
+    for name, tensor in result.model.state_dict().items():
+        assert torch.isfinite(tensor).all(), name
+    if evaluate:
+        _assert_evaluated(result, held_out)

@@ -174,10 +174,14 @@ class WaitForWorkers(stages.Stage):
         return batch
 
 
-def _trainer(x, y, *, kill=None, wait=None, layout=SPATIAL2, **options) -> dfl.Trainer:
-    """``kill``: (marker, step, replica, spatial rank); ``wait``: (step, workers)."""
+def _trainer(
+    x, y, *, kill=None, wait=None, layout=SPATIAL2, source=None, held_out=None, **options
+) -> dfl.Trainer:
+    """``kill``: (marker, step, replica, spatial rank); ``wait``: (step, workers);
+    ``source``: the training data (else ``x``, ``y`` in memory); ``held_out``: a source
+    to evaluate on at each epoch's end."""
     g = dfl.Graph()
-    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(stages.Load(source or dfl.io.ArraySource(x, y)))
     if kill is not None:
         marker, step, rank, part = kill
         batch = g.add(KillOnce(str(marker), step=step, rank=rank, part=part), batch)
@@ -185,7 +189,10 @@ def _trainer(x, y, *, kill=None, wait=None, layout=SPATIAL2, **options) -> dfl.T
         batch = g.add(WaitForWorkers(step=wait[0], count=wait[1]), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    g.add(stages.Update(sgd), reduced)
+    node = g.add(stages.Update(sgd), reduced)
+    if held_out is not None:
+        metrics = {"loss": torch.nn.functional.cross_entropy}
+        g.add(stages.Evaluate(held_out, metrics=metrics), node)
     defaults = dict(
         schedule=dfl.schedule.Stepwise({0: 24, 2: 48}, lr_scaling="none"),
         layout=layout,
@@ -209,20 +216,36 @@ def cluster():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("data", ["memory", "zarr-evaluated"])
 def test_a_killed_worker_takes_its_group_the_other_goes_on_and_the_pair_forms_again(
-    cluster, tmp_path
+    cluster, tmp_path, data
 ):
     """4 workers, 2 sample groups; a worker of group 1 is killed in phase 0: group 0 ends
     the phase alone (as trained on one process: exact), then the partner and the
-    restarted worker form group 1 again for phase 1. Every sample once per epoch."""
+    restarted worker form group 1 again for phase 1. Every sample once per epoch.
+
+    ``zarr-evaluated``: the spatial cell of the fault matrix (test_fault_matrix.py):
+    the data in zarr and a held-out evaluation at each epoch's end, the whole held-out
+    set scored once whatever the groups were (with the memory, no-evaluation run it
+    gives each spatial pairing of those two factors)."""
     x, y = make_data(N_SAMPLES)
     epochs, marker = 4, tmp_path / "killed"
     _, client = cluster
     client.wait_for_workers(4)
     pids_before = set(client.run(os.getpid).values())
+    options = {}
+    if data == "zarr-evaluated":
+        hx, hy = make_data(60, seed=1)
+        stores = (
+            dfl.io.to_zarr(tmp_path / "train.zarr", x, y),
+            dfl.io.to_zarr(tmp_path / "held_out.zarr", hx, hy),
+        )
+        source = dfl.io.ZarrSource(stores[0], x="x", y="y")
+        held_out = dfl.io.ZarrSource(stores[1], x="x", y="y", shuffle=False)
+        options = dict(source=source, held_out=held_out)
     # killed at step 5 of phase 0 (steps 0-15; windows of 2): the commit is step 4;
     # held at step 15 until the nanny has restarted the worker: phase 1 can use it
-    trainer = _trainer(x, y, kill=(marker, 5, 1, 1), wait=(15, 4))
+    trainer = _trainer(x, y, kill=(marker, 5, 1, 1), wait=(15, 4), **options)
     result = trainer.fit(epochs=epochs, client=client)
     pids_after = set(client.run(os.getpid).values())
     assert marker.exists() and len(pids_before - pids_after) == 1, "one worker was killed"
@@ -248,6 +271,14 @@ def test_a_killed_worker_takes_its_group_the_other_goes_on_and_the_pair_forms_ag
     batches += [parts for _, parts in streams(plans[1].steps, 0)]
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) < 1e-5
+    if data == "zarr-evaluated":
+        evaluated = result.history.epochs
+        assert [e["held_out_samples"] for e in evaluated] == [60] * epochs, evaluated
+        expected.eval()
+        with torch.no_grad():
+            logits = expected(torch.from_numpy(hx))
+            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(hy))
+        assert evaluated[-1]["eval_loss"] == pytest.approx(float(loss), rel=1e-4)
 
 
 @pytest.mark.timeout(240)
