@@ -525,3 +525,21 @@ def test_the_root_cause_is_the_first_real_failure_not_its_echoes():
     assert root_cause([((3, 0), echo), ((3, 1), real), ((4, 0), KeyError("x"))]) == 1
     assert root_cause([((3, 1), echo), ((3, 0), echo)]) == 1  # only echoes: the earliest
     assert root_cause([((3, 0), None), ((2, 1), None)]) is None  # none readable
+
+
+def test_only_an_error_that_may_echo_a_lost_peer_waits_for_the_schedulers_word():
+    """The driver waits FAILURE_GRACE_S after a failed window only when the error may be
+    a survivor's view of a dead peer; its own errors are reported (or rolled back) at
+    once (a non-finite step's rollback used to wait the full grace)."""
+    import torch
+
+    from dataflow.core.errors import CollectiveError, DataError, NonFiniteError
+    from dataflow.driver.root_cause import may_echo_a_loss
+
+    gloo = RuntimeError("Connection closed by peer [127.0.0.1]:29871")
+    for echo in (CollectiveError("aborted"), gloo, ConnectionResetError(), TimeoutError(), None):
+        assert may_echo_a_loss(echo), echo
+    own = (NonFiniteError("step 7"), DataError("label 7"), ValueError(), IndexError(), KeyError())
+    for error in own:
+        assert not may_echo_a_loss(error), error
+    assert may_echo_a_loss(torch.OutOfMemoryError())  # a RuntimeError: memory.py names it

@@ -30,7 +30,7 @@ from dataflow.driver import events as ev
 from dataflow.driver.group_forming import GroupForming
 from dataflow.driver.membership import LIVENESS_POLL_S, Lost, RemovalWatch, wait_some
 from dataflow.driver.memory import is_out_of_memory
-from dataflow.driver.root_cause import root_cause
+from dataflow.driver.root_cause import may_echo_a_loss, root_cause
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import available_workers, live_workers
 
@@ -165,14 +165,17 @@ class Executor(GroupForming):
         future = failed[0]
         generation, rank, window = self.windows.pop(future)
         first = None if future.status == "cancelled" else self._exception(future)
-        # A peer's death is the usual cause; an out-of-memory error is its own.
-        self.raise_if_lost(grace=not is_out_of_memory(first))
+        # A peer's death is the usual cause of a collective's error; an error of the
+        # replica's own (out of memory, a non-finite step, bad data, a model's mistake)
+        # is reported without waiting FAILURE_GRACE_S for the scheduler's word of a loss.
+        own = is_out_of_memory(first) or not may_echo_a_loss(first)
+        self.raise_if_lost(grace=not own)
         if first is None:
             error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
         elif isinstance(first, NonFiniteError):
             error = first
         else:
-            rank, error = self._root_cause(future, rank, first)
+            rank, error = self._root_cause(future, rank, first, wait_s=0.0 if own else None)
         non_finite, oom = isinstance(error, NonFiniteError), is_out_of_memory(error)
         self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite, oom))
 
@@ -207,13 +210,17 @@ class Executor(GroupForming):
         # mid-phase checkpoint state it may carry) past this point.
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
 
-    def _root_cause(self, first: Any, rank: int, error: BaseException) -> tuple[int, BaseException]:
+    def _root_cause(
+        self, first: Any, rank: int, error: BaseException, wait_s: float | None = None
+    ) -> tuple[int, BaseException]:
         """The first real failure and the rank it was raised on: a peer's "connection
         closed" is only its echo. ``error`` is ``first``'s, kept in case no future reads
-        as failed any more (a future the scheduler released or lost meanwhile)."""
+        as failed any more (a future the scheduler released or lost meanwhile).
+        ``wait_s``: how long the other windows may take to fail too (FAILURE_GRACE_S;
+        none when ``error`` is the replica's own: the peers' echoes add nothing)."""
         futures = {first: (self.generation, rank, -1), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
-            wait(list(futures), timeout=FAILURE_GRACE_S)
+            wait(list(futures), timeout=FAILURE_GRACE_S if wait_s is None else wait_s)
         failed = [((w, r), f) for f, (_, r, w) in futures.items() if f.status == "error"]
         errors = [(key, _exception_now(f)) for key, f in failed]
         chosen = root_cause(errors)

@@ -20,3 +20,31 @@ def root_cause(failures: Sequence[tuple[tuple[int, int], BaseException | None]])
     real = [(key, i) for key, i in readable if not isinstance(failures[i][1], CollectiveError)]
     chosen = (real or readable)[:1]
     return chosen[0][1] if chosen else None
+
+
+# Errors a replica raises when a peer or the cluster went away under it: a collective's
+# or a store's connection closed or timed out. Any of them may be the echo of a worker
+# the scheduler has not yet reported lost. Named, not imported: pure.
+_MAY_ECHO_A_LOSS = {
+    "CollectiveError",
+    "RuntimeError",  # gloo's "connection closed by peer", "timed out waiting"
+    "DistStoreError",
+    "DistNetworkError",
+    "OSError",
+    "ConnectionError",
+    "ConnectionResetError",
+    "BrokenPipeError",
+    "TimeoutError",
+    "CommClosedError",
+    "CancelledError",
+}
+
+
+def may_echo_a_loss(error: BaseException | None) -> bool:
+    """Whether ``error`` may be a peer's death seen from a survivor, so that the driver
+    should give the scheduler a moment to report the loss before calling it a failure.
+    None (a cancelled task) may; an error of the replica's own (bad data, a model's
+    mistake, a non-finite step, out of memory) does not, and is reported at once."""
+    if error is None:
+        return True
+    return any(kind.__name__ in _MAY_ECHO_A_LOSS for kind in type(error).__mro__[:-2])
