@@ -471,6 +471,26 @@ def test_every_event_and_command_type_has_a_handler():
     assert set(COMMAND_HANDLERS) == set(typing.get_args(cmd.Command))
 
 
+def test_no_exception_steers_the_loop_a_loss_reaches_it_as_an_event():
+    """The loop catches no exception to change its course: only the executor knows its
+    internal ``Lost`` signal, and turns it into a queued WorkersLost event
+    (``Executor.carry_out``). Read from the source: the loop neither imports ``Lost``
+    nor has a handler for any exception but the rendezvous errors it reports as
+    GroupFailed events."""
+    import ast
+    import inspect
+
+    from dataflow.driver import loop
+
+    tree = ast.parse(inspect.getsource(loop))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert "Lost" not in imported
+    caught = [
+        ast.unparse(h.type) for n in ast.walk(tree) if isinstance(n, ast.Try) for h in n.handlers
+    ]
+    assert not any("Lost" in c for c in caught), caught
+
+
 def test_the_log_is_a_ring_bounded_by_the_results_it_holds():
     from dataflow.driver.log import DriverLog
 

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -87,6 +88,26 @@ class Executor(GroupForming):
         new = [a for a in self.available() if a not in self.known]
         self.known.update(new)
         return ev.WorkersJoined(tuple(new)) if new else None
+
+    def carry_out(self, effects: Callable[[], None]) -> bool:
+        """Carry out one command's ``effects``. A member lost meanwhile (seen while the
+        command waited on Dask) becomes a WorkersLost event in the queue, after what the
+        survivors finished first; False tells the loop to stop the command list there.
+        (``Lost`` is this layer's own signal: it never leaves the executor.)"""
+        try:
+            effects()
+        except Lost as lost:
+            self.queue_lost(lost.workers)
+            return False
+        return True
+
+    def states_unless_lost(self, label: str) -> list[Any] | None:
+        """The replicas' states (:meth:`replica_states`), or None when a member is lost
+        while they are gathered."""
+        try:
+            return self.replica_states(label)
+        except Lost:
+            return None
 
     def queue_lost(self, lost: list[str]) -> None:
         self._harvest(lost)  # what the survivors finished commits before the loss is handled

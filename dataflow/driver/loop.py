@@ -8,6 +8,7 @@ queues what they answer as the machine's next events.
 
 from __future__ import annotations
 
+import functools
 import time
 import typing
 import warnings
@@ -24,7 +25,6 @@ from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
-from dataflow.driver.membership import Lost
 from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
 from dataflow.history.result import History
@@ -124,16 +124,15 @@ class FitLoop:
         raise AssertionError("unreachable: events() ends only by raising")
 
     def apply(self, commands: list[Any]) -> None:
-        """Carry out ``commands`` in order; a loss stops the rest (the machine decides
-        anew from the WorkersLost event)."""
+        """Carry out ``commands`` in order. A member lost on the way is an event the
+        executor queues (WorkersLost): the rest of the list is not carried out, and the
+        machine decides anew from that event."""
         for i, command in enumerate(commands):
-            try:
-                COMMAND_HANDLERS[type(command)](self, command)
-            except Lost as lost:
+            handler = COMMAND_HANDLERS[type(command)]
+            if not self.executor.carry_out(functools.partial(handler, self, command)):
                 # The machine already chose to stop: a loss on the way does not change it.
                 for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
                     self._Fail(fail)
-                self.executor.queue_lost(lost.workers)
                 return
 
     # -- membership -----------------------------------------------------------------------
@@ -372,9 +371,8 @@ class FitLoop:
             )
             return
         if c.kind == "survivors":
-            try:
-                states = self.executor.replica_states("lost")
-            except Lost:  # the last survivors died too: the newest checkpoint stands
+            states = self.executor.states_unless_lost("lost")
+            if states is None:  # the last survivors died too: the newest checkpoint stands
                 return
         else:  # each replica's state, or its group's workers' (a spatial layout)
             states = [
