@@ -125,6 +125,27 @@ def digits_accuracy(client, data: dict, **options) -> float:
     return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
 
 
+@pytest.fixture(scope="session")
+def pool2():
+    """A gloo group of 2 spawned processes (``dataflow.spatial.LocalGroup``), shared by
+    the spatial tests: each spawn imports torch, seconds per process on 2 cores."""
+    from dataflow.spatial.local_group import LocalGroup
+
+    pool = LocalGroup(2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool4():
+    """As ``pool2``, of 4 processes."""
+    from dataflow.spatial.local_group import LocalGroup
+
+    pool = LocalGroup(4)
+    yield pool
+    pool.close()
+
+
 # Fixtures that start processes (a LocalCluster's workers, a LocalGroup's ranks): every
 # test using one is slow.
 PROCESS_FIXTURES = frozenset({"client", "empty_cluster", "cluster_client", "pool2", "pool4"})

@@ -14,25 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dataflow.spatial.geometry import Window
-from dataflow.spatial.local_group import LocalGroup
 
 TOL = 1e-5  # float32, relative to the largest value of each kind
 TOL_NORM = 1e-4  # float32 through BatchNorm: its reduction order differs (see module docs)
 TOL64 = 1e-9  # float64: what is left is rounding, so any logic error stands out
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    pool = LocalGroup(2)
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="module")
-def pool4():
-    pool = LocalGroup(4)
-    yield pool
-    pool.close()
 
 
 @st.composite

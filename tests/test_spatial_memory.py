@@ -17,7 +17,6 @@ from torch import nn
 from dataflow.costmodel.collective import Link, Topology
 from dataflow.costmodel.layout_cost import LayerFit, LayoutCandidate, LayoutModel
 from dataflow.spatial.geometry import split_extent
-from dataflow.spatial.local_group import LocalGroup
 from dataflow.spatial.module import SpatialModule
 from dataflow.spatial.profile import layer_shapes, saved_activation_bytes
 
@@ -63,12 +62,10 @@ def memory_model() -> LayoutModel:
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict[str, list[int]]:
+def measured(pool2, pool4) -> dict[str, list[int]]:
     whole = saved_activation_bytes(cosmo_net(), volume())
-    with LocalGroup(2) as pool:
-        split = pool.run(rank_saved_bytes, (2,), grid=(2,))
-    with LocalGroup(4) as pool:
-        grid = pool.run(rank_saved_bytes, (2, 3), grid=(2, 2))
+    split = pool2.run(rank_saved_bytes, (2,), grid=(2,))
+    grid = pool4.run(rank_saved_bytes, (2, 3), grid=(2, 2))
     return {"P1": [whole], "P2": split, "P4": grid}
 
 

@@ -122,10 +122,12 @@ class Executor(GroupForming):
         pending, graced = list(futures), False
         while pending:
             done, pending = wait_some(pending, self.removals.removed)
-            failed = any(f.status == "error" for f in done)
+            failed = [f for f in done if f.status == "error"]
             if failed or pending:  # a failure's grace once: the others' errors follow
-                self.raise_if_lost(grace=failed and not graced)
-                graced = graced or failed
+                # (none for an error of the task's own: a model factory's, a source's)
+                echo = any(may_echo_a_loss(_exception_now(f)) for f in failed)
+                self.raise_if_lost(grace=echo and not graced)
+                graced = graced or bool(failed)
         return [self._result(f) for f in futures]
 
     def _result(self, future: Any) -> Any:
