@@ -46,9 +46,15 @@ class Local:
     """Local updates: each replica trains on its own gradients for one period, then
     all replicas average weights (and, by default, optimizer state) weighted by the
     samples each trained on in it. The period is one window of the engine:
-    ``period_seconds`` of work (the engine fits whole steps into it), or
-    ``period_steps`` steps. ``Local(period_steps=1)`` with SGD equals synchronous
-    training (tests/test_local_updates.py).
+    ``period_steps`` steps, ``period_samples`` samples (whole steps, as many as it
+    takes to train that many samples, so a batch that grows averages as often per
+    epoch), or ``period_seconds`` of work (the engine fits whole steps into it).
+    ``Local(period_steps=1)`` with SGD equals synchronous training
+    (tests/test_local_updates.py).
+
+    Steps and samples make the same averages on any machine; seconds make a fast
+    machine run more local steps between averages than a slow or loaded one, so
+    accuracy then depends on the machine (docs/sync.md, "Choosing the period").
 
     Communication falls by the steps per period; the price is that replicas drift
     apart inside a period (keep periods short early in training, where gradients are
@@ -64,6 +70,7 @@ class Local:
 
     period_seconds: float | None = None
     period_steps: int | None = None
+    period_samples: int | None = None
     average_optimizer_state: bool = True
     # None: on with period_seconds (each replica trains what it can in the period; a fast
     # one takes over a slow one's remaining parts), off with period_steps (k steps each)
@@ -73,16 +80,19 @@ class Local:
     nesterov: bool = True
 
     def __post_init__(self) -> None:
-        if (self.period_seconds is None) == (self.period_steps is None):
+        given = [self.period_seconds, self.period_steps, self.period_samples]
+        if sum(value is not None for value in given) != 1:
             raise ConfigError(
-                "sync.Local: give period_seconds (wall-clock work between averages, e.g. 2.0) "
-                "or period_steps (steps between averages, e.g. 8), one of them"
+                "sync.Local: give period_steps (steps between averages, e.g. 8), "
+                "period_samples (samples between averages, e.g. 4096) or period_seconds "
+                "(wall-clock work between averages, e.g. 2.0), one of them"
             )
-        steps = self.period_steps
-        if steps is not None and (
-            isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-        ):
-            raise ConfigError(f"sync.Local(period_steps={steps!r}): an int >= 1")
+        for name in ("period_steps", "period_samples"):
+            count = getattr(self, name)
+            if count is not None and (
+                isinstance(count, bool) or not isinstance(count, int) or count < 1
+            ):
+                raise ConfigError(f"sync.Local({name}={count!r}): an int >= 1")
         seconds = self.period_seconds
         if seconds is not None and not (
             isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds > 0
@@ -109,11 +119,12 @@ class Local:
         return len(results) == replicas
 
     def describe(self) -> str:
-        period = (
-            f"{self.period_steps} step(s)"
-            if self.period_steps is not None
-            else f"{self.period_seconds:g} s of work"
-        )
+        if self.period_steps is not None:
+            period = f"{self.period_steps} step(s)"
+        elif self.period_samples is not None:
+            period = f"{self.period_samples} samples"
+        else:
+            period = f"{self.period_seconds:g} s of work"
         state = "weights and optimizer state" if self.average_optimizer_state else "weights"
         text = f"local updates: {state} averaged every {period}, weighted by samples"
         if self.leases:

@@ -146,6 +146,7 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
+                    window_samples=getattr(self.config.sync, "period_samples", None),
                     epoch_ends_window=self.config.settles_at_window_end,
                     layout=layout,
                     sync=self.config.sync.describe() if self.config.settles_at_window_end else "",

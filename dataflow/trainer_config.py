@@ -117,6 +117,12 @@ class TrainerConfig:
             )
         if not isinstance(self.sync, Local):
             return
+        if self.sync.period_samples is not None and (self.window_steps or self.window_seconds):
+            name = "window_steps" if self.window_steps else "window_seconds"
+            raise ConfigError(
+                f"{name}={getattr(self, name)} and sync=Local(period_samples="
+                f"{self.sync.period_samples}): a local-update period is one window; drop {name}"
+            )
         given = {"window_steps": self.sync.period_steps, "window_seconds": self.sync.period_seconds}
         for name, value in given.items():
             mine = getattr(self, name)

@@ -69,9 +69,11 @@ def local_sgd_by_hand(
 @pytest.mark.parametrize(
     ("make", "says"),
     [
-        (lambda: dfl.sync.Local(), "give period_seconds"),
+        (lambda: dfl.sync.Local(), "give period_steps"),
         (lambda: dfl.sync.Local(period_seconds=1.0, period_steps=4), "one of them"),
+        (lambda: dfl.sync.Local(period_samples=64, period_steps=4), "one of them"),
         (lambda: dfl.sync.Local(period_steps=0), "period_steps=0"),
+        (lambda: dfl.sync.Local(period_samples=2.5), "period_samples=2.5"),
         (lambda: dfl.sync.Local(period_seconds=-1), "period_seconds=-1"),
         (lambda: dfl.sync.Local(period_steps=2, outer_lr=0), "outer_lr=0"),
         (lambda: dfl.sync.Local(period_steps=2, outer_momentum=1.0), "outer_momentum=1.0"),
@@ -98,6 +100,61 @@ def test_the_period_is_the_window_and_conflicts_are_refused():
         tiny_pipeline(x, y, sync="local")
 
 
+def test_a_period_of_samples_ends_a_window_at_the_step_that_reaches_it():
+    """``Local(period_samples=N)``: a window ends at the first step that brings its
+    samples to N, so a batch that doubles halves the steps per average (the averages
+    per epoch stay); epoch ends still end a window."""
+    x, y = make_data(96)
+    sync = dfl.sync.Local(period_samples=32)
+    pipe = tiny_pipeline(x, y, sync=sync, schedule=dfl.schedule.Stepwise({0: 8, 1: 16}))
+    assert pipe.trainer.config.window_steps is None and pipe.trainer.config.window_seconds is None
+    first, second = pipe.plan(epochs=2, replicas=2)
+    assert [w.stop - w.first for w in first.windows] == [4, 4, 4]  # 12 steps of 8
+    assert [w.stop - w.first for w in second.windows] == [2, 2, 2]  # 6 steps of 16
+    assert "averaged every 32 samples" in sync.describe()
+    uneven = tiny_pipeline(x, y, sync=dfl.sync.Local(period_samples=20), batch=8)
+    (plan,) = uneven.plan(epochs=1, replicas=2)  # 20 samples: 3 steps of 8 reach them
+    assert [w.stop - w.first for w in plan.windows] == [3, 3, 3, 3]
+    with pytest.raises(ConfigError, match="drop window_steps"):
+        tiny_pipeline(x, y, sync=sync, window_steps=2)
+
+
+def _averages(sync, step_seconds: float) -> list[tuple[int, int]]:
+    """The (first, last) global step of every window, i.e. every average, that a
+    simulated fit of 3 epochs makes on a machine whose steps take ``step_seconds``."""
+    from test_driver_simulated import simulate, trainer
+
+    from dataflow.driver import commands as cmd
+
+    t = trainer(96, sync=sync, schedule=dfl.schedule.Stepwise({0: 8, 2: 16}))
+    _, log = simulate(t, epochs=3, seconds=lambda worker: step_seconds)
+    bounds = []
+    for _, commands, _ in log:
+        for c in commands:
+            if isinstance(c, cmd.SubmitWindows):
+                bounds += [
+                    (c.plan.steps[w.first].index, c.plan.steps[w.stop - 1].index)
+                    for w in c.plan.windows
+                ]
+    return bounds
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [dfl.sync.Local(period_steps=5), dfl.sync.Local(period_samples=48)],
+    ids=["steps", "samples"],
+)
+def test_a_fast_and_a_slow_machine_make_the_same_averages(sync):
+    """Issue 28, item 3, on a fake clock (the simulated executor: steps of 0.01 s on a
+    fast machine, 0.4 s on a slow or loaded one): a period of steps or of samples makes
+    the same sequence of averages on both; one of seconds does not, which is why it
+    is not the period to compare runs by."""
+    fast, slow = _averages(sync, 0.01), _averages(sync, 0.4)
+    assert fast == slow and len(fast) >= 6, (fast, slow)
+    by_time = dfl.sync.Local(period_seconds=0.8)
+    assert _averages(by_time, 0.01) != _averages(by_time, 0.4)
+
+
 # -- on a cluster -----------------------------------------------------------------------
 
 
@@ -117,6 +174,9 @@ def test_one_step_per_period_equals_synchronous_training(client):
     assert max_abs_diff(local.model, synchronous.model) <= 1e-5
     for mine, theirs in zip(local.history.epochs, synchronous.history.epochs, strict=True):
         assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+    # a period of one global batch's samples is the same period
+    by_samples = tiny_pipeline(x, y, sync=dfl.sync.Local(period_samples=16), **held_out)
+    assert max_abs_diff(by_samples.fit(epochs=2, client=client).model, local.model) == 0.0
 
 
 def test_windows_end_at_epoch_ends_under_local_updates():

@@ -255,7 +255,9 @@ class FitMachine(LostWorkers):
         then windows of about ``window_seconds``."""
         s, config = self.state, self.config
         rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
-        calibrating = s.step_seconds is None and not config.window_steps
+        # Local(period_samples=...): windows of so many samples, not of seconds
+        window_samples = getattr(config.sync, "period_samples", None)
+        calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
         steps = rest[: config.calibration_steps] if calibrating else rest
         tag = "calibrate" if calibrating else "train"
         plan = Plan.build(
@@ -266,6 +268,7 @@ class FitMachine(LostWorkers):
             step_seconds=s.step_seconds,
             window_seconds=config.window_seconds,
             window_steps=config.window_steps,
+            window_samples=window_samples,
             epoch_ends_window=isinstance(config.sync, Local | Async),
             tag=tag
             + (f"-g{s.generation}" if s.generation else "")

@@ -56,6 +56,14 @@ class SimulatedExecutor:
         self._digests: dict[int, list[int]] = {}
 
     # -- what the loop asks -------------------------------------------------------------
+    def carry_out(self, effects: Callable[[], None]) -> bool:
+        """A command's effects; a simulated loss arrives as a queued event, never mid-way."""
+        effects()
+        return True
+
+    def states_unless_lost(self, tag: str) -> list[Any] | None:
+        return self.replica_states(tag)
+
     def available(self) -> list[str]:
         return list(self.workers)
 

@@ -185,14 +185,17 @@ class Plan:
         window_seconds: float = 1.0,
         max_window_steps: int = 10_000,
         window_steps: int | None = None,
+        window_samples: int | None = None,
         epoch_ends_window: bool = False,
         tag: str = "plan",
         run: str = "",
         layout: str = "",
         sync: str = "",
     ) -> Plan:
-        """``window_steps`` fixes the steps per window; otherwise windows carry about
-        ``window_seconds`` of ``step_seconds`` steps. ``epoch_ends_window``: a window
+        """``window_steps`` fixes the steps per window; ``window_samples`` ends a window
+        at the first step that brings its samples (global batches) to that many;
+        otherwise windows carry about ``window_seconds`` of ``step_seconds`` steps (the
+        two counts make the same windows on any machine). ``epoch_ends_window``: a window
         also ends at each epoch's last step (local updates average there, so the
         epoch's evaluation sees the averaged weights)."""
         if replicas < 1:
@@ -206,12 +209,13 @@ class Plan:
                     f"the plan has {replicas}"
                 )
         size = window_steps or steps_per_window(step_seconds, window_seconds, max_window_steps)
-        bounds, first = [], 0
+        bounds, first, samples = [], 0, 0
         for position, spec in enumerate(steps):
-            full = position + 1 - first >= size
+            samples += spec.global_batch
+            full = samples >= window_samples if window_samples else position + 1 - first >= size
             if full or position == len(steps) - 1 or (epoch_ends_window and spec.last_in_epoch):
                 bounds.append((first, position + 1))
-                first = position + 1
+                first, samples = position + 1, 0
         windows = tuple(Window(index=i, first=a, stop=b) for i, (a, b) in enumerate(bounds))
         return cls(
             tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout, sync
