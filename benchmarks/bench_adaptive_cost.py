@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import SignalNet, save_run, ship_to_workers, table
+from records import save_run, table
+from workloads import SignalNet, ship_to_workers
 
 NAME = "adaptive_cost"
 SIDES = ("fixed", "fixed-phased", "adaptive")

@@ -53,16 +53,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import (
-    CosmoNet,
-    DigitsNet,
-    Optimizer,
-    SignalNet,
-    TargetMSE,
-    save_run,
-    ship_to_workers,
-    table,
-)
+from records import save_run, table
+from workloads import CosmoNet, DigitsNet, Optimizer, SignalNet, TargetMSE, ship_to_workers
 
 from dataflow.tools.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
 

@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import save_run, table, wait_quiet
+from quiet import wait_quiet
+from records import save_run, table
 
 import dataflow as dfl
 from dataflow.checkpoint import (

@@ -36,11 +36,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CosmoNet, CpuMeter, save_run, ship_to_workers, table, wait_quiet
+from quiet import wait_quiet
+from records import save_run, table
+from workloads import CosmoNet, ship_to_workers
 
 import dataflow as dfl
 from dataflow.costmodel import calibrate
 from dataflow.runtime.cluster import client_or_local_cluster
+from dataflow.tools.cpu_meter import CpuMeter
 
 BAR = 0.15
 
@@ -273,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    ship_to_workers()  # the workers unpickle common's models without importing it
+    ship_to_workers()  # the workers unpickle workloads' models without importing that module
     started = time.perf_counter()
     results: dict[str, Any] = {}
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import save_run
+from records import save_run
 
 from dataflow.costmodel import presets, scaling
 

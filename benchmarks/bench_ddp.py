@@ -36,36 +36,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import (
-    SINGLE_THREAD_ENV,
-    START_ENV,
+from baseline import planned_batches, timed_steps
+from cli_args import add_quiet_args, add_worker_args, add_workload_args
+from engine_run import run_fit
+from measure import median, print_gc, scheduling_share, steady_boundary, steady_fit, steady_loop
+from processes import SINGLE_THREAD_ENV, START_ENV, environment, pin_process
+from quiet import measure_side, print_threads
+from records import save_run, table
+from workloads import (
     CNNConfig,
     ModelFactory,
     OptimConfig,
     OptimizerFactory,
     Workload,
-    add_quiet_args,
-    add_worker_args,
-    add_workload_args,
-    environment,
     make_data,
-    measure_side,
-    median,
     parameter_count,
-    pin_process,
-    planned_batches,
-    print_gc,
-    print_threads,
-    relax_malloc,
-    run_fit,
-    save_run,
-    scheduling_share,
-    steady_boundary,
-    steady_fit,
-    steady_loop,
-    table,
-    timed_steps,
 )
+
+from dataflow.runtime.malloc import relax_malloc
 
 NAME = "bench_ddp"
 WORLD = 2

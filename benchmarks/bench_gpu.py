@@ -41,7 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from bench_ops_optim import resnet50_shapes
-from common import machine_info, save_run, steady_boundary, steady_fit, table
+from measure import steady_boundary, steady_fit
+from records import machine_info, save_run, table
 
 NAME = "gpu"
 

@@ -36,20 +36,20 @@ import time
 from typing import Any
 
 import torch.nn.functional as F
-from common import (
+from measure import window_ends
+from quiet import wait_quiet
+from records import save_run, table
+from workloads import (
     CNNConfig,
-    CpuMeter,
     ModelFactory,
     OptimConfig,
     OptimizerFactory,
     make_data,
     parameter_count,
-    save_run,
     ship_to_workers,
-    table,
-    wait_quiet,
-    window_ends,
 )
+
+from dataflow.tools.cpu_meter import CpuMeter
 
 NAME = "heterogeneous"
 

@@ -36,10 +36,12 @@ from typing import Any
 
 import numba
 import torch
-from common import CpuMeter, save_run, table, wait_quiet
+from quiet import wait_quiet
+from records import save_run, table
 
 from dataflow.ops import flat
 from dataflow.ops.optim import FusedAdam, FusedSGD
+from dataflow.tools.cpu_meter import CpuMeter
 
 NAME = "ops_optim"
 

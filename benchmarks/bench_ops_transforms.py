@@ -40,9 +40,11 @@ from typing import Any
 import numba
 import numpy as np
 import torch
-from common import CpuMeter, save_run, table, wait_quiet
+from quiet import wait_quiet
+from records import save_run, table
 
 from dataflow.ops import transforms as T
+from dataflow.tools.cpu_meter import CpuMeter
 
 NAME = "ops_transforms"
 SEED = (0, 1, 0)  # what stages.Transform passes: (fit seed, step, replica rank)

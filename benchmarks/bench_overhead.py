@@ -33,29 +33,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common import (
-    SINGLE_THREAD_ENV,
-    CNNConfig,
-    OptimConfig,
-    Workload,
-    add_quiet_args,
-    add_worker_args,
-    add_workload_args,
-    hand_loop,
-    in_subprocess,
-    measure_side,
-    median,
-    parameter_count,
-    print_gc,
-    print_threads,
-    run_fit,
-    save_run,
-    scheduling_share,
-    steady_boundary,
-    steady_fit,
-    steady_loop,
-    table,
-)
+from baseline import hand_loop
+from cli_args import add_quiet_args, add_worker_args, add_workload_args
+from engine_run import run_fit
+from measure import median, print_gc, scheduling_share, steady_boundary, steady_fit, steady_loop
+from processes import SINGLE_THREAD_ENV, in_subprocess
+from quiet import measure_side, print_threads
+from records import save_run, table
+from workloads import CNNConfig, OptimConfig, Workload, parameter_count
 
 NAME = "bench_overhead"
 

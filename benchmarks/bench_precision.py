@@ -45,15 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
-from common import (
-    CosmoNet,
-    DigitsNet,
-    Optimizer,
-    TargetMSE,
-    save_run,
-    ship_to_workers,
-    table,
-)
+from records import save_run, table
+from workloads import CosmoNet, DigitsNet, Optimizer, TargetMSE, ship_to_workers
 
 from dataflow.tools.datasets import cosmology_arrays, digits_arrays
 
@@ -290,7 +283,7 @@ def report(path: str | None) -> list[dict[str, Any]]:
     import json
     from pathlib import Path
 
-    from common import RESULTS
+    from records import RESULTS
 
     runs = json.loads(Path(path or RESULTS / f"{NAME}.json").read_text())["runs"]
     out = []

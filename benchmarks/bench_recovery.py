@@ -44,7 +44,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
+import measure
+import records
+import workloads
 
 import dataflow as dfl
 from dataflow import stages
@@ -73,17 +75,17 @@ class KillAt(stages.Stage):
 
 
 def build(args: argparse.Namespace, kill: KillAt | None) -> dfl.Trainer:
-    config = common.CNNConfig()
-    x, y = common.make_data(args.samples, config)
+    config = workloads.CNNConfig()
+    x, y = workloads.make_data(args.samples, config)
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     if kill is not None:
         batch = g.add(kill, batch)
     out = g.add(
-        stages.Forward(common.ModelFactory(config), torch.nn.functional.cross_entropy), batch
+        stages.Forward(workloads.ModelFactory(config), torch.nn.functional.cross_entropy), batch
     )
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    g.add(stages.Update(common.OptimizerFactory(common.OptimConfig())), reduced)
+    g.add(stages.Update(workloads.OptimizerFactory(workloads.OptimConfig())), reduced)
     schedule = dfl.schedule.Fixed(args.batch, epochs_per_phase=args.epochs)
     sync = dfl.sync.Async(staleness=1) if args.sync == "async" else dfl.sync.Synchronous()
     return dfl.Trainer(g, schedule=schedule, seed=0, progress=False, min_workers=1, sync=sync)
@@ -133,7 +135,7 @@ def measured_fit(args: argparse.Namespace, client: Any, kind: str, folder: Path)
     }
     writes = [c["seconds"] for c in info.get("checkpoints", []) if c["mid_phase"]]
     if writes:
-        row.update(checkpoint_writes=len(writes), checkpoint_write_s=common.median(writes))
+        row.update(checkpoint_writes=len(writes), checkpoint_write_s=measure.median(writes))
     failures = info.get("failures", [])
     if kill is not None:
         killed = kill_time(marker)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or "baseline" not in kinds:
         raise SystemExit(f"--kinds: {unknown or 'baseline missing'}; choose from {KINDS}")
-    # `common` is imported on the workers by name (their sys.path is this process's, with
+    # `workloads` is imported on the workers by name (their sys.path is this process's, with
     # benchmarks/ in it); KillAt, defined in __main__, travels by value.
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"round {round_index}: {kind}: {row['train_seconds']:.1f} s", flush=True)
     summary = summarize(rows, kinds)
     print(report(summary))
-    path = common.save_run(
+    path = records.save_run(
         "recovery",
         {"args": vars(args), "rows": rows, "summary": summary},
         args.out,
@@ -210,10 +212,10 @@ def summarize(rows: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dic
     def of(kind: str, key: str) -> list[float]:
         return [r[key] for r in rows if r["kind"] == kind and key in r]
 
-    base = common.median(of("baseline", "train_seconds"))
+    base = measure.median(of("baseline", "train_seconds"))
     out: dict[str, Any] = {"baseline_train_s": base, "kinds": [k for k in kinds if k != "baseline"]}
     for kind in out["kinds"]:
-        seconds = common.median(of(kind, "train_seconds"))
+        seconds = measure.median(of(kind, "train_seconds"))
         out[kind] = {
             "train_s": seconds,
             "extra_s": seconds - base,
@@ -229,10 +231,10 @@ def summarize(rows: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dic
         ):
             values = of(kind, key)
             if values:
-                out[kind][key] = {"median": common.median(values), "max": max(values)}
+                out[kind][key] = {"median": measure.median(values), "max": max(values)}
     windows = of("baseline", "windows")
     steps = of("baseline", "steps")
-    out["steps_per_window"] = common.median([s / w for s, w in zip(steps, windows, strict=True)])
+    out["steps_per_window"] = measure.median([s / w for s, w in zip(steps, windows, strict=True)])
     return out
 
 
@@ -264,7 +266,7 @@ def report(summary: dict[str, Any]) -> str:
     return (
         head
         + "\n"
-        + common.table(
+        + records.table(
             rows,
             [
                 "run",

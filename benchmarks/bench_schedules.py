@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import CosmoNet, DigitsNet, save_run, ship_to_workers, table
+from records import save_run, table
+from workloads import CosmoNet, DigitsNet, ship_to_workers
 
 from dataflow.tools.datasets import (
     AMPLITUDE_RANGE,

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CpuMeter, save_run, table, wait_quiet
+from quiet import wait_quiet
+from records import save_run, table
 
 from dataflow.costmodel.collective import Link, Topology
 from dataflow.costmodel.layout_cost import LayoutCandidate
@@ -44,6 +45,7 @@ from dataflow.spatial.geometry import split_extent
 from dataflow.spatial.local_group import LocalGroup
 from dataflow.spatial.module import SpatialModule
 from dataflow.spatial.profile import calibrate_layout
+from dataflow.tools.cpu_meter import CpuMeter
 
 LINK_SIZES = (4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20)
 

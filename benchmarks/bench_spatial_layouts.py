@@ -2,7 +2,7 @@
 the workers (sample, spatial along each dimension, hybrid), and whether ``layout="auto"``
 picks the fastest measured one.
 
-Each layout trains the same CosmoNet (benchmarks/common.py, examples/cosmoflow.py's 3D
+Each layout trains the same CosmoNet (benchmarks/workloads.py, examples/cosmoflow.py's 3D
 CNN) for a few windows on a LocalCluster; its measured step time is the phase's
 ``measured_step_seconds`` (windows after the first two). The layout model is calibrated
 on the driver (``layout_choice.layout_model``: every layer timed alone at each region
@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, CosmoNet
+from records import RESULTS
+from workloads import CosmoNet
 
 import dataflow as dfl
 from dataflow.planning.layout_choice import layout_model

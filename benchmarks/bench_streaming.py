@@ -51,7 +51,7 @@ after their first batch.
 Ratios (b)/(a), (b)/(c), (b)/(d) are printed against the issue's targets (>= 0.9, >= 5,
 >= 10) and the data-wait fraction against <= 5 %, as PASS/MISS; nothing asserts.
 Every contender waits for a quiet machine and is rerun when other programs used CPU
-meanwhile (``common.measure_side``). Results are appended to
+meanwhile (``quiet.measure_side``). Results are appended to
 ``benchmarks/results/streaming.json`` (``--out``, ``--overwrite``).
 
     python benchmarks/bench_streaming.py           # 0.5 GiB, ~2.5 minutes on 2 cores
@@ -79,17 +79,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from common import (
-    OptimConfig,
-    OptimizerFactory,
-    add_quiet_args,
-    measure_side,
-    save_run,
-    ship_to_workers,
-    table,
-)
+from cli_args import add_quiet_args
+from quiet import measure_side
+from records import save_run, table
 from streaming_threads import run_part as decode_threads_part
 from streaming_threads import zarr_read_only
+from workloads import OptimConfig, OptimizerFactory, ship_to_workers
 
 NAME = "streaming"
 DIMS = ("sample", "channel", "d0", "d1", "d2")  # the xarray copy's dimension names

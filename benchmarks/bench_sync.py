@@ -1,7 +1,7 @@
 """Synchronous against local and asynchronous updates with one replica throttled: time to a target
 accuracy and final accuracy on the digits (sklearn's real 8x8 handwritten digits).
 
-Every side trains ``DigitsNet`` (benchmarks/common.py) on ``--replicas`` (2) of a LocalCluster
+Every side trains ``DigitsNet`` (benchmarks/workloads.py) on ``--replicas`` (2) of a LocalCluster
 (1 thread each), replica 1 throttled ``--factor`` times (the engine makes it sleep
 ``(factor - 1) x`` its compute each step), SGD with momentum, a fixed global batch,
 one phase per epoch (so the balancer re-splits), held-out accuracy after every epoch:
@@ -17,7 +17,10 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
   leases**: ``leases=True``, the fast replica takes over the slow one's parts; **+
   overlap**: ``overlap=True``, each push overlaps the next step's compute;
 * **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
-  let the fast replica take over the slow one's parts (no balancer needed).
+  let the fast replica take over the slow one's parts (no balancer needed);
+* **local even by samples**: ``Even()`` and ``Local(period_samples=--period-samples)``:
+  the same averages on any machine, so a quiet and a loaded run of one seed end alike
+  (``windows`` in the JSON: the averages made).
 (``local balanced`` uses leases too: ``period_seconds`` turns them on.)
 
 Time to target: the driver's clock when the first epoch whose held-out accuracy
@@ -41,7 +44,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import DigitsNet, save_run, table
+from records import save_run, table
+from workloads import DigitsNet
 
 NAME = "sync"
 
@@ -50,10 +54,15 @@ def momentum_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def sides(period: float, staleness: int = 2) -> dict[str, dict[str, Any]]:
+def sides(
+    period: float, staleness: int = 2, period_samples: int = 512
+) -> dict[str, dict[str, Any]]:
     import dataflow as dfl
 
     return {
+        "local even by samples": dict(
+            balancer=dfl.balance.Even(), sync=dfl.sync.Local(period_samples=period_samples)
+        ),
         "sync even": dict(balancer=dfl.balance.Even()),
         "sync balanced": dict(balancer=dfl.balance.Throughput()),
         "local balanced": dict(
@@ -127,6 +136,7 @@ def one_fit(args: argparse.Namespace, client: Any, data: dict, seed: int, option
         "train_s": ends[args.epochs - 1],
         "fit_call_s": wall,
         "splits": [p["local_batches"] for p in result.history.phases],
+        "windows": sum(p["windows"] for p in result.history.phases),
     }
 
 
@@ -172,6 +182,9 @@ def main() -> None:
     p.add_argument("--period", type=float, default=0.25, help="Local period_seconds (0.25)")
     p.add_argument("--staleness", type=int, default=2, help="Async staleness bound (2)")
     p.add_argument(
+        "--period-samples", type=int, default=512, help="Local period_samples (512: 8 batches)"
+    )
+    p.add_argument(
         "--sides",
         default="sync even,sync balanced,local even,local balanced,async even,async balanced",
         help="comma-separated sides to run (default: all but DiLoCo)",
@@ -187,7 +200,7 @@ def main() -> None:
 
     data = digits_arrays(seed=0)
     chosen = [side.strip() for side in args.sides.split(",")]
-    known = sides(args.period, args.staleness)
+    known = sides(args.period, args.staleness, args.period_samples)
     unknown = [side for side in chosen if side not in known]
     if unknown or "sync balanced" not in chosen:
         p.error(f"--sides: {unknown or 'sync balanced (the baseline)'}; known: {list(known)}")
@@ -203,7 +216,7 @@ def main() -> None:
     ):
         for seed in range(args.seeds):
             for side in chosen:
-                options = sides(args.period, args.staleness)[side]
+                options = sides(args.period, args.staleness, args.period_samples)[side]
                 fit = one_fit(args, client, data, seed, options)
                 runs[side].append(fit)
                 print(

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 from bench_precision import SETTINGS
-from common import CosmoNet, save_run, table
+from records import save_run, table
+from workloads import CosmoNet
 
 from dataflow.tools.datasets import cosmology_arrays
 

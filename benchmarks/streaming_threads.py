@@ -25,7 +25,7 @@ On the benchmark's own zstd store (``--gb``/``--samples``), in the same run:
 
 Each N runs ``--repeats`` times, round robin with the other Ns, each side measured when
 the machine is quiet and rerun if other programs used CPU meanwhile
-(``common.measure_side``), or if the hypervisor took CPU from this VM (steal above
+(``quiet.measure_side``), or if the hypervisor took CPU from this VM (steal above
 ``MAX_STEAL`` cores: the threads then wait for a core they are not given); the
 median is kept. Printed: samples/s, MB/s decoded, cores used, and each N's rate over
 N=1's, from the medians and paired (the median over rounds of the ratio within a
@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import measure_side, table
+from quiet import measure_side
+from records import table
 
 TARGET = 1.7  # decode rate with 2 threads over 1 thread, at least (a 2-core machine)
 DECODE_PASSES = 3  # a decode side decodes the epoch's chunks this often: over a second
@@ -133,7 +134,7 @@ def process_pass(path: Path, processes: int, chunks: list[int]) -> dict[str, Any
 
 
 def _measure(name: str, fn: Callable[[], Any], quiet_args: dict[str, Any]) -> tuple[Any, Any]:
-    """``common.measure_side``, rerun while the hypervisor took CPU during the side."""
+    """``quiet.measure_side``, rerun while the hypervisor took CPU during the side."""
     for _ in range(quiet_args["retries"] + 1):
         value, q = measure_side(name, fn, **quiet_args)
         meter = q["attempts"][-1]
