@@ -117,6 +117,14 @@ def test_a_period_of_samples_ends_a_window_at_the_step_that_reaches_it():
     assert [w.stop - w.first for w in plan.windows] == [3, 3, 3, 3]
     with pytest.raises(ConfigError, match="drop window_steps"):
         tiny_pipeline(x, y, sync=sync, window_steps=2)
+    # the plan line before the bar says so (not "windows of about 1 s")
+    from types import SimpleNamespace
+
+    from dataflow.driver.loop import phase_line
+
+    config = SimpleNamespace(sync=sync, window_steps=None, window_seconds=1.0)
+    line = phase_line(first.phase, first.steps, first.steps, config)
+    assert line.endswith("in windows of 32 samples (local updates average at each end)"), line
 
 
 def _averages(sync, step_seconds: float) -> list[tuple[int, int]]:

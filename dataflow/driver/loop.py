@@ -437,8 +437,11 @@ def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
     replicas = len(todo[0].local_batches)
     done = todo[0].index - steps[0].index
     resumed = f" (resumed at step {todo[0].index}: {done} done)" if done else ""
+    window_samples = getattr(config.sync, "period_samples", None)
     if config.window_steps:
         windows = f"windows of {config.window_steps} step(s)"
+    elif window_samples:
+        windows = f"windows of {window_samples} samples (local updates average at each end)"
     else:
         windows = (
             f"windows of about {config.window_seconds:.3g} s (after "
