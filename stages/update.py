@@ -112,14 +112,7 @@ class Update(Stage):
         self._loss_scale = replica.loss_scale
         self._deferred = check == "window" and self._loss_scale is None
         self._first_bad: torch.Tensor | None = None  # deferred: the window's first bad step
-        # Local updates: a replica alone sees its non-finite step (no reduced gradient
-        # carries it to the others), so it raises at the window's end, after the average
-        # its peers wait for, not in the step (they would wait out the collective timeout
-        # and leave a broken group for the rollback)
-        self._raise_at_window_end = (
-            replica.local_updates and replica.world_size > 1 and self.config.on_non_finite != "skip"
-        )
-        self._local_bad: int | None = None  # the window's first bad step
+        self._local_bad: int | None = None  # local updates: the window's first bad step
         self._overflows = 0
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
@@ -182,11 +175,7 @@ class Update(Stage):
         ``num_batches_tracked``), as its update leaves weights and optimizer untouched."""
         if getattr(self, "_warmup", 0):
             self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
-        if (
-            self.config.on_non_finite == "skip"
-            or getattr(self, "_loss_scale", None)
-            or getattr(self, "_raise_at_window_end", False)
-        ):
+        if self.config.on_non_finite == "skip" or getattr(self, "_loss_scale", None):
             self._buffers = [b.detach().clone() for b in step.replica.model.buffers()]
 
     def run(self, step: StepContext, grads: Gradients) -> Gradients:
@@ -232,10 +221,11 @@ class Update(Stage):
     def _non_finite(self, step: StepContext, what: str) -> None:
         """A non-finite step, by ``on_non_finite``: stop (raise, or the driver's rollback)
         naming the step, or skip it and count it."""
-        if getattr(self, "_raise_at_window_end", False):
+        if self._raises_at_window_end(step.replica):
+            # no update applied; the window is discarded (rollback) or the fit stops, so
+            # its buffers need no restoring
             if self._local_bad is None:
                 self._local_bad = step.spec.index
-            self._restore_buffers(step)
             return
         if self.config.on_non_finite in ("raise", "rollback"):
             raise NonFiniteError(
@@ -259,8 +249,9 @@ class Update(Stage):
         """The deferred check (one host read per window), and under local updates the
         replicas' agreement on the window's non-finite steps."""
         first, self._first_bad = getattr(self, "_first_bad", None), None
-        deferred_bad = int(first) if first is not None and int(first) >= 0 else None
-        if getattr(self, "_raise_at_window_end", False):
+        deferred_bad = None if first is None else int(first)  # one host read
+        deferred_bad = deferred_bad if deferred_bad is not None and deferred_bad >= 0 else None
+        if self._raises_at_window_end(replica):
             bad, self._local_bad = self._local_bad, None
             self._agree_on_bad_steps(replica, bad if deferred_bad is None else deferred_bad)
         elif deferred_bad is not None:
@@ -271,6 +262,17 @@ class Update(Stage):
                 "the learning rate, check the inputs for NaN/inf, or pass "
                 "on_non_finite='skip' to drop such steps"
             )
+
+    def _raises_at_window_end(self, replica: ReplicaContext) -> bool:
+        """Local updates on several replicas, stopping on a non-finite step: a replica
+        alone sees its bad step (no reduced gradient carries it to the others), so it
+        raises at the window's end, with the others (see ``_agree_on_bad_steps``), not
+        in the step: its peers would wait for it in the window's average until the
+        collective timeout, and leave a broken group for the rollback. Asked each time:
+        the world size changes when the replicas regroup."""
+        return (
+            replica.local_updates and replica.world_size > 1 and self.config.on_non_finite != "skip"
+        )
 
     def _agree_on_bad_steps(self, replica: ReplicaContext, bad: int | None) -> None:
         """Local updates: the replicas learn together whether any found a non-finite step
