@@ -77,30 +77,39 @@ def _sources(data: str, folder) -> tuple:
     )
 
 
+def _trainer(source, held_out, fault: stages.Stage, *, policy: str = "raise", **options):
+    """TinyCNN on ``source`` with the test stage ``fault`` after Load, an Update under
+    ``on_non_finite=policy``, an evaluation on ``held_out`` unless None; ``options``: the
+    Trainer's (the sync policy or layout, ``elastic``)."""
+    g = dfl.Graph()
+    batch = g.add(fault, g.add(stages.Load(source)))
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
+    node = g.add(stages.Update(sgd, on_non_finite=policy), reduced)
+    if held_out is not None:
+        g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), node)
+    return dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(BATCH),
+        seed=0,
+        progress=False,
+        collective_timeout_s=20.0,
+        **options,
+    )
+
+
 def _fit(client, folder, *, sync: str, evaluate: bool, data: str) -> tuple:
     """A fit of ``EPOCHS`` epochs whose replica 1 SIGKILLs its worker at ``KILL_STEP``;
     returns the result, the held-out source (None without evaluation) and the kill's
     marker file."""
     source, held_out = _sources(data, folder)
+    held_out = held_out if evaluate else None
     marker = folder / "killed"
-    g = dfl.Graph()
-    batch = g.add(stages.Load(source))
-    batch = g.add(KillOnce(str(marker), step=KILL_STEP, rank=1), batch)
-    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
-    node = g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
-    if evaluate:
-        g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), node)
-    trainer = dfl.Trainer(
-        g,
-        schedule=dfl.schedule.Fixed(BATCH),
-        seed=0,
-        progress=False,
-        elastic=False,  # the restarted worker stays out: the survivor ends the fit alone
-        collective_timeout_s=20.0,
-        **SYNCS[sync](),
-    )
+    kill = KillOnce(str(marker), step=KILL_STEP, rank=1)
+    # elastic=False: the restarted worker stays out, the survivor ends the fit alone
+    trainer = _trainer(source, held_out, kill, elastic=False, **SYNCS[sync]())
     result = trainer.fit(epochs=EPOCHS, client=client)
-    return result, (held_out if evaluate else None), marker
+    return result, held_out, marker
 
 
 def _assert_recovered(result, marker, sync: str) -> None:
@@ -259,23 +268,10 @@ class PoisonOnce(stages.Stage):
 
 def _nan_fit(client, folder, *, policy: str, training: str, evaluate: bool, data: str):
     source, held_out = _sources(data, folder)
+    held_out = held_out if evaluate else None
     marker = folder / "poisoned"
-    g = dfl.Graph()
-    batch = g.add(stages.Load(source))
-    batch = g.add(PoisonOnce(str(marker), step=NAN_STEP), batch)
-    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
-    reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    node = g.add(stages.Update(sgd, on_non_finite=policy), reduced)
-    if evaluate:
-        g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), node)
-    trainer = dfl.Trainer(
-        g,
-        schedule=dfl.schedule.Fixed(BATCH),
-        seed=0,
-        progress=False,
-        collective_timeout_s=20.0,
-        **TRAINING[training](),
-    )
+    poison = PoisonOnce(str(marker), step=NAN_STEP)
+    trainer = _trainer(source, held_out, poison, policy=policy, **TRAINING[training]())
     return trainer, held_out, marker
 
 
