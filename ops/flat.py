@@ -383,6 +383,21 @@ def sum_of_squares(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
         raise OpError("sum_of_squares: got no buffers; pass at least one tensor")
     device = check(SUM_OF_SQUARES, buffers)
     one_dtype(SUM_OF_SQUARES, buffers)
+    if device.type == "cuda":
+        return _sum_of_squares_torch(buffers)
+    return _sum_of_squares_numba(buffers, device)
+
+
+def _sum_of_squares_torch(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """On CUDA, torch's multi-tensor norm with a float64 result. The Numba kernel lost
+    to it on an H100 in device time (0.61 against 0.48 ms on ResNet-50's gradients) and
+    costs far more host time per call (dispatch, array views, the plan): in a one-GPU
+    fit the non-finite check alone took a fifth of the host's step time."""
+    return torch.stack(torch._foreach_norm(buffers, 2, dtype=torch.float64)).square()
+
+
+def _sum_of_squares_numba(buffers: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The Numba kernels (CPU; CUDA kept for parity tests and the kernel benchmark)."""
     out = torch.zeros(len(buffers), dtype=torch.float64, device=device)
     arena, table, bounds, keep = _squares_plan(buffers, device)
     (flat_out,) = as_arrays([out], device)
