@@ -467,3 +467,33 @@ def test_steps_measured_are_every_kth_of_the_fit_by_index():
     assert planner(Adaptive(8, max_batch=64)).measure_every(600) == 10
     assert planner(Adaptive(8, max_batch=64, measure_every=5)).measure_every(24) == 5
     assert planner(Fixed(8)).measure_every(600) == 1
+
+
+def test_one_replica_splits_only_the_steps_it_measures():
+    """Measuring the noise with one replica takes two micro-batches of a step; the steps
+    between measurements run whole (half batches cost a GPU nearly a whole step more)."""
+    from dataflow.driver.planner import Planner
+    from dataflow.schedule.balance import Even
+
+    planner = Planner(
+        schedule=Adaptive(8, max_batch=8, measure_every=3, epochs_per_phase=2),
+        balancer=Even(),
+        num_samples=64,
+        measures_noise=True,
+    )
+    phase = planner.next_phase(start_epoch=0, total_epochs=2, previous=None)
+    steps = planner.phase_steps(phase, replicas=1, first_index=0)
+    assert len(steps) == 16
+    assert [s.micro_batches for s in steps] == [(2,) if s.index % 3 == 0 else (1,) for s in steps]
+    # after a lost worker the rest of the phase keeps the phase's cadence
+    rest = planner.rest(steps, commit=5, replicas=1, phase_steps=len(steps))
+    assert [s.micro_batches for s in rest] == [(2,) if s.index % 3 == 0 else (1,) for s in rest]
+    # two replicas measure across replicas: no step is split
+    assert {s.micro_batches for s in planner.phase_steps(phase, 2, 0)} == {(1, 1)}
+    every_step = Planner(
+        schedule=Adaptive(8, max_batch=8, epochs_per_phase=2),  # "auto": every step of 16
+        balancer=Even(),
+        num_samples=64,
+        measures_noise=True,
+    )
+    assert {s.micro_batches for s in every_step.phase_steps(phase, 1, 0)} == {(2,)}

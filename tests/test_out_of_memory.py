@@ -125,13 +125,13 @@ def test_out_of_memory_of_a_stale_window_is_ignored():
 
 def test_the_users_max_micro_batch_stays_an_upper_bound():
     count = planner(cap=3).micro_batches(2, memory_cap=4)
-    assert count((16, 16)) == (6, 6)  # 3 per micro-batch: the user's cap is tighter
-    assert planner().micro_batches(2, memory_cap=4)((16, 16)) == (4, 4)
+    assert count((16, 16), 0) == (6, 6)  # 3 per micro-batch: the user's cap is tighter
+    assert planner().micro_batches(2, memory_cap=4)((16, 16), 0) == (4, 4)
     per_replica = Planner(
         schedule=None, balancer=Even(), num_samples=32, max_micro_batch=(8, 2)
     ).micro_batches(2, memory_cap=4)
-    assert per_replica((16, 16)) == (4, 8)
-    assert planner(cap=3).micro_batches(2)((16, 16)) == (6, 6)
+    assert per_replica((16, 16), 0) == (4, 8)
+    assert planner(cap=3).micro_batches(2)((16, 16), 0) == (6, 6)
 
 
 def test_halving_starts_from_what_ran():

@@ -270,7 +270,9 @@ class FitLoop:
             self.executor.queue.append(ev.SegmentPlanned(c.phase, steps, steps))
             return
         state = self.machine.state
-        todo = self.planner.rest(state.segment, c.commit_step, c.replicas, c.memory_cap)
+        todo = self.planner.rest(
+            state.segment, c.commit_step, c.replicas, c.memory_cap, len(state.phase_steps)
+        )
         self.executor.queue.append(
             ev.SegmentPlanned(c.phase, state.phase_steps, todo, continued=True)
         )

@@ -13,6 +13,7 @@ from typing import Any
 
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.core.step import StepSpec
+from dataflow.io.sampler import steps_per_epoch
 from dataflow.planning.plan import phase_steps, resplit_steps
 from dataflow.schedule.balance import micro_batch_counts
 
@@ -62,13 +63,19 @@ class Planner:
         """The phase's steps, split by the balancer from the speeds ``measured`` so far
         (per past phase, each replica's samples/s); ``memory_cap``: the micro-batch cap
         the fit learned from out-of-memory errors."""
+        epochs = phase.end_epoch - phase.start_epoch
+        count = epochs * steps_per_epoch(
+            self.num_samples, phase.global_batch, drop_last=self.drop_last
+        )
         return phase_steps(
             num_samples=self.num_samples,
             phase=phase,
             split=lambda size: self.balancer.split(size, replicas, measured),
             drop_last=self.drop_last,
             first_index=first_index,
-            micro_batches=self.micro_batches(replicas, memory_cap=memory_cap),
+            micro_batches=self.micro_batches(
+                replicas, memory_cap=memory_cap, measure_every=self.measure_every(count)
+            ),
         )
 
     def rest(
@@ -77,14 +84,19 @@ class Planner:
         commit: int,
         replicas: int,
         memory_cap: int | None = None,
+        phase_steps: int | None = None,
     ) -> tuple:
         """The steps of ``segment`` from ``commit`` on, split anew over ``replicas`` (after
-        a recovery); every sample of the epoch in progress is still read once."""
+        a recovery); every sample of the epoch in progress is still read once.
+        ``phase_steps``: the whole phase's step count (its noise measuring cadence)."""
+        every = self.measure_every(phase_steps or len(segment))
         return resplit_steps(
             segment,
             commit,
             split=lambda size: self.balancer.split(size, replicas, []),
-            micro_batches=self.micro_batches(replicas, after_loss=True, memory_cap=memory_cap),
+            micro_batches=self.micro_batches(
+                replicas, after_loss=True, memory_cap=memory_cap, measure_every=every
+            ),
         )
 
     def resumed(self, segment: tuple[StepSpec, ...], commit: int, replicas: int) -> tuple:
@@ -96,17 +108,25 @@ class Planner:
         return self.rest(segment, commit, replicas)
 
     def micro_batches(
-        self, replicas: int, after_loss: bool = False, memory_cap: int | None = None
-    ) -> Callable[[tuple[int, ...]], tuple[int, ...]]:
-        """Each replica's micro-batches for a split: above the memory cap, accumulate; one
-        replica estimates the gradient noise from two micro-batches of each step. The cap
-        is the user's ``max_micro_batch`` and, below it, ``memory_cap`` (learned)."""
-        minimum = 2 if replicas == 1 and self.measures_noise else 1
+        self,
+        replicas: int,
+        after_loss: bool = False,
+        memory_cap: int | None = None,
+        measure_every: int = 1,
+    ) -> Callable[[tuple[int, ...], int], tuple[int, ...]]:
+        """Each replica's micro-batches for a split of step ``index``: above the memory
+        cap, accumulate; one replica estimates the gradient noise from two micro-batches
+        of each measured step (every ``measure_every``-th; the others run whole, since
+        half batches cost a GPU nearly twice the step). The cap is the user's
+        ``max_micro_batch`` and, below it, ``memory_cap`` (learned)."""
+        splits_to_measure = replicas == 1 and self.measures_noise
 
-        def count(local: tuple[int, ...]) -> tuple[int, ...]:
+        def count(local: tuple[int, ...], index: int) -> tuple[int, ...]:
             caps = self.max_micro_batch
             if after_loss and isinstance(caps, tuple) and len(caps) != len(local):
                 caps = min(caps)  # after a lost worker: the tightest cap for every replica
+            measured = splits_to_measure and index % max(1, measure_every) == 0
+            minimum = 2 if measured else 1
             return micro_batch_counts(local, tighter(caps, memory_cap), minimum=minimum)
 
         return count

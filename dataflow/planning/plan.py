@@ -29,7 +29,7 @@ def phase_steps(
     split: Callable[[int], tuple[int, ...]],
     drop_last: bool = False,
     first_index: int = 0,
-    micro_batches: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+    micro_batches: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None,
 ) -> tuple[StepSpec, ...]:
     """Every global step of ``phase``: its epoch, its slice of the epoch order, its split,
     and (``micro_batches`` given) each replica's number of accumulation micro-batches."""
@@ -56,7 +56,9 @@ def phase_steps(
                     global_batch=size,
                     local_batches=local,
                     last_in_epoch=s == n_steps - 1,
-                    micro_batches=() if micro_batches is None else tuple(micro_batches(local)),
+                    micro_batches=()
+                    if micro_batches is None
+                    else tuple(micro_batches(local, first_index + len(steps))),
                 )
             )
     return tuple(steps)
@@ -66,7 +68,7 @@ def resplit_steps(
     steps: tuple[StepSpec, ...],
     commit: int,
     split: Callable[[int], tuple[int, ...]] | None,
-    micro_batches: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+    micro_batches: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None,
 ) -> tuple[StepSpec, ...]:
     """The steps of ``steps`` from index ``commit`` on, split anew (other replicas).
 
@@ -105,7 +107,9 @@ def resplit_steps(
             dataclasses.replace(
                 spec,
                 local_batches=local,
-                micro_batches=() if micro_batches is None else tuple(micro_batches(local)),
+                micro_batches=()
+                if micro_batches is None
+                else tuple(micro_batches(local, spec.index)),
                 earlier_splits=earlier,
             )
         )
