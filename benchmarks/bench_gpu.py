@@ -9,11 +9,11 @@ same run, ratios printed:
   would write instead, on ResNet-50's parameter shapes (25.6 M elements) and a batch of
   32 x 1 x 64^3 volumes. Median of ``--repeats`` calls, each between
   ``torch.cuda.synchronize()``. The first variant of each op is dataflow's as the
-  engine runs it on CUDA: a Numba kernel for pack_scaled_, sum_of_squares, AdamW and
-  the halo pack (the engine's own halo exchange uses torch's copy on CUDA), and torch
-  code where the Numba kernel lost and was removed: SGD (torch's fused kernel over the
-  flat buffer), RandomFlip and RandomRotate90 (batch-wide torch calls); their labels
-  say so.
+  engine runs it on CUDA: a Numba kernel for pack_scaled_, AdamW and the halo pack
+  (the engine's own halo exchange uses torch's copy on CUDA), and torch code where the
+  Numba kernel lost: SGD (torch's fused kernel over the flat buffer), sum_of_squares
+  (torch's multi-tensor norm), RandomFlip and RandomRotate90 (batch-wide torch calls);
+  their labels say so.
 * ``training``: a CNN (``--image`` px, ``--batch``) trained for ``--epochs`` by
   ``Pipeline.fit(replicas=1, device="cuda")`` on a one-worker LocalCluster (data from
   memory, and streamed from a zarr store through pinned host buffers), against the same
@@ -91,7 +91,10 @@ def kernel_groups() -> dict[str, dict[str, Callable[[], Any]]]:
             ),
         },
         "sum_of_squares (ResNet-50 grads)": {
-            "dataflow": lambda: flat.sum_of_squares(grads),
+            "dataflow (torch _foreach_norm, float64 result)": lambda: flat.sum_of_squares(grads),
+            "dataflow's Numba kernel (CPU only since it lost here)": lambda: (
+                flat._sum_of_squares_numba(grads, grads[0].device)
+            ),
             "torch _foreach_norm": lambda: torch.stack(torch._foreach_norm(grads)).square(),
         },
     }

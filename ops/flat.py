@@ -12,14 +12,16 @@ interface), plus a table of where each source starts in it. Kernels only touch t
 sources' own elements; the gaps between them are never read. One compiled kernel serves
 any number of tensors, and under the CUDA simulator an ordinary array is the arena.
 
-On CUDA both keep their Numba kernels. Against torch on an H100
-(``benchmarks/bench_gpu.py``, ResNet-50's 161 gradients, torch time / ours, 2026-11-26
-then 11-24) they are at par: ``pack_scaled_`` 0.80, 0.97, 0.88, 1.15, 1.37 against
-``torch._foreach_mul`` + ``cat``; ``sum_of_squares`` 0.86, 1.40, 0.78, 0.85, 1.82
-against ``torch._foreach_norm``. At par, the simpler code is ours: one call does what
-the reducer needs, where torch's way scales copies of every gradient before the
-``cat`` (a second bucket's worth of memory), needs its own fill for the gradients that
-are None, and gives norms in the gradients' dtype unless asked for float64 sums.
+On CUDA, ``pack_scaled_`` keeps its Numba kernel and ``sum_of_squares`` runs torch's
+multi-tensor norm with a float64 result. Against torch on an H100
+(``benchmarks/bench_gpu.py``, ResNet-50's 161 gradients, torch time / ours, device time
+only) ``pack_scaled_`` was at par: 0.80, 0.97, 0.88, 1.15, 1.37, 0.64 against
+``torch._foreach_mul`` + ``cat`` (ours needs no second bucket of scaled copies and no
+fill for gradients that are None). ``sum_of_squares`` was 0.86, 1.40, 0.78, 0.85, 1.82,
+0.78 against ``torch._foreach_norm``; what decided it is host time: a Numba launch
+(dispatch, array views, the plan) took a fifth of a one-GPU fit's host step in the
+non-finite check, and the fit ran at 0.50x the bf16 hand loop with it, 0.80-0.85x
+without (2026-11-26). The Numba CUDA kernel stays for the parity tests.
 
 Dtypes float32 and float64, one dtype per call; scale factors are applied in that
 dtype, as ``torch.mul`` with a Python scalar does. Inputs that are only read may be
