@@ -25,6 +25,7 @@ from typing import Any
 import dask
 import torch.nn.functional as F
 from bench_gpu import GpuNet, data, sgd
+from measure import steady_boundary, steady_fit
 
 
 def flatten(tree: dict[str, Any]) -> tuple[Counter, Counter]:
@@ -103,10 +104,12 @@ def main() -> None:
             own, inclusive = flatten(tree)
             total = tree.get("count", 0) or 1
             steps = result.history.steps
-            rate = sum(s.samples for s in steps[len(steps) // 2 :]) / max(
-                1e-9, steps[-1].time - steps[len(steps) // 2 - 1].time
+            steady = steady_fit(steps, steady_boundary(steps, 16))
+            rate = steady.samples_per_second
+            print(
+                f"\n## {schedule}: {total} stack samples; "
+                f"{rate:.0f} samples/s from step {steady.first}"
             )
-            print(f"\n## {schedule}: {total} samples, second-half rate {rate:.0f} samples/s")
             print("self:")
             for key, count in own.most_common(args.top):
                 print(f"  {100 * count / total:5.1f} %  {key}")
