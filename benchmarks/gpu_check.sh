@@ -9,7 +9,8 @@
 # 2. installs this checkout without dependencies (editable);
 # 3. runs the `gpu` tests (pytest -m gpu);
 # 4. runs bench_gpu.py with every side (kernels; training: fit from memory and zarr in
-#    each precision and mode against hand-written loops) and writes OUT_DIR/gpu.json.
+#    each precision and mode against hand-written loops) and writes OUT_DIR/gpu.json;
+# 5. runs profile_gpu.py: the replica worker's stack samples during a fit (host time).
 #
 # Each step's log lands in OUT_DIR (default benchmarks/results/gpu_check). A step that
 # fails does not stop the later ones; the exit status is the number of failed steps.
@@ -54,5 +55,7 @@ print('numpy', numpy.__version__, 'dask', dask.__version__, 'zarr', zarr.__versi
 run gpu_tests "$python" -m pytest -m gpu -q -p no:cacheprovider --timeout=240 tests
 # shellcheck disable=SC2086  # bench_args is a list of words
 run bench "$python" benchmarks/bench_gpu.py --out "$out/gpu.json" $bench_args
+# where a fit's host time goes (the fit was host-bound on the H100: see benchmarks/README.md)
+run profile "$python" benchmarks/profile_gpu.py --out "$out/profile" --top 30
 echo "== gpu_check: $failed step(s) failed; logs and gpu.json in $out"
 exit "$failed"

@@ -24,6 +24,7 @@ def test_gpu_check_dry_run_lists_every_step(tmp_path):
         "versions",
         "gpu_tests",
         "bench",
+        "profile",
         "gpu_check",
     ]
     assert f"--out {tmp_path}/gpu.json" in done.stdout
