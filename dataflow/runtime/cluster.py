@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from distributed.utils import LoopRunner, sync
 
 from dataflow.core.errors import ConfigError
 from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
+from dataflow.runtime.main_guard import SPAWNING_METHODS, unguarded_script_line
 
 WORKER_PRELOAD = "dataflow.runtime.interrupt"  # its dask_setup: workers ignore SIGINT
 
@@ -69,7 +71,18 @@ def live_workers(client: Client) -> dict[str, dict[str, Any]]:
 
 
 def start_local_cluster(n_workers: int) -> LocalCluster:
-    """One single-threaded worker process per core, dashboard on a free port."""
+    """One single-threaded worker process per core, dashboard on a free port. A script
+    that calls this from its top level, unguarded, is told so before anything starts."""
+    method = dask.config.get("distributed.worker.multiprocessing-method", "spawn")
+    where = unguarded_script_line(sys._getframe(1)) if method in SPAWNING_METHODS else None
+    if where is not None:
+        path, line = where
+        raise ConfigError(
+            f"{path}, line {line}: this starts an embedded LocalCluster from the script's "
+            "top level; its worker processes import the script again, and each would start "
+            'a cluster of its own. Put that code under `if __name__ == "__main__":` (or '
+            "pass client=distributed.Client(...))"
+        )
     try:
         return LocalCluster(
             n_workers=n_workers,
