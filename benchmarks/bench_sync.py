@@ -15,9 +15,7 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
 * **async even** / **async balanced**: ``sync.Async(staleness=--staleness)``, a parameter
   store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits; **async even +
   leases**: ``leases=True``, the fast replica takes over the slow one's parts; **+
-  overlap**: ``overlap=True``, each push overlaps the next step's compute; **momentum
-  uncorrected**: ``momentum_correction=False``, the store steps with the optimizer's
-  momentum as given (by default it lowers it by what the staleness adds);
+  overlap**: ``overlap=True``, each push overlaps the next step's compute;
 * **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
   let the fast replica take over the slow one's parts (no balancer needed);
 * **local even by samples**: ``Even()`` and ``Local(period_samples=--period-samples)``:
@@ -89,15 +87,6 @@ def sides(
         "async even + leases + overlap": dict(
             balancer=dfl.balance.Even(),
             sync=dfl.sync.Async(staleness=staleness, leases=True, overlap=True),
-        ),
-        # the store's momentum as the optimizer's (before issue 28 item 4)
-        "async balanced, momentum uncorrected": dict(
-            balancer=dfl.balance.Throughput(),
-            sync=dfl.sync.Async(staleness=staleness, momentum_correction=False),
-        ),
-        "async balanced + overlap, momentum uncorrected": dict(
-            balancer=dfl.balance.Throughput(),
-            sync=dfl.sync.Async(staleness=staleness, overlap=True, momentum_correction=False),
         ),
     }
 

@@ -183,7 +183,6 @@ class Async:
     delay_compensation: float = 0.0
     leases: bool = False
     overlap: bool = False
-    momentum_correction: bool = True
 
     def __post_init__(self) -> None:
         for name in ("staleness", "servers"):
@@ -203,9 +202,8 @@ class Async:
             )
         if not isinstance(self.leases, bool):
             raise ConfigError(f"sync.Async(leases={self.leases!r}): True or False")
-        for name in ("overlap", "momentum_correction"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"sync.Async({name}={getattr(self, name)!r}): True or False")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"sync.Async(overlap={self.overlap!r}): True or False")
         if self.overlap and self.staleness < 1:
             raise ConfigError(
                 "sync.Async(overlap=True, staleness=0): a push overlapped with the next "
@@ -226,16 +224,6 @@ class Async:
             return 1.0 / (1 + staleness)
         usual = min(self.staleness, max(replicas - 1, 0))
         return min(1.0, (1 + usual) / (1 + staleness))
-
-    def momentum_for(self, momentum: float, staleness: float) -> float:
-        """The momentum (SGD's, Adam's beta1) the store applies a round of gradients
-        ``staleness`` versions old on average with, for the fit to train at ``momentum``.
-        Asynchrony acts as momentum of its own, ``τ / (1 + τ)`` (Mitliagkas et al. 2016:
-        ``1 - 1/M`` for ``M`` replicas pushing in turn, ``τ = M - 1``); the explicit
-        momentum gives way by as much, never below 0. Staleness 0 changes nothing."""
-        if not self.momentum_correction or staleness <= 0:
-            return momentum
-        return max(0.0, momentum - staleness / (1.0 + staleness))
 
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas

@@ -343,15 +343,13 @@ def _warn_overlap_momentum(sync: Any, optimizer: Any) -> None:
     trained to 64 % with overlap and 99 % without; 0.5 trained to 96 %."""
     if not getattr(sync, "overlap", False) or optimizer is None:
         return
-    if getattr(sync, "momentum_correction", False):
-        return  # the store lowers the momentum by what the delay adds
     momentum = optimizer.param_groups[0].get("momentum") or 0.0
     if momentum > 0.5:
         warnings.warn(
             f"sync.Async(overlap=True) with SGD momentum {momentum:g}: each gradient "
             "arrives a step late, which acts as extra momentum and trained badly on the "
             "digits at 0.9 (64 % against 99 % without overlap); lower the momentum to "
-            "about 0.5, drop overlap, or keep momentum_correction=True (docs/sync.md)",
+            "about 0.5 or drop overlap (docs/sync.md)",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -446,69 +446,10 @@ def test_a_version_is_the_staleness_weighted_sum_with_delay_compensation():
 
 def test_overlap_with_high_momentum_warns_before_any_worker_starts():
     x, y = make_data(16)
-    with warnings.catch_warnings():  # the default corrects the momentum: nothing to say
-        warnings.simplefilter("error")
-        tiny_pipeline(x, y, sync=dfl.sync.Async(overlap=True)).trainer._dry_run()
-    sync = dfl.sync.Async(staleness=1, overlap=True, momentum_correction=False)
+    sync = dfl.sync.Async(staleness=1, overlap=True)
     with pytest.warns(RuntimeWarning, match="overlap=True\\) with SGD momentum 0.9"):
         tiny_pipeline(x, y, sync=sync).trainer._dry_run()  # conftest's sgd: momentum 0.9
     calm = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tiny_pipeline(x, y, sync=sync, **calm).trainer._dry_run()
-
-
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_the_store_lowers_the_momentum_by_the_rounds_mean_staleness(optimizer):
-    """Asynchrony acts as momentum ``τ / (1 + τ)``: a round of pushes ``τ`` versions old
-    on average is applied with the optimizer's momentum (SGD's, Adam's beta1) lowered by
-    as much, never below 0; on time, or with ``momentum_correction=False``, unchanged."""
-    from dataflow.ps.shard import ParameterShard, Push
-
-    def factory(params):
-        if optimizer == "sgd":
-            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-        return torch.optim.Adam(params, lr=0.1, betas=(0.9, 0.99))
-
-    def momentum(shard):
-        group = shard.optimizer.param_groups[0]
-        return group["betas"][0] if optimizer == "adam" else group["momentum"]
-
-    def shard_of(policy):
-        return ParameterShard(
-            index=0,
-            indices=range(1),
-            window=0,
-            incarnation=0,
-            weights=[torch.tensor([1.0, 2.0])],
-            optimizer_factory=factory,
-            optimizer_state={},
-            policy=policy,
-            replicas=2,
-            timeout_s=1.0,
-        )
-
-    def push(shard, replica, weight):
-        shard.gate.push(replica)
-        shard.pushes[replica] = Push(
-            grad=torch.tensor([0.5, -1.0]), weight=weight, lrs=[0.1], lr_ratio=1.0, finite=True
-        )
-        shard._apply(shard.gate.apply())
-
-    shard = shard_of(dfl.sync.Async(staleness=2))
-    push(shard, 0, 0.5)  # on time
-    assert momentum(shard) == pytest.approx(0.9)
-    push(shard, 1, 0.5)  # one version late: 0.9 - 1/2
-    assert shard.replies[1]["staleness"] == 1
-    assert momentum(shard) == pytest.approx(0.4)
-    assert shard.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
-    policy = dfl.sync.Async(staleness=2)
-    assert policy.momentum_for(0.9, 2) == pytest.approx(0.9 - 2 / 3)
-    assert policy.momentum_for(0.5, 3) == 0.0  # never below 0
-    assert policy.momentum_for(0.9, 0) == 0.9
-    plain = shard_of(dfl.sync.Async(staleness=2, momentum_correction=False))
-    push(plain, 0, 0.5)
-    push(plain, 1, 0.5)
-    assert momentum(plain) == pytest.approx(0.9)
-    with pytest.raises(dfl.ConfigError, match="momentum_correction"):
-        dfl.sync.Async(momentum_correction="yes")

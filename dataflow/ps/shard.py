@@ -65,7 +65,6 @@ class ParameterShard:
             if k in optimizer_state:
                 self.optimizer.state[param] = _clone(optimizer_state[k])
         self.initial_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self.initial_momenta = [_momentum(group) for group in self.optimizer.param_groups]
         self.gate = StalenessGate(replicas, policy.staleness, overlap=policy.overlap)
         self.start = self.flat_weights()  # θ at the window's start: what everyone pulled
         self.pulled_weights = dict.fromkeys(range(replicas), self.start)  # for DC-ASGD
@@ -222,7 +221,6 @@ class ParameterShard:
             total = grad * factor if total is None else total.add_(grad, alpha=factor)
         if total is not None:
             self._set_lrs(list(pushes.values()))
-            self._set_momenta(pushes, staleness)
             for param, part in zip(self.params, total.split(self.sizes), strict=True):
                 param.grad = part.view_as(param)
             self.optimizer.step()
@@ -254,23 +252,6 @@ class ParameterShard:
         for group, lr in zip(groups, lrs, strict=True):
             group["lr"] = lr
 
-    def _set_momenta(self, pushes: dict[int, Push], staleness: dict[int, int]) -> None:
-        """Each group's momentum for this round, corrected for its mean staleness
-        (weighted by the pushes' shares; ``Async.momentum_for``)."""
-        applied = {r: p.weight for r, p in pushes.items() if p.finite}
-        total = sum(applied.values())
-        if not total:
-            return
-        mean = sum(w * staleness[r] for r, w in applied.items()) / total
-        for group, momentum in zip(self.optimizer.param_groups, self.initial_momenta, strict=True):
-            if momentum is None:
-                continue
-            corrected = self.policy.momentum_for(momentum, mean)
-            if "betas" in group:
-                group["betas"] = (corrected, *tuple(group["betas"])[1:])
-            else:
-                group["momentum"] = corrected
-
     def flat_weights(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params])
 
@@ -300,16 +281,6 @@ class ParameterShard:
             part = values.to(torch.float64) * weight
             average = part if average is None else average.add_(part)
         return average
-
-
-def _momentum(group: dict[str, Any]) -> float | None:
-    """A param group's momentum: SGD's ``momentum`` or Adam's first beta (None: neither,
-    or a momentum of 0, which nothing corrects)."""
-    if "betas" in group:
-        value = float(group["betas"][0])
-    else:
-        value = float(group.get("momentum", 0.0) or 0.0)
-    return value or None
 
 
 def _clone(value: Any) -> Any:
