@@ -78,6 +78,11 @@ class Local:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     nesterov: bool = True
+    # With period_samples: the most the replicas' weights may drift apart between
+    # averages (their weighted |θ_r − θ̄|² / |θ̄|² when averaged; None: no limit).
+    # Above it the next period is half as long, under a quarter of it twice as long,
+    # never longer than period_samples nor shorter than one step.
+    max_drift: float | None = None
 
     def __post_init__(self) -> None:
         given = [self.period_seconds, self.period_steps, self.period_samples]
@@ -105,10 +110,35 @@ class Local:
             )
         if not (isinstance(self.outer_momentum, int | float) and 0 <= self.outer_momentum < 1):
             raise ConfigError(f"sync.Local(outer_momentum={self.outer_momentum!r}): in [0, 1)")
+        drift = self.max_drift
+        if drift is not None:
+            if isinstance(drift, bool) or not isinstance(drift, int | float) or drift <= 0:
+                raise ConfigError(
+                    f"sync.Local(max_drift={drift!r}): a relative drift > 0 (e.g. 1e-3), or "
+                    "None for periods that never change"
+                )
+            if self.period_samples is None:
+                raise ConfigError(
+                    "sync.Local(max_drift=...) adapts a period of samples: give "
+                    "period_samples=N (the longest period) with it"
+                )
         if self.leases is None:
             object.__setattr__(self, "leases", self.period_seconds is not None)
         if not isinstance(self.leases, bool):
             raise ConfigError(f"sync.Local(leases={self.leases!r}): True or False")
+
+    def next_period(self, current: int, drift: float | None, shortest: int) -> int:
+        """The samples of the next period after an average that measured ``drift``:
+        halved above ``max_drift``, doubled under a quarter of it, kept in between (and
+        without a measurement), within ``[shortest, period_samples]``."""
+        longest = self.period_samples or current
+        if self.max_drift is None or drift is None:
+            return min(current, longest)
+        if drift > self.max_drift:
+            current //= 2
+        elif drift < self.max_drift / 4:
+            current *= 2
+        return max(min(shortest, longest), min(current, longest))
 
     @property
     def outer(self) -> bool:
@@ -126,6 +156,8 @@ class Local:
         else:
             period = f"{self.period_seconds:g} s of work"
         state = "weights and optimizer state" if self.average_optimizer_state else "weights"
+        if self.max_drift is not None:
+            period = f"at most {period} (shorter while the drift exceeds {self.max_drift:g})"
         text = f"local updates: {state} averaged every {period}, weighted by samples"
         if self.leases:
             text += "; sample leases (a fast replica takes over a slow one's parts)"

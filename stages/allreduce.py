@@ -227,23 +227,29 @@ class AllReduce(Stage):
                     pairs.append((index, size, self._first_micro_sq, local, local_sq))
             del self._first_micro
 
-    def end_window(self, replica: ReplicaContext) -> None:
+    def end_window(self, replica: ReplicaContext) -> dict[str, float] | None:
         """Local updates: the replicas' weights (optimizer state, buffers) become their
         average weighted by the samples each trained on in this window (integer buffers,
         BatchNorm's ``num_batches_tracked``, rounded). Asynchronous updates: the runtime
         took the store's weights, optimizer state and buffers (BatchNorm statistics,
         averaged the same way) already."""
         if not getattr(self, "_local", False):
-            return
+            return None
         samples, total = _window_shares(self._window, self._global_of, replica.window)
         self._window = {}
         weight = samples / total if total else 1.0 / replica.world_size
+        drift = None
         if replica.collective is not None:
+            own = [p.detach().reshape(-1) for p in replica.model.parameters()]
+            before = torch.cat(own).double() if own else None
             average_weighted_(_local_state(replica), weight, replica.collective)
             average_counts_(replica.model, weight, replica.collective)
+            if before is not None:
+                drift = weights_drift(before, replica.model, weight, replica.collective)
         if replica.local.outer:
             outer_step_(replica, self._start)
             self._start = None
+        return None if drift is None else {"drift": drift}
 
     def _replica_grad_sq(self, model: Any) -> Any:
         """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial
@@ -343,6 +349,19 @@ def average_weighted_(tensors: list[Any], weight: float, collective: Any) -> Non
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+def weights_drift(before: torch.Tensor, model: Any, weight: float, collective: Any) -> float:
+    """How far the replicas' weights had drifted apart when they were averaged: the
+    sample-weighted mean of ``|θ_r − θ̄|²`` over ``|θ̄|²`` (0: they agreed). ``before``:
+    this replica's parameters, flat in float64, taken before the average; one allreduce
+    of a scalar. The window's statistics, not its speed: what tells whether the period
+    is too long (``sync.Local(max_drift=...)``)."""
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    spread = ((before - after).square().sum() * weight).reshape(1)
+    collective.allreduce(spread)
+    norm = float(after.square().sum())
+    return float(spread[0]) / norm if norm > 0 else 0.0
 
 
 def average_counts_(model: Any, weight: float, collective: Any) -> None:

@@ -84,10 +84,12 @@ class Stage:
         """Do this stage's work for one step; the return value feeds downstream stages."""
         return inputs[0] if inputs else None
 
-    def end_window(self, replica: ReplicaContext) -> None:
+    def end_window(self, replica: ReplicaContext) -> dict[str, float] | None:
         """After the last step of each window (a Dask task), before its result goes back:
         what is checked once per window rather than once per step (Update's deferred
-        non-finite check on a GPU). Raising here fails the window."""
+        non-finite check on a GPU), and what a window's end measures (AllReduce under
+        local updates: the replicas' drift, ``{"drift": ...}``, into the window's
+        result). Raising here fails the window."""
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         """After the last step of a phase; returns statistics for the driver."""

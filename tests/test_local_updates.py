@@ -290,6 +290,29 @@ def test_a_resumed_local_fit_is_bit_identical(client, tmp_path, sync):
 
 
 @pytest.mark.slow
+def test_each_average_reports_the_drift_and_max_drift_shortens_the_period(client):
+    """On a real 2-worker cluster: every average records how far the replicas had
+    drifted apart (``history.phases[i]["drift"]``, one value per window, in (0, 1) for
+    replicas trained on different batches). A ``max_drift`` that every window exceeds
+    halves the period at each average down to one step: more averages, the same
+    samples."""
+    x, y = make_data(96)
+    sync = dfl.sync.Local(period_samples=32)
+    plain = tiny_pipeline(x, y, sync=sync, batch=8).fit(epochs=1, client=client)
+    [phase] = plain.history.phases
+    assert len(phase["drift"]) == phase["windows"] == 3
+    assert all(0 < d < 1 for d in phase["drift"]), phase["drift"]
+    tight = dfl.sync.Local(period_samples=32, max_drift=1e-12)
+    shrunk = tiny_pipeline(x, y, sync=tight, batch=8).fit(epochs=1, client=client)
+    [phase] = shrunk.history.phases
+    # 12 steps of 8: a window of 4 steps, one of 2, then 6 of one step
+    assert phase["windows"] == 8, phase["windows"]
+    assert sum(s["samples"] for s in shrunk.history.steps) == 96
+    assert shrunk.history.info["sync"].startswith("local updates")
+    assert "shorter while the drift exceeds 1e-12" in shrunk.history.info["sync"]
+
+
+@pytest.mark.slow
 def test_local_updates_reach_the_synchronous_accuracy_on_the_digits(client):
     """sklearn's real handwritten digits, 2 replicas, 10 epochs, TinyCNN with 10 classes:
     averaging every 8 local steps ends within 1 point of synchronous training's
@@ -318,3 +341,42 @@ def test_recorder_lockstep_wait_is_the_slowest_replicas_work_less_ones_own():
     assert lockstep_wait(seconds) == pytest.approx([0.4, 0.3])
     store = [[0.0, 0.0, 0.0], [0.2, 0.2, 0.0]]  # replica 1 waited on the store, not worked
     assert lockstep_wait(seconds, store) == pytest.approx([0.0, 0.3])
+
+
+def test_a_drift_above_max_drift_halves_the_next_period_and_a_small_one_doubles_it():
+    """``Local(period_samples=32, max_drift=1e-3)`` on scripted windows (the machine
+    alone): one window is planned at a time; each committed window's drift sets the
+    next one's period, halved above ``max_drift`` down to one step (8 samples), doubled
+    under a quarter of it up to ``period_samples``, kept in between."""
+    import dataclasses
+
+    from test_driver_machine import Driver, W, even, result
+
+    from dataflow.driver import commands as cmd
+    from dataflow.driver import events as ev
+    from dataflow.planning.plan import phase_steps
+    from dataflow.schedule import PhaseSpec
+
+    phase = PhaseSpec(index=0, start_epoch=0, end_epoch=2, global_batch=8)  # 16 steps an epoch
+    steps = phase_steps(num_samples=128, phase=phase, split=lambda b: even(b, 2), first_index=0)
+    sync = dfl.sync.Local(period_samples=32, max_drift=1e-3)
+    d = Driver(sync=sync)
+    d.send(ev.Started(W[:2]))
+    d.send(ev.GroupFormed(0))
+    d.send(ev.PhaseChosen(phase))
+    out = d.send(ev.SegmentPlanned(phase, steps, steps))
+    periods = []
+    for drift in (1e-2, 1e-2, 1e-2, 5e-4, 1e-5, 1e-5, 1e-5):
+        [submit] = [c for c in out if isinstance(c, cmd.SubmitWindows)]
+        [window] = submit.plan.windows  # one window at a time
+        periods.append(sum(s.global_batch for s in submit.plan.steps))
+        results = {
+            r: dataclasses.replace(result(r, submit.plan, window), drift=drift) for r in range(2)
+        }
+        out = d.send(ev.WindowDone(submit.generation, submit.first_window, results))
+    assert periods == [32, 16, 8, 8, 8, 16, 32]
+    assert d.state.period_samples == 32  # never above period_samples
+    with pytest.raises(dfl.ConfigError, match="period_samples"):
+        dfl.sync.Local(period_steps=4, max_drift=1e-3)
+    with pytest.raises(dfl.ConfigError, match="max_drift=0"):
+        dfl.sync.Local(period_samples=32, max_drift=0)

@@ -53,3 +53,6 @@ class WindowResult:
     # replica held before it, the most samples one forward/backward held, and the
     # device memory the step could use (``dataflow.runtime.device_memory``)
     memory: dict[str, float] | None = None
+    # Local updates: how far the replicas' weights had drifted apart when this window's
+    # end averaged them, sum_r w_r |θ_r − θ̄|² / |θ̄|² (the same on every replica)
+    drift: float | None = None

@@ -442,6 +442,11 @@ def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
     window_samples = getattr(config.sync, "period_samples", None)
     if config.window_steps:
         windows = f"windows of {config.window_steps} step(s)"
+    elif window_samples and getattr(config.sync, "max_drift", None) is not None:
+        windows = (
+            f"windows of at most {window_samples} samples, halved while the replicas drift "
+            f"apart more than {config.sync.max_drift:g} (local updates average at each end)"
+        )
     elif window_samples:
         windows = f"windows of {window_samples} samples (local updates average at each end)"
     else:

@@ -257,8 +257,13 @@ class FitMachine(LostWorkers):
         rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
         # Local(period_samples=...): windows of so many samples, not of seconds
         window_samples = getattr(config.sync, "period_samples", None)
+        adapting = getattr(config.sync, "max_drift", None) is not None
+        if adapting:
+            window_samples = self._adapted_period(window_samples)
         calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
         steps = rest[: config.calibration_steps] if calibrating else rest
+        if adapting:  # one window at a time: the next one's period follows its drift
+            steps = _first_window_steps(steps, window_samples)
         tag = "calibrate" if calibrating else "train"
         plan = Plan.build(
             config.stage_names,
@@ -272,7 +277,8 @@ class FitMachine(LostWorkers):
             epoch_ends_window=isinstance(config.sync, Local | Async),
             tag=tag
             + (f"-g{s.generation}" if s.generation else "")
-            + (f"-r{s.rollbacks}" if s.rollbacks else ""),  # a task key must be new
+            + (f"-r{s.rollbacks}" if s.rollbacks else "")
+            + (f"-s{steps[0].index}" if adapting else ""),  # a task key must be new
             run=config.run_id,
         )
         marks: frozenset[int] = frozenset()
@@ -286,6 +292,22 @@ class FitMachine(LostWorkers):
         s.next_window += len(plan.windows)
         s.planned_until = steps[-1].index + 1
         return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
+
+    def _adapted_period(self, longest: int) -> int:
+        """Local(max_drift=...): the period for the next window, from the drift the last
+        committed window measured (adapted once per measurement; a recovery that plans
+        again keeps it)."""
+        s = self.state
+        current = s.period_samples or longest
+        if s.period_set_at != s.commit_window and s.last_results:
+            drifts = [r.drift for r in s.last_results if getattr(r, "drift", None) is not None]
+            shortest = s.phase.global_batch if s.phase is not None else 1
+            current = self.config.sync.next_period(
+                current, max(drifts) if drifts else None, shortest
+            )
+            s.period_set_at = s.commit_window
+        s.period_samples = current
+        return current
 
     def _window_done(self, event: ev.WindowDone) -> list[Any]:
         s = self.state
@@ -466,3 +488,15 @@ def replay(config: MachineConfig, events: Iterable[Any]) -> tuple[FitMachine, li
     the same decisions out."""
     machine = FitMachine(config)
     return machine, [machine.handle(event) for event in events]
+
+
+def _first_window_steps(steps: tuple, window_samples: int) -> tuple:
+    """The steps of ``steps`` that one window of ``window_samples`` samples holds (as
+    ``Plan.build`` cuts it under local updates: up to the first step that brings it to
+    that many, or the epoch's last step)."""
+    total = 0
+    for count, spec in enumerate(steps, start=1):
+        total += spec.global_batch
+        if total >= window_samples or spec.last_in_epoch:
+            return steps[:count]
+    return steps

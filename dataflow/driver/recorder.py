@@ -84,6 +84,7 @@ class Recorder:
         seconds it ran before)."""
         self.phase_pairs, self.phase_started = [], time.perf_counter() - elapsed
         self.phase_windows = []
+        self.phase_drift: list[float] = []  # local updates: the drift at each average
         self.totals = list(carried or [])
         self.close_bar()
         self.bar = tqdm(
@@ -141,6 +142,9 @@ class Recorder:
         moved = self.leases and bool(salvaged)  # the lost may have taken parts over
         self.sample_check.record(self.ledger, segment, specs, filled, salvaged, moved)
         self.phase_windows.append((time.perf_counter(), len(specs)))
+        drift = next((w.drift for w in filled if getattr(w, "drift", None) is not None), None)
+        if drift is not None:
+            self.phase_drift.append(drift)
 
     def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:
         replicas = len(window)
@@ -325,6 +329,7 @@ class Recorder:
                 compiled_shapes=_per_replica(ends, "compiled_shapes"),
                 overflow_steps=ends[0].get("overflow_steps"),
                 loss_scale=ends[0].get("loss_scale"),
+                drift=list(getattr(self, "phase_drift", [])) or None,
                 staleness_counts=(
                     [t.staleness_counts for t in totals]
                     if any(t.staleness_counts for t in totals)

@@ -67,6 +67,10 @@ class FitState:
     pending: dict[int, dict[int, Any]] = field(default_factory=dict)  # window -> rank -> result
     last_results: tuple[Any, ...] = ()  # the last window committed with every result
     countdown: int = 0  # windows until the next mid-phase checkpoint
+    # Local(max_drift=...): the period (samples) the next window is planned with, and
+    # the window whose drift set it (each measurement adapts the period once)
+    period_samples: int | None = None
+    period_set_at: int = -1
     lr_factor: float = 1.0  # on_non_finite="rollback": the phase's LR cut so far
     rollbacks: int = 0  # ... in this phase
     # Out-of-memory errors: the micro-batch cap learned (kept for the fit's later

@@ -156,6 +156,9 @@ class PhaseRecord(Record):
     # non-finite failure), and the loss scale at the phase's end (alike on all replicas)
     overflow_steps: int | None = None
     loss_scale: float | None = None
+    # Local updates: at each average of the phase, how far the replicas' weights had
+    # drifted apart, sum_r w_r |θ_r − θ̄|² / |θ̄|² (``stages.allreduce.weights_drift``)
+    drift: list[float] | None = None
     # left out when None (older histories have none)
     optional: ClassVar[tuple[str, ...]] = (
         "measured_step_seconds",
@@ -168,6 +171,7 @@ class PhaseRecord(Record):
         "compiled_shapes",
         "overflow_steps",
         "loss_scale",
+        "drift",
     )
 
     @property

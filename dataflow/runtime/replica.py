@@ -142,8 +142,9 @@ class ReplicaRuntime:
         if store is not None:  # wait for all; take the store's state
             self._settle_with_store(store, tally, stage_seconds, stop_step)
             staleness = list(store.applied)  # every push of this replica's, as applied
+        measured: dict[str, float] = {}
         for name in self.order:  # checks made once per window (before any state leaves)
-            self.stages[name].end_window(self.context)
+            measured.update(self.stages[name].end_window(self.context) or {})
         evals: dict[int, dict[str, float]] = {}
         for ended in tally.epoch_ends:  # (local updates evaluate the average there)
             if "eval" in ended.metrics:
@@ -166,6 +167,7 @@ class ReplicaRuntime:
             taken_over=tally.taken,
             retrained=tally.retrained,
             skipped=tally.skipped,
+            drift=measured.get("drift"),
         )
 
     def _train(self, index: int, part: int | None, tally: WindowTally, stage_seconds: dict) -> None:
