@@ -18,6 +18,8 @@ one phase per epoch (so the balancer re-splits), held-out accuracy after every e
   overlap**: ``overlap=True``, each push overlaps the next step's compute;
 * **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
   let the fast replica take over the slow one's parts (no balancer needed);
+* **local even by drift**: ``Local(period_samples=4 x --period-samples, max_drift=1e-3)``:
+  the period halves while the replicas drift apart more than 1e-3 at an average;
 * **local even by samples**: ``Even()`` and ``Local(period_samples=--period-samples)``:
   the same averages on any machine, so a quiet and a loaded run of one seed end alike
   (``windows`` in the JSON: the averages made).
@@ -62,6 +64,10 @@ def sides(
     return {
         "local even by samples": dict(
             balancer=dfl.balance.Even(), sync=dfl.sync.Local(period_samples=period_samples)
+        ),
+        "local even by drift": dict(  # up to 4x the period, halved while drift > 1e-3
+            balancer=dfl.balance.Even(),
+            sync=dfl.sync.Local(period_samples=4 * period_samples, max_drift=1e-3),
         ),
         "sync even": dict(balancer=dfl.balance.Even()),
         "sync balanced": dict(balancer=dfl.balance.Throughput()),
