@@ -1,0 +1,163 @@
+"""Round trips between two worker processes: the parameter store's path today (Dask's
+worker-to-worker RPC) against torch.distributed over gloo (point-to-point send/recv,
+and an allreduce of the same bytes), for 4 KB, 1 MB and 25 MB of float32.
+
+Issue 28 item 1 asks for gradients and weights to leave Dask's control plane; this is
+the measurement that says what that buys on this machine's loopback. Each side runs
+``--repeats`` round trips after ``--warmup`` and reports the median in milliseconds
+(and MB/s for the largest payload; a round trip moves the payload twice):
+
+* **dask rpc**: from a task on worker A, ``worker.rpc(B).dataflow_echo(payload=...)``,
+  B's handler sending the tensor back (how ``dataflow.ps.client`` pushes a gradient
+  and pulls the weights: one RPC each way);
+* **gloo send/recv**: rank 0 sends, rank 1 receives and sends back;
+* **gloo allreduce**: one allreduce of the payload on the same two ranks (what a
+  synchronous step moves), for scale.
+
+    python benchmarks/bench_data_plane.py            # ~1 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from records import machine_info, save_run, table
+
+NAME = "data_plane"
+SIZES = {"4 KB": 1 << 10, "1 MB": 1 << 18, "25 MB": 25 * (1 << 18)}  # float32 elements
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- Dask RPC ------------------------------------------------------------------------------
+
+
+def install_echo(dask_worker: Any) -> None:
+    async def echo(payload: Any = None) -> Any:
+        from distributed.protocol import to_serialize
+
+        return {"payload": to_serialize(payload)}
+
+    dask_worker.handlers["dataflow_echo"] = echo
+
+
+def rpc_round_trips(peer: str, elements: int, repeats: int, warmup: int) -> list[float]:
+    """Runs in a task on worker A: ``repeats`` echo round trips through worker ``peer``."""
+    from distributed import get_worker
+    from distributed.protocol import to_serialize
+    from distributed.utils import sync
+
+    worker = get_worker()
+    tensor = torch.ones(elements)
+
+    async def once() -> None:
+        reply = await worker.rpc(peer).dataflow_echo(payload=to_serialize(tensor))
+        assert reply["payload"].numel() == elements
+
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        sync(worker.loop, once)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def dask_side(args: argparse.Namespace) -> dict[str, float]:
+    from distributed import Client, LocalCluster
+
+    out = {}
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.run(install_echo)
+        a, b = sorted(client.scheduler_info()["workers"])
+        for label, elements in SIZES.items():
+            future = client.submit(
+                rpc_round_trips, b, elements, args.repeats, args.warmup, workers=[a], pure=False
+            )
+            out[label] = statistics.median(future.result()) * 1e3
+    return out
+
+
+# -- gloo ------------------------------------------------------------------------------
+
+
+def gloo_rank(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out: dict[str, dict[str, float]] = {"send/recv": {}, "allreduce": {}}
+    for label, elements in SIZES.items():
+        tensor = torch.ones(elements)
+        p2p, reduce = [], []
+        for i in range(args.warmup + args.repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(tensor, 1)
+                dist.recv(tensor, 1)
+            else:
+                dist.recv(tensor, 0)
+                dist.send(tensor, 0)
+            middle = time.perf_counter()
+            dist.barrier()
+            again = time.perf_counter()
+            dist.all_reduce(tensor)
+            end = time.perf_counter()
+            if i >= args.warmup:
+                p2p.append(middle - start)
+                reduce.append(end - again)
+        out["send/recv"][label] = statistics.median(p2p) * 1e3
+        out["allreduce"][label] = statistics.median(reduce) * 1e3
+    if rank == 0:
+        results.update(out)
+    dist.destroy_process_group()
+
+
+def gloo_side(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(gloo_rank, args=(free_port(), args, results), nprocs=2, join=True)
+        return dict(results)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=50, help="timed round trips per size (50)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed round trips first (5)")
+    p.add_argument("--out", default=None, help="JSON path (default results/data_plane.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace earlier runs in --out")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sides = {"dask rpc": dask_side(args), **gloo_side(args)}
+    rows = []
+    for side, by_size in sides.items():
+        big = by_size["25 MB"]
+        rate = 2 * 25 * (1 << 20) / (big / 1e3) / 1e6  # the payload moves there and back
+        rows.append([side, *(f"{by_size[s]:.3f}" for s in SIZES), f"{rate:.0f}"])
+    print(table(rows, ["side", *(f"{s} ms" for s in SIZES), "25 MB round trip, MB/s"]))
+    rpc, p2p = sides["dask rpc"], sides["send/recv"]
+    for size in SIZES:
+        print(f"{size}: gloo send/recv at {rpc[size] / p2p[size]:.1f}x the speed of dask rpc")
+    run = {"machine": machine_info(), "args": vars(args), "median_ms": sides}
+    print("saved", save_run(NAME, run, args.out, overwrite=args.overwrite))
+
+
+if __name__ == "__main__":
+    main()
