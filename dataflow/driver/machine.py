@@ -32,7 +32,7 @@ from dataflow.driver.memory import (
 from dataflow.driver.recovery import LostWorkers
 from dataflow.driver.state import FitState, Forming, Status
 from dataflow.planning.layout import ReplicaGroups
-from dataflow.planning.plan import Plan, checkpoint_windows
+from dataflow.planning.plan import Plan, checkpoint_windows, first_window_steps
 from dataflow.sync import Async, Local, Synchronous, SyncPolicy
 
 
@@ -263,7 +263,7 @@ class FitMachine(LostWorkers):
         calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
         steps = rest[: config.calibration_steps] if calibrating else rest
         if adapting:  # one window at a time: the next one's period follows its drift
-            steps = _first_window_steps(steps, window_samples)
+            steps = first_window_steps(steps, window_samples)
         tag = "calibrate" if calibrating else "train"
         plan = Plan.build(
             config.stage_names,
@@ -488,15 +488,3 @@ def replay(config: MachineConfig, events: Iterable[Any]) -> tuple[FitMachine, li
     the same decisions out."""
     machine = FitMachine(config)
     return machine, [machine.handle(event) for event in events]
-
-
-def _first_window_steps(steps: tuple, window_samples: int) -> tuple:
-    """The steps of ``steps`` that one window of ``window_samples`` samples holds (as
-    ``Plan.build`` cuts it under local updates: up to the first step that brings it to
-    that many, or the epoch's last step)."""
-    total = 0
-    for count, spec in enumerate(steps, start=1):
-        total += spec.global_batch
-        if total >= window_samples or spec.last_in_epoch:
-            return steps[:count]
-    return steps

@@ -287,3 +287,15 @@ class Plan:
                 )
         lines.append("}")
         return "\n".join(lines)
+
+
+def first_window_steps(steps: tuple, window_samples: int) -> tuple:
+    """The steps of ``steps`` that one window of ``window_samples`` samples holds (as
+    ``Plan.build`` cuts it under local updates: up to the first step that brings it to
+    that many, or the epoch's last step)."""
+    total = 0
+    for count, spec in enumerate(steps, start=1):
+        total += spec.global_batch
+        if total >= window_samples or spec.last_in_epoch:
+            return steps[:count]
+    return steps
