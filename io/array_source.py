@@ -99,7 +99,10 @@ class ArraySource:
         """The samples at ``indices`` (in that order) as one batch."""
         index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
         if self.x.device.type != "cpu":  # uploaded once (io.device_copy): gather there
-            index = index.to(self.x.device)
+            # through pinned memory without blocking: a pageable copy makes the host wait
+            # for every kernel queued before it, so the next step could not be queued
+            # while this one runs (torch's pinned cache keeps the block until it is copied)
+            index = index.pin_memory().to(self.x.device, non_blocking=True)
         x = self.x.index_select(0, index)
         y = None if self.y is None else self.y.index_select(0, index)
         return Batch(x=x, y=y, size=len(index), indices=indices)

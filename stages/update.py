@@ -190,11 +190,12 @@ class Update(Stage):
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
         if getattr(self, "_deferred", False):  # the verdict stays on the device
             ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), step.replica.model)
-            index = torch.tensor(step.spec.index, device=ok.device)
             if self._first_bad is None:
-                self._first_bad = torch.full((), -1, dtype=index.dtype, device=ok.device)
+                self._first_bad = torch.full((), -1, dtype=torch.int64, device=ok.device)
             first = self._first_bad
-            self._first_bad = torch.where(~ok & (first < 0), index, first)
+            # the step's index as a Python scalar: a tensor made from it on the device
+            # would be a blocking copy, a host sync every step
+            self._first_bad = torch.where(~ok & (first < 0), step.spec.index, first)
             optimizer.step()
         elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
             scale = getattr(self, "_loss_scale", None)

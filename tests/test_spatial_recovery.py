@@ -329,15 +329,21 @@ def test_the_last_group_broken_saves_the_commit_and_names_the_layout_that_runs(t
             "resume with layout=dfl.Layout(spatial=1)" in message
         )
         saved = CheckpointStore(folder).load_latest()
-        assert saved.mid_phase and saved.step == 4  # the commit: windows of 2, killed at 5
-        assert "A checkpoint of step 4 (the last window every replica finished) " in message
+        # the commit: windows of 2, killed at step 5, so step 4; or step 2 when the driver
+        # had not yet collected the killed worker's result of window [2, 4) (a loaded
+        # machine): a result held by a dead worker is lost with it
+        assert saved.mid_phase and saved.step in (2, 4), saved.step
+        assert (
+            f"A checkpoint of step {saved.step} (the last window every replica finished) "
+            in message
+        )
         assert saved.model_state and saved.optimizer_state  # the partner's (slot 0 now)
-        assert len(ledger_from_state(saved.ledger).consumed(0)) == 4 * 24
+        assert len(ledger_from_state(saved.ledger).consumed(0)) == saved.step * 24
 
         resumed = _trainer(x, y, layout=dfl.Layout(spatial=1)).fit(
             epochs=epochs, client=client, checkpoint_dir=folder, resume=True
         )
-    assert resumed.history.info["resumed_from"]["step"] == 4
+    assert resumed.history.info["resumed_from"]["step"] == saved.step
     _every_sample_once(resumed, epochs, N_SAMPLES)
     batches = trainer.sample_plan(epochs, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0)
