@@ -52,7 +52,7 @@ print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else '-');
 print('numpy', numpy.__version__, 'dask', dask.__version__, 'zarr', zarr.__version__,
       'numba', numba.__version__)"
-run gpu_tests "$python" -m pytest -m gpu -q -n 0 -p no:cacheprovider --timeout=240 tests
+run gpu_tests "$python" -m pytest -m gpu -q -p no:cacheprovider --timeout=240 tests
 # shellcheck disable=SC2086  # bench_args is a list of words
 run bench "$python" benchmarks/bench_gpu.py --out "$out/gpu.json" $bench_args
 # where a fit's host time goes (the fit was host-bound on the H100: see benchmarks/README.md)
