@@ -300,7 +300,7 @@ class FitMachine(LostWorkers):
         s = self.state
         current = s.period_samples or longest
         if s.period_set_at != s.commit_window and s.last_results:
-            drifts = [r.drift for r in s.last_results if getattr(r, "drift", None) is not None]
+            drifts = [r.drift for r in s.last_results if r.drift is not None]
             shortest = s.phase.global_batch if s.phase is not None else 1
             current = self.config.sync.next_period(
                 current, max(drifts) if drifts else None, shortest

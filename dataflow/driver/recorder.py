@@ -75,6 +75,7 @@ class Recorder:
         self.totals = []  # per replica, its work in the phase
         self.phase_started = time.perf_counter()
         self.phase_windows: list[tuple[float, int]] = []  # (commit time, steps) this phase
+        self.phase_drift: list[float] = []  # local updates: the drift at each average
 
     # -- a phase ----------------------------------------------------------------------
     def begin_phase(
@@ -84,7 +85,7 @@ class Recorder:
         seconds it ran before)."""
         self.phase_pairs, self.phase_started = [], time.perf_counter() - elapsed
         self.phase_windows = []
-        self.phase_drift: list[float] = []  # local updates: the drift at each average
+        self.phase_drift = []
         self.totals = list(carried or [])
         self.close_bar()
         self.bar = tqdm(
@@ -142,7 +143,7 @@ class Recorder:
         moved = self.leases and bool(salvaged)  # the lost may have taken parts over
         self.sample_check.record(self.ledger, segment, specs, filled, salvaged, moved)
         self.phase_windows.append((time.perf_counter(), len(specs)))
-        drift = next((w.drift for w in filled if getattr(w, "drift", None) is not None), None)
+        drift = next((w.drift for w in filled if w.drift is not None), None)  # alike on all
         if drift is not None:
             self.phase_drift.append(drift)
 
@@ -329,7 +330,7 @@ class Recorder:
                 compiled_shapes=_per_replica(ends, "compiled_shapes"),
                 overflow_steps=ends[0].get("overflow_steps"),
                 loss_scale=ends[0].get("loss_scale"),
-                drift=list(getattr(self, "phase_drift", [])) or None,
+                drift=list(self.phase_drift) or None,
                 staleness_counts=(
                     [t.staleness_counts for t in totals]
                     if any(t.staleness_counts for t in totals)
