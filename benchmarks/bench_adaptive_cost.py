@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import logging
 import statistics
 import time
 from typing import Any
@@ -223,8 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
+    from dataflow.runtime.cluster import start_local_cluster
     from dataflow.tools.datasets import signals_arrays
 
     args = parse_args(argv)
@@ -249,13 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     fits: list[dict[str, Any]] = []
     with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        start_local_cluster(2) as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(2)

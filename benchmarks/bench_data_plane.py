@@ -20,7 +20,6 @@ the measurement that says what that buys on this machine's loopback. Each side r
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import statistics
@@ -77,13 +76,13 @@ def rpc_round_trips(peer: str, elements: int, repeats: int, warmup: int) -> list
 
 
 def dask_side(args: argparse.Namespace) -> dict[str, float]:
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from dataflow.runtime.cluster import start_local_cluster
 
     out = {}
     with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
-        ) as cluster,
+        start_local_cluster(2) as cluster,
         Client(cluster) as client,
     ):
         client.run(install_echo)

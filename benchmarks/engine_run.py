@@ -4,7 +4,6 @@ started for it, with the diagnosis switches of the benchmarks' ``--worker-*`` op
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -45,9 +44,10 @@ def run_fit(
     are timed in every case (:func:`install_gc_probe`).
     """
     import dask
-    from distributed import Client, LocalCluster, get_task_stream
+    from distributed import Client, get_task_stream
 
     import dataflow
+    from dataflow.runtime.cluster import start_local_cluster
 
     ship_to_workers()
     x, y = make_data(work.samples, work.model, work.seed)
@@ -78,13 +78,7 @@ def run_fit(
     with (
         dask.config.set(config),
         environment(START_ENV),
-        LocalCluster(
-            n_workers=replicas,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
+        start_local_cluster(replicas) as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(replicas)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import time
 from collections import Counter
@@ -63,9 +62,10 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     import dataflow as dfl
+    from dataflow.runtime.cluster import start_local_cluster
 
     x, y = data(args)
     interval = {
@@ -73,9 +73,7 @@ def main() -> None:
         "distributed.worker.profile.cycle": "200ms",
     }
     with dask.config.set(interval):
-        cluster = LocalCluster(
-            n_workers=1, threads_per_worker=1, dashboard_address=":0", silence_logs=logging.ERROR
-        )
+        cluster = start_local_cluster(1)
     with cluster, Client(cluster) as client:
         for schedule in args.schedules:
             chosen = (
