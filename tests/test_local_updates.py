@@ -198,6 +198,12 @@ def test_windows_end_at_epoch_ends_under_local_updates():
     steps = pipe.trainer.planner().phase_steps(phase, replicas=2, first_index=0)
     plan = Plan.build(("a",), phase, steps, 2, window_steps=4, epoch_ends_window=True)
     assert [(w.first, w.stop) for w in plan.windows] == [(0, 4), (4, 5), (5, 9), (9, 10)]
+    # max_windows (Local's max_drift plans one window at a time): the plan ends with it
+    first = Plan.build(
+        ("a",), phase, steps[2:], 2, window_samples=64, epoch_ends_window=True, max_windows=1
+    )
+    assert [(w.first, w.stop) for w in first.windows] == [(0, 3)]  # the epoch's end
+    assert [s.index for s in first.steps] == [2, 3, 4]
     plain = Plan.build(("a",), phase, steps, 2, window_steps=4)
     assert [(w.first, w.stop) for w in plain.windows] == [(0, 4), (4, 8), (8, 10)]
 

@@ -32,7 +32,7 @@ from dataflow.driver.memory import (
 from dataflow.driver.recovery import LostWorkers
 from dataflow.driver.state import FitState, Forming, Status
 from dataflow.planning.layout import ReplicaGroups
-from dataflow.planning.plan import Plan, checkpoint_windows, first_window_steps
+from dataflow.planning.plan import Plan, checkpoint_windows
 from dataflow.sync import Async, Local, Synchronous, SyncPolicy
 
 
@@ -262,8 +262,6 @@ class FitMachine(LostWorkers):
             window_samples = self._adapted_period(window_samples)
         calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
         steps = rest[: config.calibration_steps] if calibrating else rest
-        if adapting:  # one window at a time: the next one's period follows its drift
-            steps = first_window_steps(steps, window_samples)
         tag = "calibrate" if calibrating else "train"
         plan = Plan.build(
             config.stage_names,
@@ -275,6 +273,9 @@ class FitMachine(LostWorkers):
             window_steps=config.window_steps,
             window_samples=window_samples,
             epoch_ends_window=isinstance(config.sync, Local | Async),
+            # Local(max_drift=...): one window at a time, the next one's period follows
+            # the drift its average measures
+            max_windows=1 if adapting else None,
             tag=tag
             + (f"-g{s.generation}" if s.generation else "")
             + (f"-r{s.rollbacks}" if s.rollbacks else "")
@@ -290,7 +291,7 @@ class FitMachine(LostWorkers):
         for window in plan.windows:
             s.windows[first + window.index] = (plan, window, window.index in marks)
         s.next_window += len(plan.windows)
-        s.planned_until = steps[-1].index + 1
+        s.planned_until = plan.steps[-1].index + 1
         return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
 
     def _adapted_period(self, longest: int) -> int:

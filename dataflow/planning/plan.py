@@ -191,6 +191,7 @@ class Plan:
         window_steps: int | None = None,
         window_samples: int | None = None,
         epoch_ends_window: bool = False,
+        max_windows: int | None = None,
         tag: str = "plan",
         run: str = "",
         layout: str = "",
@@ -201,7 +202,8 @@ class Plan:
         otherwise windows carry about ``window_seconds`` of ``step_seconds`` steps (the
         two counts make the same windows on any machine). ``epoch_ends_window``: a window
         also ends at each epoch's last step (local updates average there, so the
-        epoch's evaluation sees the averaged weights)."""
+        epoch's evaluation sees the averaged weights). ``max_windows``: plan only the
+        first so many windows (the plan's steps end with them)."""
         if replicas < 1:
             raise ConfigError(f"Plan: replicas must be >= 1, got {replicas}")
         if not window_seconds > 0:
@@ -220,6 +222,9 @@ class Plan:
             if full or position == len(steps) - 1 or (epoch_ends_window and spec.last_in_epoch):
                 bounds.append((first, position + 1))
                 first, samples = position + 1, 0
+                if max_windows is not None and len(bounds) == max_windows:
+                    steps = steps[: position + 1]
+                    break
         windows = tuple(Window(index=i, first=a, stop=b) for i, (a, b) in enumerate(bounds))
         return cls(
             tuple(stage_names), phase, replicas, tuple(steps), windows, tag, run, layout, sync
@@ -287,15 +292,3 @@ class Plan:
                 )
         lines.append("}")
         return "\n".join(lines)
-
-
-def first_window_steps(steps: tuple, window_samples: int) -> tuple:
-    """The steps of ``steps`` that one window of ``window_samples`` samples holds (as
-    ``Plan.build`` cuts it under local updates: up to the first step that brings it to
-    that many, or the epoch's last step)."""
-    total = 0
-    for count, spec in enumerate(steps, start=1):
-        total += spec.global_batch
-        if total >= window_samples or spec.last_in_epoch:
-            return steps[:count]
-    return steps
