@@ -257,7 +257,9 @@ def test_staleness_zero_equals_synchronous_training(client):
     held_out = dict(eval_source=dfl.io.ArraySource(x[:40], y[:40], shuffle=False))
     split = dict(balancer=dfl.balance.Proportional((3, 1)))
     sync = dfl.sync.Async(staleness=0)
+    served_before = sum(client.run(_plane_requests).values())
     async_ = tiny_pipeline(x, y, sync=sync, **split, **held_out).fit(epochs=2, client=client)
+    served = sum(client.run(_plane_requests).values()) - served_before
     synchronous = tiny_pipeline(x, y, **split, **held_out).fit(epochs=2, client=client)
     assert async_.history.info["sync"].startswith("asynchronous")
     assert max_abs_diff(async_.model, synchronous.model) <= 1e-6
@@ -266,6 +268,14 @@ def test_staleness_zero_equals_synchronous_training(client):
     (phase,) = async_.history.phases
     steps = len(synchronous.history.steps)
     assert phase.staleness_counts == [[steps], [steps]]  # every push applied on time
+    # replica 1's pushes and window barriers reached shard 0's host over the data
+    # plane, not Dask's RPC (replica 0 calls the shard its own worker hosts directly)
+    assert served == steps + phase.windows, (served, steps, phase.windows)
+
+
+def _plane_requests(dask_worker):
+    plugin = dask_worker.plugins.get("dataflow")  # (installed by the first fit)
+    return 0 if plugin is None else plugin.ps.plane_requests
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """A replica's handle on the parameter store (``ReplicaContext.parameter_store``).
 
-Called from the replica's task thread: each call runs on the worker's event loop
-(``distributed.utils.sync``) and talks to the shards' hosts over Dask's RPC, all shards
-at once. Replica ``k < servers`` hosts shard ``k``: at a window's start it (re)builds
+Called from the replica's task thread, which writes each call to every shard host at
+once over the data plane (:mod:`dataflow.ps.plane`, a socket per host kept open for
+the fit) and reads the replies, or, for the shard its own worker hosts, runs it on the
+registry's store loop. Replica ``k < servers`` hosts shard ``k``: at a window's start it (re)builds
 its shard from its own state when the shard does not serve that window (the fit's
 start, a rollback, a regroup, a resume), which is how a lost server role comes back
 from the last commit.
@@ -12,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 from typing import Any
 
 import torch
-from distributed.protocol import to_serialize
-from distributed.protocol.serialize import Serialize
-from distributed.utils import sync
+from distributed.comm import get_address_host
 
-from dataflow.ps.service import HANDLER
+from dataflow.ps.plane import PlaneConnection
 from dataflow.ps.shard import ParameterShard, ShardError
 from dataflow.ps.shard_layout import shard_ranges
 
@@ -52,18 +52,22 @@ class StoreClient:
         self.ranges = shard_ranges([p.numel() for p in self.params], self.servers)
         self.initial_lr = optimizer.param_groups[0]["lr"]
         self.store, self.prefix = store, prefix
-        self.addresses: list[str] | None = None
+        self.addresses: list[str] | None = None  # each shard host's Dask address
+        self.planes: list[dict[str, str]] | None = None  # ... and data-plane address, token
+        self.connections: dict[int, PlaneConnection] = {}
         self.window: int | None = None
         # rollbacks in this process group, counted alike on every replica: a shard built
         # after the n-th serves incarnation n, and calls of an aborted window fail fast
         self.incarnation = 0
         self.applied: list[int] = []
-        self.outstanding: concurrent.futures.Future | None = None
+        self.outstanding: dict[int, Any] | None = None  # overlap: the push in flight
         self.round = 0  # retrain rounds of this window (a replica was lost in it)
         self.targets: dict[tuple[int, int], list[int]] = {}  # part -> shards lacking it
         self.dropped: list[int] = []  # replicas the store was told are lost
         if rank < self.servers:  # where the other replicas find this shard
-            store.set(f"{prefix}/ps/{rank}", worker.address)
+            plane = registry.plane(get_address_host(worker.address))
+            where = {"worker": worker.address, "plane": plane.address, "token": plane.token}
+            store.set(f"{prefix}/ps/{rank}", json.dumps(where))
 
     # -- windows ------------------------------------------------------------------------
     def begin_window(self, first_step: int) -> None:
@@ -71,7 +75,7 @@ class StoreClient:
         replica's state (which is the commit the window starts from)."""
         self.window = first_step
         self.applied: list[int] = []  # the staleness of each push applied in this window
-        self.outstanding = None  # overlap: the push in flight
+        self._drop_unread(self.outstanding)  # an overlapped push a failed window left
         self.round, self.targets = 0, {}
         if self.rank >= self.servers:
             return
@@ -104,7 +108,7 @@ class StoreClient:
             )
             await self.registry.install(self.run_id, shard)
 
-        sync(self.worker.loop, install)
+        self.registry.store.submit(install()).result()
 
     def push(self, weight: float, part: tuple[int, int] | None = None) -> dict[str, Any]:
         """Send this step's local mean gradient (weighted ``n_r / B``) of ``part`` (step,
@@ -217,11 +221,16 @@ class StoreClient:
 
     def rolled_back(self) -> None:
         """Every replica rolled back: calls of the aborted window are refused from now."""
+        self._drop_unread(self.outstanding)
+        self.outstanding = None
         self.incarnation += 1
         if self.rank < self.servers:
             self.registry.discard(self.run_id, oldest=self.incarnation)
 
     def close(self) -> None:
+        for connection in self.connections.values():
+            connection.close()
+        self.connections = {}
         if self.rank < self.servers:
             self.registry.discard(self.run_id, oldest=self.incarnation + 1)
 
@@ -253,12 +262,20 @@ class StoreClient:
     def _hosts(self) -> list[str]:
         if self.addresses is None:
             keys = [f"{self.prefix}/ps/{k}" for k in range(len(self.ranges))]
-            self.addresses = [self.store.get(key).decode() for key in keys]
+            self.planes = [json.loads(self.store.get(key).decode()) for key in keys]
+            self.addresses = [where["worker"] for where in self.planes]
         return self.addresses
 
-    def _start(self, messages: dict[int, dict[str, Any]]) -> concurrent.futures.Future:
-        """Send one message to each shard named, on the worker's event loop; the future
-        holds their replies, by shard."""
+    def _connection(self, k: int) -> PlaneConnection:
+        if k not in self.connections:
+            where = (self.planes or [])[k]
+            self.connections[k] = PlaneConnection(where["plane"], where["token"], self.timeout_s)
+        return self.connections[k]
+
+    def _start(self, messages: dict[int, dict[str, Any]]) -> dict[int, Any]:
+        """Send one message to each shard named: written to its host's connection now,
+        or, for a shard this worker hosts, run on the store loop (no socket, no copy).
+        ``_wait`` takes the replies."""
         hosts = self._hosts()
         common = dict(
             run_id=self.run_id,
@@ -266,34 +283,43 @@ class StoreClient:
             incarnation=self.incarnation,
             timeout_s=self.timeout_s,
         )
-        here = self.worker.address
+        pending: dict[int, Any] = {}
+        for k, message in messages.items():
+            if hosts[k] == self.worker.address:
+                call = self.registry.handle(shard=k, **common, **message)
+                pending[k] = self.registry.store.submit(call)
+            else:
+                connection = self._connection(k)
+                connection.send({"shard": k, **common, **message})
+                pending[k] = connection
+        return pending
 
-        async def call(k: int, message: dict[str, Any]) -> dict[str, Any]:
-            address = hosts[k]
-            if address == here:  # this worker hosts the shard: no socket, no serialization
-                reply = await self.registry.handle(shard=k, **common, **message)
-                return {key: v.data if isinstance(v, Serialize) else v for key, v in reply.items()}
-            wrapped = {
-                key: to_serialize(v) if isinstance(v, torch.Tensor) else v
-                for key, v in message.items()
-            }
-            return await getattr(self.worker.rpc(address), HANDLER)(shard=k, **common, **wrapped)
-
-        async def call_all() -> dict[int, dict[str, Any]]:
-            shards = list(messages)
-            replies = await asyncio.gather(*(call(k, messages[k]) for k in shards))
-            return dict(zip(shards, replies, strict=True))
-
-        return asyncio.run_coroutine_threadsafe(call_all(), self.worker.loop.asyncio_loop)
-
-    def _wait(self, future: concurrent.futures.Future) -> dict[int, dict[str, Any]]:
-        replies = future.result()
+    def _wait(self, pending: dict[int, Any]) -> dict[int, dict[str, Any]]:
+        replies: dict[int, dict[str, Any]] = {}
+        try:
+            for k, call in pending.items():
+                if isinstance(call, concurrent.futures.Future):
+                    replies[k] = call.result()
+                else:
+                    replies[k] = call.receive()
+        except BaseException:
+            self._drop_unread({k: c for k, c in pending.items() if k not in replies})
+            raise
         for reply in replies.values():
             if reply.get("status") != "ok":
                 raise ShardError(
                     f"parameter store, replica {self.rank}: {reply.get('message', reply)}"
                 )
         return replies
+
+    def _drop_unread(self, pending: dict[int, Any] | None) -> None:
+        """Close the connections whose reply will not be read (its window failed): a
+        reply left in one would answer the next request. They reopen when next used."""
+        for k, call in (pending or {}).items():
+            if isinstance(call, PlaneConnection):
+                call.close()
+                if self.connections.get(k) is call:
+                    del self.connections[k]
 
     def _buffers(self) -> torch.Tensor | None:
         """The buffers the store averages, as one float64 tensor: floating ones (BatchNorm

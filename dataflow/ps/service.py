@@ -1,8 +1,10 @@
 """The parameter store's side on its host worker: the shards of each fit, and the one
-RPC handler (``dataflow_ps``) replicas call.
+handler replicas call, over the data plane (:mod:`dataflow.ps.plane`: push, finish)
+or Dask's RPC (``dataflow_ps``, control only: fail).
 
-Shards live in the worker plugin (``plugin.shards``, by fit and shard index), never in
-module globals. A shard serves one window at a time; a push or finish for a window the
+Shards live in the worker plugin (``plugin.ps``, by fit and shard index), never in
+module globals, on the registry's own store loop (a thread of its own, not Dask's
+event loop). A shard serves one window at a time; a push or finish for a window the
 shard does not serve yet waits for the host to install it (after a rollback the host
 rebuilds its shard from the commit it rolled back to).
 """
@@ -16,17 +18,20 @@ import torch
 from distributed.protocol import to_serialize
 
 from dataflow.ps.gate import StalenessError
+from dataflow.ps.plane import PlaneServer, StoreLoop
 from dataflow.ps.shard import ParameterShard, Push, ShardError
 
 HANDLER = "dataflow_ps"
 
 
 class ShardRegistry:
-    """The shards a worker hosts, by (run id, shard index); lives in the plugin."""
+    """The shards a worker hosts, by (run id, shard index); lives in the plugin. Its
+    store loop and plane server start with the first fit that uses them."""
 
-    def __init__(self, loop: Any = None) -> None:
+    def __init__(self) -> None:
         self.shards: dict[tuple[str, int], ParameterShard] = {}
-        self.loop = loop  # the worker's event loop (tornado), where calls are served
+        self._store: StoreLoop | None = None
+        self._plane: PlaneServer | None = None
         self._changed: asyncio.Condition | None = None
         # fit key -> the oldest incarnation still served: calls of an older one (a window
         # a rollback aborted) fail at once instead of waiting for a shard never to come
@@ -34,6 +39,32 @@ class ShardRegistry:
         # fit key -> replicas lost and released by the driver (kept for shards installed
         # later: a host may rebuild its shard after the driver's word arrived)
         self.dropped: dict[str, set[int]] = {}
+
+    @property
+    def store(self) -> StoreLoop:
+        """The loop the shards live on and every call is served on."""
+        if self._store is None:
+            self._store = StoreLoop()
+        return self._store
+
+    def plane(self, host: str) -> PlaneServer:
+        """This worker's data-plane server, listening on ``host``."""
+        if self._plane is None:
+            self._plane = PlaneServer(host, self.handle, self.store)
+        return self._plane
+
+    @property
+    def plane_requests(self) -> int:
+        """Calls served over this worker's data plane so far (its replicas' own shard
+        calls do not cross it)."""
+        return 0 if self._plane is None else self._plane.requests
+
+    def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+        if self._store is not None:
+            self._store.close()
+        self._plane = self._store = None
 
     @property
     def changed(self) -> asyncio.Condition:
@@ -55,7 +86,7 @@ class ShardRegistry:
         """Forget ``run_id``'s shards, from any thread (a rollback, a regroup or the fit's
         end; the host rebuilds a shard at the next window it starts). ``oldest``: calls
         of earlier incarnations are refused from now on. The shards are dropped and
-        their waiting calls failed on the event loop, which owns the registry."""
+        their waiting calls failed on the store loop, which owns the registry."""
         if oldest is not None:
             self.oldest[run_id] = max(self.oldest.get(run_id, 0), oldest)
 
@@ -64,8 +95,8 @@ class ShardRegistry:
                 await self.shards.pop(key).fail("dropped: its host rolled back or regrouped")
             await self.notify()
 
-        if self.loop is not None:
-            self.loop.add_callback(forget)
+        if self._store is not None:  # (no loop yet: no shard either)
+            self._store.submit(forget())
 
     async def drop(self, run_id: str, replicas: Any) -> None:
         """The driver released lost ``replicas`` of fit ``run_id``: the shards hosted here
@@ -107,8 +138,14 @@ class ShardRegistry:
                 ) from None
             return self.shards[(run_id, index)]
 
+    async def handle_rpc(self, **msg: Any) -> dict[str, Any]:
+        """The ``dataflow_ps`` Dask handler (control: a replica failing the shards), on
+        Dask's event loop: served on the store loop, tensors wrapped for Dask's comm."""
+        reply = await self.store.run(self.handle(**msg))
+        return {k: to_serialize(v) if _bulky(v) else v for k, v in reply.items()}
+
     async def handle(self, **msg: Any) -> dict[str, Any]:
-        """The ``dataflow_ps`` RPC: ``op`` is push, finish or fail."""
+        """One call, on the store loop: ``op_name`` is push, finish or fail."""
         op, run_id, index = msg["op_name"], msg["run_id"], msg["shard"]
         try:
             if op == "fail":
@@ -128,8 +165,7 @@ class ShardRegistry:
                     finite=msg["finite"],
                     part=None if msg.get("part") is None else tuple(msg["part"]),
                 )
-                reply = await shard.push(msg["replica"], push)
-                return {**reply, "weights": to_serialize(reply["weights"]), "status": "ok"}
+                return {**await shard.push(msg["replica"], push), "status": "ok"}
             if op == "finish":
                 final = await shard.finish(
                     msg["replica"],
@@ -141,10 +177,7 @@ class ShardRegistry:
                     share=msg.get("share", 0.0),
                 )
                 await self.notify()  # pushes of the next window may wait on the registry
-                return {
-                    "status": "ok",
-                    **{k: to_serialize(v) if _bulky(v) else v for k, v in final.items()},
-                }
+                return {"status": "ok", **final}
             return {"status": "error", "message": f"unknown parameter-store op {op!r}"}
         except (ShardError, StalenessError) as exc:
             return {"status": "error", "message": str(exc)}

@@ -1,6 +1,6 @@
 """One parameter-store shard: a share of the weights and their optimizer, on a worker.
 
-It lives in the host worker's plugin and runs on that worker's event loop (handlers
+It lives in the host worker's plugin and runs on the registry's store loop (handlers
 of :mod:`dataflow.ps.service`), so a push that must wait for the staleness bound
 awaits without holding a thread. Each version applies the pending pushes as one
 optimizer step on ``Σ_r f(τ_r) (n_r / B) g_r``, ``f`` the policy's staleness factor.

@@ -30,13 +30,15 @@ class DataflowWorkerPlugin(WorkerPlugin):
         # Aborted process groups of finished fits: destroying one whose operation still
         # waits on a dead peer would freeze this worker until the timeout.
         self.retired_groups: list[Any] = []
-        # Parameter-store shards this worker hosts (sync.Async), and the RPC replicas call
-        self.ps = ShardRegistry(worker.loop)
-        worker.handlers[HANDLER] = self.ps.handle
+        # Parameter-store shards this worker hosts (sync.Async): replicas push over the
+        # registry's data plane; Dask's RPC handler carries control (fail)
+        self.ps = ShardRegistry()
+        worker.handlers[HANDLER] = self.ps.handle_rpc
 
     def teardown(self, worker: Any) -> None:
         for run_id in list(self.replicas):
             self.close_run(run_id)
+        self.ps.close()
 
     def replica(self, run_id: str) -> Any:
         try:

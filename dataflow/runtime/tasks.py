@@ -352,7 +352,7 @@ async def release_replicas(
     if runtime is None or runtime.generation != generation:
         return
     runtime.released_after = (generation, stop_step)
-    await plugin.ps.drop(f"{run_id}/g{generation}", lost)
+    await plugin.ps.store.run(plugin.ps.drop(f"{run_id}/g{generation}", lost))
 
 
 def close_run(run_id: str, dask_worker: Any = None) -> None:
