@@ -21,7 +21,9 @@ from dataflow.core.errors import ConfigError
 from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
 from dataflow.runtime.main_guard import SPAWNING_METHODS, unguarded_script_line
 
-WORKER_PRELOAD = "dataflow.runtime.interrupt"  # its dask_setup: workers ignore SIGINT
+# the embedded cluster's worker preloads: workers ignore SIGINT (interrupt.py) and import
+# the engine in the background as they start (warm_start.py)
+WORKER_PRELOADS = ("dataflow.runtime.interrupt", "dataflow.runtime.warm_start")
 
 MAIN_GUARD_HINT = (
     "the embedded LocalCluster's worker processes failed to start. Worker processes "
@@ -97,10 +99,11 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
 
 
 def _worker_preloads() -> list[str]:
-    """Dask's configured worker preloads, and the one that makes the embedded cluster's
-    workers ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
+    """Dask's configured worker preloads, then the embedded cluster's own: its workers
+    ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``) and import the engine
+    in the background as they start (``runtime/warm_start.py``)."""
     configured = dask.config.get("distributed.worker.preload", None) or []
-    return [*([configured] if isinstance(configured, str) else configured), WORKER_PRELOAD]
+    return [*([configured] if isinstance(configured, str) else configured), *WORKER_PRELOADS]
 
 
 def check_scheduler(address: str) -> None:
