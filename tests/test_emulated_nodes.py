@@ -59,8 +59,9 @@ def test_a_killed_run_leaves_nothing_behind_the_next_one_removes():
     subprocess.run(["ip", "netns", "add", f"dataflow-{dead}-0"], check=True)
     subprocess.run(["ip", "link", "add", f"dfb{dead % 100000}", "type", "bridge"], check=True)
     assert f"dataflow-{dead}-0" in remove_stale()
-    assert f"dataflow-{dead}-0" not in subprocess.run(
-        ["ip", "netns", "list"], capture_output=True, text=True
-    ).stdout
+    assert (
+        f"dataflow-{dead}-0"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"dfb{dead % 100000}" not in links
