@@ -28,7 +28,7 @@ def test_scale_with_batch_grows_the_cluster_and_keeps_training_exact():
         max_workers=2,
     )
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None) as cluster,
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         result = pipe.fit(epochs=3, client=client)

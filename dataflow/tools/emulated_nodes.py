@@ -62,16 +62,26 @@ class EmulatedNodes:
     """``n`` namespaces, each one node with one Dask worker of one thread.
 
     ``rate_mbit``: every link's rate in Mbit/s, each direction (None: uncapped).
+    ``worker_ttl_s``: how long the scheduler waits for a silent worker (a node whose
+    link went down sends no reset: Dask's default, 5 minutes, would hold a fit that long).
     ``address``: the scheduler's, for ``fit(client=...)`` or ``distributed.Client``;
     ``node_addresses``: each node's IP. ``set_link`` and ``set_rate`` change a node's
     link while a fit runs."""
 
-    def __init__(self, n: int, *, rate_mbit: float | None = None, decoy: bool = False) -> None:
+    def __init__(
+        self,
+        n: int,
+        *,
+        rate_mbit: float | None = None,
+        decoy: bool = False,
+        worker_ttl_s: float | None = None,
+    ) -> None:
         if n < 1:
             raise ConfigError(f"EmulatedNodes(n={n}): give at least one node")
         if rate_mbit is not None and rate_mbit <= 0:
             raise ConfigError(f"EmulatedNodes(rate_mbit={rate_mbit}): give a rate > 0 Mbit/s")
         self.n, self.rate_mbit, self.decoy = n, rate_mbit, decoy
+        self.worker_ttl_s = worker_ttl_s
         tag = os.getpid() % 100000  # interface names are at most 15 characters
         self._bridge = f"dfb{tag}"
         self._namespaces = [f"dataflow-{os.getpid()}-{i}" for i in range(n)]
@@ -173,6 +183,7 @@ class EmulatedNodes:
                     "--scheduler-file", str(scheduler_file),
                 ],
                 "scheduler",
+                ttl=self.worker_ttl_s,
             )
         )  # fmt: skip
         deadline = time.monotonic() + STARTUP_S
@@ -193,11 +204,13 @@ class EmulatedNodes:
         with Client(self.address, timeout=STARTUP_S) as client:
             client.wait_for_workers(self.n, timeout=STARTUP_S)
 
-    def _spawn(self, command: list[str], name: str) -> subprocess.Popen:
+    def _spawn(self, command: list[str], name: str, ttl: float | None = None) -> subprocess.Popen:
         # the workers import what this process can (as LocalCluster's spawned workers
         # do): a model class defined beside the script unpickles there too
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         env = {**os.environ, "PYTHONPATH": path}
+        if ttl is not None:
+            env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = f"{ttl}s"
         with open(self._folder / f"{name}.log", "w") as log:  # the child keeps its copy
             return subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
