@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
-from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
+import torch
+from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd, tiny_pipeline
 
 import dataflow as dfl
+from dataflow import stages
 from dataflow.tools.emulated_nodes import EmulatedNodes, unavailable
 
 REASON = unavailable()
@@ -65,3 +72,69 @@ def test_a_killed_run_leaves_nothing_behind_the_next_one_removes():
     )
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert f"dfb{dead % 100000}" not in links
+
+
+class MarkAndLinger(stages.Stage):
+    """Test stage: at step ``step`` replica ``rank`` writes ``marker`` (the test cuts
+    its node's link when it appears) and lingers, so the cut lands inside the window."""
+
+    def __init__(self, marker: str, *, step: int, rank: int) -> None:
+        super().__init__("MarkAndLinger")
+        self.marker, self.step, self.rank = marker, step, rank
+
+    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        mine = step.spec.index == self.step and step.replica.rank == self.rank
+        if mine and not Path(self.marker).exists():
+            Path(self.marker).write_text(str(time.time()))
+            time.sleep(2.0)
+        return batch
+
+
+@pytest.mark.timeout(300)
+def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(tmp_path):
+    """Node 1's link goes down inside a window (no reset reaches anyone: its packets just
+    stop). The survivors' allreduce times out, the scheduler drops the silent worker
+    after its time to live, and the fit recovers on the other two nodes as after a
+    SIGKILL: every sample trained once per epoch, the loss still falling."""
+    x, y = make_data(240)
+    epochs = 3
+    marker = tmp_path / "cut"
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(MarkAndLinger(str(marker), step=6, rank=1), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    grads = g.add(stages.Backward(), out)
+    g.add(stages.Update(sgd), g.add(stages.AllReduce(), grads))
+    trainer = dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(24),
+        seed=0,
+        progress=False,
+        replicas=3,
+        window_seconds=0.3,
+        collective_timeout_s=10.0,
+    )
+    with EmulatedNodes(3, worker_ttl_s=4) as cut_nodes:
+        stop = threading.Event()
+
+        def cut_when_marked():
+            while not stop.is_set() and not marker.exists():
+                time.sleep(0.05)
+            if marker.exists():
+                cut_nodes.set_link(1, up=False)
+
+        watcher = threading.Thread(target=cut_when_marked, daemon=True)
+        watcher.start()
+        try:
+            result = trainer.fit(epochs=epochs, client=cut_nodes.address)
+        finally:
+            stop.set()
+            watcher.join()
+    [failure] = result.history.info["failures"]
+    assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2, failure
+    assert failure["commit_step"] <= 6
+    summary = result.ledger.summary()
+    for epoch in range(epochs):
+        assert summary[epoch] == {"consumed": 240, "unused": 0}, epoch
+    losses = [e["train_loss"] for e in result.history.epochs]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]

@@ -29,7 +29,13 @@ from dataflow.core.errors import (
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.group_forming import GroupForming
-from dataflow.driver.membership import LIVENESS_POLL_S, Lost, RemovalWatch, wait_some
+from dataflow.driver.membership import (
+    LIVENESS_POLL_S,
+    Lost,
+    RemovalWatch,
+    unreachable,
+    wait_some,
+)
 from dataflow.driver.memory import is_out_of_memory
 from dataflow.driver.root_cause import may_echo_a_loss, root_cause
 from dataflow.runtime import tasks as remote
@@ -60,29 +66,43 @@ class Executor(GroupForming):
         self.slot_of: dict[Any, int] = {}  # window future -> the worker (slot) it ran on
         self.released: set[str] = set()  # lost members the machine already handles
         self.removals = RemovalWatch(client)  # the scheduler's word of a lost member
+        # members the driver could not reach after a failed collective (a cut link, a
+        # hung node): lost, whatever the scheduler still says
+        self.unreachable: set[str] = set()
 
     # -- liveness -----------------------------------------------------------------------
     def available(self) -> list[str]:
-        return available_workers(self.client)
+        return [a for a in available_workers(self.client) if a not in self.unreachable]
 
     def lost(self) -> list[str]:
         if not self.recover:
             return []
         self.removals.removed.clear()
         alive = live_workers(self.client)
-        return [a for a in self.members if a not in alive and a not in self.released]
+        return [
+            a
+            for a in self.members
+            if (a not in alive or a in self.unreachable) and a not in self.released
+        ]
 
     def raise_if_lost(self, grace: bool = False) -> None:
         """Raise :class:`Lost` if a member is gone. With ``grace`` (a task just failed,
-        maybe because a peer died) wait a little for the scheduler to notice."""
+        maybe because a peer died) wait a little for the scheduler to notice, then ask
+        the members directly: one that does not answer is lost too (a cut link or a
+        hung node sends no reset, and the scheduler's verdict can take minutes)."""
         deadline = time.monotonic() + (FAILURE_GRACE_S if grace else 0.0)
         while True:
             lost = self.lost()
             if lost:
                 raise Lost(lost)
             if time.monotonic() >= deadline:
-                return
+                break
             time.sleep(0.1)
+        if grace and self.recover:
+            silent = unreachable(self.client, [a for a in self.members if a not in self.released])
+            if silent:
+                self.unreachable.update(silent)
+                raise Lost(silent)
 
     def joined_event(self) -> ev.WorkersJoined | None:
         new = [a for a in self.available() if a not in self.known]
@@ -444,7 +464,7 @@ class Executor(GroupForming):
         members = list(self.members)
         with contextlib.suppress(Exception):
             live = live_workers(self.client)
-            members = [a for a in members if a in live]
+            members = [a for a in members if a in live and a not in self.unreachable]
         if failed:
             with contextlib.suppress(Exception):
                 self.client.run(remote.abort_run, self.run_id, workers=members)

@@ -10,6 +10,7 @@ the one place on the driver that talks to Dask.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -19,6 +20,10 @@ from typing import Any
 from distributed import wait
 
 LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+# a member that does not answer the driver within this long, when a collective failed and
+# the scheduler names no loss, is lost (a cut link sends no reset; Dask's own verdict
+# waits for the worker's time to live and a connect timeout: minutes by default)
+PROBE_S = 5.0
 WAKE_POLL_S = 0.05  # how soon a wait notices the scheduler's report of a removed member
 
 
@@ -64,6 +69,24 @@ def wait_some(futures: list[Any], woken: threading.Event | None = None) -> tuple
         done = [f for f in futures if f.done()]
         if done or woken is None or woken.is_set() or time.monotonic() >= deadline:
             return done, [f for f in futures if not f.done()]
+
+
+def unreachable(client: Any, workers: list[str], timeout_s: float = PROBE_S) -> list[str]:
+    """The ``workers`` that do not answer the driver's identity call within
+    ``timeout_s`` (asked all at once, each on its own connection)."""
+
+    async def silent(address: str) -> str | None:
+        try:
+            await asyncio.wait_for(client.rpc(address).identity(), timeout_s)
+        except Exception:  # timed out, refused, reset: no answer
+            return address
+        return None
+
+    async def probe_all() -> list[str]:
+        answers = await asyncio.gather(*(silent(a) for a in workers))
+        return [a for a in answers if a is not None]
+
+    return client.sync(probe_all) if workers else []
 
 
 class Lost(Exception):
