@@ -62,16 +62,15 @@ def test_a_killed_run_leaves_nothing_behind_the_next_one_removes():
 
     from dataflow.tools.emulated_nodes import remove_stale
 
-    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
-    subprocess.run(["ip", "netns", "add", f"dataflow-{dead}-0"], check=True)
-    subprocess.run(["ip", "link", "add", f"dfb{dead % 100000}", "type", "bridge"], check=True)
-    assert f"dataflow-{dead}-0" in remove_stale()
-    assert (
-        f"dataflow-{dead}-0"
-        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    )
+    dead = 2**22 + 12345  # above Linux's largest pid_max: no such process
+    name, bridge = f"dataflow-{dead}-3-0", f"dfb{dead % 10000:04d}3"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+    assert name in remove_stale()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert name not in listed
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert f"dfb{dead % 100000}" not in links
+    assert bridge not in links
 
 
 class MarkAndLinger(stages.Stage):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from dataflow.runtime.cluster import _worker_preloads
 from dataflow.runtime.warm_start import MODULES
 
@@ -15,6 +17,7 @@ def _warmed(names, dask_worker):
     return not thread.is_alive() and all(name in sys.modules for name in names)
 
 
+@pytest.mark.slow  # the session's cluster: not started by the fast tier
 def test_embedded_workers_import_the_engine_before_any_task_needs_it(client):
     """The session's cluster is the embedded kind (``client_or_local_cluster(None)``):
     its workers' warm-start thread imports torch, its compiler front end and the

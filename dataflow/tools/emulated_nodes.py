@@ -23,6 +23,7 @@ and dask-jobqueue) then fails here. Needs root (or CAP_NET_ADMIN) and ``ip`` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -82,11 +83,13 @@ class EmulatedNodes:
             raise ConfigError(f"EmulatedNodes(rate_mbit={rate_mbit}): give a rate > 0 Mbit/s")
         self.n, self.rate_mbit, self.decoy = n, rate_mbit, decoy
         self.worker_ttl_s = worker_ttl_s
-        tag = os.getpid() % 100000  # interface names are at most 15 characters
+        serial = next(_SERIALS)  # several instances in one process must not collide
+        tag = _tag(os.getpid(), serial)  # interface names are at most 15 characters
         self._bridge = f"dfb{tag}"
-        self._namespaces = [f"dataflow-{os.getpid()}-{i}" for i in range(n)]
+        self._namespaces = [f"dataflow-{os.getpid()}-{serial}-{i}" for i in range(n)]
         self._host_ends = [f"dfv{tag}n{i}" for i in range(n)]
-        octet = 16 + tag % 200  # a /24 of 10.77.0.0/16 per process: concurrent runs differ
+        self._tag = tag
+        octet = 16 + int(tag) % 200  # a /24 of 10.77.0.0/16 each: concurrent runs differ
         self._subnet = f"10.77.{octet}"
         self.scheduler_ip = f"{self._subnet}.1"
         self.node_addresses = [f"{self._subnet}.{i + 2}" for i in range(n)]
@@ -160,7 +163,7 @@ class EmulatedNodes:
                 _ip(*run, "addr", "add", f"10.78.{i}.2/24", "dev", "decoy0")
                 _ip(*run, "link", "set", "decoy0", "up")
                 _ip(*run, "link", "set", "decoy1", "up")
-            inside = f"dfi{os.getpid() % 100000}n{i}"
+            inside = f"dfi{self._tag}n{i}"
             _ip("link", "add", host_end, "type", "veth", "peer", "name", inside)
             _ip("link", "set", inside, "netns", name)
             _ip("link", "set", host_end, "master", self._bridge)
@@ -239,19 +242,27 @@ def remove_stale() -> list[str]:
     listed = _ip("netns", "list", check=False).stdout.split()
     removed = []
     for name in listed:
-        match = re.fullmatch(r"dataflow-(\d+)-\d+", name)
+        match = re.fullmatch(r"dataflow-(\d+)-(\d+)-\d+", name)
         if match is None or _alive(int(match.group(1))):
             continue
         for pid in _ip("netns", "pids", name, check=False).stdout.split():
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         _ip("netns", "del", name, check=False)
-        tag = int(match.group(1)) % 100000
+        tag = _tag(int(match.group(1)), int(match.group(2)))
         links = _ip("-o", "link", check=False).stdout
         for link in re.findall(rf"\d+: (df[vb]{tag}(?:n\d+)?)[@:]", links):
             _ip("link", "del", link, check=False)
         removed.append(name)
     return removed
+
+
+_SERIALS = itertools.count()
+
+
+def _tag(pid: int, serial: int) -> str:
+    """Five digits naming one instance's interfaces: the process and its instance."""
+    return f"{pid % 10000:04d}{serial % 10}"
 
 
 def _alive(pid: int) -> bool:
