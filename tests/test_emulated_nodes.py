@@ -90,7 +90,7 @@ class MarkAndLinger(stages.Stage):
 
 
 @pytest.mark.timeout(300)
-def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(tmp_path):
+def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(nodes, tmp_path):
     """Node 1's link goes down inside a window (no reset reaches anyone: its packets just
     stop). The survivors' allreduce times out, the scheduler names no loss (its time to
     live for a silent worker is minutes), the driver's probe finds node 1 silent, and
@@ -114,23 +114,23 @@ def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(tmp_path
         window_seconds=0.3,
         collective_timeout_s=5.0,  # the survivors' allreduce gives up on the silent peer
     )
-    # (Dask's time to live for a silent worker left long: the driver's own probe decides)
-    with EmulatedNodes(3) as cut_nodes:
-        stop = threading.Event()
+    # (the module's nodes, this test last among their users: node 1 stays cut off;
+    # Dask's time to live for a silent worker is left long: the driver's probe decides)
+    stop = threading.Event()
 
-        def cut_when_marked():
-            while not stop.is_set() and not marker.exists():
-                time.sleep(0.05)
-            if marker.exists():
-                cut_nodes.set_link(1, up=False)
+    def cut_when_marked():
+        while not stop.is_set() and not marker.exists():
+            time.sleep(0.05)
+        if marker.exists():
+            nodes.set_link(1, up=False)
 
-        watcher = threading.Thread(target=cut_when_marked, daemon=True)
-        watcher.start()
-        try:
-            result = trainer.fit(epochs=epochs, client=cut_nodes.address)
-        finally:
-            stop.set()
-            watcher.join()
+    watcher = threading.Thread(target=cut_when_marked, daemon=True)
+    watcher.start()
+    try:
+        result = trainer.fit(epochs=epochs, client=nodes.address)
+    finally:
+        stop.set()
+        watcher.join()
     [failure] = result.history.info["failures"]
     assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2, failure
     assert failure["commit_step"] <= 6
