@@ -21,9 +21,8 @@ from dataflow.core.errors import ConfigError
 from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
 from dataflow.runtime.main_guard import SPAWNING_METHODS, unguarded_script_line
 
-# the embedded cluster's worker preloads: workers ignore SIGINT (interrupt.py) and import
-# the engine in the background as they start (warm_start.py)
-WORKER_PRELOADS = ("dataflow.runtime.interrupt", "dataflow.runtime.warm_start")
+# the embedded cluster's worker preload: workers ignore SIGINT (interrupt.py)
+WORKER_PRELOADS = ("dataflow.runtime.interrupt",)
 
 MAIN_GUARD_HINT = (
     "the embedded LocalCluster's worker processes failed to start. Worker processes "
@@ -100,8 +99,7 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
 
 def _worker_preloads() -> list[str]:
     """Dask's configured worker preloads, then the embedded cluster's own: its workers
-    ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``) and import the engine
-    in the background as they start (``runtime/warm_start.py``)."""
+    ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
     configured = dask.config.get("distributed.worker.preload", None) or []
     return [*([configured] if isinstance(configured, str) else configured), *WORKER_PRELOADS]
 

@@ -273,9 +273,6 @@ def handle(request: Request, after: Any = None, snapshot: Any = None, spec: Any 
 
 def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
     plugin, rank = current_plugin(), request.rank
-    warming = getattr(plugin.worker, "dataflow_warm_start", None)
-    if warming is not None:  # the embedded cluster's background imports (warm_start.py):
-        warming.join()  # finished first, so no import below races them
     # Default: the worker's own thread budget (1 per process on the default LocalCluster),
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)

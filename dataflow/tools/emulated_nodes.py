@@ -200,7 +200,6 @@ class EmulatedNodes:
                 "ip", "netns", "exec", name, python, "-m", "distributed.cli.dask_worker",
                 self.address, "--host", self.node_addresses[i], "--nthreads", "1",
                 "--nworkers", "1", "--no-dashboard", "--name", f"node{i}",
-                "--preload", "dataflow.runtime.warm_start",  # torch imported meanwhile
             ]  # fmt: skip
             self._processes.append(self._spawn(command, f"node{i}"))
         from distributed import Client
