@@ -3,8 +3,8 @@
 Called from the replica's task thread, which writes each call to every shard host at
 once over the data plane (:mod:`dataflow.ps.plane`, a socket per host kept open for
 the fit) and reads the replies, or, for the shard its own worker hosts, runs it on the
-registry's store loop. Replica ``k < servers`` hosts shard ``k``: at a window's start it (re)builds
-its shard from its own state when the shard does not serve that window (the fit's
+registry's store loop. Replica ``k < servers`` hosts shard ``k``: at a window's start it
+(re)builds its shard from its own state when the shard does not serve that window (the fit's
 start, a rollback, a regroup, a resume), which is how a lost server role comes back
 from the last commit.
 """
@@ -52,8 +52,8 @@ class StoreClient:
         self.ranges = shard_ranges([p.numel() for p in self.params], self.servers)
         self.initial_lr = optimizer.param_groups[0]["lr"]
         self.store, self.prefix = store, prefix
-        self.addresses: list[str] | None = None  # each shard host's Dask address
-        self.planes: list[dict[str, str]] | None = None  # ... and data-plane address, token
+        # each shard host's Dask address ("worker"), data-plane address and token
+        self.planes: list[dict[str, str]] | None = None
         self.connections: dict[int, PlaneConnection] = {}
         self.window: int | None = None
         # rollbacks in this process group, counted alike on every replica: a shard built
@@ -75,7 +75,7 @@ class StoreClient:
         replica's state (which is the commit the window starts from)."""
         self.window = first_step
         self.applied: list[int] = []  # the staleness of each push applied in this window
-        self._drop_unread(self.outstanding)  # an overlapped push a failed window left
+        self._abandon_outstanding()  # an overlapped push a failed window left
         self.round, self.targets = 0, {}
         if self.rank >= self.servers:
             return
@@ -221,8 +221,7 @@ class StoreClient:
 
     def rolled_back(self) -> None:
         """Every replica rolled back: calls of the aborted window are refused from now."""
-        self._drop_unread(self.outstanding)
-        self.outstanding = None
+        self._abandon_outstanding()
         self.incarnation += 1
         if self.rank < self.servers:
             self.registry.discard(self.run_id, oldest=self.incarnation)
@@ -237,11 +236,12 @@ class StoreClient:
     def abort(self, reason: str) -> None:
         """Fail every shard's waiting calls (a replica failed: the others must not wait
         for it until the timeout). Best effort, without blocking."""
-        if self.addresses is None:
+        if self.planes is None:  # no call made yet: nothing waits
             return
+        hosts = self._hosts()
 
         async def fail_all() -> None:
-            for k, address in enumerate(self.addresses or ()):
+            for k, address in enumerate(hosts):
                 try:
                     await asyncio.wait_for(
                         self.worker.rpc(address).dataflow_ps(
@@ -260,11 +260,11 @@ class StoreClient:
 
     # -- inside ---------------------------------------------------------------------------
     def _hosts(self) -> list[str]:
-        if self.addresses is None:
+        """Each shard host's Dask address (read once from the rendezvous store)."""
+        if self.planes is None:
             keys = [f"{self.prefix}/ps/{k}" for k in range(len(self.ranges))]
             self.planes = [json.loads(self.store.get(key).decode()) for key in keys]
-            self.addresses = [where["worker"] for where in self.planes]
-        return self.addresses
+        return [where["worker"] for where in self.planes]
 
     def _connection(self, k: int) -> PlaneConnection:
         if k not in self.connections:
@@ -311,6 +311,11 @@ class StoreClient:
                     f"parameter store, replica {self.rank}: {reply.get('message', reply)}"
                 )
         return replies
+
+    def _abandon_outstanding(self) -> None:
+        """The overlapped push in flight will not be collected (its window failed)."""
+        self._drop_unread(self.outstanding)
+        self.outstanding = None
 
     def _drop_unread(self, pending: dict[int, Any] | None) -> None:
         """Close the connections whose reply will not be read (its window failed): a

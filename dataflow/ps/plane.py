@@ -6,7 +6,7 @@ optimizer state back) travel here, not over Dask's RPC: one frame each way
 keeps open to each shard host, with no event-loop hop on the replica's side and
 no Dask comm or handler dispatch on either. Dask carries only control (a replica
 failing the shards, the driver releasing lost replicas). On this machine's loopback a
-round trip costs about a tenth of Dask's RPC for a small push (``bench_data_plane.py``).
+round trip costs about a quarter of Dask's RPC for a small push (``bench_data_plane.py``).
 
 A shard host runs a :class:`StoreLoop` (the thread and asyncio loop its shards live on,
 so a push waiting for the staleness bound holds no thread and Dask's event loop is not

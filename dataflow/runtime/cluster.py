@@ -21,8 +21,7 @@ from dataflow.core.errors import ConfigError
 from dataflow.runtime.interrupt import close_quickly, say_interrupted, saying_interrupted
 from dataflow.runtime.main_guard import SPAWNING_METHODS, unguarded_script_line
 
-# the embedded cluster's worker preload: workers ignore SIGINT (interrupt.py)
-WORKER_PRELOADS = ("dataflow.runtime.interrupt",)
+WORKER_PRELOAD = "dataflow.runtime.interrupt"  # its dask_setup: workers ignore SIGINT
 
 MAIN_GUARD_HINT = (
     "the embedded LocalCluster's worker processes failed to start. Worker processes "
@@ -98,10 +97,10 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
 
 
 def _worker_preloads() -> list[str]:
-    """Dask's configured worker preloads, then the embedded cluster's own: its workers
-    ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
+    """Dask's configured worker preloads, and the one that makes the embedded cluster's
+    workers ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
     configured = dask.config.get("distributed.worker.preload", None) or []
-    return [*([configured] if isinstance(configured, str) else configured), *WORKER_PRELOADS]
+    return [*([configured] if isinstance(configured, str) else configured), WORKER_PRELOAD]
 
 
 def check_scheduler(address: str) -> None:

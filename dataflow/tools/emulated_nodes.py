@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import shutil
@@ -63,8 +64,9 @@ class EmulatedNodes:
     """``n`` namespaces, each one node with one Dask worker of one thread.
 
     ``rate_mbit``: every link's rate in Mbit/s, each direction (None: uncapped).
-    ``worker_ttl_s``: how long the scheduler waits for a silent worker (a node whose
-    link went down sends no reset: Dask's default, 5 minutes, would hold a fit that long).
+    ``worker_ttl_s``: how long the scheduler waits for a silent worker before it drops
+    it (a node whose link went down sends no reset; Dask's default is minutes; a fit's
+    driver probes its own workers sooner).
     ``address``: the scheduler's, for ``fit(client=...)`` or ``distributed.Client``;
     ``node_addresses``: each node's IP. ``set_link`` and ``set_rate`` change a node's
     link while a fit runs."""
@@ -192,8 +194,6 @@ class EmulatedNodes:
         deadline = time.monotonic() + STARTUP_S
         while not scheduler_file.exists():
             self._check_alive(deadline, "the scheduler")
-        import json
-
         self.address = json.loads(scheduler_file.read_text())["address"]
         for i, name in enumerate(self._namespaces):
             command = [
