@@ -4,11 +4,44 @@ from __future__ import annotations
 
 import functools
 
+import dask.config
 import numpy as np
 import pytest
 import torch
 
 import dataflow as dfl
+
+# What a worker process imports to run the engine's tasks, preloaded once in the
+# forkserver that every LocalCluster worker of the session (a nanny's restart too) is
+# forked from.
+WORKER_PRELOAD = (
+    "torch",
+    "torch._dynamo",  # torch.optim's first optimizer imports it: seconds per process
+    "numba",
+    "zarr",
+    "dataflow",
+    "dataflow.runtime.plugin",
+    "dataflow.runtime.replica",
+    "dataflow.runtime.tasks",
+    "dataflow.stages",
+    "dataflow.ps.service",
+)
+
+
+def pytest_configure(config):
+    """Worker processes forked from a warm server, not spawned: a spawned worker imports
+    torch, Numba and the engine afresh (3-4 s of CPU on 2 cores, before its first task
+    runs and again after every kill), and the slow tier starts hundreds of them. The
+    forkserver is itself a fresh process (no pytest threads are forked); it starts at
+    the first cluster, so the ``not slow`` tier never pays for it. Workers behave as
+    spawned ones: ``__main__`` is imported again (the script guard still matters), and
+    what they share is read-only imported code. distributed's own test suite does the
+    same."""
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    from distributed.utils import get_mp_context
+
+    context = get_mp_context()  # distributed's own preload list, set once
+    context.set_forkserver_preload(["distributed", "numpy", *WORKER_PRELOAD])
 
 
 class TinyCNN(torch.nn.Module):
