@@ -34,20 +34,31 @@ reaches ``--target`` ended (the fit's start-up excluded: measured from the first
 arrival). ``--seeds`` seeds each (model init and shuffle), sides interleaved per seed.
 Results are appended to ``benchmarks/results/sync.json``.
 
+``--load K`` starts K busy-looping processes for the whole run (a loaded machine: the
+workers and the driver share the cores with them). ``--link-mbit R`` runs the replicas'
+workers as emulated nodes (``dataflow.tools.emulated_nodes``: network namespaces on
+veth links capped at R Mbit/s each way; root only), so every allreduce, push and
+average crosses a link of that rate.
+
     python benchmarks/bench_sync.py              # 3 seeds x 4 sides, ~2 min on 2 cores
     python benchmarks/bench_sync.py --replicas 4 # oversubscribed on 2 cores
     python benchmarks/bench_sync.py --factor 1 --sides "sync balanced,async balanced"
     python benchmarks/bench_sync.py --factor 3 --moving 3   # a straggler that comes and goes
     python benchmarks/bench_sync.py --dataset signals --optimizer adam --seeds 5 \
         --sides "sync balanced,async balanced,local even by samples" --factor 3 --moving 3
+    python benchmarks/bench_sync.py --link-mbit 100 --sides "sync balanced,local even"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare, score
@@ -181,6 +192,45 @@ def summary(runs: dict[str, list[dict]], target: float) -> list[list[str]]:
     return [header, *rows]
 
 
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace) -> Iterator[Any]:
+    """A client of ``--replicas`` single-threaded workers: a LocalCluster, or emulated
+    nodes on ``--link-mbit`` links."""
+    from distributed import Client, LocalCluster
+
+    if args.link_mbit is not None:
+        from dataflow.tools.emulated_nodes import EmulatedNodes
+
+        with (
+            EmulatedNodes(args.replicas, rate_mbit=args.link_mbit) as nodes,
+            Client(nodes.address) as client,
+        ):
+            yield client
+        return
+    with (
+        LocalCluster(
+            n_workers=args.replicas,
+            threads_per_worker=1,
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        ) as local,
+        Client(local) as client,
+    ):
+        yield client
+
+
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` processes that spin for the block's duration: a loaded machine."""
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in spinning:
+            process.kill()
+            process.wait()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per side (3)")
@@ -209,11 +259,16 @@ def main() -> None:
     p.add_argument(
         "--target", type=float, default=0.95, help="held-out score target, a fraction (0.95)"
     )
+    p.add_argument("--load", type=int, default=0, help="busy processes beside the fits (0)")
+    p.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="workers as emulated nodes on links of this many Mbit/s (root; default: loopback)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default results/sync.json)")
     p.add_argument("--overwrite", action="store_true", help="replace earlier runs in --out")
     args = p.parse_args()
-
-    from distributed import Client, LocalCluster
 
     data = prepare(args.dataset, quick=False)
     chosen = [side.strip() for side in args.sides.split(",")]
@@ -222,15 +277,7 @@ def main() -> None:
     if unknown or "sync balanced" not in chosen:
         p.error(f"--sides: {unknown or 'sync balanced (the baseline)'}; known: {list(known)}")
     runs: dict[str, list[dict]] = {side: [] for side in chosen}
-    with (
-        LocalCluster(
-            n_workers=args.replicas,
-            threads_per_worker=1,
-            dashboard_address=":0",
-            silence_logs=logging.ERROR,
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster(args) as client, busy_processes(args.load):
         for seed in range(args.seeds):
             for side in chosen:
                 options = sides(args.period, args.staleness, args.period_samples)[side]

@@ -66,7 +66,12 @@ class Local:
     with Nesterov momentum, ``outer_lr=0.7, outer_momentum=0.9``): ``u ← μ u + Δ``,
     ``θ ← θ_start − outer_lr (Δ + μ u)`` (without Nesterov ``− outer_lr u``). The
     defaults (1, 0) are the plain average. The outer momentum is kept in the
-    optimizer's state (``"outer_momentum"``), so commits and checkpoints hold it."""
+    optimizer's state (``"outer_momentum"``), so commits and checkpoints hold it.
+
+    The average is made at the fit's parameter store on replica 0's worker (not by an
+    allreduce; a spatial layout still allreduces): a replica lost mid-period is
+    released, the survivors train again the parts it never handed in and average
+    among themselves, so the period is kept (``dataflow/ps/average.py``)."""
 
     period_seconds: float | None = None
     period_steps: int | None = None
@@ -147,6 +152,13 @@ class Local:
 
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas
+
+    def survives_loss(self, lost: tuple[int, ...], replicas: int) -> bool:
+        """Whether the other replicas can finish the period in flight without ``lost``:
+        the average's store (``dataflow/ps/average.py``) and the sample leases live on
+        replica 0's worker, so any loss but replica 0's keeps the period; the survivors
+        train the lost replica's parts again and average among themselves."""
+        return 0 < len(lost) < replicas and 0 not in lost
 
     def describe(self) -> str:
         if self.period_steps is not None:

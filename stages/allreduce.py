@@ -235,6 +235,8 @@ class AllReduce(Stage):
         averaged the same way) already."""
         if not getattr(self, "_local", False):
             return None
+        if replica.parameter_store is not None:
+            return self._average_at_store(replica, replica.parameter_store)
         samples, total = _window_shares(self._window, self._global_of, replica.window)
         self._window = {}
         weight = samples / total if total else 1.0 / replica.world_size
@@ -250,6 +252,40 @@ class AllReduce(Stage):
             outer_step_(replica, self._start)
             self._start = None
         return None if drift is None else {"drift": drift}
+
+    def _average_at_store(self, replica: ReplicaContext, store: Any) -> dict[str, float]:
+        """Local updates through the parameter store (``dataflow/ps/average.py``): hand
+        in this replica's state, the parts it trained and its verdict; if a replica was
+        lost in the window, train a share of its parts (``replica.retrain``, which runs
+        the steps through this stage again) and hand in again; then take the average."""
+        parameters = sum(p.numel() for p in replica.model.parameters())
+        averaged: list[Any] = []
+
+        def hand_in() -> dict[str, Any]:  # (after a retrain round: the tensors moved on)
+            averaged[:] = _local_state(replica) + _count_buffers(replica.model)
+            flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in averaged]
+            verdict = replica.window_verdict
+            return {
+                "parts": frozenset(self._window),
+                "samples": sum(local for local, _ in self._window.values()),
+                "state": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64),
+                "parameters": parameters,
+                "first_bad": None if verdict is None else verdict(),
+            }
+
+        reply = store.average(replica.window[1], replica.window_parts, hand_in, replica.retrain)
+        self._window = {}
+        offset, average = 0, reply["average"]
+        with torch.no_grad():
+            for t in averaged:
+                value = average[offset : offset + t.numel()].view(t.shape)
+                t.copy_(value if t.is_floating_point() else value.round())
+                offset += t.numel()
+        replica.orphans = tuple(store.orphans())
+        if replica.local.outer:
+            outer_step_(replica, self._start)
+            self._start = None
+        return {"drift": float(reply["drift"])}
 
     def _replica_grad_sq(self, model: Any) -> Any:
         """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial
@@ -364,12 +400,17 @@ def weights_drift(before: torch.Tensor, model: Any, weight: float, collective: A
     return float(spread[0]) / norm if norm > 0 else 0.0
 
 
+def _count_buffers(model: Any) -> list[Any]:
+    """Integer buffers (BatchNorm's ``num_batches_tracked``): averaged, then rounded."""
+    return [b for b in model.buffers() if not (b.is_floating_point() or b.is_complex())]
+
+
 def average_counts_(model: Any, weight: float, collective: Any) -> None:
     """Integer buffers (BatchNorm's ``num_batches_tracked``) to their weighted average over
     the replicas, rounded, as floating ones are averaged: a replica that skipped a step
     (``on_non_finite="skip"``) or trained more parts counted other batches, and every
     replica must hold the same. One small allreduce; none for a model without them."""
-    counts = [b for b in model.buffers() if not (b.is_floating_point() or b.is_complex())]
+    counts = _count_buffers(model)
     if not counts:
         return
     flat = torch.cat([b.detach().reshape(-1).double() for b in counts]).mul_(weight)

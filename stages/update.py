@@ -114,6 +114,7 @@ class Update(Stage):
         self._first_bad: torch.Tensor | None = None  # deferred: the window's first bad step
         self._local_bad: int | None = None  # local updates: the window's first bad step
         self._overflows = 0
+        replica.window_verdict = self._window_verdict
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
@@ -246,9 +247,24 @@ class Update(Stage):
                 for buffer, before in zip(step.replica.model.buffers(), saved, strict=True):
                     buffer.copy_(before)
 
+    def _window_verdict(self) -> int | None:
+        """This replica's first non-finite step of the window (None: none); local updates
+        averaged at the parameter store hand it in with the state, so all learn it."""
+        first = getattr(self, "_first_bad", None)
+        deferred = None if first is None else int(first)  # one host read
+        if deferred is not None and deferred >= 0:
+            return deferred
+        return getattr(self, "_local_bad", None)
+
     def end_window(self, replica: ReplicaContext) -> None:
         """The deferred check (one host read per window), and under local updates the
         replicas' agreement on the window's non-finite steps."""
+        store = replica.parameter_store
+        if store is not None and self._raises_at_window_end(replica):
+            # local updates at the store: every replica's verdict came with the average
+            self._first_bad = self._local_bad = None
+            self._raise_bad(sorted(store.first_bad.items()))
+            return
         first, self._first_bad = getattr(self, "_first_bad", None), None
         deferred_bad = None if first is None else int(first)  # one host read
         deferred_bad = deferred_bad if deferred_bad is not None and deferred_bad >= 0 else None
@@ -286,7 +302,10 @@ class Update(Stage):
         if replica.collective is not None:  # None: left alone after a regroup
             device = next(replica.model.parameters()).device
             first_bad = replica.collective.allreduce(first_bad.to(device)).cpu()
-        found = [(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0]
+        self._raise_bad([(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0])
+
+    def _raise_bad(self, found: list[tuple[int, int]]) -> None:
+        """Every replica raises the same error when any found a non-finite step."""
         if not found:
             return
         where = ", ".join(f"step {step} on replica {rank}" for rank, step in found)

@@ -158,7 +158,8 @@ def test_a_loss_that_is_not_a_scalar_is_refused(client, data):
 
 def test_replicas_sharing_a_node_slow_each_other_as_measured():
     from dataflow.costmodel import ComputeFit, Link, Topology
-    from dataflow.costmodel.calibration import _scale_and_offset, fit_alpha_beta
+    from dataflow.costmodel.calibration import _scale_and_offset
+    from dataflow.costmodel.link_calibration import fit_alpha_beta
 
     fit = ComputeFit(points=((8, 0.01), (16, 0.02)), shared=((3, 2.0),))
     assert [fit.slowdown(k) for k in (1, 2, 3, 8)] == [1.0, 1.5, 2.0, 2.0]

@@ -545,6 +545,12 @@ def test_the_root_cause_is_the_first_real_failure_not_its_echoes():
     assert root_cause([((3, 0), echo), ((3, 1), real), ((4, 0), KeyError("x"))]) == 1
     assert root_cause([((3, 1), echo), ((3, 0), echo)]) == 1  # only echoes: the earliest
     assert root_cause([((3, 0), None), ((2, 1), None)]) is None  # none readable
+    # a parameter-store call failed with a peer's reason: that peer's error is the cause
+    from dataflow.core.errors import NonFiniteError
+    from dataflow.ps.shard import ShardError
+
+    store_echo = ShardError("parameter store, replica 0: replica 1 failed in window 2: ...")
+    assert root_cause([((2, 0), store_echo), ((2, 1), NonFiniteError("step 2"))]) == 1
 
 
 def test_only_an_error_that_may_echo_a_lost_peer_waits_for_the_schedulers_word():

@@ -414,6 +414,34 @@ def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(
     assert all(math.isfinite(s["loss"]) for s in result.history.steps)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("leases", [False, True])
+def test_a_lost_replica_under_local_updates_keeps_the_period(tmp_path, leases):
+    """``Local(period_steps=6)``, replica 2 killed in step 27 of the window [24, 30):
+    nothing is rolled back. The survivors end their period, hand in their states at the
+    store on replica 0, train again the parts replica 2 trained and never handed in
+    (without leases: its parts of steps 24-29; with leases, what it had claimed), and
+    average among themselves; the window commits and they regroup from its end. Every
+    sample is still trained once per epoch."""
+    x, y = make_data(N_SAMPLES)
+    sync = dfl.sync.Local(period_steps=6, leases=leases)
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        marker = tmp_path / "killed"
+        trainer = _trainer(x, y, marker=str(marker), kill_step=27, kill_rank=2, sync=sync)
+        result = trainer.fit(epochs=2, client=client)
+    assert marker.exists()
+    [failure] = result.history.info["failures"]
+    assert failure["replicas_before"] == 3
+    assert failure["kept_window"] and failure["window_steps_lost"] == 0, failure
+    assert failure["commit_step"] > 27, failure  # the period of the kill committed
+    assert failure["retrained_parts"] >= (1 if leases else 6), failure
+    _assert_exact_ledger(result, 2)
+    assert all(math.isfinite(s["loss"]) for s in result.history.steps)
+
+
 @pytest.mark.timeout(120)
 def test_the_driver_hears_of_a_removed_member_without_polling():
     """The executor's RemovalWatch: the scheduler's ``remove-worker`` event of a watched

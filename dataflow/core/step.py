@@ -43,6 +43,13 @@ class ReplicaContext:
     # Lost replicas whose held-out share this one evaluates at the window's end
     # (asynchronous updates go on without them until the fit regroups)
     orphans: tuple[int, ...] = ()
+    # Local updates averaged at the parameter store (they survive a lost replica): the
+    # runtime's ``retrain(parts)`` trains (step, owner) parts of the running window again
+    # (a lost replica's, at the average); ``window_parts``: the window's planned parts;
+    # Update's ``window_verdict()``: this replica's first non-finite step of the window
+    retrain: Any = None
+    window_parts: tuple[tuple[int, int], ...] = ()
+    window_verdict: Any = None
     # The step options asked for (dataflow.core.precision: precision, channels_last,
     # compile); Forward resolves them against the device and model into ``step_options``
     requested_step_options: tuple[Any, Any, Any] = ("fp32", False, False)

@@ -52,6 +52,14 @@ def calibrate(pipe: Any, client: Any, **kwargs: Any) -> CostModel:
     return _calibrate(pipe, client, **kwargs)
 
 
+def measure_allreduce(client: Any, workers: Any, sizes: Any, **kwargs: Any) -> Any:
+    """The median seconds of one allreduce of each of ``sizes`` bytes over ``workers``
+    (see :func:`dataflow.costmodel.link_calibration.measure_allreduce`)."""
+    from dataflow.costmodel.link_calibration import measure_allreduce as _measure
+
+    return _measure(client, workers, sizes, **kwargs)
+
+
 __all__ = [
     "ALGORITHMS",
     "ComputeFit",
@@ -75,6 +83,7 @@ __all__ = [
     "fit_line",
     "goodput",
     "layout_candidates",
+    "measure_allreduce",
     "presets",
     "ring_seconds",
     "statistical_efficiency",

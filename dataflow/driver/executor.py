@@ -218,7 +218,8 @@ class Executor(GroupForming):
         elif isinstance(first, NonFiniteError):
             error = first
         else:
-            rank, error = self._root_cause(future, rank, first, wait_s=0.0 if own else None)
+            wait_s = 0.0 if own else None
+            rank, error = self._root_cause(future, rank, window, first, wait_s=wait_s)
         non_finite, oom = isinstance(error, NonFiniteError), is_out_of_memory(error)
         self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite, oom))
 
@@ -254,14 +255,19 @@ class Executor(GroupForming):
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
 
     def _root_cause(
-        self, first: Any, rank: int, error: BaseException, wait_s: float | None = None
+        self,
+        first: Any,
+        rank: int,
+        window: int,
+        error: BaseException,
+        wait_s: float | None = None,
     ) -> tuple[int, BaseException]:
         """The first real failure and the rank it was raised on: a peer's "connection
         closed" is only its echo. ``error`` is ``first``'s, kept in case no future reads
         as failed any more (a future the scheduler released or lost meanwhile).
         ``wait_s``: how long the other windows may take to fail too (FAILURE_GRACE_S;
         none when ``error`` is the replica's own: the peers' echoes add nothing)."""
-        futures = {first: (self.generation, rank, -1), **self.windows}
+        futures = {first: (self.generation, rank, window), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=FAILURE_GRACE_S if wait_s is None else wait_s)
         failed = [((w, r), f) for f, (_, r, w) in futures.items() if f.status == "error"]

@@ -6,7 +6,9 @@ the fit) and reads the replies, or, for the shard its own worker hosts, runs it 
 registry's store loop. Replica ``k < servers`` hosts shard ``k``: at a window's start it
 (re)builds its shard from its own state when the shard does not serve that window (the fit's
 start, a rollback, a regroup, a resume), which is how a lost server role comes back
-from the last commit.
+from the last commit. With ``averaging`` (local updates) there is one shard, on replica
+0, and it holds no weights: it averages what the replicas hand in at a period's end
+(:mod:`dataflow.ps.average`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from distributed.comm import get_address_host
 
+from dataflow.ps.average import AverageShard
 from dataflow.ps.plane import PlaneConnection
 from dataflow.ps.shard import ParameterShard, ShardError
 from dataflow.ps.shard_layout import shard_ranges
@@ -41,14 +44,16 @@ class StoreClient:
         store: Any,
         prefix: str,
         timeout_s: float,
+        averaging: bool = False,
     ) -> None:
         self.run_id, self.policy, self.rank, self.replicas = run_id, policy, rank, replicas
+        self.averaging = averaging
         self.model, self.optimizer, self.factory = model, optimizer, optimizer_factory
         self.worker, self.registry, self.timeout_s = worker, registry, timeout_s
         self.params = list(model.parameters())
         # one shard per replica at most (shard k lives on replica k's worker): fewer when
         # a lost worker left fewer replicas than policy.servers
-        self.servers = min(policy.servers, replicas)
+        self.servers = 1 if averaging else min(policy.servers, replicas)
         self.ranges = shard_ranges([p.numel() for p in self.params], self.servers)
         self.initial_lr = optimizer.param_groups[0]["lr"]
         self.store, self.prefix = store, prefix
@@ -64,6 +69,7 @@ class StoreClient:
         self.round = 0  # retrain rounds of this window (a replica was lost in it)
         self.targets: dict[tuple[int, int], list[int]] = {}  # part -> shards lacking it
         self.dropped: list[int] = []  # replicas the store was told are lost
+        self.first_bad: dict[int, int] = {}  # local updates: each replica's, last average
         if rank < self.servers:  # where the other replicas find this shard
             plane = registry.plane(get_address_host(worker.address))
             where = {"worker": worker.address, "plane": plane.address, "token": plane.token}
@@ -94,6 +100,15 @@ class StoreClient:
         }
 
         async def install() -> None:
+            if self.averaging:
+                averages = AverageShard(
+                    window=first_step,
+                    incarnation=self.incarnation,
+                    replicas=self.replicas,
+                    timeout_s=self.timeout_s,
+                )
+                await self.registry.install(self.run_id, averages)
+                return
             shard = ParameterShard(
                 index=self.rank,
                 indices=indices,
@@ -208,6 +223,43 @@ class StoreClient:
                 self._load_buffers(replies[0]["buffers"])
         self.window, self.round, self.targets = stop, 0, {}
         return []
+
+    def average(
+        self,
+        stop: int,
+        planned: list[tuple[int, int]],
+        hand_in: Any,
+        retrain: Any,
+    ) -> dict[str, Any]:
+        """Local updates: the period is over; hand in this replica's state (``hand_in()``:
+        its ``parts``, ``samples``, flat float64 ``state`` whose first ``parameters``
+        elements are the parameters, and ``first_bad`` step) and wait for all.
+        When a replica was lost in the window, train this replica's share of its parts
+        (``retrain(parts)``) and hand in again, until the store answers with the
+        sample-weighted average (``"average"``, flat float64), the replicas' ``drift``
+        and every replica's ``first_bad`` step."""
+        while True:
+            entry = hand_in()
+            message = dict(
+                op_name="average",
+                replica=self.rank,
+                stop=stop,
+                round=self.round,
+                planned=[list(p) for p in planned],
+                parts=[list(p) for p in sorted(entry["parts"])],
+                samples=int(entry["samples"]),
+                state=entry["state"],
+                parameters=int(entry["parameters"]),
+                first_bad=entry["first_bad"],
+            )
+            reply = self._wait(self._start({0: message}))[0]
+            self.dropped = sorted(int(r) for r in reply["dropped"])
+            if "retrain" not in reply:
+                self.window, self.round = stop, 0
+                self.first_bad = {int(r): int(s) for r, s in reply["first_bad"].items()}
+                return reply
+            self.round += 1
+            retrain(self._my_share([(int(s), int(o)) for s, o in reply["retrain"]]))
 
     def orphans(self) -> list[int]:
         """The lost replicas whose held-out share this replica evaluates."""

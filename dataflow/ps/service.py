@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from distributed.protocol import to_serialize
 
+from dataflow.ps.average import HandedIn
 from dataflow.ps.gate import StalenessError
 from dataflow.ps.plane import PlaneServer, StoreLoop
 from dataflow.ps.shard import ParameterShard, Push, ShardError
@@ -145,7 +146,7 @@ class ShardRegistry:
         return {k: to_serialize(v) if _bulky(v) else v for k, v in reply.items()}
 
     async def handle(self, **msg: Any) -> dict[str, Any]:
-        """One call, on the store loop: ``op_name`` is push, finish or fail."""
+        """One call, on the store loop: ``op_name`` is push, finish, average or fail."""
         op, run_id, index = msg["op_name"], msg["run_id"], msg["shard"]
         try:
             if op == "fail":
@@ -177,6 +178,19 @@ class ShardRegistry:
                     share=msg.get("share", 0.0),
                 )
                 await self.notify()  # pushes of the next window may wait on the registry
+                return {"status": "ok", **final}
+            if op == "average":
+                entry = HandedIn(
+                    parts=frozenset((int(s), int(o)) for s, o in msg["parts"]),
+                    samples=int(msg["samples"]),
+                    state=msg["state"],
+                    parameters=int(msg["parameters"]),
+                    first_bad=msg.get("first_bad"),
+                )
+                final = await shard.average(
+                    msg["replica"], msg["window"], msg["stop"], msg["round"], msg["planned"], entry
+                )
+                await self.notify()
                 return {"status": "ok", **final}
             return {"status": "error", "message": f"unknown parameter-store op {op!r}"}
         except (ShardError, StalenessError) as exc:

@@ -139,9 +139,13 @@ class ReplicaRuntime:
         for index, part in self._tasks(first_step, stop_step):
             self._train(index, part, tally, stage_seconds)
         store, staleness = self.context.parameter_store, []
-        if store is not None:  # wait for all; take the store's state
+        if store is not None and self.spec.asynchronous is not None:
+            # wait for all; take the store's state
             self._settle_with_store(store, tally, stage_seconds, stop_step)
             staleness = list(store.applied)  # every push of this replica's, as applied
+        elif store is not None:  # local updates: their average (a stage's end_window)
+            self.context.window_parts = tuple(self._planned_parts(first_step, stop_step))
+            self.context.retrain = lambda parts: self._retrain(parts, tally, stage_seconds)
         measured: dict[str, float] = {}
         for name in self.order:  # checks made once per window (before any state leaves)
             measured.update(self.stages[name].end_window(self.context) or {})
@@ -205,22 +209,31 @@ class ReplicaRuntime:
         the survivors, until every part of every step is applied once. Then the store's
         weights, optimizer state and averaged buffers are this replica's."""
         first = tally.first
-        planned = [
-            (i, r)
-            for i in range(first, stop_step)
-            for r, size in enumerate(self.steps[i].local_batches)
-            if size > 0
-        ]
+        planned = self._planned_parts(first, stop_step)
         total = sum(self.steps[i].global_batch for i in range(first, stop_step))
         while True:
             share = sum(tally.samples) / total if total else 0.0
             retrain = store.finish(stop_step, planned, share)
             if not retrain:
                 break
-            for index, part in retrain:
-                self._train(index, part, tally, stage_seconds)
-                tally.retrained.append((index, part))
+            self._retrain(retrain, tally, stage_seconds)
         self.context.orphans = tuple(store.orphans())
+
+    def _planned_parts(self, first: int, stop: int) -> list[tuple[int, int]]:
+        """The window's (step, owner) parts: every replica's non-empty local batch."""
+        return [
+            (i, r)
+            for i in range(first, stop)
+            for r, size in enumerate(self.steps[i].local_batches)
+            if size > 0
+        ]
+
+    def _retrain(self, parts: Any, tally: WindowTally, stage_seconds: dict) -> None:
+        """Train (step, owner) parts of this window again: a lost replica's, which the
+        store never received."""
+        for index, part in parts:
+            self._train(index, part, tally, stage_seconds)
+            tally.retrained.append((index, part))
 
     def _tasks(self, first_step: int, stop_step: int) -> Any:
         """(step, part) in the order this replica trains them: its own parts of every
@@ -426,10 +439,14 @@ class ReplicaRuntime:
             self.retired.append(old)
 
     def attach_store(self, worker: Any, registry: Any) -> None:
-        """Asynchronous updates: a client of the fit's parameter store for this replica
-        (none with a single replica), after setup and after every regroup; shards this
-        worker hosted for an earlier group are dropped (rebuilt from the commit)."""
-        policy, ctx = self.spec.asynchronous, self.context
+        """Asynchronous updates, and local updates without a spatial layout: a client of
+        the fit's parameter store for this replica (none with a single replica), after
+        setup and after every regroup; shards this worker hosted for an earlier group
+        are dropped (rebuilt from the commit). Local updates average there, so a lost
+        replica does not break the period (``dataflow/ps/average.py``)."""
+        ctx = self.context
+        averaging = self.spec.local is not None and ctx.spatial is None
+        policy = self.spec.asynchronous or (self.spec.local if averaging else None)
         if policy is None:
             return
         if ctx.parameter_store is not None:
@@ -452,6 +469,7 @@ class ReplicaRuntime:
             store=ctx.collective.store,
             prefix=f"dataflow-ps/{self.spec.run_id}/g{self.generation}",
             timeout_s=self.spec.collective_timeout_s,
+            averaging=averaging,
         )
 
     def weights_digest(self) -> str:
