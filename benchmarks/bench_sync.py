@@ -19,7 +19,9 @@ after every epoch (accuracy %, or R^2 % for the regressions):
 * **async even** / **async balanced**: ``sync.Async(staleness=--staleness)``, a parameter
   store on replica 0's worker, with ``Even()`` or ``Throughput()`` splits; **async even +
   leases**: ``leases=True``, the fast replica takes over the slow one's parts; **+
-  overlap**: ``overlap=True``, each push overlaps the next step's compute;
+  overlap**: ``overlap=True``, each push overlaps the next step's compute; **, no
+  lookahead**: ``lookahead=False``, replicas compute on the store's weights as they
+  are, not extrapolated along the momentum (DANA, the default);
 * **local even**: ``Even()`` and ``Local(period_seconds=--period)``, whose sample leases
   let the fast replica take over the slow one's parts (no balancer needed);
 * **local even by drift**: ``Local(period_samples=4 x --period-samples, max_drift=1e-3)``:
@@ -101,6 +103,10 @@ def sides(
         "async balanced + overlap": dict(
             balancer=dfl.balance.Throughput(),
             sync=dfl.sync.Async(staleness=staleness, overlap=True),
+        ),
+        "async even + leases, no lookahead": dict(
+            balancer=dfl.balance.Even(),
+            sync=dfl.sync.Async(staleness=staleness, leases=True, lookahead=False),
         ),
         "async even + leases + overlap": dict(
             balancer=dfl.balance.Even(),

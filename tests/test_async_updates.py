@@ -454,6 +454,45 @@ def test_a_version_is_the_staleness_weighted_sum_with_delay_compensation():
     assert torch.allclose(shard.flat_weights(), expected) and shard.replies[0]["refused"]
 
 
+def test_lookahead_sends_the_weights_extrapolated_along_the_momentum():
+    """``Async(lookahead=True)``: the reply to a push applied ``τ`` versions late is
+    ``θ + Δ Σ_{k=1..τ} μ^k``, ``Δ`` the update the version just made (DANA); an on-time
+    push gets the weights themselves, and the store's own weights are not moved."""
+    from dataflow.ps.shard import ParameterShard, Push
+
+    start = torch.tensor([1.0, 2.0])
+    shard = ParameterShard(
+        index=0,
+        indices=range(1),
+        window=0,
+        incarnation=0,
+        weights=[start],
+        optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.5),
+        optimizer_state={},
+        policy=dfl.sync.Async(staleness=2, staleness_lr="none", lookahead=True),
+        replicas=2,
+        timeout_s=1.0,
+    )
+
+    def push(replica: int, grad: list[float]) -> dict:
+        shard.gate.push(replica)
+        shard.pushes[replica] = Push(
+            grad=torch.tensor(grad), weight=0.5, lrs=[1.0], lr_ratio=1.0, finite=True
+        )
+        shard._apply(shard.gate.apply())
+        return shard.replies.pop(replica)
+
+    first = push(0, [1.0, -2.0])  # on time: θ1 = θ0 - 0.5 g (SGD's first step)
+    theta1 = start - 0.5 * torch.tensor([1.0, -2.0])
+    assert first["staleness"] == 0 and torch.allclose(first["weights"], theta1)
+    second = push(1, [2.0, 2.0])  # computed on θ0, one version late: τ = 1
+    buf = 0.5 * 0.5 * torch.tensor([1.0, -2.0]) + 0.5 * torch.tensor([2.0, 2.0])
+    theta2 = theta1 - buf
+    assert second["staleness"] == 1
+    assert torch.allclose(shard.flat_weights(), theta2)
+    assert torch.allclose(second["weights"], theta2 + 0.5 * (theta2 - theta1))
+
+
 def test_overlap_with_high_momentum_warns_before_any_worker_starts():
     x, y = make_data(16)
     sync = dfl.sync.Async(staleness=1, overlap=True)

@@ -70,6 +70,7 @@ class ParameterShard:
         self.pulled_weights = dict.fromkeys(range(replicas), self.start)  # for DC-ASGD
         self.replied_weights = dict.fromkeys(range(replicas), self.start)  # (overlap)
         self.pushes: dict[int, Push] = {}
+        self.last_update: torch.Tensor | None = None  # the last version's Δθ (lookahead)
         self.replies: dict[int, dict[str, Any]] = {}
         # by (window, round): what the finishers of that barrier take
         self.finals: dict[tuple[int, int], dict[str, Any]] = {}
@@ -208,7 +209,8 @@ class ParameterShard:
     def _apply(self, staleness: dict[int, int]) -> None:
         pushes = {r: self.pushes.pop(r) for r in staleness}
         self.applied_parts.update(p.part for p in pushes.values() if p.part is not None)
-        now = self.flat_weights() if self.policy.delay_compensation else None
+        lookahead = getattr(self.policy, "lookahead", False)
+        now = self.flat_weights() if self.policy.delay_compensation or lookahead else None
         total: torch.Tensor | None = None
         for replica, push in pushes.items():
             if not push.finite:
@@ -227,18 +229,30 @@ class ParameterShard:
             self.optimizer.zero_grad(set_to_none=True)
         version = self.gate.version
         weights = self.flat_weights()
+        if lookahead and now is not None:
+            self.last_update = weights - now
         for replica, push in pushes.items():
+            sent = self._ahead(weights, staleness[replica]) if lookahead else weights
             if self.policy.overlap:  # the next gradient is on the previous reply's weights
                 self.pulled_weights[replica] = self.replied_weights[replica]
-                self.replied_weights[replica] = weights
+                self.replied_weights[replica] = sent
             else:
-                self.pulled_weights[replica] = weights
+                self.pulled_weights[replica] = sent
             self.replies[replica] = {
                 "version": version,
                 "staleness": staleness[replica],
-                "weights": weights,
+                "weights": sent,
                 "refused": not push.finite,
             }
+
+    def _ahead(self, weights: torch.Tensor, staleness: int) -> torch.Tensor:
+        """The weights ``staleness`` versions on if every version repeated the last
+        update decayed by the momentum: ``θ + Δ Σ_{k=1..τ} μ^k`` (``Async(lookahead=True)``)."""
+        mu = _momentum(self.optimizer)
+        if self.last_update is None or not staleness or not mu:
+            return weights
+        reach = sum(mu**k for k in range(1, staleness + 1))
+        return weights + self.last_update * reach
 
     def _set_lrs(self, pushes: list[Push]) -> None:
         groups = self.optimizer.param_groups
@@ -281,6 +295,14 @@ class ParameterShard:
             part = values.to(torch.float64) * weight
             average = part if average is None else average.add_(part)
         return average
+
+
+def _momentum(optimizer: torch.optim.Optimizer) -> float:
+    """The optimizer's momentum: SGD's ``momentum``, Adam's ``β₁``; 0 without one."""
+    group = optimizer.param_groups[0]
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group.get("momentum", 0.0) or 0.0)
 
 
 def _clone(value: Any) -> Any:
