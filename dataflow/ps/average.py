@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dataflow.ps.shard import ShardError
+from dataflow.ps.shard import ShardError, WaitingShard
 
 
 @dataclass
@@ -37,7 +37,7 @@ class HandedIn:
     first_bad: int | None  # its first non-finite step of the window (None: none)
 
 
-class AverageShard:
+class AverageShard(WaitingShard):
     """The average of one fit's local updates: one shard, hosted by replica 0."""
 
     def __init__(self, *, window: int, incarnation: int, replicas: int, timeout_s: float) -> None:
@@ -89,11 +89,6 @@ class AverageShard:
             self._settle()
             self.changed.notify_all()
 
-    async def fail(self, reason: str) -> None:
-        async with self.changed:
-            self.error = self.error or reason
-            self.changed.notify_all()
-
     # -- inside ---------------------------------------------------------------------------
     def _settle(self) -> None:
         live = set(range(self.replicas)) - self.dropped
@@ -138,23 +133,10 @@ class AverageShard:
             "contributors": order,
         }
 
-    def _check(self) -> None:
-        if self.error is not None:
-            raise ShardError(self.error)
-
-    async def _wait_for(self, ready: Any) -> None:
-        try:
-            await asyncio.wait_for(
-                self.changed.wait_for(lambda: ready() or self.error is not None),
-                self.timeout_s,
-            )
-        except TimeoutError:
-            waiting = sorted(set(range(self.replicas)) - self.dropped - self.this_round)
-            self.error = (
-                f"local updates' average waited {self.timeout_s:g} s for replicas {waiting} "
-                "to end their period; a replica is lost or stuck (raise collective_timeout_s "
-                "if periods are long)"
-            )
-            self.changed.notify_all()
-        if not ready():
-            self._check()
+    def _timed_out(self) -> str:
+        waiting = sorted(set(range(self.replicas)) - self.dropped - self.this_round)
+        return (
+            f"local updates' average waited {self.timeout_s:g} s for replicas {waiting} "
+            "to end their period; a replica is lost or stuck (raise collective_timeout_s "
+            "if periods are long)"
+        )

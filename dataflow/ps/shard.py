@@ -38,7 +38,41 @@ class ShardError(RuntimeError):
     """The shard failed (aborted by a replica's error, or timed out waiting)."""
 
 
-class ParameterShard:
+class WaitingShard:
+    """What every shard's calls share: they wait on ``changed`` for the other replicas,
+    and fail with the shard's ``error`` (a replica's failure, or ``timeout_s`` passed)."""
+
+    changed: asyncio.Condition
+    error: str | None
+    timeout_s: float
+
+    async def fail(self, reason: str) -> None:
+        async with self.changed:
+            self.error = self.error or reason
+            self.changed.notify_all()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise ShardError(self.error)
+
+    def _timed_out(self) -> str:
+        """The error a wait that timed out leaves: who was waited for."""
+        raise NotImplementedError
+
+    async def _wait_for(self, ready: Any) -> None:
+        try:
+            await asyncio.wait_for(
+                self.changed.wait_for(lambda: ready() or self.error is not None),
+                self.timeout_s,
+            )
+        except TimeoutError:
+            self.error = self._timed_out()
+            self.changed.notify_all()
+        if not ready():
+            self._check()
+
+
+class ParameterShard(WaitingShard):
     """Parameters ``indices`` of the model: weights, optimizer, staleness gate."""
 
     def __init__(
@@ -134,11 +168,6 @@ class ParameterShard:
             self._settle()
             self.changed.notify_all()
 
-    async def fail(self, reason: str) -> None:
-        async with self.changed:
-            self.error = self.error or reason
-            self.changed.notify_all()
-
     # -- inside ---------------------------------------------------------------------------
     def _new_window(self) -> None:
         self.round = 0  # retrain rounds of this window so far
@@ -177,25 +206,12 @@ class ParameterShard:
         self.replied_weights = dict.fromkeys(range(self.replicas), self.start)
         self.changed.notify_all()
 
-    def _check(self) -> None:
-        if self.error is not None:
-            raise ShardError(self.error)
-
-    async def _wait_for(self, ready: Any) -> None:
-        try:
-            await asyncio.wait_for(
-                self.changed.wait_for(lambda: ready() or self.error is not None),
-                self.timeout_s,
-            )
-        except TimeoutError:
-            self.error = (
-                f"parameter-store shard {self.index} waited {self.timeout_s:g} s for the "
-                f"other replicas (in flight: {self.gate.pulled}, pending: {self.gate.pending})"
-                "; a replica is lost or stuck (raise collective_timeout_s if steps are slow)"
-            )
-            self.changed.notify_all()
-        if not ready():
-            self._check()
+    def _timed_out(self) -> str:
+        return (
+            f"parameter-store shard {self.index} waited {self.timeout_s:g} s for the "
+            f"other replicas (in flight: {self.gate.pulled}, pending: {self.gate.pending})"
+            "; a replica is lost or stuck (raise collective_timeout_s if steps are slow)"
+        )
 
     def _apply_ready(self) -> None:
         applied = False
