@@ -236,24 +236,31 @@ class AllReduce(Stage):
         if not getattr(self, "_local", False):
             return None
         if replica.parameter_store is not None:
-            return self._average_at_store(replica, replica.parameter_store)
-        samples, total = _window_shares(self._window, self._global_of, replica.window)
+            drift = self._average_at_store(replica, replica.parameter_store)
+        else:
+            drift = self._average_collectively(replica)
         self._window = {}
-        weight = samples / total if total else 1.0 / replica.world_size
-        drift = None
-        if replica.collective is not None:
-            own = [p.detach().reshape(-1) for p in replica.model.parameters()]
-            before = torch.cat(own).double() if own else None
-            average_weighted_(_local_state(replica), weight, replica.collective)
-            average_counts_(replica.model, weight, replica.collective)
-            if before is not None:
-                drift = weights_drift(before, replica.model, weight, replica.collective)
         if replica.local.outer:
             outer_step_(replica, self._start)
             self._start = None
         return None if drift is None else {"drift": drift}
 
-    def _average_at_store(self, replica: ReplicaContext, store: Any) -> dict[str, float]:
+    def _average_collectively(self, replica: ReplicaContext) -> float | None:
+        """Local updates on a spatial layout: the average by allreduces (one per dtype),
+        the drift with it; None with no peer."""
+        samples, total = _window_shares(self._window, self._global_of, replica.window)
+        weight = samples / total if total else 1.0 / replica.world_size
+        if replica.collective is None:
+            return None
+        own = [p.detach().reshape(-1) for p in replica.model.parameters()]
+        before = torch.cat(own).double() if own else None
+        average_weighted_(_local_state(replica), weight, replica.collective)
+        average_counts_(replica.model, weight, replica.collective)
+        if before is None:
+            return None
+        return weights_drift(before, replica.model, weight, replica.collective)
+
+    def _average_at_store(self, replica: ReplicaContext, store: Any) -> float:
         """Local updates through the parameter store (``dataflow/ps/average.py``): hand
         in this replica's state, the parts it trained and its verdict; if a replica was
         lost in the window, train a share of its parts (``replica.retrain``, which runs
@@ -265,16 +272,16 @@ class AllReduce(Stage):
             averaged[:] = _local_state(replica) + _count_buffers(replica.model)
             flat = [t.detach().reshape(-1).to("cpu", torch.float64) for t in averaged]
             verdict = replica.window_verdict
+            samples, _ = _window_shares(self._window, self._global_of, replica.window)
             return {
                 "parts": frozenset(self._window),
-                "samples": sum(local for local, _ in self._window.values()),
+                "samples": samples,
                 "state": torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64),
                 "parameters": parameters,
                 "first_bad": None if verdict is None else verdict(),
             }
 
         reply = store.average(replica.window[1], replica.window_parts, hand_in, replica.retrain)
-        self._window = {}
         offset, average = 0, reply["average"]
         with torch.no_grad():
             for t in averaged:
@@ -282,10 +289,7 @@ class AllReduce(Stage):
                 t.copy_(value if t.is_floating_point() else value.round())
                 offset += t.numel()
         replica.orphans = tuple(store.orphans())
-        if replica.local.outer:
-            outer_step_(replica, self._start)
-            self._start = None
-        return {"drift": float(reply["drift"])}
+        return float(reply["drift"])
 
     def _replica_grad_sq(self, model: Any) -> Any:
         """|g|^2 of the replica's accumulated gradient: this worker's, or on a spatial

@@ -247,31 +247,32 @@ class Update(Stage):
                 for buffer, before in zip(step.replica.model.buffers(), saved, strict=True):
                     buffer.copy_(before)
 
+    def _deferred_bad(self) -> int | None:
+        """The deferred check's first bad step of the window (one host read), or None."""
+        first = getattr(self, "_first_bad", None)
+        value = None if first is None else int(first)
+        return value if value is not None and value >= 0 else None
+
     def _window_verdict(self) -> int | None:
         """This replica's first non-finite step of the window (None: none); local updates
         averaged at the parameter store hand it in with the state, so all learn it."""
-        first = getattr(self, "_first_bad", None)
-        deferred = None if first is None else int(first)  # one host read
-        if deferred is not None and deferred >= 0:
-            return deferred
-        return getattr(self, "_local_bad", None)
+        deferred = self._deferred_bad()
+        return deferred if deferred is not None else getattr(self, "_local_bad", None)
 
     def end_window(self, replica: ReplicaContext) -> None:
         """The deferred check (one host read per window), and under local updates the
         replicas' agreement on the window's non-finite steps."""
-        store = replica.parameter_store
-        if store is not None and self._raises_at_window_end(replica):
-            # local updates at the store: every replica's verdict came with the average
-            self._first_bad = self._local_bad = None
-            self._raise_bad(sorted(store.first_bad.items()))
-            return
-        first, self._first_bad = getattr(self, "_first_bad", None), None
-        deferred_bad = None if first is None else int(first)  # one host read
-        deferred_bad = deferred_bad if deferred_bad is not None and deferred_bad >= 0 else None
         if self._raises_at_window_end(replica):
-            bad, self._local_bad = self._local_bad, None
-            self._agree_on_bad_steps(replica, bad if deferred_bad is None else deferred_bad)
-        elif deferred_bad is not None:
+            store = replica.parameter_store
+            if store is not None:  # every replica's verdict came with the store's average
+                found = sorted(store.first_bad.items())
+            else:
+                found = self._agree_on_bad_steps(replica, self._window_verdict())
+            self._first_bad = self._local_bad = None
+            self._raise_bad(found)
+            return
+        deferred_bad, self._first_bad = self._deferred_bad(), None
+        if deferred_bad is not None:
             raise NonFiniteError(
                 f"non-finite loss or gradient at step {deferred_bad} (phase "
                 f"{getattr(self, '_phase', '?')}) on replica {replica.rank}, found at the end "
@@ -291,18 +292,21 @@ class Update(Stage):
             replica.local_updates and replica.world_size > 1 and self.config.on_non_finite != "skip"
         )
 
-    def _agree_on_bad_steps(self, replica: ReplicaContext, bad: int | None) -> None:
+    def _agree_on_bad_steps(
+        self, replica: ReplicaContext, bad: int | None
+    ) -> list[tuple[int, int]]:
         """Local updates: the replicas learn together whether any found a non-finite step
-        in the window (one allreduce of each replica's first bad step, ``bad``), and all
-        raise, so none is left waiting in a later collective of the window (an
-        evaluation's) for a peer that stopped: the group stays whole for the rollback."""
+        in the window (one allreduce of each replica's first bad step, ``bad``): (rank,
+        step) of each that did. All then raise, so none is left waiting in a later
+        collective of the window (an evaluation's) for a peer that stopped: the group
+        stays whole for the rollback."""
         first_bad = torch.zeros(replica.world_size, dtype=torch.float64)
         if bad is not None:
             first_bad[replica.rank] = bad + 1
         if replica.collective is not None:  # None: left alone after a regroup
             device = next(replica.model.parameters()).device
             first_bad = replica.collective.allreduce(first_bad.to(device)).cpu()
-        self._raise_bad([(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0])
+        return [(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0]
 
     def _raise_bad(self, found: list[tuple[int, int]]) -> None:
         """Every replica raises the same error when any found a non-finite step."""

@@ -105,6 +105,7 @@ class ParameterShard(WaitingShard):
         self.replied_weights = dict.fromkeys(range(replicas), self.start)  # (overlap)
         self.pushes: dict[int, Push] = {}
         self.last_update: torch.Tensor | None = None  # the last version's Δθ (lookahead)
+        self.momentum = _momentum(self.optimizer)
         self.replies: dict[int, dict[str, Any]] = {}
         # by (window, round): what the finishers of that barrier take
         self.finals: dict[tuple[int, int], dict[str, Any]] = {}
@@ -225,7 +226,7 @@ class ParameterShard(WaitingShard):
     def _apply(self, staleness: dict[int, int]) -> None:
         pushes = {r: self.pushes.pop(r) for r in staleness}
         self.applied_parts.update(p.part for p in pushes.values() if p.part is not None)
-        lookahead = getattr(self.policy, "lookahead", False)
+        lookahead = self.policy.lookahead
         now = self.flat_weights() if self.policy.delay_compensation or lookahead else None
         total: torch.Tensor | None = None
         for replica, push in pushes.items():
@@ -264,7 +265,7 @@ class ParameterShard(WaitingShard):
     def _ahead(self, weights: torch.Tensor, staleness: int) -> torch.Tensor:
         """The weights ``staleness`` versions on if every version repeated the last
         update decayed by the momentum: ``θ + Δ Σ_{k=1..τ} μ^k`` (``Async(lookahead=True)``)."""
-        mu = _momentum(self.optimizer)
+        mu = self.momentum
         if self.last_update is None or not staleness or not mu:
             return weights
         reach = sum(mu**k for k in range(1, staleness + 1))
