@@ -13,7 +13,7 @@ from dataflow.tools.cli import build_parser, main
 from dataflow.tools.convert import convert
 from dataflow.tools.info import store_info
 
-COMMANDS = ("demo", "convert", "info", "plot")
+COMMANDS = ("demo", "convert", "info", "report")
 
 
 @pytest.mark.slow
@@ -289,17 +289,28 @@ def test_info_by_dimension_name_and_its_errors(tmp_path, capsys):
     assert "no zarr store at" in capsys.readouterr().err
 
 
-def test_plot_writes_the_report_beside_the_history(tmp_path, capsys):
+def test_report_writes_the_report_beside_the_history(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from test_report import adaptive_history
 
     path = adaptive_history().to_json(tmp_path / "run" / "history.json")
-    assert main(["plot", str(path)]) == 0
-    assert str(tmp_path / "run" / "report") in capsys.readouterr().out
-    for name in ("training.png", "schedule.png", "replicas.png", "step_time.png", "steps.csv"):
+    assert main(["report", str(path)]) == 0
+    assert str(tmp_path / "run" / "report" / "report.md") in capsys.readouterr().out
+    for name in ("report.md", "training.png", "schedule.png", "replicas.png", "steps.csv"):
         assert (tmp_path / "run" / "report" / name).stat().st_size > 0
-    assert main(["plot", str(tmp_path / "none.json"), "--out", str(tmp_path)]) == 1
+    assert main(["report", str(tmp_path / "none.json"), "--out", str(tmp_path)]) == 1
     assert "no history file" in capsys.readouterr().err
+
+
+def test_plot_is_still_the_report(tmp_path, capsys):
+    """``plot``, the command's first name, still works: older instructions use it."""
+    pytest.importorskip("matplotlib")
+    from test_report import adaptive_history
+
+    path = adaptive_history().to_json(tmp_path / "history.json")
+    assert main(["plot", str(path), "--out", str(tmp_path / "old")]) == 0
+    assert (tmp_path / "old" / "report.md").stat().st_size > 0
+    assert "report (plot)" in build_parser().format_help()
 
 
 UNGUARDED_SCRIPT = """

@@ -1,4 +1,6 @@
-"""The ``dataflow`` command line: ``demo``, ``convert``, ``info``, ``plot`` and ``scale``.
+"""The ``dataflow`` command line: ``demo``, ``convert``, ``info``, ``report`` and ``scale``.
+
+``plot`` is the old name of ``report`` and still works (older instructions use it).
 
 Each command is a thin layer over a library function (``dataflow.tools.convert``,
 ``dataflow.tools.info``, ``dataflow.history.report``), so everything the CLI does is
@@ -60,7 +62,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(
         f"report (plots, CSV): {out / 'report'}; open {out / 'report' / 'report.md'}, or "
-        f"re-draw it with: dataflow plot {path}"
+        f"re-draw it with: dataflow report {path}"
     )
     return 0
 
@@ -116,7 +118,7 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot(args: argparse.Namespace) -> int:
+def _report(args: argparse.Namespace) -> int:
     from dataflow.history.report import write_report
 
     source = Path(args.history)
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dataflow",
         description="CNN training as a task graph on a Dask cluster. Commands: demo (train a "
         "small CNN end to end), convert (numpy/HDF5/netCDF to zarr), info (inspect a zarr "
-        "store), plot (a fit's report from its history.json), scale (predicted scaling "
+        "store), report (a fit's report from its history.json), scale (predicted scaling "
         "from 1 to 4,096 workers).",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -322,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.set_defaults(run=_info)
 
-    plot = commands.add_parser(
-        "plot",
+    report = commands.add_parser(
+        "report",
+        aliases=["plot"],  # the command's first name, kept for older instructions
         help="write the report (PNG plots, CSV) of a fit from its history.json",
         description="Writes training.png (loss and held-out metrics vs samples seen and wall "
         "time), schedule.png (global batch and LR per phase), replicas.png (batch split and "
@@ -331,11 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
         "compute, exposed allreduce and engine overhead), steps.csv, epochs.csv, a copy of "
         "the history and report.md (what each plot shows).",
     )
-    plot.add_argument("history", metavar="history.json", help="written by History.to_json")
-    plot.add_argument(
+    report.add_argument("history", metavar="history.json", help="written by History.to_json")
+    report.add_argument(
         "--out", metavar="DIR", help="folder for the report (default: report/ beside the history)"
     )
-    plot.set_defaults(run=_plot)
+    report.set_defaults(run=_report)
 
     scale = commands.add_parser(
         "scale",
