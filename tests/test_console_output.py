@@ -3,7 +3,8 @@ many steps as the bar counts), the held-out loss next to the metrics asked for, 
 figures, and an error raised on a worker shown once.
 
 Each runs a script in a fresh interpreter with an embedded LocalCluster, as a user does
-(``python examples/quickstart.py``), and reads its output: slow.
+(``python examples/quickstart.py``), and reads its output: slow. The fit's summary is
+also read from a history built here (fast).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -34,6 +34,7 @@ def run(args: list[str], cwd: Path, timeout: float = 280) -> subprocess.Complete
     )
 
 
+@pytest.mark.slow
 def test_quickstart_prints_its_plan_before_the_bar_and_rounded_metrics(tmp_path):
     done = run([str(EXAMPLES / "quickstart.py"), "--epochs", "1"], tmp_path)
     out = done.stdout
@@ -93,6 +94,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow
 def test_an_error_on_a_worker_is_shown_once(tmp_path):
     """Not also as distributed's "Compute Failed" log block (an escaped traceback) per
     replica: the fit raises it once, with the worker's traceback as its cause."""
@@ -106,3 +108,17 @@ def test_an_error_on_a_worker_is_shown_once(tmp_path):
     # the worker's error: its traceback's last line and the ReplicaError's message
     assert out.count("ValueError: boom on the worker") == 2, out[-3000:]
     assert out.rstrip().endswith("failed: ValueError: boom on the worker"), out[-3000:]
+
+
+def test_the_summary_rounds_its_floats():
+    """A square-root-scaled LR is printed as ``lr 0.02828``, not to 17 digits."""
+    from test_report import adaptive_history
+
+    from dataflow.history.result import FitResult
+
+    history = adaptive_history()
+    history.phases[1]["lr"] = 0.02 * 2**0.5
+    text = FitResult(model=None, history=history).summary()  # type: ignore[arg-type]
+    line = next(line for line in text.splitlines() if line.startswith("  phase 1:"))
+    assert ", lr 0.02828, split" in line, line
+    assert "0.028284" not in text

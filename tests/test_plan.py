@@ -112,3 +112,14 @@ def test_plan_rejects_split_of_wrong_width():
     steps = phase_steps(num_samples=8, phase=phase(4), split=lambda s: (s,))
     with pytest.raises(dfl.ConfigError, match="split over 1 replicas, the plan has 2"):
         Plan.build(STAGES, phase(4), steps, 2)
+
+
+def test_plan_header_reads_once_and_lists_splits_in_step_order():
+    """The default tag is not printed twice ("Plan plan phase 0"), and the short last
+    step's split comes after the full steps' one (it was sorted first)."""
+    steps = phase_steps(num_samples=70, phase=phase(16), split=lambda s: (s - s // 2, s // 2))
+    text = str(Plan.build(STAGES, phase(16), steps, 2, step_seconds=0.25))
+    assert text.startswith("Plan, phase 0: epoch 0, global batch 16, 2 replica(s), 5 steps")
+    assert "local batches per replica: (8, 8), (3, 3)\n" in text
+    tagged = Plan.build(STAGES, phase(16, epochs=3), steps, 2, tag="train")
+    assert str(tagged).startswith("Plan (train), phase 0: epochs 0-2,")

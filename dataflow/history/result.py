@@ -81,7 +81,7 @@ class FitResult:
         for phase in h.phases:
             lines.append(
                 f"  phase {phase['phase']}: epochs {phase['start_epoch']}-{phase['end_epoch'] - 1}"
-                f", global batch {phase['global_batch']}, lr {phase['lr']}, split "
+                f", global batch {phase['global_batch']}, lr {figure(phase['lr'])}, split "
                 f"{phase['local_batches']}, samples/s per replica "
                 f"{[round(v) for v in phase['samples_per_second']]}"
             )
@@ -94,6 +94,12 @@ class FitResult:
             )
             lines.append(f"  epoch {last['epoch']}: {metrics}")
         return "\n".join(lines)
+
+
+def figure(value: Any) -> str:
+    """A float as the console shows it, to 4 significant digits (``0.02828``, not
+    ``0.028284271247461905``); anything else as it is."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def skipped_steps(steps: list[Any], phase: int | None = None) -> list[int]:

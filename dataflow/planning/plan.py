@@ -247,10 +247,12 @@ class Plan:
 
     def __str__(self) -> str:
         sizes = sorted({w.n_steps for w in self.windows})
-        splits = sorted({s.local_batches for s in self.steps})
+        splits = list(dict.fromkeys(s.local_batches for s in self.steps))  # in step order
+        name = "Plan" if self.tag == "plan" else f"Plan ({self.tag})"
+        start, end = self.phase.start_epoch, self.phase.end_epoch - 1
+        epochs = f"epoch {start}" if start == end else f"epochs {start}-{end}"
         head = (
-            f"Plan {self.tag} phase {self.phase.index}: epochs "
-            f"{self.phase.start_epoch}-{self.phase.end_epoch - 1}, global batch "
+            f"{name}, phase {self.phase.index}: {epochs}, global batch "
             f"{self.phase.global_batch}, {self.replicas} replica(s), {len(self.steps)} steps, "
             f"{len(self.windows)} window(s) of {sizes} steps, "
             f"{len(self.windows) * self.replicas} tasks"
@@ -260,7 +262,8 @@ class Plan:
             lines.append(f"  layout: {self.layout}")
         if self.sync:
             lines.append(f"  sync: {self.sync}")
-        lines.append(f"  local batches per replica: {', '.join(map(str, splits[:4]))}")
+        more = f" and {len(splits) - 4} more" if len(splits) > 4 else ""
+        lines.append(f"  local batches per replica: {', '.join(map(str, splits[:4]))}{more}")
         for window in self.windows[:3]:
             first, last = self.steps[window.first], self.steps[window.stop - 1]
             lines.append(
