@@ -144,6 +144,72 @@ def test_a_worker_lost_mid_window_salvages_what_its_partners_finished_and_regrou
     assert d.send(ev.WindowDone(0, 3, {0: None})) == []
 
 
+def scored(res: WindowResult, plan, window, count: int) -> WindowResult:
+    """``res`` with the held-out scores of ``count`` samples at its window's last step
+    (an epoch's end)."""
+    res.evals = {plan.steps[window.stop - 1].index: {"count": count, "loss": 0.5 * count}}
+    return res
+
+
+def test_a_window_whose_lost_replica_held_part_of_the_held_out_scores_is_trained_again():
+    """Replica 1 finished a window that ended an epoch and died before its result came
+    back: its share of the held-out scores died with it. The window is not salvaged
+    (an epoch would report a score over part of the held-out set): the survivor rolls
+    back to the commit before it and trains it again."""
+    d = Driver(held_out_samples=300)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    w0 = train.plan.windows[0]
+    d.send(
+        ev.WindowDone(
+            0, train.first_window, {0: scored(result(0, train.plan, w0), train.plan, w0, 150)}
+        )
+    )
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    assert not of(cmd.CommitWindow, out)
+    [rollback] = of(cmd.RollBack, out)
+    assert rollback.members == ("tcp://a",) and rollback.step == 2  # before the window
+    [record] = of(cmd.RecordFailure, out)
+    assert record.record["window_steps_lost"] == w0.n_steps
+
+
+def test_a_window_whose_scores_cover_the_held_out_set_is_still_salvaged():
+    d = Driver(held_out_samples=300)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    w0 = train.plan.windows[0]
+    d.send(
+        ev.WindowDone(
+            0, train.first_window, {0: scored(result(0, train.plan, w0), train.plan, w0, 300)}
+        )
+    )
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    assert [c.window.index for c in of(cmd.CommitWindow, out)] == [0]
+
+
+def test_async_a_finished_window_missing_a_lost_share_of_scores_rolls_back_not_releases():
+    """Under Async the survivors finished the window that scored the epoch, the lost
+    replica's result (its scores) never came: there is nothing in flight to release,
+    so the survivors roll back and train it again (its scores then cover the whole set:
+    the evaluation is shared over the survivors)."""
+    from dataflow.sync import Async
+
+    d = Driver(sync=Async(staleness=1), held_out_samples=300)
+    _, calibration = d.start(workers=W)
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    w0 = train.plan.windows[0]
+    for r in (0, 1):
+        d.send(
+            ev.WindowDone(
+                0, train.first_window, {r: scored(result(r, train.plan, w0), train.plan, w0, 100)}
+            )
+        )
+    out = d.send(ev.WorkersLost(("tcp://c",)))
+    assert not of(cmd.ReleaseReplicas, out) and not of(cmd.CommitWindow, out)
+    [rollback] = of(cmd.RollBack, out)
+    assert rollback.members == W[:2] and rollback.step == 2
+
+
 def test_a_loss_before_any_partner_finished_rolls_back_to_the_last_commit():
     d = Driver()
     _, calibration = d.start()

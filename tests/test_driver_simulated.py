@@ -80,7 +80,7 @@ def test_a_lost_worker_mid_phase_is_recovered_and_every_sample_still_trained_onc
     loop, _ = simulate(
         trainer(),
         epochs=3,
-        faults=lambda n: ("lose", 1) if n == 12 else None,
+        faults=lambda n: ("lose", 1) if n == 7 else None,  # in phase 0, after some windows
         workers=WORKERS[:3],
     )
     failures = loop.recorder.history.info["failures"]
@@ -88,6 +88,19 @@ def test_a_lost_worker_mid_phase_is_recovered_and_every_sample_still_trained_onc
     assert failures[0]["replicas_after"] == 2
     for epoch in range(3):
         assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
+    assert_counts_add_up(loop.recorder.history)
+    lost = [p for p in loop.recorder.history.phases if p.lost_replicas]
+    assert [r["worker"] for p in lost for r in p.lost_replicas] == [WORKERS[1]]
+    assert lost[0].lost_replicas[0]["samples"] > 0  # it trained before its loss
+
+
+def assert_counts_add_up(history) -> None:
+    """Each phase's per-replica sample counts, the lost replicas' included, sum to the
+    samples its committed steps trained."""
+    for phase in history.phases:
+        trained = sum(s.samples for s in history.steps if s.phase == phase.phase)
+        assert sum(phase.samples_trained) == trained, (phase.phase, phase.samples_trained)
+        assert len(phase.samples_trained) == phase.replicas + len(phase.lost_replicas or ())
 
 
 def test_nan_rollbacks_keep_the_group_and_then_stop_the_fit():
@@ -172,6 +185,7 @@ def test_random_faults_keep_the_invariants(faults, replicas, seconds):
     assert finished
     for epoch in range(3):
         assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
+    assert_counts_add_up(loop.recorder.history)
 
 
 def test_the_pure_modules_import_without_torch_zarr_dask_or_numba():

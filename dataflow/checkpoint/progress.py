@@ -74,7 +74,8 @@ class PhaseProgress:
     ``norm_pairs``: the gradient-norm pairs of the committed steps (the noise scale is
     updated from them when the phase ends); ``epoch_loss``: the running (sum, samples)
     of the epoch in progress; ``totals``: per replica, its work so far; ``seconds``:
-    the phase's wall time so far.
+    the phase's wall time so far; ``lost``: the replicas lost earlier in the phase, each
+    with its work up to its loss (so the phase's per-replica counts still add up).
     """
 
     phase: PhaseSpec
@@ -86,6 +87,8 @@ class PhaseProgress:
     epoch_loss: tuple[float, int] = (0.0, 0)
     totals: list[ReplicaTotals] = field(default_factory=list)
     seconds: float = 0.0  # the phase's wall time so far (on the driver's clock)
+    # replicas lost earlier in the phase: (worker, its work up to its loss)
+    lost: list[tuple[str, ReplicaTotals]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +101,7 @@ class PhaseProgress:
             "epoch_loss": (float(self.epoch_loss[0]), int(self.epoch_loss[1])),
             "totals": [t.to_dict() for t in self.totals],
             "seconds": float(self.seconds),
+            "lost": [[worker, t.to_dict()] for worker, t in self.lost],
         }
 
     @classmethod
@@ -113,4 +117,5 @@ class PhaseProgress:
             epoch_loss=(float(loss_sum), int(loss_samples)),
             totals=[ReplicaTotals.from_dict(t) for t in state["totals"]],
             seconds=float(state.get("seconds", 0.0)),  # older checkpoints: not recorded
+            lost=[(str(w), ReplicaTotals.from_dict(t)) for w, t in state.get("lost", ())],
         )

@@ -90,6 +90,7 @@ class CheckpointWriter:
             epoch_loss=(recorder.epoch_loss_sum, recorder.epoch_samples),
             totals=list(recorder.totals),
             seconds=time.perf_counter() - recorder.phase_started,
+            lost=list(recorder.lost_replicas),
         )
         schedule_state = {"memory_cap": machine.memory_cap}
         return self._write(states, machine.phase, epoch, step, schedule_state, recorder, progress)

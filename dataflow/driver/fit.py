@@ -143,6 +143,7 @@ def build_loop(
             sync=config.sync,
             epochs=epochs,
             scale_with_batch=bool(config.scale_with_batch and config.elastic),
+            held_out_samples=held_out_samples(trainer.graph),
         )
     )
     recorder = Recorder(
@@ -225,3 +226,12 @@ def _request_workers(
         scaling["error"] = error
     scaling["workers"] = len(executor.available())
     recorder.history.info.setdefault("scaling", []).append(scaling)
+
+
+def held_out_samples(graph: Any) -> int | None:
+    """The samples the graph's evaluation scores each time (its Evaluate stage's source),
+    or None without one."""
+    for stage in graph:
+        if stage.kind == kinds.EVALUATE and getattr(stage, "source", None) is not None:
+            return int(stage.source.num_samples)
+    return None

@@ -158,7 +158,7 @@ class FitLoop:
             self.recorder.totals = []
         else:
             kept = [self.members.index(a) for a in c.members if a not in c.joining]
-            self.recorder.regrouped(kept, len(c.joining))
+            self.recorder.regrouped(kept, len(c.joining), self.members)
         self.members = c.members
         if c.restore:
             checkpoint = self.checkpoint
@@ -229,7 +229,12 @@ class FitLoop:
             carried = progress.totals if len(progress.totals) == n else None
             self._announce(progress.phase, progress.steps, todo)
             self.recorder.begin_phase(
-                progress.phase, progress.steps, todo, carried=carried, elapsed=progress.seconds
+                progress.phase,
+                progress.steps,
+                todo,
+                carried=carried,
+                elapsed=progress.seconds,
+                lost=tuple(progress.lost),
             )
             self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
             self.executor.queue.append(

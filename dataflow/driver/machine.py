@@ -61,6 +61,9 @@ class MachineConfig:
     epochs: int | None = None  # the fit's length; None: until the schedule has no phase
     scale_with_batch: bool = False  # ask the cluster for workers before each later phase
     sync: SyncPolicy = field(default_factory=Synchronous)
+    # the held-out samples an evaluation scores (the graph's Evaluate source), if any: a
+    # window salvaged without a lost replica must still have scored all of them
+    held_out_samples: int | None = None
 
 
 class FitMachine(LostWorkers):
@@ -341,6 +344,7 @@ class FitMachine(LostWorkers):
                 lost
                 and len(lost) < replicas
                 and all(r in got or r in lost for r in range(replicas))
+                and self._scored_whole_held_out(got)
             ):
                 break
             plan, window, marked = s.windows.pop(s.commit_window)
@@ -361,6 +365,20 @@ class FitMachine(LostWorkers):
                         cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states)
                     )
         return out
+
+    def _scored_whole_held_out(self, got: dict[int, Any]) -> bool:
+        """Whether a window's evaluations, in the results at hand, scored the whole
+        held-out set. A lost replica's scores of its share died with its result: such a
+        window is not salvaged but trained again by the survivors, so no epoch's score
+        covers part of the held-out set."""
+        total = self.config.held_out_samples
+        if total is None:
+            return True
+        scored: dict[int, int] = {}
+        for result in got.values():
+            for step, scores in (getattr(result, "evals", None) or {}).items():
+                scored[step] = scored.get(step, 0) + int(scores.get("count", 0))
+        return all(count >= total for count in scored.values())
 
     def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
         s = self.state

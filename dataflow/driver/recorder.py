@@ -73,20 +73,29 @@ class Recorder:
         self.epoch_loss_sum, self.epoch_samples = 0.0, 0
         self.phase_pairs: list[tuple] = []  # the committed steps' gradient-norm pairs
         self.totals = []  # per replica, its work in the phase
+        self.lost_replicas: list[tuple[str, ReplicaTotals]] = []  # lost in the phase
         self.phase_started = time.perf_counter()
         self.phase_windows: list[tuple[float, int]] = []  # (commit time, steps) this phase
         self.phase_drift: list[float] = []  # local updates: the drift at each average
 
     # -- a phase ----------------------------------------------------------------------
     def begin_phase(
-        self, phase: Any, steps: tuple, todo: tuple, *, carried=None, elapsed: float = 0.0
+        self,
+        phase: Any,
+        steps: tuple,
+        todo: tuple,
+        *,
+        carried=None,
+        elapsed: float = 0.0,
+        lost: tuple = (),
     ) -> None:
         """A new phase (or a resumed one, ``carried``: its totals so far, ``elapsed``: the
-        seconds it ran before)."""
+        seconds it ran before, ``lost``: its replicas lost before, with their totals)."""
         self.phase_pairs, self.phase_started = [], time.perf_counter() - elapsed
         self.phase_windows = []
         self.phase_drift = []
         self.totals = list(carried or [])
+        self.lost_replicas = list(lost)
         self.close_bar()
         self.bar = tqdm(
             total=len(steps),
@@ -97,10 +106,15 @@ class Recorder:
             dynamic_ncols=True,
         )
 
-    def regrouped(self, kept: list[int], joined: int) -> None:
+    def regrouped(self, kept: list[int], joined: int, workers: tuple[str, ...] = ()) -> None:
         """The replicas after a recovery: ``kept`` old ranks in their new order, then
-        ``joined`` new ones with nothing done yet."""
+        ``joined`` new ones with nothing done yet. The others were lost: their work up to
+        the loss stays in the phase's record (``workers``: the old ranks' workers)."""
         totals = self.totals
+        for rank, replica in enumerate(totals):
+            if rank not in kept and (replica.samples or replica.windows):
+                worker = workers[rank] if rank < len(workers) else f"replica {rank}"
+                self.lost_replicas.append((worker, replica))
         self.totals = [totals[r] for r in kept if r < len(totals)]
         self.phase_windows = []  # the steady step time is the new group's
         self.totals = self.totals + [ReplicaTotals() for _ in range(joined)]
@@ -325,7 +339,13 @@ class Recorder:
                 lockstep_wait_s=(
                     [t.lockstep_wait_s for t in totals] if self.lockstep_wait else None
                 ),
-                samples_trained=[t.samples for t in totals],
+                samples_trained=[t.samples for t in totals]
+                + [t.samples for _, t in self.lost_replicas],
+                lost_replicas=[
+                    {"worker": worker, "samples": t.samples, "windows": t.windows}
+                    for worker, t in self.lost_replicas
+                ]
+                or None,
                 compile_seconds=_per_replica(ends, "compile_seconds"),
                 compiled_shapes=_per_replica(ends, "compiled_shapes"),
                 overflow_steps=ends[0].get("overflow_steps"),

@@ -91,6 +91,11 @@ class LostWorkers:
         out = self._commit_ready(lost=lost_ranks)
         if s.commit_window not in s.windows:  # nothing in flight: regroup now
             return out + self._regroup_survivors(event, lost_ranks, after="rest")
+        got = s.pending.get(s.commit_window, {})
+        if all(r in got or r in lost_ranks for r in range(s.layout.replicas)):
+            # The survivors finished it, but it was not salvaged: its held-out scores
+            # lack the lost share. Nothing is left to finish: roll back and train it again.
+            return out + self._regroup_survivors(event, lost_ranks, after="rest")
         plan, window, _ = s.windows[s.commit_window]
         record = self._failure(
             "lost workers", tuple(w for w in s.layout.workers if w in event.workers)

@@ -147,7 +147,11 @@ class PhaseRecord(Record):
     # Asynchronous updates: per replica, the pushes the parameter store applied at each
     # staleness (``staleness_counts[r][τ]``; their sum is the replica's pushes)
     staleness_counts: list[list[int]] | None = None
-    samples_trained: list[int] | None = None  # per replica, in the phase (committed steps)
+    # Per replica, the samples it trained in the phase's committed steps: the phase's
+    # last replicas in rank order, then those lost during the phase (``lost_replicas``
+    # says which workers, in the same order); together they sum to the phase's steps'.
+    samples_trained: list[int] | None = None
+    lost_replicas: list[dict[str, Any]] | None = None
     # compile=...: per replica, seconds of the calls that compiled a new input shape,
     # and how many shapes were compiled in this phase (0: the compiled code was reused)
     compile_seconds: list[float] | None = None
@@ -167,6 +171,7 @@ class PhaseRecord(Record):
         "lockstep_wait_s",
         "staleness_counts",
         "samples_trained",
+        "lost_replicas",
         "compile_seconds",
         "compiled_shapes",
         "overflow_steps",

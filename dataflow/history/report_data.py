@@ -154,6 +154,10 @@ def sync_table(history: History) -> list[str]:
                 f"| {phase['phase']} | {r} | {trained} | {sum(mine) if mine else '-'} | "
                 f"{spread} | {wait} |"
             )
+        for lost in phase.get("lost_replicas") or ():  # lost in the phase: up to the loss
+            rows.append(
+                f"| {phase['phase']} | lost ({lost['worker']}) | {lost['samples']} | - | - | - |"
+            )
     if not rows:
         return []
     info = history.info.get("sync", "")
