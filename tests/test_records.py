@@ -74,3 +74,33 @@ def test_a_failure_record_is_typed_reads_as_a_dict_and_is_completed_by_field():
     copy.lost.append("tcp://c")
     assert record.lost == ["tcp://b"]
     assert to_plain({"failures": [record]}, json=True)["failures"][0]["replicas_after"] == 2
+
+
+def test_a_loaded_history_holds_records_like_a_fresh_fit_and_reads_as_written(tmp_path):
+    """JSON and checkpoints hold dicts: loaded back, the rows are the fit's record types
+    again (``e.train_loss`` works on every path), NaN is a float again, and each row
+    reads key for key as it was written (an older row's absent fields stay absent)."""
+    step = StepRecord(step=0, phase=0, epoch=0, loss=float("nan"), samples=8, seconds=0.1,
+                      time=0.2, skipped=True)  # fmt: skip
+    epoch = EpochRecord(0, float("inf"), {"eval_loss": float("nan")}, held_out_samples=9)
+    history = History(steps=[step], epochs=[epoch], phases=[_phase()], info={"run_id": "r"})
+    for loaded in (
+        History.from_json(history.to_json(tmp_path / "h.json")),
+        History.from_dict(history.to_dict()),  # a checkpoint's history, restored
+    ):
+        assert [type(r) for r in (*loaded.steps, *loaded.epochs, *loaded.phases)] == [
+            StepRecord, EpochRecord, PhaseRecord,
+        ]  # fmt: skip
+        assert math.isnan(loaded.steps[0].loss) and loaded.steps[0].skipped is True
+        assert loaded.epochs[0].train_loss == math.inf
+        assert math.isnan(loaded.epochs[0].metrics["eval_loss"])
+        assert loaded.epochs[0].held_out_samples == 9
+        assert loaded.phases[0].local_batches == [4, 4] and loaded.phases[0].lr == 0.1
+        assert set(loaded.phases[0]) == set(history.phases[0])
+    old = {"phase": 0, "start_epoch": 0, "end_epoch": 1, "global_batch": 8, "lr": 0.1,
+           "local_batches": [8], "samples_per_second": [1.0], "steps": 1, "seconds": 1.0,
+           "stage_seconds": [{}], "retired_field": 3}  # fmt: skip
+    row = History.from_dict({"phases": [old], "steps": [{"step": 0, "loss": "nan"}]})
+    assert row.phases[0] == old and row.phases[0].replicas == 1  # the default, not a key
+    assert "time" not in row.steps[0] and row.steps[0].time is None  # older: no time
+    assert math.isnan(row.steps[0]["loss"])

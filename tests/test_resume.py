@@ -97,3 +97,18 @@ def test_resume_refuses_another_model_and_needs_a_folder(client, tmp_path):
         pipeline(x, y).fit(2, client=client, resume=True)
     with pytest.raises(ConfigError, match="already at epoch 1"):
         pipeline(x, y).fit(1, client=client, checkpoint_dir=tmp_path, resume=True)
+
+
+def test_a_resumed_history_holds_one_record_type_per_section(client, tmp_path):
+    """The rows restored from the checkpoint are records like the rows trained after it:
+    ``e.train_loss`` works on every epoch of a resumed fit, as on a fresh one."""
+    from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
+
+    x, y = (a[:128] for a in data())
+    first = pipeline(x, y).fit(1, client=client, checkpoint_dir=tmp_path)
+    history = pipeline(x, y).fit(2, client=client, checkpoint_dir=tmp_path, resume=True).history
+    assert {type(s) for s in history.steps} == {StepRecord}
+    assert {type(p) for p in history.phases} == {PhaseRecord}
+    assert [type(e) for e in history.epochs] == [EpochRecord, EpochRecord]
+    assert history.epochs[0].train_loss == first.history.epochs[0].train_loss
+    assert [s.step for s in history.steps] == list(range(len(history.steps)))

@@ -89,7 +89,7 @@ class FitLoop:
         noise = checkpoint.schedule_state.get("noise")
         if noise is not None:
             rec.noise.load_state_dict(noise)
-        saved = History(**checkpoint.history)
+        saved = History.from_dict(checkpoint.history)  # typed rows, as a fresh fit's
         if not self.training:  # a resume (not a restart in this fit): after the saved runs
             rec.clock.resumed(checkpoint.history, checkpoint.step)
         info = rec.history.info

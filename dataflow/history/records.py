@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 _ABSENT = object()
@@ -21,22 +23,68 @@ def _field_names(cls: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cls))
 
 
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+# Strict JSON (History.to_json) writes NaN and infinities as these strings
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _as_float(cls: type, key: str, value: Any) -> Any:
+    """``value``, or the float a strict-JSON string stands for in a float field."""
+    if isinstance(value, str) and key in cls.float_fields:  # type: ignore[attr-defined]
+        return _NON_FINITE.get(value, value)
+    return value
+
+
 class Record(Mapping[str, Any]):
     """A dataclass that reads as a mapping of its fields (``None`` optional fields left
     out, as the JSON of older histories leaves them out)."""
 
     optional: ClassVar[tuple[str, ...]] = ()  # fields left out of the mapping when None
+    float_fields: ClassVar[tuple[str, ...]] = ()  # read back from strict JSON's "nan"
+    # Set by ``from_dict``: the fields its row did not have (left out of the mapping, so a
+    # loaded row reads exactly as written), and keys that are no field (kept as they are)
+    _absent: frozenset[str] = frozenset()
+    _extra: Mapping[str, Any] = MappingProxyType({})
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> Any:
+        """The record of ``row`` (a dict of a history loaded from JSON or a checkpoint):
+        attribute access as on a fit's own records; reads as ``row`` did, key for key."""
+        if isinstance(row, cls):
+            return row
+        names = _field_names(cls)
+        known = {k: _as_float(cls, k, v) for k, v in row.items() if k in names}
+        absent = frozenset(f.name for f in dataclasses.fields(cls) if f.name not in row)
+        # required fields an older row lacks read as None (and stay absent from the mapping)
+        missing = {
+            f.name: None for f in dataclasses.fields(cls) if _required(f) and f.name in absent
+        }
+        record = cls(**known, **missing)
+        record._absent = absent
+        extra = {k: v for k, v in row.items() if k not in names}
+        if extra:
+            record._extra = extra
+        return record
 
     def _names(self) -> list[str]:
         return [
-            f.name
-            for f in dataclasses.fields(self)  # type: ignore[arg-type]
-            if not (f.name in self.optional and getattr(self, f.name) is None)
+            *(
+                f.name
+                for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if not (f.name in self.optional and getattr(self, f.name) is None)
+                and f.name not in self._absent
+            ),
+            *self._extra,
         ]
 
     def __getitem__(self, key: str) -> Any:
+        if key in self._extra:
+            return self._extra[key]
         value = getattr(self, key, _ABSENT) if key in _field_names(type(self)) else _ABSENT
-        if value is _ABSENT or (value is None and key in self.optional):
+        if value is _ABSENT or (value is None and key in self.optional) or key in self._absent:
             raise KeyError(key)
         return value
 
@@ -75,6 +123,7 @@ class StepRecord(Record):
     time: float
     skipped: bool | None = None
     optional: ClassVar[tuple[str, ...]] = ("skipped",)
+    float_fields: ClassVar[tuple[str, ...]] = ("loss", "seconds", "time")
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,15 +137,34 @@ class EpochRecord(Record):
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     held_out_samples: int | None = None
     optional: ClassVar[tuple[str, ...]] = ("held_out_samples",)
+    float_fields: ClassVar[tuple[str, ...]] = ("train_loss",)
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any]) -> EpochRecord:
+        """As :meth:`Record.from_dict`; every key but the fields is a metric."""
+        if isinstance(row, cls):
+            return row
+        fields = ("epoch", "train_loss", "held_out_samples")
+        metrics = {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v
+                   for k, v in row.items() if k not in fields}  # fmt: skip
+        record = cls(
+            row.get("epoch"),  # type: ignore[arg-type]
+            _as_float(cls, "train_loss", row.get("train_loss")),
+            metrics,
+            row.get("held_out_samples"),
+        )
+        record._absent = frozenset(k for k in ("epoch", "train_loss") if k not in row)
+        return record
 
     def _names(self) -> list[str]:
         counted = [] if self.held_out_samples is None else ["held_out_samples"]
-        return ["epoch", "train_loss", *self.metrics, *counted]
+        present = [k for k in ("epoch", "train_loss") if k not in self._absent]
+        return [*present, *self.metrics, *counted]
 
     def __getitem__(self, key: str) -> Any:
         if key in self.metrics:
             return self.metrics[key]
-        if key in ("epoch", "train_loss") or (
+        if (key in ("epoch", "train_loss") and key not in self._absent) or (
             key == "held_out_samples" and self.held_out_samples is not None
         ):
             return getattr(self, key)
@@ -253,6 +321,11 @@ class FailureRecord(Record):
 
     def copy(self) -> FailureRecord:
         return dataclasses.replace(self, lost=list(self.lost))
+
+
+def typed_rows(cls: type[Record], rows: list[Any]) -> list[Any]:
+    """Rows of a loaded history (dicts) as ``cls`` records, as a fit's own rows are."""
+    return [cls.from_dict(row) if isinstance(row, Mapping) else row for row in rows]
 
 
 def plain_rows(rows: list[Any]) -> list[Any]:

@@ -9,8 +9,15 @@ from typing import Any
 
 import torch
 
+from dataflow.core.errors import DataError
 from dataflow.core.plain import to_plain
-from dataflow.history.records import plain_rows
+from dataflow.history.records import (
+    EpochRecord,
+    PhaseRecord,
+    StepRecord,
+    plain_rows,
+    typed_rows,
+)
 from dataflow.io.ledger import SampleLedger
 
 
@@ -21,7 +28,8 @@ class History:
 
     A fit's rows are typed records (:mod:`dataflow.history.records`: ``StepRecord``,
     ``EpochRecord``, ``PhaseRecord``), which also read as dicts; a history loaded from
-    JSON holds dicts with the same keys."""
+    JSON or restored from a checkpoint (``from_json``, ``from_dict``) holds the same
+    records, reading key for key as the rows were written."""
 
     steps: list[Any] = field(default_factory=list)  # StepRecord (or dict)
     epochs: list[Any] = field(default_factory=list)  # EpochRecord (or dict)
@@ -45,8 +53,29 @@ class History:
         return path
 
     @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> History:
+        """The history of :meth:`to_dict`'s data (a checkpoint's, a JSON file's): its rows
+        typed records again, as a fresh fit's are (``history.epochs[0].train_loss``
+        whether the fit was resumed or not)."""
+        sections = ("steps", "epochs", "phases", "info")
+        if not isinstance(data, dict) or set(data) - set(sections):
+            what = sorted(set(data) - set(sections)) if isinstance(data, dict) else type(data)
+            raise DataError(
+                f"not a history: {what} (a history has the keys {list(sections)}, as "
+                "History.to_dict and History.to_json write them)"
+            )
+        return cls(
+            steps=typed_rows(StepRecord, data.get("steps") or []),
+            epochs=typed_rows(EpochRecord, data.get("epochs") or []),
+            phases=typed_rows(PhaseRecord, data.get("phases") or []),
+            info=dict(data.get("info") or {}),
+        )
+
+    @classmethod
     def from_json(cls, path: str | Path) -> History:
-        return cls(**json.loads(Path(path).read_text()))
+        """The history :meth:`to_json` wrote, its rows typed records (NaN read back as
+        float NaN from strict JSON's ``"nan"``)."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
     @property
     def losses(self) -> list[float]:
