@@ -223,6 +223,58 @@ def test_wall_times_spread_a_window_of_steps_back_from_its_arrival():
     assert step_wall_times(steps).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
+def one_phase_after_a_loss() -> History:
+    """One phase of four replicas (as fast as each other) that lost a worker and went on:
+    its record's seconds are not the fit's training seconds (the recovery, the final
+    evaluation), and its epoch's last step is short (20 samples, not the batch of 32)."""
+    history = adaptive_history()
+    history.phases = history.phases[:1]
+    phase = history.phases[0]
+    for field in ("stage_seconds", "task_seconds", "data_wait_fraction", "micro_batches"):
+        phase[field] = phase[field] * 2
+    for field in ("chunks_decoded", "peak_buffered_samples"):
+        phase[field] = phase[field] * 2
+    phase.update(local_batches=[8] * 4, samples_per_second=[2400.0] * 4, replicas=4)
+    history.info.update(replicas=4, workers=[{"rank": r, "device": "cpu"} for r in range(4)])
+    history.steps = [s for s in history.steps if s["phase"] == 0]
+    history.epochs = history.epochs[:2]
+    history.steps[-1]["samples"] = 20
+    history.phases[0]["seconds"] *= 0.8
+    history.info["train_seconds"] = history.steps[-1]["time"] + 0.3
+    return history
+
+
+def test_replicas_whole_job_rate_is_the_titles_and_the_legend_hides_no_bar():
+    """``replicas.png`` said "whole job 555/s" under a title of 541 samples/s (its phase's
+    planned samples over the phase's own seconds); and its legend sat on the bars."""
+    import re
+
+    from dataflow.history.report import _matplotlib
+    from dataflow.history.report_plots import replicas_figure, report_title
+
+    history = one_phase_after_a_loss()
+    samples = sum(s["samples"] for s in history.steps)
+    title = report_title(history)
+    expected = f"{samples / history.info['train_seconds']:,.0f}"
+    assert f"({expected} samples/s)" in title, title
+    plt = _matplotlib()
+    fig, _ = replicas_figure(history, plt)
+    try:
+        fig.tight_layout()
+        fig.canvas.draw()
+        job = [t.get_text() for ax in fig.axes for t in ax.texts if "whole job" in t.get_text()]
+        assert job == [f"whole job\n{expected}/s"], (job, title)
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + list(fig.legends)
+        assert legends
+        bars = [bar.get_window_extent() for ax in fig.axes for bar in ax.patches]
+        assert bars
+        for legend in legends:
+            box = legend.get_window_extent()
+            assert not any(box.overlaps(bar) for bar in bars), re.sub(r"\s+", " ", title)
+    finally:
+        plt.close(fig)
+
+
 def test_missing_history_file_and_bad_json_are_clear(tmp_path):
     with pytest.raises(ReportError, match="no history file"):
         write_report(tmp_path / "nope.json", tmp_path)

@@ -90,6 +90,33 @@ def step_wall_times(steps: Sequence[dict[str, Any]]) -> np.ndarray:
     return out
 
 
+def throughput(history: History, phase: int | None = None) -> tuple[float, float]:
+    """The samples the fit's committed steps trained and the seconds they took on the
+    fit's training clock: of the whole fit (``phase=None``: ``info["train_seconds"]``) or
+    of the phase numbered ``phase``. A phase runs from the previous phase's last step (0
+    for the first) to its own last step, the last one to the fit's end, so the phases'
+    seconds add up to the fit's and a one-phase fit's samples/s is the fit's. Every
+    whole-job samples/s in the report (its title, ``replicas.png``) is this one figure;
+    a history without step times falls back to the phase's own ``seconds``."""
+    steps = history.steps
+    times = step_wall_times(steps)
+    finite = times[np.isfinite(times)]
+    total = as_number(history.info.get("train_seconds"))
+    if not (math.isfinite(total) and total > 0):
+        total = float(finite.max()) if finite.size else math.nan
+    if phase is None:
+        return float(sum(np.nan_to_num(as_number(s.get("samples"))) for s in steps)), total
+    mine = [k for k, s in enumerate(steps) if s.get("phase") == phase]
+    samples = float(sum(np.nan_to_num(as_number(steps[k].get("samples"))) for k in mine))
+    record = next((p for p in history.phases if p.get("phase") == phase), {})
+    if not mine:
+        return samples, as_number(record.get("seconds"))
+    start = float(times[mine[0] - 1]) if mine[0] > 0 else 0.0
+    end = total if mine[-1] == len(steps) - 1 else float(times[mine[-1]])
+    seconds = end - start
+    return samples, seconds if seconds > 0 else as_number(record.get("seconds"))
+
+
 def stage_kind(name: str, info: dict[str, Any]) -> str:
     """A stage's term in the time split: from ``info["stage_kinds"]`` (the stage's class
     name) when the trainer recorded it, else from its name (graphs name stages by class)."""

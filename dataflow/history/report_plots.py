@@ -24,6 +24,7 @@ from dataflow.history.report_data import (
     eval_metric_names,
     step_time_split,
     step_wall_times,
+    throughput,
 )
 from dataflow.history.result import History
 
@@ -79,10 +80,9 @@ def _running_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 def report_title(history: History) -> str:
     info = history.info
-    samples = sum(int(as_number(s.get("samples")) or 0) for s in history.steps)
-    seconds = as_number(info.get("train_seconds"))
+    samples, seconds = throughput(history)
     parts = [f"run {info.get('run_id', '?')}", f"{info.get('replicas', '?')} replica(s)"]
-    parts += [f"{info.get('epochs', len(history.epochs))} epoch(s)", f"{samples:,} samples"]
+    parts += [f"{info.get('epochs', len(history.epochs))} epoch(s)", f"{samples:,.0f} samples"]
     runs = len(info.get("segments") or ())
     if math.isfinite(seconds) and seconds > 0:  # every run's, when resumed
         over = f" over {runs} runs" if runs > 1 else ""
@@ -288,6 +288,14 @@ def _replica_labels(history: History, count: int) -> list[str]:
 
 def plot_replicas(history: History, path: Path, plt: Any) -> Path:
     """Per phase: each replica's share of the global batch, and its samples/s."""
+    fig, caption = replicas_figure(history, plt)
+    return _finish(fig, plt, history, path, caption)
+
+
+def replicas_figure(history: History, plt: Any) -> tuple[Any, str]:
+    """``plot_replicas``'s figure, unsaved, and its caption. One legend, beside
+    the left panel (the colours are the same in both): inside the right panel it hid
+    the bars."""
     phases = history.phases
     count = max(len(p.get("local_batches") or []) for p in phases)
     labels = _replica_labels(history, count)
@@ -320,7 +328,7 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
     ax.set_ylim(0, 100)
     ax.set_ylabel("share of the global batch (%)")
     ax.set_title("Batch split across replicas (numbers: local batch, samples)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="both panels")
     ax = axes[1]
     width = 0.8 / max(count, 1)
     for r in range(count):
@@ -328,8 +336,7 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
         offset = (r - (count - 1) / 2) * width
         ax.bar(x + offset, rates, width, color=colors(r % 10), label=labels[r])
     for k, phase in enumerate(phases):
-        samples = int(as_number(phase.get("global_batch")) * as_number(phase.get("steps")))
-        seconds = as_number(phase.get("seconds"))
+        samples, seconds = throughput(history, phase.get("phase"))  # as the title's
         if seconds > 0:
             ax.text(
                 x[k],
@@ -345,15 +352,16 @@ def plot_replicas(history: History, path: Path, plt: Any) -> Path:
     ax.set_ylabel("samples / s of compute time")
     ax.set_title("Speed of each replica (samples over time in compute stages)", pad=26)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
     ax.margins(y=0.15)
     caption = (
         "Left: how each phase's global batch B was split (the balancer gives faster replicas "
         'more; "k× micro": that replica accumulated its gradient over k micro-batches). '
         "Right: each replica's samples per second of its own compute (excluding waits on data "
-        "and peers); above the bars, the whole job's end-to-end samples/s in the phase."
+        "and peers); above the bars, the whole job's end-to-end samples/s in the phase (the "
+        "samples its steps trained over its share of the training time; the title's figure "
+        "is the same for the whole fit)."
     )
-    return _finish(fig, plt, history, path, caption)
+    return fig, caption
 
 
 def _batch_of(phase: dict[str, Any], rank: int) -> float:
