@@ -41,6 +41,7 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
 from dataflow.core.errors import ChunkMissingError, ChunkReadError
+from dataflow.io.checksums import is_checksum_mismatch
 from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.region import chunk_range
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
@@ -280,10 +281,7 @@ class ZarrArrayReader(ArrayReader):
         ) from exc
 
     def _decode_error(self, key: str, exc: Exception) -> ChunkReadError:
-        return ChunkReadError(
-            f"ZarrSource: chunk {key!r} of array {self.name!r} could not be read or decoded "
-            f"({exc}); the file is corrupt or truncated: re-write or re-copy the store"
-        )
+        return chunk_read_error(self.array, self.name, key, exc)
 
 
 class DaskArrayReader(ArrayReader):
@@ -312,6 +310,21 @@ class MemoryArrayReader(ArrayReader):
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.array[self._selection(start, stop)])
+
+
+def chunk_read_error(array: zarr.Array, name: str, key: str, exc: Exception) -> ChunkReadError:
+    """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do."""
+    why = (
+        "its checksum does not match: the chunk is corrupt (its bytes changed after the "
+        "store was written)"
+        if is_checksum_mismatch(exc)
+        else "the file is corrupt or truncated"
+    )
+    return ChunkReadError(
+        f"ZarrSource: chunk {key!r} of array {name!r} in store "
+        f"{str(array.store_path.store)!r} could not be read or decoded ({exc}); {why}. "
+        "Re-write (or re-convert) the store, or restore that chunk file from a copy"
+    )
 
 
 def missing_chunk_error(reader: ArrayReader, missing: list[str]) -> ChunkMissingError:

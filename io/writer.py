@@ -18,28 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from dataflow.core.errors import ConfigError, DataError
+from dataflow.io.checksums import checksummed_codecs
 
-_COMPRESSORS = {
-    "zstd": lambda: ZstdCodec(level=3),
-    "blosc": lambda: BloscCodec(cname="zstd", clevel=3),
-    "gzip": lambda: GzipCodec(level=5),
-}
-
-
-def _v2_compressors() -> dict[str, Any]:
-    import numcodecs
-
-    return {
-        "zstd": lambda: numcodecs.Zstd(level=3),
-        "blosc": lambda: numcodecs.Blosc(cname="zstd", clevel=3),
-        "gzip": lambda: numcodecs.GZip(level=5),
-    }
-
-
-_V2_COMPRESSORS = _v2_compressors()
+COMPRESSORS = ("blosc", "gzip", "zstd")
 
 
 def _as_numpy(name: str, array: Any) -> np.ndarray:
@@ -82,7 +65,9 @@ def to_zarr(
     Dask-backed variables are written a slab at a time, never whole in memory.
     An existing zarr store at ``path`` is replaced; any other existing, non-empty
     directory is refused (so a wrong path never deletes unrelated files).
-    ``compressor`` is "zstd", "blosc", "gzip" or None. ``zarr_format`` is 3 (default)
+    ``compressor`` is "zstd", "blosc", "gzip" or None; every chunk carries a checksum
+    that each read verifies (``io.checksums``), so a chunk whose bytes changed on disk
+    raises ``ChunkReadError`` instead of training on garbage. ``zarr_format`` is 3 (default)
     or 2, for tools that read only zarr v2; dimension names then go to the
     ``_ARRAY_DIMENSIONS`` attribute, as xarray writes them.
 
@@ -97,9 +82,9 @@ def to_zarr(
         raise ConfigError(f"to_zarr(zarr_format={zarr_format!r}): use 3 (default) or 2")
     if not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
         raise ConfigError(f"to_zarr(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8.0")
-    if compressor is not None and compressor not in _COMPRESSORS:
+    if compressor is not None and compressor not in COMPRESSORS:
         raise ConfigError(
-            f"to_zarr(compressor={compressor!r}): use one of {sorted(_COMPRESSORS)} or None"
+            f"to_zarr(compressor={compressor!r}): use one of {sorted(COMPRESSORS)} or None"
         )
     if type(x).__name__ == "Dataset" and hasattr(x, "data_vars"):
         if y is not None:
@@ -129,13 +114,8 @@ def to_zarr(
             "choose a new path (to_zarr replaces only zarr stores)"
         )
     group = zarr.open_group(str(path), mode="w", zarr_format=zarr_format)
-    if compressor is None:
-        codecs: tuple = ()
-    elif zarr_format == 2:
-        codecs = (_V2_COMPRESSORS[compressor](),)
-    else:
-        codecs = (_COMPRESSORS[compressor](),)
     for name, (array, axis, dims) in arrays.items():
+        codecs = checksummed_codecs(compressor, zarr_format, np.dtype(array.dtype))
         _write_array(group, name, array, axis, dims, chunk_mb, codecs, splits.get(name, {}))
     return path
 
@@ -223,7 +203,7 @@ def _write_array(
     axis: int,
     dims: Any,
     chunk_mb: float,
-    codecs: tuple,
+    codecs: tuple[tuple[Any, ...], tuple[Any, ...]],
     splits: dict[int, int],
 ) -> None:
     """Create ``name`` chunked along ``axis`` (and by ``splits`` within a sample); write
@@ -247,7 +227,8 @@ def _write_array(
         shape=shape,
         dtype=np.dtype(array.dtype),
         chunks=chunks,
-        compressors=codecs,
+        filters=codecs[0],
+        compressors=codecs[1],
         dimension_names=None if v2 else names,
         attributes={"_ARRAY_DIMENSIONS": names} if v2 and names else None,
         # v2 readers (xarray) take a fill value as "missing" and would mask real zeros

@@ -157,7 +157,8 @@ def test_an_array_source_region_is_a_view_that_pickles_small():
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_rank_reads_its_share_of_the_bytes(tmp_path, zarr_format, ranks):
     # 8 samples of (1, 16, 8, 8) float32, 4 KiB each; chunks (2, 1, 4, 8, 8): 2 KiB,
-    # 4 along depth. Raw (uncompressed) chunks, so the bytes read are exact.
+    # 4 along depth. Raw (uncompressed) chunks, so the bytes read are exact: each 2 KiB
+    # and its 4-byte checksum (crc32c, or v2's crc32 filter).
     x = RNG.random((8, 1, 16, 8, 8), dtype=np.float32)
     path = _store(tmp_path, x, np.arange(8), zarr_format, spatial_chunks={1: 4}, chunk_mb=2048e-6)
     store, group = _counted(path)
@@ -167,7 +168,7 @@ def test_each_rank_reads_its_share_of_the_bytes(tmp_path, zarr_format, ranks):
     store.reset()
     whole.read(everything)
     total = store.chunk_bytes()
-    assert total == x.nbytes == 32768
+    assert total == x.nbytes + 16 * 4 == 32768 + 64
     for rank, span in enumerate(_split(16, ranks)):
         view = whole.region({1: span})
         for read in (
@@ -189,7 +190,8 @@ def test_a_region_across_chunk_edges_reads_the_chunks_it_touches(tmp_path):
     store, group = _counted(_store(tmp_path, x, spatial_chunks={1: 4}, chunk_mb=4096e-6))
     store.reset()
     ZarrSource(group, "x").region({1: (3, 9)}).read(np.arange(4))
-    assert store.chunk_bytes() == x.nbytes * 3 // 4  # depth chunks 0, 1 and 2 of 4
+    # depth chunks 0, 1 and 2 of 4, each with its 4-byte checksum
+    assert store.chunk_bytes() == x.nbytes * 3 // 4 + 3 * 4
 
 
 def test_a_sharded_store_reads_only_the_region(tmp_path):

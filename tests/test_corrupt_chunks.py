@@ -1,0 +1,137 @@
+"""A chunk whose bytes changed on disk is never trained on.
+
+The damage every test makes: 64 bytes overwritten at offset 100 of one chunk file.
+Without a checksum such a chunk may still decode (to values like 8e37); the stores the
+library writes carry checksums, so reading it raises ``ChunkReadError`` naming the
+chunk, and ``dataflow info --verify`` finds it in stores written elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from conftest import make_data, tiny_pipeline
+from distributed import Client
+
+import dataflow as dfl
+from dataflow.io.checksums import checksum_of
+from dataflow.tools.cli import main
+
+FORMATS = [2, 3]
+COMPRESSORS = ["zstd", "blosc", "gzip", None]
+
+
+def damage(chunk: Path) -> None:
+    """Overwrite 64 bytes at offset 100 with bytes that are not what was there."""
+    data = bytearray(chunk.read_bytes())
+    assert len(data) >= 164, f"{chunk} has {len(data)} bytes; the test needs 164"
+    data[100:164] = bytes((b + 0x5A) % 256 for b in data[100:164])
+    chunk.write_bytes(bytes(data))
+
+
+def chunk_file(store: Path, array: str, index: int, zarr_format: int) -> Path:
+    """The file of chunk ``index`` along the first axis (0 on the others)."""
+    ndim = len(zarr.open_array(str(store / array), mode="r").shape)
+    if zarr_format == 2:
+        return store / array / ".".join([str(index)] + ["0"] * (ndim - 1))
+    return store / array / "c" / str(index) / Path(*(["0"] * (ndim - 1)))
+
+
+def written_store(tmp_path: Path, zarr_format: int, compressor: Any = "zstd") -> Path:
+    """make_data(64) in 8 chunks of 8 samples (2 KiB of x each)."""
+    x, y = make_data(64)
+    path = tmp_path / f"v{zarr_format}.zarr"
+    dfl.io.to_zarr(path, x, y, chunk_mb=0.0021, zarr_format=zarr_format, compressor=compressor)
+    return path
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_a_damaged_chunk_of_a_written_store_fails_its_read(tmp_path, zarr_format, compressor):
+    path = written_store(tmp_path, zarr_format, compressor)
+    victim = chunk_file(path, "x", 3, zarr_format)
+    key = victim.relative_to(path).as_posix()
+    damage(victim)
+    source = dfl.io.ZarrSource(path, "x", "y", shuffle=False)
+    with pytest.raises(dfl.ChunkReadError) as info:
+        list(dfl.io.stream_batches(source, 16))
+    message = str(info.value)
+    assert f"chunk {key!r} of array 'x'" in message
+    assert str(path) in message  # the store
+    assert "Re-write" in message and "restore that chunk file" in message
+    if compressor != "gzip":  # gzip may fail its inflate before its CRC-32
+        assert "checksum does not match" in message
+    # the other chunks still read
+    x, _ = make_data(64)
+    np.testing.assert_array_equal(source.read(np.arange(8, 24)).x.numpy(), x[8:24])
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_the_decode_threads_verify_the_checksum_too(tmp_path, zarr_format):
+    path = written_store(tmp_path, zarr_format)
+    damage(chunk_file(path, "x", 5, zarr_format))
+    reader = dfl.io.EpochChunkReader(
+        dfl.io.ZarrSource(path, "x", "y"), [np.arange(64)], decode_threads=3
+    )
+    assert all(r.decoder is not None for r in reader.source._open())  # io.zarr_decode's path
+    with pytest.raises(dfl.ChunkReadError, match=r"chunk 'x/.*5.*checksum does not match"):
+        list(reader)
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS)
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_every_store_the_writer_makes_carries_checksums(tmp_path, zarr_format, compressor):
+    path = written_store(tmp_path, zarr_format, compressor)
+    group = zarr.open_group(str(path), mode="r")
+    assert checksum_of(group["x"]) is not None and checksum_of(group["y"]) is not None
+
+
+class _NoCluster(Client):
+    """A stand-in client: any use means the fit got past the dry run on the driver."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __getattribute__(self, name: str) -> Any:
+        raise AssertionError(f"fit() reached the cluster (client.{name})")
+
+    def __del__(self) -> None:
+        pass
+
+
+def test_the_dry_run_stops_at_a_damaged_chunk(tmp_path):
+    x, y = make_data(64)
+    path = tmp_path / "one.zarr"
+    dfl.io.to_zarr(path, x, y)  # one chunk: the dry run's batch reads it
+    damage(chunk_file(path, "x", 0, 3))
+    pipe = tiny_pipeline(x, y, source=dfl.io.ZarrSource(path, "x", "y"))
+    with pytest.raises(dfl.ChunkReadError, match=r"chunk 'x/c/0/0/0/0'.*checksum does not match"):
+        pipe.fit(1, client=_NoCluster())
+
+
+@pytest.mark.slow
+def test_a_worker_meeting_a_damaged_chunk_stops_the_fit(client, tmp_path):
+    path = written_store(tmp_path, 3)
+    damage(chunk_file(path, "x", 6, 3))
+    x, y = make_data(64)
+    pipe = tiny_pipeline(x, y, source=dfl.io.ZarrSource(path, "x", "y"), dry_run=False)
+    with pytest.raises(dfl.ChunkReadError, match=r"chunk 'x/c/6/0/0/0'.*checksum does not match"):
+        pipe.fit(epochs=1, client=client)
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_convert_writes_checksums(tmp_path, zarr_format):
+    x, y = make_data(64)
+    np.savez(tmp_path / "xy.npz", x=x, y=y)
+    dest = tmp_path / "out.zarr"
+    args = ["convert", str(tmp_path / "xy.npz"), str(dest), "--format", str(zarr_format)]
+    assert main([*args, "--chunk-mb", "0.0021"]) == 0
+    group = zarr.open_group(str(dest), mode="r")
+    assert checksum_of(group["x"]) == "zstd checksum" == checksum_of(group["y"])
+    damage(chunk_file(dest, "x", 2, zarr_format))
+    with pytest.raises(dfl.ChunkReadError, match="checksum does not match"):
+        dfl.io.ZarrSource(dest, "x", "y").read(np.arange(64))
