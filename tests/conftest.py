@@ -187,10 +187,14 @@ PROCESS_FIXTURES = frozenset({"client", "empty_cluster", "cluster_client", "pool
 @pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
 def pytest_collection_modifyitems(config, items):
     """Mark ``slow`` every test that starts processes through a cluster fixture, so the
-    ``not slow`` tier never starts one (a module's own ``pytestmark`` stays as it is)."""
+    ``not slow`` tier never starts one (a module's own ``pytestmark`` stays as it is);
+    skip the fault soak unless ``-m`` names it (it runs for half an hour)."""
+    soak = "soak" in (config.option.markexpr or "")
     for item in items:
         if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if not soak and item.get_closest_marker("soak") is not None:
+            item.add_marker(pytest.mark.skip(reason="the fault soak: pytest -m soak"))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

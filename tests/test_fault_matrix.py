@@ -131,6 +131,9 @@ def _assert_recovered(result, marker, sync: str) -> None:
     steps = [s["step"] for s in result.history.steps]
     assert steps == list(range(EPOCHS * N_TRAIN // BATCH)), "each step committed once, in order"
     assert all(math.isfinite(s["loss"]) for s in result.history.steps)
+    for phase in result.history.phases:  # the lost replica's samples up to its loss too
+        trained = sum(s["samples"] for s in result.history.steps if s["phase"] == phase["phase"])
+        assert sum(phase["samples_trained"]) == trained, phase
     for name, tensor in result.model.state_dict().items():
         assert torch.isfinite(tensor).all(), name
 
