@@ -1,5 +1,6 @@
 """The dry run's watch on class labels: it learns which labels are valid, checks its own
-samples' labels before the loss sees them, and hands the check to ``Load`` for the workers.
+samples' labels before the loss sees them, and hands the check to ``Load`` for the workers;
+class labels held as floats fail here naming the source and the cast.
 
 The dry run's graph is a shallow copy of the fit's: each ``Forward`` of the copy gets the
 loss wrapped (:class:`WatchedLoss`), which at its first call derives the
@@ -20,7 +21,12 @@ import torch
 
 from dataflow.core.step import StepSpec
 from dataflow.graph import Graph
-from dataflow.io.labels import LabelCheck, describe_targets, label_check_for
+from dataflow.io.labels import (
+    LabelCheck,
+    describe_targets,
+    float_label_error,
+    label_check_for,
+)
 from dataflow.stages import Forward, Load, Transform
 
 __all__ = ["LabelWatch", "WatchedLoss", "watch_labels"]
@@ -62,6 +68,13 @@ class WatchedLoss:
             watch.check = label_check_for(self.loss, output, args[0], watch.source)
             if watch.check is not None:
                 watch.check.check(args[0], watch.indices)
+            try:
+                return self.loss(output, *args)
+            except RuntimeError as exc:  # float class labels: name the source and the cast
+                error = float_label_error(self.loss, output, args[0], exc, watch.source)
+                if error is None:
+                    raise
+                raise error from exc
         return self.loss(output, *args, **kwargs)
 
 

@@ -20,9 +20,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from dataflow.core.errors import DataError
+from dataflow.core.errors import DataError, LossError
 
-__all__ = ["LabelCheck", "LabelError", "describe_targets", "label_check_for"]
+__all__ = [
+    "LabelCheck",
+    "LabelError",
+    "describe_targets",
+    "float_label_error",
+    "label_check_for",
+    "loss_call",
+]
 
 # Probed at once by the dry run, so a message can list it: torch's default ignore_index
 TORCH_IGNORE_INDEX = -100
@@ -148,6 +155,51 @@ class LabelCheck:
             self.source,
         )
         return error
+
+
+def loss_call(loss: Any) -> str:
+    """How a message writes a call of ``loss``: ``F.cross_entropy`` (``F`` being
+    ``torch.nn.functional``), ``torch.nn.CrossEntropyLoss()``, ``my_loss``."""
+    if isinstance(loss, torch.nn.Module):
+        torch_own = type(loss).__module__.startswith("torch.nn")
+        return f"{'torch.nn.' if torch_own else ''}{type(loss).__name__}()"
+    name = getattr(loss, "__name__", type(loss).__name__)
+    if getattr(loss, "__module__", None) == "torch.nn.functional":
+        return f"F.{name}"
+    return name
+
+
+def float_label_error(
+    loss: Callable[..., Any], output: Any, y: Any, error: BaseException, source: str | None = None
+) -> LossError | None:
+    """Why ``loss(output, y)`` failed when ``y`` are class labels held as floats (torch:
+    'expected target dtype to be Long or Byte, but got Float', naming neither the targets
+    nor the cast), or None: float targets shaped like class labels (the output without its
+    dimension 1) that the loss takes once cast to int64."""
+    if not (isinstance(output, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return None
+    if not y.is_floating_point() or output.ndim < 2:
+        return None
+    if tuple(y.shape) != (output.shape[0], *output.shape[2:]):
+        return None
+    try:
+        with torch.no_grad():
+            loss(output, y.long())
+    except Exception:
+        return None  # not the dtype: let the loss's own error through
+    dtype = str(y.dtype).removeprefix("torch.")
+    whole = bool(torch.equal(y, y.round())) if y.numel() else True
+    values = "" if whole else " (and some are not whole numbers: check they are class indices)"
+    name = getattr(loss, "__name__", type(loss).__name__)
+    where = source or "y (the source's targets)"
+    return LossError(
+        f"loss function {name!r} takes class labels as integers, but {where} holds "
+        f"{dtype} labels of shape {tuple(y.shape)}{values}; cast them to int64 where they "
+        "are made: ArraySource(x, y.astype('int64')) (a zarr store: write it again with "
+        "dataflow.io.to_zarr(path, x, y.astype('int64'))), or in the loss: "
+        f"loss=lambda out, y: {loss_call(loss)}(out, y.long()). "
+        f"torch said: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    )
 
 
 def label_check_for(

@@ -11,8 +11,15 @@ from typing import Any
 
 import torch
 
-from dataflow.core.errors import ConfigError, DataError, LossError, ModelError
+from dataflow.core.errors import (
+    ConfigError,
+    DataError,
+    DataflowError,
+    LossError,
+    ModelError,
+)
 from dataflow.core.precision import LossScale, StepOptions, resolve_step_options
+from dataflow.io.labels import float_label_error, loss_call
 from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
 from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
 
@@ -143,6 +150,37 @@ def _call_watching_broadcast(
     return loss
 
 
+def _describe_output(output: Any) -> str:
+    """``tuple of 2 (Tensor (4, 3), Tensor (4, 8))``, ``dict with keys ['logits']``."""
+    if isinstance(output, dict):
+        return f"dict with keys {list(output)[:5]}"
+    parts = [
+        f"Tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        for v in list(output)[:4]
+    ]
+    more = ", ..." if len(output) > 4 else ""
+    return f"{type(output).__name__} of {len(output)} ({', '.join(parts)}{more})"
+
+
+def output_type_error(loss_fn: Callable[..., Any], output: Any, error: BaseException) -> Any:
+    """Why the loss failed when the model returned a tuple, list or dict the loss cannot
+    take (torch: "argument 'input' must be Tensor, not tuple", not naming the model), or
+    None. Only for a loss's TypeError or AttributeError: a loss that takes such an output
+    runs as it is."""
+    if not isinstance(output, (tuple, list, dict)) or not isinstance(
+        error, (TypeError, AttributeError)
+    ):
+        return None
+    pick = f"out[{next(iter(output))!r}]" if isinstance(output, dict) and output else "out[0]"
+    call = loss_call(getattr(loss_fn, "loss", loss_fn))  # the dry run's WatchedLoss: its loss
+    return ModelError(
+        f"the model's forward returned a {_describe_output(output)}, which loss function "
+        f"{_name(loss_fn)!r} cannot take: it needs a tensor. Return the tensor the loss "
+        f"compares with y from the model's forward, or pick it in the loss: "
+        f"loss=lambda out, y: {call}({pick}, y). torch said: {str(error).splitlines()[0]}"
+    )
+
+
 def compute_loss(loss_fn: Callable[..., Any], output: Any, y: Any) -> torch.Tensor:
     """``loss_fn(output, y)`` (``loss_fn(output)`` without targets), checked to be a scalar,
     with output and targets of shapes that do not broadcast into a wrong loss."""
@@ -157,10 +195,19 @@ def compute_loss(loss_fn: Callable[..., Any], output: Any, y: Any) -> torch.Tens
                 "source has no y; give the source targets (ArraySource(x, y), "
                 "ZarrSource(store, x=..., y='name')), or use a loss of the output alone"
             ) from exc
-    elif (broadcast := _broadcast_shape(output, y)) is not None:
-        loss = _call_watching_broadcast(loss_fn, output, y, broadcast)
     else:
-        loss = loss_fn(output, y)
+        try:
+            if (broadcast := _broadcast_shape(output, y)) is not None:
+                loss = _call_watching_broadcast(loss_fn, output, y, broadcast)
+            else:
+                loss = loss_fn(output, y)
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            error = output_type_error(loss_fn, output, exc) or float_label_error(
+                loss_fn, output, y, exc
+            )
+            if error is None or isinstance(exc, DataflowError):
+                raise
+            raise error from exc
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise LossError(
@@ -239,6 +286,8 @@ class Forward(Stage):
                 output = compiled(x) if compiled is not None else call_model(step.replica.model, x)
                 loss = compute_loss(self.config.loss, output, batch.y)
         except (RuntimeError, TypeError) as exc:  # torch's dtype errors name no input, no fix
+            if isinstance(exc, DataflowError):  # already named (compute_loss's ModelError)
+                raise
             mismatch = dtype_mismatch(step.replica.model, batch.x, exc)
             if mismatch is None:
                 raise

@@ -52,6 +52,41 @@ def test_shapes_that_differ_legitimately_pass() -> None:
     assert torch.equal(compute_loss(F.mse_loss, out, y[:, None]), F.mse_loss(out, y[:, None]))
 
 
+class TwoHeads(TinyCNN):
+    """A model whose forward returns (logits, features), as many classifiers do."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(x), x.flatten(1)
+
+
+def test_a_model_returning_a_tuple_is_named_and_a_loss_that_takes_it_trains() -> None:
+    """torch said only "cross_entropy_loss(): argument 'input' must be Tensor, not tuple"."""
+    x, y = make_data(64)
+    expected = (
+        r"^the model's forward returned a tuple of 2 \(Tensor \(2, 3\), Tensor \(2, 64\)\), "
+        r"which loss function 'cross_entropy' cannot take: it needs a tensor. Return the "
+        r"tensor the loss compares with y from the model's forward, or pick it in the loss: "
+        r"loss=lambda out, y: F.cross_entropy\(out\[0\], y\). torch said: cross_entropy_loss"
+    )
+    with pytest.raises(dfl.ModelError, match=expected) as info:
+        tiny_pipeline(x, y, model=TwoHeads).trainer._dry_run()
+    assert info.value.__notes__ == ["in stage 'Forward' on replica 0, step 0"]
+    with pytest.raises(dfl.ModelError, match=r"returned a dict with keys \['logits'\].*"
+                       r"F.mse_loss\(out\['logits'\], y\)"):  # fmt: skip
+        compute_loss(F.mse_loss, {"logits": torch.zeros(2, 3)}, torch.zeros(2, 3))
+    # a loss that takes the tuple (as the message says) trains; one that fails on it for
+    # its own reason keeps its own error
+    tiny_pipeline(
+        x, y, model=TwoHeads, loss=lambda out, t: F.cross_entropy(out[0], t)
+    ).trainer._dry_run()
+
+    def failing(out: tuple[torch.Tensor, ...], t: torch.Tensor) -> torch.Tensor:
+        raise ValueError("my loss refuses this batch")
+
+    with pytest.raises(ValueError, match=r"^my loss refuses this batch$"):
+        compute_loss(failing, (torch.zeros(2, 3),), torch.zeros(2))
+
+
 def test_other_warnings_of_the_loss_still_reach_the_user() -> None:
     def noisy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         warnings.warn("my loss is experimental", UserWarning, stacklevel=1)

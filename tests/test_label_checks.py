@@ -25,6 +25,7 @@ import dataflow as dfl
 from dataflow.io.labels import LabelCheck, label_check_for
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
 from dataflow.stages.base import PhaseContext
+from dataflow.stages.forward import compute_loss
 
 BAD = 137  # read past the dry run's two samples (the error comes from Load)
 
@@ -99,6 +100,32 @@ def test_several_bad_labels_of_a_batch_are_listed() -> None:
         check.check(torch.tensor([0, 3, 2, 5]), np.array([10, 11, 12, 13]))
     check.check(torch.tensor([0, 1, 2, -100]), None)  # the loss ignores -100
     check.check(torch.zeros(0, dtype=torch.long), np.array([], dtype=np.int64))  # no samples
+
+
+@pytest.mark.parametrize("kind", ["array", "zarr"])
+def test_float_class_labels_name_the_source_and_the_cast(kind: str, tmp_path: Path) -> None:
+    """torch says only 'expected target dtype to be Long or Byte, but got Float'."""
+    x, y = make_data(160)
+    pipe = tiny_pipeline(x, y, source=source(kind, x, y.astype(np.float32), tmp_path))
+    expected = (
+        rf"^loss function 'cross_entropy' takes class labels as integers, but {WHERE[kind]} "
+        r"holds float32 labels of shape \(2,\); cast them to int64 where they are made: "
+        r"ArraySource\(x, y.astype\('int64'\)\) .* or in the loss: loss=lambda out, y: "
+        r"F.cross_entropy\(out, y.long\(\)\). torch said: expected target dtype"
+    )
+    with pytest.raises(dfl.LossError, match=expected) as info:
+        pipe.trainer._dry_run()
+    assert info.value.__notes__ == ["in stage 'Forward' on replica 0, step 0"]
+    # without the dry run (a worker's step), the loss call still names the labels' dtype
+    with pytest.raises(dfl.LossError, match=r"^loss function 'CrossEntropyLoss' .* but y \(the "
+                       r"source's targets\) holds float64 labels .* torch.nn.CrossEntropyLoss\(\)"
+                       r"\(out, y.long\(\)\)"):  # fmt: skip
+        compute_loss(torch.nn.CrossEntropyLoss(), torch.zeros(4, 3), torch.zeros(4).double())
+    # the cast the message gives trains; class probabilities (float, shaped like the
+    # output) are no class labels and train as they are
+    train_in_process(tiny_pipeline(x, y, loss=lambda out, t: F.cross_entropy(out, t.long())))
+    soft = np.eye(3, dtype=np.float32)[y]
+    train_in_process(tiny_pipeline(x, soft))
 
 
 # -- labels the loss takes are let through ---------------------------------------------
