@@ -26,6 +26,7 @@ _LAZY = {
     "source_chunk_sizes": "dataflow.io.sharding",
     "stream_batches": "dataflow.io.stream",
     "to_zarr": "dataflow.io.writer",
+    "verify_store": "dataflow.io.verify",
     "VariableNotFoundError": "dataflow.io.zarr_source",
     "ZarrSource": "dataflow.io.zarr_source",
 }

@@ -8,6 +8,7 @@ chunk, and ``dataflow info --verify`` finds it in stores written elsewhere.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +136,82 @@ def test_convert_writes_checksums(tmp_path, zarr_format):
     damage(chunk_file(dest, "x", 2, zarr_format))
     with pytest.raises(dfl.ChunkReadError, match="checksum does not match"):
         dfl.io.ZarrSource(dest, "x", "y").read(np.arange(64))
+
+
+# -- dataflow info --verify: stores written elsewhere, without checksums ------------------
+
+
+def xarray_store(tmp_path: Path, zarr_format: int, x: np.ndarray | None = None) -> Path:
+    """make_data(64) written by xarray in 8 chunks, zstd without a checksum (its v3
+    default; v2 asks for it, xarray's v2 default being blosc)."""
+    import numcodecs
+    import xarray as xr
+
+    data, y = make_data(64)
+    x = data if x is None else x
+    dataset = xr.Dataset({"x": (("n", "c", "h", "w"), x), "y": (("n",), y)})
+    path = tmp_path / f"xr{zarr_format}.zarr"
+    encoding = {} if zarr_format == 3 else {"x": {"compressors": [numcodecs.Zstd()]}}
+    dataset.chunk({"n": 8}).to_zarr(
+        path, zarr_format=zarr_format, consolidated=False, encoding=encoding
+    )
+    assert checksum_of(zarr.open_group(str(path), mode="r")["x"]) is None
+    return path
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_verify_finds_a_damaged_chunk_that_still_decodes(tmp_path, zarr_format, capsys):
+    path = xarray_store(tmp_path, zarr_format)
+    victim = chunk_file(path, "x", 3, zarr_format)
+    damage(victim)
+    source = dfl.io.ZarrSource(path, "x", "y")
+    assert np.abs(source.read(np.arange(24, 32)).x.numpy()).max() > 1e30  # decodes: garbage
+    assert main(["info", str(path), "--verify", "--no-decode"]) == 1
+    out = capsys.readouterr().out
+    key = victim.relative_to(path).as_posix()
+    assert f"PROBLEM: chunk {key!r} of array 'x': its largest magnitude" in out
+    assert "no checksums in ['x', 'y']" in out
+    assert f"FAILED: 1 problem(s) in {path}" in out
+    assert "restore the named chunk files" in out
+
+
+@pytest.mark.parametrize("zarr_format", FORMATS)
+def test_verify_of_a_clean_store_says_ok_with_the_ranges(tmp_path, zarr_format, capsys):
+    path = written_store(tmp_path, zarr_format)
+    assert main(["info", str(path), "--verify", "--no-decode", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["verify"]
+    x, y = make_data(64)
+    arrays = {a["name"]: a for a in report["arrays"]}
+    assert report["ok"] and report["problems"] == []
+    assert arrays["x"]["chunks"] == 8 and arrays["x"]["checksum"] == "zstd checksum"
+    assert arrays["x"]["min"] == float(x.min()) and arrays["x"]["max"] == float(x.max())
+    assert arrays["x"]["mean"] == pytest.approx(float(x.mean(dtype=np.float64)), rel=1e-12)
+    assert (arrays["y"]["min"], arrays["y"]["max"]) == (float(y.min()), float(y.max()))
+    assert main(["info", str(path), "--verify", "--no-decode"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: every chunk present and decoded, every value finite" in out
+    assert "no checksums" not in out
+
+
+def test_verify_names_non_finite_values_and_undecodable_chunks(tmp_path, capsys):
+    x, _ = make_data(64)
+    x[42, 0, 1, 1] = np.nan  # chunk 5
+    path = xarray_store(tmp_path, 3, x)
+    truncated = chunk_file(path, "x", 1, 3)
+    truncated.write_bytes(truncated.read_bytes()[:50])
+    check = dfl.io.verify_store(path)
+    assert not check.ok and len(check.problems) == 2
+    assert main(["info", str(path), "--verify", "--no-decode"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM: chunk 'x/c/5/0/0/0' of array 'x': 1 of 512 values are NaN or infinite" in out
+    assert "PROBLEM: ZarrSource: chunk 'x/c/1/0/0/0' of array 'x' in store" in out
+    assert "could not be read or decoded" in out
+
+
+def test_verify_reports_a_failed_checksum(tmp_path):
+    path = written_store(tmp_path, 3)
+    damage(chunk_file(path, "x", 7, 3))
+    check = dfl.io.verify_store(path, arrays=["x"])
+    assert [a.name for a in check.arrays] == ["x"]
+    assert len(check.problems) == 1 and "'x/c/7/0/0/0'" in check.problems[0]
+    assert "checksum does not match" in check.problems[0]

@@ -106,6 +106,10 @@ def _spatial_chunks(pairs: list[str] | None) -> dict[int | str, int] | None:
 
 
 def _info(args: argparse.Namespace) -> int:
+    """Exit status 1 when ``--verify`` finds a chunk missing, undecodable or out of range."""
+    import json
+
+    from dataflow.io.verify import verify_store
     from dataflow.tools.info import store_info
 
     info = store_info(
@@ -114,8 +118,17 @@ def _info(args: argparse.Namespace) -> int:
         check_missing=not args.no_check,
         decode_budget_s=0.0 if args.no_decode else args.decode_seconds,
     )
-    print(info.to_json() if args.json else info.format())
-    return 0
+    check = verify_store(args.store, outlier_factor=args.outlier_factor) if args.verify else None
+    if args.json:
+        out = info.to_dict()
+        if check is not None:
+            out["verify"] = check.to_dict()
+        print(json.dumps(out, indent=1))
+    else:
+        print(info.format())
+        if check is not None:
+            print(check.format())
+    return 0 if check is None or check.ok else 1
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -321,6 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--no-decode", action="store_true", help="skip the decode estimate")
     info.add_argument(
         "--no-check", action="store_true", help="skip the missing-chunk check (slow stores)"
+    )
+    info.add_argument(
+        "--verify",
+        action="store_true",
+        help="read and decode every chunk: checksums (where the store has them), finite "
+        "values, per-array min/max/mean, and chunks far out of their array's range; exit "
+        "status 1 naming the chunk when one fails",
+    )
+    info.add_argument(
+        "--outlier-factor",
+        type=float,
+        default=1e6,
+        metavar="F",
+        help="with --verify: flag a chunk whose largest magnitude is F times its array's "
+        "typical chunk's (default 1e6; 0: no range check)",
     )
     info.set_defaults(run=_info)
 

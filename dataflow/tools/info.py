@@ -5,7 +5,9 @@ memory, samples along the sample dimension, and how many of its chunks are
 absent from the store (zarr would read them as the fill value; ``ZarrSource``
 refuses them). The decode estimate times reading a few whole chunks, spread
 over the array, in this process: an upper bound on what one data-loading
-replica can feed per second from this disk (the OS cache may be warm).
+replica can feed per second from this disk (the OS cache may be warm). Arrays
+whose codecs carry no checksum are named: a corrupted chunk of theirs may still
+decode; ``--verify`` (``dataflow.io.verify_store``) reads every chunk to find one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import zarr
 
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import ZarrArrayReader
+from dataflow.io.checksums import checksum_of
 
 
 @dataclass
@@ -40,6 +43,7 @@ class ArrayInfo:
     chunks_missing: int | None  # None: not checked
     missing_examples: list[str] = field(default_factory=list)
     decode_samples_per_second: float | None = None
+    checksum: str | None = None  # what every decode verifies (io.checksums); None: nothing
 
 
 @dataclass
@@ -114,6 +118,13 @@ class StoreInfo:
             lines.append(
                 f"WARNING: {missing} chunk(s) are missing (e.g. {examples}): zarr reads them as "
                 "the fill value and ZarrSource refuses them; re-write the store"
+            )
+        bare = [a.name for a in self.arrays if a.checksum is None]
+        if bare:
+            lines.append(
+                f"note: {bare} carry no checksums: a chunk corrupted on disk that still decodes "
+                "would be trained on; check every chunk with `dataflow info --verify`, or "
+                "re-write the store with `dataflow convert` / dataflow.io.to_zarr"
             )
         rate = self.decode_samples_per_second
         if rate is not None:
@@ -265,6 +276,7 @@ def store_info(
                 chunks_missing=missing,
                 missing_examples=examples,
                 decode_samples_per_second=rate,
+                checksum=checksum_of(array),
             )
         )
     if all(a.samples is None for a in described):
