@@ -251,9 +251,57 @@ def test_a_loss_while_restarting_goes_on_with_the_workers_left():
     d.start()
     d.send(ev.WorkersLost(W[:2]))
     d.send(ev.RestartPoint(step=0, workers=W))
-    [form] = d.send(ev.WorkersLost(("tcp://a",)))
+    record, form = d.send(ev.WorkersLost(("tcp://a",)))
+    assert record.record["lost"] == ["tcp://a"] and record.record["replicas_after"] == 2
     assert form.fresh and form.restore and form.members == W[1:]
     assert d.state.restarts == {0: 1}  # the same restart, not a new one
+
+
+def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0():
+    """Issue 35: with a checkpoint folder but no checkpoint written yet, a fit that loses
+    every replica starts again from step 0 on the workers that came back (the replicas
+    build the initial weights), the loss recorded, within the restart budget."""
+    d = Driver(checkpoints=True, max_restarts=2)
+    _, calibration = d.start()
+    d.finish_plan(calibration)  # steps 0-1 committed, then every replica lost
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    for _ in range(2):
+        record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
+        assert record.record["reason"] == "every replica lost"
+        assert record.record["restarted_from_step"] == 0 and record.record["replicas_after"] == 1
+        assert restart == cmd.Restart(0, from_start=True)
+        assert form.fresh and not form.restore and form.members == W[2:]
+        assert d.send(ev.GroupFormed(form.generation)) == [cmd.ChoosePhase(0, None)]
+        assert d.state.committed_step == 0 and d.state.next_step == 0
+        assert d.send(ev.WorkersLost(W[2:])) == [cmd.AwaitRestart(had=1)]
+    [fail] = d.send(ev.RestartPoint(step=None, workers=W[2:]))
+    assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
+
+
+def test_the_steps_a_restart_from_step_0_redoes_are_recorded():
+    d = Driver(checkpoints=True)
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    d.send(ev.WorkersLost(W[:2]))
+    [record, *_] = d.send(ev.RestartPoint(step=None, workers=W))
+    assert record.record["commit_step"] == 2 and record.record["window_steps_lost"] == 2 + 4
+    assert record.record["lost"] == list(W[:2]) and record.record["replicas_before"] == 2
+
+
+def test_every_worker_lost_while_the_first_group_forms_waits_for_workers():
+    """With a checkpoint folder, a fit whose every worker dies while its first group
+    forms starts from step 0 on the restarted ones; no workers back: it fails."""
+    d = Driver(checkpoints=True)
+    d.send(ev.Started(W[:2]))
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    [fail] = d.send(ev.RestartPoint(step=None, workers=()))
+    assert isinstance(fail, cmd.Fail) and fail.lost == W[:2] and fail.restarts_from is None
+    d = Driver(checkpoints=True)
+    d.send(ev.Started(W[:2]))
+    d.send(ev.WorkersLost(W[:2]))
+    record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
+    assert record.record["restarted_from_step"] == 0 and restart.from_start
+    assert form.members == W[2:] and not form.restore
 
 
 def test_every_replica_lost_without_checkpoints_fails_naming_the_lost():
@@ -363,8 +411,13 @@ def test_diverged_weights_fail_the_fit():
 def test_a_loss_while_starting_goes_on_with_the_rest_or_fails_below_min_workers():
     d = Driver()
     d.send(ev.Started(W))
-    [form] = d.send(ev.WorkersLost(("tcp://a",)))
+    record, form = d.send(ev.WorkersLost(("tcp://a",)))
     assert form.fresh and form.members == W[1:] and form.generation == 1
+    # recorded like any loss (issue 35: it used to leave no entry): nothing trained yet
+    assert isinstance(record, cmd.RecordFailure) and record.record["reason"] == "lost workers"
+    assert record.record["lost"] == ["tcp://a"] and record.record["commit_step"] == 0
+    assert record.record["replicas_before"] == 3 and record.record["replicas_after"] == 2
+    assert record.record["window_steps_lost"] == 0 and record.record["phase"] is None
     d = Driver(min_workers=3)
     d.send(ev.Started(W))
     [fail] = d.send(ev.WorkersLost(("tcp://a",)))

@@ -190,9 +190,11 @@ class AwaitRestart:
 
 @dataclass(frozen=True)
 class Restart:
-    """The driver's state back to the checkpoint of ``step`` (history, ledger, noise)."""
+    """The driver's state back to the checkpoint of ``step`` (history, ledger, noise);
+    ``from_start``: there is none, back to the fit's start (step 0, nothing recorded)."""
 
     step: int
+    from_start: bool = False
 
 
 @dataclass(frozen=True)

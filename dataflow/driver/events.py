@@ -119,8 +119,8 @@ class WorkersJoined:
 
 @dataclass(frozen=True)
 class RestartPoint:
-    """Every replica was lost: the newest checkpoint's step (``None``: there is none, or
-    no workers came back) and the workers there are now."""
+    """Every replica was lost: the newest checkpoint's step (``None``: there is none: the
+    fit starts again from step 0) and the workers there are now (none came back: empty)."""
 
     step: int | None
     workers: tuple[str, ...]

@@ -28,6 +28,7 @@ from dataflow.driver.machine import FitMachine
 from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
 from dataflow.history.result import History
+from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint
 from dataflow.runtime.replica import ReplicaState
 from dataflow.schedule.noise_scale import NoiseScaleTracker
@@ -192,8 +193,8 @@ class FitLoop:
         self.executor.queue.append(ev.GroupFormed(c.generation))
 
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
-        step, workers = None, ()
-        if self.writer is not None and self.writer.store.latest() is not None:
+        step, workers, checkpoint = None, (), None
+        if self.writer is not None:  # (no checkpoint yet: the machine starts from step 0)
             size = self.machine.config.spatial  # counts of replicas, in workers
             found = self.executor.await_restart(
                 c.had * size,
@@ -203,9 +204,11 @@ class FitLoop:
                 RESTART_GATHER_S,
             )
             if found:
-                self.checkpoint = self.writer.load_latest()
-                step, workers = self.checkpoint.step, tuple(found)
-        if step is None:
+                workers = tuple(found)
+                if self.writer.store.latest() is not None:
+                    checkpoint = self.checkpoint = self.writer.load_latest()
+                    step = checkpoint.step
+        if checkpoint is None:
             self.executor.queue.append(ev.RestartPoint(None, workers))
             return
         point = ResumePoint.of(self.checkpoint)
@@ -214,11 +217,30 @@ class FitLoop:
     def _Restart(self, c: cmd.Restart) -> None:
         if self.progress:
             print(
-                f"dataflow: every replica was lost; starting again from the checkpoint of "
-                f"step {c.step}"
+                "dataflow: every replica was lost before the first checkpoint; starting "
+                "again from step 0"
+                if c.from_start
+                else "dataflow: every replica was lost; starting again from the checkpoint "
+                f"of step {c.step}"
             )
         self.saved_path = None  # a survivors' checkpoint was the restart's
-        self.restore_driver(self.checkpoint)
+        if c.from_start:
+            self.restart_driver()
+        else:
+            self.restore_driver(self.checkpoint)
+
+    def restart_driver(self) -> None:
+        """The driver's state back to the fit's start (every replica lost before the
+        first checkpoint): nothing committed, the failures kept."""
+        rec = self.recorder
+        rec.ledger = SampleLedger(rec.load.source.num_samples)
+        rec.noise = NoiseScaleTracker()
+        rec.reset_counts()
+        info = rec.history.info
+        rec.history = History()
+        rec.history.info = info
+        self.start, self.resume_in_phase = ResumePoint(), None
+        self.checkpoint = self.measurement = None
 
     # -- phases ---------------------------------------------------------------------------
     def _ChoosePhase(self, c: cmd.ChoosePhase) -> None:

@@ -261,8 +261,13 @@ class LostWorkers:
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         survivors = s.layout.without(lost_ranks)
         self._release_partners(lost_ranks, event.workers)
-        if not survivors.replicas and s.forming == Forming.RESTART:  # wait for workers again
-            s.status = Status.RESTARTING
+        if not survivors.replicas and (s.forming == Forming.RESTART or config.checkpoints):
+            # every worker lost before any step: wait for workers, start again from the
+            # newest checkpoint (a resumed fit's, a restart's) or, with none, from step 0
+            s.status, s.lost_everything = (
+                Status.RESTARTING,
+                self._failure("every replica lost", lost),
+            )
             return [cmd.AwaitRestart(had=s.layout.replicas)]
         if not survivors.replicas or survivors.replicas < config.min_workers:
             s.status, s.layout = Status.FAILED, survivors
@@ -270,16 +275,20 @@ class LostWorkers:
             return [
                 cmd.Fail(lost=lost, remain=survivors.replicas, starting=True, workers_left=left)
             ]
+        # Nothing was trained in this group yet: the survivors form it again; the loss
+        # is recorded like any other (it costs the forming, no step).
+        record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         s.generation += 1
         s.layout = survivors
         return [
+            cmd.RecordFailure(record),
             cmd.FormGroup(
                 s.generation,
                 survivors.leaders,
                 fresh=True,
                 restore=s.restoring,
                 groups=survivors.groups,
-            )
+            ),
         ]
 
     def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
@@ -292,21 +301,24 @@ class LostWorkers:
             if lost_all is not None
             else FailureRecord(reason="every replica lost", phase=None, commit_step=0)
         )
-        exhausted = event.step is not None and s.restarts.get(event.step, 0) >= config.max_restarts
-        if event.step is None or exhausted or not event.workers:
+        # No checkpoint yet (``step`` None) but workers came back: the fit starts again
+        # from step 0, from the initial weights (the model factory and the seed).
+        step = 0 if event.step is None else event.step
+        exhausted = s.restarts.get(step, 0) >= config.max_restarts
+        if exhausted or not event.workers:
             s.status = Status.FAILED
             return [
                 cmd.Fail(
                     lost=tuple(record.get("lost", ())),
                     remain=0,
                     phase=record.get("phase"),
-                    restarts_from=event.step if exhausted else None,
+                    restarts_from=step if exhausted else None,
                 )
             ]
-        s.restarts[event.step] = s.restarts.get(event.step, 0) + 1
+        s.restarts[step] = s.restarts.get(step, 0) + 1
         record.update(
-            restarted_from_step=event.step,
-            window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - event.step,
+            restarted_from_step=step,
+            window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - step,
             replicas_after=len(event.workers) // config.spatial,
         )
         s.available = tuple(w for w in s.available if w not in event.workers)
@@ -321,19 +333,20 @@ class LostWorkers:
                     workers_left=len(event.workers),
                 )
             ]
+        restore = event.step is not None  # else the replicas build the initial weights
         s.generation += 1
-        s.committed_step, s.step_seconds, s.phase = event.step, None, None
-        s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous
+        s.committed_step, s.step_seconds, s.phase = step, None, None
+        s.epoch, s.next_step, s.previous = event.epoch, step, event.previous
         s.status, s.forming, s.after_group, s.restoring = (
             Status.FORMING,
             Forming.RESTART,
             "choose",
-            True,
+            restore,
         )
         return [
             cmd.RecordFailure(record),
-            cmd.Restart(event.step),
+            cmd.Restart(step, from_start=not restore),
             cmd.FormGroup(
-                s.generation, self.members, fresh=True, restore=True, groups=s.layout.groups
+                s.generation, self.members, fresh=True, restore=restore, groups=s.layout.groups
             ),
         ]
