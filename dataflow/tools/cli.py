@@ -84,6 +84,8 @@ def _convert(args: argparse.Namespace) -> int:
     )
     shapes = ", ".join(f"{name} {shape}" for name, shape in done.shapes.items())
     print(f"wrote {done.dest} ({shapes}) in {time.perf_counter() - started:.1f} s")
+    if done.left_out:
+        print(f"not converted: {list(done.left_out)} (not named with --x/--y)")
     print(f"read it with: {done.snippet()}")
     print(f"check it with: dataflow info {done.dest}")
     return 0
@@ -281,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="VAR",
         help="input variable(s) (default: 'x', the only array, or every variable with the "
-        "sample dimension)",
+        "sample dimension; a file holding arrays beyond those and --y is refused, listing them)",
     )
     convert.add_argument("--y", metavar="VAR", help="target variable (default: 'y' if present)")
     convert.add_argument(

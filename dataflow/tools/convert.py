@@ -49,6 +49,7 @@ class Converted:
     x: tuple[str, ...]
     y: str | None
     sample_dim: str | None  # None: the first axis (the store has no dimension names)
+    left_out: tuple[str, ...] = ()  # variables of the file not named with --x/--y
 
     def snippet(self) -> str:
         x = repr(self.x[0]) if len(self.x) == 1 else repr(list(self.x))
@@ -76,8 +77,11 @@ def convert(
 
     ``x``: the input variables (default: ``x`` if the file has one, else its only
     array, else every variable with the sample dimension); ``y``: the target
-    variable (default: ``y`` if present). ``sample_dim``: the dimension that
-    indexes samples, a name (netCDF) or an axis number (numpy, HDF5; default 0).
+    variable (default: ``y`` if present). Without ``x``, a file holding variables
+    beyond the default x and y is refused (``ConfigError`` listing them), never
+    converted in part; ``Converted.left_out`` names what an explicit choice left out.
+    ``sample_dim``: the dimension that indexes samples, a name (netCDF) or an axis
+    number (numpy, HDF5; default 0).
     ``spatial_chunks``: also chunk each sample for spatial ranks (``to_zarr``'s
     argument): ``{axis of one x sample: length}``, or ``{dimension name: length}``
     for netCDF.
@@ -151,6 +155,15 @@ def _pick(
                 f"convert: {src.name!r} holds {available}; name the input variable(s) with "
                 "--x NAME [NAME ...] (and the target with --y NAME)"
             )
+        dropped = [name for name in rest if name not in x]
+        if dropped:  # never drop silently what the user did not choose to leave out
+            target = f" and {y!r} as the target" if y else ""
+            raise ConfigError(
+                f"convert: {src.name!r} holds {available}; without --x only {x[0]!r} would be "
+                f"written as the input{target}, and {dropped} dropped. Name the inputs with "
+                f"--x (e.g. --x {' '.join(rest)}) and the target with --y, or pick only "
+                "the ones you want"
+            )
     if y is not None and y in x:
         raise ConfigError(f"convert: {y!r} is given both as --x and as --y; pick one")
     return list(x), y
@@ -187,6 +200,7 @@ def _convert_numpy(
         except (ValueError, OSError) as exc:
             raise DataError(f"convert: cannot read {src.name!r} as a numpy array ({exc})") from exc
         arrays, names, target = {(x or ["x"])[0]: array}, x or ["x"], None
+        left_out = ()
     else:
         try:
             archive = np.load(src, allow_pickle=False)
@@ -195,6 +209,7 @@ def _convert_numpy(
         with archive:
             names, target = _pick(src, list(archive.files), x, y, default_all=False)
             arrays = {name: archive[name] for name in [*names, *([target] if target else [])]}
+            left_out = tuple(n for n in archive.files if n not in arrays)
     moved = {}
     for name, array in arrays.items():
         axis = _axis(src, sample_dim, tuple(array.shape), name)
@@ -208,10 +223,10 @@ def _convert_numpy(
             y_name=target or "y",
             **options,
         )
-        return Converted(dest, _shapes(moved), tuple(names), target, None)
+        return Converted(dest, _shapes(moved), tuple(names), target, None, left_out)
     arrays = {k: (v, 0) for k, v in moved.items()}
     to_zarr(dest, _dataset(arrays), sample_dim=SAMPLE, **_named_splits(options, arrays, names))
-    return Converted(dest, _shapes(moved), tuple(names), target, SAMPLE)
+    return Converted(dest, _shapes(moved), tuple(names), target, SAMPLE, left_out)
 
 
 def _shapes(arrays: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -267,8 +282,10 @@ def _convert_h5py(
         options = _named_splits(options, arrays, x_stored)
         to_zarr(dest, _dataset(arrays), sample_dim=SAMPLE, **options)
         shapes = _shapes({k: v for k, (v, _) in arrays.items()})
+        left_out = tuple(n for n in sorted(datasets) if n not in chosen)
     x_names = tuple(stored[n] for n in names)
-    return Converted(dest, shapes, x_names, stored[target] if target else None, SAMPLE)
+    y_name = stored[target] if target else None
+    return Converted(dest, shapes, x_names, y_name, SAMPLE, left_out)
 
 
 def _named_splits(options: dict, arrays: dict[str, tuple[Any, int]], x: list[str]) -> dict:
@@ -369,4 +386,5 @@ def _convert_xarray(
         subset = dataset[chosen].drop_vars(list(dataset[chosen].coords))
         to_zarr(dest, subset, sample_dim=sample_dim, **options)
         shapes = {n: tuple(int(s) for s in dataset[n].shape) for n in chosen}
-    return Converted(dest, shapes, tuple(names), target, sample_dim)
+        left_out = tuple(n for n in available if n not in chosen)
+    return Converted(dest, shapes, tuple(names), target, sample_dim, left_out)
