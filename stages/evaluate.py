@@ -12,6 +12,7 @@ so an evaluation is the same whatever the step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from dataflow.core import kinds
-from dataflow.core.errors import ConfigError, GraphError
+from dataflow.core.errors import ConfigError, DataError, GraphError
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -203,11 +204,77 @@ class Evaluate(Stage):
                 batch = self.prepare(batch, replica.device)
                 output = call_model(model, batch.x)
                 y = batch.y
+                check_finite(self.source, start, batch, output)
                 for key, fn in self.config.metrics.items():
-                    value = fn(output) if y is None else fn(output, y)
-                    sums[key] += float(value) * batch.size
+                    value = float(fn(output) if y is None else fn(output, y))
+                    if not math.isfinite(value):
+                        raise _metric_error(self.source, key, value, start, batch.size)
+                    sums[key] += value * batch.size
         model.train()
         return {"count": hi - lo, **sums}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors of an output or a batch field (a tensor, a tuple, a dict)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() or value.is_complex() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _bad_rows(values: list[torch.Tensor], size: int) -> torch.Tensor:
+    """Per sample (dimension 0): whether any of ``values`` is NaN or inf there."""
+    bad = torch.zeros(size, dtype=torch.bool)
+    for t in values:
+        if t.ndim and t.shape[0] == size:
+            bad |= ~torch.isfinite(t).reshape(size, -1).all(dim=1).cpu()
+    return bad
+
+
+def check_finite(source: Any, start: int, batch: Any, output: Any) -> None:
+    """Raise a DataError naming the first held-out sample whose model output or target is
+    NaN or inf (the held-out loss would be NaN, and the other metrics scored on it). One
+    ``isfinite`` over the batch's output and float targets; the sample is found only then.
+    ``start``: the index in ``source`` of the batch's first sample."""
+    if all(bool(torch.isfinite(t).all()) for t in (*_tensors(output), *_tensors(batch.y))):
+        return
+    y_bad = _bad_rows(_tensors(batch.y), batch.size)
+    rows = (_bad_rows(_tensors(output), batch.size) | y_bad).nonzero().flatten().tolist()
+    rows = rows or [0]  # an output without a sample dimension: the batch's first
+    index = start + rows[0]
+    if y_bad[rows[0]]:
+        cause = "its y holds NaN or inf"
+    elif _bad_rows(_tensors(batch.x), batch.size)[rows[0]]:
+        cause = "its x (as the model receives it) holds NaN or inf"
+    else:
+        cause = "the model's output for it is NaN or inf, though its x is finite"
+    others = ""
+    if len(rows) > 1:
+        shown = ", ".join(str(start + r) for r in rows[1:6])
+        others = (
+            f" Other such samples of the same batch: {shown}{', ...' if len(rows) > 6 else ''}."
+        )
+    error = DataError(
+        f"held-out sample {index} of eval_source {source!r}: {cause}, so the held-out loss "
+        f"and metrics would be NaN; fix or drop sample {index} in the held-out data (the "
+        f"finite samples: numpy.isfinite(x).reshape(len(x), -1).all(axis=1)).{others}"
+    )
+    error.index, error.source = index, repr(source)
+    raise error
+
+
+def _metric_error(source: Any, key: str, value: float, start: int, size: int) -> DataError:
+    error = DataError(
+        f"metric {key!r} is {value} on held-out samples {start} to {start + size - 1} of "
+        f"eval_source {source!r}, though the model's outputs and the targets there are "
+        "finite: the metric is not finite on them (a division by zero, a log of 0?); make "
+        "it finite on every batch"
+    )
+    error.index, error.source = start, repr(source)
+    return error
 
 
 def bind_evaluations(graph: Any) -> None:

@@ -301,6 +301,66 @@ def test_skip_drops_only_the_poisoned_steps_and_trains_on(client):
     assert all(np.isfinite(e["train_loss"]) for e in result.history.epochs)
 
 
+HELD_OUT_BAD = 33  # in the second half of 40 held-out samples: replica 1's share
+
+
+def held_out_with_a_nan(where: str = "x") -> dfl.io.ArraySource:
+    x, y = make_data(40, seed=1)
+    if where == "x":
+        x[HELD_OUT_BAD, 0, 2, 5] = np.nan
+        return dfl.io.ArraySource(x, y, shuffle=False)
+    targets = np.eye(3, dtype=np.float32)[y]  # class probabilities: float targets
+    targets[HELD_OUT_BAD, 1] = np.inf
+    return dfl.io.ArraySource(x, targets, shuffle=False)
+
+
+@pytest.mark.parametrize("where", ["x", "y"])
+def test_a_nan_in_the_held_out_data_names_its_sample_and_the_source(where):
+    """Before, eval_loss was nan and eval_accuracy reported as if nothing were wrong."""
+    x, y = make_data(64)
+    source = held_out_with_a_nan(where)
+    pipe = tiny_pipeline(x, y if where == "x" else np.eye(3, dtype=np.float32)[y],
+                         eval_source=source, metrics={"accuracy": dfl.stages.accuracy})  # fmt: skip
+    runtime, steps = in_process(pipe.trainer, epochs=1)
+    try:
+        with pytest.raises(dfl.DataError) as info:
+            runtime.run_window(steps[0].index, steps[-1].index + 1)
+    finally:
+        runtime.close()
+    cause = "its x (as the model receives it)" if where == "x" else "its y"
+    assert str(info.value).startswith(
+        f"held-out sample {HELD_OUT_BAD} of eval_source {source!r}: {cause} holds NaN or inf, "
+        f"so the held-out loss and metrics would be NaN; fix or drop sample {HELD_OUT_BAD}"
+    ), str(info.value)
+    assert (info.value.index, info.value.source) == (HELD_OUT_BAD, repr(source))
+    assert info.value.__notes__[0].startswith("in stage 'Evaluate' on replica 0, step ")
+
+
+def test_a_metric_that_is_not_finite_on_finite_data_is_named():
+    x, y = make_data(64)
+    held_out = dfl.io.ArraySource(*make_data(40, seed=1), shuffle=False)
+    log_zero = {"log_zero": lambda out, t: torch.log(torch.zeros(()))}
+    pipe = tiny_pipeline(x, y, eval_source=held_out, metrics=log_zero)
+    runtime, steps = in_process(pipe.trainer, epochs=1)
+    try:
+        with pytest.raises(dfl.DataError, match=r"^metric 'log_zero' is -inf on held-out "
+                           r"samples 0 to 39 of eval_source ArraySource\(x=\(40, "):  # fmt: skip
+            runtime.run_window(steps[0].index, steps[-1].index + 1)
+    finally:
+        runtime.close()
+
+
+@pytest.mark.slow
+def test_a_nan_in_the_held_out_data_stops_the_fit_at_once_whatever_the_policy(client):
+    """From replica 1's share of the held-out set, as a DataError: not a non-finite step
+    to roll back and retry with half the LR."""
+    x, y = make_data(64)
+    pipe = tiny_pipeline(x, y, replicas=2, eval_source=held_out_with_a_nan(),
+                         on_non_finite="rollback")  # fmt: skip
+    with pytest.raises(dfl.DataError, match=rf"^held-out sample {HELD_OUT_BAD} of eval_source "):
+        pipe.fit(epochs=1, client=client)
+
+
 def test_an_unknown_policy_is_refused():
     x, y = make_data(16)
     with pytest.raises(ConfigError, match="on_non_finite"):
