@@ -17,7 +17,10 @@ caller reads through zarr): a regular chunk grid, no sharding, and codecs that a
 decode synchronously (zarr v3's), or zarr v2's numcodecs compressor and filters
 (decoded as zarr's ``V2Codec`` does). An object absent from the store raises
 :class:`MissingObject` (zarr would return the fill value); one that fails to decode
-raises :class:`ObjectDecodeError`; both name the object.
+raises :class:`ObjectDecodeError`; both name the object. The codecs run here are the
+array's own, so any checksum they carry (zstd's content checksum, ``crc32c``, v2's
+``crc32`` filter, gzip's CRC) is verified on these threads as in zarr: a chunk whose
+bytes changed fails its decode (``io.checksums``) instead of yielding garbage.
 """
 
 from __future__ import annotations
