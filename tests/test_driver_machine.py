@@ -363,8 +363,11 @@ def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
     d.finish_plan(train)
     d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
     d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)))
-    [form] = d.send(ev.WorkersLost(("tcp://c",)))
+    record, form = d.send(ev.WorkersLost(("tcp://c",)))
     assert form.members == W[:2] and form.joining == () and form.generation == 2
+    # the joiner's loss is recorded too (issue 35): it cost the forming, no step
+    assert record.record["lost"] == ["tcp://c"] and record.record["window_steps_lost"] == 0
+    assert record.record["replicas_before"] == 3 and record.record["replicas_after"] == 2
 
 
 def test_mid_phase_checkpoints_follow_the_cadence_and_never_the_phase_end():

@@ -48,12 +48,17 @@ class LostWorkers:
         if s.status == Status.FORMING and s.forming == Forming.REGROUP and s.joining:
             # Joiners (alive or not) go back to the pool; the group is formed again.
             alive = tuple(w for w in s.joining if w not in event.workers)
+            dead = tuple(w for w in s.joining if w in event.workers)
+            forming = s.layout.replicas
             s.layout = ReplicaGroups(tuple(g for g in s.layout.groups if g[0] not in s.joining))
             s.available, s.joining = (*alive, *s.available), ()
             if not s.layout.lost_replicas(event.workers):
                 joiners = self._joinable()
                 layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
-                return self._form(layout, joining=joiners, after=s.after_group)
+                record = self._failure("lost workers", dead, replicas_after=layout.replicas)
+                record.update(replicas_before=forming, window_steps_lost=0, joined=list(joiners))
+                out = self._form(layout, joining=joiners, after=s.after_group)
+                return [cmd.RecordFailure(record), *out]  # a joiner lost: the forming's cost
         lost_ranks = s.layout.lost_replicas(event.workers)
         if not lost_ranks or s.status in (Status.FAILED, Status.RESTARTING, Status.IDLE):
             return []
