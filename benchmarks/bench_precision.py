@@ -50,6 +50,10 @@ from workloads import CosmoNet, DigitsNet, Optimizer, TargetMSE, ship_to_workers
 
 from dataflow.tools.datasets import cosmology_arrays, digits_arrays
 
+# fp16 on the CPU is refused to users (many times slower than fp32); this benchmark
+# measures its numbers, not its speed, on the CPU on purpose
+os.environ.setdefault("DATAFLOW_ALLOW_CPU_FP16", "1")
+
 NAME = "precision"
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-allreduce")
 # each side: (Pipeline precision, Pipeline allreduce_dtype); "bf16-allreduce" computes

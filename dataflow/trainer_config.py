@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataflow.core.errors import ConfigError
-from dataflow.core.precision import check_step_options
+from dataflow.core.precision import check_fp16_device, check_step_options, cpu_fp16_allowed
 from dataflow.schedule.balance import Balancer, Even
 
 
@@ -161,6 +161,7 @@ class TrainerConfig:
             raise ConfigError(f"replicas must be an int >= 1 or None, got {self.replicas!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        check_fp16_device(self.precision, self.device, allowed=cpu_fp16_allowed())
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
         for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):

@@ -261,11 +261,15 @@ class Forward(Stage):
         model = build_model(self.config.model, replica.seed)
         if replica.spatial is not None:  # this worker computes its region of each sample
             model = replica.spatial.wrap_model(model)
+        precision, channels_last, compile_mode, *allow = replica.requested_step_options
         options = resolve_step_options(
-            *replica.requested_step_options,
+            precision,
+            channels_last,
+            compile_mode,
             replica.device,
             model,
             spatial=replica.spatial is not None,
+            allow_cpu_fp16=bool(allow and allow[0]),
         )
         replica.step_options = options
         replica.loss_scale = LossScale() if options.precision == "fp16" else None

@@ -130,6 +130,7 @@ def test_pairs_read_once_per_window_equal_per_step_reads_on_the_measured_steps(
     measure_every=3 only every third step of the fit has pairs (one per replica); "auto"
     measures every step of these short phases. In fp16 the loss scale is divided out of
     the local norm as from the reduced one."""
+    monkeypatch.setenv("DATAFLOW_ALLOW_CPU_FP16", "1")  # fp16 on the CPU: tests only
     fed: list[tuple] = []
     track = Recorder._track_noise
 
@@ -181,9 +182,10 @@ class Warm(TinyCNN):
         return super().forward(x * 30.0)
 
 
-def test_fp16_overflow_steps_are_left_out_of_the_noise_estimate(client):
+def test_fp16_overflow_steps_are_left_out_of_the_noise_estimate(client, monkeypatch):
     """A step dropped for an fp16 overflow (or a non-finite skip) has no finite norms:
     its pairs are left out of the estimate, which the steps that trained still feed."""
+    monkeypatch.setenv("DATAFLOW_ALLOW_CPU_FP16", "1")  # fp16 on the CPU: tests only
     x, y = learnable_data()
     schedule = dfl.schedule.Adaptive(8, max_batch=32, min_measured_steps=0)
     options = dict(model=Warm, optimizer=plain_sgd, replicas=2, precision="fp16")

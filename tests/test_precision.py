@@ -11,10 +11,17 @@ from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
-from dataflow.core.precision import LossScale, StepOptions, resolve_step_options
+from dataflow.core.precision import CPU_FP16_ENV, LossScale, StepOptions, resolve_step_options
 from dataflow.stages.compiled import to_memory_format
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cpu_fp16(monkeypatch):
+    """fp16 on the CPU, refused to users (many times slower than fp32), let through for
+    the tests of the engine's loss scale (the driver passes it on to the workers)."""
+    monkeypatch.setenv(CPU_FP16_ENV, "1")
 
 
 class Volumes(torch.nn.Module):
@@ -40,6 +47,39 @@ def test_a_bad_step_option_names_the_field_and_the_choices(option, value, named)
     with pytest.raises(ConfigError, match=named) as info:
         tiny_pipeline(x, y, **{option: value})
     assert "use" in str(info.value)
+
+
+def test_fp16_is_refused_on_the_cpu_naming_bf16_and_fp32(monkeypatch):
+    """torch's CPU float16 autocast ran the digits 19x slower than fp32; the README said
+    only "not faster". An explicit device="cpu" is refused where the Pipeline is built, a
+    worker that "auto" put on the CPU when it resolves the options; "auto" never picks fp16."""
+    monkeypatch.delenv(CPU_FP16_ENV, raising=False)
+    x, y = make_data(32)
+    refused = (
+        r"^precision='fp16' on the CPU \(device='cpu'\): torch has no fast float16 kernels "
+        r"there, so each step runs 8 to 30 times slower than in fp32 .* use precision='bf16' "
+        r".* or 'fp32'"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        tiny_pipeline(x, y, precision="fp16")
+    with pytest.raises(ConfigError, match=r"^precision='fp16' on the CPU \(device='auto' on a "):
+        resolve_step_options("fp16", False, False, CPU, TinyCNN())
+    assert resolve_step_options("auto", False, False, CPU, TinyCNN()).precision == "fp32"
+    tiny_pipeline(x, y, precision="fp16", device="cuda")  # a GPU's: checked on its worker
+    tiny_pipeline(x, y, precision="fp16", device="auto")
+    monkeypatch.setenv(CPU_FP16_ENV, "1")  # tests only: the loss scale's tests on the CPU
+    tiny_pipeline(x, y, precision="fp16")
+    assert resolve_step_options("fp16", False, False, CPU, TinyCNN(), allow_cpu_fp16=True)
+
+
+@pytest.mark.slow
+def test_fp16_is_refused_on_a_worker_that_auto_put_on_the_cpu(client, monkeypatch):
+    """device="auto": the worker resolves it and refuses; the fit raises the ConfigError."""
+    monkeypatch.delenv(CPU_FP16_ENV, raising=False)
+    x, y = make_data(64)
+    pipe = tiny_pipeline(x, y, precision="fp16", device="auto", replicas=2)
+    with pytest.raises(ConfigError, match=r"^precision='fp16' on the CPU \(device='auto' on a "):
+        pipe.fit(epochs=1, client=client)
 
 
 def test_auto_is_fp32_and_contiguous_on_the_cpu():
@@ -195,7 +235,7 @@ def sgd_(model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_class", [TinyCNN, Loud], ids=["no-overflow", "overflow"])
-def test_fp16_fit_skips_and_scales_as_torchs_grad_scaler(client, model_class):
+def test_fp16_fit_skips_and_scales_as_torchs_grad_scaler(client, cpu_fp16, model_class):
     """Two replicas in fp16 with the engine's loss scale train as one process with
     torch's GradScaler: the same steps skipped for overflow (recorded, not a non-finite
     failure under on_non_finite="raise"), the same final scale, the same weights."""
@@ -225,7 +265,7 @@ def test_data_on_device_is_validated_and_stays_on_the_host_without_a_gpu():
 
 
 @pytest.mark.slow
-def test_a_resumed_fp16_fit_keeps_its_loss_scale_and_is_bit_identical(client, tmp_path):
+def test_a_resumed_fp16_fit_keeps_its_loss_scale_and_is_bit_identical(client, cpu_fp16, tmp_path):
     """The loss scale is in every checkpoint: an fp16 fit stopped after 2 epochs and
     resumed to 4 equals the uninterrupted 4-epoch fit bit for bit. Warm overflows in its
     first steps (2^16 -> 8192), so a resume that began again from 2^16 would skip other
@@ -260,7 +300,7 @@ def test_a_bf16_allreduce_trains_as_fp32_to_bf16s_tolerance(client):
 
 
 @pytest.mark.slow
-def test_a_bf16_allreduce_meets_fp16_loss_scaling_and_the_noise_scale(client):
+def test_a_bf16_allreduce_meets_fp16_loss_scaling_and_the_noise_scale(client, cpu_fp16):
     """Features meet: fp16 autocast with the engine's loss scale, an Adaptive schedule
     measuring the gradient noise scale and held-out evaluation, all over a bf16 wire.
     The overflowed steps are the fp32 wire's (an inf stays inf in bf16), and the noise

@@ -14,6 +14,7 @@ so every replica keeps the same scale): see :class:`LossScale`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,12 +28,41 @@ COMPILE_MODES = (False, True, "default", "max-autotune", "reduce-overhead", "cud
 
 __all__ = [
     "COMPILE_MODES",
+    "CPU_FP16_ENV",
     "PRECISIONS",
     "LossScale",
     "StepOptions",
+    "check_fp16_device",
     "check_step_options",
+    "cpu_fp16_allowed",
     "resolve_step_options",
 ]
+
+
+# For tests only: lets precision="fp16" run on the CPU (autocast there is many times slower
+# than fp32), so the engine's fp16 loss scale can be tested end to end without a GPU
+CPU_FP16_ENV = "DATAFLOW_ALLOW_CPU_FP16"
+
+
+def cpu_fp16_allowed() -> bool:
+    """Whether ``DATAFLOW_ALLOW_CPU_FP16=1`` is set in this process (read by the driver,
+    which passes it to the workers with the fit)."""
+    return os.environ.get(CPU_FP16_ENV) == "1"
+
+
+def check_fp16_device(precision: Any, device: Any, *, allowed: bool = False) -> None:
+    """Refuse ``precision="fp16"`` on a device that is not CUDA: torch's CPU float16
+    autocast has no fast kernels (8 to 30 times slower than fp32 measured here, the
+    benchmark's 3-D net 30x), and the loss scale buys nothing there."""
+    if precision != "fp16" or allowed or str(device).startswith("cuda") or device == "auto":
+        return
+    on = "device='cpu'" if isinstance(device, str) else "device='auto' on a worker without a GPU"
+    raise ConfigError(
+        f"precision='fp16' on the CPU ({on}): torch has no fast float16 kernels there, so "
+        "each step runs 8 to 30 times slower than in fp32 (fp16 is for CUDA GPUs, with the "
+        "engine's loss scale); use precision='bf16' (the CPU's reduced precision, no loss "
+        "scale needed) or 'fp32' (what precision='auto' picks on the CPU)"
+    )
 
 
 def check_step_options(precision: Any, channels_last: Any, compile: Any) -> None:
@@ -40,7 +70,7 @@ def check_step_options(precision: Any, channels_last: Any, compile: Any) -> None
     if precision not in PRECISIONS:
         raise ConfigError(
             f"precision={precision!r}: use 'auto' (bf16 on a GPU that supports it, fp32 "
-            "on the CPU), 'bf16', 'fp16' (with a loss scale the engine keeps) or 'fp32'"
+            "on the CPU), 'bf16', 'fp16' (CUDA only, with a loss scale the engine keeps) or 'fp32'"
         )
     if channels_last not in (True, False, "auto"):
         raise ConfigError(
@@ -110,13 +140,16 @@ def resolve_step_options(
     model: torch.nn.Module,
     *,
     spatial: bool = False,
+    allow_cpu_fp16: bool = False,
 ) -> StepOptions:
-    """ "auto" made concrete for this worker: bf16 where CUDA supports it, else fp32;
-    channels_last on CUDA for a model whose convolutions are all 2-D (or all 3-D);
-    never for a spatial layout (its halo exchange slices contiguous NCHW tensors)."""
+    """ "auto" made concrete for this worker: bf16 where CUDA supports it, else fp32 (never
+    fp16, which is refused off CUDA unless ``allow_cpu_fp16``: tests only); channels_last
+    on CUDA for a model whose convolutions are all 2-D (or all 3-D); never for a spatial
+    layout (its halo exchange slices contiguous NCHW tensors)."""
     import torch
 
     cuda = device.type == "cuda"
+    check_fp16_device(precision, device, allowed=allow_cpu_fp16)
     if precision == "auto":
         precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
     dims = _conv_dims(model)

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
+from dataflow.core.precision import cpu_fp16_allowed
 from dataflow.core.slowdown import as_slowdown
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.costplan import FitPlan, planned_model, workers_wanted
@@ -59,6 +60,7 @@ def run_fit(
         precision=config.precision,
         channels_last=config.channels_last,
         compile=config.compile,
+        allow_cpu_fp16=cpu_fp16_allowed(),
     )
     executor = Executor(client, spec, recover=config.recover_lost_workers)
     loop = build_loop(

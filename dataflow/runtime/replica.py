@@ -72,7 +72,7 @@ class ReplicaRuntime:
             spatial=spatial,
             local=spec.local,
             asynchronous=spec.asynchronous,
-            requested_step_options=(spec.precision, spec.channels_last, spec.compile),
+            requested_step_options=spec.requested_step_options,
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}

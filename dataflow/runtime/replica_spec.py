@@ -51,6 +51,12 @@ class ReplicaSpec:
     precision: str = "fp32"
     channels_last: bool | str = False
     compile: bool | str = False
+    allow_cpu_fp16: bool = False  # DATAFLOW_ALLOW_CPU_FP16=1 on the driver (tests only)
+
+    @property
+    def requested_step_options(self) -> tuple[Any, ...]:
+        """What Forward resolves on the worker (``dataflow.core.precision``)."""
+        return (self.precision, self.channels_last, self.compile, self.allow_cpu_fp16)
 
     @property
     def spatial(self) -> int:
