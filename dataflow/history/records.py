@@ -2,8 +2,9 @@
 
 The recorder writes these and the report reads them (its required fields are the
 records' fields). Each record also reads as a dict (``history.steps[i]["loss"]``,
-``.get``, ``in``, ``==`` with a dict), so the JSON and older histories, which hold
-plain dicts, read the same way.
+``.get``, ``in``, ``==`` with a dict). A history loaded from JSON or a checkpoint holds
+records too (:meth:`Record.from_dict`): one type whatever the path, and each loaded row
+reads key for key as written, an older row's absent fields absent.
 """
 
 from __future__ import annotations
