@@ -475,6 +475,7 @@ class Executor(GroupForming):
             with contextlib.suppress(Exception):
                 self.client.run(remote.abort_run, self.run_id, workers=members)
         self.in_flight, self.windows, self.last = [], {}, []
+        self.spec_future = None  # the workers may drop the scattered spec (and its sources)
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
         self.removals.close()

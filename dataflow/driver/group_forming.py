@@ -1,7 +1,8 @@
 """How the executor forms a fit's process group on the workers: the spec scattered
-once, rank 0's store opened, every rank set up (fresh) or regrouped (survivors keep
-their state, joiners get rank 0's snapshot), and the forming abandoned on the
-survivors when a member is lost meanwhile.
+once (never inside a task: an in-memory source would travel through the scheduler in
+every graph that carries it), rank 0's store opened, every rank set up (fresh) or
+regrouped (survivors keep their state, joiners get rank 0's snapshot), and the forming
+abandoned on the survivors when a member is lost meanwhile.
 
 A part of :class:`~dataflow.driver.executor.Executor` (its base class), apart because
 forming a group is its own protocol; it uses the executor's client, members, groups,
@@ -15,6 +16,7 @@ from typing import Any
 from dataflow.driver import commands as cmd
 from dataflow.driver.membership import Lost
 from dataflow.runtime import tasks as remote
+from dataflow.runtime.cluster import live_workers
 
 
 class GroupForming:
@@ -48,7 +50,7 @@ class GroupForming:
         world = len(members)
         if c.fresh:  # no window of an older group is in flight any more
             self.windows, self.slot_of, self.in_flight = {}, {}, []
-            self.scatter_spec(list(c.members[:1]) if c.restore or c.generation else None)
+            self.scatter_spec()
             self.last = [None] * world
             host, port = self._rendezvous(world)
             try:
@@ -60,6 +62,7 @@ class GroupForming:
         joining = set(c.joining)
         snapshot = None
         if joining:
+            self.scatter_spec()  # the joiners' Setup fetches it from a worker holding it
             snapshot = self.send(
                 remote.Capture(self.run_id, self.generation, "snapshot"),
                 0,
@@ -80,9 +83,7 @@ class GroupForming:
             if a not in joining
         ]
         setups = [
-            self._setup(r, host, port, snapshot, spec=self.spec)
-            for r, a in enumerate(members)
-            if a in joining
+            self._setup(r, host, port, snapshot) for r, a in enumerate(members) if a in joining
         ]
         try:
             infos = self.gather(setups)
@@ -106,15 +107,42 @@ class GroupForming:
                 remote.abort_group_soon, self.run_id, generation, workers=alive, wait=False
             )
 
-    def scatter_spec(self, workers: list[str] | None) -> None:
-        """Send the replica spec once (to ``workers``, else to every member)."""
+    def scatter_spec(self) -> None:
+        """The replica spec (its graph holds the sources: in-memory arrays, maybe GBs) on
+        the cluster, sent from the driver once and never inside a task: one live member
+        gets it, and every Setup depends on its future, so the other members, and
+        workers joining later (elastic, a recovery, ``scale_with_batch``), fetch it from
+        a worker holding a copy. Sent again only when no live worker holds one any more
+        (their workers died): the driver still has the spec. Not a broadcast: the
+        scheduler's replication to a list naming a worker that dies meanwhile retries
+        that worker every connect timeout (30 s), forever, and the scatter with it; a
+        dependency whose holder died fails its tasks, which the executor's wait turns
+        into a lost member."""
+        if self.spec_future is not None and self._spec_held():
+            return
+        live = live_workers(self.client)
+        target = [w for w in self.members if w in live][:1]
         try:
+            if not target:
+                raise Lost([w for w in self.members if w not in live])
             [self.spec_future] = self.client.scatter(
-                [self.spec], broadcast=True, workers=workers or list(self.members), hash=False
+                [self.spec], workers=target, hash=False, timeout=self.spec.collective_timeout_s
             )
         except Exception:
             self.raise_if_lost()  # a worker died meanwhile: recover, send again
             raise
+
+    def _spec_held(self) -> bool:
+        """Whether a live worker still holds the scattered spec (Dask cannot compute it
+        again: scattered data lost with its last holder is gone)."""
+        if self.spec_future.status != "finished":
+            return False
+        try:
+            holders = self.client.who_has([self.spec_future]).get(self.spec_future.key, ())
+        except Exception:
+            return False
+        live = live_workers(self.client)
+        return any(w in live for w in holders)
 
     def _rendezvous(self, world: int) -> tuple[Any, Any]:
         """Rank 0's worker opens the store the group forms at."""
@@ -134,14 +162,13 @@ class GroupForming:
         [address] = self.gather([future])
         return address
 
-    def _setup(self, rank: int, host: Any, port: Any, snapshot: Any = None, spec: Any = None):
-        """``spec``: the ReplicaSpec itself for joiners (the copies scattered at the start
-        may have died with their workers); by default the scattered one."""
+    def _setup(self, rank: int, host: Any, port: Any, snapshot: Any = None):
+        """Rank ``rank``'s Setup, on the scattered spec (``scatter_spec`` first)."""
         request = remote.Setup(self.run_id, self.generation, rank, len(self.members), host, port)
         return self.send(
             request,
             rank,
             snapshot=snapshot,
-            spec=self.spec_future if spec is None else spec,
+            spec=self.spec_future,
             key=f"setup@replica{rank}-{self.run_id}-g{self.generation}",
         )

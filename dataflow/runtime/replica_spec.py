@@ -4,9 +4,11 @@ the device it runs on."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from dataflow.graph import Graph
@@ -61,6 +63,43 @@ class ReplicaSpec:
     @property
     def spatial(self) -> int:
         return self.layout.spatial if self.layout is not None else 1
+
+    def private(self) -> ReplicaSpec:
+        """A copy whose stages one replica may change (their ``setup`` does: a spatial
+        rank's region of the source, data moved to the device), sharing the sources'
+        arrays. The spec is scattered once and kept on the workers: the copy a worker
+        holds stays as sent, for a later Setup there and for the workers that fetch it
+        from there (a joiner, after a recovery)."""
+        memo: dict[int, Any] = {id(a): a for a in source_arrays(self.graph)}
+        return copy.deepcopy(self, memo)
+
+
+def source_arrays(graph: Graph) -> list[Any]:
+    """The arrays (tensors, numpy) held by the graph's in-memory sources (an object with
+    ``read`` and ``num_samples``, e.g. ArraySource's x and y): data, never copied."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 4 or isinstance(obj, torch.Tensor | np.ndarray):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, list | tuple | set | frozenset):
+            values: Any = obj
+        elif isinstance(obj, dict):
+            values = obj.values()
+        else:
+            values = getattr(obj, "__dict__", {}).values()
+        source = callable(getattr(obj, "read", None)) and hasattr(obj, "num_samples")
+        for value in values:
+            if source and isinstance(value, torch.Tensor | np.ndarray):
+                found.append(value)
+            else:
+                visit(value, depth + 1)
+
+    for stage in graph:
+        visit(stage, 0)
+    return found
 
 
 def resolve_device(requested: str, rank: int) -> torch.device:

@@ -273,6 +273,7 @@ def handle(request: Request, after: Any = None, snapshot: Any = None, spec: Any 
 
 def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
     plugin, rank = current_plugin(), request.rank
+    spec = spec.private()  # the worker's copy of the scattered spec stays as sent
     # Default: the worker's own thread budget (1 per process on the default LocalCluster),
     # so replicas sharing a node do not oversubscribe its cores.
     torch.set_num_threads(spec.threads or plugin.worker.state.nthreads)
