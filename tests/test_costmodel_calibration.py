@@ -15,7 +15,7 @@ from distributed import Client, LocalCluster
 
 import dataflow as dfl
 from dataflow.costmodel import CostModel, calibrate
-from dataflow.driver.recorder import plausible_step_seconds, steady_step_seconds
+from dataflow.driver.step_times import plausible_step_seconds, steady_step_seconds
 from dataflow.errors import BatchSizeError, ConfigError, DataflowError, LossError, ModelError
 
 QUICK = dict(steps=2, warmup=1, repeats=2, allreduce_sizes=(4, 4096, 65536), allreduce_repeats=3)

@@ -259,9 +259,11 @@ def _parameters(trainer: Any) -> tuple[int, int]:
     )
 
 
-def _ship(client: Any, value: Any, workers: list[str]) -> Any:
-    """``value`` on every worker once (a future), not pickled into each task."""
-    return client.scatter(value, workers=list(workers), broadcast=True, hash=False)
+def _ship(client: Any, value: Any, workers: list[str], timeout_s: float = 60.0) -> Any:
+    """``value`` sent once (a future), not pickled into each task: to one of ``workers``;
+    the others fetch it from there when their task needs it. Not broadcast: the
+    scheduler retries a broadcast's copy to a worker that died meanwhile forever."""
+    return client.scatter(value, workers=list(workers), hash=False, timeout=timeout_s)
 
 
 def _on(client: Any, worker: str, fn: Any, *args: Any) -> Any:
