@@ -304,10 +304,20 @@ def test_every_worker_lost_while_the_first_group_forms_waits_for_workers():
     assert form.members == W[2:] and not form.restore
 
 
-def test_every_replica_lost_without_checkpoints_fails_naming_the_lost():
+def test_every_replica_lost_without_checkpoints_starts_again_from_step_0_or_fails():
+    """No checkpoint folder: the fit waits for workers and starts again from step 0
+    rather than fail a fit they could finish; none back, it fails naming the lost."""
+    d = Driver()
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
+    assert record.record["restarted_from_step"] == 0 and restart.from_start
+    assert form.members == W[2:] and not form.restore
     d = Driver()
     d.start()
-    [fail] = d.send(ev.WorkersLost(W[:2]))
+    d.send(ev.WorkersLost(W[:2]))
+    [fail] = d.send(ev.RestartPoint(step=None, workers=()))
     assert isinstance(fail, cmd.Fail) and fail.lost == W[:2] and fail.remain == 0
 
 

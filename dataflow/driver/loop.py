@@ -194,20 +194,19 @@ class FitLoop:
 
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
         step, workers, checkpoint = None, (), None
-        if self.writer is not None:  # (no checkpoint yet: the machine starts from step 0)
-            size = self.machine.config.spatial  # counts of replicas, in workers
-            found = self.executor.await_restart(
-                c.had * size,
-                max(1, self.min_workers) * size,
-                self.replicas * size if self.replicas else None,
-                RESTART_WAIT_S,
-                RESTART_GATHER_S,
-            )
-            if found:
-                workers = tuple(found)
-                if self.writer.store.latest() is not None:
-                    checkpoint = self.checkpoint = self.writer.load_latest()
-                    step = checkpoint.step
+        size = self.machine.config.spatial  # counts of replicas, in workers
+        found = self.executor.await_restart(
+            c.had * size,
+            max(1, self.min_workers) * size,
+            self.replicas * size if self.replicas else None,
+            RESTART_WAIT_S,
+            RESTART_GATHER_S,
+        )
+        if found:  # (no checkpoint, or no folder: the machine starts from step 0)
+            workers = tuple(found)
+            if self.writer is not None and self.writer.store.latest() is not None:
+                checkpoint = self.checkpoint = self.writer.load_latest()
+                step = checkpoint.step
         if checkpoint is None:
             self.executor.queue.append(ev.RestartPoint(None, workers))
             return

@@ -172,9 +172,8 @@ class LostWorkers:
             record = self._failure("every replica lost", lost)
             s.windows.clear()
             s.pending.clear()
-            if not config.checkpoints:
-                s.status = Status.FAILED
-                return [*out, cmd.Fail(lost=lost, remain=0, phase=self._phase_index())]
+            # Wait for workers: start again from the newest checkpoint or, with none (or
+            # no checkpoint folder), from step 0, rather than fail a fit they could finish
             s.status, s.lost_everything = Status.RESTARTING, record
             return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
@@ -266,7 +265,7 @@ class LostWorkers:
         lost = tuple(w for w in s.layout.workers if w in event.workers)
         survivors = s.layout.without(lost_ranks)
         self._release_partners(lost_ranks, event.workers)
-        if not survivors.replicas and (s.forming == Forming.RESTART or config.checkpoints):
+        if not survivors.replicas:
             # every worker lost before any step: wait for workers, start again from the
             # newest checkpoint (a resumed fit's, a restart's) or, with none, from step 0
             s.status, s.lost_everything = (
