@@ -223,20 +223,20 @@ def test_a_worker_killed_while_the_spec_is_sent_is_recorded_not_waited_for(clien
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("folder", [True, False], ids=["checkpoint_dir", "no_folder"])
 def test_every_original_worker_lost_before_the_first_checkpoint_restarts_from_step_0(
-    client, tmp_path
+    client, tmp_path, folder
 ):
     """Every replica SIGKILLs its worker at step 2, before any checkpoint was written:
     no survivor holds the commit and there is no checkpoint to start from, but the
     initial weights are known (the model factory and the seed). The fit starts again
     from step 0 on the nannies' restarted workers, records the loss, and ends with
-    every sample trained once per epoch."""
+    every sample trained once per epoch. Without a checkpoint folder, the same."""
     marker = str(tmp_path / "killed")
     trainer = _trainer(tmp_path, KillOnce(marker, step=2, rank=None), window_steps=4)
     started = time.time()
-    result = trainer.fit(
-        epochs=EPOCHS, client=client, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=50
-    )
+    checkpoints = dict(checkpoint_dir=tmp_path / "ckpt", checkpoint_every=50) if folder else {}
+    result = trainer.fit(epochs=EPOCHS, client=client, **checkpoints)
     assert all(Path(f"{marker}.{r}").exists() for r in range(WORKERS))
     failures = result.history.info["failures"]
     [restart] = [f for f in failures if f.get("restarted_from_step") is not None]
