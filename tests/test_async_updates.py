@@ -195,6 +195,91 @@ def test_a_lost_replica_costs_only_its_gradient_in_flight():
     assert out["window"] == 2  # the shard serves the next window
 
 
+def test_a_survivor_with_no_part_to_retrain_still_meets_the_retrain_barrier():
+    """The replicas' side of a retrain round (``StoreClient``, on a real shard registry
+    and store loop; no cluster: every replica on the shard's host). Replica 2 of three
+    is lost with its part of step 1 in flight: one part to retrain, two survivors, so
+    replica 1 has none of it. It must still finish the retrain round (the shard's
+    barrier waits for it) and take the final weights and optimizer state, as replica 0
+    does; it used to read "no part of mine" as "settled" and leave replica 0 waiting
+    at the barrier until ``collective_timeout_s`` (the window then failed)."""
+    import threading
+    import types
+
+    from torch.distributed import HashStore
+
+    from dataflow.ps.client import StoreClient
+    from dataflow.ps.service import ShardRegistry
+
+    registry, store = ShardRegistry(), HashStore()
+    worker = types.SimpleNamespace(address="tcp://127.0.0.1:1")  # every replica's host
+    policy = dfl.sync.Async(staleness=2)
+
+    def replica(rank: int) -> tuple[StoreClient, torch.nn.Module]:
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        factory = lambda p: torch.optim.SGD(p, lr=1.0, momentum=0.5)  # noqa: E731
+        client = StoreClient(
+            run_id="fit",
+            policy=policy,
+            rank=rank,
+            replicas=3,
+            model=model,
+            optimizer=factory(model.parameters()),
+            optimizer_factory=factory,
+            worker=worker,
+            registry=registry,
+            store=store,
+            prefix="fit/g0",
+            timeout_s=10.0,
+        )
+        return client, model
+
+    def push(client: StoreClient, model: torch.nn.Module, step: int, owner: int) -> None:
+        model.weight.grad = torch.full((1, 1), float(10**owner * (step + 1)))
+        client.push(1 / 3, part=(step, owner))
+
+    planned = [(step, owner) for step in (0, 1) for owner in range(3)]
+    replicas = [replica(rank) for rank in range(3)]
+    replicas[0][0].begin_window(0)  # the host builds shard 0
+    for client, _ in replicas[1:]:
+        client.begin_window(0)
+    push(*replicas[2], 0, 2)  # replica 2's part of step 0 is applied, then it is lost
+    registry.store.submit(registry.drop("fit", [2])).result()
+    retrained: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def survivor(rank: int) -> None:
+        client, model = replicas[rank]
+        try:
+            for step in (0, 1):
+                push(client, model, step, rank)
+            parts = client.finish(2, planned, share=0.5)
+            retrained[rank] = parts
+            while parts:
+                for step, owner in parts:
+                    push(client, model, step, owner)
+                parts = client.finish(2, planned, share=0.5)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in (0, 1)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        registry.close()
+    assert not errors, errors
+    assert retrained == {0: [(1, 2)], 1: []}  # the one part is replica 0's to train
+    (a, model_a), (b, model_b) = replicas[0], replicas[1]
+    assert a.window == b.window == 2 and a.round == b.round == 0
+    assert torch.equal(model_a.weight, model_b.weight)  # every part applied once
+    state_a = a.optimizer.state[model_a.weight]["momentum_buffer"]
+    assert torch.equal(state_a, b.optimizer.state[model_b.weight]["momentum_buffer"])
+
+
 @pytest.mark.parametrize(
     ("staleness", "overlap"), [(0, False), (1, False), (3, False), (1, True), (3, True)]
 )

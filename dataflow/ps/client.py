@@ -184,7 +184,8 @@ class StoreClient:
         take the store's weights and optimizer state (identical on every replica) and
         the averaged buffers, and return ``[]``; or, a replica having been lost
         in the window, take the current weights and return the (step, owner) parts this
-        replica trains again before it finishes once more. ``planned``: the window's
+        replica trains again before it finishes once more (never an empty list: a
+        replica with none of them finishes the next round at once). ``planned``: the window's
         parts; ``share``: this replica's samples over the window's."""
         self._collect()
         buffers = self._buffers()
@@ -213,7 +214,12 @@ class StoreClient:
             self.round += 1
             mine = self._my_share(sorted(lacking))
             self.targets = {p: lacking[p] for p in mine}
-            return mine
+            if mine:
+                return mine
+            # None of the parts is this replica's, but the round's barrier waits for it
+            # too: an empty list would read as "settled" and leave the others waiting
+            # (collective_timeout_s), then the window failed.
+            return self.finish(stop, planned, share)
         with torch.no_grad():
             for reply in replies.values():
                 for i, state in reply["optimizer"].items():
