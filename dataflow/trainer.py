@@ -30,7 +30,7 @@ from dataflow.history.result import FitResult
 from dataflow.label_watch import watch_labels
 from dataflow.planning.layout import Layout
 from dataflow.planning.layout_choice import check_transforms
-from dataflow.planning.plan import Plan, phase_steps
+from dataflow.planning.plan import Plan, Plans, phase_steps
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
 from dataflow.stages import Forward, Load, Update
@@ -116,7 +116,7 @@ class Trainer:
     # -- inspection, no cluster ---------------------------------------------------------
     def plan(
         self, epochs: int, replicas: int | Sequence[int], *, step_seconds: float | None = None
-    ) -> list[Plan]:
+    ) -> Plans:
         """The plans a fit of ``epochs`` on ``replicas`` would run (first phase's view).
 
         ``replicas`` may list the replica count of each phase (the last one repeats), as
@@ -124,7 +124,7 @@ class Trainer:
         """
         _check_epochs(epochs)
         counts = [replicas] if isinstance(replicas, int) else list(replicas)
-        plans, epoch, previous, index = [], 0, None, 0
+        plans, epoch, previous, index = Plans(), 0, None, 0
         planner = self.planner()
         layout = self.config.layout.describe() if isinstance(self.config.layout, Layout) else ""
         if self.config.layout == "auto" or self.config.memory_per_worker is not None:

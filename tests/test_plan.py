@@ -123,3 +123,26 @@ def test_plan_header_reads_once_and_lists_splits_in_step_order():
     assert "local batches per replica: (8, 8), (3, 3)\n" in text
     tagged = Plan.build(STAGES, phase(16, epochs=3), steps, 2, tag="train")
     assert str(tagged).startswith("Plan (train), phase 0: epochs 0-2,")
+
+
+def test_a_pipelines_plans_show_as_their_summaries_at_a_prompt():
+    """``pipe.plan(...)`` in a notebook shows its repr: the plans' summaries, not pages
+    of StepSpec dataclasses."""
+    import numpy as np
+    import torch
+
+    x = np.zeros((600, 1, 4, 4), dtype=np.float32)
+    pipe = dfl.Pipeline(
+        model=lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 2)),
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        source=dfl.io.ArraySource(x, np.zeros(600, dtype=np.int64)),
+        schedule=dfl.schedule.Stepwise({0: 64, 1: 128}),
+        progress=False,
+    )
+    plans = pipe.plan(epochs=2, replicas=3)
+    shown = repr(plans)
+    assert "StepSpec(" not in shown and shown == str(plans)
+    assert shown.startswith("Plan, phase 0: epoch 0, global batch 64, 3 replica(s)")
+    assert "\nPlan, phase 1: epoch 1, global batch 128" in shown
+    assert isinstance(plans, list) and len(plans) == 2

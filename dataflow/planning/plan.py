@@ -295,3 +295,14 @@ class Plan:
                 )
         lines.append("}")
         return "\n".join(lines)
+
+
+class Plans(list):
+    """The phase plans of a fit (``Trainer.plan``): a list that shows as the plans'
+    summaries, so ``pipe.plan(...)`` at a prompt or in a notebook reads as ``print``
+    does (each plan keeps its full dataclass ``repr``)."""
+
+    def __str__(self) -> str:
+        return "\n".join(str(plan) for plan in self)
+
+    __repr__ = __str__
