@@ -210,6 +210,26 @@ def test_async_a_finished_window_missing_a_lost_share_of_scores_rolls_back_not_r
     assert rollback.members == W[:2] and rollback.step == 2
 
 
+def test_a_window_the_survivors_trained_past_is_salvaged_with_its_partial_scores():
+    """Asynchronous updates run ahead of the driver's commits: when a survivor already
+    finished a later window, its replica no longer holds the start of the window that
+    lacks the lost share of scores, so that window is salvaged (the recorder then
+    records the epoch's evaluation as partial) rather than rolled back past reach."""
+    from dataflow.sync import Async
+
+    d = Driver(sync=Async(staleness=1), held_out_samples=300)
+    _, calibration = d.start(workers=W)
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    w0, w1 = train.plan.windows[:2]
+    for r in (0, 1):
+        done = scored(result(r, train.plan, w0), train.plan, w0, 100)
+        d.send(ev.WindowDone(0, train.first_window, {r: done}))
+    d.send(ev.WindowDone(0, train.first_window + 1, {0: result(0, train.plan, w1)}))
+    out = d.send(ev.WorkersLost(("tcp://c",)))
+    commits = of(cmd.CommitWindow, out)
+    assert commits and commits[0].window.index == 0 and commits[0].results[2] is None
+
+
 def test_a_loss_before_any_partner_finished_rolls_back_to_the_last_commit():
     d = Driver()
     _, calibration = d.start()

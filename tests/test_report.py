@@ -146,6 +146,21 @@ def test_report_from_a_hand_built_history(tmp_path):
     )
 
 
+def test_an_evaluation_of_part_of_the_held_out_set_is_said_in_the_report_and_summary(
+    tmp_path,
+):
+    """A lost worker that took its share of an epoch's held-out scores with it, after the
+    survivors had trained past that window (so it could not be trained again): the
+    epoch's score covers part of the set, and the report and the summary say so."""
+    history = adaptive_history()
+    history.info["partial_evaluations"] = [{"epoch": 3, "scored": 200, "held_out": 300}]
+    write_report(history, tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "Epoch 3's evaluation scored 200 of 300 held-out samples" in report
+    summary = dfl.FitResult(model=None, history=history).summary()
+    assert "epoch 3: the evaluation scored 200 of 300 held-out samples" in summary
+
+
 def test_report_of_an_old_history_without_the_optional_fields(tmp_path):
     history = adaptive_history(optional=False)
     history.phases[0].pop("task_seconds")

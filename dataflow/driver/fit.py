@@ -158,6 +158,7 @@ def build_loop(
         cost_model=planned_model(config, fit_plan),
         lockstep_wait=config.settles_at_window_end,
         leases=bool(getattr(config.sync, "leases", False)),
+        held_out_samples=held_out_samples(trainer.graph),
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)

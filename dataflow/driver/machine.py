@@ -344,7 +344,7 @@ class FitMachine(LostWorkers):
                 lost
                 and len(lost) < replicas
                 and all(r in got or r in lost for r in range(replicas))
-                and self._scored_whole_held_out(got)
+                and (self._scored_whole_held_out(got) or self._survivors_went_past())
             ):
                 break
             plan, window, marked = s.windows.pop(s.commit_window)
@@ -365,6 +365,14 @@ class FitMachine(LostWorkers):
                         cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states)
                     )
         return out
+
+    def _survivors_went_past(self) -> bool:
+        """Whether a survivor finished a window after the one to commit (asynchronous
+        updates run ahead of the driver's commits): its replica no longer holds that
+        window's start, so the window cannot be trained again, only salvaged (its
+        partial held-out scores are then recorded as partial)."""
+        s = self.state
+        return any(s.pending.get(w) for w in s.windows if w > s.commit_window)
 
     def _scored_whole_held_out(self, got: dict[int, Any]) -> bool:
         """Whether a window's evaluations, in the results at hand, scored the whole

@@ -51,6 +51,7 @@ class Recorder:
         cost_model: Any = None,
         lockstep_wait: bool = False,
         leases: bool = False,
+        held_out_samples: int | None = None,
     ) -> None:
         self.graph, self.order, self.load, self.seed = graph, order, load, seed
         self.skips_non_finite, self.progress = skips_non_finite, progress
@@ -60,6 +61,7 @@ class Recorder:
         # Sample leases: parts move between replicas within a window, so a lost
         # replica's result may hold parts the survivors' results do not mention.
         self.leases = leases
+        self.held_out_samples = held_out_samples  # what an evaluation scores, if any
         self.history = History()
         self.ledger = SampleLedger(load.source.num_samples)
         self.noise = NoiseScaleTracker()
@@ -287,6 +289,11 @@ class Recorder:
             for key in evals[0]:
                 if key != "count":
                     metrics[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
+        total = self.held_out_samples
+        if count is not None and total is not None and count < total:  # never silently
+            self.history.info.setdefault("partial_evaluations", []).append(
+                {"epoch": spec.epoch, "scored": count, "held_out": total}
+            )
         self.history.epochs.append(EpochRecord(spec.epoch, train_loss, metrics, count))
 
     # -- phase end --------------------------------------------------------------------

@@ -230,6 +230,11 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
         report_title(history),
         "",
         *([f"{skipped[0].upper()}{skipped[1:]}.", ""] if skipped else []),
+        *(
+            f"**Epoch {p['epoch']}'s evaluation scored {p['scored']} of {p['held_out']} "
+            "held-out samples** (a lost worker took its share's scores with it).\n"
+            for p in history.info.get("partial_evaluations") or ()
+        ),
         *notes,
         *sync_table(history),
         "Tables: `steps.csv` (one row per step: loss, samples, samples_seen, seconds, "

@@ -116,6 +116,12 @@ class FitResult:
             )
         if (skipped := skipped_text(h)) is not None:
             lines.append(f"  {skipped}")
+        for partial in info.get("partial_evaluations") or ():
+            lines.append(
+                f"  epoch {partial['epoch']}: the evaluation scored {partial['scored']} of "
+                f"{partial['held_out']} held-out samples (a lost worker took its share's "
+                "scores with it after the survivors had trained past that window)"
+            )
         if h.epochs:
             last = h.epochs[-1]
             metrics = ", ".join(
