@@ -366,28 +366,6 @@ class FitMachine(LostWorkers):
                     )
         return out
 
-    def _survivors_went_past(self) -> bool:
-        """Whether a survivor finished a window after the one to commit (asynchronous
-        updates run ahead of the driver's commits): its replica no longer holds that
-        window's start, so the window cannot be trained again, only salvaged (its
-        partial held-out scores are then recorded as partial)."""
-        s = self.state
-        return any(s.pending.get(w) for w in s.windows if w > s.commit_window)
-
-    def _scored_whole_held_out(self, got: dict[int, Any]) -> bool:
-        """Whether a window's evaluations, in the results at hand, scored the whole
-        held-out set. A lost replica's scores of its share died with its result: such a
-        window is not salvaged but trained again by the survivors, so no epoch's score
-        covers part of the held-out set."""
-        total = self.config.held_out_samples
-        if total is None:
-            return True
-        scored: dict[int, int] = {}
-        for result in got.values():
-            for step, scores in (getattr(result, "evals", None) or {}).items():
-                scored[step] = scored.get(step, 0) + int(scores.get("count", 0))
-        return all(count >= total for count in scored.values())
-
     def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
         s = self.state
         if event.generation != s.generation or s.status != Status.ENDING:
