@@ -15,6 +15,11 @@ One epoch, in two shuffle levels seeded by (seed, epoch):
    those chunks in memory, whatever the dataset size.
 
 Replica ``r`` then takes the next ``b_r`` samples of its stream at every step.
+
+A chunk is a run of consecutive samples (``sizes``), or any set of samples
+(``members``: the windows of a ``PatchSource`` block, which are not consecutive in
+C order); the stream is then the chunks' member lists, concatenated in the
+shuffled chunk order, and level 2 is the same.
 """
 
 from __future__ import annotations
@@ -49,13 +54,22 @@ def shard_epoch(
     epoch: int,
     shuffle: bool = True,
     buffer_chunks: int = 4,
+    members: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
     """Each replica's sample indices for one epoch, in the order it reads them.
 
     ``sizes``: samples per chunk, in store order. ``replica_samples``: how many
     samples each replica consumes this epoch; their sum may be less than the
     dataset (``drop_last``): the samples left over at the end go unused.
+    ``members``: the sample indices each chunk holds, when a chunk is not a run of
+    consecutive samples (``ChunkedSource.chunk_members``, e.g. the windows of a block);
+    None: chunk ``c`` holds the ``sizes[c]`` samples after those of chunk ``c - 1``.
     """
+    if members is not None and [len(m) for m in members] != [int(n) for n in sizes]:
+        raise ConfigError(
+            f"shard_epoch: {len(members)} chunk member lists do not match the {len(sizes)} "
+            "chunk sizes; pass sizes=[len(m) for m in members]"
+        )
     total = int(sum(sizes))
     if sum(replica_samples) > total or any(n < 0 for n in replica_samples):
         raise ConfigError(
@@ -72,6 +86,9 @@ def shard_epoch(
     # Vectorised: position p of the stream holds sample start(chunk) + (p - where chunk begins).
     placed = np.concatenate([[0], np.cumsum(sizes_arr[order])[:-1]]).astype(np.int64)
     stream = np.arange(total, dtype=np.int64) + np.repeat(starts[order] - placed, sizes_arr[order])
+    if members is not None:  # the same positions, in the chunks' concatenated member lists
+        flat = np.concatenate([np.asarray(m, dtype=np.int64) for m in members] or [stream[:0]])
+        stream = flat[stream]
     group = buffer_chunks * (int(sizes_arr.max()) if len(sizes_arr) else 1)
     shards, offset = [], 0
     for rank, n in enumerate(replica_samples):
@@ -85,12 +102,23 @@ def shard_epoch(
 
 
 def source_chunk_sizes(source: object) -> list[int]:
-    """Samples per chunk of a source: its ``chunk_bounds`` if it has them (zarr, dask:
-    possibly irregular), else ``chunk_samples`` per chunk (1 for in-memory arrays)."""
+    """Samples per chunk of a source: the lengths of its ``chunk_members`` if it has them
+    (windows grouped by block), its ``chunk_bounds`` if it has them (zarr, dask: possibly
+    irregular), else ``chunk_samples`` per chunk (1 for in-memory arrays)."""
+    members = source_chunk_members(source)
+    if members is not None:
+        return [len(m) for m in members]
     bounds = getattr(source, "chunk_bounds", None)
     if bounds is not None:
         return np.diff(np.asarray(bounds, dtype=np.int64)).tolist()
     return chunk_sizes(source.num_samples, getattr(source, "chunk_samples", 1))
+
+
+def source_chunk_members(source: object) -> list[np.ndarray] | None:
+    """The sample indices each chunk of a source holds, when its chunks are not runs of
+    consecutive samples (``chunk_members``); None for every source whose chunks are."""
+    members = getattr(source, "chunk_members", None)
+    return None if members is None else list(members)
 
 
 def continued_streams(
@@ -135,6 +163,7 @@ def epoch_streams(
     seed: int,
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+    members: Sequence[np.ndarray] | None = None,
 ) -> Iterator[tuple[int, list[StepSpec], list[np.ndarray]]]:
     """Per epoch of ``steps`` (whole epochs, or the rest of an epoch after a re-split,
     in order): the epoch, its steps, and every replica's stream of sample indices for
@@ -148,7 +177,13 @@ def epoch_streams(
         wanted = [sum(spec.local_batches[r] for spec in epoch_steps) for r in range(width)]
         first = list(earlier[0][0]) if earlier else wanted
         streams = shard_epoch(
-            sizes, first, seed=seed, epoch=epoch, shuffle=shuffle, buffer_chunks=buffer_chunks
+            sizes,
+            first,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            buffer_chunks=buffer_chunks,
+            members=members,
         )
         if earlier:
             streams = continued_streams(streams, earlier, wanted)
@@ -162,6 +197,7 @@ def replica_epochs(
     seed: int,
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+    members: Sequence[np.ndarray] | None = None,
 ) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
     """Per epoch of ``steps`` (see :func:`epoch_streams`): the epoch, its steps, and for
     every step every replica's sample indices (``parts[step][replica]``).
@@ -170,7 +206,12 @@ def replica_epochs(
     each step, so batches have exactly the planned sizes across chunk boundaries.
     """
     for epoch, epoch_steps, streams in epoch_streams(
-        steps, sizes=sizes, seed=seed, shuffle=shuffle, buffer_chunks=buffer_chunks
+        steps,
+        sizes=sizes,
+        seed=seed,
+        shuffle=shuffle,
+        buffer_chunks=buffer_chunks,
+        members=members,
     ):
         position = [0] * len(streams)
         parts = []
@@ -192,6 +233,7 @@ def replica_streams(
     seed: int,
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
+    members: Sequence[np.ndarray] | None = None,
 ) -> Iterator[tuple[StepSpec, list[np.ndarray]]]:
     """For each step (whole epochs, in order): every replica's sample indices.
 
@@ -200,11 +242,18 @@ def replica_streams(
     step's global batch: a single process that trains on those batches computes
     the same mean gradients.
     """
+    if sizes is None and members is not None:
+        sizes = [len(m) for m in members]
     if sizes is None:
         if num_samples is None:
             raise ConfigError("replica_streams: give sizes= or num_samples=")
         sizes = chunk_sizes(num_samples, chunk_samples)
     for _, epoch_steps, parts in replica_epochs(
-        steps, sizes=sizes, seed=seed, shuffle=shuffle, buffer_chunks=buffer_chunks
+        steps,
+        sizes=sizes,
+        seed=seed,
+        shuffle=shuffle,
+        buffer_chunks=buffer_chunks,
+        members=members,
     ):
         yield from zip(epoch_steps, parts, strict=True)

@@ -25,7 +25,12 @@ from dataflow.io.chunk_reader import (
     is_chunked,
 )
 from dataflow.io.prefetch import Prefetcher
-from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS, shard_epoch, source_chunk_sizes
+from dataflow.io.sharding import (
+    DEFAULT_BUFFER_CHUNKS,
+    shard_epoch,
+    source_chunk_members,
+    source_chunk_sizes,
+)
 
 # Output buffers kept beyond ``prefetch``: the batch being assembled, the one the
 # consumer holds, and one each the loader thread and the generator hand on.
@@ -64,6 +69,7 @@ def stream_batches(
         epoch=epoch,
         shuffle=getattr(source, "shuffle", True),
         buffer_chunks=buffer_chunks,
+        members=source_chunk_members(source),
     )
     batches = [order[i : i + batch_size] for i in range(0, used, batch_size)]
 

@@ -26,6 +26,7 @@ from dataflow.io.sharding import (
     epoch_streams,
     replica_epochs,
     replica_streams,
+    source_chunk_members,
     source_chunk_sizes,
 )
 from dataflow.stages.base import Batch, PhaseContext, ReplicaContext, Stage, StepContext
@@ -152,6 +153,7 @@ class Load(Stage):
         return replica_streams(
             steps,
             sizes=source_chunk_sizes(self.source),
+            members=source_chunk_members(self.source),
             seed=seed,
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,
@@ -163,6 +165,7 @@ class Load(Stage):
         return epoch_streams(
             steps,
             sizes=source_chunk_sizes(self.source),
+            members=source_chunk_members(self.source),
             seed=seed,
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,
@@ -174,6 +177,7 @@ class Load(Stage):
         epochs = replica_epochs(
             steps,
             sizes=source_chunk_sizes(self.source),
+            members=source_chunk_members(self.source),
             seed=seed,
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,

@@ -6,7 +6,8 @@ and the engine depends only on the contract: each is a ``runtime_checkable``
 (``stages.Load`` a :class:`Source`, the trainer a :class:`Schedule` and a
 :class:`Balancer`, ``Graph.add`` a :class:`Stage`, ``ops.register`` a
 :class:`Kernel`). A source that stores samples in chunks also implements
-:class:`ChunkedSource`, and Load then decodes each chunk once per epoch.
+:class:`ChunkedSource` (its chunks as runs of samples, ``chunk_bounds``, or as any
+sets of samples, ``chunk_members``), and Load then decodes each chunk once per epoch.
 """
 
 from __future__ import annotations
@@ -52,12 +53,22 @@ class Source(Protocol):
 
 @runtime_checkable
 class ChunkedSource(Protocol):
-    """A source whose storage unit is a run of consecutive samples (a chunk)."""
+    """A source whose storage unit (a chunk) is read whole: a set of samples.
 
-    @property
-    def chunk_bounds(self) -> np.ndarray:
-        """``C + 1`` sample offsets: chunk ``c`` holds samples ``[b[c], b[c+1])``."""
-        ...
+    Besides the methods below it names its chunks in one of two ways (the protocol
+    cannot say "one of", so ``io.chunk_reader.is_chunked`` checks it):
+
+    - ``chunk_bounds``: ``C + 1`` sample offsets; chunk ``c`` holds the consecutive
+      samples ``[b[c], b[c+1])`` (a zarr store along its sample dim, a dask array);
+    - ``chunk_members``: a list of ``C`` sorted int64 arrays, the sample indices chunk
+      ``c`` holds, together a partition of the samples (the windows of a block of a
+      large array, which are not consecutive: ``io.PatchSource``). ``read_chunks``
+      then returns each chunk's samples in that order. A source with both uses the
+      members.
+
+    The epoch's order (``io.sharding``) shuffles chunks, then samples within groups of
+    ``buffer_chunks`` chunks, so each chunk is decoded once per replica and epoch.
+    """
 
     def check_chunks(self, chunks: Sequence[int]) -> None:
         """Raise ``ChunkMissingError`` if any of ``chunks`` is absent from the store."""
