@@ -74,3 +74,122 @@ def test_the_chunk_reader_decodes_each_member_chunk_once_and_places_every_sample
     assert sorted(source.reads) == [0, 1, 2, 3]
     for batch, indices in zip(got, batches, strict=True):
         assert batch.x[:, 0].tolist() == indices.astype(np.float32).tolist()
+
+
+# -- PatchSource: stores written here ------------------------------------------------------
+
+
+def write_2d(tmp_path, *, levels: bool = False):
+    """Two 64 x 48 fields (or one with a level dim) and labels, in 16 x 16 chunks."""
+    import zarr
+
+    rng = np.random.default_rng(0)
+    group = zarr.open_group(str(tmp_path / "field.zarr"), mode="w")
+    a = rng.normal(size=(64, 48)).astype(np.float32)
+    b = rng.normal(size=(64, 48)).astype(np.float32)
+    lab = ((a + b) > 0).astype(np.int64) + (a > 1).astype(np.int64)
+    for name, data in (("a", a), ("b", b), ("lab", lab)):
+        array = group.create_array(
+            name,
+            shape=data.shape,
+            chunks=(16, 16),
+            dtype=data.dtype,
+            dimension_names=("lat", "lon"),
+        )
+        array[...] = data
+    stacked = np.stack([a, b])
+    array = group.create_array(
+        "ab",
+        shape=stacked.shape,
+        chunks=(2, 16, 16),
+        dtype=np.float32,
+        dimension_names=("level", "lat", "lon"),
+    )
+    array[...] = stacked
+    return tmp_path / "field.zarr", {"a": a, "b": b, "lab": lab, "ab": stacked}
+
+
+def write_3d(tmp_path):
+    import zarr
+
+    rng = np.random.default_rng(1)
+    vol = rng.normal(size=(40, 36, 28)).astype(np.float32)
+    array = zarr.open_array(
+        str(tmp_path / "vol.zarr"),
+        mode="w",
+        shape=vol.shape,
+        chunks=(16, 16, 16),
+        dtype=np.float32,
+    )
+    array[...] = vol
+    return tmp_path / "vol.zarr", vol
+
+
+def precut(array: np.ndarray, corners: np.ndarray, patch, axes) -> np.ndarray:
+    """The windows at ``corners`` cut by hand (``axes``: the patch axes of ``array``)."""
+    out = []
+    for corner in corners:
+        index = [slice(None)] * array.ndim
+        for c, p, axis in zip(corner, patch, axes, strict=True):
+            index[axis] = slice(c, c + p)
+        out.append(array[tuple(index)])
+    return np.stack(out)
+
+
+def streamed(source, batch: int = 7, **options):
+    batches = list(dfl.io.stream_batches(source, batch, **options))
+    x = np.concatenate([b.x.numpy() for b in batches])
+    y = None if batches[0].y is None else np.concatenate([b.y.numpy() for b in batches])
+    return np.concatenate([b.indices for b in batches]), x, y, batches
+
+
+def test_unshuffled_windows_of_a_2d_field_stream_in_c_order_as_cut_by_hand(tmp_path):
+    path, data = write_2d(tmp_path)
+    source = dfl.io.PatchSource(
+        path,
+        ["a", "b"],
+        "lab",
+        patch={"lat": 8, "lon": 8},
+        stride={"lat": 5, "lon": 6},
+        shuffle=False,
+    )
+    # the full grid: corners 0, 5, ..., 55 along lat and 0, 6, ..., 36 along lon, C order
+    grid = [(i, j) for i in range(0, 57, 5) for j in range(0, 41, 6)]
+    assert source.corners.tolist() == [list(c) for c in grid]
+    assert source.num_samples == len(grid) and source.corner(3) == grid[3]
+    indices, x, y, _ = streamed(source)
+    assert indices.tolist() == list(range(len(grid)))
+    expected = np.stack([precut(data[k], source.corners, (8, 8), (0, 1)) for k in "ab"], 1)
+    assert source.sample_shape == (2, 8, 8) and np.array_equal(x, expected)
+    assert np.array_equal(y, precut(data["lab"], source.corners, (8, 8), (0, 1)))
+    # a level dim folded into the channels gives the same samples
+    folded = dfl.io.PatchSource(
+        path,
+        "ab",
+        "lab",
+        patch={"lat": 8, "lon": 8},
+        stride={"lat": 5, "lon": 6},
+        channels=("level",),
+        shuffle=False,
+    )
+    assert np.array_equal(streamed(folded)[1], expected)
+    unfolded = dfl.io.PatchSource(
+        path, "ab", patch={1: 8, 2: 8}, stride={1: 5, 2: 6}, shuffle=False
+    )
+    assert unfolded.sample_shape == (1, 2, 8, 8)
+    assert np.array_equal(streamed(unfolded)[1][:, 0], expected)
+
+
+def test_unshuffled_windows_of_a_3d_volume_stream_in_c_order_as_cut_by_hand(tmp_path):
+    path, vol = write_3d(tmp_path)
+    source = dfl.io.PatchSource(
+        path, patch={0: 12, 1: 12, 2: 12}, stride={0: 9, 1: 8, 2: 7}, shuffle=False
+    )
+    indices, x, y, _ = streamed(source, batch=5)
+    assert y is None and indices.tolist() == list(range(source.num_samples))
+    assert source.corners.tolist() == sorted(source.corners.tolist())  # C order
+    assert np.array_equal(x[:, 0], precut(vol, source.corners, (12, 12, 12), (0, 1, 2)))
+    # only some dims cut: the rest taken whole
+    slab = dfl.io.PatchSource(path, patch={2: 10}, stride={2: 3}, shuffle=False)
+    assert slab.sample_shape == (1, 40, 36, 10)
+    assert np.array_equal(streamed(slab)[1][:, 0], precut(vol, slab.corners, (10,), (2,)))

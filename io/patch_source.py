@@ -1,0 +1,312 @@
+"""A source whose samples are windows of a large N-D array (a volume, a time x lat x lon
+grid), read from the store as it is: no second, sample-major copy.
+
+Samples are the windows in C order of their corners (``io.windows``). The engine reads
+them in units (its chunks, given as ``chunk_members``): each unit's bounding box is read
+from the store once (``io.patch_arrays``: zarr's chunks decoded on the chunk reader's
+decode threads, missing and corrupt chunks named), its windows are cut with numpy
+slicing and stacked. ``shuffle=True``: units are blocks of storage chunks, so the
+engine's two-level shuffle puts blocks in a random order and permutes windows within
+groups of ``buffer_chunks`` blocks (``Load(buffer_chunks=)``/``stream_batches``: more
+mixes more windows from more blocks per batch, and holds that many blocks in memory);
+each storage chunk is fetched at most ``2 ** d`` times per replica and epoch (a window
+reaches into the next blocks) when the patch is no longer than a block.
+``shuffle=False``: units are consecutive C-order runs, so the epoch is C order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dataflow.core.batch import Batch
+from dataflow.core.errors import ConfigError, DataError
+from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.patch_arrays import (
+    PatchArray,
+    is_single_array,
+    open_member,
+    open_single,
+    open_store,
+    raw_zarr,
+)
+from dataflow.io.patch_geometry import Geometry, resolve_geometry
+from dataflow.io.windows import (
+    DEFAULT_BLOCK_WINDOWS,
+    block_factor,
+    block_units,
+    bounding_box,
+    run_units,
+)
+
+
+class PatchSource:
+    """Windows of the arrays ``x`` (and ``y``) of a store, as samples.
+
+    ``x``: an array name, or a list of names of arrays of one shape, stacked as
+    channels (None: the store is itself one array). A sample's x is
+    ``(V, *the array's dims in order)`` with the patch dims cut to their length
+    (``V`` the number of x arrays); ``channels``: dims (names or axes) folded into
+    that leading axis, in the array's order after ``V`` (``channels=("time",)`` on
+    ``(time, lat, lon)`` windows gives ``(V * time, lat, lon)`` for a 2-D CNN).
+
+    ``y``: an array of x's rank, as long as x along the patch dims, cut at the same
+    window (segmentation); a sample's y is ``(*its dims)`` with the patch dims cut
+    (no channel axis). ``y_shift={dim: k}``: y's corner is x's corner + ``k`` along
+    ``dim`` (forecasting: x = times ``t..t+L-1``, ``y_shift={"time": L - 1 + h}``,
+    ``y_patch={"time": 1}`` gives the time ``t + L - 1 + h``); ``y_patch={dim: n}``:
+    y's length along ``dim`` (else the patch's). Windows whose y would leave the
+    array are not samples. ``y=None``: ``Batch.y`` is None.
+
+    ``patch={dim name or axis: length}`` (other dims are taken whole); ``stride``
+    likewise (default: the patch, no overlap). Which windows: corners ``0, stride,
+    2 * stride, ...`` with the window inside the array, or ``windows``, an explicit
+    ``(n, d)`` int array of corners over the patch dims in the array's axis order;
+    then kept where ``mask`` (a boolean array, or an array name in the store, over
+    the patch dims, as long as x along them) is True on at least ``mask_fraction``
+    of the window's cells (1.0: all of them).
+
+    ``shuffle``, ``block`` (a block holds at least this many grid windows; None:
+    8): see the module docstring. Pickles by its parameters and the corners; the
+    store is reopened on a worker.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        x: str | Sequence[str] | None = None,
+        y: str | None = None,
+        *,
+        patch: Mapping[str | int, int],
+        stride: Mapping[str | int, int] | None = None,
+        windows: Any = None,
+        mask: Any = None,
+        mask_fraction: float = 1.0,
+        y_shift: Mapping[str | int, int] | None = None,
+        y_patch: Mapping[str | int, int] | None = None,
+        channels: Sequence[str | int] = (),
+        shuffle: bool = True,
+        block: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
+            raise ConfigError(f"PatchSource(block={block!r}): an int >= 1 (windows), or None")
+        if block is not None and block < 1:
+            raise ConfigError(f"PatchSource(block={block}): an int >= 1 (windows), or None")
+        if isinstance(y, (list, tuple)):
+            raise ConfigError(f"PatchSource(y={y!r}): y is one array name (or None)")
+        names = [n for n in ([*x] if isinstance(x, (list, tuple)) else [x]) if isinstance(n, str)]
+        extra = [n for n in (y, mask) if isinstance(n, str)]
+        self.store = raw_zarr(store, [*names, *extra])
+        self.x_name = x
+        self.y_name = y
+        self.shuffle = bool(shuffle)
+        self.block = block
+        self.storage_options = storage_options
+        self._arrays: list[PatchArray] | None = None
+        arrays = self._open()
+        mask_array = mask
+        if isinstance(mask, str):
+            mask_array = self._member("mask", mask).read_all()
+        self.geometry: Geometry = resolve_geometry(
+            x=[a for a in arrays if a.field != "y"],
+            y=next((a for a in arrays if a.field == "y"), None),
+            patch=patch,
+            stride=stride,
+            windows=windows,
+            mask=mask_array,
+            mask_fraction=mask_fraction,
+            y_shift=y_shift,
+            y_patch=y_patch,
+            channels=channels,
+        )
+        self.corners = self.geometry.corners
+        self._plan = self._unit_plan(arrays[0])
+
+    # -- opening ------------------------------------------------------------------
+    def _open(self) -> list[PatchArray]:
+        """The x arrays then y, opened (reopened lazily after pickling)."""
+        if self._arrays is not None:
+            return self._arrays
+        opened, label = open_store(self.store, self.storage_options)
+        self._opened, self._label = opened, label
+        x_names = self.x_name if isinstance(self.x_name, (list, tuple)) else [self.x_name]
+        if is_single_array(opened):
+            if self.y_name is not None or len(x_names) > 1 or x_names[0] is not None:
+                raise ConfigError(
+                    f"PatchSource: store {label} is a single array, which is x itself; pass "
+                    "x=None, or open its group (or an xarray.Dataset) to name x and y"
+                )
+            arrays = [open_single(opened, label)]
+        else:
+            if not x_names or x_names[0] is None:
+                raise ConfigError(
+                    f"PatchSource(x=None): store {label} holds several arrays; name the input(s)"
+                )
+            fields = ["x"] if len(x_names) == 1 else [f"x[{i}]" for i in range(len(x_names))]
+            arrays = [self._member(f, n) for f, n in zip(fields, x_names, strict=True)]
+            if self.y_name is not None:
+                arrays.append(self._member("y", self.y_name))
+        self._arrays = arrays
+        return arrays
+
+    def _member(self, field: str, name: Any) -> PatchArray:
+        return open_member(self._opened, field, name, self._label)
+
+    def _unit_plan(self, first: PatchArray) -> tuple[str, tuple[int, ...], int]:
+        """How windows group into units: ``("block", block shape, 0)`` or ``("run", x's
+        patch extent, bytes per cell of the patch dims)``."""
+        g = self.geometry
+        if self.shuffle:
+            chunks = first.unit or tuple(g.extents)  # no storage chunks: the whole array
+            unit = [int(chunks[a]) for a in g.axes]
+            target = self.block or DEFAULT_BLOCK_WINDOWS
+            factor = block_factor(unit, g.stride, g.extents, target)
+            return ("block", tuple(u * factor for u in unit), 0)
+        return ("run", tuple(g.patch), g.cell_bytes)
+
+    @functools.cached_property
+    def chunk_members(self) -> list[np.ndarray]:
+        """The windows (sample indices, sorted) each read unit holds."""
+        kind, shape, cell_bytes = self._plan
+        if kind == "block":
+            return block_units(self.corners, shape)
+        return run_units(self.corners, shape, cell_bytes)
+
+    # -- the Source contract ------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return len(self.corners)
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One sample's x shape (channels first)."""
+        return self.geometry.sample_shape
+
+    @property
+    def y_shape(self) -> tuple[int, ...] | None:
+        """One sample's y shape (None without y)."""
+        return self.geometry.y_shape
+
+    def corner(self, index: int) -> tuple[int, ...]:
+        """Sample ``index``'s corner over the patch dims (the array's axis order)."""
+        return tuple(int(c) for c in self.corners[index])
+
+    def region(self, bounds: Mapping[int, tuple[int, int]]) -> PatchSource:
+        raise ConfigError(
+            "PatchSource.region: spatial layouts (Layout(spatial=P)) do not read windows yet; "
+            "train a PatchSource with one worker per replica (the default layout), or write "
+            "the windows to a sample-major store and train a ZarrSource"
+        )
+
+    def _boxes(self, members: np.ndarray) -> list[tuple[list[int], list[int]]]:
+        """Per array (x then y), the box ``(lo, hi)`` over all its axes that the windows
+        ``members`` need."""
+        g = self.geometry
+        corners = self.corners[members]
+        boxes = []
+        for array in self._open():
+            is_y = array.field == "y"
+            shifted = corners + g.y_shift if is_y else corners
+            extent = g.y_extent if is_y else g.patch
+            p_lo, p_hi = bounding_box(shifted, extent)
+            lo, hi = [0] * len(array.shape), list(array.shape)
+            for j, axis in enumerate(g.y_axes if is_y else g.axes):
+                lo[axis], hi[axis] = int(p_lo[j]), int(p_hi[j])
+            boxes.append((lo, hi))
+        return boxes
+
+    def check_chunks(self, chunks: Sequence[int]) -> None:
+        """Raise ``ChunkMissingError`` naming the first absent stored object among those
+        the units ``chunks`` read, in every array."""
+        members = self.chunk_members
+        per_unit = [self._boxes(members[int(c)]) for c in chunks]
+        for k, array in enumerate(self._open()):
+            array.missing([boxes[k] for boxes in per_unit])
+
+    def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
+        """Each unit: its bounding box read once per array, its windows cut and stacked."""
+        return {int(c): self._read_unit(self.chunk_members[int(c)]) for c in chunks}
+
+    def _read_unit(self, members: np.ndarray) -> Batch:
+        g = self.geometry
+        arrays = self._open()
+        boxes = self._boxes(members)
+        corners = self.corners[members]
+        xs = [a for a in arrays if a.field != "y"]
+        regions = [a.read_box(*box) for a, box in zip(arrays, boxes, strict=True)]
+        dtype = np.result_type(*[r.dtype for r in regions[: len(xs)]])
+        x = np.empty((len(members), len(xs), *g.cut_shape), dtype)
+        for v, (region, (lo, _)) in enumerate(zip(regions, boxes, strict=False)):
+            if v == len(xs):
+                break
+            self._cut(x[:, v], region, lo, corners, g.patch, g.axes)
+        x = g.fold(x)
+        y = None
+        if self.y_name is not None:
+            region, (lo, _) = regions[-1], boxes[-1]
+            y = np.empty((len(members), *g.y_shape), region.dtype)
+            self._cut(y, region, lo, corners + g.y_shift, g.y_extent, g.y_axes)
+            y = torch.from_numpy(y)
+        return Batch(x=torch.from_numpy(x), y=y, size=len(members))
+
+    def _cut(
+        self,
+        out: np.ndarray,
+        region: np.ndarray,
+        lo: Sequence[int],
+        corners: np.ndarray,
+        extent: Sequence[int],
+        axes: Sequence[int],
+    ) -> None:
+        """``out[k]`` = the window at ``corners[k]`` of ``region`` (read from ``lo``)."""
+        index: list[Any] = [slice(None)] * region.ndim
+        for k, corner in enumerate(corners.tolist()):
+            for j, axis in enumerate(axes):
+                start = corner[j] - lo[axis]
+                index[axis] = slice(start, start + extent[j])
+            out[k] = region[tuple(index)]
+
+    def read(self, indices: np.ndarray) -> Batch:
+        """The windows at ``indices`` (in that order), through the chunk reader: the
+        units they are in are checked to exist and read once."""
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self.num_samples
+        if len(index) and (index.min() < 0 or index.max() >= n):
+            raise DataError(
+                f"PatchSource.read: indices must lie in [0, {n}); got {index.min()}..{index.max()}"
+            )
+        if len(index) == 0:
+            arrays = self._open()
+            x = torch.empty((0, *self.sample_shape), dtype=_torch_dtype(arrays[0].dtype))
+            y = None
+            if self.y_name is not None:
+                y = torch.empty((0, *self.geometry.y_shape), dtype=_torch_dtype(arrays[-1].dtype))
+            batch = Batch(x=x, y=y, size=0)
+        else:
+            batch = next(iter(EpochChunkReader(self, [index], decode_threads=1)))
+        batch.indices = indices
+        return batch
+
+    # -- pickling and display -------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_opened", "chunk_members")}
+        state["_arrays"] = None  # open handles stay behind; reopened on first use
+        return state
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        store = self.store if isinstance(self.store, str) else type(self.store).__name__
+        return (
+            f"PatchSource({str(store)!r}, x={self.x_name!r}, y={self.y_name!r}, "
+            f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
+            f"sample_shape={self.sample_shape}, shuffle={self.shuffle})"
+        )
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype.newbyteorder("="))).dtype
