@@ -193,3 +193,259 @@ def test_unshuffled_windows_of_a_3d_volume_stream_in_c_order_as_cut_by_hand(tmp_
     slab = dfl.io.PatchSource(path, patch={2: 10}, stride={2: 3}, shuffle=False)
     assert slab.sample_shape == (1, 40, 36, 10)
     assert np.array_equal(streamed(slab)[1][:, 0], precut(vol, slab.corners, (10,), (2,)))
+
+
+def test_a_mask_keeps_windows_by_their_valid_fraction_and_may_be_an_array_of_the_store(tmp_path):
+    import zarr
+
+    path, data = write_2d(tmp_path)
+    valid = np.ones((64, 48), bool)
+    valid[:20, :] = False  # "land"
+    valid[30, 30] = False
+    group = zarr.open_group(str(path), mode="a")
+    group.create_array("valid", shape=valid.shape, chunks=(32, 32), dtype=bool)[...] = valid
+    grid = dict(patch={"lat": 8, "lon": 8}, shuffle=False)
+    whole = dfl.io.PatchSource(path, "a", **grid)
+    strict = dfl.io.PatchSource(path, "a", mask=valid, **grid)
+    by_name = dfl.io.PatchSource(path, "a", mask="valid", **grid)
+    loose = dfl.io.PatchSource(path, "a", mask=valid, mask_fraction=0.5, **grid)
+    expect = [c for c in whole.corners.tolist() if valid[c[0] : c[0] + 8, c[1] : c[1] + 8].all()]
+    assert strict.corners.tolist() == expect == by_name.corners.tolist()
+    assert [16, 0] in loose.corners.tolist() and [16, 0] not in expect  # half valid
+    assert [24, 24] not in expect and [24, 24] in loose.corners.tolist()
+    assert np.array_equal(
+        streamed(strict)[1][:, 0], precut(data["a"], strict.corners, (8, 8), (0, 1))
+    )
+
+
+def test_explicit_windows_are_sorted_to_c_order(tmp_path):
+    path, data = write_2d(tmp_path)
+    corners = np.array([[40, 3], [0, 17], [40, 1], [13, 40]])
+    source = dfl.io.PatchSource(path, "a", patch={"lat": 8, "lon": 8}, windows=corners)
+    assert source.corners.tolist() == [[0, 17], [13, 40], [40, 1], [40, 3]]
+    assert np.array_equal(
+        source.read(np.arange(4)).x.numpy()[:, 0], precut(data["a"], source.corners, (8, 8), (0, 1))
+    )
+
+
+def test_a_shifted_target_window_forecasts_and_leaves_out_windows_whose_target_is_outside(
+    tmp_path,
+):
+    import zarr
+
+    rng = np.random.default_rng(2)
+    field = rng.normal(size=(30, 16, 12)).astype(np.float32)  # time x lat x lon
+    group = zarr.open_group(str(tmp_path / "f.zarr"), mode="w")
+    group.create_array(
+        "t",
+        shape=field.shape,
+        chunks=(8, 8, 8),
+        dtype=np.float32,
+        dimension_names=("time", "lat", "lon"),
+    )[...] = field
+    # inputs: times t, t+1 (folded into channels); target: time t+1+3, same tile
+    source = dfl.io.PatchSource(
+        tmp_path / "f.zarr",
+        "t",
+        "t",
+        patch={"time": 2, "lat": 8, "lon": 6},
+        stride={"time": 1},
+        y_shift={"time": 4},
+        y_patch={"time": 1},
+        channels=("time",),
+        shuffle=False,
+    )
+    times = sorted({c[0] for c in source.corners.tolist()})
+    assert times == list(range(0, 30 - 4))  # t + 4 <= 29
+    assert source.sample_shape == (2, 8, 6) and source.y_shape == (1, 8, 6)
+    _, x, y, _ = streamed(source)
+    for k, (t, i, j) in enumerate(source.corners.tolist()):
+        assert np.array_equal(x[k], field[t : t + 2, i : i + 8, j : j + 6])
+        assert np.array_equal(y[k], field[t + 4 : t + 5, i : i + 8, j : j + 6])
+    shuffled = dfl.io.PatchSource(
+        tmp_path / "f.zarr",
+        "t",
+        "t",
+        patch={"time": 2, "lat": 8, "lon": 6},
+        stride={"time": 1},
+        y_shift={"time": 4},
+        y_patch={"time": 1},
+        channels=("time",),
+    )
+    indices, xs, ys, _ = streamed(shuffled, epoch=3)
+    assert sorted(indices.tolist()) == list(range(shuffled.num_samples))
+    assert np.array_equal(xs, x[indices]) and np.array_equal(ys, y[indices])
+
+
+def config_error(match: str, *args, **kwargs):
+    with pytest.raises(dfl.errors.ConfigError, match=match):
+        dfl.io.PatchSource(*args, **kwargs)
+
+
+def test_every_mistake_is_a_config_error_naming_the_argument(tmp_path):
+    path, _ = write_2d(tmp_path)
+    p = {"lat": 8, "lon": 8}
+    config_error(r"'depth' is not a dimension of x .*lat", path, "a", patch={"depth": 4})
+    config_error(
+        r"patch=.*80 along lat is longer than x there \(64\)", path, "a", patch={"lat": 80}
+    )
+    config_error(r"stride=\{'lat': 0\}.*int >= 1", path, "a", patch=p, stride={"lat": 0})
+    config_error(
+        r"mask=.*shape \(4, 4\).*\(64, 48\)", path, "a", patch=p, mask=np.ones((4, 4), bool)
+    )
+    config_error(r"no window has its mask True", path, "a", patch=p, mask=np.zeros((64, 48), bool))
+    config_error(r"y_shift=.*every window", path, "a", "lab", patch=p, y_shift={"lat": 64})
+    config_error(r"y_shift=/y_patch=.*need y=", path, "a", patch=p, y_shift={"lat": 1})
+    config_error(
+        r"y_shift=.*'level' is not a dimension", path, "a", "lab", patch=p, y_shift={"level": 1}
+    )
+    config_error(r"stride= .* or windows=", path, "a", patch=p, stride=p, windows=[[0, 0]])
+    config_error(r"windows=.*corner \[60, 0\].*inside", path, "a", patch=p, windows=[[60, 0]])
+    config_error(r"corner \[0, 0\] is given twice", path, "a", patch=p, windows=[[0, 0], [0, 0]])
+    config_error(
+        r"mask_fraction=0", path, "a", patch=p, mask=np.ones((64, 48), bool), mask_fraction=0
+    )
+    config_error(r"block=0", path, "a", patch=p, block=0)
+    config_error(r"x=.*'ab'.*shape \(2, 64, 48\).*one shape", path, ["a", "ab"], patch={1: 8})
+    with pytest.raises(dfl.errors.ConfigError, match=r"spatial layouts"):
+        dfl.io.PatchSource(path, "a", patch=p).region({1: (0, 4)})
+    import zarr
+
+    bad = zarr.open_group(str(path), mode="a")
+    bad.create_array(
+        "lab3", shape=(64, 40), chunks=(16, 16), dtype=np.int64, dimension_names=("lat", "lon")
+    )
+    config_error(
+        r"y='lab3'.*each patch dim \(lat, lon\) as long as x's", path, "a", "lab3", patch=p
+    )
+
+
+def test_a_missing_chunk_inside_a_window_is_named_instead_of_read_as_fill_values(tmp_path):
+    path, _ = write_2d(tmp_path)
+    (path / "a" / "c" / "1" / "2").unlink()  # lat 16..31, lon 32..47
+    source = dfl.io.PatchSource(path, "a", patch={"lat": 8, "lon": 8}, stride={"lat": 4, "lon": 4})
+    inside = [
+        k
+        for k, (i, j) in enumerate(source.corners.tolist())
+        if i + 7 >= 16 and i < 32 and j + 7 >= 32
+    ]
+    with pytest.raises(
+        dfl.ChunkMissingError, match=r"PatchSource: array 'a' has no chunk 'a/c/1/2'"
+    ):
+        source.read(np.array(inside[:1]))
+    with pytest.raises(dfl.ChunkMissingError, match=r"a/c/1/2"):
+        streamed(source)
+    # windows whose unit (16 x 16 blocks, plus their overhang) stays clear of it
+    clear = [k for k, (i, j) in enumerate(source.corners.tolist()) if j < 16]
+    assert source.read(np.array(clear)).size == len(clear)  # other units read fine
+
+
+def storage_chunks(source, members) -> int:
+    """Storage chunks of x that a unit's bounding box touches (what one read fetches)."""
+    from dataflow.io.windows import box_chunks
+
+    (array,) = [a for a in source._open() if a.field != "y"]
+    lo, hi = source._boxes(members)[0]
+    return len(box_chunks(lo, hi, array.unit))
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_shuffled_epochs_read_each_storage_chunk_a_bounded_number_of_times_and_mix_blocks(
+    tmp_path, dims
+):
+    if dims == 2:
+        path, _ = write_2d(tmp_path)
+        source = dfl.io.PatchSource(
+            path, "a", patch={"lat": 8, "lon": 8}, stride={"lat": 3, "lon": 4}
+        )
+        total_chunks = 4 * 3
+    else:
+        path, _ = write_3d(tmp_path)
+        source = dfl.io.PatchSource(path, patch={0: 12, 1: 12, 2: 12}, stride={0: 4, 1: 4, 2: 4})
+        total_chunks = 3 * 3 * 2
+    members = source.chunk_members
+    n = source.num_samples
+    shares = [n // 3, n - n // 3]  # two replicas, uneven
+    for epoch in range(2):
+        streams = shard_epoch(
+            [len(m) for m in members], shares, seed=5, epoch=epoch, buffer_chunks=2, members=members
+        )
+        assert sorted(np.concatenate(streams).tolist()) == list(range(n))  # every window once
+        owner = np.empty(n, np.int64)
+        for u, m in enumerate(members):
+            owner[m] = u
+        reads = sum(
+            storage_chunks(source, members[u]) for s in streams for u in np.unique(owner[s])
+        )
+        biggest = max(storage_chunks(source, m) for m in members)
+        assert reads <= 2**dims * total_chunks + biggest  # + one unit at the replicas' cut
+    # every batch of a shuffled epoch mixes windows of several blocks
+    _, _, _, batches = streamed(source, batch=16, buffer_chunks=4)
+    blocks = [len(np.unique(owner[b.indices])) for b in batches]
+    print(
+        f"\n{dims}-D: {n} windows, {len(members)} blocks, {reads} chunk reads for "
+        f"{total_chunks} chunks; blocks per batch of 16: mean {np.mean(blocks):.2f}, "
+        f"min {min(blocks)}, max {max(blocks)}"
+    )
+    assert max(blocks) > 1 and np.mean(blocks) > 1
+
+
+# -- fits on a real LocalCluster ---------------------------------------------------------
+
+
+class SegNet(torch.nn.Module):
+    """Per-pixel classes of two-channel 8 x 8 tiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 4, 3, padding=1)
+        self.head = torch.nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)))
+
+
+def seg_pipeline(source, **options):
+    return dfl.Pipeline(
+        model=SegNet,
+        device="cpu",
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        source=source,
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+        **options,
+    )
+
+
+def tiles(path, **options):
+    grid = dict(patch={"lat": 8, "lon": 8}, stride={"lat": 5, "lon": 6})
+    return dfl.io.PatchSource(path, ["a", "b"], "lab", **{**grid, **options})
+
+
+@pytest.mark.slow
+def test_a_fit_on_unshuffled_windows_equals_the_fit_on_the_windows_cut_by_hand(client, tmp_path):
+    path, data = write_2d(tmp_path)
+    source = tiles(path, shuffle=False)
+    x = np.stack([precut(data[k], source.corners, (8, 8), (0, 1)) for k in "ab"], 1)
+    y = precut(data["lab"], source.corners, (8, 8), (0, 1))
+    by_hand = seg_pipeline(dfl.io.ArraySource(x, y, shuffle=False)).fit(epochs=2, client=client)
+    windows = seg_pipeline(source).fit(epochs=2, client=client)
+    for name, tensor in by_hand.model.state_dict().items():
+        assert torch.allclose(windows.model.state_dict()[name], tensor, atol=1e-6), name
+    assert windows.ledger.consumed(1).tolist() == list(range(source.num_samples))
+
+
+@pytest.mark.slow
+def test_shuffled_windows_train_each_window_once_per_epoch_and_evaluate_on_windows(
+    client, tmp_path
+):
+    path, _ = write_2d(tmp_path)
+    source = tiles(path)
+    held_out = tiles(path, shuffle=False, windows=[[0, 0], [16, 8], [40, 32]], stride=None)
+    result = seg_pipeline(source, eval_source=held_out).fit(epochs=2, client=client)
+    for epoch in range(2):
+        assert result.ledger.consumed(epoch).tolist() == list(range(source.num_samples))
+        for rank in range(2):  # each replica read its own share
+            assert 0 < len(result.ledger.consumed(epoch, rank)) < source.num_samples
+    assert all(np.isfinite(e["eval_loss"]) for e in result.history.epochs)
