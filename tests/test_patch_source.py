@@ -449,3 +449,20 @@ def test_shuffled_windows_train_each_window_once_per_epoch_and_evaluate_on_windo
         for rank in range(2):  # each replica read its own share
             assert 0 < len(result.ledger.consumed(epoch, rank)) < source.num_samples
     assert all(np.isfinite(e["eval_loss"]) for e in result.history.epochs)
+
+
+def test_a_zarr_backed_xarray_dataset_is_read_as_raw_zarr_and_a_dataarray_through_its_data(
+    tmp_path,
+):
+    xr = pytest.importorskip("xarray")
+    field = np.arange(10 * 16 * 12, dtype=np.float32).reshape(10, 16, 12)
+    dataset = xr.Dataset({"t": (("time", "lat", "lon"), field)})
+    dataset.to_zarr(tmp_path / "d.zarr", mode="w", consolidated=False)
+    ds = xr.open_zarr(tmp_path / "d.zarr", consolidated=False)
+    raw = dfl.io.PatchSource(ds, "t", patch={"lat": 8, "lon": 6}, shuffle=False)
+    assert raw.store == str(tmp_path / "d.zarr")  # missing chunks are caught
+    data = dfl.io.PatchSource(ds["t"], patch={"lat": 8, "lon": 6}, shuffle=False)
+    expected = precut(field, raw.corners, (8, 6), (1, 2))
+    assert raw.sample_shape == data.sample_shape == (1, 10, 8, 6)
+    for source in (raw, data):
+        assert np.array_equal(source.read(np.arange(4)).x.numpy()[:, 0], expected)
