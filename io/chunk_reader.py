@@ -25,6 +25,10 @@ count: each chunk decodes to the same values, and the assembly is in batch order
 
 Before the first batch, every chunk of the epoch is checked to exist, so a
 missing chunk fails the epoch before any step trains on it.
+
+A chunk is a run of consecutive samples (``chunk_bounds``: found by a binary search)
+or any set of them (``chunk_members``, a ``PatchSource``'s blocks of windows: found
+through two lookup arrays, :class:`MemberIndex`, built once per source).
 """
 
 from __future__ import annotations
@@ -423,13 +427,21 @@ class EpochChunkReader:
         return decoded
 
     def __iter__(self) -> Iterator[Batch]:
-        self.source.check_chunks(sorted(self.last_use))
         seen: set[int] = set()
         news = []  # per batch, the chunks it is the first to use
         for touched in self.touched:
             news.append([c for c in touched if c not in seen])
             seen.update(touched)
         jobs = [new for new in news if new]
+        # A remote store's objects, fetched ahead in this order from now on (io.fetch)
+        fetch_ahead = getattr(self.source, "fetch_ahead", None)
+        fetching = fetch_ahead(jobs) if fetch_ahead is not None else None
+        try:
+            self.source.check_chunks(sorted(self.last_use))
+        except BaseException:
+            if fetching is not None:
+                fetching.close()
+            raise
         one_at_a_time = self.decode_threads == 1 or all(len(job) == 1 for job in jobs)
         if one_at_a_time and (self.decode_ahead == 0 or len(jobs) <= 1):
             decoder: Any = _InlineDecoder(self._read, jobs)  # nothing to overlap
@@ -447,6 +459,8 @@ class EpochChunkReader:
                 self._hold(-self._samples(done))
         finally:
             decoder.close()
+            if fetching is not None:
+                fetching.close()
 
     def _assemble(
         self, indices: np.ndarray, chunks: np.ndarray, position: int, live: dict[int, Batch]
