@@ -43,6 +43,7 @@ from zarr.core.sync import sync
 from dataflow.core.errors import ChunkMissingError, ChunkReadError
 from dataflow.io.checksums import is_checksum_mismatch
 from dataflow.io.chunk_reader import BatchBuffers
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
 from dataflow.io.region import chunk_range
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
@@ -193,6 +194,25 @@ class ZarrArrayReader(ArrayReader):
 
         return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
 
+    @property
+    def fetches_ahead(self) -> bool:
+        """Whether this array's reads take objects fetched ahead (``io.fetch``): decoded
+        here (not resident, a layout ``io.zarr_decode`` knows) from a remote store."""
+        return not self.resident and self.decoder is not None and is_remote(self.decoder.store)
+
+    def fetch_plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, str, int]]:
+        """``(store, key, decoded bytes)`` of each stored object that reads of ``ranges``
+        (in that order) decode here, for ``io.fetch``: none where nothing is fetched
+        ahead (a resident array, a layout zarr reads itself, a store read synchronously)."""
+        if not self.fetches_ahead:
+            return []
+        nbytes = math.prod(self.array.chunks) * self.dtype.itemsize
+        store, entries = self.decoder.store, []
+        for start, stop in ranges:
+            chunks = self.chunks_covering(np.array([start]), np.array([stop]))
+            entries.extend((store, self._key(coords), nbytes) for coords in self._grid(chunks))
+        return entries
+
     def _read(self, start: int, stop: int) -> np.ndarray:
         try:
             return self.array[self._selection(start, stop)]
@@ -335,3 +355,24 @@ def missing_chunk_error(reader: ArrayReader, missing: list[str]) -> ChunkMissing
         "all-fill-value chunks unless written with write_empty_chunks=True, as "
         "dataflow.io.to_zarr does)"
     )
+
+
+def fetch_ahead(
+    readers: Sequence[ArrayReader],
+    ranges: Sequence[tuple[int, int]],
+    fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
+) -> FetchAhead | None:
+    """The stored objects that reads of the sample ``ranges`` (in read order) decode from
+    ``readers``, fetched ahead with ``fetch_ahead_mb`` MB at most fetched and not yet
+    decoded (``io.fetch``); None when no reader's store is remote. Close it when done."""
+    entries = [
+        entry
+        for start, stop in ranges
+        for reader in readers
+        if isinstance(reader, ZarrArrayReader)
+        for entry in reader.fetch_plan([(start, stop)])
+    ]
+    if not entries:
+        return None
+    decoders = [r.decoder for r in readers if isinstance(r, ZarrArrayReader) and r.fetches_ahead]
+    return FetchAhead(entries, max_bytes=int(fetch_ahead_mb * 2**20), consumers=decoders)

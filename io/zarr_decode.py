@@ -5,8 +5,9 @@ own event loop: every thread's request goes through that one loop thread, which
 fetches, hands each chunk to zarr's thread pool to decode, and copies the decoded
 chunks into the output itself. :class:`ChunkDecoder` does the same work with zarr's
 synchronous pieces instead, all on the thread that asks: the stored bytes of each
-object (``store.get_sync``; stores without it, e.g. fsspec, fetch the objects of a
-read together on zarr's loop), the array's codecs in reverse (``_decode_sync``:
+object (``store.get_sync``; a remote store without it, e.g. fsspec's, takes what an
+epoch's plan fetched ahead, ``io.fetch``, and fetches the rest of a read together on
+zarr's loop), the array's codecs in reverse (``_decode_sync``:
 zstd, blosc and gzip release the GIL while they decode), then one copy of the part
 the read wants into the output. ``io.chunk_reader`` calls it from its pool of
 ``decode_threads`` threads, one chunk per call, so the decode rate grows with the
@@ -25,17 +26,18 @@ bytes changed fails its decode (``io.checksums``) instead of yielding garbage.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 import zarr
 from numcodecs.compat import ensure_ndarray_like
 from zarr.core.buffer import default_buffer_prototype
-from zarr.core.sync import sync
+
+from dataflow.io.fetch import FetchAhead, fetch_now
 
 
 class MissingObject(Exception):
@@ -123,6 +125,7 @@ class ChunkDecoder:
         self._steps = steps[::-1]  # decoding runs the codecs backwards
         self._prototype = prototype
         self._get_sync = getattr(self.store, "get_sync", None)
+        self.plans: list[FetchAhead] = []  # epochs' objects fetched ahead (remote stores)
 
     def key(self, coords: Sequence[int]) -> str:
         return self.prefix + self.array.metadata.encode_chunk_key(tuple(coords))
@@ -157,11 +160,18 @@ class ChunkDecoder:
     def _fetch(self, keys: list[str]) -> list[Any]:
         if self._get_sync is not None:  # a local or in-memory store: read here
             return [self._get_sync(key, prototype=self._prototype) for key in keys]
+        # A remote store: what an epoch's plan fetched ahead (io.fetch), the rest together now
+        ahead = [self._planned(key) for key in keys]
+        rest = [key for key, future in zip(keys, ahead, strict=True) if future is None]
+        now = iter(fetch_now(self.store, rest, self._prototype) if rest else ())
+        return [next(now) if future is None else future.result() for future in ahead]
 
-        async def fetch_all() -> list[Any]:  # a remote store: the objects together
-            return await asyncio.gather(*(self.store.get(k, self._prototype) for k in keys))
-
-        return sync(fetch_all())
+    def _planned(self, key: str) -> Future | None:
+        for plan in list(self.plans):
+            future = plan.take(self.store, key)
+            if future is not None:
+                return future
+        return None
 
     def _decode(self, stored: Any) -> np.ndarray:
         data = stored

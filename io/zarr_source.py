@@ -37,9 +37,12 @@ from dataflow.io.array_readers import (
     DaskArrayReader,
     MemoryArrayReader,
     ZarrArrayReader,
+    fetch_ahead,
     missing_chunk_error,
 )
 from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.credentials import StorageOptions
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead
 from dataflow.io.metadata_check import corrupt_metadata
 from dataflow.io.region import Bounds, array_cuts, bounds_shape, common_shape, compose, full_bounds
 
@@ -166,6 +169,7 @@ class ZarrSource:
         sample_dim: int | str = 0,
         shuffle: bool = True,
         storage_options: dict[str, Any] | None = None,
+        fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
     ) -> None:
         if isinstance(sample_dim, bool) or not isinstance(sample_dim, (int, str)):
             raise DataError(
@@ -183,7 +187,17 @@ class ZarrSource:
         self.y_name = y
         self.sample_dim = sample_dim
         self.shuffle = bool(shuffle)
-        self.storage_options = storage_options
+        # Credentials in it stay out of every repr (io.credentials); fsspec gets them whole
+        self.storage_options = StorageOptions.of(storage_options)
+        if isinstance(fetch_ahead_mb, bool) or not (
+            isinstance(fetch_ahead_mb, (int, float)) and fetch_ahead_mb > 0
+        ):
+            raise DataError(
+                f"ZarrSource(fetch_ahead_mb={fetch_ahead_mb!r}): the MB of a remote store's "
+                "chunks fetched ahead of the decode; use a number > 0 (default "
+                f"{DEFAULT_FETCH_AHEAD_MB:g})"
+            )
+        self.fetch_ahead_mb = float(fetch_ahead_mb)
         self._readers: list[ArrayReader] | None = None
         self._region: Bounds | None = None  # see region()
         readers = self._open()
@@ -363,6 +377,15 @@ class ZarrSource:
             chunk: self._batch([torch.from_numpy(s[i]) for s in slabs], stop - start)
             for i, (chunk, (start, stop)) in enumerate(zip(ordered, ranges, strict=True))
         }
+
+    def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
+        """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects of
+        ``jobs`` (lists of chunks, in the order they will be read) fetched from now on,
+        many requests in flight, at most ``fetch_ahead_mb`` MB ahead of the decode
+        (``io.fetch``); None for a local store. The chunk reader closes it."""
+        bounds = self.chunk_bounds
+        ranges = [(int(bounds[c]), int(bounds[c + 1])) for job in jobs for c in sorted(job)]
+        return fetch_ahead(self._open(), ranges, self.fetch_ahead_mb)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch, sample dim first.

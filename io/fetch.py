@@ -1,0 +1,222 @@
+"""Fetch a remote store's objects ahead of their decode, many requests in flight.
+
+An object store answers each request after a round trip (tens to hundreds of ms),
+whatever its size; read one chunk at a time, a replica waits that long for every
+chunk. But an epoch's reads are known before it starts (``io.sharding``), so the
+objects it will decode, in order, are too: :class:`FetchAhead` issues their GETs on
+zarr's event loop (the one the store's async client is bound to), up to
+``max_requests`` at once, and keeps the bytes until the decode takes them. Memory is
+bounded: an object is fetched only while the objects fetched and not yet taken,
+counted at their decoded size (an upper bound of what is stored), fit in
+``max_bytes``; the decode taking one makes room for the next. Latency then hides
+behind the decode and the step, as long as ``max_bytes`` covers a round trip's worth
+of chunks.
+
+Used where the store has no synchronous read (zarr's ``LocalStore`` and
+``MemoryStore`` have ``get_sync``, and are read on the decode threads as before):
+``ZarrSource.fetch_ahead`` plans an epoch's objects and ``io.zarr_decode`` takes them
+(:meth:`FetchAhead.take`); an object the plan did not hold, or not yet asked for, is
+fetched when it is needed (:func:`fetch_now`), so a decode never waits on the plan's
+budget. Any source that knows its reads in advance can do the same: list
+``(store, key, nbytes)`` in read order, then ``take`` each key before fetching it.
+
+One request per object: :func:`get_object` asks s3fs for the whole object at once
+(s3fs's own ``cat`` first asks for the size, a second round trip per chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+DEFAULT_FETCH_AHEAD_MB = 256.0  # bytes fetched ahead of the decode, per source and replica
+DEFAULT_REQUESTS = 32  # requests in flight at most (s3fs itself allows 10 connections)
+
+
+def is_remote(store: Any) -> bool:
+    """Whether reading ``store`` costs a round trip (no synchronous read: fsspec, obstore)."""
+    return getattr(store, "get_sync", None) is None
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """zarr's event loop: the store's async client (aiohttp's session) is bound to it."""
+    from zarr.core.sync import _get_loop
+
+    return _get_loop()
+
+
+async def get_object(store: Any, key: str, prototype: Any = None) -> Any:
+    """The bytes of ``key`` in ``store`` (a zarr Buffer), or None if absent: one request."""
+    prototype = prototype or default_buffer_prototype()
+    fs = getattr(store, "fs", None)
+    if fs is not None and hasattr(fs, "max_concurrency") and hasattr(store, "allowed_exceptions"):
+        # s3fs: max_concurrency=1 skips the HEAD it sends to split large objects
+        if not store._is_open:
+            await store._open()
+        root = store.path.rstrip("/")
+        path = (f"{root}/{key}" if root else key).rstrip("/")  # as FsspecStore.get names it
+        try:
+            data = await fs._cat_file(path, max_concurrency=1)
+        except store.allowed_exceptions:
+            return None
+        return prototype.buffer.from_bytes(data)
+    return await store.get(key, prototype)
+
+
+def fetch_now(store: Any, keys: Sequence[str], prototype: Any = None) -> list[Any]:
+    """The objects ``keys`` of a remote ``store``, fetched together (one round trip)."""
+
+    async def fetch_all() -> list[Any]:
+        return await asyncio.gather(*(get_object(store, k, prototype) for k in keys))
+
+    return sync(fetch_all())
+
+
+class FetchAhead:
+    """The objects ``entries`` (``(store, key, nbytes)``, in the order they will be read)
+    fetched in that order, ``max_requests`` at once, the ones fetched and not taken
+    within ``max_bytes`` (at least one at a time). ``take`` hands an object's fetch over;
+    ``consumers`` (objects with a ``plans`` list, e.g. ``io.zarr_decode.ChunkDecoder``)
+    hold this plan until :meth:`close`.
+
+    ``fetched``: objects fetched; ``peak_in_flight``: the most requests at once;
+    ``peak_bytes``: the most bytes held or in flight at once (the memory bound)."""
+
+    def __init__(
+        self,
+        entries: Sequence[tuple[Any, str, int]],
+        *,
+        max_bytes: int,
+        max_requests: int = DEFAULT_REQUESTS,
+        consumers: Sequence[Any] = (),
+    ) -> None:
+        if max_requests < 1:
+            raise ValueError(f"FetchAhead(max_requests={max_requests}): must be >= 1")
+        self.entries = list(entries)
+        self.max_bytes = int(max_bytes)
+        self.max_requests = int(max_requests)
+        self.fetched = 0
+        self.peak_in_flight = 0
+        self.peak_bytes = 0
+        self._futures = [concurrent.futures.Future() for _ in self.entries]
+        self._state = ["planned"] * len(self.entries)  # -> launched/taken, -> released
+        self._taken = [False] * len(self.entries)
+        self._by_key: dict[tuple[int, str], list[int]] = {}
+        for i, (store, key, _) in enumerate(self.entries):
+            self._by_key.setdefault((id(store), key), []).append(i)
+        self._held = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._loop = _loop()
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+        self._consumers = list(consumers)  # each has a ``plans`` list it takes from
+        for consumer in self._consumers:
+            consumer.plans.append(self)
+        self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
+
+    # -- the consumer's side (any thread) -------------------------------------------------
+    def take(self, store: Any, key: str) -> concurrent.futures.Future | None:
+        """The fetch of the next planned read of ``key``, or None (not planned, or not
+        started yet: then the plan skips it and the caller fetches it itself)."""
+        with self._lock:
+            queue = self._by_key.get((id(store), key))
+            if not queue:
+                return None
+            i = queue.pop(0)
+            self._taken[i] = True
+            if self._state[i] == "planned":
+                self._state[i] = "skipped"
+                return None
+        self._futures[i].add_done_callback(lambda _: self._release(i))
+        return self._futures[i]
+
+    def _release(self, i: int) -> None:
+        """Entry ``i`` is taken and done: its bytes leave the budget, the next may start."""
+        with self._lock:
+            if self._state[i] != "launched":
+                return
+            self._state[i] = "released"
+            self._held -= self.entries[i][2]
+        self._poke()
+
+    def _poke(self) -> None:
+        if self._wake is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop stopped at exit
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def close(self) -> None:
+        """Stop fetching; what was fetched and not taken is dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for consumer in self._consumers:
+            with contextlib.suppress(ValueError):
+                consumer.plans.remove(self)
+        self._poke()
+        self._task.cancel()
+        for future in self._futures:
+            future.cancel()
+
+    # -- the loop's side --------------------------------------------------------------
+    async def _run(self) -> None:
+        self._wake = asyncio.Event()
+        running: set[asyncio.Task] = set()
+        try:
+            for i, (store, key, nbytes) in enumerate(self.entries):
+                while True:
+                    with self._lock:
+                        if self._closed:
+                            return
+                        if self._state[i] == "skipped":
+                            break
+                        room = self._held == 0 or self._held + nbytes <= self.max_bytes
+                        if room and self._in_flight < self.max_requests:
+                            self._state[i] = "launched"
+                            self._held += nbytes
+                            self._in_flight += 1
+                            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+                            self.peak_bytes = max(self.peak_bytes, self._held)
+                            break
+                    self._wake.clear()
+                    await self._wake.wait()
+                if self._state[i] == "launched":
+                    task = asyncio.ensure_future(self._one(i, store, key))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+        finally:
+            for task in running:
+                task.cancel()
+
+    async def _one(self, i: int, store: Any, key: str) -> None:
+        future = self._futures[i]
+        try:
+            data = await get_object(store, key)
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except Exception as exc:  # handed to the decode, which names the object
+            if not future.cancelled():
+                future.set_exception(exc)
+        else:
+            if not future.cancelled():
+                future.set_result(data)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self.fetched += 1
+                taken = self._taken[i]
+            if taken:
+                self._release(i)
+            else:
+                self._poke()

@@ -1,0 +1,141 @@
+"""ZarrSource over a real S3-compatible server (moto), behind a proxy that adds latency.
+
+The server and the proxy are real (``tests/object_store.py``): s3fs talks HTTP to
+the proxy, which holds each request and forwards it to moto. What is checked: the
+batches are exactly the local store's, the chunk GETs are in flight together (a
+count the proxy observed), and the credentials never show.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyCNN, make_data, sgd
+from object_store import KEY, SECRET, s3_server
+
+import dataflow as dfl
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stores(s3, tmp_path_factory):
+    """The same data twice: a local zarr store, and its copy in the bucket."""
+    x, y = make_data(256)
+    local = dfl.io.to_zarr(tmp_path_factory.mktemp("s3") / "train.zarr", x, y, chunk_mb=0.01)
+    return local, s3.upload(local, "train.zarr")
+
+
+@pytest.fixture
+def proxy(s3):
+    s3.proxy.delay, s3.proxy.rendezvous = 0.0, 1
+    s3.proxy.reset_counts()
+    yield s3.proxy
+    s3.proxy.delay, s3.proxy.rendezvous = 0.0, 1
+
+
+def batches(source, **options):
+    return [
+        (b.indices.copy(), b.x.clone(), b.y.clone())
+        for b in dfl.io.stream_batches(source, 32, seed=3, **options)
+    ]
+
+
+def test_an_s3_store_streams_the_local_batches_with_chunk_requests_in_flight_together(
+    s3, stores, proxy
+):
+    local, url = stores
+    remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    assert len(remote.chunk_bounds) > 4  # several chunks, so several GETs to overlap
+    proxy.delay, proxy.rendezvous = 0.01, 2  # the first chunk GET waits for a second
+    proxy.reset_counts()
+    got = batches(remote, decode_threads=1)  # one decode thread: fetches overlap anyway
+    want = batches(dfl.io.ZarrSource(local, x="x", y="y"), decode_threads=1)
+    assert len(got) == len(want) == 8
+    for (gi, gx, gy), (wi, wx, wy) in zip(got, want, strict=True):
+        assert np.array_equal(gi, wi)
+        assert torch.equal(gx, wx) and torch.equal(gy, wy)
+    # The epoch's chunks were fetched ahead, several GETs in flight at once
+    assert proxy.peak_chunk_gets >= 2, proxy.methods
+    # A chunk missing from the bucket is named before any batch (zarr would read zeros)
+    x, y = make_data(128)
+    local = dfl.io.to_zarr(local.parent / "holes.zarr", x, y, chunk_mb=0.01)
+    url = s3.upload(local, "holes.zarr")
+    s3.delete("holes.zarr/x/c/2/0/0/0")
+    remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    with pytest.raises(dfl.ChunkMissingError, match=r"x/c/2/0/0/0"):
+        batches(remote, decode_threads=2)
+
+
+def test_credentials_never_print_and_also_come_from_the_environment(s3, stores, proxy, monkeypatch):
+    _, url = stores
+    source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    shown = [
+        repr(source),
+        str(source.storage_options),
+        repr(source.storage_options),
+        repr(source.__getstate__()),
+        f"{source.storage_options}",
+    ]
+    assert not [text for text in shown if SECRET in text or KEY in text]
+    assert s3.endpoint_url in str(source.storage_options)  # what is not a credential shows
+    again = pickle.loads(pickle.dumps(source))  # a worker's copy opens the store
+    assert again.read(np.arange(4)).size == 4
+    # No credentials in the options: s3fs (botocore) reads them from the environment
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    bare = {"endpoint_url": s3.endpoint_url}
+    from_env = dfl.io.ZarrSource(url, x="x", y="y", storage_options=bare)
+    assert from_env.read(np.arange(4)).size == 4
+
+
+def test_bad_fetch_ahead_is_refused_naming_the_field(stores):
+    local, _ = stores
+    with pytest.raises(dfl.DataError, match=r"fetch_ahead_mb=0.*number > 0"):
+        dfl.io.ZarrSource(local, x="x", y="y", fetch_ahead_mb=0)
+
+
+@pytest.mark.slow
+def test_a_fit_from_s3_has_an_exact_ledger_and_leaves_no_credentials_behind(
+    client, s3, stores, proxy, tmp_path, caplog
+):
+    caplog.set_level(logging.DEBUG)
+    _, url = stores
+    proxy.delay = 0.005
+    proxy.rendezvous = 3  # more than one GET per worker: each fetches its epoch ahead
+    source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    pipe = dfl.Pipeline(
+        model=TinyCNN,
+        device="cpu",
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=source,
+        schedule=dfl.schedule.Fixed(32),
+        progress=False,
+    )
+    checkpoints = tmp_path / "checkpoints"
+    result = pipe.fit(epochs=2, client=client, checkpoint_dir=checkpoints, checkpoint_every=1)
+    for epoch in range(2):
+        assert result.ledger.consumed(epoch).tolist() == list(range(256))
+    assert proxy.peak_chunk_gets >= 3, proxy.methods
+    history = result.history.to_json(tmp_path / "history.json")
+    written = [history, *(p for p in checkpoints.rglob("*") if p.is_file())]
+    assert len(written) > 1
+    logs = [
+        caplog.text,
+        repr(client.get_worker_logs()),
+        repr(client.get_scheduler_logs()),
+    ]
+    for text in [repr(source), *logs]:
+        assert SECRET not in text
+    for path in written:
+        assert SECRET.encode() not in path.read_bytes(), path
