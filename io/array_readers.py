@@ -200,11 +200,15 @@ class ZarrArrayReader(ArrayReader):
         here (not resident, a layout ``io.zarr_decode`` knows) from a remote store."""
         return not self.resident and self.decoder is not None and is_remote(self.decoder.store)
 
-    def fetch_plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, str, int]]:
+    def fetch_plan(
+        self, ranges: Sequence[tuple[int, int]], whole: bool = False
+    ) -> list[tuple[Any, str, int]]:
         """``(store, key, decoded bytes)`` of each stored object that reads of ``ranges``
         (in that order) decode here, for ``io.fetch``: none where nothing is fetched
-        ahead (a resident array, a layout zarr reads itself, a store read synchronously)."""
-        if not self.fetches_ahead:
+        ahead (a resident array, a layout zarr reads itself, a store read synchronously);
+        ``whole``: the resident array's one read of itself."""
+        remote = self.decoder is not None and is_remote(self.decoder.store)
+        if not (self.fetches_ahead or (whole and remote)):
             return []
         nbytes = math.prod(self.array.chunks) * self.dtype.itemsize
         store, entries = self.decoder.store, []
@@ -214,6 +218,12 @@ class ZarrArrayReader(ArrayReader):
         return entries
 
     def _read(self, start: int, stop: int) -> np.ndarray:
+        if self.decoder is not None and is_remote(self.decoder.store):
+            # a resident array's whole read: every object in one round trip (zarr's own
+            # read asks each object's size first, a second one)
+            shape = list(self.read_shape)
+            shape[self.sample_dim] = stop - start
+            return self._decode_into(start, stop, np.empty(shape, self.dtype.newbyteorder("=")))
         try:
             return self.array[self._selection(start, stop)]
         except Exception as exc:
@@ -260,13 +270,16 @@ class ZarrArrayReader(ArrayReader):
             shape = list(self.read_shape)
             shape[self.sample_dim] = stop - start
             block = np.empty(shape, dtype)
+        return native(np.moveaxis(self._decode_into(start, stop, block), self.sample_dim, 0))
+
+    def _decode_into(self, start: int, stop: int, block: np.ndarray) -> np.ndarray:
+        """Samples ``[start, stop)`` decoded into ``block`` (storage layout), objects named."""
         try:
-            self.decoder.read(self._selection(start, stop), block)
+            return self.decoder.read(self._selection(start, stop), block)
         except MissingObject as exc:  # the store changed since the epoch's check
             raise missing_chunk_error(self, [exc.key]) from None
         except ObjectDecodeError as exc:
             raise self._decode_error(exc.key, exc.error) from exc.error
-        return native(np.moveaxis(block, self.sample_dim, 0))
 
     def _out(self, rows: int) -> NDBuffer | None:
         """A reused buffer for a slab of ``rows`` samples: memory a previous slab left,
@@ -365,14 +378,17 @@ def fetch_ahead(
     """The stored objects that reads of the sample ``ranges`` (in read order) decode from
     ``readers``, fetched ahead with ``fetch_ahead_mb`` MB at most fetched and not yet
     decoded (``io.fetch``); None when no reader's store is remote. Close it when done."""
-    entries = [
+    zarr_readers = [r for r in readers if isinstance(r, ZarrArrayReader)]
+    # A resident array not read yet (labels) is read whole with the first chunk: first
+    resident = [r for r in zarr_readers if r.resident and r._resident is None]
+    entries = [entry for r in resident for entry in r.fetch_plan([(0, r.num_samples)], True)]
+    entries += [
         entry
         for start, stop in ranges
-        for reader in readers
-        if isinstance(reader, ZarrArrayReader)
+        for reader in zarr_readers
         for entry in reader.fetch_plan([(start, stop)])
     ]
     if not entries:
         return None
-    decoders = [r.decoder for r in readers if isinstance(r, ZarrArrayReader) and r.fetches_ahead]
+    decoders = [r.decoder for r in zarr_readers if r.fetches_ahead or r in resident]
     return FetchAhead(entries, max_bytes=int(fetch_ahead_mb * 2**20), consumers=decoders)

@@ -220,3 +220,34 @@ class FetchAhead:
                 self._release(i)
             else:
                 self._poke()
+
+
+class OpenedGroup:
+    """The members of a remote zarr group a source reads, opened: what a worker needs
+    instead of the group (``array_keys`` and ``[name]``), with no request to make."""
+
+    def __init__(self, arrays: dict[str, Any]) -> None:
+        self.arrays = arrays
+
+    def array_keys(self) -> list[str]:
+        return list(self.arrays)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.arrays[name]
+
+
+def opened_remote(opened: Any, arrays: Sequence[Any]) -> Any:
+    """What to pickle of ``opened`` (a zarr Group or Array opened from a URL) so that a
+    worker reads ``arrays`` without opening the store again (a zarr Array pickles as its
+    metadata and its store: no request on unpickling): None for a local store (opening
+    it is cheap, and the store may change between the driver's open and a worker's)."""
+    import zarr
+
+    if not isinstance(opened, (zarr.Array, zarr.Group)):
+        return None
+    if not is_remote(opened.store_path.store):
+        return None
+    if isinstance(opened, zarr.Array):
+        return opened
+    members = [a for a in arrays if isinstance(a, zarr.Array)]
+    return OpenedGroup({a.basename: a for a in members})

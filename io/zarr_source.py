@@ -42,7 +42,7 @@ from dataflow.io.array_readers import (
 )
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
-from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, opened_remote
 from dataflow.io.metadata_check import corrupt_metadata
 from dataflow.io.region import Bounds, array_cuts, bounds_shape, common_shape, compose, full_bounds
 
@@ -157,7 +157,11 @@ class ZarrSource:
     a tuple, and the model is called as ``model(*x)``). ``y``: a name, or None for
     unsupervised training. ``sample_dim``: the axis (int) or dimension name (str,
     from xarray's dimension names) that indexes samples; it is moved to axis 0.
-    Pickles by its open parameters and reopens lazily on a worker.
+    ``storage_options``: fsspec's, for a URL (credentials print as ``'***'``;
+    ``io.credentials``); ``fetch_ahead_mb``: a remote store's chunk objects fetched
+    ahead of the decode, at most (``io.fetch``).
+    Pickles by its open parameters and reopens lazily on a worker (a remote store's
+    arrays travel opened: no request to reopen them).
     """
 
     def __init__(
@@ -236,7 +240,8 @@ class ZarrSource:
     def _open_readers(self) -> list[ArrayReader]:
         store, label = self.store, _label(self.store)
         if isinstance(store, (str, Path)):
-            store = _open_zarr(store, self.storage_options)
+            opened = getattr(self, "_opened", None)  # a remote store's, from the driver
+            store = _open_zarr(store, self.storage_options) if opened is None else opened
         elif not isinstance(store, (zarr.Array, zarr.Group)) and not (
             _is_xarray_dataset(store) or _is_dask_array(store)
         ):
@@ -272,6 +277,8 @@ class ZarrSource:
             for reader in readers:
                 if reader.field != "y":  # targets are never cut
                     reader.restrict(array_cuts(self._region, reader.shape, reader.sample_dim))
+        if isinstance(self.store, (str, Path)):
+            self._opened = opened_remote(store, [r.array for r in readers])
         main = max((r for r in readers if r.field != "y"), key=lambda r: r.nbytes)
         for reader in readers:
             reader.resident = reader is not main and reader.nbytes <= RESIDENT_BYTES
@@ -416,6 +423,8 @@ class ZarrSource:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_readers"] = state["_main"] = None  # open handles stay behind; reopened on first use
+        # but a remote store's arrays travel opened (metadata only): a worker's open would
+        # cost a round trip per metadata object, a second or more at 100 ms each
         return state
 
     def __repr__(self) -> str:
