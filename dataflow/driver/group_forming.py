@@ -85,9 +85,9 @@ class GroupForming:
         setups = [
             self._setup(r, host, port, snapshot) for r, a in enumerate(members) if a in joining
         ]
-        try:
-            infos = self.gather(setups)
-            self.gather(regroups)
+        try:  # together: a survivor's failed rendezvous ends the wait for a joiner's setup
+            # that never runs (its inputs failed to reach its worker: Dask leaves it waiting)
+            infos = self.gather([*setups, *regroups])[: len(setups)]
         except Lost:
             self._abort_forming(c.generation)
             alive = [a for a in c.joining if a not in self.lost()]
