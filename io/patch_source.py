@@ -4,11 +4,12 @@ grid), read from the store as it is: no second, sample-major copy.
 Samples are the windows in C order of their corners (``io.windows``). The engine reads
 them in units (its chunks, given as ``chunk_members``): each unit's bounding box is read
 from the store once (``io.patch_arrays``: zarr's chunks decoded on the chunk reader's
-decode threads, missing and corrupt chunks named), its windows are cut with numpy
-slicing and stacked. ``shuffle=True``: units are blocks of storage chunks, so the
-engine's two-level shuffle puts blocks in a random order and permutes windows within
-groups of ``buffer_chunks`` blocks (``Load(buffer_chunks=)``/``stream_batches``: more
-mixes more windows from more blocks per batch, and holds that many blocks in memory);
+decode threads, missing and corrupt chunks named), its windows are cut from it in one
+numpy gather (``io.windows.cut_windows``: no Python loop over windows) and stacked.
+``shuffle=True``: units are blocks of storage chunks, so the engine's two-level shuffle
+puts blocks in a random order and permutes windows within groups of ``buffer_chunks``
+blocks (``Load(buffer_chunks=)``/``stream_batches``: more mixes more windows from more
+blocks per batch, and holds that many blocks in memory);
 each storage chunk is fetched at most ``2 ** d`` times per replica and epoch (a window
 reaches into the next blocks) when the patch is no longer than a block.
 ``shuffle=False``: units are consecutive C-order runs, so the epoch is C order.
@@ -40,6 +41,7 @@ from dataflow.io.windows import (
     block_factor,
     block_units,
     bounding_box,
+    cut_windows,
     run_units,
 )
 
@@ -239,37 +241,17 @@ class PatchSource:
         corners = self.corners[members]
         xs = [a for a in arrays if a.field != "y"]
         regions = [a.read_box(*box) for a, box in zip(arrays, boxes, strict=True)]
-        dtype = np.result_type(*[r.dtype for r in regions[: len(xs)]])
-        x = np.empty((len(members), len(xs), *g.cut_shape), dtype)
-        for v, (region, (lo, _)) in enumerate(zip(regions, boxes, strict=False)):
-            if v == len(xs):
-                break
-            self._cut(x[:, v], region, lo, corners, g.patch, g.axes)
+        cuts = [
+            cut_windows(region, lo, corners, g.patch, g.axes)
+            for region, (lo, _) in zip(regions[: len(xs)], boxes, strict=False)
+        ]
+        x = cuts[0][:, None] if len(cuts) == 1 else np.stack(cuts, axis=1)
         x = g.fold(x)
         y = None
         if self.y_name is not None:
             region, (lo, _) = regions[-1], boxes[-1]
-            y = np.empty((len(members), *g.y_shape), region.dtype)
-            self._cut(y, region, lo, corners + g.y_shift, g.y_extent, g.y_axes)
-            y = torch.from_numpy(y)
+            y = torch.from_numpy(cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes))
         return Batch(x=torch.from_numpy(x), y=y, size=len(members))
-
-    def _cut(
-        self,
-        out: np.ndarray,
-        region: np.ndarray,
-        lo: Sequence[int],
-        corners: np.ndarray,
-        extent: Sequence[int],
-        axes: Sequence[int],
-    ) -> None:
-        """``out[k]`` = the window at ``corners[k]`` of ``region`` (read from ``lo``)."""
-        index: list[Any] = [slice(None)] * region.ndim
-        for k, corner in enumerate(corners.tolist()):
-            for j, axis in enumerate(axes):
-                start = corner[j] - lo[axis]
-                index[axis] = slice(start, start + extent[j])
-            out[k] = region[tuple(index)]
 
     def read(self, indices: np.ndarray) -> Batch:
         """The windows at ``indices`` (in that order), through the chunk reader: the

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from dataflow.core.errors import ConfigError
 
@@ -144,6 +145,26 @@ def run_units(
         begin, lo, hi = a, p_lo, p_hi
     units.append(np.arange(begin, n, dtype=np.int64))
     return units
+
+
+def cut_windows(
+    region: np.ndarray,
+    lo: Sequence[int],
+    corners: np.ndarray,
+    extent: Sequence[int],
+    axes: Sequence[int],
+) -> np.ndarray:
+    """The windows of ``extent`` (along ``axes``; the other axes whole) at ``corners``
+    of ``region`` (read from ``lo``, over all its axes), stacked: ``(n, *window)``, C
+    order. One advanced-index gather from a strided view of every window position, so
+    tiny windows cost no Python per window (a copy per window as slicing would make)."""
+    nd = region.ndim
+    view = sliding_window_view(region, tuple(int(e) for e in extent), axis=tuple(axes))
+    # the positions along the patch axes first, then each axis of a window in order
+    where = {int(a): j for j, a in enumerate(axes)}
+    order = [*where, *(nd + where[a] if a in where else a for a in range(nd))]
+    offsets = tuple(corners[:, j] - int(lo[a]) for a, j in where.items())
+    return view.transpose(order)[offsets]
 
 
 def box_chunks(lo: Sequence[int], hi: Sequence[int], chunks: Sequence[int]) -> list[tuple]:
