@@ -12,6 +12,7 @@ variable not backed by zarr) is read with ``numpy.asarray``: it has no chunks to
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import zarr
 
 from dataflow.core.errors import ChunkMissingError, DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
+from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
@@ -83,6 +85,29 @@ class PatchArray:
         absent = self.reader.missing(sorted(coords))
         if absent:
             raise _renamed(missing_chunk_error(self.reader, absent))
+
+    @property
+    def fetches_ahead(self) -> bool:
+        """Whether reads of this array take objects fetched ahead (``io.fetch``): decoded
+        here, from a remote store (``s3://``, ``gs://``, ``https://``)."""
+        decoder = None if self.reader is None else self.reader.decoder
+        return decoder is not None and is_remote(decoder.store)
+
+    def fetch_plan(
+        self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> list[tuple[Any, str, int]]:
+        """``(store, key, decoded bytes)`` of each stored object that reads of ``boxes``
+        (in that order, each object in the order the decode reads it) decode here from a
+        remote store; none where nothing is fetched ahead."""
+        if not self.fetches_ahead:
+            return []
+        decoder = self.reader.decoder
+        nbytes = math.prod(decoder.chunks) * self.dtype.itemsize
+        return [
+            (decoder.store, decoder.key(coords), nbytes)
+            for lo, hi in boxes
+            for coords in box_chunks(lo, hi, decoder.chunks)
+        ]
 
     def read_box(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis, native byte order."""

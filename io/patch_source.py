@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ import torch
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.credentials import StorageOptions
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, opened_remote
 from dataflow.io.patch_arrays import (
     PatchArray,
     is_single_array,
@@ -74,7 +77,12 @@ class PatchSource:
 
     ``shuffle``, ``block`` (a block holds at least this many grid windows; None:
     8): see the module docstring. Pickles by its parameters and the corners; the
-    store is reopened on a worker.
+    store is reopened on a worker (a remote store's arrays travel opened: metadata only).
+
+    ``storage_options``: fsspec's, for a URL (credentials print as ``'***'``,
+    ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``:
+    a remote store's chunk objects fetched ahead of the decode, per replica
+    (``io.fetch``), as ``ZarrSource`` does.
     """
 
     def __init__(
@@ -94,6 +102,7 @@ class PatchSource:
         shuffle: bool = True,
         block: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
     ) -> None:
         if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
             raise ConfigError(f"PatchSource(block={block!r}): an int >= 1 (windows), or None")
@@ -108,8 +117,19 @@ class PatchSource:
         self.y_name = y
         self.shuffle = bool(shuffle)
         self.block = block
-        self.storage_options = storage_options
+        # Credentials in it stay out of every repr (io.credentials); fsspec gets them whole
+        self.storage_options = StorageOptions.of(storage_options)
+        if isinstance(fetch_ahead_mb, bool) or not (
+            isinstance(fetch_ahead_mb, (int, float)) and fetch_ahead_mb > 0
+        ):
+            raise ConfigError(
+                f"PatchSource(fetch_ahead_mb={fetch_ahead_mb!r}): the MB of a remote store's "
+                "chunks fetched ahead of the decode; use a number > 0 (default "
+                f"{DEFAULT_FETCH_AHEAD_MB:g})"
+            )
+        self.fetch_ahead_mb = float(fetch_ahead_mb)
         self._arrays: list[PatchArray] | None = None
+        self._remote: Any = None  # a remote store's arrays, opened on the driver
         arrays = self._open()
         mask_array = mask
         if isinstance(mask, str):
@@ -134,7 +154,10 @@ class PatchSource:
         """The x arrays then y, opened (reopened lazily after pickling)."""
         if self._arrays is not None:
             return self._arrays
-        opened, label = open_store(self.store, self.storage_options)
+        if self._remote is not None:  # opened on the driver: no round trip per metadata file
+            opened, label = self._remote, str(self.store)
+        else:
+            opened, label = open_store(self.store, self.storage_options)
         self._opened, self._label = opened, label
         x_names = self.x_name if isinstance(self.x_name, (list, tuple)) else [self.x_name]
         if is_single_array(opened):
@@ -153,6 +176,8 @@ class PatchSource:
             arrays = [self._member(f, n) for f, n in zip(fields, x_names, strict=True)]
             if self.y_name is not None:
                 arrays.append(self._member("y", self.y_name))
+        if isinstance(self.store, (str, Path)):
+            self._remote = opened_remote(opened, [a.array for a in arrays])
         self._arrays = arrays
         return arrays
 
@@ -252,6 +277,25 @@ class PatchSource:
             region, (lo, _) = regions[-1], boxes[-1]
             y = torch.from_numpy(cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes))
         return Batch(x=torch.from_numpy(x), y=y, size=len(members))
+
+    def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
+        """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects that the
+        units ``jobs`` (lists of units, in the order they will be read) decode, fetched
+        from now on, many requests in flight, at most ``fetch_ahead_mb`` MB ahead of the
+        decode (``io.fetch``); None for a local store. The chunk reader closes it."""
+        arrays = [a for a in self._open() if a.fetches_ahead]
+        if not arrays:
+            return None
+        members = self.chunk_members
+        entries = []
+        for unit in (int(c) for job in jobs for c in job):
+            for array, box in zip(self._open(), self._boxes(members[unit]), strict=True):
+                if array.fetches_ahead:
+                    entries.extend(array.fetch_plan([box]))
+        if not entries:
+            return None
+        decoders = [a.reader.decoder for a in arrays if a.reader is not None]
+        return FetchAhead(entries, max_bytes=int(self.fetch_ahead_mb * 2**20), consumers=decoders)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The windows at ``indices`` (in that order), through the chunk reader: the

@@ -3,10 +3,14 @@ NaN, normalisation."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
+from test_patch_source import write_2d
 
-from dataflow.io.windows import cut_windows
+import dataflow as dfl
+from dataflow.io.windows import box_chunks, cut_windows
 
 
 def sliced(region, lo, corners, extent, axes) -> np.ndarray:
@@ -44,3 +48,62 @@ def test_windows_are_cut_in_one_gather_exactly_as_slicing_cuts_them(shape, exten
     # a strided region (a numpy or dask array's box may not be contiguous)
     odd = np.asfortranarray(region)
     assert np.array_equal(cut_windows(odd, lo, corners, extent, axes), got)
+
+
+# -- object stores -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from object_store import s3_server
+
+    pytest.importorskip("moto")
+    with s3_server() as server:
+        yield server
+
+
+def streamed(source, **options) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    return [
+        (b.indices.copy(), b.x.numpy().copy(), b.y.numpy().copy())
+        for b in dfl.io.stream_batches(source, 9, seed=5, **options)
+    ]
+
+
+def test_windows_of_an_s3_store_are_the_local_windows_with_chunk_gets_in_flight_together(
+    s3, tmp_path
+):
+    from object_store import KEY, SECRET
+
+    path, _ = write_2d(tmp_path)
+    url = s3.upload(path, "field.zarr")
+    grid = dict(patch={"lat": 8, "lon": 8}, stride={"lat": 5, "lon": 6})
+    remote = dfl.io.PatchSource(
+        url, ["a", "b"], "lab", storage_options=s3.storage_options, block=2, **grid
+    )
+    local = dfl.io.PatchSource(path, ["a", "b"], "lab", block=2, **grid)
+    assert len(remote.chunk_members) > 4  # several units, so several GETs to overlap
+    # A box's read fetches its objects together; more at once means the epoch's objects
+    # were fetched ahead: the first chunk GET waits (at the proxy) for that many more
+    per_box = max(
+        len(box_chunks(lo, hi, (16, 16)))
+        for unit in remote.chunk_members
+        for lo, hi in remote._boxes(unit)
+    )
+    s3.proxy.reset_counts()
+    s3.proxy.delay, s3.proxy.rendezvous = 0.01, per_box + 1
+    try:
+        got = streamed(remote, decode_threads=1)  # one decode thread: fetches overlap anyway
+    finally:
+        s3.proxy.delay, s3.proxy.rendezvous = 0.0, 1
+    want = streamed(local, decode_threads=1)
+    assert len(got) == len(want) > 4
+    for (gi, gx, gy), (wi, wx, wy) in zip(got, want, strict=True):
+        assert np.array_equal(gi, wi) and np.array_equal(gx, wx) and np.array_equal(gy, wy)
+    assert s3.proxy.peak_chunk_gets > per_box, s3.proxy.methods  # the epoch was fetched ahead
+    # a worker's copy reads the arrays opened here; no credential shows anywhere
+    again = pickle.loads(pickle.dumps(remote))
+    assert np.array_equal(again.read(np.arange(3)).x.numpy(), local.read(np.arange(3)).x.numpy())
+    shown = [repr(remote), repr(remote.storage_options), repr(remote.__getstate__())]
+    assert not [text for text in shown if SECRET in text or KEY in text]
+    with pytest.raises(dfl.ConfigError, match=r"fetch_ahead_mb=0.*number > 0"):
+        dfl.io.PatchSource(path, "a", patch={"lat": 8}, fetch_ahead_mb=0)
