@@ -7,9 +7,11 @@ import pickle
 
 import numpy as np
 import pytest
-from test_patch_source import write_2d
+import torch
+from test_patch_source import seg_pipeline, tiles, write_2d
 
 import dataflow as dfl
+from dataflow.checkpoint import CheckpointStore
 from dataflow.io.windows import box_chunks, cut_windows
 
 
@@ -107,3 +109,29 @@ def test_windows_of_an_s3_store_are_the_local_windows_with_chunk_gets_in_flight_
     assert not [text for text in shown if SECRET in text or KEY in text]
     with pytest.raises(dfl.ConfigError, match=r"fetch_ahead_mb=0.*number > 0"):
         dfl.io.PatchSource(path, "a", patch={"lat": 8}, fetch_ahead_mb=0)
+
+
+# -- resume ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_shuffled_fit_resumed_from_a_mid_epoch_checkpoint_ends_bit_identical(client, tmp_path):
+    path, _ = write_2d(tmp_path)
+    source = tiles(path, block=2)
+    run = tmp_path / "run"
+    options = dict(checkpoint_dir=run, keep_checkpoints=100)
+    full = seg_pipeline(source, window_steps=2).fit(2, client=client, checkpoint_every=1, **options)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    steps_per_epoch = len(full.history.steps) // 2
+    point = next(c for c in mid if steps_per_epoch < c["step"] < 2 * steps_per_epoch - 1)
+    store = CheckpointStore(run, keep=100)
+    for newer in [p for p in store.checkpoints() if p.name > store.path(point["step"]).name]:
+        newer.unlink()  # as if the run died just after that checkpoint
+        CheckpointStore.manifest_path(newer).unlink()
+    resumed = seg_pipeline(source, window_steps=2).fit(2, client=client, resume=True, **options)
+    assert resumed.history.info["resumed_from"]["step"] == point["step"]
+    for name, tensor in full.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
+    for epoch in range(2):
+        assert resumed.ledger.consumed(epoch).tolist() == list(range(source.num_samples))
