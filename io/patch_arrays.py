@@ -68,11 +68,13 @@ class PatchArray:
             self.reader.name = name
             self.unit: tuple[int, ...] | None = tuple(array.shards or array.chunks)
             self.array = array
+            self.fill_value: Any = array.fill_value  # what a region never written reads as
         else:
             data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
             self.array = data
             chunks = getattr(data, "chunks", None) if _is_dask_array(data) else None
             self.unit = tuple(int(c[0]) for c in chunks) if chunks else None
+            self.fill_value = None
 
     def missing(self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
         """Raise ``ChunkMissingError`` naming the first absent stored object any of the

@@ -48,6 +48,8 @@ from dataflow.io.windows import (
     run_units,
 )
 
+NAN_MODES = ("refuse", "mask")
+
 
 class PatchSource:
     """Windows of the arrays ``x`` (and ``y``) of a store, as samples.
@@ -83,6 +85,12 @@ class PatchSource:
     ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``:
     a remote store's chunk objects fetched ahead of the decode, per replica
     (``io.fetch``), as ``ZarrSource`` does.
+
+    ``nan``: a window of x holding NaN (data, or the fill value of a region never
+    written) is refused with a ``DataError`` naming the array, the window and its
+    corner (``"refuse"``, the default: one ``isnan`` per unit read), or read with NaN
+    as 0 and one channel appended to x, 1 where every channel is valid (``"mask"``).
+    A y holding NaN is always refused.
     """
 
     def __init__(
@@ -103,7 +111,14 @@ class PatchSource:
         block: int | None = None,
         storage_options: dict[str, Any] | None = None,
         fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
+        nan: str = "refuse",
     ) -> None:
+        if nan not in NAN_MODES:
+            raise ConfigError(
+                f"PatchSource(nan={nan!r}): 'refuse' (a window holding NaN raises DataError, "
+                "the default) or 'mask' (NaN read as 0, a channel appended to x: 1 where valid)"
+            )
+        self.nan = nan
         if block is not None and (isinstance(block, bool) or not isinstance(block, int)):
             raise ConfigError(f"PatchSource(block={block!r}): an int >= 1 (windows), or None")
         if block is not None and block < 1:
@@ -211,8 +226,9 @@ class PatchSource:
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        """One sample's x shape (channels first)."""
-        return self.geometry.sample_shape
+        """One sample's x shape (channels first; ``nan="mask"``: one more, the mask)."""
+        channels, *rest = self.geometry.sample_shape
+        return (channels + (self.nan == "mask"), *rest)
 
     @property
     def y_shape(self) -> tuple[int, ...] | None:
@@ -270,13 +286,45 @@ class PatchSource:
             cut_windows(region, lo, corners, g.patch, g.axes)
             for region, (lo, _) in zip(regions[: len(xs)], boxes, strict=False)
         ]
+        if self.nan == "refuse":
+            for array, cut in zip(xs, cuts, strict=True):
+                self._refuse_nan(array, cut, members)
         x = cuts[0][:, None] if len(cuts) == 1 else np.stack(cuts, axis=1)
         x = g.fold(x)
+        if self.nan == "mask":
+            x = masked_nan(x)
         y = None
         if self.y_name is not None:
             region, (lo, _) = regions[-1], boxes[-1]
-            y = torch.from_numpy(cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes))
+            y = cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes)
+            self._refuse_nan(arrays[-1], y, members)  # a target is never masked
+            y = torch.from_numpy(y)
         return Batch(x=torch.from_numpy(x), y=y, size=len(members))
+
+    def _refuse_nan(self, array: PatchArray, cut: np.ndarray, members: np.ndarray) -> None:
+        """Raise ``DataError`` naming the first window of ``cut`` holding NaN (one
+        ``isnan`` over the windows; integer arrays hold none)."""
+        if not np.issubdtype(cut.dtype, np.floating) or not np.isnan(cut).any():
+            return
+        k = int(np.flatnonzero(np.isnan(cut.reshape(len(cut), -1)).any(axis=1))[0])
+        index = int(members[k])
+        fill = array.fill_value
+        unwritten = (
+            f"; NaN is also {array.name!r}'s fill value, what a region never written reads as"
+            if isinstance(fill, (float, np.floating)) and np.isnan(fill)
+            else ""
+        )
+        dims = dict(zip(self.geometry.patch_by_name, self.corner(index), strict=True))
+        fix = (
+            "fill or drop those values in the store"
+            if array.field == "y"
+            else "pass nan='mask' (NaN read as 0, a channel appended to x: 1 where valid), "
+            "drop such windows with mask= (True where valid), or fill the store"
+        )
+        raise DataError(
+            f"PatchSource: window {index} (corner {dims}) of {array.field} ({array.name!r}) "
+            f"holds NaN{unwritten}; {fix}"
+        )
 
     def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
         """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects that the
@@ -332,6 +380,17 @@ class PatchSource:
             f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
             f"sample_shape={self.sample_shape}, shuffle={self.shuffle})"
         )
+
+
+def masked_nan(x: np.ndarray) -> np.ndarray:
+    """``(n, C, ...)`` -> ``(n, C + 1, ...)``: NaN read as 0, then a channel that is 1
+    where every channel of the cell is valid (0 where any is NaN)."""
+    if not np.issubdtype(x.dtype, np.floating):
+        return np.concatenate([x, np.ones_like(x[:, :1])], axis=1)
+    bad = np.isnan(x)
+    valid = ~bad.any(axis=1, keepdims=True)
+    x = np.where(bad, x.dtype.type(0), x)
+    return np.concatenate([x, valid.astype(x.dtype)], axis=1)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

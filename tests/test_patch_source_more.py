@@ -135,3 +135,72 @@ def test_a_shuffled_fit_resumed_from_a_mid_epoch_checkpoint_ends_bit_identical(c
     assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
     for epoch in range(2):
         assert resumed.ledger.consumed(epoch).tolist() == list(range(source.num_samples))
+
+
+# -- NaN -----------------------------------------------------------------------------------
+
+
+def nan_field(tmp_path):
+    """``a`` and ``b`` 32 x 24 in 16 x 8 chunks, ``a`` NaN at (13, 9) and (20, 3); ``t`` a
+    float target, NaN at (30, 22); ``f`` written over its first 10 rows only (fill: NaN)."""
+    import zarr
+
+    rng = np.random.default_rng(2)
+    group = zarr.open_group(str(tmp_path / "nan.zarr"), mode="w")
+    data = {k: rng.normal(size=(32, 24)).astype(np.float32) for k in "abt"}
+    data["a"][13, 9] = data["a"][20, 3] = data["t"][30, 22] = np.nan
+    for name, value in data.items():
+        array = group.create_array(
+            name, shape=(32, 24), chunks=(16, 8), dtype=np.float32, dimension_names=("y", "x")
+        )
+        array[...] = value
+    f = group.create_array(
+        "f",
+        shape=(32, 24),
+        chunks=(16, 8),
+        dtype=np.float32,
+        fill_value=np.nan,
+        dimension_names=("y", "x"),
+    )
+    f[:10] = 1.0
+    return tmp_path / "nan.zarr", data
+
+
+def test_a_window_holding_nan_is_refused_naming_the_variable_the_window_and_its_corner(tmp_path):
+    path, _ = nan_field(tmp_path)
+    grid = dict(patch={"y": 4, "x": 4}, shuffle=False)
+    source = dfl.io.PatchSource(path, ["b", "a"], **grid)
+    # windows in C order of 8 x 6 corners: (13, 9) is in the window at corner (12, 8)
+    bad = source.corners.tolist().index([12, 8])
+    with pytest.raises(
+        dfl.DataError,
+        match=rf"window {bad} \(corner \{{'y': 12, 'x': 8\}}\) of x\[1\] \('a'\) holds NaN; "
+        r"pass nan='mask'",
+    ):
+        list(dfl.io.stream_batches(source, 8))
+    # a target holding NaN is refused whatever nan= says
+    target = dfl.io.PatchSource(path, "b", "t", nan="mask", **grid)
+    with pytest.raises(dfl.DataError, match=r"corner \{'y': 28, 'x': 20\}\) of y \('t'\)"):
+        target.read(np.arange(target.num_samples))
+    # NaN as the store's fill value: a region never written
+    unwritten = dfl.io.PatchSource(path, "f", patch={"y": 8, "x": 8}, windows=[[4, 0]])
+    with pytest.raises(dfl.DataError, match=r"holds NaN; NaN is also 'f''s fill value"):
+        unwritten.read(np.arange(1))
+    with pytest.raises(dfl.ConfigError, match=r"nan='zero'.*'refuse'.*'mask'"):
+        dfl.io.PatchSource(path, "a", nan="zero", **grid)
+
+
+def test_nan_mask_reads_nan_as_zero_and_appends_a_channel_that_is_one_where_valid(tmp_path):
+    path, data = nan_field(tmp_path)
+    source = dfl.io.PatchSource(
+        path, ["b", "a"], patch={"y": 4, "x": 4}, stride={"y": 3, "x": 5}, nan="mask"
+    )
+    assert source.sample_shape == (3, 4, 4)
+    order = np.random.default_rng(0).permutation(source.num_samples)
+    x = source.read(order).x.numpy()
+    stacked = np.stack([data["b"], data["a"]])
+    windows = np.stack([stacked[:, i : i + 4, j : j + 4] for i, j in source.corners[order]])
+    valid = ~np.isnan(windows).any(axis=1)
+    assert not valid.all()  # some window holds one of the NaN
+    assert np.array_equal(x[:, :2], np.nan_to_num(windows, nan=0.0))
+    assert np.array_equal(x[:, 2], valid.astype(np.float32))
