@@ -22,6 +22,7 @@ import torch
 
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError, DataError, GraphError
+from dataflow.core.window import WHOLE
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -161,7 +162,7 @@ class Evaluate(Stage):
             if step.replica.settles_at_window_end:  # after the window's average or store sync
                 self._due = step
             else:
-                step.metrics["eval"] = self.evaluate_shard(step)
+                step.metrics["eval"] = whole_set(step.replica, self.evaluate_shard(step))
         return inputs[0] if inputs else None
 
     def end_window(self, replica: Any) -> None:
@@ -176,7 +177,7 @@ class Evaluate(Stage):
             for rank in replica.orphans:  # a lost replica's share, so none goes unscored
                 for key, value in self.evaluate_shard(step, rank).items():
                     scores[key] += value
-            step.metrics["eval"] = scores
+            step.metrics["eval"] = scores  # (the group may be aborted: not summed over it)
 
     def prepare(self, batch: Any, device: torch.device) -> Any:
         """A held-out batch on ``device`` with the evaluation transforms applied, as the
@@ -212,6 +213,31 @@ class Evaluate(Stage):
                     sums[key] += value * batch.size
         model.train()
         return {"count": hi - lo, **sums}
+
+
+def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
+    """``scores`` (this replica's share's sums) summed over the replicas' process group,
+    marked ``WHOLE``: every replica's result then holds the whole held-out set's scores,
+    so a replica lost after it evaluated, whose result never reached the driver, takes
+    no share of them with it (a window its partners finished is kept whole). Synchronous
+    training only, whose group allreduces every step (under local or asynchronous
+    updates the group may be aborted while the fit goes on), and not under a spatial
+    layout (its group spans the samples' parts)."""
+    group = replica.collective
+    if group is None or replica.world_size < 2 or replica.spatial is not None:
+        return scores
+    if replica.settles_at_window_end:
+        return scores
+    keys = sorted(scores)
+    totals = torch.tensor([float(scores[k]) for k in keys], dtype=torch.float64)
+    totals = totals.to(replica.device)
+    handle = group.allreduce_async(totals)
+    wait = getattr(group, "wait", None)  # the runtime's: fails at once on an aborted group
+    wait(handle) if wait is not None else handle.wait()
+    summed = dict(zip(keys, totals.cpu().tolist(), strict=True))
+    summed["count"] = round(summed["count"])
+    summed[WHOLE] = 1.0
+    return summed
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -200,3 +200,28 @@ def test_the_pure_modules_import_without_torch_zarr_dask_or_numba():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_scores_summed_over_the_group_are_recorded_once_not_per_replica():
+    """Synchronous training sums the held-out scores over the process group (``WHOLE``):
+    each replica's result holds the whole set's sums, so the epoch's record takes them
+    once (a lost replica's result is then not needed); shares are summed as before."""
+    from dataflow.core.window import WHOLE, WindowResult
+
+    executor = SimulatedExecutor(list(WORKERS[:2]), load=trainer().load)
+    t = trainer()
+    loop = build_loop(t, executor, epochs=1, order=t.graph.validate(replicas=2))
+    spec = loop.planner.phase_steps(loop.planner.next_phase(0, 1, None), 2, 0)[-1]
+
+    def result(rank, scores):
+        return WindowResult(
+            rank, spec.index, [1], [0.5], [0.1], {}, 0.1, evals={spec.index: scores}
+        )
+
+    whole = {"count": 300, "loss": 150.0, WHOLE: 1.0}
+    loop.recorder._record_epoch(spec, [result(0, dict(whole)), result(1, dict(whole))])
+    shares = [{"count": 100, "loss": 30.0}, {"count": 200, "loss": 120.0}]
+    loop.recorder._record_epoch(spec, [result(r, shares[r]) for r in (0, 1)])
+    first, second = loop.recorder.history.epochs
+    assert first.held_out_samples == 300 and first.metrics == {"eval_loss": 0.5}
+    assert second.held_out_samples == 300 and second.metrics == {"eval_loss": 0.5}

@@ -56,3 +56,15 @@ class WindowResult:
     # Local updates: how far the replicas' weights had drifted apart when this window's
     # end averaged them, sum_r w_r |θ_r − θ̄|² / |θ̄|² (the same on every replica)
     drift: float | None = None
+
+
+# In an evaluation's scores (``WindowResult.evals``): they were summed over every
+# replica, so each replica's result holds the whole held-out set's, not its share's
+WHOLE = "whole"
+
+
+def scored_samples(evals: list[dict[str, float]]) -> int:
+    """How many held-out samples the replicas' scores of one evaluation cover: one
+    replica's count when they were summed over the group (``WHOLE``), else the sum."""
+    whole = [e for e in evals if e.get(WHOLE)]
+    return int(whole[0]["count"]) if whole else int(sum(e.get("count", 0) for e in evals))

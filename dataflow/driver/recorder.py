@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from dataflow.checkpoint.progress import ReplicaTotals
 from dataflow.core import kinds
 from dataflow.core.errors import DataError, LossError
-from dataflow.core.window import WindowResult
+from dataflow.core.window import WHOLE, WindowResult, scored_samples
 from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.sample_check import SampleCheck
 from dataflow.driver.step_times import lockstep_wait, plausible_step_seconds, steady_step_seconds
@@ -285,9 +285,11 @@ class Recorder:
         evals = [w.evals[spec.index] for w in window if spec.index in w.evals]
         count = None  # the held-out samples the evaluation scored
         if evals:
-            count = sum(e["count"] for e in evals)
+            count = scored_samples(evals)
+            if any(e.get(WHOLE) for e in evals):  # each holds the whole set's sums
+                evals = [next(e for e in evals if e.get(WHOLE))]
             for key in evals[0]:
-                if key != "count":
+                if key not in ("count", WHOLE):
                     metrics[f"eval_{key}"] = sum(e[key] for e in evals) / max(count, 1)
         total = self.held_out_samples
         if count is not None and total is not None and count < total:  # never silently

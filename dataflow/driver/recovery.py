@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflow.core.window import scored_samples
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.state import Forming, Status
@@ -96,11 +97,11 @@ class LostWorkers:
         total = self.config.held_out_samples
         if total is None:
             return True
-        scored: dict[int, int] = {}
+        by_step: dict[int, list] = {}
         for result in got.values():
             for step, scores in (getattr(result, "evals", None) or {}).items():
-                scored[step] = scored.get(step, 0) + int(scores.get("count", 0))
-        return all(count >= total for count in scored.values())
+                by_step.setdefault(step, []).append(scores)
+        return all(scored_samples(evals) >= total for evals in by_step.values())
 
     # -- asynchronous updates: the survivors keep the window in flight ------------------
     def _may_release(self, lost_ranks: tuple[int, ...]) -> bool:
