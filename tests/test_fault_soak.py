@@ -155,7 +155,7 @@ def test_workers_killed_at_random_moments_are_recovered_every_time(
     rng = np.random.default_rng([SEED, list(POLICIES).index(policy)])
     replicas = WORKERS // 2 if policy == "spatial" else WORKERS
     last_step = EPOCHS * N_TRAIN // BATCH - 1
-    recoveries, resumed, after_end, failures, attempts = [], [], 0, [], 0
+    recoveries, resumed, after_end, failures, attempts, partial = [], [], 0, [], 0, 0
     while len(recoveries) + len(failures) < KILLS and attempts < 2 * KILLS:
         k, attempts = attempts, attempts + 1
         soak_client.wait_for_workers(WORKERS, timeout=180)
@@ -179,6 +179,7 @@ def test_workers_killed_at_random_moments_are_recovered_every_time(
         if killed["time"] > ended:  # the fit ended before the kill landed: not counted
             after_end += 1
             continue
+        partial += len(result.history.info.get("partial_evaluations") or ())
         try:
             _check(result, killed, evaluate)
         except AssertionError as error:
@@ -192,6 +193,8 @@ def test_workers_killed_at_random_moments_are_recovered_every_time(
         "completed_and_checked": len(recoveries),
         "landed_after_the_fit": after_end,
         "failed_checks": len(failures),
+        # epochs scored on part of the held-out set, said in info["partial_evaluations"]
+        "partial_evaluations_recorded": partial,
         "worst_kill_to_end_s": round(max(recoveries), 2) if recoveries else None,
         "median_kill_to_end_s": round(float(np.median(recoveries)), 2) if recoveries else None,
         "worst_kill_to_resumed_s": round(max(resumed), 2) if resumed else None,
