@@ -15,6 +15,8 @@ _LAZY = {
     "BatchBuffers": "dataflow.io.chunk_reader",
     "EpochChunkReader": "dataflow.io.chunk_reader",
     "LabelError": "dataflow.io.labels",
+    "NormalizationStats": "dataflow.io.normalization",
+    "normalization_stats": "dataflow.io.normalization",
     "PatchSource": "dataflow.io.patch_source",
     "SampleLedger": "dataflow.io.ledger",
     "Prefetcher": "dataflow.io.prefetch",

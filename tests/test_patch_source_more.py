@@ -204,3 +204,49 @@ def test_nan_mask_reads_nan_as_zero_and_appends_a_channel_that_is_one_where_vali
     assert not valid.all()  # some window holds one of the NaN
     assert np.array_equal(x[:, :2], np.nan_to_num(windows, nan=0.0))
     assert np.array_equal(x[:, 2], valid.astype(np.float32))
+
+
+# -- normalisation -------------------------------------------------------------------------
+
+
+def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_beside_the_run(
+    tmp_path,
+):
+    import zarr
+
+    path, data = write_2d(tmp_path)
+    group = zarr.open_group(str(path))
+    rng = np.random.default_rng(7)
+    skewed = (rng.gamma(2.0, 3.0, size=(64, 48)) + 1e4).astype(np.float32)
+    skewed[5, 7] = np.nan  # left out, as nan="mask" reads it
+    group.create_array(
+        "s", shape=(64, 48), chunks=(16, 16), dtype=np.float32, dimension_names=("lat", "lon")
+    )[...] = skewed
+    source = dfl.io.PatchSource(path, ["a", "s"], patch={"lat": 8, "lon": 8}, nan="mask")
+    run = tmp_path / "run"
+    stats = dfl.io.normalization_stats(source, path=run)
+    assert stats.variables == ("a", "s")
+    for k, values in enumerate((data["a"], skewed)):
+        values = values.astype(np.float64)
+        assert stats.mean[k] == pytest.approx(np.nanmean(values), rel=1e-12, abs=1e-12)
+        assert stats.std[k] == pytest.approx(np.nanstd(values), rel=1e-12)
+    assert stats.count == (64 * 48, 64 * 48 - 1)
+    # kept: the next call reads the file, not the store; another store is measured again
+    kept = run / "normalization.json"
+    assert dfl.io.NormalizationStats.from_json(kept) == stats
+    group["a"][0, 0] = 1e6  # the file wins while the store's arrays look the same
+    assert dfl.io.normalization_stats(source, path=run) == stats
+    other = dfl.io.normalization_stats(path, ["a", "b"], path=run)
+    assert other.variables == ("a", "b") and other.fingerprint != stats.fingerprint
+    assert dfl.io.NormalizationStats.from_json(kept) == other
+    # applied on the device per channel: the mask channel of nan="mask" left as it is
+    standardize = stats.standardize(source)
+    assert standardize.mean == (stats.mean[0], stats.mean[1], 0.0)
+    assert standardize.std == (stats.std[0], stats.std[1], 1.0)
+    x = source.read(np.arange(4)).x
+    out = standardize(x)
+    expected = (x[:, 1].double() - stats.mean[1]) / stats.std[1]
+    assert torch.allclose(out[:, 1].double(), expected, rtol=1e-5, atol=1e-3)  # float32 out
+    assert torch.equal(out[:, 2], x[:, 2])
+    with pytest.raises(dfl.ConfigError, match=r"statistics are of \['a', 'b'\]"):
+        other.standardize(source)
