@@ -250,3 +250,8 @@ def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_besi
     assert torch.equal(out[:, 2], x[:, 2])
     with pytest.raises(dfl.ConfigError, match=r"statistics are of \['a', 'b'\]"):
         other.standardize(source)
+    with pytest.raises(dfl.ConfigError, match=r"holds several arrays; name the variables"):
+        dfl.io.normalization_stats(path)
+    group.create_array("n", shape=(4, 4), chunks=(2, 2), dtype=np.float32)[...] = np.nan
+    with pytest.raises(dfl.DataError, match=r"variables\[0\] \('n'\) of .* holds no value"):
+        dfl.io.normalization_stats(path, "n")
