@@ -112,6 +112,7 @@ def _info(args: argparse.Namespace) -> int:
     import json
 
     from dataflow.io.verify import verify_store
+    from dataflow.tools.chunk_advice import parse_patch, patch_advice
     from dataflow.tools.info import store_info
 
     info = store_info(
@@ -121,13 +122,18 @@ def _info(args: argparse.Namespace) -> int:
         decode_budget_s=0.0 if args.no_decode else args.decode_seconds,
     )
     check = verify_store(args.store, outlier_factor=args.outlier_factor) if args.verify else None
+    advice = patch_advice(args.store, parse_patch(args.patch)) if args.patch else None
     if args.json:
         out = info.to_dict()
         if check is not None:
             out["verify"] = check.to_dict()
+        if advice is not None:
+            out["patch"] = advice.to_dict()
         print(json.dumps(out, indent=1))
     else:
         print(info.format())
+        if advice is not None:
+            print(advice.format())
         if check is not None:
             print(check.format())
     return 0 if check is None or check.ok else 1
@@ -351,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="with --verify: flag a chunk whose largest magnitude is F times its array's "
         "typical chunk's (default 1e6; 0: no range check)",
+    )
+    info.add_argument(
+        "--patch",
+        metavar="DIM=LEN,...",
+        help="windows of this size (dataflow.io.PatchSource), e.g. lat=64,lon=64 or "
+        "0=64,1=64,2=64: the chunks and bytes a window reads, and a chunking that suits it",
     )
     info.set_defaults(run=_info)
 

@@ -1,0 +1,283 @@
+"""``dataflow info STORE --patch lat=64,lon=64``: how a store's chunks suit windows of a
+given size (``dataflow.io.PatchSource``), and a chunking that suits them better.
+
+A window read alone decodes every storage chunk it touches. Along a patch dim of
+length ``p`` over chunks of ``c``, a window at a random position touches ``1 + (p - 1)
+/ c`` chunks on average and at most ``ceil((p - 1) / c) + 1``; along a dim taken whole
+it touches them all. With chunks at least the patch along every patch dim, a window
+touches at most 2 per dim (``2^d`` in all) and one when it sits on the chunk grid;
+chunks much larger than the patch make every window decode far more than it uses, and
+chunks below about 1 MB make reads many and small (worst on an object store). So the
+suggestion: the patch along patch dims (doubled, shortest first, until a chunk holds
+about 1 MB), whole along the others, at most about 16 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import zarr
+
+from dataflow.core.errors import ConfigError, DataError
+from dataflow.tools.info import _arrays, _bytes, _names, _tuple
+
+SMALL_CHUNK = 1_000_000  # bytes: grow suggested chunks to at least this
+LARGE_CHUNK = 16_000_000  # bytes: and keep them under this where the patch allows
+
+
+def parse_patch(text: str) -> dict[str | int, int]:
+    """``"lat=64,lon=64"`` (dimension names) or ``"1=64,2=64"`` (axes) as a dict."""
+    patch: dict[str | int, int] = {}
+    for part in text.replace(" ", "").split(","):
+        key, _, length = part.partition("=")
+        if not key or not length.isdigit() or int(length) < 1:
+            raise ConfigError(
+                f"info(--patch {text}): give DIM=LEN pairs separated by commas, e.g. "
+                "--patch lat=64,lon=64 (dimension names) or --patch 1=64,2=64 (axes)"
+            )
+        patch[int(key) if key.isdigit() else key] = int(length)
+    return patch
+
+
+@dataclass
+class ArrayAdvice:
+    name: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    window: tuple[int, ...]  # the window over every axis (whole along the others)
+    window_bytes: int
+    chunk_bytes: int
+    chunks_per_window_mean: float  # a window at a random position, read alone
+    chunks_per_window_max: int
+    bytes_read_per_window: float  # decoded, mean
+    suggested_chunks: tuple[int, ...]
+    suggested_chunk_bytes: int
+    suggested_chunks_per_window_max: int
+    suggested_bytes_read_per_window: float
+    good: bool  # the chunks already suit the patch
+    dimension_names: list[str] | None = None
+
+    @property
+    def read_factor(self) -> float:
+        """Bytes decoded per byte of window, mean."""
+        return self.bytes_read_per_window / max(self.window_bytes, 1)
+
+
+@dataclass
+class PatchAdvice:
+    path: str
+    patch: dict[str, int]
+    arrays: list[ArrayAdvice]
+    skipped: list[str]  # arrays without every patch dim (coordinates, masks of fewer dims)
+    rewrite: str | None  # a command that rewrites the store with the suggested chunks
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for entry, array in zip(out["arrays"], self.arrays, strict=True):
+            entry["read_factor"] = array.read_factor
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def format(self) -> str:
+        lines = [
+            f"patch {self.patch}: a window read alone touches (mean, max over positions) "
+            "chunks and decodes (mean) bytes"
+        ]
+        header = ("array", "chunks", "chunk", "window", "chunks/window", "read/window", "x window")
+        rows = [header]
+        for a in self.arrays:
+            rows.append(
+                (
+                    a.name,
+                    _tuple(a.chunks),
+                    _bytes(a.chunk_bytes),
+                    _tuple(a.window),
+                    f"{a.chunks_per_window_mean:.1f}, {a.chunks_per_window_max}",
+                    _bytes(a.bytes_read_per_window),
+                    f"{a.read_factor:.1f}x",
+                )
+            )
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        for row in rows:
+            cells = (str(v).ljust(w) for v, w in zip(row, widths, strict=True))
+            lines.append(("  " + "  ".join(cells)).rstrip())
+        if self.skipped:
+            lines.append(f"  (not windowed, they lack a patch dim: {self.skipped})")
+        changes = [a for a in self.arrays if not a.good]
+        for a in self.arrays:
+            if a.good:
+                lines.append(
+                    f"{a.name}: chunks suit this patch (at most {a.chunks_per_window_max} "
+                    f"chunk(s) a window, {_bytes(a.chunk_bytes)} a chunk)"
+                )
+        for a in changes:
+            lines.append(
+                f"suggested for {a.name}: chunks {_tuple(a.suggested_chunks)} "
+                f"({_bytes(a.suggested_chunk_bytes)} a chunk; a window then touches at most "
+                f"{a.suggested_chunks_per_window_max}, one when it sits on the chunk grid, and "
+                f"decodes {_bytes(a.suggested_bytes_read_per_window)} read alone)"
+            )
+        if changes:
+            lines.append(
+                "  (read alone: one window at a time, as a DataLoader reads crops; PatchSource "
+                "reads a block of chunks once for all the windows in it, so chunks of about "
+                "1-16 MB cost few requests and decode each chunk at most 2^d times an epoch)"
+            )
+        if changes and self.rewrite:
+            lines.append(f"rewrite the store with them:\n  {self.rewrite}")
+        return "\n".join(lines)
+
+
+def _axes(array: zarr.Array, patch: Mapping[str | int, int]) -> dict[int, int] | None:
+    """``{axis: patch length}`` for ``array``, or None when it lacks a patch dim."""
+    names = _names(array) or []
+    axes = {}
+    for key, length in patch.items():
+        if isinstance(key, int):
+            if not 0 <= key < len(array.shape):
+                return None
+            axes[key] = length
+        elif key in names:
+            axes[names.index(key)] = length
+        else:
+            return None
+    return axes
+
+
+def _touched(p: int, c: int, n: int) -> tuple[float, int]:
+    """Chunks of ``c`` along an axis of ``n`` that a run of ``p`` touches: mean, max."""
+    grid = math.ceil(n / c)
+    return min(1 + (p - 1) / c, grid), min(math.ceil((p - 1) / c) + 1, grid)
+
+
+def suggest_chunks(shape: tuple[int, ...], axes: Mapping[int, int], itemsize: int) -> list[int]:
+    """The patch along patch axes (doubled, shortest first, to about 1 MB; halved, longest
+    first, to under about 16 MB), whole along the others."""
+    chunks = [min(axes.get(i, n), n) for i, n in enumerate(shape)]
+
+    def size() -> int:
+        return math.prod(chunks) * itemsize
+
+    while size() < SMALL_CHUNK:
+        growable = [i for i in axes if chunks[i] < shape[i]]
+        if not growable:
+            break
+        i = min(growable, key=lambda a: (chunks[a], a))
+        chunks[i] = min(2 * chunks[i], shape[i])
+    while size() > LARGE_CHUNK:
+        shrinkable = [i for i in axes if chunks[i] > 1]
+        if not shrinkable:
+            break
+        i = max(shrinkable, key=lambda a: (chunks[a], -a))
+        chunks[i] = math.ceil(chunks[i] / 2)
+    return chunks
+
+
+def _advise(name: str, array: zarr.Array, axes: Mapping[int, int], itemsize: int) -> ArrayAdvice:
+    """Good chunks: whole along the dims taken whole, at least the patch along patch
+    dims, under about 16 MB, at least half the suggestion's bytes (or 0.5 MB), and no
+    more than twice the bytes a window decodes with the suggestion."""
+    shape = tuple(int(s) for s in array.shape)
+    chunks = tuple(int(c) for c in array.chunks)
+    window = tuple(min(axes.get(i, n), n) for i, n in enumerate(shape))
+    mean, most = _per_window(window, chunks, shape)
+    own = array.dtype.itemsize
+    chunk_bytes = math.prod(chunks) * own
+    suggested = tuple(suggest_chunks(shape, axes, itemsize))
+    suggested_mean, suggested_max = _per_window(window, suggested, shape)
+    suggested_bytes = math.prod(suggested) * own
+    window_bytes = math.prod(window) * own
+    good = chunks == suggested or (
+        all(chunks[i] >= shape[i] for i in range(len(shape)) if i not in axes)
+        and all(chunks[i] >= window[i] for i in axes)
+        and min(suggested_bytes, SMALL_CHUNK) / 2 <= chunk_bytes <= LARGE_CHUNK
+        and mean * chunk_bytes <= 2 * suggested_mean * suggested_bytes
+    )
+    return ArrayAdvice(
+        name=name,
+        shape=shape,
+        chunks=chunks,
+        window=window,
+        window_bytes=window_bytes,
+        chunk_bytes=chunk_bytes,
+        chunks_per_window_mean=mean,
+        chunks_per_window_max=most,
+        bytes_read_per_window=mean * chunk_bytes,
+        suggested_chunks=suggested,
+        suggested_chunk_bytes=suggested_bytes,
+        suggested_chunks_per_window_max=suggested_max,
+        suggested_bytes_read_per_window=suggested_mean * suggested_bytes,
+        good=good,
+        dimension_names=_names(array),
+    )
+
+
+def _per_window(
+    window: tuple[int, ...], chunks: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[float, int]:
+    """Chunks a window touches: mean over positions, and at most."""
+    mean, most = 1.0, 1
+    for p, c, n in zip(window, chunks, shape, strict=True):
+        m, x = _touched(p, c, n)
+        mean, most = mean * m, most * x
+    return mean, most
+
+
+def _rewrite(path: str, advice: list[ArrayAdvice]) -> str | None:
+    """A command that writes a copy of the store with the suggested chunks: xarray for a
+    store with dimension names (it keeps them), dask array by array otherwise."""
+    dest = path.rstrip("/").removesuffix(".zarr") + "-rechunked.zarr"
+    changes = [a for a in advice if not a.good]
+    if not changes:
+        return None
+    if all(a.dimension_names for a in advice):
+        dims: dict[str, int] = {}  # per dimension name, as the first array needing it
+        for a in changes:
+            for dim, length in zip(a.dimension_names or [], a.suggested_chunks, strict=True):
+                dims.setdefault(dim, length)
+        return (
+            "python -c \"import xarray as xr; xr.open_zarr('" + path + "', consolidated=False)"
+            f".drop_encoding().chunk({dims}).to_zarr('{dest}', consolidated=False)\""
+        )
+    steps = "; ".join(
+        f"da.from_zarr('{path}', component='{a.name}').rechunk({a.suggested_chunks})"
+        f".to_zarr('{dest}', component='{a.name}')"
+        for a in changes
+    )
+    return f'python -c "import dask.array as da; {steps}"'
+
+
+def patch_advice(path: str, patch: Mapping[str | int, int]) -> PatchAdvice:
+    """How the arrays of the zarr store at ``path`` with every dim of ``patch`` suit
+    windows of that size; see the module docstring."""
+    if isinstance(patch, str):
+        patch = parse_patch(patch)
+    try:
+        node = zarr.open(store=str(path), mode="r")
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        raise DataError(f"info: {str(path)!r} is not a zarr store ({exc})") from exc
+    windowed = [(n, a, _axes(a, patch)) for n, a in _arrays(node)]
+    skipped = [n for n, _, axes in windowed if axes is None]
+    windowed = [(n, a, axes) for n, a, axes in windowed if axes is not None]
+    # one suggestion for arrays of one shape, whatever their dtypes: sized by the smallest
+    itemsize = min((a.dtype.itemsize for _, a, _ in windowed), default=1)
+    advice = [_advise(n, a, axes, itemsize) for n, a, axes in windowed]
+    if not advice:
+        dims = sorted({d for _, a in _arrays(node) for d in (_names(a) or [])})
+        raise ConfigError(
+            f"info(--patch {dict(patch)}): no array of {str(path)!r} has all these dims; "
+            + (f"its dimension names are {dims}" if dims else "give axes, e.g. --patch 0=64,1=64")
+        )
+    return PatchAdvice(
+        path=str(path),
+        patch={str(k): int(v) for k, v in patch.items()},
+        arrays=advice,
+        skipped=skipped,
+        rewrite=_rewrite(str(path), advice),
+    )
