@@ -41,9 +41,9 @@ def test_quickstart_prints_its_plan_before_the_bar_and_rounded_metrics(tmp_path)
     assert done.returncode == 0, out[-3000:]
     # the plan line comes once, before the bar, and counts the bar's steps (with the
     # one-step calibration windows)
-    plans = re.findall(r"Plan phase 0: .*?, (\d+) steps in windows of about", out)
+    plans = re.findall(r"Plan, phase 0: .*?, (\d+) steps in windows of about", out)
     assert len(plans) == 1, out[-3000:]
-    assert out.index("Plan phase 0:") < out.index("phase 0 (B=64)")
+    assert out.index("Plan, phase 0:") < out.index("phase 0 (B=64)")
     totals = set(re.findall(r"phase 0 \(B=64\):.*?\| *\d+/(\d+) \[", out))
     history = json.loads((tmp_path / "runs" / "quickstart" / "history.json").read_text())
     assert totals == set(plans) == {str(len(history["steps"]))}

@@ -120,7 +120,7 @@ def test_a_period_of_samples_ends_a_window_at_the_step_that_reaches_it():
     # the plan line before the bar says so (not "windows of about 1 s")
     from types import SimpleNamespace
 
-    from dataflow.driver.loop import phase_line
+    from dataflow.planning.plan import phase_line
 
     config = SimpleNamespace(sync=sync, window_steps=None, window_seconds=1.0)
     line = phase_line(first.phase, first.steps, first.steps, config)

@@ -30,6 +30,7 @@ from dataflow.driver.recorder import Recorder
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint
+from dataflow.planning.plan import phase_line
 from dataflow.runtime.replica import ReplicaState
 from dataflow.schedule.noise_scale import NoiseScaleTracker
 
@@ -456,35 +457,6 @@ class FitLoop:
 
     def _Finish(self, c: cmd.Finish) -> None:
         self.final_state = self.executor.final_weights()
-
-
-def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
-    """``Plan phase 0: epochs 0-2, global batch 64, 2 replica(s), 120 steps in windows of
-    about 1 s (after 2 one-step calibration windows)``; a resumed phase says where it
-    goes on from."""
-    replicas = len(todo[0].local_batches)
-    done = todo[0].index - steps[0].index
-    resumed = f" (resumed at step {todo[0].index}: {done} done)" if done else ""
-    window_samples = getattr(config.sync, "period_samples", None)
-    if config.window_steps:
-        windows = f"windows of {config.window_steps} step(s)"
-    elif window_samples and getattr(config.sync, "max_drift", None) is not None:
-        windows = (
-            f"windows of at most {window_samples} samples, halved while the replicas drift "
-            f"apart more than {config.sync.max_drift:g} (local updates average at each end)"
-        )
-    elif window_samples:
-        windows = f"windows of {window_samples} samples (local updates average at each end)"
-    else:
-        windows = (
-            f"windows of about {config.window_seconds:.3g} s (after "
-            f"{config.calibration_steps} one-step calibration windows)"
-        )
-    return (
-        f"Plan phase {phase.index}: epochs {phase.start_epoch}-{phase.end_epoch - 1}, global "
-        f"batch {phase.global_batch}, {replicas} replica(s), {len(steps)} steps{resumed} in "
-        f"{windows}"
-    )
 
 
 def _is_rendezvous_error(error: BaseException) -> bool:

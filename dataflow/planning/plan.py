@@ -15,6 +15,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseSpec
@@ -295,6 +296,37 @@ class Plan:
                 )
         lines.append("}")
         return "\n".join(lines)
+
+
+def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
+    """The console's line for a phase as a fit begins it: ``Plan, phase 0: epochs 0-2,
+    global batch 64, 2 replica(s), 120 steps in windows of about 1 s (after 2 one-step
+    calibration windows)`` (one epoch: ``epoch 0``); a resumed phase says where it goes
+    on from."""
+    replicas = len(todo[0].local_batches)
+    done = todo[0].index - steps[0].index
+    resumed = f" (resumed at step {todo[0].index}: {done} done)" if done else ""
+    window_samples = getattr(config.sync, "period_samples", None)
+    if config.window_steps:
+        windows = f"windows of {config.window_steps} step(s)"
+    elif window_samples and getattr(config.sync, "max_drift", None) is not None:
+        windows = (
+            f"windows of at most {window_samples} samples, halved while the replicas drift "
+            f"apart more than {config.sync.max_drift:g} (local updates average at each end)"
+        )
+    elif window_samples:
+        windows = f"windows of {window_samples} samples (local updates average at each end)"
+    else:
+        windows = (
+            f"windows of about {config.window_seconds:.3g} s (after "
+            f"{config.calibration_steps} one-step calibration windows)"
+        )
+    start, end = phase.start_epoch, phase.end_epoch - 1
+    epochs = f"epoch {start}" if start == end else f"epochs {start}-{end}"
+    return (
+        f"Plan, phase {phase.index}: {epochs}, global batch {phase.global_batch}, "
+        f"{replicas} replica(s), {len(steps)} steps{resumed} in {windows}"
+    )
 
 
 class Plans(list):
