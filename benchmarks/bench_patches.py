@@ -54,8 +54,8 @@ meanwhile (``quiet.measure_side``, the README's shared machine guard). Results a
 appended to ``benchmarks/results/patches.json``.
 
     pip install xbatcher          # or pip install -e .[bench]; without it (a) is skipped
-    python benchmarks/bench_patches.py            # 512^3 volume, ~6 min on 2 cores
-    python benchmarks/bench_patches.py --quick    # 256^3 volume, ~1.5 min
+    python benchmarks/bench_patches.py            # 512^3 volume, ~5 min on 2 cores
+    python benchmarks/bench_patches.py --quick    # 256^3 volume, ~2.5 min
     python benchmarks/bench_patches.py --cases crops32 --no-fit
 """
 
@@ -459,7 +459,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="256^3 volume, 64 times: ~1.5 min")
+    p.add_argument("--quick", action="store_true", help="256^3 volume, 64 times: ~2.5 min")
     p.add_argument("--cases", default="crops32,crops64,tiles", help="comma separated")
     p.add_argument("--side", type=int, default=None, help="volume side (512; --quick 256)")
     p.add_argument("--times", type=int, default=None, help="grid time steps (128; --quick 64)")
