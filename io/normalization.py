@@ -9,8 +9,8 @@ al.'s parallel update), and leaves NaN out (as ``PatchSource(nan="mask")`` reads
 not data). With ``path`` the result is written as JSON and read back on the next call
 whose store and variables match: a fingerprint of each array's name, shape, chunks
 and dtype and the store's label, so a changed store is measured again.
-:meth:`NormalizationStats.standardize` gives the ``dataflow.ops.Standardize`` that
-applies them on the device, one mean and std per channel of the source's samples.
+``dataflow.ops.Standardize.from_stats(stats, source)`` applies them on the device, one
+mean and std per channel of the source's samples (:meth:`NormalizationStats.per_channel`).
 """
 
 from __future__ import annotations
@@ -57,21 +57,18 @@ class NormalizationStats:
     count: tuple[int, ...]
     fingerprint: str
 
-    def standardize(self, source: Any = None, dtype: Any = None) -> Any:
-        """The ``dataflow.ops.Standardize`` that applies these statistics per channel.
-
-        Without ``source``: one channel per variable. With a ``PatchSource`` whose x
-        is these variables: its channels, each variable's statistics repeated over
-        the dims folded into its channels, and mean 0, std 1 for the mask channel of
-        ``nan="mask"`` (left as it is)."""
-        from dataflow.ops import Standardize
-
+    def per_channel(self, source: Any = None) -> tuple[list[float], list[float]]:
+        """The (mean, std) of each channel, what ``dfl.ops.Standardize.from_stats``
+        applies. Without ``source``: one channel per variable. With a ``PatchSource``
+        whose x is these variables: its channels, each variable's statistics repeated
+        over the dims folded into its channels, and mean 0, std 1 for the mask channel
+        of ``nan="mask"`` (left as it is)."""
         mean, std = list(self.mean), list(self.std)
         if source is not None:
             names = _x_names(source)
             if names != [None] and names != list(self.variables):
                 raise ConfigError(
-                    f"NormalizationStats.standardize(source=...): the statistics are of "
+                    f"Standardize.from_stats(stats, source): the statistics are of "
                     f"{list(self.variables)} but the source's x is {names}; measure them "
                     "for the source's variables (normalization_stats(source))"
                 )
@@ -82,7 +79,7 @@ class NormalizationStats:
                 std = [s for s in std for _ in range(per)]
                 if getattr(source, "nan", None) == "mask":
                     mean, std = [*mean, 0.0], [*std, 1.0]
-        return Standardize(mean=mean, std=std, dtype=dtype)
+        return mean, std
 
     def to_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)

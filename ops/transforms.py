@@ -361,6 +361,16 @@ class Standardize:
         mean, std = _channel_moments(source, samples=samples, seed=seed, batch=batch)
         return cls(mean=mean, std=std, dtype=dtype)
 
+    @classmethod
+    def from_stats(
+        cls, stats: Any, source: Any = None, *, dtype: torch.dtype | None = None
+    ) -> Standardize:
+        """From statistics measured once over a store (``dfl.io.normalization_stats``):
+        per channel of ``source``'s x (its variables' statistics repeated over the dims
+        it folds into channels), or one channel per variable without a source."""
+        mean, std = stats.per_channel(source)
+        return cls(mean=mean, std=std, dtype=dtype)
+
 
 @dataclass(kw_only=True, frozen=True)
 class RandomFlip:

@@ -240,7 +240,7 @@ def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_besi
     assert other.variables == ("a", "b") and other.fingerprint != stats.fingerprint
     assert dfl.io.NormalizationStats.from_json(kept) == other
     # applied on the device per channel: the mask channel of nan="mask" left as it is
-    standardize = stats.standardize(source)
+    standardize = dfl.ops.Standardize.from_stats(stats, source)
     assert standardize.mean == (stats.mean[0], stats.mean[1], 0.0)
     assert standardize.std == (stats.std[0], stats.std[1], 1.0)
     x = source.read(np.arange(4)).x
@@ -249,7 +249,7 @@ def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_besi
     assert torch.allclose(out[:, 1].double(), expected, rtol=1e-5, atol=1e-3)  # float32 out
     assert torch.equal(out[:, 2], x[:, 2])
     with pytest.raises(dfl.ConfigError, match=r"statistics are of \['a', 'b'\]"):
-        other.standardize(source)
+        dfl.ops.Standardize.from_stats(other, source)
     with pytest.raises(dfl.ConfigError, match=r"holds several arrays; name the variables"):
         dfl.io.normalization_stats(path)
     group.create_array("n", shape=(4, 4), chunks=(2, 2), dtype=np.float32)[...] = np.nan
