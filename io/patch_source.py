@@ -281,10 +281,13 @@ class PatchSource:
         boxes = self._boxes(members)
         corners = self.corners[members]
         xs = [a for a in arrays if a.field != "y"]
-        regions = [a.read_box(*box) for a, box in zip(arrays, boxes, strict=True)]
+        reads, served = shared_reads(arrays, boxes)
+        read = [array.read_box(lo, hi) for array, (lo, hi) in reads]
+        regions = [read[served[k]] for k in range(len(arrays))]
+        origins = [reads[served[k]][1][0] for k in range(len(arrays))]
         cuts = [
             cut_windows(region, lo, corners, g.patch, g.axes)
-            for region, (lo, _) in zip(regions[: len(xs)], boxes, strict=False)
+            for region, lo in zip(regions[: len(xs)], origins, strict=False)
         ]
         if self.nan == "refuse":
             for array, cut in zip(xs, cuts, strict=True):
@@ -295,7 +298,7 @@ class PatchSource:
             x = masked_nan(x)
         y = None
         if self.y_name is not None:
-            region, (lo, _) = regions[-1], boxes[-1]
+            region, lo = regions[-1], origins[-1]
             y = cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes)
             self._refuse_nan(arrays[-1], y, members)  # a target is never masked
             y = torch.from_numpy(y)
@@ -337,7 +340,8 @@ class PatchSource:
         members = self.chunk_members
         entries = []
         for unit in (int(c) for job in jobs for c in job):
-            for array, box in zip(self._open(), self._boxes(members[unit]), strict=True):
+            reads, _ = shared_reads(self._open(), self._boxes(members[unit]))
+            for array, box in reads:  # as _read_unit reads them
                 if array.fetches_ahead:
                     entries.extend(array.fetch_plan([box]))
         if not entries:
@@ -380,6 +384,29 @@ class PatchSource:
             f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
             f"sample_shape={self.sample_shape}, shuffle={self.shuffle})"
         )
+
+
+def shared_reads(
+    arrays: Sequence[PatchArray], boxes: Sequence[tuple[list[int], list[int]]]
+) -> tuple[list[tuple[PatchArray, tuple[list[int], list[int]]]], list[int]]:
+    """The boxes to read, one per distinct stored array (y cut from the same array as an
+    x: one box holding both, decoded once), and which of them serves each array."""
+    reads: list[tuple[PatchArray, tuple[list[int], list[int]]]] = []
+    served: list[int] = []
+    where: dict[str, int] = {}
+    for array, (lo, hi) in zip(arrays, boxes, strict=True):
+        k = where.get(array.name)
+        if k is None:
+            where[array.name] = len(reads)
+            served.append(len(reads))
+            reads.append((array, (list(lo), list(hi))))
+            continue
+        first, (a, b) = reads[k]
+        lo2 = [min(x, y) for x, y in zip(a, lo, strict=True)]
+        hi2 = [max(x, y) for x, y in zip(b, hi, strict=True)]
+        reads[k] = (first, (lo2, hi2))
+        served.append(k)
+    return reads, served
 
 
 def masked_nan(x: np.ndarray) -> np.ndarray:

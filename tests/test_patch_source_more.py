@@ -4,10 +4,12 @@ NaN, normalisation."""
 from __future__ import annotations
 
 import pickle
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
+import zarr
 from test_patch_source import seg_pipeline, tiles, write_2d
 
 import dataflow as dfl
@@ -255,3 +257,46 @@ def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_besi
     group.create_array("n", shape=(4, 4), chunks=(2, 2), dtype=np.float32)[...] = np.nan
     with pytest.raises(dfl.DataError, match=r"variables\[0\] \('n'\) of .* holds no value"):
         dfl.io.normalization_stats(path, "n")
+
+
+def test_x_and_y_cut_from_one_array_decode_each_stored_object_once_per_unit(tmp_path):
+    """Tiles x time forecasting: y is x's array shifted in time, so a unit's objects
+    are fetched once for both (one box holding x's and y's windows), not twice."""
+    field = np.arange(16 * 16 * 16, dtype=np.float32).reshape(16, 16, 16)
+    root = zarr.open_group(tmp_path / "f.zarr", mode="w")
+    root.create_array(
+        "t",
+        shape=field.shape,
+        chunks=(4, 8, 8),
+        dtype=np.float32,
+        dimension_names=("time", "lat", "lon"),
+    )[...] = field
+
+    class CountingStore(zarr.storage.LocalStore):
+        gets: ClassVar[list[str]] = []
+
+        def get_sync(self, key, *args, **kwargs):
+            CountingStore.gets.append(key)
+            return super().get_sync(key, *args, **kwargs)
+
+    group = zarr.open_group(CountingStore(tmp_path / "f.zarr"), mode="r")
+    source = dfl.io.PatchSource(
+        group,
+        "t",
+        "t",
+        patch={"time": 2, "lat": 8, "lon": 8},
+        stride={"time": 1},
+        y_shift={"time": 2},
+        y_patch={"time": 1},
+        channels=("time",),
+        shuffle=False,
+    )
+    CountingStore.gets.clear()
+    batches = source.read_chunks(range(len(source.chunk_members)))
+    keys = [k for k in CountingStore.gets if "zarr.json" not in k]
+    assert len(keys) == len(set(keys))  # every object read once: x and y from one box
+    for unit, members in enumerate(source.chunk_members):
+        for row, k in enumerate(members.tolist()):
+            t, i, j = source.corner(k)
+            assert np.array_equal(batches[unit].x[row], field[t : t + 2, i : i + 8, j : j + 8])
+            assert np.array_equal(batches[unit].y[row], field[t + 2 : t + 3, i : i + 8, j : j + 8])
