@@ -27,6 +27,7 @@ import torch
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError, DataError
+from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, ChunkCache
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, opened_remote
@@ -42,6 +43,7 @@ from dataflow.io.patch_geometry import Geometry, resolve_geometry
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
+    block_groups,
     block_units,
     bounding_box,
     cut_windows,
@@ -84,7 +86,9 @@ class PatchSource:
     ``storage_options``: fsspec's, for a URL (credentials print as ``'***'``,
     ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``:
     a remote store's chunk objects fetched ahead of the decode, per replica
-    (``io.fetch``), as ``ZarrSource`` does.
+    (``io.fetch``), as ``ZarrSource`` does. ``chunk_cache_mb``: decoded storage chunks
+    kept per replica (LRU) for the next units that reach into them (``io.chunk_cache``;
+    shuffled epochs keep neighbouring blocks together so they do; 0: none).
 
     ``nan``: a window of x holding NaN (data, or the fill value of a region never
     written) is refused with a ``DataError`` naming the array, the window and its
@@ -112,6 +116,7 @@ class PatchSource:
         storage_options: dict[str, Any] | None = None,
         fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
         nan: str = "refuse",
+        chunk_cache_mb: float = DEFAULT_CHUNK_CACHE_MB,
     ) -> None:
         if nan not in NAN_MODES:
             raise ConfigError(
@@ -143,6 +148,15 @@ class PatchSource:
                 f"{DEFAULT_FETCH_AHEAD_MB:g})"
             )
         self.fetch_ahead_mb = float(fetch_ahead_mb)
+        if isinstance(chunk_cache_mb, bool) or not (
+            isinstance(chunk_cache_mb, (int, float)) and chunk_cache_mb >= 0
+        ):
+            raise ConfigError(
+                f"PatchSource(chunk_cache_mb={chunk_cache_mb!r}): the MB of decoded storage "
+                "chunks kept for the next units that reach into them, per replica; use a "
+                f"number >= 0 (0: keep none; default {DEFAULT_CHUNK_CACHE_MB:g})"
+            )
+        self.chunk_cache_mb = float(chunk_cache_mb)
         self._arrays: list[PatchArray] | None = None
         self._remote: Any = None  # a remote store's arrays, opened on the driver
         arrays = self._open()
@@ -193,6 +207,10 @@ class PatchSource:
                 arrays.append(self._member("y", self.y_name))
         if isinstance(self.store, (str, Path)):
             self._remote = opened_remote(opened, [a.array for a in arrays])
+        cache = ChunkCache(int(self.chunk_cache_mb * 2**20)) if self.chunk_cache_mb else None
+        for array in arrays:  # one cache for all: y cut from x's array finds x's chunks
+            if array.reader is not None and array.reader.decoder is not None:
+                array.reader.decoder.cache = cache
         self._arrays = arrays
         return arrays
 
@@ -218,6 +236,16 @@ class PatchSource:
         if kind == "block":
             return block_units(self.corners, shape)
         return run_units(self.corners, shape, cell_bytes)
+
+    @functools.cached_property
+    def chunk_groups(self) -> list[int] | None:
+        """Shuffled: each unit's super-block of ``2 ** d`` neighbouring blocks, kept
+        together in the epoch's order (``io.sharding``) so the chunks they share are
+        decoded once (``chunk_cache_mb``); None unshuffled (C order already is)."""
+        kind, shape, _ = self._plan
+        if kind != "block":
+            return None
+        return block_groups(self.corners, self.chunk_members, shape)
 
     # -- the Source contract ------------------------------------------------------
     @property
@@ -372,7 +400,11 @@ class PatchSource:
 
     # -- pickling and display -------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_opened", "chunk_members")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_opened", "chunk_members", "chunk_groups")
+        }
         state["_arrays"] = None  # open handles stay behind; reopened on first use
         return state
 

@@ -55,6 +55,7 @@ def shard_epoch(
     shuffle: bool = True,
     buffer_chunks: int = 4,
     members: Sequence[np.ndarray] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> list[np.ndarray]:
     """Each replica's sample indices for one epoch, in the order it reads them.
 
@@ -64,6 +65,10 @@ def shard_epoch(
     ``members``: the sample indices each chunk holds, when a chunk is not a run of
     consecutive samples (``ChunkedSource.chunk_members``, e.g. the windows of a block);
     None: chunk ``c`` holds the ``sizes[c]`` samples after those of chunk ``c - 1``.
+    ``groups``: a group id per chunk (``chunk_groups``, e.g. neighbouring blocks of
+    windows sharing storage chunks): shuffled, the groups come in a random order and
+    the chunks of a group follow each other in a random order (so a chunk cache finds
+    what the group's previous chunks decoded); None: chunks in a random order.
     """
     if members is not None and [len(m) for m in members] != [int(n) for n in sizes]:
         raise ConfigError(
@@ -83,6 +88,12 @@ def shard_epoch(
     starts = np.concatenate([[0], np.cumsum(sizes_arr)[:-1]]).astype(np.int64)
     rng = np.random.default_rng([int(seed), int(epoch)])
     order = rng.permutation(len(sizes_arr)) if shuffle else np.arange(len(sizes_arr))
+    if shuffle and groups is not None and len(sizes_arr):  # groups in a random order,
+        group_of = np.asarray(groups, dtype=np.int64)  # then their chunks in a random order
+        rank = np.random.default_rng([int(seed), int(epoch), 2**31]).permutation(
+            int(group_of.max()) + 1
+        )
+        order = order[np.argsort(rank[group_of[order]], kind="stable")]
     # Vectorised: position p of the stream holds sample start(chunk) + (p - where chunk begins).
     placed = np.concatenate([[0], np.cumsum(sizes_arr[order])[:-1]]).astype(np.int64)
     stream = np.arange(total, dtype=np.int64) + np.repeat(starts[order] - placed, sizes_arr[order])
@@ -112,6 +123,13 @@ def source_chunk_sizes(source: object) -> list[int]:
     if bounds is not None:
         return np.diff(np.asarray(bounds, dtype=np.int64)).tolist()
     return chunk_sizes(source.num_samples, getattr(source, "chunk_samples", 1))
+
+
+def source_chunk_groups(source: object) -> list[int] | None:
+    """A group id per chunk of a source whose shuffled order keeps neighbouring chunks
+    together (``chunk_groups``); None for every other source."""
+    groups = getattr(source, "chunk_groups", None)
+    return None if groups is None else [int(g) for g in groups]
 
 
 def source_chunk_members(source: object) -> list[np.ndarray] | None:
@@ -164,6 +182,7 @@ def epoch_streams(
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     members: Sequence[np.ndarray] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, list[StepSpec], list[np.ndarray]]]:
     """Per epoch of ``steps`` (whole epochs, or the rest of an epoch after a re-split,
     in order): the epoch, its steps, and every replica's stream of sample indices for
@@ -184,6 +203,7 @@ def epoch_streams(
             shuffle=shuffle,
             buffer_chunks=buffer_chunks,
             members=members,
+            groups=groups,
         )
         if earlier:
             streams = continued_streams(streams, earlier, wanted)
@@ -198,6 +218,7 @@ def replica_epochs(
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     members: Sequence[np.ndarray] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Iterator[tuple[int, list[StepSpec], list[list[np.ndarray]]]]:
     """Per epoch of ``steps`` (see :func:`epoch_streams`): the epoch, its steps, and for
     every step every replica's sample indices (``parts[step][replica]``).
@@ -212,6 +233,7 @@ def replica_epochs(
         shuffle=shuffle,
         buffer_chunks=buffer_chunks,
         members=members,
+        groups=groups,
     ):
         position = [0] * len(streams)
         parts = []
@@ -234,6 +256,7 @@ def replica_streams(
     shuffle: bool = True,
     buffer_chunks: int = DEFAULT_BUFFER_CHUNKS,
     members: Sequence[np.ndarray] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> Iterator[tuple[StepSpec, list[np.ndarray]]]:
     """For each step (whole epochs, in order): every replica's sample indices.
 
@@ -255,5 +278,6 @@ def replica_streams(
         shuffle=shuffle,
         buffer_chunks=buffer_chunks,
         members=members,
+        groups=groups,
     ):
         yield from zip(epoch_steps, parts, strict=True)

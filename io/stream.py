@@ -28,6 +28,7 @@ from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (
     DEFAULT_BUFFER_CHUNKS,
     shard_epoch,
+    source_chunk_groups,
     source_chunk_members,
     source_chunk_sizes,
 )
@@ -70,6 +71,7 @@ def stream_batches(
         shuffle=getattr(source, "shuffle", True),
         buffer_chunks=buffer_chunks,
         members=source_chunk_members(source),
+        groups=source_chunk_groups(source),
     )
     batches = [order[i : i + batch_size] for i in range(0, used, batch_size)]
 

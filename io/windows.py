@@ -13,6 +13,10 @@ Read units (the engine's chunks, ``chunk_members``):
   bounding box of its windows: the block plus the overhang of its last windows into the
   next block, so a storage chunk is fetched by its own block and the blocks before it
   along each dim: at most ``2 ** d`` times per epoch when ``patch <= block``.
+  :func:`block_groups` numbers super-blocks of ``2 ** d`` neighbouring blocks: a
+  shuffled epoch takes the super-blocks in a random order and their blocks in a random
+  order, so the next units find the storage chunks they share with the previous ones
+  in the reader's decoded-chunk cache (``io.chunk_cache``) instead of decoding them again.
 - :func:`run_units` (unshuffled epochs): consecutive C-order runs whose bounding box
   stays within a byte budget, so the engine's unshuffled stream is exactly C order.
 """
@@ -101,6 +105,20 @@ def block_units(corners: np.ndarray, block: Sequence[int]) -> list[np.ndarray]:
     order = np.argsort(key, kind="stable").astype(np.int64)
     cuts = np.flatnonzero(np.diff(key[order])) + 1
     return np.split(order, cuts)
+
+
+def block_groups(
+    corners: np.ndarray, units: Sequence[np.ndarray], block: Sequence[int], span: int = 2
+) -> list[int]:
+    """A group id per unit of :func:`block_units`: the super-block of ``span`` blocks
+    along each dim that holds it (``span ** d`` neighbouring blocks, which share the
+    storage chunks their windows reach into), numbered 0.. in C order."""
+    if not units or corners.shape[1] == 0:
+        return [0] * len(units)
+    first = corners[np.asarray([int(u[0]) for u in units], dtype=np.int64)]
+    ids = first // (np.asarray(block, dtype=np.int64) * span)
+    _, dense = np.unique(ids, axis=0, return_inverse=True)
+    return [int(g) for g in np.asarray(dense).reshape(-1)]
 
 
 def bounding_box(corners: np.ndarray, extent: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

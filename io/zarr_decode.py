@@ -37,6 +37,7 @@ import zarr
 from numcodecs.compat import ensure_ndarray_like
 from zarr.core.buffer import default_buffer_prototype
 
+from dataflow.io.chunk_cache import ChunkCache
 from dataflow.io.fetch import FetchAhead, fetch_now
 
 
@@ -126,6 +127,7 @@ class ChunkDecoder:
         self._prototype = prototype
         self._get_sync = getattr(self.store, "get_sync", None)
         self.plans: list[FetchAhead] = []  # epochs' objects fetched ahead (remote stores)
+        self.cache: ChunkCache | None = None  # decoded chunks kept across reads (PatchSource)
 
     def key(self, coords: Sequence[int]) -> str:
         return self.prefix + self.array.metadata.encode_chunk_key(tuple(coords))
@@ -142,13 +144,24 @@ class ChunkDecoder:
         ]
         objects = list(itertools.product(*ranges))
         keys = [self.key(coords) for coords in objects]
-        for coords, key, stored in zip(objects, keys, self._fetch(keys), strict=True):
-            if stored is None:
-                raise MissingObject(key)
-            try:
-                chunk = self._decode(stored)
-            except Exception as exc:
-                raise ObjectDecodeError(key, exc) from exc
+        cache = self.cache
+        kept = [None if cache is None else cache.get(key) for key in keys]
+        for key, chunk in zip(keys, kept, strict=True):
+            if chunk is not None and self._get_sync is None:
+                self._planned(key)  # fetched ahead but decoded already: let it go
+        needed = [key for key, chunk in zip(keys, kept, strict=True) if chunk is None]
+        fetched = iter(self._fetch(needed))
+        for coords, key, chunk in zip(objects, keys, kept, strict=True):
+            if chunk is None:
+                stored = next(fetched)
+                if stored is None:
+                    raise MissingObject(key)
+                try:
+                    chunk = self._decode(stored)
+                except Exception as exc:
+                    raise ObjectDecodeError(key, exc) from exc
+                if cache is not None:
+                    cache.put(key, chunk)
             source, target = [], []
             for i, c, (lo, hi) in zip(coords, self.chunks, bounds, strict=True):
                 start, stop = max(lo, i * c), min(hi, (i + 1) * c)

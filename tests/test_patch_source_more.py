@@ -3,6 +3,7 @@ NaN, normalisation."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from typing import ClassVar
 
@@ -14,6 +15,7 @@ from test_patch_source import seg_pipeline, tiles, write_2d
 
 import dataflow as dfl
 from dataflow.checkpoint import CheckpointStore
+from dataflow.io.sharding import shard_epoch
 from dataflow.io.windows import box_chunks, cut_windows
 
 
@@ -300,3 +302,83 @@ def test_x_and_y_cut_from_one_array_decode_each_stored_object_once_per_unit(tmp_
             t, i, j = source.corner(k)
             assert np.array_equal(batches[unit].x[row], field[t : t + 2, i : i + 8, j : j + 8])
             assert np.array_equal(batches[unit].y[row], field[t + 2 : t + 3, i : i + 8, j : j + 8])
+
+
+class _CountingStore(zarr.storage.LocalStore):
+    """A local store that records the objects read (to count decodes)."""
+
+    gets: ClassVar[list[str]] = []
+
+    def get_sync(self, key, *args, **kwargs):
+        _CountingStore.gets.append(key)
+        return super().get_sync(key, *args, **kwargs)
+
+
+def _random_crops(tmp_path, **kwargs):
+    volume = np.arange(32**3, dtype=np.float32).reshape(32, 32, 32)
+    root = zarr.open_group(tmp_path / "v.zarr", mode="w")
+    root.create_array("v", shape=volume.shape, chunks=(8, 8, 8), dtype=np.float32)[...] = volume
+    corners = np.random.default_rng(0).integers(0, 32 - 6, size=(300, 3))
+    corners = np.unique(corners, axis=0)
+    group = zarr.open_group(_CountingStore(tmp_path / "v.zarr"), mode="r")
+    source = dfl.io.PatchSource(group, "v", patch={0: 6, 1: 6, 2: 6}, windows=corners, **kwargs)
+    return volume, source
+
+
+def test_a_shuffled_epoch_keeps_neighbouring_blocks_together_and_decodes_shared_chunks_once(
+    tmp_path,
+):
+    volume, source = _random_crops(tmp_path, block=1)
+    groups = source.chunk_groups
+    members = source.chunk_members
+    assert len(groups) == len(members) and len(set(groups)) > 1
+    sizes = [len(m) for m in members]
+    for epoch in (0, 1):
+        [stream] = shard_epoch(
+            sizes, [source.num_samples], seed=7, epoch=epoch, members=members, groups=groups
+        )
+        assert sorted(stream.tolist()) == list(range(source.num_samples))  # each once
+        # the units' order (one sample per unit: no mixing within buffer groups)
+        [units] = shard_epoch(
+            [1] * len(members),
+            [len(members)],
+            seed=7,
+            epoch=epoch,
+            buffer_chunks=1,
+            groups=groups,
+        )
+        units = units.tolist()
+        assert sorted(units) == list(range(len(members)))
+        seen = [g for g, _ in itertools.groupby(groups[u] for u in units)]
+        assert len(seen) == len(set(seen))  # a group's units follow each other
+        [again] = shard_epoch(
+            [1] * len(members),
+            [len(members)],
+            seed=7,
+            epoch=epoch,
+            buffer_chunks=1,
+            groups=groups,
+        )
+        assert again.tolist() == units  # a pure function of (seed, epoch)
+    # read in that order, each stored object is decoded once (the cache holds them all)
+    _CountingStore.gets.clear()
+    batches = source.read_chunks(units)
+    keys = [k for k in _CountingStore.gets if "zarr.json" not in k]
+    assert len(keys) == len(set(keys))
+    for unit in units:
+        for row, k in enumerate(source.chunk_members[unit].tolist()):
+            a, b, c = source.corner(k)
+            assert np.array_equal(batches[unit].x[row, 0], volume[a : a + 6, b : b + 6, c : c + 6])
+    # without the cache, the objects windows reach into are decoded again by the next units
+    _, uncached = _random_crops(tmp_path / "off", block=1, chunk_cache_mb=0)
+    _CountingStore.gets.clear()
+    uncached.read_chunks(units)
+    keys = [k for k in _CountingStore.gets if "zarr.json" not in k]
+    assert len(keys) > len(set(keys))
+
+
+def test_chunk_cache_mb_must_be_a_number_of_mb(tmp_path):
+    path, _ = write_2d(tmp_path)
+    for bad in (-1, "256", True):
+        with pytest.raises(dfl.errors.ConfigError, match=r"chunk_cache_mb=.*number >= 0"):
+            dfl.io.PatchSource(path, "a", patch={"lat": 8, "lon": 8}, chunk_cache_mb=bad)
