@@ -128,6 +128,7 @@ class ChunkDecoder:
         self._get_sync = getattr(self.store, "get_sync", None)
         self.plans: list[FetchAhead] = []  # epochs' objects fetched ahead (remote stores)
         self.cache: ChunkCache | None = None  # decoded chunks kept across reads (PatchSource)
+        self.decoded: list[int] = []  # bytes of each object decoded (append: thread-safe)
 
     def key(self, coords: Sequence[int]) -> str:
         return self.prefix + self.array.metadata.encode_chunk_key(tuple(coords))
@@ -160,6 +161,7 @@ class ChunkDecoder:
                     chunk = self._decode(stored)
                 except Exception as exc:
                     raise ObjectDecodeError(key, exc) from exc
+                self.decoded.append(chunk.nbytes)
                 if cache is not None:
                     cache.put(key, chunk)
             source, target = [], []
