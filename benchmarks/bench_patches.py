@@ -280,7 +280,7 @@ def held_by_design(source: Any, args: argparse.Namespace) -> dict[str, Any]:
     decoded whole (every storage chunk it touches: ``decoded_over_crops`` is the read
     amplification), and it holds at most ``buffer_chunks`` units being drawn from and
     ``decode_ahead`` (2) being read, each its box plus its cut windows, and
-    ``prefetch + 4`` output batches."""
+    ``prefetch + 4`` output batches, and the decoded chunks it caches (``chunk_cache_mb``)."""
     arrays = source._open()
     item = arrays[0].dtype.itemsize
     sizes, boxes, decoded = [], [], 0
@@ -303,7 +303,10 @@ def held_by_design(source: Any, args: argparse.Namespace) -> dict[str, Any]:
         "unit_box_bytes_max": max(boxes) * item,
         "decoded_bytes": decoded,
         "decoded_over_crops": decoded / (crop_bytes * item * source.num_samples),
-        "held_bytes": (args.buffer_chunks + 2) * unit + batches,
+        # plus the decoded-chunk cache, filled at most to the array's decoded size
+        "held_bytes": (args.buffer_chunks + 2) * unit
+        + batches
+        + min(int(source.chunk_cache_mb * 2**20), math.prod(arrays[0].shape) * item),
     }
 
 
