@@ -36,8 +36,26 @@ from typing import Any
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
+from dataflow.core.errors import ConfigError
+
 DEFAULT_FETCH_AHEAD_MB = 256.0  # bytes fetched ahead of the decode, per source and replica
 DEFAULT_REQUESTS = 32  # requests in flight at most (s3fs itself allows 10 connections)
+
+
+def megabytes(
+    where: str, field: str, value: Any, meaning: str, default: float, zero: str | None = None
+) -> float:
+    """``value`` (a source's budget in MB) as a float, or a ConfigError naming the field,
+    what it is for and its default; ``zero``: what 0 means, or None when 0 is refused."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if number and (value > 0 or (value == 0 and zero is not None)):
+        return float(value)
+    allowed = "> 0" if zero is None else f">= 0 (0: {zero};"
+    opening = " (" if zero is None else " "
+    raise ConfigError(
+        f"{where}({field}={value!r}): {meaning}; use a number {allowed}{opening}default "
+        f"{default:g})"
+    )
 
 
 def is_remote(store: Any) -> bool:

@@ -30,7 +30,7 @@ from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, ChunkCache
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
-from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, opened_remote
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
 from dataflow.io.patch_arrays import (
     PatchArray,
     is_single_array,
@@ -139,24 +139,22 @@ class PatchSource:
         self.block = block
         # Credentials in it stay out of every repr (io.credentials); fsspec gets them whole
         self.storage_options = StorageOptions.of(storage_options)
-        if isinstance(fetch_ahead_mb, bool) or not (
-            isinstance(fetch_ahead_mb, (int, float)) and fetch_ahead_mb > 0
-        ):
-            raise ConfigError(
-                f"PatchSource(fetch_ahead_mb={fetch_ahead_mb!r}): the MB of a remote store's "
-                "chunks fetched ahead of the decode; use a number > 0 (default "
-                f"{DEFAULT_FETCH_AHEAD_MB:g})"
-            )
-        self.fetch_ahead_mb = float(fetch_ahead_mb)
-        if isinstance(chunk_cache_mb, bool) or not (
-            isinstance(chunk_cache_mb, (int, float)) and chunk_cache_mb >= 0
-        ):
-            raise ConfigError(
-                f"PatchSource(chunk_cache_mb={chunk_cache_mb!r}): the MB of decoded storage "
-                "chunks kept for the next units that reach into them, per replica; use a "
-                f"number >= 0 (0: keep none; default {DEFAULT_CHUNK_CACHE_MB:g})"
-            )
-        self.chunk_cache_mb = float(chunk_cache_mb)
+        self.fetch_ahead_mb = megabytes(
+            "PatchSource",
+            "fetch_ahead_mb",
+            fetch_ahead_mb,
+            "the MB of a remote store's chunks fetched ahead of the decode",
+            DEFAULT_FETCH_AHEAD_MB,
+        )
+        self.chunk_cache_mb = megabytes(
+            "PatchSource",
+            "chunk_cache_mb",
+            chunk_cache_mb,
+            "the MB of decoded storage chunks kept for the next units that reach into "
+            "them, per replica",
+            DEFAULT_CHUNK_CACHE_MB,
+            zero="keep none",
+        )
         self._arrays: list[PatchArray] | None = None
         self._remote: Any = None  # a remote store's arrays, opened on the driver
         arrays = self._open()

@@ -42,7 +42,7 @@ from dataflow.io.array_readers import (
 )
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
-from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, opened_remote
+from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
 from dataflow.io.metadata_check import corrupt_metadata
 from dataflow.io.region import Bounds, array_cuts, bounds_shape, common_shape, compose, full_bounds
 
@@ -193,15 +193,13 @@ class ZarrSource:
         self.shuffle = bool(shuffle)
         # Credentials in it stay out of every repr (io.credentials); fsspec gets them whole
         self.storage_options = StorageOptions.of(storage_options)
-        if isinstance(fetch_ahead_mb, bool) or not (
-            isinstance(fetch_ahead_mb, (int, float)) and fetch_ahead_mb > 0
-        ):
-            raise DataError(
-                f"ZarrSource(fetch_ahead_mb={fetch_ahead_mb!r}): the MB of a remote store's "
-                "chunks fetched ahead of the decode; use a number > 0 (default "
-                f"{DEFAULT_FETCH_AHEAD_MB:g})"
-            )
-        self.fetch_ahead_mb = float(fetch_ahead_mb)
+        self.fetch_ahead_mb = megabytes(
+            "ZarrSource",
+            "fetch_ahead_mb",
+            fetch_ahead_mb,
+            "the MB of a remote store's chunks fetched ahead of the decode",
+            DEFAULT_FETCH_AHEAD_MB,
+        )
         self._readers: list[ArrayReader] | None = None
         self._region: Bounds | None = None  # see region()
         readers = self._open()

@@ -100,7 +100,7 @@ def test_credentials_never_print_and_also_come_from_the_environment(s3, stores, 
 
 def test_bad_fetch_ahead_is_refused_naming_the_field(stores):
     local, _ = stores
-    with pytest.raises(dfl.DataError, match=r"fetch_ahead_mb=0.*number > 0"):
+    with pytest.raises(dfl.ConfigError, match=r"fetch_ahead_mb=0.*number > 0"):
         dfl.io.ZarrSource(local, x="x", y="y", fetch_ahead_mb=0)
 
 
