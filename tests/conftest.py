@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import dask.config
@@ -137,6 +138,22 @@ def client():
 
     with client_or_local_cluster(None, n_workers=2, announce=False) as c:
         yield c
+
+
+@contextlib.contextmanager
+def nanny_cluster(workers: int):
+    """A client of ``workers`` nanny-managed single-threaded workers whose killed workers
+    come back (for modules that SIGKILL them). A LocalCluster closes the nanny of a
+    worker not back within lost-worker-timeout (15 s): on a loaded machine a restart
+    can take longer, so it is 300 s here."""
+    from distributed import Client, LocalCluster
+
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
+        LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        yield client
 
 
 def digits_accuracy(client, data: dict, **options) -> float:

@@ -20,12 +20,10 @@ import math
 import os
 from pathlib import Path
 
-import dask
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, sgd
-from distributed import Client, LocalCluster
+from conftest import TinyCNN, make_data, nanny_cluster, sgd
 from test_lost_worker import KillOnce
 
 import dataflow as dfl
@@ -46,13 +44,7 @@ SYNCS = {
 
 @pytest.fixture(scope="module")
 def cluster_client():
-    # A LocalCluster closes the nanny of a worker that has not come back within
-    # lost-worker-timeout (15 s): on a loaded machine a restart can take longer
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
-        LocalCluster(n_workers=WORKERS, threads_per_worker=1, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
+    with nanny_cluster(WORKERS) as client:
         yield client
 
 

@@ -30,12 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-import dask
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, sgd
-from distributed import Client, LocalCluster
+from conftest import TinyCNN, make_data, nanny_cluster, sgd
 
 import dataflow as dfl
 from dataflow import stages
@@ -92,11 +90,7 @@ class KillSoon(stages.Stage):
 
 @pytest.fixture(scope="module")
 def soak_client():
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
-        LocalCluster(n_workers=WORKERS, threads_per_worker=1, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
+    with nanny_cluster(WORKERS) as client:
         yield client
 
 

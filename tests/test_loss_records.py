@@ -16,11 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-import dask
 import pytest
 import torch
-from conftest import TinyCNN, make_data, sgd
-from distributed import Client, LocalCluster
+from conftest import TinyCNN, make_data, nanny_cluster, sgd
 from test_lost_worker import KillOnce
 
 import dataflow as dfl
@@ -39,11 +37,7 @@ SYNCS = {
 
 @pytest.fixture(scope="module")
 def cluster_client():
-    with (
-        dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
-        LocalCluster(n_workers=WORKERS, threads_per_worker=1, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
+    with nanny_cluster(WORKERS) as client:
         yield client
 
 
