@@ -126,6 +126,7 @@ def build_loop(
     config = trainer.config
     per_replica_caps = isinstance(config.max_micro_batch, tuple)
     fit_plan = plan_from_cost_model(trainer, executor, epochs)
+    held_out = held_out_samples(trainer.graph)
     machine = FitMachine(
         MachineConfig(
             stage_names=order,
@@ -145,7 +146,7 @@ def build_loop(
             sync=config.sync,
             epochs=epochs,
             scale_with_batch=bool(config.scale_with_batch and config.elastic),
-            held_out_samples=held_out_samples(trainer.graph),
+            held_out_samples=held_out,
         )
     )
     recorder = Recorder(
@@ -158,7 +159,7 @@ def build_loop(
         cost_model=planned_model(config, fit_plan),
         lockstep_wait=config.settles_at_window_end,
         leases=bool(getattr(config.sync, "leases", False)),
-        held_out_samples=held_out_samples(trainer.graph),
+        held_out_samples=held_out,
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)

@@ -343,7 +343,7 @@ class FitMachine(LostWorkers):
             if not self.config.sync.may_commit(got, replicas) and not (
                 lost
                 and len(lost) < replicas
-                and all(r in got or r in lost for r in range(replicas))
+                and self._finished_but(got, lost)
                 and (self._scored_whole_held_out(got) or self._survivors_went_past())
             ):
                 break
@@ -365,6 +365,10 @@ class FitMachine(LostWorkers):
                         cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states)
                     )
         return out
+
+    def _finished_but(self, got: dict[int, Any], lost: tuple[int, ...]) -> bool:
+        """Whether every replica but the ``lost`` ones has its result in ``got``."""
+        return all(r in got or r in lost for r in range(self.state.layout.replicas))
 
     def _phase_ended(self, event: ev.PhaseEnded) -> list[Any]:
         s = self.state

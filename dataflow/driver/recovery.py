@@ -121,7 +121,7 @@ class LostWorkers:
         if s.commit_window not in s.windows:  # nothing in flight: regroup now
             return out + self._regroup_survivors(event, lost_ranks, after="rest")
         got = s.pending.get(s.commit_window, {})
-        if all(r in got or r in lost_ranks for r in range(s.layout.replicas)):
+        if self._finished_but(got, lost_ranks):
             # The survivors finished it, but it was not salvaged: its held-out scores
             # lack the lost share. Nothing is left to finish: roll back and train it again.
             return out + self._regroup_survivors(event, lost_ranks, after="rest")
