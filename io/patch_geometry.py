@@ -58,7 +58,9 @@ class Geometry:
         if not self.fold_axes:
             return x
         moved = np.moveaxis(x, [2 + a for a in self.fold_axes], range(2, 2 + len(self.fold_axes)))
-        return np.ascontiguousarray(moved).reshape(len(x), *self.sample_shape)
+        folded = moved.shape[1 : 2 + len(self.fold_axes)]
+        rest = moved.shape[2 + len(self.fold_axes) :]  # a region may have narrowed them
+        return np.ascontiguousarray(moved).reshape(len(x), math.prod(folded), *rest)
 
     def _by_name(self, values: Sequence[int]) -> dict[Any, int]:
         names = self.dims if self.dims is not None else None

@@ -17,6 +17,7 @@ reaches into the next blocks) when the patch is no longer than a block.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -40,6 +41,7 @@ from dataflow.io.patch_arrays import (
     raw_zarr,
 )
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
+from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
@@ -175,6 +177,7 @@ class PatchSource:
         )
         self.corners = self.geometry.corners
         self._plan = self._unit_plan(arrays[0])
+        self._region: Bounds | None = None  # see region()
 
     # -- opening ------------------------------------------------------------------
     def _open(self) -> list[PatchArray]:
@@ -265,27 +268,61 @@ class PatchSource:
         """Sample ``index``'s corner over the patch dims (the array's axis order)."""
         return tuple(int(c) for c in self.corners[index])
 
+    # -- regions (spatial decomposition) -----------------------------------------
+    @property
+    def region_bounds(self) -> Bounds:
+        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
+        return self._region if self._region is not None else full_bounds(self.sample_shape)
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        """One sample's x shape as this source reads it."""
+        return bounds_shape(self.region_bounds)
+
     def region(self, bounds: Mapping[int, tuple[int, int]]) -> PatchSource:
-        raise ConfigError(
-            "PatchSource.region: spatial layouts (Layout(spatial=P)) do not read windows yet; "
-            "train a PatchSource with one worker per replica (the default layout), or write "
-            "the windows to a sample-major store and train a ZarrSource"
-        )
+        """A view reading only ``[lo, hi)`` along each given axis of every window's x
+        (whole-sample coordinates, axis 0 the channels; see ``io.region``); y is whole.
+        A spatial rank's units read only its part of each window's box, so it decodes
+        (and checks the existence of) only the storage chunks that part touches."""
+        view = copy.copy(self)
+        view._region = compose("PatchSource", bounds, self.sample_shape, self._region)
+        return view
+
+    def _x_window(self) -> tuple[np.ndarray, tuple[int, ...], dict[int, tuple[int, int]]]:
+        """Where x is read within a window: the offset and length along each patch axis,
+        and ``{axis: (lo, hi)}`` of x's other (whole) axes that a region narrows."""
+        g = self.geometry
+        offset, extent = np.zeros(len(g.axes), np.int64), list(g.patch)
+        narrowed: dict[int, tuple[int, int]] = {}
+        if self._region is None:
+            return offset, tuple(extent), narrowed
+        unfolded = [a for a in range(len(g.shape)) if a not in g.fold_axes]
+        for axis, (lo, hi) in zip(unfolded, self._region[1:], strict=True):
+            if axis in g.axes:
+                j = g.axes.index(axis)
+                offset[j], extent[j] = lo, hi - lo
+            else:
+                narrowed[axis] = (lo, hi)
+        return offset, tuple(extent), narrowed
 
     def _boxes(self, members: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per array (x then y), the box ``(lo, hi)`` over all its axes that the windows
-        ``members`` need."""
+        ``members`` need (x's narrowed to the region)."""
         g = self.geometry
         corners = self.corners[members]
+        offset, x_extent, narrowed = self._x_window()
         boxes = []
         for array in self._open():
             is_y = array.field == "y"
-            shifted = corners + g.y_shift if is_y else corners
-            extent = g.y_extent if is_y else g.patch
+            shifted = corners + (g.y_shift if is_y else offset)
+            extent = g.y_extent if is_y else x_extent
             p_lo, p_hi = bounding_box(shifted, extent)
             lo, hi = [0] * len(array.shape), list(array.shape)
             for j, axis in enumerate(g.y_axes if is_y else g.axes):
                 lo[axis], hi[axis] = int(p_lo[j]), int(p_hi[j])
+            if not is_y:
+                for axis, (a, b) in narrowed.items():
+                    lo[axis], hi[axis] = a, b
             boxes.append((lo, hi))
         return boxes
 
@@ -307,12 +344,13 @@ class PatchSource:
         boxes = self._boxes(members)
         corners = self.corners[members]
         xs = [a for a in arrays if a.field != "y"]
+        offset, x_extent, _ = self._x_window()
         reads, served = shared_reads(arrays, boxes)
         read = [array.read_box(lo, hi) for array, (lo, hi) in reads]
         regions = [read[served[k]] for k in range(len(arrays))]
         origins = [reads[served[k]][1][0] for k in range(len(arrays))]
         cuts = [
-            cut_windows(region, lo, corners, g.patch, g.axes)
+            cut_windows(region, lo, corners + offset, x_extent, g.axes)
             for region, lo in zip(regions[: len(xs)], origins, strict=False)
         ]
         if self.nan == "refuse":
@@ -322,6 +360,9 @@ class PatchSource:
         x = g.fold(x)
         if self.nan == "mask":
             x = masked_nan(x)
+        if self._region is not None and self._region[0] != (0, self.sample_shape[0]):
+            lo, hi = self._region[0]  # channels: cut once they are assembled (and masked)
+            x = np.ascontiguousarray(x[:, lo:hi])
         y = None
         if self.y_name is not None:
             region, lo = regions[-1], origins[-1]
@@ -386,7 +427,7 @@ class PatchSource:
             )
         if len(index) == 0:
             arrays = self._open()
-            x = torch.empty((0, *self.sample_shape), dtype=_torch_dtype(arrays[0].dtype))
+            x = torch.empty((0, *self.region_shape), dtype=_torch_dtype(arrays[0].dtype))
             y = None
             if self.y_name is not None:
                 y = torch.empty((0, *self.geometry.y_shape), dtype=_torch_dtype(arrays[-1].dtype))
@@ -409,10 +450,11 @@ class PatchSource:
     def __repr__(self) -> str:
         g = self.geometry
         store = self.store if isinstance(self.store, str) else type(self.store).__name__
+        region = "" if self._region is None else f", region={self._region}"
         return (
             f"PatchSource({str(store)!r}, x={self.x_name!r}, y={self.y_name!r}, "
             f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
-            f"sample_shape={self.sample_shape}, shuffle={self.shuffle})"
+            f"sample_shape={self.sample_shape}, shuffle={self.shuffle}{region})"
         )
 
 

@@ -36,7 +36,8 @@ class SpatialRank:
         if not hasattr(source, "region"):
             raise ConfigError(
                 f"Layout(spatial={self.layout.spatial}): the source {type(source).__name__} "
-                "cannot read a region of each sample; use dfl.io.ZarrSource or dfl.io.ArraySource"
+                "cannot read a region of each sample; use dfl.io.ZarrSource, dfl.io.PatchSource or "
+                "dfl.io.ArraySource"
             )
         return source.region(self.layout.region(source.sample_shape, self.rank))
 
