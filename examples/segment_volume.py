@@ -20,12 +20,13 @@ as a share of what it leaves (1 - its accuracy). Over seeds 0, 1, 2 (``--seed S
 majority class's error closed; mean IoU 0.82-0.83 against 0.13; thresholding each voxel
 0.58), in 23-29 s.
 
-Not yet: ``--spatial``. A spatial layout (``dfl.Layout(spatial=2)``: each window's
-depth split over two workers) refuses a PatchSource today (``PatchSource.region``);
-for samples too large for one worker see ``examples/cosmoflow_spatial.py``.
+``--spatial 2``: each crop's depth split over two workers (``dfl.Layout(spatial=2)``:
+one replica whose two workers each read their half of every window from the store and
+exchange halos), for crops too large for one worker; ``--workers`` must be a multiple.
 
     python examples/segment_volume.py                              # under 1 min on 2 cores
     python examples/segment_volume.py --side 256 --chunk 64 --patch 32 --crops 4096
+    python examples/segment_volume.py --spatial 2                  # each crop over 2 workers
     python examples/segment_volume.py --scheduler tcp://head-node:8786
 
 Writes OUT/history.json (everything the fit measured), OUT/result.json (the figures)
@@ -161,6 +162,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init, crops and order (0)")
     p.add_argument("--data-seed", type=int, default=0, help="the generated volume (0)")
     p.add_argument("--workers", type=int, default=2, help="LocalCluster workers = replicas (2)")
+    p.add_argument(
+        "--spatial", type=int, default=1, help="workers per crop, its depth split (1: none)"
+    )
     p.add_argument("--scheduler", help="address of a running Dask scheduler (instead)")
     p.add_argument("--out", default="runs/segment_volume", help="output folder")
     p.add_argument(
@@ -213,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         metrics={"accuracy": voxel_accuracy},
         schedule=dfl.schedule.Fixed(args.batch),
         seed=args.seed,
+        layout=dfl.Layout(spatial=args.spatial),
         progress=not args.no_progress,
     )
     with client_or_local_cluster(args.scheduler, n_workers=args.workers) as client:
