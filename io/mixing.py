@@ -108,12 +108,24 @@ def engine_batches(
 def mean_pairwise_distance(corners: np.ndarray) -> float:
     """Mean L1 distance over the distinct pairs of ``corners`` (exact: per dim, the sorted
     values weighted by ``2k - n + 1``; no pair loop). 0 for fewer than two."""
-    n = len(corners)
+    return float(batch_distances(np.asarray(corners)[None])[0])
+
+
+def batch_distances(corners: np.ndarray) -> np.ndarray:
+    """Per batch of ``corners`` ``(batches, size, d)``, the mean L1 distance over its
+    distinct pairs, vectorised over batches; 0 for batches of fewer than two."""
+    k, n = corners.shape[:2]
     if n < 2:
-        return 0.0
-    ranked = np.sort(np.asarray(corners, dtype=np.float64).reshape(n, -1), axis=0)
+        return np.zeros(k)
+    ranked = np.sort(np.asarray(corners, dtype=np.float64).reshape(k, n, -1), axis=1)
     weights = 2 * np.arange(n, dtype=np.float64) - n + 1
-    return float((weights @ ranked).sum() / (n * (n - 1) / 2))
+    return np.einsum("n,knd->k", weights, ranked) / (n * (n - 1) / 2)
+
+
+def distinct(labels: np.ndarray) -> np.ndarray:
+    """Distinct values per row of ``labels`` ``(batches, size)``."""
+    ranked = np.sort(labels, axis=1)
+    return 1 + (np.diff(ranked, axis=1) != 0).sum(axis=1)
 
 
 def step_trend(centroids: np.ndarray) -> float:
@@ -138,22 +150,23 @@ def measure(
     reference: float,
     buffer_chunks: int | None = None,
 ) -> Mixing:
-    """The mixing of each epoch's ``batches`` (sample indices) given each sample's block,
-    super-block and corner, against ``reference`` (the whole array's mean pairwise
-    distance); ``trend`` is averaged over the epochs."""
-    batches = [b for epoch in epochs for b in epoch]
-    trend = [step_trend(np.stack([corners[b].mean(axis=0) for b in e])) for e in epochs if e]
-    units = [len(np.unique(unit_of[b])) for b in batches]
-    groups = [len(np.unique(group_of[b])) for b in batches]
-    spread = [mean_pairwise_distance(corners[b]) for b in batches]
+    """The mixing of each epoch's batches (sample indices, of one size) given each
+    sample's block, super-block and corner, against ``reference`` (the whole array's mean
+    pairwise distance); ``trend`` is averaged over the epochs. No loop over batches."""
+    batches = np.stack([b for epoch in epochs for b in epoch])
+    units = distinct(unit_of[batches])
+    at = corners[batches].astype(np.float64)
+    per_epoch = [len(e) for e in epochs]
+    centroids = np.split(at.mean(axis=1), np.cumsum(per_epoch)[:-1])
+    trend = [step_trend(c) for c in centroids if len(c)]
     return Mixing(
         order=name,
         buffer_chunks=buffer_chunks,
         batches=len(batches),
-        units_mean=float(np.mean(units)),
-        units_min=int(min(units)),
-        groups_mean=float(np.mean(groups)),
-        spread=float(np.mean(spread) / reference) if reference > 0 else 1.0,
+        units_mean=float(units.mean()),
+        units_min=int(units.min()),
+        groups_mean=float(distinct(group_of[batches]).mean()),
+        spread=float(batch_distances(at).mean() / reference) if reference > 0 else 1.0,
         trend=float(np.mean(trend)) if trend else 0.0,
     )
 
