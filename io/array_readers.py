@@ -185,9 +185,20 @@ class ZarrArrayReader(ArrayReader):
 
     def missing(self, chunks: Sequence[int]) -> list[str]:
         """One concurrent ``store.exists`` per stored object, not a listing of the whole
-        array (``nchunks_initialized`` lists every key, slow on object stores)."""
-        keys = [self._key(coords) for coords in self._grid(chunks)]
+        array (``nchunks_initialized`` lists every key, slow on object stores). Not asked:
+        the objects a live fetch plan GETs (its 404 is the check, ``io.fetch``), and a
+        resident array already read (its values are in memory)."""
+        if self.resident and self._resident is not None:
+            return []
         store = self.array.store_path.store
+        plans = [] if self.decoder is None else list(self.decoder.plans)
+        keys = [
+            key
+            for key in (self._key(coords) for coords in self._grid(chunks))
+            if not any(plan.covers(store, key) for plan in plans)
+        ]
+        if not keys:
+            return []
 
         async def exists_all() -> list[bool]:
             return await asyncio.gather(*(store.exists(key) for key in keys))

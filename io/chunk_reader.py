@@ -24,7 +24,10 @@ about as much as the copy itself). The batches are the same whatever the thread
 count: each chunk decodes to the same values, and the assembly is in batch order.
 
 Before the first batch, every chunk of the epoch is checked to exist, so a
-missing chunk fails the epoch before any step trains on it.
+missing chunk fails the epoch before any step trains on it. A remote store's objects
+fetched ahead (``io.fetch``) are checked by their GETs instead of a HEAD each: the
+first batch waits on one round trip, not two, and a 404 stops the epoch at the next
+batch, naming the object (a decode taking it would too): no step trains on a fill value.
 
 A chunk is a run of consecutive samples (``chunk_bounds``: found by a binary search)
 or any set of them (``chunk_members``, a ``PatchSource``'s blocks of windows: found
@@ -47,7 +50,7 @@ import numpy as np
 import torch
 
 from dataflow.core.batch import Batch
-from dataflow.core.errors import ConfigError
+from dataflow.core.errors import ChunkMissingError, ConfigError
 from dataflow.core.protocols import ChunkedSource
 
 
@@ -452,6 +455,8 @@ class EpochChunkReader:
             for position, indices in enumerate(self.batches):
                 if news[position]:
                     live.update(decoder.get())
+                if fetching is not None and fetching.missing:
+                    self._stop_missing(fetching)
                 yield self._assemble(indices, self.chunks[position], position, live)
                 done = [c for c in self.touched[position] if self.last_use[c] == position]
                 for chunk in done:
@@ -461,6 +466,18 @@ class EpochChunkReader:
             decoder.close()
             if fetching is not None:
                 fetching.close()
+
+    def _stop_missing(self, fetching: Any) -> None:
+        """A GET fetched ahead found an object absent (``io.fetch``): stop the epoch before
+        its next batch, with the source's own error naming it (its check, asked again now
+        that the plan is closed, sends the HEADs the plan's GETs had stood in for)."""
+        fetching.close()
+        self.source.check_chunks(sorted(self.last_use))
+        raise ChunkMissingError(
+            f"{type(self.source).__name__}: the stored object {fetching.missing[0]!r} was "
+            "absent when this epoch fetched it, and is there now: the store is changing "
+            "underneath; retry once it is complete"
+        )
 
     def _assemble(
         self, indices: np.ndarray, chunks: np.ndarray, position: int, live: dict[int, Batch]

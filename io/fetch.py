@@ -21,7 +21,12 @@ budget. Any source that knows its reads in advance can do the same: list
 ``(store, key, nbytes)`` in read order, then ``take`` each key before fetching it.
 
 One request per object: :func:`get_object` asks s3fs for the whole object at once
-(s3fs's own ``cat`` first asks for the size, a second round trip per chunk).
+(s3fs's own ``cat`` first asks for the size, a second round trip per chunk). The GET
+is also the existence check: an object a live plan fetches (:meth:`FetchAhead.covers`)
+is not asked about with a HEAD (``ZarrArrayReader.missing``); its 404 is listed in
+:attr:`FetchAhead.missing`, and the chunk reader stops the epoch at the next batch
+(``io.chunk_reader``), naming the object, as a decode taking it would: no step
+trains on a fill value, and an epoch start waits on one round trip, not two.
 """
 
 from __future__ import annotations
@@ -105,7 +110,8 @@ class FetchAhead:
     hold this plan until :meth:`close`.
 
     ``fetched``: objects fetched; ``peak_in_flight``: the most requests at once;
-    ``peak_bytes``: the most bytes held or in flight at once (the memory bound)."""
+    ``peak_bytes``: the most bytes held or in flight at once (the memory bound);
+    ``missing``: the keys found absent so far."""
 
     def __init__(
         self,
@@ -129,6 +135,8 @@ class FetchAhead:
         self._by_key: dict[tuple[int, str], list[int]] = {}
         for i, (store, key, _) in enumerate(self.entries):
             self._by_key.setdefault((id(store), key), []).append(i)
+        self._planned_keys = frozenset(self._by_key)
+        self.missing: list[str] = []  # keys whose GET found no object (404), as they come
         self._held = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -141,6 +149,11 @@ class FetchAhead:
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
 
     # -- the consumer's side (any thread) -------------------------------------------------
+    def covers(self, store: Any, key: str) -> bool:
+        """Whether this plan GETs ``key``: its answer is then the existence check (a 404
+        is :attr:`missing`, and the decode taking it raises), so no HEAD need ask."""
+        return (id(store), key) in self._planned_keys and not self._closed
+
     def take(self, store: Any, key: str) -> concurrent.futures.Future | None:
         """The fetch of the next planned read of ``key``, or None (not planned, or not
         started yet: then the plan skips it and the caller fetches it itself)."""
@@ -227,6 +240,9 @@ class FetchAhead:
             if not future.cancelled():
                 future.set_exception(exc)
         else:
+            if data is None:
+                with self._lock:
+                    self.missing.append(key)
             if not future.cancelled():
                 future.set_result(data)
         finally:

@@ -8,6 +8,7 @@ count the proxy observed), and the credentials never show.
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import zarr
 from conftest import TinyCNN, make_data, sgd
 from object_store import KEY, SECRET, s3_server
 
@@ -74,6 +76,100 @@ def test_an_s3_store_streams_the_local_batches_with_chunk_requests_in_flight_tog
     remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
     with pytest.raises(dfl.ChunkMissingError, match=r"x/c/2/0/0/0"):
         batches(remote, decode_threads=2)
+
+
+def stored_objects(local, *arrays):
+    """How many chunk objects the arrays of the local store ``local`` hold."""
+    return sum(sum(1 for p in (local / a / "c").rglob("*") if p.is_file()) for a in arrays)
+
+
+def two_epochs(source):
+    return [batches_of(source, epoch) for epoch in range(2)]
+
+
+def batches_of(source, epoch):
+    return [
+        (b.indices.copy(), b.x.clone(), b.y.clone())
+        for b in dfl.io.stream_batches(source, 32, seed=3, epoch=epoch, decode_threads=2)
+    ]
+
+
+def field_store(path, holes=()):
+    """A 2-D field (64 x 96, chunks 16 x 32) and a label field beside it, minus ``holes``."""
+    rng = np.random.default_rng(1)
+    group = zarr.open_group(path, mode="w")
+    for name, values in (
+        ("f", rng.normal(size=(64, 96)).astype(np.float32)),
+        ("lab", rng.integers(0, 3, size=(64, 96)).astype(np.int64)),
+    ):
+        array = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=(16, 32))
+        array[...] = values
+    for key in holes:
+        (path / key).unlink()
+    return path
+
+
+def tiles(store, **options):
+    patch = {0: 8, 1: 8}
+    return dfl.io.PatchSource(store, "f", "lab", patch=patch, y_patch={0: 1, 1: 1}, **options)
+
+
+def test_an_epoch_from_s3_sends_no_head_its_gets_are_the_existence_check(
+    s3, stores, proxy, tmp_path
+):
+    """Each object of an epoch is asked for once (a GET) and never HEAD-ed: the GET
+    is the existence check; a resident array read is not checked again."""
+    local, url = stores
+    remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    proxy.reset_counts()
+    got = two_epochs(remote)
+    assert proxy.methods.get("HEAD", 0) == 0, proxy.methods
+    # x's objects once per epoch; y's (resident: read whole, kept) once in all
+    objects = 2 * stored_objects(local, "x") + stored_objects(local, "y")
+    assert proxy.methods.get("GET", 0) == objects, proxy.methods
+    assert len(got[1]) == 8
+    # PatchSource alike: its units' objects, x's and the labels', GET once each (no
+    # decoded-chunk cache: the second epoch reads the store again)
+    path = field_store(tmp_path / "field.zarr")
+    url = s3.upload(path, "field.zarr")
+    patches = tiles(url, storage_options=s3.storage_options, chunk_cache_mb=0)
+    proxy.reset_counts()
+    got = two_epochs(patches)
+    assert proxy.methods.get("HEAD", 0) == 0, proxy.methods
+    assert proxy.methods.get("GET", 0) == 2 * stored_objects(path, "f", "lab"), proxy.methods
+    want = two_epochs(tiles(path))
+    for epoch in range(2):
+        for (gi, gx, gy), (wi, wx, wy) in zip(got[epoch], want[epoch], strict=True):
+            assert np.array_equal(gi, wi) and torch.equal(gx, wx) and torch.equal(gy, wy)
+
+
+@pytest.mark.parametrize("kind", ["zarr", "patch"])
+def test_an_object_missing_from_s3_is_named_and_never_read_as_fill_values(
+    s3, proxy, tmp_path, kind
+):
+    """The GET that finds no object stops the epoch naming it; every batch handed out
+    before that is the local store's (no fill value trained on)."""
+    if kind == "zarr":
+        x, y = make_data(128)
+        path = dfl.io.to_zarr(tmp_path / "holes.zarr", x, y, chunk_mb=0.01)
+        hole = "x/c/2/0/0/0"
+        make = functools.partial(dfl.io.ZarrSource, x="x", y="y")
+    else:
+        path = field_store(tmp_path / "holes.zarr")
+        hole = "f/c/2/1"
+        make = tiles
+    url = s3.upload(path, f"{kind}-holes.zarr")
+    s3.delete(f"{kind}-holes.zarr/{hole}")
+    want = batches_of(make(path), 0)
+    remote = make(url, storage_options=s3.storage_options)
+    name = "ZarrSource" if kind == "zarr" else "PatchSource"
+    got = []
+    with pytest.raises(dfl.ChunkMissingError, match=rf"{name}: .*{hole}"):
+        for b in dfl.io.stream_batches(remote, 32, seed=3, decode_threads=2):
+            got.append((b.indices.copy(), b.x.clone(), b.y.clone()))
+    assert len(got) < len(want)
+    for (gi, gx, gy), (wi, wx, wy) in zip(got, want, strict=False):
+        assert np.array_equal(gi, wi) and torch.equal(gx, wx) and torch.equal(gy, wy)
 
 
 def test_credentials_never_print_and_also_come_from_the_environment(s3, stores, proxy, monkeypatch):
