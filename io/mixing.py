@@ -27,7 +27,7 @@ the shuffled source's blocks and super-blocks, whatever the order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,15 +242,19 @@ def source_mixing(source: object, batch_size: int, **options: object) -> list[Mi
     return window_mixing(corners, members, groups, batch_size, **options)  # type: ignore[arg-type]
 
 
-def format_mixing(rows: Sequence[Mixing], batch_size: int) -> list[str]:
-    """The rows as a table."""
+def format_mixing(
+    rows: Sequence[Mixing], batch_size: int, notes: Mapping[str, str] | None = None
+) -> list[str]:
+    """The rows as a table; ``notes``: text appended to the row of that order."""
+    notes = notes or {}
     lines = [
         f"mixing per batch of {batch_size} windows (spread: mean distance between a batch's "
         "windows / between random windows; trend: 1 when the epoch sweeps the array)"
     ]
     for r in rows:
+        note = f"  {notes[r.order]}" if r.order in notes else ""
         lines.append(
             f"  {r.order:<18} blocks {r.units_mean:5.1f} (min {r.units_min:>3})  "
-            f"super-blocks {r.groups_mean:5.1f}  spread {r.spread:.2f}  trend {r.trend:.2f}"
+            f"super-blocks {r.groups_mean:5.1f}  spread {r.spread:.2f}  trend {r.trend:.2f}" + note
         )
     return lines

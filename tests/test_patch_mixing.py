@@ -157,3 +157,39 @@ def test_an_unshuffled_source_has_no_blocks_to_measure(tmp_path):
     source = dfl.io.PatchSource(write_field(tmp_path), patch={0: 4, 1: 4}, shuffle=False)
     with pytest.raises(ConfigError, match=r"not a shuffled PatchSource.*shuffle=True"):
         source_mixing(source, 16)
+
+
+# -- dataflow info --patch: the table a user sees ------------------------------------------
+
+
+def test_info_patch_prints_the_mixing_and_each_buffers_memory(tmp_path, capsys):
+    import json
+
+    import zarr
+
+    from dataflow.tools.cli import main
+
+    zarr.open_array(
+        str(tmp_path / "v.zarr"), mode="w", shape=(128, 128, 64), chunks=(64, 64, 64), dtype="f4"
+    )[...] = 0.0
+    args = ["info", str(tmp_path / "v.zarr"), "--patch", "0=32,1=32,2=32", "--no-decode"]
+    assert main([*args, "--json"]) == 0
+    mixing = json.loads(capsys.readouterr().out)["patch"]["mixing"]
+    # 4 x 4 x 2 = 32 windows of 32^3 in 4 blocks of one 64^3 chunk (8 windows, a 1 MiB
+    # box and 1 MiB of windows each), 1 super-block; one batch of 32: every window
+    assert (mixing["windows"], mixing["blocks"], mixing["super_blocks"]) == (32, 4, 1)
+    assert mixing["block_bytes"] == 2 * 64**3 * 4 and mixing["precut_bytes"] == 32 * 32**3 * 4
+    orders = [r["order"] for r in mixing["rows"]]
+    assert orders == [
+        "shuffle=False",
+        "buffer_chunks=1",
+        "buffer_chunks=4",
+        "buffer_chunks=16",
+        "full permutation",
+    ]
+    assert all(r["units_mean"] == 4.0 and r["spread"] == pytest.approx(1.0) for r in mixing["rows"])
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "32 windows (stride = patch) in 4 blocks (2.1 MB each" in out
+    assert "buffer 8.4 MB (the default)" in out and "buffer 33.6 MB" in out
+    assert "a pre-cut copy of 4.2 MB" in out

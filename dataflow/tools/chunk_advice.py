@@ -10,6 +10,10 @@ chunks much larger than the patch make every window decode far more than it uses
 chunks below about 1 MB make reads many and small (worst on an object store). So the
 suggestion: the patch along patch dims (doubled, shortest first, until a chunk holds
 about 1 MB), whole along the others, at most about 16 MB.
+
+Then how a shuffled ``PatchSource`` epoch of the first such array mixes a batch at
+``buffer_chunks`` 1, 4 and 16 (``io.mixing``), against C order and a full permutation,
+and the memory each buffer holds: the knob that trades mixing for memory.
 """
 
 from __future__ import annotations
@@ -22,11 +26,16 @@ from typing import Any
 
 import zarr
 
-from dataflow.core.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.io.mixing import Mixing, format_mixing, source_mixing
+from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS
+from dataflow.io.windows import bounding_box
 from dataflow.tools.info import _arrays, _bytes, _names, _tuple
 
 SMALL_CHUNK = 1_000_000  # bytes: grow suggested chunks to at least this
 LARGE_CHUNK = 16_000_000  # bytes: and keep them under this where the patch allows
+MIXING_BATCH = 32  # windows per batch in the mixing table
+MIXING_MAX_WINDOWS = 2_000_000  # beyond this, the mixing is not measured (seconds, memory)
 
 
 def parse_patch(text: str) -> dict[str | int, int]:
@@ -68,12 +77,48 @@ class ArrayAdvice:
 
 
 @dataclass
+class MixingAdvice:
+    """How a shuffled epoch of windows of ``array`` mixes a batch (``io.mixing``)."""
+
+    array: str
+    batch: int
+    windows: int
+    blocks: int
+    super_blocks: int
+    block_bytes: float  # a block's decoded box and its cut windows, mean
+    precut_bytes: int  # every window written out (a full permutation's copy)
+    rows: list[Mixing]
+
+    def format(self) -> str:
+        lines = [
+            f"shuffled PatchSource(x={self.array!r}) epochs: {self.windows:,} windows (stride "
+            f"= patch) in {self.blocks:,} blocks ({_bytes(self.block_bytes)} each, decoded box "
+            f"and windows) in {self.super_blocks:,} super-blocks"
+        ]
+        held = {
+            r.order: f"buffer {_bytes(r.buffer_chunks * self.block_bytes)}"
+            + (" (the default)" if r.buffer_chunks == DEFAULT_BUFFER_CHUNKS else "")
+            for r in self.rows
+            if r.buffer_chunks
+        }
+        held["full permutation"] = f"a pre-cut copy of {_bytes(self.precut_bytes)}"
+        lines.extend(format_mixing(self.rows, self.batch, held))
+        lines.append(
+            "  (Pipeline(buffer_chunks=N), Load(...) or stream_batches(...): more mixes "
+            "windows of more blocks into each batch; its buffer holds N blocks per replica)"
+        )
+        return "\n".join(lines)
+
+
+@dataclass
 class PatchAdvice:
     path: str
     patch: dict[str, int]
     arrays: list[ArrayAdvice]
     skipped: list[str]  # arrays without every patch dim (coordinates, masks of fewer dims)
     rewrite: str | None  # a command that rewrites the store with the suggested chunks
+    mixing: MixingAdvice | None = None
+    mixing_note: str | None = None  # why the mixing was not measured
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -131,6 +176,10 @@ class PatchAdvice:
             )
         if changes and self.rewrite:
             lines.append(f"rewrite the store with them:\n  {self.rewrite}")
+        if self.mixing is not None:
+            lines.append(self.mixing.format())
+        elif self.mixing_note:
+            lines.append(f"(mixing not measured: {self.mixing_note})")
         return "\n".join(lines)
 
 
@@ -274,10 +323,53 @@ def patch_advice(path: str, patch: Mapping[str | int, int]) -> PatchAdvice:
             f"info(--patch {dict(patch)}): no array of {str(path)!r} has all these dims; "
             + (f"its dimension names are {dims}" if dims else "give axes, e.g. --patch 0=64,1=64")
         )
+    mixing, note = _mixing(str(path), node, advice[0], patch)
     return PatchAdvice(
         path=str(path),
         patch={str(k): int(v) for k, v in patch.items()},
         arrays=advice,
         skipped=skipped,
         rewrite=_rewrite(str(path), advice),
+        mixing=mixing,
+        mixing_note=note,
     )
+
+
+def _mixing(
+    path: str, node: Any, array: ArrayAdvice, patch: Mapping[str | int, int]
+) -> tuple[MixingAdvice | None, str | None]:
+    """The mixing of a shuffled ``PatchSource`` over ``array`` (stride = patch), or why
+    it was not measured."""
+    from dataflow.io.patch_source import PatchSource
+
+    x = None if isinstance(node, zarr.Array) else array.name
+    try:
+        source = PatchSource(path, x, patch=patch, chunk_cache_mb=0)
+    except DataflowError as exc:
+        return None, f"PatchSource refused the store: {exc}"
+    n = source.num_samples
+    if n > MIXING_MAX_WINDOWS:
+        return None, f"{n:,} windows, over {MIXING_MAX_WINDOWS:,}"
+    if n < 2:
+        return None, f"{n} window(s): nothing to mix"
+    batch = min(MIXING_BATCH, n)
+    members = source.chunk_members
+    groups = source.chunk_groups or [0] * len(members)
+    g = source.geometry
+    itemsize = array.window_bytes // max(1, math.prod(array.window))
+    whole = math.prod(n for i, n in enumerate(array.shape) if i not in g.axes)
+    boxes = []
+    for m in members:
+        lo, hi = bounding_box(source.corners[m], g.patch)
+        boxes.append(math.prod(int(b - a) for a, b in zip(lo, hi, strict=True)) * whole)
+    unit = (sum(boxes) * itemsize + n * array.window_bytes) / len(members)
+    return MixingAdvice(
+        array=array.name,
+        batch=batch,
+        windows=n,
+        blocks=len(members),
+        super_blocks=len(set(groups)),
+        block_bytes=unit,
+        precut_bytes=n * array.window_bytes,
+        rows=source_mixing(source, batch),
+    ), None
