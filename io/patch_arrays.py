@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zarr
 
-from dataflow.core.errors import ChunkMissingError, DataError
+from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks
@@ -35,6 +35,8 @@ from dataflow.io.zarr_source import (
     _open_zarr,
     _zarr_backing,
 )
+
+E = TypeVar("E", bound=Exception)
 
 
 def _is_data_array(value: Any) -> bool:
@@ -129,7 +131,7 @@ class PatchArray:
             except MissingObject as exc:  # the store changed since the epoch's check
                 raise _renamed(missing_chunk_error(reader, [exc.key])) from None
             except ObjectDecodeError as exc:
-                raise reader._decode_error(exc.key, exc.error) from exc.error
+                raise _renamed(reader._decode_error(exc.key, exc.error)) from exc.error
         try:
             return native(np.asarray(self.array[selection]))
         except Exception:  # name the object that fails (zarr's own read: sharding)
@@ -142,15 +144,17 @@ class PatchArray:
                 try:
                     self.array[part]
                 except Exception as chunk_exc:
-                    raise reader._decode_error(reader._key(coords), chunk_exc) from chunk_exc
+                    error = reader._decode_error(reader._key(coords), chunk_exc)
+                    raise _renamed(error) from chunk_exc
             raise
 
     def read_all(self) -> np.ndarray:
         return self.read_box([0] * len(self.shape), self.shape)
 
 
-def _renamed(error: ChunkMissingError) -> ChunkMissingError:
-    return ChunkMissingError(str(error).replace("ZarrSource:", "PatchSource:", 1))
+def _renamed(error: E) -> E:
+    """The reader's error (``ChunkMissingError``, ``ChunkReadError``) as this source's."""
+    return type(error)(str(error).replace("ZarrSource:", "PatchSource:", 1))
 
 
 def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -205,6 +209,8 @@ def open_member(store: Any, field: str, name: Any, label: str) -> PatchArray:
 
 
 def open_single(store: Any, label: str) -> PatchArray:
-    """The store that is one array (zarr, numpy, dask, an xarray DataArray) as x."""
-    name = str(getattr(store, "name", None) or getattr(store, "path", None) or "<array>")
+    """The store that is one array (zarr, numpy, dask, an xarray DataArray) as x, named
+    by its path in the store (a store's root array: by the store)."""
+    name = getattr(store, "path", None) or getattr(store, "name", None)
+    name = str(label if name in (None, "", "/") else name)
     return PatchArray("x", name, store, label)

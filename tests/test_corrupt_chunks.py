@@ -215,3 +215,26 @@ def test_verify_reports_a_failed_checksum(tmp_path):
     assert [a.name for a in check.arrays] == ["x"]
     assert len(check.problems) == 1 and "'x/c/7/0/0/0'" in check.problems[0]
     assert "checksum does not match" in check.problems[0]
+
+
+def test_a_damaged_chunk_under_a_window_is_named_by_patch_source(tmp_path):
+    """A volume read as windows (PatchSource), one storage chunk damaged: its windows
+    fail naming the chunk and the store, the source's own name on the message."""
+    rng = np.random.default_rng(0)
+    volume = rng.normal(size=(32, 32, 32)).astype(np.float32)
+    path = tmp_path / "volume.zarr"
+    array = zarr.create_array(
+        str(path),
+        shape=volume.shape,
+        chunks=(16, 16, 16),
+        dtype=np.float32,
+        compressors=zarr.codecs.ZstdCodec(checksum=True),
+    )
+    array[...] = volume
+    damage(path / "c" / "1" / "0" / "1")
+    source = dfl.io.PatchSource(path, patch={0: 8, 1: 8, 2: 8}, shuffle=False)
+    with pytest.raises(dfl.ChunkReadError) as info:
+        list(dfl.io.stream_batches(source, 8, decode_threads=2))
+    message = str(info.value)
+    assert message.startswith(f"PatchSource: chunk 'c/1/0/1' of array '{path}'"), message
+    assert str(path) in message and "checksum does not match" in message
