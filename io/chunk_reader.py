@@ -37,6 +37,7 @@ through two lookup arrays, :class:`MemberIndex`, built once per source).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import sys
@@ -412,6 +413,7 @@ class EpochChunkReader:
         self.peak_live_samples = 0  # most decoded samples held at once: the memory bound
         self._held = 0
         self._lock = threading.Lock()
+        self._plan: Any = None  # the source's plan of the epoch's reads (plan_reads)
 
     def _samples(self, chunks: Sequence[int]) -> int:
         return int(sum(self.index.size(c) for c in chunks))
@@ -423,7 +425,8 @@ class EpochChunkReader:
 
     def _read(self, chunks: list[int]) -> dict[int, Batch]:
         self._hold(self._samples(chunks))  # counted before decoding: the memory is coming
-        decoded = self.source.read_chunks(chunks)
+        with self._plan.reading(chunks) if self._plan is not None else contextlib.nullcontext():
+            decoded = self.source.read_chunks(chunks)
         with self._lock:  # decode threads may finish together
             self.decoded += len(chunks)
             self.requests += 1
@@ -439,11 +442,16 @@ class EpochChunkReader:
         # A remote store's objects, fetched ahead in this order from now on (io.fetch)
         fetch_ahead = getattr(self.source, "fetch_ahead", None)
         fetching = fetch_ahead(jobs) if fetch_ahead is not None else None
+        # The same order tells a decoded-chunk cache what to keep (io.chunk_cache)
+        plan_reads = getattr(self.source, "plan_reads", None)
+        self._plan = plan_reads(jobs) if plan_reads is not None else None
         try:
             self.source.check_chunks(sorted(self.last_use))
         except BaseException:
             if fetching is not None:
                 fetching.close()
+            if self._plan is not None:
+                self._plan.close()
             raise
         one_at_a_time = self.decode_threads == 1 or all(len(job) == 1 for job in jobs)
         if one_at_a_time and (self.decode_ahead == 0 or len(jobs) <= 1):
@@ -466,6 +474,8 @@ class EpochChunkReader:
             decoder.close()
             if fetching is not None:
                 fetching.close()
+            if self._plan is not None:
+                self._plan.close()
 
     def _stop_missing(self, fetching: Any) -> None:
         """A GET fetched ahead found an object absent (``io.fetch``): stop the epoch before

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError, DataError
-from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, ChunkCache
+from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, CachePlan, ChunkCache
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
@@ -415,6 +416,28 @@ class PatchSource:
             return None
         decoders = [a.reader.decoder for a in arrays if a.reader is not None]
         return FetchAhead(entries, max_bytes=int(self.fetch_ahead_mb * 2**20), consumers=decoders)
+
+    def plan_reads(self, jobs: Sequence[Sequence[int]]) -> CachePlan | None:
+        """The decoded-chunk cache's plan of an epoch (``io.chunk_cache``): the stored keys
+        each unit of ``jobs`` decodes, in read order, so it keeps a chunk only until its
+        last use and evicts the one needed furthest ahead; None without a cache, or when
+        the arrays fit in it whole (then kept across epochs: decoded once per fit). The
+        chunk reader closes it."""
+        decoders = [a.reader.decoder for a in self._open() if a.reader is not None]
+        cache = next((d.cache for d in decoders if d is not None and d.cache is not None), None)
+        whole = {a.name: math.prod(a.shape) * a.dtype.itemsize for a in self._open()}
+        if cache is None or sum(whole.values()) <= cache.max_bytes:
+            return None
+        members, keys = self.chunk_members, {}
+        for unit in (int(c) for job in jobs for c in job):
+            reads, _ = shared_reads(self._open(), self._boxes(members[unit]))
+            keys[unit] = [  # as _read_unit reads them
+                key
+                for array, (lo, hi) in reads
+                if array.reader is not None and array.reader.decoder is not None
+                for key in array.reader.decoder.keys(lo, hi)
+            ]
+        return cache.plan(jobs, keys)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The windows at ``indices`` (in that order), through the chunk reader: the

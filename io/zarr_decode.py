@@ -37,7 +37,7 @@ import zarr
 from numcodecs.compat import ensure_ndarray_like
 from zarr.core.buffer import default_buffer_prototype
 
-from dataflow.io.chunk_cache import ChunkCache
+from dataflow.io.chunk_cache import ChunkCache, Decoding
 from dataflow.io.fetch import FetchAhead, fetch_now
 
 
@@ -133,8 +133,18 @@ class ChunkDecoder:
     def key(self, coords: Sequence[int]) -> str:
         return self.prefix + self.array.metadata.encode_chunk_key(tuple(coords))
 
+    def keys(self, lo: Sequence[int], hi: Sequence[int]) -> list[str]:
+        """The stored keys a read of the box ``[lo, hi)`` decodes, in the order it does."""
+        ranges = [
+            range(a // c, (b - 1) // c + 1) if b > a else range(0)
+            for a, b, c in zip(lo, hi, self.chunks, strict=True)
+        ]
+        return [self.key(coords) for coords in itertools.product(*ranges)]
+
     def read(self, selection: Sequence[slice], out: np.ndarray) -> np.ndarray:
-        """Write ``array[selection]`` (slices with no step) into ``out``; return ``out``."""
+        """Write ``array[selection]`` (slices with no step) into ``out``; return ``out``.
+        With a :attr:`cache`, a chunk kept there or being decoded by another thread is
+        taken from it; each chunk decoded here is offered to it."""
         bounds = [
             (s.start or 0, self.shape[a] if s.stop is None else s.stop)
             for a, s in enumerate(selection)
@@ -146,31 +156,59 @@ class ChunkDecoder:
         objects = list(itertools.product(*ranges))
         keys = [self.key(coords) for coords in objects]
         cache = self.cache
-        kept = [None if cache is None else cache.get(key) for key in keys]
-        for key, chunk in zip(keys, kept, strict=True):
-            if chunk is not None and self._get_sync is None:
-                self._planned(key)  # fetched ahead but decoded already: let it go
-        needed = [key for key, chunk in zip(keys, kept, strict=True) if chunk is None]
-        fetched = iter(self._fetch(needed))
-        for coords, key, chunk in zip(objects, keys, kept, strict=True):
-            if chunk is None:
-                stored = next(fetched)
-                if stored is None:
-                    raise MissingObject(key)
-                try:
-                    chunk = self._decode(stored)
-                except Exception as exc:
-                    raise ObjectDecodeError(key, exc) from exc
-                self.decoded.append(chunk.nbytes)
-                if cache is not None:
-                    cache.put(key, chunk)
-            source, target = [], []
-            for i, c, (lo, hi) in zip(coords, self.chunks, bounds, strict=True):
-                start, stop = max(lo, i * c), min(hi, (i + 1) * c)
-                source.append(slice(start - i * c, stop - i * c))
-                target.append(slice(start - lo, stop - lo))
-            out[tuple(target)] = chunk[tuple(source)]
+        kept = [None if cache is None else cache.acquire(key) for key in keys]
+        mine = [key for key, chunk in zip(keys, kept, strict=True) if chunk is None]
+        try:
+            if self._get_sync is None:
+                for key, chunk in zip(keys, kept, strict=True):
+                    if chunk is not None:
+                        self._planned(key)  # fetched ahead but decoded already: let it go
+            fetched = iter(self._fetch(mine))
+            waiting = []
+            for coords, key, chunk in zip(objects, keys, kept, strict=True):
+                if isinstance(chunk, Decoding):
+                    waiting.append((coords, key, chunk))  # after ours: never a cycle
+                    continue
+                if chunk is None:
+                    chunk = self._decoded(key, next(fetched))
+                    if cache is not None:
+                        cache.put(key, chunk)
+                        mine.remove(key)
+                self._copy(chunk, coords, bounds, out)
+            for coords, key, decoding in waiting:
+                chunk = decoding.wait()
+                if chunk is None:  # that thread's decode failed: ours names the object
+                    chunk = self._decoded(key, self._fetch([key])[0])
+                self._copy(chunk, coords, bounds, out)
+        finally:
+            for key in mine if cache is not None else ():  # claimed, not decoded:
+                cache.abandon(key)  # the threads waiting for it decode it themselves
         return out
+
+    def _decoded(self, key: str, stored: Any) -> np.ndarray:
+        if stored is None:
+            raise MissingObject(key)
+        try:
+            chunk = self._decode(stored)
+        except Exception as exc:
+            raise ObjectDecodeError(key, exc) from exc
+        self.decoded.append(chunk.nbytes)
+        return chunk
+
+    def _copy(
+        self,
+        chunk: np.ndarray,
+        coords: Sequence[int],
+        bounds: Sequence[tuple[int, int]],
+        out: np.ndarray,
+    ) -> None:
+        """The part of ``chunk`` (at ``coords``) inside ``bounds``, into ``out``."""
+        source, target = [], []
+        for i, c, (lo, hi) in zip(coords, self.chunks, bounds, strict=True):
+            start, stop = max(lo, i * c), min(hi, (i + 1) * c)
+            source.append(slice(start - i * c, stop - i * c))
+            target.append(slice(start - lo, stop - lo))
+        out[tuple(target)] = chunk[tuple(source)]
 
     def _fetch(self, keys: list[str]) -> list[Any]:
         if self._get_sync is not None:  # a local or in-memory store: read here
