@@ -89,9 +89,11 @@ class PatchSource:
     ``storage_options``: fsspec's, for a URL (credentials print as ``'***'``,
     ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``:
     a remote store's chunk objects fetched ahead of the decode, per replica
-    (``io.fetch``), as ``ZarrSource`` does. ``chunk_cache_mb``: decoded storage chunks
-    kept per replica (LRU) for the next units that reach into them (``io.chunk_cache``;
-    shuffled epochs keep neighbouring blocks together so they do; 0: none).
+    (``io.fetch``), as ``ZarrSource`` does. ``chunk_cache_mb``: the most decoded storage
+    chunks kept per replica for the next units that reach into them (``io.chunk_cache``:
+    planned from the epoch's order, each kept until its last use only, the one needed
+    furthest ahead evicted first; shuffled epochs keep neighbouring blocks together so
+    little is held; arrays that fit whole are kept across epochs; 0: none).
 
     ``nan``: a window of x holding NaN (data, or the fill value of a region never
     written) is refused with a ``DataError`` naming the array, the window and its
