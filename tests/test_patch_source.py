@@ -404,7 +404,7 @@ class SegNet(torch.nn.Module):
 
 
 def seg_pipeline(source, **options):
-    return dfl.Pipeline(
+    defaults = dict(
         model=SegNet,
         device="cpu",
         loss=torch.nn.functional.cross_entropy,
@@ -412,8 +412,8 @@ def seg_pipeline(source, **options):
         source=source,
         schedule=dfl.schedule.Fixed(16),
         progress=False,
-        **options,
     )
+    return dfl.Pipeline(**{**defaults, **options})
 
 
 def tiles(path, **options):
