@@ -1,8 +1,9 @@
 """One worker SIGKILLed mid-window, across what a fit can be made of: the sync policy
 (synchronous, ``Async(staleness=2)``, ``Local``), a held-out evaluation or none, and the
-data in memory (``ArraySource``) or in zarr (``ZarrSource``). Every fit completes, every
-sample of every epoch is trained exactly once, the weights are finite, and an evaluation
-scores the whole held-out set, each sample once.
+data in memory (``ArraySource``), in zarr (``ZarrSource``) or windows of a store
+(``PatchSource``, two cells). Every fit completes, every sample of every epoch is
+trained exactly once, the weights are finite, and an evaluation scores the whole
+held-out set, each sample once.
 
 The full product of the three (12 fits, about 1.5 minutes on 2 cores), on one
 LocalCluster of 2 nanny-managed workers for the module: each fit kills replica 1
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 from conftest import TinyCNN, make_data, nanny_cluster, sgd
 from test_lost_worker import KillOnce
 
@@ -56,11 +58,17 @@ def client(cluster_client):
 
 
 def _sources(data: str, folder) -> tuple:
-    """The training and held-out sources, in memory or in zarr stores under ``folder``."""
+    """The training and held-out sources, in memory, in zarr stores under ``folder``, or
+    (``"windows"``) windows of one long array per set (``PatchSource``, a window a
+    sample, read in blocks of 8: the units a recovery re-plans are member lists)."""
     x, y = make_data(N_TRAIN)
     hx, hy = make_data(N_HELD_OUT, seed=1)
     if data == "memory":
         return dfl.io.ArraySource(x, y), dfl.io.ArraySource(hx, hy, shuffle=False)
+    if data == "windows":
+        return _windows(folder / "train.zarr", x, y), _windows(
+            folder / "held_out.zarr", hx, hy, shuffle=False
+        )
     train = dfl.io.to_zarr(folder / "train.zarr", x, y)
     held_out = dfl.io.to_zarr(folder / "held_out.zarr", hx, hy)
     return (
@@ -69,17 +77,36 @@ def _sources(data: str, folder) -> tuple:
     )
 
 
+def _windows(path: Path, x: np.ndarray, y: np.ndarray, **options) -> dfl.io.PatchSource:
+    group = zarr.open_group(str(path), mode="w")
+    for name, data, dims in ((("x", x, ("s", "c", "h", "w"))), ("y", y, ("s",))):
+        array = group.create_array(
+            name,
+            shape=data.shape,
+            chunks=(8, *data.shape[1:]),
+            dtype=data.dtype,
+            dimension_names=dims,
+        )
+        array[...] = data
+    return dfl.io.PatchSource(path, "x", "y", patch={"s": 1}, channels=("s", "c"), **options)
+
+
+def _cross_entropy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of class labels, a window's label ``(1,)`` read as a scalar."""
+    return torch.nn.functional.cross_entropy(output, y.reshape(-1))
+
+
 def _trainer(source, held_out, fault: stages.Stage, *, policy: str = "raise", **options):
     """TinyCNN on ``source`` with the test stage ``fault`` after Load, an Update under
     ``on_non_finite=policy``, an evaluation on ``held_out`` unless None; ``options``: the
     Trainer's (the sync policy or layout, ``elastic``)."""
     g = dfl.Graph()
     batch = g.add(fault, g.add(stages.Load(source)))
-    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    out = g.add(stages.Forward(TinyCNN, _cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
     node = g.add(stages.Update(sgd, on_non_finite=policy), reduced)
     if held_out is not None:
-        g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), node)
+        g.add(stages.Evaluate(held_out, metrics={"loss": _cross_entropy}), node)
     return dfl.Trainer(
         g,
         schedule=dfl.schedule.Fixed(BATCH),
@@ -134,7 +161,7 @@ def _held_out_loss(model: torch.nn.Module, held_out) -> float:
     batch = held_out.read(np.arange(held_out.num_samples))
     model.eval()
     with torch.no_grad():
-        return float(torch.nn.functional.cross_entropy(model(batch.x), batch.y))
+        return float(_cross_entropy(model(batch.x), batch.y))
 
 
 def _assert_evaluated(result, held_out) -> None:
@@ -179,6 +206,8 @@ CELLS = [
     for evaluate in (True, False)
     for data in ("memory", "zarr")
     if not (sync == "async" and evaluate)
+] + [  # windows of a store (PatchSource): rolled back, and released
+    pytest.param(sync, True, "windows", id=f"{sync}-eval-windows") for sync in ("sync", "local")
 ]
 
 
