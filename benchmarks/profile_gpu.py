@@ -23,7 +23,8 @@ from typing import Any
 
 import dask
 import torch.nn.functional as F
-from bench_gpu import GpuNet, data, sgd
+from bench_gpu import data
+from gpu_models import GpuNet, sgd
 from measure import steady_boundary, steady_fit
 
 

@@ -1,9 +1,12 @@
 """benchmarks/gpu_check.sh, dry-run on the CPU: it must never first break on a lent GPU."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +44,57 @@ def test_bench_gpu_parses_its_arguments_without_a_gpu():
     )
     assert done.returncode == 0, done.stderr
     assert "torch_loop_resident_bf16_cl_compiled" in done.stdout
+
+
+SEED_RATIOS = {
+    "fit_memory_fp32 / loop_resident_fp32",
+    "fit_memory_bf16_cl / loop_resident_bf16_cl",
+    "fit_zarr_bf16_cl / loop_resident_bf16_cl",
+    "fit_zarr_bf16_cl / fit_memory_bf16_cl",
+    "fit_memory_bf16_cl / fit_memory_fp32",
+    "loop_resident_bf16_cl / loop_resident_fp32",
+}
+TARGETS = {
+    "fit / hand loop, fp32",
+    "fit / hand loop, bf16 + channels_last",
+    "zarr fit / memory fit",
+}
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
+    """`--device cpu --tiny`: the code a GPU session runs (each workload's fits through
+    the engine, its hand loops, ratios and targets), at toy sizes, so that the one call
+    on a lent GPU does not meet its first error there."""
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [sys.executable, "bench_gpu.py", "--device", "cpu", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT / "benchmarks",
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][-1]
+    assert len(run["commit"]) == 40
+    assert set(run["training"]) == {"small", "resnet50", "cosmoflow"}
+    for model, sides in run["training"].items():
+        timed = {k: v for k, v in sides.items() if isinstance(v, dict) and "wall_s" in v}
+        assert all(v.get("samples_per_s", 0) > 0 for v in timed.values()), (model, timed)
+        fits = [v for k, v in timed.items() if k.startswith(("fit_", "dataflow_"))]
+        assert fits and all({"Forward", "Backward", "Update"} <= set(v["host_ms_per_step"])
+                            for v in fits)  # fmt: skip
+    for model in ("resnet50", "cosmoflow"):
+        assert set(run["training"][model]["ratios"]) == SEED_RATIOS
+        assert {f"{model}: {r}" for r in SEED_RATIOS} <= set(run["ratios"])
+        assert set(run["training"][model]["targets"]) == {*TARGETS, "bf16 fit / fp32 fit"}
+    small = run["training"]["small"]
+    assert "dataflow_memory_adaptive / dataflow_memory" in small["ratios"]
+    assert "dataflow_zarr / dataflow_memory" in small["ratios"]
+    assert set(small["targets"]) == {*TARGETS, "Adaptive / Fixed"}
+    assert len(run["targets"]) == 12
+    for label, target in run["targets"].items():
+        assert target["value"] > 0 and target["met"] == (target["value"] >= target["target"])
+        assert ("ceiling" in target) == label.endswith("bf16 fit / fp32 fit")
+    assert run["kernels"] == {"skipped": "CUDA only"}
+    assert not out.with_suffix(".partial.json").exists()

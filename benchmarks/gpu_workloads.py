@@ -1,0 +1,261 @@
+"""What bench_gpu.py trains, and how its figures become issue 37's targets.
+
+A workload is a network, its synthetic data (a small pool of samples that the epochs
+re-index: little host and device memory), its batch and step count, its sides (fits
+through the engine, hand-written loops) and the ratios between them. The sizes are set
+so that the whole bench fits one call of a few minutes on an H100/H200: each timed side
+is a few seconds of steady state. ``tiny`` shrinks every one for the CPU smoke run.
+
+Published throughput the full sizes were set from (an estimate, not a measurement):
+ResNet-50 at 128 px in bf16 trains ~3,000-5,000 img/s on an H100, so batch 128 x 80
+steps is ~2-3 s in bf16 (~5 s in fp32); a CosmoFlow network at 4 x 128^3 trains a few
+hundred samples/s, so batch 16 x 48 steps is ~2-4 s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gpu_models import CosmoFlow, GpuNet, ResNet50
+
+MODELS = ("small", "resnet50", "cosmoflow")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Issue 37's bar for one ratio: ``numerator / denominator >= at_least``; ``ceiling``
+    names the hand loops' own ratio, where the engine cannot beat its loop."""
+
+    numerator: str
+    denominator: str
+    at_least: float
+    ceiling: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: Callable[[], torch.nn.Module]
+    loss: Callable[..., torch.Tensor]
+    data: Callable[[], tuple[np.ndarray, np.ndarray]]
+    samples: int
+    batch: int
+    epochs: int
+    warmup: int  # steps left out of the rate (rounded up to a window start)
+    fits: dict[str, dict[str, Any]]  # name: {"source": ..., Pipeline options}
+    loops: dict[str, dict[str, Any]]  # name: hand-loop options
+    ratios: tuple[tuple[str, str], ...]  # (numerator side, denominator side)
+    targets: dict[str, Target]
+
+    @property
+    def steps(self) -> int:
+        return self.samples // self.batch * self.epochs
+
+    def sizes(self, x: np.ndarray) -> dict[str, Any]:
+        return {
+            "sample_shape": list(x.shape[1:]),
+            "samples": self.samples,
+            "batch": self.batch,
+            "epochs": self.epochs,
+            "steps": self.steps,
+            "warmup": self.warmup,
+        }
+
+
+def classes_data(samples: int, shape: tuple[int, ...], classes: int) -> tuple[Any, Any]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, *shape), dtype=np.float32)
+    return x, rng.integers(0, classes, size=samples).astype(np.int64)
+
+
+def regression_data(samples: int, shape: tuple[int, ...], targets: int) -> tuple[Any, Any]:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((samples, *shape), dtype=np.float32)
+    return x, rng.uniform(-1, 1, size=(samples, targets)).astype(np.float32)
+
+
+# The small CNN's sides, named as in every run since the first H100 session.
+SMALL_LOOPS: dict[str, dict[str, Any]] = {
+    # name: options of the hand-written loop; "resident" keeps the data on the GPU. The
+    # loops queue steps ahead as a user's script does (no sync per step); "synced" waits
+    # for each step, as every loop here did before the fourth H100 session
+    "torch_loop_pinned": {"resident": False},
+    "torch_loop_resident": {"resident": True},
+    "torch_loop_resident_synced": {"resident": True, "synced": True},
+    "torch_loop_resident_bf16": {"resident": True, "bf16": True},
+    "torch_loop_resident_bf16_cl": {"resident": True, "bf16": True, "channels_last": True},
+    "torch_loop_resident_bf16_cl_compiled": {
+        "resident": True,
+        "bf16": True,
+        "channels_last": True,
+        "compile": True,
+    },
+}
+SMALL_FITS: dict[str, dict[str, Any]] = {
+    # name: (source, Pipeline step options); "auto" is bf16 + channels_last on an H100
+    "dataflow_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
+    "dataflow_memory": {"source": "memory"},  # uploaded to the GPU once (data_on_device)
+    "dataflow_memory_host": {"source": "memory", "data_on_device": False},
+    "dataflow_zarr": {"source": "zarr"},
+    # the noise-scale auto-tuner measuring but never growing: its cost per step (item 7)
+    "dataflow_memory_adaptive": {"source": "memory", "schedule": "adaptive"},
+    "dataflow_memory_compiled": {"source": "memory", "compile": True},
+}
+SMALL_RATIOS = (  # each fit against the hand loop with its settings, then fit to fit
+    ("dataflow_memory_fp32", "torch_loop_resident"),
+    ("torch_loop_resident_synced", "torch_loop_resident"),
+    ("dataflow_memory", "torch_loop_resident_bf16_cl"),
+    ("dataflow_memory_host", "torch_loop_resident_bf16_cl"),
+    ("dataflow_zarr", "torch_loop_resident_bf16_cl"),
+    ("dataflow_memory_compiled", "torch_loop_resident_bf16_cl_compiled"),
+    ("dataflow_memory_adaptive", "dataflow_memory"),
+    ("dataflow_zarr", "dataflow_memory"),
+    ("dataflow_memory", "dataflow_memory_fp32"),
+    ("torch_loop_resident_bf16_cl", "torch_loop_resident"),
+)
+SMALL_TARGETS = {
+    "fit / hand loop, fp32": Target("dataflow_memory_fp32", "torch_loop_resident", 0.95),
+    "fit / hand loop, bf16 + channels_last": Target(
+        "dataflow_memory", "torch_loop_resident_bf16_cl", 0.95
+    ),
+    "zarr fit / memory fit": Target("dataflow_zarr", "dataflow_memory", 0.9),
+    "Adaptive / Fixed": Target("dataflow_memory_adaptive", "dataflow_memory", 0.95),
+}
+
+# The seeds' workloads: every fit names its precision and memory format (not "auto"),
+# and so does the hand loop it is compared with; both eager.
+BF16_CL = {"precision": "bf16", "channels_last": True}
+SEED_FITS: dict[str, dict[str, Any]] = {
+    "fit_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
+    "fit_memory_bf16_cl": {"source": "memory", **BF16_CL},
+    "fit_zarr_bf16_cl": {"source": "zarr", **BF16_CL},
+}
+SEED_LOOPS: dict[str, dict[str, Any]] = {
+    "loop_resident_fp32": {"resident": True},
+    "loop_resident_bf16_cl": {"resident": True, "bf16": True, "channels_last": True},
+}
+SEED_RATIOS = (
+    ("fit_memory_fp32", "loop_resident_fp32"),
+    ("fit_memory_bf16_cl", "loop_resident_bf16_cl"),
+    ("fit_zarr_bf16_cl", "loop_resident_bf16_cl"),
+    ("fit_zarr_bf16_cl", "fit_memory_bf16_cl"),
+    ("fit_memory_bf16_cl", "fit_memory_fp32"),
+    ("loop_resident_bf16_cl", "loop_resident_fp32"),
+)
+SEED_TARGETS = {
+    "fit / hand loop, fp32": Target("fit_memory_fp32", "loop_resident_fp32", 0.95),
+    "fit / hand loop, bf16 + channels_last": Target(
+        "fit_memory_bf16_cl", "loop_resident_bf16_cl", 0.95
+    ),
+    "bf16 fit / fp32 fit": Target(
+        "fit_memory_bf16_cl",
+        "fit_memory_fp32",
+        1.5,
+        ceiling=("loop_resident_bf16_cl", "loop_resident_fp32"),
+    ),
+    "zarr fit / memory fit": Target("fit_zarr_bf16_cl", "fit_memory_bf16_cl", 0.9),
+}
+
+
+def workloads(args: Any) -> dict[str, Workload]:
+    """The workloads ``args.models`` names, at full size or ``args.tiny``; the small
+    CNN's sizes come from ``--image``, ``--batch``, ``--samples``, ``--epochs``."""
+    tiny = args.tiny
+    small_fits = {k: v for k, v in SMALL_FITS.items() if k in args.fits}
+    small_loops = {k: v for k, v in SMALL_LOOPS.items() if k in args.loops}
+    if tiny:  # torch.compile on the CPU takes minutes: its sides run on a GPU only
+        small_fits = {k: v for k, v in small_fits.items() if not v.get("compile")}
+        small_loops = {k: v for k, v in small_loops.items() if not v.get("compile")}
+    image, samples = (16, 8) if tiny else (args.image, args.samples)
+    # 32 px, not 16: on a 1x1 map, torch's CPU bf16 channels_last stride-2 convolution
+    # now and then gives non-finite weight gradients (torch 2.13, oneDNN)
+    resnet_px, resnet_width, resnet_samples = (32, 8, 8) if tiny else (128, 64, 1024)
+    cube, conv_size, cosmo_samples = (32, 4, 8) if tiny else (128, 32, 64)
+    seed = {"fits": SEED_FITS, "loops": SEED_LOOPS, "ratios": SEED_RATIOS}
+    built = {
+        "small": Workload(
+            name="small",
+            model=functools.partial(GpuNet, width=8) if tiny else GpuNet,
+            loss=F.cross_entropy,
+            data=functools.partial(classes_data, samples, (3, image, image), 10),
+            samples=samples,
+            batch=4 if tiny else args.batch,
+            epochs=2 if tiny else args.epochs,
+            warmup=2 if tiny else args.warmup,
+            fits=small_fits,
+            loops=small_loops,
+            ratios=SMALL_RATIOS,
+            targets=SMALL_TARGETS,
+        ),
+        "resnet50": Workload(
+            name="resnet50",
+            model=functools.partial(ResNet50, width=resnet_width),
+            loss=F.cross_entropy,
+            data=functools.partial(classes_data, resnet_samples, (3, resnet_px, resnet_px), 1000),
+            samples=resnet_samples,
+            batch=4 if tiny else 128,
+            epochs=2 if tiny else 10,
+            warmup=2 if tiny else 8,
+            targets=SEED_TARGETS,
+            **seed,
+        ),
+        "cosmoflow": Workload(
+            name="cosmoflow",
+            model=functools.partial(CosmoFlow, size=cube, conv_size=conv_size),
+            loss=F.mse_loss,
+            data=functools.partial(regression_data, cosmo_samples, (4, cube, cube, cube), 4),
+            samples=cosmo_samples,
+            batch=4 if tiny else 16,
+            epochs=2 if tiny else 12,
+            warmup=2 if tiny else 8,
+            targets=SEED_TARGETS,
+            **seed,
+        ),
+    }
+    return {name: built[name] for name in args.models}
+
+
+def rate(out: dict[str, Any], side: str) -> float | None:
+    value = out.get(side, {}).get("samples_per_s")
+    return float(value) if value else None
+
+
+def ratios(workload: Workload, out: dict[str, Any]) -> dict[str, float]:
+    """``"numerator / denominator"``: steady samples/s of one side over the other's,
+    for every pair whose two sides ran."""
+    found = {}
+    for numerator, denominator in workload.ratios:
+        a, b = rate(out, numerator), rate(out, denominator)
+        if a is not None and b is not None:
+            found[f"{numerator} / {denominator}"] = a / b
+    return found
+
+
+def targets(workload: Workload, out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each of issue 37's targets with its measured value and whether it was met
+    (``met`` None, with ``missing``, when a side it needs did not run)."""
+    found: dict[str, dict[str, Any]] = {}
+    for label, target in workload.targets.items():
+        a, b = rate(out, target.numerator), rate(out, target.denominator)
+        entry: dict[str, Any] = {
+            "ratio": f"{target.numerator} / {target.denominator}",
+            "target": target.at_least,
+            "value": None if a is None or b is None else a / b,
+        }
+        entry["met"] = None if entry["value"] is None else entry["value"] >= target.at_least
+        if entry["value"] is None:
+            entry["missing"] = [
+                side for side, r in ((target.numerator, a), (target.denominator, b)) if r is None
+            ]
+        if target.ceiling:
+            c_a, c_b = (rate(out, side) for side in target.ceiling)
+            entry["ceiling"] = None if c_a is None or c_b is None else c_a / c_b
+            entry["ceiling_ratio"] = " / ".join(target.ceiling)
+        found[label] = entry
+    return found
