@@ -108,7 +108,7 @@ class FitMachine(LostWorkers):
         s, config = self.state, self.config
         if not config.may_join:
             return ()
-        joiners = tuple(w for w in s.available if w not in s.layout.workers)
+        joiners = tuple(w for w in s.available if w not in s.layout.worker_set)
         groups = len(joiners) // config.spatial  # a replica needs P workers
         if config.max_replicas is not None:
             groups = min(groups, max(0, config.max_replicas - s.layout.replicas))
@@ -117,7 +117,7 @@ class FitMachine(LostWorkers):
     def _groups(self, workers: tuple[str, ...]) -> ReplicaGroups:
         """Replicas of ``config.spatial`` workers each; the rest wait in the pool."""
         groups = ReplicaGroups.of(workers, self.config.spatial)
-        spare = tuple(w for w in workers if w not in groups.workers)
+        spare = tuple(w for w in workers if w not in groups.worker_set)
         self.state.available = (*self.state.available, *spare)
         return groups
 
@@ -127,7 +127,7 @@ class FitMachine(LostWorkers):
         s = self.state
         s.generation += 1
         s.layout, s.joining, s.after_group, s.status = layout, joining, after, Status.FORMING
-        s.available = tuple(w for w in s.available if w not in layout.workers)
+        s.available = tuple(w for w in s.available if w not in layout.worker_set)
         return [cmd.FormGroup(s.generation, layout.leaders, joining=joining, groups=layout.groups)]
 
     def _started(self, event: ev.Started) -> list[Any]:
@@ -200,7 +200,8 @@ class FitMachine(LostWorkers):
 
     def _workers_joined(self, event: ev.WorkersJoined) -> list[Any]:
         s = self.state
-        new = [w for w in event.workers if w not in s.available and w not in s.layout.workers]
+        known = {*s.available, *s.layout.worker_set}
+        new = [w for w in event.workers if w not in known]
         s.available = (*s.available, *new)
         return []
 

@@ -45,7 +45,8 @@ class LostWorkers:
 
     def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
         s, config = self.state, self.config
-        s.available = tuple(w for w in s.available if w not in event.workers)
+        gone = set(event.workers)
+        s.available = tuple(w for w in s.available if w not in gone)
         if s.status == Status.FORMING and s.forming == Forming.REGROUP and s.joining:
             # Joiners (alive or not) go back to the pool; the group is formed again.
             alive = tuple(w for w in s.joining if w not in event.workers)
@@ -349,7 +350,8 @@ class LostWorkers:
             window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - step,
             replicas_after=len(event.workers) // config.spatial,
         )
-        s.available = tuple(w for w in s.available if w not in event.workers)
+        arrived = set(event.workers)
+        s.available = tuple(w for w in s.available if w not in arrived)
         s.layout = self._groups(tuple(event.workers))
         if not s.layout.replicas:  # too few workers for one group (a spatial layout)
             s.status = Status.FAILED

@@ -9,6 +9,7 @@ group; the other workers of that group go back to the pool.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -120,13 +121,20 @@ class ReplicaGroups:
     def replicas(self) -> int:
         return len(self.groups)
 
-    @property
+    # Cached: the driver asks these of every replica each round and per worker when
+    # groups form (rebuilding the tuple per membership test was quadratic in workers)
+    @functools.cached_property
     def leaders(self) -> tuple[str, ...]:
         return tuple(group[0] for group in self.groups)
 
-    @property
+    @functools.cached_property
     def workers(self) -> tuple[str, ...]:
         return tuple(w for group in self.groups for w in group)
+
+    @functools.cached_property
+    def worker_set(self) -> frozenset[str]:
+        """``workers`` as a set, for membership tests."""
+        return frozenset(self.workers)
 
     def lost_replicas(self, lost: Iterable[str]) -> tuple[int, ...]:
         """The replicas with a worker in ``lost`` (one lost worker loses its group)."""
