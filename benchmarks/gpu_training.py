@@ -144,14 +144,20 @@ def fit_figures(result: Any, warmup: int) -> dict[str, Any]:
     }
 
 
+def compiled(variants: dict[str, dict[str, Any]], wanted: bool) -> dict[str, dict[str, Any]]:
+    """The compiled sides (``wanted``) or the others: compiled ones run last, the least
+    needed of the run's figures and the slowest to start."""
+    return {k: v for k, v in variants.items() if bool(v.get("compile")) == wanted}
+
+
 def run_fits(
-    w: Workload, client: Any, device: Device, x: Any, y: Any, tmp: str, budget: Budget,
-    out: dict[str, Any], saved: Callable[[], None],
+    w: Workload, fits: dict[str, dict[str, Any]], client: Any, device: Device, x: Any,
+    y: Any, tmp: str, budget: Budget, out: dict[str, Any], saved: Callable[[], None],
 ) -> None:  # fmt: skip
     import dataflow as dfl
 
     sources: dict[str, Any] = {"memory": dfl.io.ArraySource(x, y)}
-    for name, variant in w.fits.items():
+    for name, variant in fits.items():
         if budget.spent():
             out[name] = {"skipped": "the bench's time budget (--budget-s) was spent"}
             continue
@@ -174,8 +180,8 @@ def run_fits(
 
 
 def run_loops(
-    w: Workload, device: Device, x: Any, y: Any, budget: Budget, out: dict[str, Any],
-    saved: Callable[[], None],
+    w: Workload, loops: dict[str, dict[str, Any]], device: Device, x: Any, y: Any,
+    budget: Budget, out: dict[str, Any], saved: Callable[[], None],
 ) -> None:  # fmt: skip
     import dataflow as dfl
 
@@ -187,7 +193,7 @@ def run_loops(
         min(w.warmup, len(batches) - 1),
     )
     samples = sum(len(b) for b in batches[first:])
-    for name, options in w.loops.items():
+    for name, options in loops.items():
         if budget.spent():
             out[name] = {"skipped": "the bench's time budget (--budget-s) was spent"}
             continue
@@ -207,15 +213,8 @@ def run_loops(
         saved()
 
 
-def run_workload(
-    w: Workload, client: Any, device: Device, tmp: str, budget: Budget,
-    out: dict[str, Any], saved: Callable[[], None],
-) -> None:  # fmt: skip
-    """Fill ``out`` with the workload's sides, ratios and targets (``saved`` after each)."""
-    x, y = w.data()
-    out.update(sizes=w.sizes(x), parameters=parameter_count(w.model()))
-    run_fits(w, client, device, x, y, tmp, budget, out, saved)
-    run_loops(w, device, x, y, budget, out, saved)
+def report(w: Workload, out: dict[str, Any]) -> None:
+    """The workload's ratios and targets from the sides that ran, printed."""
     out["ratios"] = ratios(w, out)
     out["targets"] = targets(w, out)
     sides = [k for k, v in out.items() if isinstance(v, dict) and "samples_per_s" in v]
@@ -227,7 +226,6 @@ def run_workload(
     )
     for label, ratio in out["ratios"].items():
         print(f"{w.name}: {label}: {ratio:.3f}")
-    saved()
 
 
 def run_training(
@@ -237,7 +235,8 @@ def run_training(
     training: dict[str, dict[str, Any]],
     saved: Callable[[], None],
 ) -> None:
-    """``training[workload]``: its sides, ratios and targets, filled as each side ends."""
+    """``training[workload]``: its sides, ratios and targets, filled as each side ends
+    (``saved`` after each); every workload's eager sides first, then the compiled ones."""
     from distributed import Client, LocalCluster
 
     with (
@@ -247,6 +246,17 @@ def run_training(
         Client(cluster) as client,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        for name, w in workloads.items():
-            training[name] = {}
-            run_workload(w, client, device, tmp, budget, training[name], saved)
+        data = {}
+        for late in (False, True):
+            for name, w in workloads.items():
+                fits, loops = compiled(w.fits, late), compiled(w.loops, late)
+                if not (fits or loops):
+                    continue
+                if name not in data:
+                    data[name] = x, y = w.data()
+                    training[name] = {"sizes": w.sizes(x), "parameters": parameter_count(w.model())}
+                x, y = data[name]
+                run_fits(w, fits, client, device, x, y, tmp, budget, training[name], saved)
+                run_loops(w, loops, device, x, y, budget, training[name], saved)
+                report(w, training[name])
+                saved()
