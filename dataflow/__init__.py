@@ -37,8 +37,8 @@ _LAZY = {
     "History": "dataflow.history",
     "Pipeline": "dataflow.pipeline",
     "Plan": "dataflow.planning.plan",
-    "NoisyNeighbour": "dataflow.core.slowdown",
-    "SlowdownSchedule": "dataflow.core.slowdown",
+    "NoisyNeighbour": "dataflow.runtime.throttle",
+    "SlowdownSchedule": "dataflow.runtime.throttle",
     "Trainer": "dataflow.trainer",
     "TrainerConfig": "dataflow.trainer",
 }

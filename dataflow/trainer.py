@@ -22,9 +22,9 @@ from dataflow.core import kinds
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseSpec
 from dataflow.core.protocols import Schedule
-from dataflow.driver.costplan import FitPlan, plan_fit
 from dataflow.driver.fit import run_fit
-from dataflow.driver.planner import Planner
+from dataflow.driver.fit_settings import FitPlan, plan_fit
+from dataflow.driver.segments import Planner
 from dataflow.graph import Graph
 from dataflow.history.result import FitResult
 from dataflow.label_watch import watch_labels
@@ -92,7 +92,7 @@ class Trainer:
 
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``
-        uses (the user's, the cost model's or the defaults; ``driver/costplan.py``)."""
+        uses (the user's, the cost model's or the defaults; ``driver/fit_settings.py``)."""
         user_bucket = next((r.config.bucket_mb for r in self.reducers if r.config.bucket_mb), None)
         return plan_fit(
             self.config,

@@ -293,7 +293,7 @@ def check_options(options: dict[str, Any]) -> None:
 
 def _slows(value: Any) -> bool:
     """A throttle value: a factor >= 1, or a slow-down schedule."""
-    from dataflow.core.slowdown import as_slowdown
+    from dataflow.runtime.throttle import as_slowdown
 
     try:
         as_slowdown(value)

@@ -453,7 +453,7 @@ def test_measure_every_auto_keeps_enough_measured_steps_per_phase():
 
 def test_steps_measured_are_every_kth_of_the_fit_by_index():
     from dataflow.core.step import PhaseContext
-    from dataflow.driver.planner import Planner
+    from dataflow.driver.segments import Planner
 
     phase = PhaseContext(index=1, steps=(), lr=None, measure_noise=True, measure_every=3)
     assert [i for i in range(10, 20) if phase.measures(i)] == [12, 15, 18]
@@ -472,7 +472,7 @@ def test_steps_measured_are_every_kth_of_the_fit_by_index():
 def test_one_replica_splits_only_the_steps_it_measures():
     """Measuring the noise with one replica takes two micro-batches of a step; the steps
     between measurements run whole (half batches cost a GPU nearly a whole step more)."""
-    from dataflow.driver.planner import Planner
+    from dataflow.driver.segments import Planner
     from dataflow.schedule.balance import Even
 
     planner = Planner(

@@ -197,7 +197,7 @@ def test_the_pure_modules_import_without_torch_zarr_dask_or_numba():
     packages (so they run, and are tested, in milliseconds anywhere)."""
     code = (
         "import sys\n"
-        "import dataflow.driver.machine, dataflow.driver.planner, dataflow.planning.plan\n"
+        "import dataflow.driver.machine, dataflow.driver.segments, dataflow.planning.plan\n"
         "import dataflow.schedule.balance, dataflow.schedule, dataflow.costmodel\n"
         "heavy = ('torch', 'zarr', 'dask', 'distributed', 'numba')\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & set(heavy)))\n"

@@ -1,4 +1,5 @@
-"""What the cost model plans for a fit: window length, bucket size, worker count (pure)."""
+"""A fit's settings (``driver/fit_settings.py``): window length, bucket size, worker count
+from the user, else the cost model, else the defaults (pure)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.costmodel import ComputeFit, CostModel, Link, Topology
-from dataflow.driver.costplan import plan_fit, workers_wanted
+from dataflow.driver.fit_settings import plan_fit, workers_wanted
 from dataflow.trainer_config import TrainerConfig
 
 MIB = 1 << 20
@@ -112,7 +113,7 @@ def test_a_bf16_allreduce_plans_with_the_bytes_it_moves():
     """``allreduce_dtype="bf16"`` halves what each allreduce moves: the model predicts
     from the wire's bytes, and the bucket it picks in wire bytes is packed from twice as
     many fp32 gradient bytes."""
-    from dataflow.driver.costplan import planned_model
+    from dataflow.driver.fit_settings import planned_model
 
     model = cost_model()
     config = TrainerConfig(cost_model=model)

@@ -19,7 +19,7 @@ from dataflow.core.phase import PhaseSpec
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.memory import halved_cap, is_out_of_memory, measured_cap, memory_cap
-from dataflow.driver.planner import Planner
+from dataflow.driver.segments import Planner
 from dataflow.errors import ReplicaError
 from dataflow.runtime.device_memory import MemoryProbe
 from dataflow.schedule.balance import Even

@@ -1,4 +1,4 @@
-"""Simulated slow nodes that move (``dataflow.core.slowdown``): schedules of a replica's
+"""Simulated slow nodes that move (``dataflow.runtime.throttle``): schedules of a replica's
 slow-down factor over wall time, checked with made-up times (pure), and once in a real
 fit, where only the replicas given a factor above 1 sleep."""
 
@@ -11,7 +11,7 @@ from conftest import make_data, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
-from dataflow.core.slowdown import NoisyNeighbour, SlowdownSchedule, as_slowdown
+from dataflow.runtime.throttle import NoisyNeighbour, SlowdownSchedule, as_slowdown
 
 
 def test_a_schedule_holds_each_factor_from_its_second_and_repeats():

@@ -12,6 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from dataflow.costmodel import presets
+from dataflow.costmodel.best_settings import (
+    best_batch,
+    best_replicas,
+    bucket_bytes,
+    goodput,
+    statistical_efficiency,
+    window_seconds,
+    window_steps,
+)
 from dataflow.costmodel.collective import (
     ALGORITHMS,
     Link,
@@ -33,15 +42,6 @@ from dataflow.costmodel.layout_cost import (
 )
 from dataflow.costmodel.layout_cost import candidates as layout_candidates
 from dataflow.costmodel.model import CostModel, StepBreakdown
-from dataflow.costmodel.planning import (
-    best_batch,
-    best_replicas,
-    bucket_bytes,
-    goodput,
-    statistical_efficiency,
-    window_seconds,
-    window_steps,
-)
 
 
 def calibrate(pipe: Any, client: Any, **kwargs: Any) -> CostModel:

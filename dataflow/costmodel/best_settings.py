@@ -1,5 +1,6 @@
-"""Decisions from the cost model: worker count by goodput, the next batch by goodput,
-window length and bucket size. Pure functions of a :class:`CostModel` and numbers.
+"""The best settings by the cost model: worker count by goodput, the next batch by
+goodput, window length and bucket size (a fit takes them unless the user set them:
+:mod:`dataflow.driver.fit_settings`). Pure functions of a :class:`CostModel` and numbers.
 
 Goodput is Pollux's (Qiao et al., OSDI 2021; petuum/adaptdl ``goodput.py``):
 throughput × statistical efficiency, where the efficiency of a batch ``B`` relative to

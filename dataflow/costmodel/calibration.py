@@ -178,7 +178,7 @@ def calibrate(
     model = _synchronous(client, workers, request, model, source.num_samples)
     model = model.replace(notes={**model.notes, "discarded": discarded_note(model.discarded)})
     if config.window_seconds is None:  # what the fit plans from this model
-        from dataflow.costmodel.planning import window_seconds
+        from dataflow.costmodel.best_settings import window_seconds
 
         model = model.replace(window_seconds=window_seconds(model))
     return model

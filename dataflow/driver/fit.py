@@ -14,16 +14,16 @@ if TYPE_CHECKING:
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.core.precision import cpu_fp16_allowed
-from dataflow.core.slowdown import as_slowdown
 from dataflow.driver.checkpoints import CheckpointWriter
-from dataflow.driver.costplan import FitPlan, planned_model, workers_wanted
 from dataflow.driver.executor import Executor
+from dataflow.driver.fit_settings import FitPlan, planned_model, workers_wanted
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
 from dataflow.history.result import FitResult
 from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica import ReplicaSpec
+from dataflow.runtime.throttle import as_slowdown
 from dataflow.stages.forward import build_model
 
 MAX_ROLLBACKS = 3  # on_non_finite="rollback": per phase; then the NonFiniteError stops the fit
@@ -204,7 +204,7 @@ def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> 
 
 
 def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
-    """The window length and the bucket size for this fit (``driver/costplan.py``),
+    """The window length and the bucket size for this fit (``driver/fit_settings.py``),
     planned for its first phase on the workers it starts with; the planned bucket size
     goes to the AllReduce stages that left ``bucket_mb`` to the engine."""
     first = trainer.planner().next_phase(0, epochs, None)
@@ -219,7 +219,7 @@ def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
 def _request_workers(
     executor: Executor, config: Any, phase: Any, recorder: Recorder, wire_scale: float = 1.0
 ) -> None:
-    """``scale_with_batch``: the workers ``driver/costplan.workers_wanted`` asks for."""
+    """``scale_with_batch``: the workers ``driver/fit_settings.workers_wanted`` asks for."""
     wanted = workers_wanted(config, phase.global_batch, wire_scale)
     scaling: dict[str, Any] = {"phase": phase.index, **wanted}
     wanted = scaling["requested"]

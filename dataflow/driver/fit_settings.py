@@ -1,5 +1,6 @@
-"""What the cost model decides for a fit, pure: the window length, the allreduce bucket
-size and, with ``scale_with_batch``, the worker count. A value the user gave wins; with
+"""A fit's settings and who chose each, pure: the window length, the allreduce bucket
+size and, with ``scale_with_batch``, the worker count. A value the user gave wins, then
+the cost model's best (:mod:`dataflow.costmodel.best_settings`); with
 no cost model the engine's defaults stand (1 s windows, 25 MiB buckets, and as many
 workers as keep each replica's batch under ``max_micro_batch``)."""
 

@@ -25,8 +25,8 @@ from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
-from dataflow.driver.planner import Planner
 from dataflow.driver.recorder import Recorder
+from dataflow.driver.segments import Planner
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint

@@ -1,5 +1,6 @@
-"""The fit's plans, pure: the schedule's next phase, the balancer's split, the
-phase's steps, and the rest of a phase re-split after a recovery or a resume.
+"""What the fit trains next, pure: the schedule's next phase and the segment of steps
+the machine runs of it (the balancer's split, each replica's micro-batches), and the
+rest of a phase re-split after a recovery or a resume.
 
 No Dask, no torch: the state machine asks through ``ChoosePhase`` and
 ``PlanSegment`` and gets the answers as events.

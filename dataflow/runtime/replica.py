@@ -57,7 +57,7 @@ class ReplicaRuntime:
         self.slot = rank if device_rank is None else device_rank
         # A simulated slow node (tests, benchmarks, demos): each step sleeps
         # (factor - 1) x its compute, i.e. the stages that do not wait on data or peers;
-        # the factor may move over the fit's wall time (dataflow.core.slowdown).
+        # the factor may move over the fit's wall time (dataflow.runtime.throttle).
         self.slowdown = spec.throttle.get(rank)
         self.waiting = {n for n in spec.order if spec.graph[n].waits_on_peers_or_data}
         self.order = spec.order

@@ -41,7 +41,7 @@ class ReplicaSpec:
     relax_malloc: bool = True
     freeze_gc: bool = True
     pause_dask_profiler: bool = True
-    throttle: dict[int, Any] = field(default_factory=dict)  # rank -> core.slowdown.Slowdown
+    throttle: dict[int, Any] = field(default_factory=dict)  # rank -> runtime.throttle.Slowdown
     started_at: float = 0.0  # the driver's time.time() at the fit's start (slow-down clock)
     commit_windows: bool = True  # keep the state at each window's start, to roll back to
     layout: Any = (

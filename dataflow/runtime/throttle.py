@@ -1,7 +1,8 @@
 """Simulated slow nodes, constant or moving: a replica's slow-down factor over wall time.
 
 ``Trainer(throttle={rank: ...})`` makes a replica take ``factor`` times its compute
-time (each step sleeps ``(factor - 1)`` times what its compute stages took). A number is
+time (each step sleeps ``(factor - 1)`` times what its compute stages took; the replica
+applies it, :mod:`dataflow.runtime.replica`). A number is
 a constant factor (a slower node). The two schedules here make the factor *move*, as a
 shared node's does when a neighbour starts a job, a GPU throttles when hot, or a link is
 slow for a minute, which is what asynchronous and local updates are meant to absorb

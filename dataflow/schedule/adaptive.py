@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
-from dataflow.costmodel.planning import statistical_efficiency
+from dataflow.costmodel.best_settings import statistical_efficiency
 from dataflow.io.sampler import steps_per_epoch
 from dataflow.schedule.noise_scale import adascale_gain
 from dataflow.schedule.rules import LR_RULES, _finite_number, _positive_int, _round_down
