@@ -126,6 +126,32 @@ def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:
     return dfl.Pipeline(**{**defaults, **options})
 
 
+def assert_the_balancer_followed_the_throttle(
+    phases, *, slow: int, factor: float, waiting=("Load", "AllReduce"), smoothing: float = 1.0
+) -> None:
+    """What a fit with replica ``slow`` throttled ``factor`` x under
+    ``balance.Throughput(smoothing)`` decided, whatever the machine's speed: phase 0 split
+    evenly; in every phase the slow replica alone paused ``factor - 1`` times its compute
+    (``stage_seconds["throttle"]``) and its recorded samples/s counts that pause (1 /
+    ``factor`` of its speed without it); each later phase split by the balancer from the
+    speeds recorded before it. ``waiting``: the stages that wait on peers or data
+    (not compute). Asserts on what was decided from the measured times, never on them."""
+    from dataflow.schedule.balance import Throughput
+
+    for phase in phases:
+        for rank, seconds in enumerate(phase["stage_seconds"]):
+            compute = sum(v for name, v in seconds.items() if name not in (*waiting, "throttle"))
+            paused = seconds.get("throttle", 0.0)
+            assert paused == pytest.approx((factor - 1) * compute if rank == slow else 0.0)
+            rate = phase["samples_trained"][rank] / (compute + paused)
+            assert phase["samples_per_second"][rank] == pytest.approx(rate), (phase, rank)
+    balancer = Throughput(smoothing=smoothing)
+    for k, phase in enumerate(phases):  # phase 0: nothing measured, an even split
+        speeds = [p["samples_per_second"] for p in phases[:k]]
+        chosen = balancer.split(phase["global_batch"], len(phase["local_batches"]), speeds)
+        assert phase["local_batches"] == list(chosen), (k, phase["local_batches"], speeds)
+
+
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
@@ -177,8 +203,8 @@ def digits_accuracy(client, data: dict, **options) -> float:
 
 @pytest.fixture(scope="session")
 def pool2():
-    """A gloo group of 2 spawned processes (``dataflow.spatial.LocalGroup``), shared by
-    the spatial tests: each spawn imports torch, seconds per process on 2 cores."""
+    """A gloo group of 2 spawned processes (``dataflow.spatial.local_group.LocalGroup``),
+    shared by the spatial tests: each spawn imports torch, seconds per process on 2 cores."""
     from dataflow.spatial.local_group import LocalGroup
 
     pool = LocalGroup(2)

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
+from conftest import (
+    assert_the_balancer_followed_the_throttle,
+    make_data,
+    max_abs_diff,
+    reference_training,
+    tiny_pipeline,
+)
 
 import dataflow as dfl
 from dataflow.schedule import lr_at
@@ -57,7 +63,12 @@ class ConvNet(torch.nn.Module):
         return self.head(self.body(x).flatten(1))
 
 
-def test_a_throttled_replica_gets_about_a_third_and_throughput_rises(client):
+def test_a_throttled_replica_gets_the_share_its_measured_speed_gives(client):
+    """Replica 1 throttled 2x under ``Throughput``: each phase after the first is split
+    from the speeds measured before it, the throttle's pause counted in replica 1's, and
+    trained as split. The decisions are checked, not the speeds (a shared 2-core machine
+    moves those); that the rebalanced fit is faster is ``bench_heterogeneous.py``'s
+    measurement."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(768, 1, 24, 24)).astype(np.float32)
     y = rng.integers(0, 3, size=768)
@@ -72,24 +83,11 @@ def test_a_throttled_replica_gets_about_a_third_and_throughput_rises(client):
     )
     result = pipe.fit(epochs=3, client=client)
     phases = result.history.phases
+    print("\nthrottle 2x: split", [p["local_batches"] for p in phases])
     assert phases[0]["local_batches"] == [48, 48]
-    share = phases[-1]["local_batches"][1] / 96
-    # About a third (1/3 if step time were all per-sample compute; fixed per-step costs,
-    # throttled too, and a shared 2-core machine move it). Measured speeds decide it, so
-    # only the side is pinned: the throttled replica gets less than half, and some.
-    assert 0.1 <= share < 0.5, phases[-1]["local_batches"]
-
-    def samples_per_second(phase):
-        steps = [s for s in result.history.steps if s["phase"] == phase]
-        return sum(s["samples"] for s in steps[1:]) / sum(s["seconds"] for s in steps[1:])
-
-    print(
-        "\nthrottle 2x: split",
-        [p["local_batches"] for p in phases],
-        "samples/s",
-        [round(samples_per_second(i)) for i in range(3)],
-    )
-    # the best rebalanced phase (one noisy phase on a shared machine must not decide it)
-    assert max(samples_per_second(1), samples_per_second(2)) > 1.1 * samples_per_second(0)
+    assert_the_balancer_followed_the_throttle(phases, slow=1, factor=2.0)
+    for phase in phases:  # each phase trained as split: its samples, replica by replica
+        steps = phase["steps"]
+        assert phase["samples_trained"] == [b * steps for b in phase["local_batches"]]
     for epoch in range(3):
         assert result.ledger.consumed(epoch).tolist() == list(range(768))
