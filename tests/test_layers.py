@@ -1,4 +1,4 @@
-"""The layers (docs: DESIGN "Layers"): imports only point down.
+"""The layers (docs/architecture.md, "Layers"): imports only point down.
 
 Layer 0 ``dataflow/core`` imports nothing of dataflow outside itself; io and ops import
 only core (ops not io); stages import core, io and ops; none of them imports the

@@ -238,8 +238,8 @@ def test_the_history_shows_the_wait_lockstep_steps_would_have_had(client):
     sync = dfl.sync.Local(period_steps=4)
     result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
     (phase,) = result.history.phases
-    # (how much each waits is a measured duration: benchmarks/bench_local.py reports it;
-    # the arithmetic is tested in test_recorder_lockstep_wait below)
+    # (how much each waits is a measured duration, so it is not asserted here; the
+    # arithmetic is: test_recorder_lockstep_wait_is_the_slowest_replicas_work_less_ones_own)
     waits = phase["lockstep_wait_s"]
     assert len(waits) == 2 and all(w >= 0 and np.isfinite(w) for w in waits), waits
     assert max(waits) > 0, waits  # the step times differed, so somebody would have waited

@@ -1,4 +1,5 @@
-"""The cost model: DESIGN.md's performance model made executable.
+"""The cost model: the performance model of docs/costmodel.md ("The formula") made
+executable.
 
 Per step: ``t = max(t_load, t_compute(b)) + t_allreduce_exposed + t_overhead``, where
 ``b`` is the largest replica's local batch, the allreduce runs bucket by bucket behind
