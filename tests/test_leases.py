@@ -19,24 +19,43 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
 
 
-def run_window(store, key: str, speeds: list[float], first: int = 0, stop: int = 25) -> dict:
+def run_window(
+    store, key: str, speeds: list[float], first: int = 0, stop: int = 25, held: int | None = None
+) -> dict:
     """Each replica in its own thread with its own connection, sleeping up to
-    ``speed`` ms per part: what each trained, in order."""
+    ``speed`` ms per part (random interleavings, not an order): what each trained, in
+    order. ``held``: a replica that takes its first part before the others start, then
+    waits until every other replica is out of parts (a slow one, whatever the
+    machine's speed)."""
     got: dict[int, list] = {}
+    started, done = threading.Event(), {rank: threading.Event() for rank in range(len(speeds))}
+    errors: list[BaseException] = []
 
     def replica(rank: int, speed: float) -> None:
-        mine = dist.TCPStore("127.0.0.1", store.port, 1, False)
-        board = WindowLeases(mine, key, first=first, stop=stop, replicas=len(speeds), rank=rank)
-        got[rank] = []
-        for task in board.tasks():
-            got[rank].append(task)
-            time.sleep(speed * random.random() / 1000)
+        try:
+            mine = dist.TCPStore("127.0.0.1", store.port, 1, False)
+            board = WindowLeases(mine, key, first=first, stop=stop, replicas=len(speeds), rank=rank)
+            got[rank] = []
+            if held is not None and rank != held:
+                assert started.wait(60), f"replica {held} never took its first part"
+            for task in board.tasks():
+                got[rank].append(task)
+                if rank == held and len(got[rank]) == 1:
+                    started.set()
+                    for other, finished in done.items():
+                        assert other == rank or finished.wait(60), f"replica {other} stuck"
+                time.sleep(speed * random.random() / 1000)
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            done[rank].set()
 
     threads = [threading.Thread(target=replica, args=r) for r in enumerate(speeds)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not errors, errors
     return got
 
 
@@ -57,9 +76,14 @@ def test_every_part_is_trained_exactly_once(store, speeds):
 
 
 def test_a_fast_replica_takes_over_a_slow_ones_parts(store):
-    got = run_window(store, "fast", [0.0, 5.0], 0, 21)
+    """Replica 1 held after its first part until replica 0 ran out: replica 0 trains
+    its own 20 parts, then takes over the 19 replica 1 had left, from the back, and its
+    part of the last step; replica 1 trains its first part and its part of the last."""
+    got = run_window(store, "fast", [0.0, 0.0], 0, 21, held=1)
     fast, slow = got[0], got[1]
-    assert len(fast) > len(slow) and any(part == 1 for _, part in fast)
+    own = [(step, None) for step in range(20)]
+    assert fast == own + [(step, 1) for step in range(19, 0, -1)] + [(20, None)], fast
+    assert slow == [(0, None), (20, None)], slow
 
 
 def test_a_one_step_window_and_no_leases():
