@@ -32,8 +32,9 @@ class Budget:
     def __init__(self, seconds: float | None) -> None:
         self.deadline = None if seconds is None else time.monotonic() + seconds
 
-    def spent(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    def spent(self, needing: float = 0.0) -> bool:
+        """Whether fewer than ``needing`` seconds are left (none: the deadline passed)."""
+        return self.deadline is not None and time.monotonic() + needing >= self.deadline
 
 
 def memory_format(ndim: int) -> torch.memory_format:

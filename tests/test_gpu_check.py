@@ -11,26 +11,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_dry_run_lists_every_step(tmp_path):
-    env = {**os.environ, "DATAFLOW_GPU_CHECK_DRY": "1", "PYTHON": sys.executable}
+def dry_run(out, **env):
+    env = {**os.environ, "DATAFLOW_GPU_CHECK_DRY": "1", "PYTHON": sys.executable, **env}
     done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)],
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(out)],
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    steps = [line[3:].split(":")[0] for line in done.stdout.splitlines() if line.startswith("== ")]
+    return [line[3:] for line in done.stdout.splitlines() if line.startswith("== ")]
+
+
+def test_gpu_check_dry_run_lists_every_step(tmp_path):
+    """The figures first (the bench before the tests), each step with its time limit."""
+    lines = dry_run(tmp_path)
+    steps = [line.split()[0].rstrip(":") for line in lines]
     assert [s for s in steps if s != "wheels"] == [
         "install",
         "versions",
-        "gpu_tests",
         "bench",
+        "gpu_tests",
         "profile",
         "gpu_check",
     ]
-    assert f"--out {tmp_path}/gpu.json" in done.stdout
+    assert all(" (at most " in line for line in lines[:-1])
+    bench = next(line for line in lines if line.startswith("bench "))
+    assert f"--out {tmp_path}/gpu.json --budget-s " in bench
+
+
+def test_gpu_check_skips_the_steps_its_budget_has_no_time_for(tmp_path):
+    lines = dry_run(tmp_path, DATAFLOW_GPU_CHECK_BUDGET="5")
+    assert all(line.endswith("skipped: the check's 5 s are spent") for line in lines[:-1])
 
 
 def test_bench_gpu_parses_its_arguments_without_a_gpu():
