@@ -1,4 +1,4 @@
-import threading
+import time
 
 import numpy as np
 import pytest
@@ -53,14 +53,19 @@ def test_prefetcher_raises_the_loader_error_at_its_item():
 
 
 def test_prefetcher_reads_ahead_at_most_depth():
+    """Nothing taken: the thread loads ``depth`` items into the queue and one more, then
+    waits in put (the queue full) until the consumer takes one."""
     loaded = []
-    gate = threading.Event()
 
     def load(i):
         loaded.append(i)
         return i
 
     fetch = Prefetcher(load, range(100), depth=3)
-    gate.wait(0.3)  # let the thread fill the queue
-    assert len(loaded) <= 3 + 1  # depth queued plus the one blocked in put
+    deadline = time.monotonic() + 60  # a generous bound on a real condition, not a pause
+    while not (len(loaded) >= 3 + 1 and fetch._queue.full()):
+        assert time.monotonic() < deadline, f"the prefetcher never filled its queue: {loaded}"
+        time.sleep(0.001)
+    assert loaded == [0, 1, 2, 3]  # depth queued plus the one waiting in put
+    assert fetch.get() == 0  # a slot is free: it reads one more
     fetch.close()

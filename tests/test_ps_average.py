@@ -35,6 +35,16 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
+async def until(condition, what: str) -> None:
+    """Yield to the event loop until ``condition()`` holds: the hand-ins under test run on
+    this loop, so they get there in a few turns, whatever the machine's speed."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
 def test_the_average_waits_for_every_replica_and_weights_by_samples():
     async def main():
         s = shard()
@@ -65,7 +75,7 @@ def test_a_replica_lost_before_it_handed_in_has_its_parts_retrained_by_the_survi
             asyncio.ensure_future(s.average(r, 10, 12, 0, PLANNED, handed(r, float(r + 1))))
             for r in (0, 1)
         ]
-        await asyncio.sleep(0.01)
+        await until(lambda: s.this_round == {0, 1}, "replicas 0 and 1 handed in")
         assert not any(f.done() for f in first)  # replica 2 is still training
         await s.drop([2])
         retrain = await asyncio.gather(*first)
@@ -91,7 +101,7 @@ def test_a_state_handed_in_before_the_loss_still_counts_and_nothing_is_retrained
     async def main():
         s = shard()
         early = asyncio.ensure_future(s.average(2, 10, 12, 0, PLANNED, handed(2, 4.0)))
-        await asyncio.sleep(0.01)
+        await until(lambda: 2 in s.this_round, "replica 2 handed in")
         await s.drop([2])  # its worker died after it handed in
         rest = await asyncio.gather(
             s.average(0, 10, 12, 0, PLANNED, handed(0, 1.0)),
@@ -145,7 +155,8 @@ def test_a_failed_shard_fails_the_waiting_hand_ins():
     async def main():
         s = shard(replicas=2)
         waiting = asyncio.ensure_future(s.average(0, 10, 12, 0, PLANNED, handed(0, 1.0)))
-        await asyncio.sleep(0.01)
+        await until(lambda: 0 in s.this_round, "replica 0 handed in")
+        assert not waiting.done()  # it waits for replica 1
         await s.fail("replica 1 failed in window 10")
         await waiting
 
