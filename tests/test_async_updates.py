@@ -177,7 +177,16 @@ def test_a_lost_replica_costs_only_its_gradient_in_flight():
 
         await shard.push(2, grad(0, 2))  # replica 2's part of step 0 is applied...
         survivors = [asyncio.ensure_future(replica(r, [0, 1])) for r in (0, 1)]
-        await asyncio.sleep(0.05)
+        gate = shard.gate
+
+        def held() -> bool:  # both pushed their step 1, which the bound holds for replica 2
+            return set(gate.pending) == {0, 1} and not gate.may_apply()
+
+        for _ in range(1000):  # turns of this event loop, which runs the shard: no clock
+            if held():
+                break
+            await asyncio.sleep(0)
+        assert held(), gate
         assert not any(f.done() for f in survivors)  # they wait for replica 2
         await shard.drop([2])  # ...its part of step 1 was in flight when it died
         finals = await asyncio.gather(*survivors)
