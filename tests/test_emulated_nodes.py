@@ -16,11 +16,17 @@ import dataflow as dfl
 from dataflow import stages
 from dataflow.tools.emulated_nodes import EmulatedNodes, unavailable
 
-REASON = unavailable()
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def namespaces():
+    """Skips the module where network namespaces cannot be made. A fixture, not a
+    module-level check: the probe makes a namespace, which collecting the tests (``-m
+    "not slow"``, ``--collect-only``) must not."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(f"no network namespaces: {reason}")
 
 
 @pytest.fixture(scope="module")
@@ -73,19 +79,24 @@ def test_a_killed_run_leaves_nothing_behind_the_next_one_removes():
     assert bridge not in links
 
 
-class MarkAndLinger(stages.Stage):
+class MarkAndHold(stages.Stage):
     """Test stage: at step ``step`` replica ``rank`` writes ``marker`` (the test cuts
-    its node's link when it appears) and lingers, so the cut lands inside the window."""
+    its node's link when it appears) and holds until ``released`` exists (the test
+    writes it once the link is down), so the cut lands inside the window."""
 
-    def __init__(self, marker: str, *, step: int, rank: int) -> None:
-        super().__init__("MarkAndLinger")
-        self.marker, self.step, self.rank = marker, step, rank
+    def __init__(self, marker: str, released: str, *, step: int, rank: int) -> None:
+        super().__init__("MarkAndHold")
+        self.marker, self.released, self.step, self.rank = marker, released, step, rank
 
     def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
         mine = step.spec.index == self.step and step.replica.rank == self.rank
         if mine and not Path(self.marker).exists():
             Path(self.marker).write_text(str(time.time()))
-            time.sleep(2.0)
+            deadline = time.monotonic() + 120  # a bound on a real condition, not a pause
+            while not Path(self.released).exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the test never cut the link ({self.released})")
+                time.sleep(0.05)
         return batch
 
 
@@ -98,10 +109,10 @@ def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(nodes, t
     once per epoch, the loss still falling."""
     x, y = make_data(240)
     epochs = 3
-    marker = tmp_path / "cut"
+    marker, released = tmp_path / "at-step-6", tmp_path / "cut"
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
-    batch = g.add(MarkAndLinger(str(marker), step=6, rank=1), batch)
+    batch = g.add(MarkAndHold(str(marker), str(released), step=6, rank=1), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(stages.Backward(), out)
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), grads))
@@ -123,6 +134,7 @@ def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(nodes, t
             time.sleep(0.05)
         if marker.exists():
             nodes.set_link(1, up=False)
+            released.write_text(str(time.time()))  # replica 1 goes on, cut off
 
     watcher = threading.Thread(target=cut_when_marked, daemon=True)
     watcher.start()
