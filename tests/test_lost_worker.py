@@ -230,34 +230,43 @@ def test_every_replica_killed_at_once_restarts_from_the_newest_checkpoint(tmp_pa
     assert losses[-1] < losses[0]
 
 
-class SlowStep(stages.Stage):
-    """Test stage: each step takes ``seconds`` longer (stands in for real compute)."""
+class KillPoint(stages.Stage):
+    """Test stage: at each step of ``steps``, the first time replica 0 reaches it, writes
+    ``folder/asked-STEP`` and holds until the monkey writes ``folder/done-STEP`` (after
+    its kill): every kill lands inside the fit, at a step, whatever the machine's speed."""
 
-    def __init__(self, seconds: float) -> None:
-        super().__init__("SlowStep")
-        self.seconds = seconds
+    def __init__(self, folder: str, steps: tuple[int, ...]) -> None:
+        super().__init__("KillPoint")
+        self.folder, self.steps = folder, steps
 
     def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
-        time.sleep(self.seconds)
+        index = step.spec.index
+        asked = Path(self.folder, f"asked-{index}")
+        if (
+            index in self.steps
+            and step.replica.rank == 0
+            and step.replica.world_size > 1  # not the driver's dry run
+            and not asked.exists()
+        ):
+            asked.write_text(str(time.time()))
+            deadline = time.monotonic() + 120  # a bound on a real condition, not a pause
+            while not Path(self.folder, f"done-{index}").exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the monkey never killed at step {index}")
+                time.sleep(0.05)
         return batch
 
 
-def _chaos_monkey(
-    client, started, stop, kills, seed=10, mean_interval_s=3.0, min_gap_s=2.0, for_s=9.0
-):
-    """Once training has started, SIGKILL a random worker process at Poisson times at
-    least ``min_gap_s`` apart (the nannies restart them under new addresses; the gap
-    lets a restart be up before the next kill) for ``for_s`` seconds, or until ``stop``.
-    The times are drawn first: with seed 10, at 2.5, 4.5 and 7.1 s. A kill is not
-    skipped because Dask was busy (it retries), only when fewer than 2 workers live.
-    (Bounded: every recovery lengthens the fit, which would otherwise draw more kills.)"""
-    rng, times, t = random.Random(seed), [], 0.0
-    while (t := t + max(min_gap_s, rng.expovariate(1.0 / mean_interval_s))) < for_s:
-        times.append(t)
-    started.wait()
-    origin = time.monotonic()
-    for at in times:
-        if stop.wait(max(0.0, origin + at - time.monotonic())):
+def _chaos_monkey(client, folder: Path, steps, stop, kills, seed=10):
+    """At each kill point (``KillPoint``'s ``asked-STEP``), SIGKILL a random worker
+    process (the nannies restart them under new addresses), then release the point. A
+    kill is not skipped because Dask was busy (it retries), only when fewer than 2
+    workers live; it stops at ``stop``."""
+    rng = random.Random(seed)
+    for step in steps:
+        while not stop.is_set() and not (folder / f"asked-{step}").exists():
+            time.sleep(0.05)
+        if stop.is_set():
             return
         pids = None
         while pids is None and not stop.is_set():
@@ -265,37 +274,27 @@ def _chaos_monkey(
                 pids = client.run(os.getpid)
             except Exception:  # a worker died meanwhile: ask again
                 time.sleep(0.5)
-        if pids is None or len(pids) < 2:  # keep one alive; the nannies bring the rest
-            continue
-        address, pid = rng.choice(sorted(pids.items()))
-        try:
-            os.kill(pid, signal.SIGKILL)
-            kills.append((time.time(), address))
-        except ProcessLookupError:
-            pass
-
-
-class Started(stages.Stage):
-    """Test stage: touches ``path`` at the first training step (the monkey's start)."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__("Started")
-        self.path = path
-
-    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
-        if step.replica.world_size > 1 and not os.path.exists(self.path):
-            Path(self.path).touch()
-        return batch
+        if pids is not None and len(pids) >= 2:  # keep one alive; the nannies bring the rest
+            address, pid = rng.choice(sorted(pids.items()))
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills.append((step, address))
+            except ProcessLookupError:
+                pass
+        (folder / f"done-{step}").write_text(str(time.time()))
 
 
 @pytest.mark.timeout(300)
 def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tmp_path):
     x, y = make_data(N_SAMPLES)
-    epochs = 8  # 200 steps of at least 0.04 s: the fit outlasts the last kill
+    epochs = 8  # 200 steps: 120 of 12 samples, 60 of 24, 20 of 48
+    # a kill point in each phase, drawn with a seed (4 workers: 2 live at the third
+    # even if no restart is up yet, so every point kills)
+    rng = random.Random(10)
+    steps = (rng.randrange(10, 110), rng.randrange(125, 175), rng.randrange(182, 196))
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
-    batch = g.add(Started(str(tmp_path / "started")), batch)
-    batch = g.add(SlowStep(0.04), batch)
+    batch = g.add(KillPoint(str(tmp_path), steps), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(stages.Backward(), out)
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), grads))
@@ -306,25 +305,16 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
         g, schedule=schedule, seed=0, progress=False, window_seconds=0.5, collective_timeout_s=10.0
     )
     kills: list = []
-    started, stop = threading.Event(), threading.Event()
-
-    def watch_start():
-        while not stop.is_set() and not (tmp_path / "started").exists():
-            time.sleep(0.05)
-        started.set()
+    stop = threading.Event()
 
     with (
         LocalCluster(n_workers=4, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        threads = [
-            threading.Thread(target=watch_start, daemon=True),
-            threading.Thread(
-                target=_chaos_monkey, args=(client, started, stop, kills), daemon=True
-            ),
-        ]
-        for thread in threads:
-            thread.start()
+        monkey = threading.Thread(
+            target=_chaos_monkey, args=(client, tmp_path, steps, stop, kills), daemon=True
+        )
+        monkey.start()
         try:
             # with a checkpoint after every window: should every replica die before the
             # restarted workers join (kills can land close together on a loaded machine),
@@ -334,9 +324,7 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
             )
         finally:
             stop.set()
-            started.set()
-            for thread in threads:
-                thread.join()
+            monkey.join()
     failures = result.history.info.get("failures", [])
     train_seconds = result.history.info["train_seconds"]
     recoveries = [f["resumed_at"] - f["detected_at"] for f in failures if "resumed_at" in f]
@@ -349,7 +337,7 @@ def test_chaos_random_kills_with_nannies_training_completes_with_exact_ledger(tm
         f"replicas per phase {[p['replicas'] for p in result.history.phases]}; "
         f"joins at phases {[r['phase'] for r in result.history.info['regroups']]}"
     )
-    assert len(kills) >= 3, "the run lasted long enough for several kills"
+    assert [step for step, _ in kills] == list(steps), (steps, kills)  # one at each point
     assert failures, "workers were killed during the fit, so it recovered"
     _assert_exact_ledger(result, epochs)
     losses = [e["train_loss"] for e in result.history.epochs]
