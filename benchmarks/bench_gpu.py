@@ -298,6 +298,7 @@ def main() -> None:
         run["seconds"] = round(time.perf_counter() - started, 1)
         partial.write_text(json.dumps(to_jsonable(run), indent=1))
 
+    saved()
     budget = Budget(args.budget_s)
     if args.part in ("all", "training"):
         run["training"] = {}

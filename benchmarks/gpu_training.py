@@ -167,7 +167,7 @@ def run_fits(
             if variant["source"] not in sources:  # written once, when first needed
                 dfl.io.to_zarr(f"{tmp}/{w.name}.zarr", x, y)
                 sources["zarr"] = dfl.io.ZarrSource(f"{tmp}/{w.name}.zarr", y="y")
-            options = {k: v for k, v in variant.items() if k != "source"}
+            options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
             result = pipeline(w, sources[variant["source"]], device, **options).fit(
                 epochs=w.epochs, client=client
             )
