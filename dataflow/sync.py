@@ -17,16 +17,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from dataflow.core.errors import ConfigError
 
 
 @runtime_checkable
 class SyncPolicy(Protocol):
-    """Decides from the results a window has so far whether it may commit."""
+    """Decides from the results a window has so far whether it may commit, and declares
+    what the driver plans around (read as attributes, never probed): windows of
+    ``period_samples`` samples (None: of seconds or steps), a period adapted to the
+    measured drift (``max_drift``, None: fixed), sample leases between replicas
+    (``leases``), pushes overlapped with the next step (``overlap``), whether an
+    epoch's end ends a window (``ends_windows_at_epochs``: the replicas' weights meet
+    there, so an evaluation sees one model), and whether the others can finish a
+    window in flight without lost replicas (``survives_loss``)."""
+
+    period_samples: int | None
+    max_drift: float | None
+    leases: bool | None
+    overlap: bool
+    ends_windows_at_epochs: bool
 
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool: ...
+
+    def survives_loss(self, lost: tuple[int, ...], replicas: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -34,8 +49,18 @@ class Synchronous:
     """Every step's gradients meet in the weighted allreduce: a window commits when all
     ``replicas`` finished it (windows commit in order)."""
 
+    period_samples: ClassVar[int | None] = None
+    max_drift: ClassVar[float | None] = None
+    leases: ClassVar[bool] = False
+    overlap: ClassVar[bool] = False
+    ends_windows_at_epochs: ClassVar[bool] = False  # every step is in step already
+
     def may_commit(self, results: Mapping[int, Any], replicas: int) -> bool:
         return len(results) == replicas
+
+    def survives_loss(self, lost: tuple[int, ...], replicas: int) -> bool:
+        """Never: every step's allreduce needs every replica."""
+        return False
 
     def describe(self) -> str:
         return "synchronous: every step's gradients allreduced, weighted by samples"
@@ -88,6 +113,8 @@ class Local:
     # Above it the next period is half as long, under a quarter of it twice as long,
     # never longer than period_samples nor shorter than one step.
     max_drift: float | None = None
+    overlap: ClassVar[bool] = False
+    ends_windows_at_epochs: ClassVar[bool] = True  # the weights are averaged at an epoch's end
 
     def __post_init__(self) -> None:
         given = [self.period_seconds, self.period_steps, self.period_samples]
@@ -234,6 +261,9 @@ class Async:
     leases: bool = False
     overlap: bool = False
     lookahead: bool = True
+    period_samples: ClassVar[int | None] = None
+    max_drift: ClassVar[float | None] = None
+    ends_windows_at_epochs: ClassVar[bool] = True  # the store's weights are pulled there
 
     def __post_init__(self) -> None:
         for name in ("staleness", "servers"):

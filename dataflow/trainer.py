@@ -146,7 +146,7 @@ class Trainer:
                     step_seconds=step_seconds,
                     window_seconds=self.fit_plan(world, phase.global_batch).window_seconds,
                     window_steps=self.config.window_steps,
-                    window_samples=getattr(self.config.sync, "period_samples", None),
+                    window_samples=self.config.sync.period_samples,
                     epoch_ends_window=self.config.settles_at_window_end,
                     layout=layout,
                     sync=self.config.sync.describe() if self.config.settles_at_window_end else "",
@@ -341,7 +341,7 @@ def _warn_overlap_momentum(sync: Any, optimizer: Any) -> None:
     """``Async(overlap=True)`` delays every gradient by a whole step, which adds to the
     optimizer's momentum ("asynchrony begets momentum"): on the digits, SGD momentum 0.9
     trained to 64 % with overlap and 99 % without; 0.5 trained to 96 %."""
-    if not getattr(sync, "overlap", False) or optimizer is None:
+    if not sync.overlap or optimizer is None:
         return
     momentum = optimizer.param_groups[0].get("momentum") or 0.0
     if momentum > 0.5:

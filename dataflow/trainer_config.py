@@ -96,7 +96,7 @@ class TrainerConfig:
     @property
     def settles_at_window_end(self) -> bool:
         """Local or asynchronous updates: replicas share weights only at window ends."""
-        return self.local_updates or self.asynchronous
+        return self.sync.ends_windows_at_epochs
 
     def _check_sync(self) -> None:
         """A ``Local`` period is one window: it sets the window length."""

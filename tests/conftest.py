@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import dask.config
 import numpy as np
@@ -11,6 +12,10 @@ import pytest
 import torch
 
 import dataflow as dfl
+
+# The fit machine checks its state's invariants after every event in every test
+# (dataflow.driver.state.validate_state); a fit run by a user does not pay for it.
+os.environ["DATAFLOW_VALIDATE_DRIVER"] = "1"
 
 # What a worker process imports to run the engine's tasks, preloaded once in the
 # forkserver that every LocalCluster worker of the session (a nanny's restart too) is

@@ -30,6 +30,9 @@ from test_lost_worker import KillOnce
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.driver import commands as cmd
+from dataflow.driver.log import loggable
+from dataflow.driver.machine import replay
 
 pytestmark = pytest.mark.slow  # real worker processes, really killed
 
@@ -319,9 +322,14 @@ def test_a_nan_in_one_batch_is_handled_by_each_policy_in_every_pairing(
         client, tmp_path, policy=policy, training=training, evaluate=evaluate, data=data
     )
     if policy == "raise":
-        with pytest.raises(dfl.NonFiniteError, match=rf"step {NAN_STEP}\b"):
+        with pytest.raises(dfl.NonFiniteError, match=rf"step {NAN_STEP}\b") as failed:
             trainer.fit(epochs=EPOCHS, client=client)
         assert marker.exists()
+        # the failed fit's decisions replay from the log its error carries
+        log = failed.value.driver_log
+        machine, replayed = replay(log.config, log.events)
+        assert [loggable(c) for out in replayed for c in out] == log.commands
+        assert isinstance(log.commands[-1], cmd.Fail) and machine.state.status == "failed"
         return
     result = trainer.fit(epochs=EPOCHS, client=client)
     assert marker.exists()

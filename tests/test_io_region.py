@@ -180,7 +180,9 @@ def test_each_rank_reads_its_share_of_the_bytes(tmp_path, zarr_format, ranks):
             assert store.chunk_bytes() == total // ranks, (rank, span)
             keys = store.chunk_keys()
             assert len(keys) == 4 * 4 // ranks  # 4 sample chunks x (4 / ranks) depth chunks
-            assert store.chunk_keys("exists") == keys  # the missing check covers those, only
+            # the missing check covers those only: this async-only wrapper reads as a
+            # remote store, whose epoch GETs are the existence check (io.fetch)
+            assert store.chunk_keys("exists") <= keys
             depth = {int(k.replace("/", ".").split(".")[-3]) for k in keys}
             assert depth == set(range(rank * 4 // ranks, (rank + 1) * 4 // ranks))
 

@@ -10,7 +10,23 @@ members it addresses, so a test can check each goes to a live member.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
+
+
+class SegmentKind(StrEnum):
+    """Which steps ``PlanSegment`` asks for."""
+
+    PHASE = "phase"  # a new phase, from its first step
+    REST = "rest"  # the running phase's steps from the commit, re-split after a recovery
+
+
+class CheckpointKind(StrEnum):
+    """Where a ``WriteCheckpoint`` is taken."""
+
+    WINDOW = "window"  # inside a phase, from the states returned with a window
+    PHASE = "phase"  # at a phase's end, from the members' states
+    SURVIVORS = "survivors"  # the survivors' commit, before the fit gives up
 
 
 @dataclass(frozen=True)
@@ -52,13 +68,13 @@ class ScaleCluster:
 
 @dataclass(frozen=True)
 class PlanSegment:
-    """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``"phase"``
-    (``phase`` from its first step), ``"rest"`` (the phase's steps from ``commit_step``
-    re-split after a recovery) or ``"resume"`` (a resumed fit's first segment).
+    """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``PHASE``
+    (``phase`` from its first step) or ``REST`` (the phase's steps from ``commit_step``
+    re-split after a recovery; a fit resumed inside a phase plans its rest this way).
     ``memory_cap``: the micro-batch cap out-of-memory errors taught the fit (None:
     none), below the user's ``max_micro_batch``."""
 
-    kind: str
+    kind: SegmentKind
     replicas: int
     phase: Any = None
     commit_step: int = 0  # "rest": the first step not committed; "phase": its first step
@@ -105,12 +121,12 @@ class CommitWindow:
 
 @dataclass(frozen=True)
 class WriteCheckpoint:
-    """``"window"``: inside the phase at ``step``, from ``states`` (each replica's state
-    returned with the window); ``"phase"``: at the end of ``phase`` (the executor asks
-    ``members`` for their states); ``"survivors"``: the survivors' commit before the
+    """``WINDOW``: inside the phase at ``step``, from ``states`` (each replica's state
+    returned with the window); ``PHASE``: at the end of ``phase`` (the executor asks
+    ``members`` for their states); ``SURVIVORS``: the survivors' commit before the
     fit gives up on too few workers."""
 
-    kind: str
+    kind: CheckpointKind
     step: int
     phase: Any
     members: tuple[str, ...] = ()

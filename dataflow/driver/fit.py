@@ -94,6 +94,9 @@ def run_fit(
         state = loop.run(workers)
         recorder.record_segments()  # info["segments"], train_seconds: every run's
         failed = False
+    except BaseException as error:
+        error.driver_log = loop.machine.log  # a failed fit's decisions replay too
+        raise
     finally:
         recorder.close_bar()
         executor.close(failed=failed)
@@ -158,7 +161,7 @@ def build_loop(
         progress=config.progress,
         cost_model=planned_model(config, fit_plan),
         lockstep_wait=config.settles_at_window_end,
-        leases=bool(getattr(config.sync, "leases", False)),
+        leases=bool(config.sync.leases),
         held_out_samples=held_out,
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()

@@ -27,6 +27,7 @@ from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
 from dataflow.driver.segments import Planner
+from dataflow.driver.state import AfterGroup
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint
@@ -118,24 +119,31 @@ class FitLoop:
             step=start.step,
             previous=start.previous,
         )
-        self.apply(self.machine.handle(started))
+        self._decide(started)
         for event in self.executor.events():
-            self.apply(self.machine.handle(event))
+            self._decide(event)
             if self.final_state is not None:
                 return self.final_state
         raise AssertionError("unreachable: events() ends only by raising")
 
-    def apply(self, commands: list[Any]) -> None:
-        """Carry out ``commands`` in order. A member lost on the way is an event the
-        executor queues (WorkersLost): the rest of the list is not carried out, and the
-        machine decides anew from that event."""
+    def _decide(self, event: ev.Event) -> None:
+        """The machine decides on ``event``; its commands are carried out, and the log
+        learns how many were."""
+        commands = self.machine.handle(event)
+        self.machine.log.carried_out(self.apply(commands))
+
+    def apply(self, commands: list[Any]) -> int:
+        """Carry out ``commands`` in order; returns how many were. A member lost on the
+        way is an event the executor queues (WorkersLost): the rest of the list is not
+        carried out, and the machine decides anew from that event."""
         for i, command in enumerate(commands):
             handler = COMMAND_HANDLERS[type(command)]
             if not self.executor.carry_out(functools.partial(handler, self, command)):
                 # The machine already chose to stop: a loss on the way does not change it.
                 for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
                     self._Fail(fail)
-                return
+                return i
+        return len(commands)
 
     # -- membership -----------------------------------------------------------------------
     def _FormGroup(self, c: cmd.FormGroup) -> None:
@@ -172,7 +180,7 @@ class FitLoop:
             self.executor.restore(state, checkpoint.replica_rng, checkpoint.replica_buffers)
         if c.joining and not c.fresh:
             state = self.machine.state
-            phase = state.next_phase if state.after_group == "phase" else state.phase
+            phase = state.next_phase if state.after_group == AfterGroup.PHASE else state.phase
             info.setdefault("regroups", []).append(
                 {
                     "phase": getattr(phase, "index", None),
@@ -287,7 +295,7 @@ class FitLoop:
     def _PlanSegment(self, c: cmd.PlanSegment) -> None:
         if c.memory_cap is not None:  # learned (out of memory) or measured (CUDA)
             self.recorder.history.info["micro_batch_cap"] = c.memory_cap
-        if c.kind == "phase":
+        if c.kind == cmd.SegmentKind.PHASE:
             measured = self.recorder.measured_speeds()
             steps = self.planner.phase_steps(
                 c.phase, c.replicas, c.commit_step, measured, memory_cap=c.memory_cap
@@ -393,13 +401,13 @@ class FitLoop:
 
     def _WriteCheckpoint(self, c: cmd.WriteCheckpoint) -> None:
         writer, state = self.writer, self.machine.state
-        if c.kind == "phase":
+        if c.kind == cmd.CheckpointKind.PHASE:
             states = self.executor.replica_states(f"p{c.phase.index}")
             writer.save_boundary(
                 states, c.phase, c.step, self.measurement, self.recorder, state.memory_cap
             )
             return
-        if c.kind == "survivors":
+        if c.kind == cmd.CheckpointKind.SURVIVORS:
             states = self.executor.states_unless_lost("lost")
             if states is None:  # the last survivors died too: the newest checkpoint stands
                 return
@@ -408,7 +416,7 @@ class FitLoop:
                 s for part in c.states for s in (part if isinstance(part, tuple) else (part,))
             ]
         path = writer.save_mid_phase(states, state, c.step, self.recorder)
-        if c.kind == "survivors":
+        if c.kind == cmd.CheckpointKind.SURVIVORS:
             self.saved_path = path
 
     def _Fail(self, c: cmd.Fail) -> None:

@@ -13,6 +13,7 @@ The model is distributed's ``WorkerState.handle_stimulus``.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,10 +31,11 @@ from dataflow.driver.memory import (
     out_of_memory_error,
 )
 from dataflow.driver.recovery import LostWorkers
-from dataflow.driver.state import FitState, Forming, Status
+from dataflow.driver.state import AfterGroup, FitState, Forming, Status, validate_state
+from dataflow.driver.transitions import Ignored, rule
 from dataflow.planning.layout import ReplicaGroups
 from dataflow.planning.plan import Plan, checkpoint_windows
-from dataflow.sync import Async, Local, Synchronous, SyncPolicy
+from dataflow.sync import Synchronous, SyncPolicy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,33 +71,23 @@ class MachineConfig:
 class FitMachine(LostWorkers):
     """One fit's decisions. See the module docstring; ``state`` is its typed state."""
 
-    def __init__(self, config: MachineConfig) -> None:
+    def __init__(self, config: MachineConfig, *, validate: bool | None = None) -> None:
         self.config = config
         self.state = FitState()
         self.log = DriverLog(config)  # loggable copies of (event, commands), bounded
-        self._handlers = {
-            ev.Started: self._started,
-            ev.GroupFormed: self._group_formed,
-            ev.GroupFailed: self._group_failed,
-            ev.PhaseChosen: self._phase_chosen,
-            ev.SegmentPlanned: self._segment_planned,
-            ev.WindowDone: self._window_done,
-            ev.WindowFailed: self._window_failed,
-            ev.PhaseEnded: self._phase_ended,
-            ev.WorkersLost: self._workers_lost,
-            ev.WorkersJoined: self._workers_joined,
-            ev.RestartPoint: self._restart_point,
-            ev.Timer: lambda event: [],
-        }
+        # check the state's invariants after every event (tests turn it on)
+        self.validate = validate if validate is not None else _validating()
 
-    def handle(self, event: Any) -> list[Any]:
-        """The commands ``event`` leads to; both go to the log (as plain copies)."""
-        if self.state.status in (Status.DONE, Status.FAILED) and not isinstance(
-            event, ev.WorkersLost
-        ):
-            commands: list[Any] = []
+    def handle(self, event: ev.Event) -> list[cmd.Command]:
+        """The commands ``event`` leads to, by the declared table
+        (``dataflow.driver.transitions``); both go to the log (as plain copies)."""
+        entry = rule(self.state, event)
+        if isinstance(entry, Ignored):
+            commands: list[cmd.Command] = []
         else:
-            commands = self._handlers[type(event)](event)
+            commands = getattr(self, entry)(event)
+        if self.validate:
+            validate_state(self.state, self.config)
         self.log.record(event, commands)
         return commands
 
@@ -122,7 +114,7 @@ class FitMachine(LostWorkers):
         return groups
 
     def _form(
-        self, layout: ReplicaGroups, *, joining: tuple[str, ...] = (), after: str
+        self, layout: ReplicaGroups, *, joining: tuple[str, ...] = (), after: AfterGroup
     ) -> list[Any]:
         s = self.state
         s.generation += 1
@@ -133,7 +125,7 @@ class FitMachine(LostWorkers):
     def _started(self, event: ev.Started) -> list[Any]:
         s = self.state
         s.layout, s.generation, s.status = self._groups(event.workers), 0, Status.FORMING
-        s.forming, s.after_group, s.restoring = Forming.START, "choose", event.restore
+        s.forming, s.after_group, s.restoring = Forming.START, AfterGroup.CHOOSE, event.restore
         s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
         s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous
         return [
@@ -147,13 +139,13 @@ class FitMachine(LostWorkers):
         if event.generation != s.generation or s.status != Status.FORMING:
             return []
         after, s.forming, s.joining, s.group_retries = s.after_group, Forming.REGROUP, (), 0
-        if after == "end":
+        if after == AfterGroup.END:
             s.status = Status.ENDING
             return [cmd.EndPhase(s.generation, self.members)]
-        if after == "checkpoint":
-            s.status, s.after_group = Status.BOUNDARY, "choose"
+        if after == AfterGroup.CHECKPOINT:
+            s.status, s.after_group = Status.BOUNDARY, AfterGroup.CHOOSE
             return [self._phase_checkpoint(), *self._next_phase()]
-        if after == "finish":  # lost before the fit's last checkpoint or weights: again
+        if after == AfterGroup.FINISH:  # lost before the fit's last checkpoint or weights: again
             s.status = Status.DONE
             again = [self._phase_checkpoint()] if self.config.checkpoints and s.phase else []
             return [*again, cmd.Finish(self.members)]
@@ -183,19 +175,25 @@ class FitMachine(LostWorkers):
             )
         ]
 
-    def _plan(self, kind: str) -> list[Any]:
-        """Ask the planner: ``"choose"`` the next phase, ``"phase"`` the chosen phase's
-        steps, ``"rest"`` the running phase's steps from the commit on."""
+    def _plan(self, kind: AfterGroup) -> list[Any]:
+        """Ask the planner: ``CHOOSE`` the next phase, ``PHASE`` the chosen phase's
+        steps, ``REST`` the running phase's steps from the commit on."""
         s = self.state
         s.status, s.after_group = Status.PLANNING, kind
-        if kind == "choose":
+        if kind == AfterGroup.CHOOSE:
             return self._next_phase()
         cap = s.memory_cap
-        if kind == "phase":
+        if kind == AfterGroup.PHASE:
             replicas = s.layout.replicas
-            return [cmd.PlanSegment("phase", replicas, s.next_phase, s.next_step, memory_cap=cap)]
+            return [
+                cmd.PlanSegment(
+                    cmd.SegmentKind.PHASE, replicas, s.next_phase, s.next_step, memory_cap=cap
+                )
+            ]
         return [
-            cmd.PlanSegment("rest", s.layout.replicas, s.phase, s.committed_step, memory_cap=cap)
+            cmd.PlanSegment(
+                cmd.SegmentKind.REST, s.layout.replicas, s.phase, s.committed_step, memory_cap=cap
+            )
         ]
 
     def _workers_joined(self, event: ev.WorkersJoined) -> list[Any]:
@@ -224,8 +222,8 @@ class FitMachine(LostWorkers):
         joiners = self._joinable()
         if joiners:
             layout = s.layout.plus(ReplicaGroups.of(joiners, self.config.spatial))
-            return self._form(layout, joining=joiners, after="phase")
-        return self._plan("phase")
+            return self._form(layout, joining=joiners, after=AfterGroup.PHASE)
+        return self._plan(AfterGroup.PHASE)
 
     def _segment_planned(self, event: ev.SegmentPlanned) -> list[Any]:
         s = self.state
@@ -260,8 +258,8 @@ class FitMachine(LostWorkers):
         s, config = self.state, self.config
         rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
         # Local(period_samples=...): windows of so many samples, not of seconds
-        window_samples = getattr(config.sync, "period_samples", None)
-        adapting = getattr(config.sync, "max_drift", None) is not None
+        window_samples = config.sync.period_samples
+        adapting = config.sync.max_drift is not None
         if adapting:
             window_samples = self._adapted_period(window_samples)
         calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
@@ -276,7 +274,7 @@ class FitMachine(LostWorkers):
             window_seconds=config.window_seconds,
             window_steps=config.window_steps,
             window_samples=window_samples,
-            epoch_ends_window=isinstance(config.sync, Local | Async),
+            epoch_ends_window=config.sync.ends_windows_at_epochs,
             # Local(max_drift=...): one window at a time, the next one's period follows
             # the drift its average measures
             max_windows=1 if adapting else None,
@@ -328,7 +326,7 @@ class FitMachine(LostWorkers):
         if s.planned_until < s.segment[-1].index + 1:
             cap = s.memory_cap
             if cap is not None and largest_planned(s.segment, s.planned_until) > cap:
-                return [*out, *self._plan("rest")]  # a measured cap: the rest under it
+                return [*out, *self._plan(AfterGroup.REST)]  # a measured cap: the rest under it
             return [*out, self._submit_next()]
         s.status = Status.ENDING
         return [*out, cmd.EndPhase(s.generation, self.members)]
@@ -363,7 +361,9 @@ class FitMachine(LostWorkers):
                 states = tuple(getattr(r, "checkpoint", None) for r in results)
                 if all(state is not None for state in states):
                     out.append(
-                        cmd.WriteCheckpoint("window", s.committed_step, s.phase, states=states)
+                        cmd.WriteCheckpoint(
+                            cmd.CheckpointKind.WINDOW, s.committed_step, s.phase, states=states
+                        )
                     )
         return out
 
@@ -387,7 +387,7 @@ class FitMachine(LostWorkers):
             out.append(self._phase_checkpoint())
         # Still "boundary" until the phase is chosen: a loss meanwhile writes the
         # checkpoint again on the survivors.
-        s.after_group = "choose"
+        s.after_group = AfterGroup.CHOOSE
         return [*out, *self._next_phase()]
 
     def _next_phase(self) -> list[Any]:
@@ -401,7 +401,9 @@ class FitMachine(LostWorkers):
 
     def _phase_checkpoint(self) -> cmd.WriteCheckpoint:
         s = self.state
-        return cmd.WriteCheckpoint("phase", s.committed_step, s.phase, members=self.members)
+        return cmd.WriteCheckpoint(
+            cmd.CheckpointKind.PHASE, s.committed_step, s.phase, members=self.members
+        )
 
     # -- failures ---------------------------------------------------------------------
     def _window_failed(self, event: ev.WindowFailed) -> list[Any]:
@@ -428,7 +430,7 @@ class FitMachine(LostWorkers):
             cmd.RecordFailure(record),
             cmd.StopWindows(self.members, leave_group=False),
             cmd.RollBack(self.members, s.committed_step, leave_group=False),
-            *self._plan("rest"),
+            *self._plan(AfterGroup.REST),
         ]
 
     def _out_of_memory(self, event: ev.WindowFailed) -> list[Any]:
@@ -473,7 +475,7 @@ class FitMachine(LostWorkers):
             cmd.StopWindows(self.members),
             cmd.RollBack(self.members, s.committed_step),
         ]
-        return out + self._form(s.layout, after="rest")
+        return out + self._form(s.layout, after=AfterGroup.REST)
 
     def _phase_index(self) -> int | None:
         return None if self.state.phase is None else self.state.phase.index
@@ -493,8 +495,14 @@ def _diverged(phase: int, digests: set[Any]) -> BaseException:
     return ReplicaError(f"replica weights diverged after phase {phase}: digests {digests}")
 
 
+def _validating() -> bool:
+    """``DATAFLOW_VALIDATE_DRIVER=1`` (the test suite sets it): check the state after
+    every event."""
+    return os.environ.get("DATAFLOW_VALIDATE_DRIVER", "") not in ("", "0")
+
+
 def replay(config: MachineConfig, events: Iterable[Any]) -> tuple[FitMachine, list[list[Any]]]:
     """A machine fed ``events`` again, and the commands each one gave: a fit's log in,
-    the same decisions out."""
-    machine = FitMachine(config)
+    the same decisions out (the state checked after each)."""
+    machine = FitMachine(config, validate=True)
     return machine, [machine.handle(event) for event in events]

@@ -15,7 +15,7 @@ from typing import Any
 from dataflow.core.window import scored_samples
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
-from dataflow.driver.state import Forming, Status
+from dataflow.driver.state import AfterGroup, Forming, Status
 from dataflow.history.records import FailureRecord
 from dataflow.planning.layout import ReplicaGroups
 
@@ -76,9 +76,13 @@ class LostWorkers:
         if s.status == Status.RUNNING and self._may_release(lost_ranks):
             return self._release(event, lost_ranks)
         # What to do again once the survivors are regrouped.
-        resume = {Status.RUNNING: "rest", Status.ENDING: "end", Status.DONE: "finish"}.get(s.status)
+        resume = {
+            Status.RUNNING: AfterGroup.REST,
+            Status.ENDING: AfterGroup.END,
+            Status.DONE: AfterGroup.FINISH,
+        }.get(s.status)
         if s.status == Status.BOUNDARY:
-            resume = "checkpoint" if config.checkpoints else "choose"
+            resume = AfterGroup.CHECKPOINT if config.checkpoints else AfterGroup.CHOOSE
         return self._regroup_survivors(event, lost_ranks, after=resume or s.after_group)
 
     # -- salvage: a window its lost replica finished ------------------------------------
@@ -106,11 +110,8 @@ class LostWorkers:
 
     # -- asynchronous updates: the survivors keep the window in flight ------------------
     def _may_release(self, lost_ranks: tuple[int, ...]) -> bool:
-        survives = getattr(self.config.sync, "survives_loss", None)
-        return (
-            self.config.spatial == 1
-            and survives is not None
-            and survives(lost_ranks, self.state.layout.replicas)
+        return self.config.spatial == 1 and self.config.sync.survives_loss(
+            lost_ranks, self.state.layout.replicas
         )
 
     def _release(self, event: ev.WorkersLost, lost_ranks: tuple[int, ...]) -> list[Any]:
@@ -120,12 +121,12 @@ class LostWorkers:
         s = self.state
         out = self._commit_ready(lost=lost_ranks)
         if s.commit_window not in s.windows:  # nothing in flight: regroup now
-            return out + self._regroup_survivors(event, lost_ranks, after="rest")
+            return out + self._regroup_survivors(event, lost_ranks, after=AfterGroup.REST)
         got = s.pending.get(s.commit_window, {})
         if self._finished_but(got, lost_ranks):
             # The survivors finished it, but it was not salvaged: its held-out scores
             # lack the lost share. Nothing is left to finish: roll back and train it again.
-            return out + self._regroup_survivors(event, lost_ranks, after="rest")
+            return out + self._regroup_survivors(event, lost_ranks, after=AfterGroup.REST)
         plan, window, _ = s.windows[s.commit_window]
         record = self._failure(
             "lost workers", tuple(w for w in s.layout.workers if w in event.workers)
@@ -157,7 +158,7 @@ class LostWorkers:
         kept = {"window_steps_lost": 0, "kept_window": True, "retrained_parts": len(retrained)}
         event = ev.WorkersLost(workers)
         return out + self._regroup_survivors(
-            event, lost_ranks, after="rest", kept=kept, update=True
+            event, lost_ranks, after=AfterGroup.REST, kept=kept, update=True
         )
 
     def _abandon_release(self, more: tuple[str, ...]) -> list[Any]:
@@ -168,7 +169,7 @@ class LostWorkers:
         s.releasing, s.released_workers, s.release_window = (), (), -1
         lost_ranks = s.layout.lost_replicas(workers)
         event = ev.WorkersLost(workers)
-        return self._regroup_survivors(event, lost_ranks, after="rest", update=True)
+        return self._regroup_survivors(event, lost_ranks, after=AfterGroup.REST, update=True)
 
     # -- regrouping -------------------------------------------------------------------
     def _regroup_survivors(
@@ -176,7 +177,7 @@ class LostWorkers:
         event: ev.WorkersLost,
         lost_ranks: tuple[int, ...],
         *,
-        after: str,
+        after: AfterGroup,
         kept: dict[str, Any] | None = None,
         update: bool = False,
     ) -> list[Any]:
@@ -203,7 +204,7 @@ class LostWorkers:
             return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         record.update(kept or {})
-        in_segment = after == "rest"
+        in_segment = after == AfterGroup.REST
         s.windows.clear()
         s.pending.clear()
         s.layout = survivors
@@ -218,7 +219,10 @@ class LostWorkers:
             if in_segment and config.checkpoints:
                 out.append(
                     cmd.WriteCheckpoint(
-                        "survivors", s.committed_step, s.phase, members=survivors.leaders
+                        cmd.CheckpointKind.SURVIVORS,
+                        s.committed_step,
+                        s.phase,
+                        members=survivors.leaders,
                     )
                 )
             fail = cmd.Fail(
@@ -249,7 +253,7 @@ class LostWorkers:
         return partners
 
     def _partners_only(
-        self, lost: tuple[str, ...], partners: tuple[str, ...], after: str
+        self, lost: tuple[str, ...], partners: tuple[str, ...], after: AfterGroup
     ) -> list[Any]:
         """A spatial layout lost a worker of every group: no group is left, but the lost
         groups' other workers (``partners``) hold the commit. They roll back to it and
@@ -265,10 +269,10 @@ class LostWorkers:
             cmd.StopWindows(partners, groups=alone),
             cmd.RollBack(partners, s.committed_step, groups=alone),
         ]
-        if config.checkpoints and after == "rest":  # inside a phase: the commit
-            out.append(cmd.WriteCheckpoint("survivors", s.committed_step, s.phase))
+        if config.checkpoints and after == AfterGroup.REST:  # inside a phase: the commit
+            out.append(cmd.WriteCheckpoint(cmd.CheckpointKind.SURVIVORS, s.committed_step, s.phase))
         elif config.checkpoints and after == "checkpoint":  # the phase's, not written yet
-            out.append(cmd.WriteCheckpoint("phase", s.committed_step, s.phase))
+            out.append(cmd.WriteCheckpoint(cmd.CheckpointKind.PHASE, s.committed_step, s.phase))
         groups = len(s.available) // config.spatial
         if config.max_replicas is not None:
             groups = min(groups, config.max_replicas)
@@ -370,7 +374,7 @@ class LostWorkers:
         s.status, s.forming, s.after_group, s.restoring = (
             Status.FORMING,
             Forming.RESTART,
-            "choose",
+            AfterGroup.CHOOSE,
             restore,
         )
         return [

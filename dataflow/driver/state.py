@@ -24,6 +24,17 @@ class Status(StrEnum):
     FAILED = "failed"
 
 
+class AfterGroup(StrEnum):
+    """What follows the group being formed (or what a loss interrupted)."""
+
+    CHOOSE = "choose"  # ask the schedule for the next phase
+    PHASE = "phase"  # plan the chosen phase
+    REST = "rest"  # plan the running phase's rest from the commit
+    END = "end"  # end the phase (every window was committed)
+    CHECKPOINT = "checkpoint"  # write the phase's checkpoint again, then choose
+    FINISH = "finish"  # take the final weights (lost after the last phase)
+
+
 class Forming(StrEnum):
     """Why a group is being formed, which decides what a loss meanwhile means: the fit's
     first group, a restart from a checkpoint, or the survivors' (and joiners') regroup."""
@@ -47,7 +58,7 @@ class FitState:
     joining: tuple[str, ...] = ()  # joiners of the group being formed
     forming: Forming = Forming.START  # what a loss while forming means
     restoring: bool = False  # the group being formed loads a checkpoint
-    after_group: str = "choose"  # what follows the group (or what a loss interrupted)
+    after_group: AfterGroup = AfterGroup.CHOOSE  # what follows the group being formed
     # the fit's position between phases: the first epoch and global step the next phase
     # starts at, and the last phase trained (None: none yet, or resumed inside a phase)
     epoch: int = 0
@@ -85,3 +96,43 @@ class FitState:
     releasing: tuple[int, ...] = ()
     released_workers: tuple[str, ...] = ()
     release_window: int = -1
+
+
+def validate_state(s: FitState, config: Any) -> None:
+    """Raise ``AssertionError`` naming the first invariant of a fit's state that does not
+    hold (run after every event when validating: the test suite does)."""
+    problems = []
+    if not 0 <= s.commit_window <= s.next_window:
+        problems.append(f"commit_window {s.commit_window} outside [0, {s.next_window}]")
+    outside = [w for w in s.windows if not s.commit_window <= w < s.next_window]
+    if outside:
+        problems.append(f"windows {outside} outside [{s.commit_window}, {s.next_window})")
+    unplanned = [w for w in s.pending if w not in s.windows]
+    if unplanned:
+        problems.append(f"results pending for windows {unplanned} the machine does not wait for")
+    workers = s.layout.workers
+    if len(set(workers)) != len(workers):
+        problems.append(f"a worker in two replicas: {workers}")
+    both = s.layout.worker_set.intersection(s.available)
+    if both:
+        problems.append(f"workers both members and available: {sorted(both)}")
+    if not set(s.joining) <= s.layout.worker_set:
+        problems.append(f"joining {s.joining} not in the layout")
+    if any(len(group) != config.spatial for group in s.layout.groups):
+        problems.append(f"a replica without {config.spatial} worker(s): {s.layout.groups}")
+    if s.status == Status.RUNNING and (s.phase is None or not s.segment):
+        problems.append("running with no phase or segment")
+    if s.status == Status.RUNNING and not s.committed_step <= s.planned_until:
+        problems.append(f"committed step {s.committed_step} past planned {s.planned_until}")
+    if not 0.0 < s.lr_factor <= 1.0:
+        problems.append(f"lr_factor {s.lr_factor} outside (0, 1]")
+    if s.rollbacks > config.max_rollbacks:
+        problems.append(f"{s.rollbacks} rollbacks past max_rollbacks={config.max_rollbacks}")
+    if s.memory_halvings > config.max_memory_halvings:
+        problems.append(f"{s.memory_halvings} memory halvings past the budget")
+    if s.memory_cap is not None and s.memory_cap < 1:
+        problems.append(f"micro-batch cap {s.memory_cap} < 1")
+    if any(not 0 <= r < s.layout.replicas for r in s.releasing) and s.status == Status.RUNNING:
+        problems.append(f"releasing ranks {s.releasing} outside the {s.layout.replicas} replicas")
+    if problems:
+        raise AssertionError(f"fit state invalid while {s.status.value}: {'; '.join(problems)}")

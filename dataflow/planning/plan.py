@@ -306,10 +306,10 @@ def phase_line(phase: Any, steps: tuple, todo: tuple, config: Any) -> str:
     replicas = len(todo[0].local_batches)
     done = todo[0].index - steps[0].index
     resumed = f" (resumed at step {todo[0].index}: {done} done)" if done else ""
-    window_samples = getattr(config.sync, "period_samples", None)
+    window_samples = config.sync.period_samples
     if config.window_steps:
         windows = f"windows of {config.window_steps} step(s)"
-    elif window_samples and getattr(config.sync, "max_drift", None) is not None:
+    elif window_samples and config.sync.max_drift is not None:
         windows = (
             f"windows of at most {window_samples} samples, halved while the replicas drift "
             f"apart more than {config.sync.max_drift:g} (local updates average at each end)"
