@@ -56,7 +56,7 @@ ZARR_READ = "decode, zarr's read"
 
 def epoch_chunk_order(source: Any, seed: int, buffer_chunks: int) -> list[int]:
     """The chunks of one ``stream_batches`` epoch, in the order it first uses them."""
-    from dataflow.io.chunk_reader import chunk_of
+    from dataflow.io.chunk_index import chunk_of
     from dataflow.io.sharding import shard_epoch, source_chunk_sizes
 
     [order] = shard_epoch(

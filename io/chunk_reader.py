@@ -29,9 +29,9 @@ fetched ahead (``io.fetch``) are checked by their GETs instead of a HEAD each: t
 first batch waits on one round trip, not two, and a 404 stops the epoch at the next
 batch, naming the object (a decode taking it would too): no step trains on a fill value.
 
-A chunk is a run of consecutive samples (``chunk_bounds``: found by a binary search)
-or any set of them (``chunk_members``, a ``PatchSource``'s blocks of windows: found
-through two lookup arrays, :class:`MemberIndex`, built once per source).
+A chunk is a run of consecutive samples (``chunk_bounds``) or any set of them
+(``chunk_members``, a ``PatchSource``'s blocks of windows); ``io.chunk_index`` finds
+which chunk holds a sample.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import math
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,103 +52,7 @@ import torch
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ChunkMissingError, ConfigError
 from dataflow.core.protocols import ChunkedSource
-
-
-def is_chunked(source: Any) -> bool:
-    """Whether ``source`` reads whole chunks (:class:`dataflow.core.protocols.ChunkedSource`:
-    ``check_chunks``, ``read_chunks`` and its chunks as ``chunk_bounds`` or
-    ``chunk_members``)."""
-    if not isinstance(source, ChunkedSource):
-        return False
-    return getattr(source, "chunk_members", None) is not None or hasattr(source, "chunk_bounds")
-
-
-def chunk_of(bounds: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """The chunk holding each sample index."""
-    return np.searchsorted(bounds, indices, side="right") - 1
-
-
-class RunIndex:
-    """Where a sample lies when chunk ``c`` is the run ``[bounds[c], bounds[c+1])``."""
-
-    def __init__(self, bounds: Any) -> None:
-        self.bounds = np.asarray(bounds, dtype=np.int64)
-
-    def of(self, indices: np.ndarray) -> np.ndarray:
-        """The chunk holding each sample index."""
-        return chunk_of(self.bounds, indices)
-
-    def rows(self, indices: np.ndarray, chunk: int) -> np.ndarray:
-        """The position of each of ``indices`` (all in ``chunk``) in its decoded batch."""
-        return indices - self.bounds[chunk]
-
-    def size(self, chunk: int) -> int:
-        return int(self.bounds[chunk + 1] - self.bounds[chunk])
-
-
-class MemberIndex:
-    """Where a sample lies when chunk ``c`` holds the samples ``members[c]`` (sorted), and
-    its decoded batch holds them in that order: two lookup arrays, built once."""
-
-    def __init__(self, members: Sequence[np.ndarray]) -> None:
-        sizes = np.array([len(m) for m in members], dtype=np.int64)
-        total = int(sizes.sum())
-        flat = np.concatenate([np.asarray(m, dtype=np.int64) for m in members] or [np.empty(0)])
-        flat = flat.astype(np.int64)
-        self.sizes = sizes
-        self.owner = np.full(total, -1, dtype=np.int64)
-        if total and (flat.min() < 0 or flat.max() >= total):
-            raise ConfigError(
-                f"chunk_members: sample indices must lie in [0, {total}), got "
-                f"{flat.min()}..{flat.max()}; the chunks' members must partition the samples"
-            )
-        self.owner[flat] = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-        if (self.owner < 0).any():
-            raise ConfigError(
-                f"chunk_members: sample {int(np.argmax(self.owner < 0))} is in no chunk (or "
-                "another is in two); the chunks' members must partition the samples"
-            )
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        self.slot = np.empty(total, dtype=np.int64)
-        self.slot[flat] = np.arange(total, dtype=np.int64) - np.repeat(starts, sizes)
-
-    def of(self, indices: np.ndarray) -> np.ndarray:
-        return self.owner[indices]
-
-    def rows(self, indices: np.ndarray, chunk: int) -> np.ndarray:
-        return self.slot[indices]
-
-    def size(self, chunk: int) -> int:
-        return int(self.sizes[chunk])
-
-
-_MEMBER_INDEXES: weakref.WeakKeyDictionary[Any, MemberIndex] = weakref.WeakKeyDictionary()
-
-
-def chunk_index(source: Any) -> RunIndex | MemberIndex:
-    """How ``source``'s samples map to its chunks: its ``chunk_members`` (lookup arrays
-    built once per source object and kept while it lives), else its ``chunk_bounds``."""
-    members = getattr(source, "chunk_members", None)
-    if members is None:
-        return RunIndex(source.chunk_bounds)
-    try:
-        index = _MEMBER_INDEXES.get(source)
-    except TypeError:  # not weakly referable or not hashable: built per reader
-        return MemberIndex(members)
-    if index is None:
-        index = MemberIndex(members)
-        _MEMBER_INDEXES[source] = index
-    return index
-
-
-def last_uses(chunks_per_batch: Sequence[np.ndarray]) -> dict[int, int]:
-    """For every chunk the batches touch, the position of the last batch touching it."""
-    last: dict[int, int] = {}
-    for position, chunks in enumerate(chunks_per_batch):
-        for chunk in np.unique(chunks).tolist():
-            last[chunk] = position
-    return last
-
+from dataflow.io.chunk_index import chunk_index, last_uses
 
 # -- output buffers ---------------------------------------------------------------------
 

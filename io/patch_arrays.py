@@ -214,3 +214,26 @@ def open_single(store: Any, label: str) -> PatchArray:
     name = getattr(store, "path", None) or getattr(store, "name", None)
     name = str(label if name in (None, "", "/") else name)
     return PatchArray("x", name, store, label)
+
+
+def shared_reads(
+    arrays: Sequence[PatchArray], boxes: Sequence[tuple[list[int], list[int]]]
+) -> tuple[list[tuple[PatchArray, tuple[list[int], list[int]]]], list[int]]:
+    """The boxes to read, one per distinct stored array (y cut from the same array as an
+    x: one box holding both, decoded once), and which of them serves each array."""
+    reads: list[tuple[PatchArray, tuple[list[int], list[int]]]] = []
+    served: list[int] = []
+    where: dict[str, int] = {}
+    for array, (lo, hi) in zip(arrays, boxes, strict=True):
+        k = where.get(array.name)
+        if k is None:
+            where[array.name] = len(reads)
+            served.append(len(reads))
+            reads.append((array, (list(lo), list(hi))))
+            continue
+        first, (a, b) = reads[k]
+        lo2 = [min(x, y) for x, y in zip(a, lo, strict=True)]
+        hi2 = [max(x, y) for x, y in zip(b, hi, strict=True)]
+        reads[k] = (first, (lo2, hi2))
+        served.append(k)
+    return reads, served

@@ -62,6 +62,26 @@ class Geometry:
         rest = moved.shape[2 + len(self.fold_axes) :]  # a region may have narrowed them
         return np.ascontiguousarray(moved).reshape(len(x), math.prod(folded), *rest)
 
+    def x_window(
+        self, region: Sequence[tuple[int, int]] | None
+    ) -> tuple[np.ndarray, tuple[int, ...], dict[int, tuple[int, int]]]:
+        """Where x is read within a window under a spatial ``region`` (``(lo, hi)`` per
+        sample axis, ``io.region``; None: the whole window): the offset and length along
+        each patch axis, and ``{axis: (lo, hi)}`` of x's other (whole) axes it narrows.
+        The channel axis (region axis 0) is cut after a unit is assembled."""
+        offset, extent = np.zeros(len(self.axes), np.int64), list(self.patch)
+        narrowed: dict[int, tuple[int, int]] = {}
+        if region is None:
+            return offset, tuple(extent), narrowed
+        unfolded = [a for a in range(len(self.shape)) if a not in self.fold_axes]
+        for axis, (lo, hi) in zip(unfolded, region[1:], strict=True):
+            if axis in self.axes:
+                j = self.axes.index(axis)
+                offset[j], extent[j] = lo, hi - lo
+            else:
+                narrowed[axis] = (lo, hi)
+        return offset, tuple(extent), narrowed
+
     def _by_name(self, values: Sequence[int]) -> dict[Any, int]:
         names = self.dims if self.dims is not None else None
         return {(names[a] if names else a): int(v) for a, v in zip(self.axes, values, strict=True)}

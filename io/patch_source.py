@@ -40,6 +40,7 @@ from dataflow.io.patch_arrays import (
     open_single,
     open_store,
     raw_zarr,
+    shared_reads,
 )
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
 from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
@@ -291,29 +292,12 @@ class PatchSource:
         view._region = compose("PatchSource", bounds, self.sample_shape, self._region)
         return view
 
-    def _x_window(self) -> tuple[np.ndarray, tuple[int, ...], dict[int, tuple[int, int]]]:
-        """Where x is read within a window: the offset and length along each patch axis,
-        and ``{axis: (lo, hi)}`` of x's other (whole) axes that a region narrows."""
-        g = self.geometry
-        offset, extent = np.zeros(len(g.axes), np.int64), list(g.patch)
-        narrowed: dict[int, tuple[int, int]] = {}
-        if self._region is None:
-            return offset, tuple(extent), narrowed
-        unfolded = [a for a in range(len(g.shape)) if a not in g.fold_axes]
-        for axis, (lo, hi) in zip(unfolded, self._region[1:], strict=True):
-            if axis in g.axes:
-                j = g.axes.index(axis)
-                offset[j], extent[j] = lo, hi - lo
-            else:
-                narrowed[axis] = (lo, hi)
-        return offset, tuple(extent), narrowed
-
     def _boxes(self, members: np.ndarray) -> list[tuple[list[int], list[int]]]:
         """Per array (x then y), the box ``(lo, hi)`` over all its axes that the windows
         ``members`` need (x's narrowed to the region)."""
         g = self.geometry
         corners = self.corners[members]
-        offset, x_extent, narrowed = self._x_window()
+        offset, x_extent, narrowed = self.geometry.x_window(self._region)
         boxes = []
         for array in self._open():
             is_y = array.field == "y"
@@ -347,7 +331,7 @@ class PatchSource:
         boxes = self._boxes(members)
         corners = self.corners[members]
         xs = [a for a in arrays if a.field != "y"]
-        offset, x_extent, _ = self._x_window()
+        offset, x_extent, _ = g.x_window(self._region)
         reads, served = shared_reads(arrays, boxes)
         read = [array.read_box(lo, hi) for array, (lo, hi) in reads]
         regions = [read[served[k]] for k in range(len(arrays))]
@@ -481,29 +465,6 @@ class PatchSource:
             f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
             f"sample_shape={self.sample_shape}, shuffle={self.shuffle}{region})"
         )
-
-
-def shared_reads(
-    arrays: Sequence[PatchArray], boxes: Sequence[tuple[list[int], list[int]]]
-) -> tuple[list[tuple[PatchArray, tuple[list[int], list[int]]]], list[int]]:
-    """The boxes to read, one per distinct stored array (y cut from the same array as an
-    x: one box holding both, decoded once), and which of them serves each array."""
-    reads: list[tuple[PatchArray, tuple[list[int], list[int]]]] = []
-    served: list[int] = []
-    where: dict[str, int] = {}
-    for array, (lo, hi) in zip(arrays, boxes, strict=True):
-        k = where.get(array.name)
-        if k is None:
-            where[array.name] = len(reads)
-            served.append(len(reads))
-            reads.append((array, (list(lo), list(hi))))
-            continue
-        first, (a, b) = reads[k]
-        lo2 = [min(x, y) for x, y in zip(a, lo, strict=True)]
-        hi2 = [max(x, y) for x, y in zip(b, hi, strict=True)]
-        reads[k] = (first, (lo2, hi2))
-        served.append(k)
-    return reads, served
 
 
 def masked_nan(x: np.ndarray) -> np.ndarray:

@@ -18,11 +18,11 @@ from typing import Any
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError
+from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import (
     BatchBuffers,
     EpochChunkReader,
     check_decode_threads,
-    is_chunked,
 )
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import (

@@ -10,12 +10,12 @@ import numpy as np
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.core.protocols import Source, missing_members
+from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import (
     BatchBuffers,
     EpochChunkReader,
     auto_decode_threads,
     check_decode_threads,
-    is_chunked,
 )
 from dataflow.io.device_copy import DATA_ON_DEVICE, device_copy
 from dataflow.io.device_staging import CudaCopies, DeviceStager

@@ -11,7 +11,8 @@ import torch
 
 import dataflow as dfl
 from dataflow.core.batch import Batch
-from dataflow.io.chunk_reader import EpochChunkReader, is_chunked
+from dataflow.io.chunk_index import is_chunked
+from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.sharding import shard_epoch
 
 # -- the engine: chunks as member lists ---------------------------------------------------

@@ -56,7 +56,7 @@ class ChunkedSource(Protocol):
     """A source whose storage unit (a chunk) is read whole: a set of samples.
 
     Besides the methods below it names its chunks in one of two ways (the protocol
-    cannot say "one of", so ``io.chunk_reader.is_chunked`` checks it):
+    cannot say "one of", so ``io.chunk_index.is_chunked`` checks it):
 
     - ``chunk_bounds``: ``C + 1`` sample offsets; chunk ``c`` holds the consecutive
       samples ``[b[c], b[c+1])`` (a zarr store along its sample dim, a dask array);
