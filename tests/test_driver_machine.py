@@ -252,7 +252,7 @@ def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budge
     d = Driver(checkpoints=True, max_restarts=2)
     _, calibration = d.start()
     d.finish_plan(calibration)
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
     for _ in range(2):
         out = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
         [record] = of(cmd.RecordFailure, out)
@@ -261,7 +261,7 @@ def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budge
         [form] = of(cmd.FormGroup, out)
         assert form.fresh and form.restore and form.members == ("tcp://c",)
         # every one lost again while starting: wait for workers once more
-        assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(had=1)]
+        assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(1, 1, None, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
@@ -284,7 +284,7 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0
     d = Driver(checkpoints=True, max_restarts=2)
     _, calibration = d.start()
     d.finish_plan(calibration)  # steps 0-1 committed, then every replica lost
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
     for _ in range(2):
         record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
         assert record.record["reason"] == "every replica lost"
@@ -293,7 +293,7 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0
         assert form.fresh and not form.restore and form.members == W[2:]
         assert d.send(ev.GroupFormed(form.generation)) == [cmd.ChoosePhase(0, None)]
         assert d.state.committed_step == 0 and d.state.next_step == 0
-        assert d.send(ev.WorkersLost(W[2:])) == [cmd.AwaitRestart(had=1)]
+        assert d.send(ev.WorkersLost(W[2:])) == [cmd.AwaitRestart(1, 1, None, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=None, workers=W[2:]))
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
@@ -313,7 +313,7 @@ def test_every_worker_lost_while_the_first_group_forms_waits_for_workers():
     forms starts from step 0 on the restarted ones; no workers back: it fails."""
     d = Driver(checkpoints=True)
     d.send(ev.Started(W[:2]))
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=None, workers=()))
     assert isinstance(fail, cmd.Fail) and fail.lost == W[:2] and fail.restarts_from is None
     d = Driver(checkpoints=True)
@@ -330,7 +330,7 @@ def test_every_replica_lost_without_checkpoints_starts_again_from_step_0_or_fail
     d = Driver()
     _, calibration = d.start()
     d.finish_plan(calibration)
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(had=2)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
     record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
     assert record.record["restarted_from_step"] == 0 and restart.from_start
     assert form.members == W[2:] and not form.restore
@@ -509,6 +509,16 @@ def test_a_group_that_fails_to_form_is_formed_again_then_the_error_stands():
     [form] = d.send(ev.GroupFailed(1, RuntimeError("stalled")))
     assert not form.fresh and form.joining == ("tcp://c",) and form.generation == 2
     assert d.send(ev.GroupFormed(2)) == [cmd.PlanSegment("phase", 3, d.state.next_phase, 8)]
+
+
+def test_the_users_own_error_while_forming_stops_the_fit_at_once():
+    """A model factory that raises is no rendezvous failure: no retry mends it, so the
+    machine stops the fit with that error (the loop only reports it)."""
+    d = Driver(max_group_retries=2)
+    d.send(ev.Started(W[:2]))
+    error = ValueError("the model factory raised")
+    [fail] = d.send(ev.GroupFailed(0, error, rendezvous=False))
+    assert fail == cmd.Fail(error=error) and d.state.status == "failed"
 
 
 def _async_driver(workers=W, servers=1):

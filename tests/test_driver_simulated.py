@@ -113,9 +113,15 @@ def test_nan_rollbacks_keep_the_group_and_then_stop_the_fit():
 
 def test_a_replica_that_read_other_samples_than_planned_stops_the_fit():
     """Replicas send a digest of the indices they read; the driver checks it against
-    the plan's (the ledger records the plan's indices)."""
+    the plan's (the ledger records the plan's indices). The recorder only reports the
+    mismatch (CommitRefused): the machine decides to stop, and its log says so."""
+    t = trainer()
+    executor = SimulatedExecutor(list(WORKERS[:2]), load=t.load, misread=WORKERS[1])
+    loop = build_loop(t, executor, epochs=1, order=t.graph.validate(replicas=2))
     with pytest.raises(DataError, match="replica 1 read other samples than the plan"):
-        simulate(trainer(), epochs=1, misread=WORKERS[1])
+        loop.run(list(WORKERS[:2]))
+    refused, decision = loop.machine.log.entries[-1].event, loop.machine.log.entries[-1].commands
+    assert isinstance(refused, ev.CommitRefused) and decision == (cmd.Fail(error=refused.error),)
 
 
 def test_too_few_workers_raise_worker_lost_error():

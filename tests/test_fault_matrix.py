@@ -31,6 +31,7 @@ from test_lost_worker import KillOnce
 import dataflow as dfl
 from dataflow import stages
 from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
 from dataflow.driver.log import loggable
 from dataflow.driver.machine import replay
 
@@ -192,6 +193,24 @@ def test_a_replica_lost_under_async_leaves_no_held_out_sample_unscored_or_twice(
     result, held_out, marker = _fit(client, tmp_path, sync="async", evaluate=True, data=data)
     _assert_recovered(result, marker, "async")
     _assert_evaluated(result, held_out)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_worker_without_recovery_stops_the_fit_by_the_machines_decision(client, tmp_path):
+    """``recover_lost_workers=False``: the executor still reports the loss (it decides
+    nothing), and the machine's rule for it stops the fit with a WorkerLostError naming
+    the worker and why; the log the error carries shows the loss and the decision."""
+    source, _ = _sources("memory", tmp_path)
+    marker = tmp_path / "killed"
+    kill = KillOnce(str(marker), step=KILL_STEP, rank=1)
+    trainer = _trainer(source, None, kill, window_steps=WINDOW, recover_lost_workers=False)
+    with pytest.raises(dfl.WorkerLostError, match="recover_lost_workers=False") as failed:
+        trainer.fit(epochs=EPOCHS, client=client)
+    assert marker.exists()
+    log = failed.value.driver_log
+    [lost] = [e for e in log.events if isinstance(e, ev.WorkersLost)]
+    assert lost.workers[0] in str(failed.value)
+    assert isinstance(log.commands[-1], cmd.Fail) and log.commands[-1].not_recovering
 
 
 # Every combination, but Async with an evaluation: the test above is those two cells.

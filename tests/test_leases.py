@@ -159,8 +159,9 @@ def test_a_lost_replica_that_took_over_a_survivors_part_passes_the_sample_check(
     window = SimpleNamespace(first=0, stop=3)
     results = (survivor(0, [1, 2]), survivor(1, [0, 1, 2]), None)  # 2 trained 0's step 0
     leased = recorder(leases=True)
-    leased.commit_window(plan, window, results, specs)
+    assert leased.commit_window(plan, window, results, specs) is None
     assert [s.samples for s in leased.history.steps] == [24, 24, 24]
     assert leased.ledger.summary()[0]["consumed"] == 72
-    with pytest.raises(dfl.errors.DataError, match="replica 0 read other samples"):
-        recorder(leases=False).commit_window(plan, window, results, specs)  # no leases
+    refused = recorder(leases=False).commit_window(plan, window, results, specs)  # no leases
+    assert isinstance(refused, dfl.errors.DataError)  # for the machine to decide on
+    assert "replica 0 read other samples" in str(refused)

@@ -199,9 +199,15 @@ class RecordFailure:
 
 @dataclass(frozen=True)
 class AwaitRestart:
-    """Every replica is lost: wait for workers, then find the newest checkpoint."""
+    """Every replica is lost: wait up to ``wait_s`` for ``at_least`` workers, then up to
+    ``gather_s`` more for ``gather`` (a nanny's restarts arrive one by one), take at most
+    ``at_most`` (None: all), then find the newest checkpoint."""
 
-    had: int
+    at_least: int
+    gather: int
+    at_most: int | None
+    wait_s: float
+    gather_s: float
 
 
 @dataclass(frozen=True)
@@ -218,7 +224,8 @@ class Fail:
     """Stop the fit. ``error``: a replica's failure to raise as it is; otherwise a
     ``WorkerLostError`` about ``lost`` (``remain`` left, ``restarts`` from one
     checkpoint used up if not None) naming where the work done so far is kept, and,
-    in a spatial layout, the layout the ``workers_left`` could run."""
+    in a spatial layout, the layout the ``workers_left`` could run; ``not_recovering``:
+    the fit was told not to recover (``recover_lost_workers=False``)."""
 
     error: BaseException | None = None
     lost: tuple[str, ...] = ()
@@ -228,6 +235,7 @@ class Fail:
     starting: bool = False
     restarts_from: int | None = None
     workers_left: int | None = None  # live workers the fit could still use (spatial)
+    not_recovering: bool = False
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,14 @@ class GroupFormed:
 
 @dataclass(frozen=True)
 class GroupFailed:
-    """Forming group ``generation`` failed although no member was lost (a peer that
-    restarted or stalled during the rendezvous): ``error`` is what a member raised."""
+    """Forming group ``generation`` failed although no member was lost: ``error`` is what
+    a member raised; ``rendezvous``: a failure of the rendezvous itself (a peer that
+    restarted or stalled: worth forming the group again), not the user's own error (a
+    model factory's, a source's: no retry mends it)."""
 
     generation: int
     error: BaseException
+    rendezvous: bool = True
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,15 @@ class RestartPoint:
 
 
 @dataclass(frozen=True)
+class CommitRefused:
+    """The recorder refused a window the machine committed: ``error`` is why (a loss not
+    finite where the policy skips nothing, a replica that read other samples than the
+    plan gave it). The machine decides what follows (the fit stops)."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
 class Timer:
     """Nothing happened for a poll interval (the executor watched the workers)."""
 
@@ -145,5 +157,6 @@ Event = (
     | WorkersLost
     | WorkersJoined
     | RestartPoint
+    | CommitRefused
     | Timer
 )

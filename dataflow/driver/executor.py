@@ -47,9 +47,8 @@ FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after t
 class Executor(GroupForming):
     """Runs one fit's cluster commands on ``client``; ``spec`` is the ReplicaSpec."""
 
-    def __init__(self, client: Client, spec: Any, *, recover: bool) -> None:
+    def __init__(self, client: Client, spec: Any) -> None:
         self.client, self.spec, self.run_id = client, spec, spec.run_id
-        self.recover = recover  # False: a lost worker is a failure like any other
         self.queue: deque[Any] = deque()
         self.members: tuple[str, ...] = ()
         self.generation = 0
@@ -75,8 +74,7 @@ class Executor(GroupForming):
         return [a for a in available_workers(self.client) if a not in self.unreachable]
 
     def lost(self) -> list[str]:
-        if not self.recover:
-            return []
+        """Members gone (whether the fit recovers from that is the machine's decision)."""
         self.removals.removed.clear()
         alive = live_workers(self.client)
         return [
@@ -98,7 +96,7 @@ class Executor(GroupForming):
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        if grace and self.recover:
+        if grace:
             silent = unreachable(self.client, [a for a in self.members if a not in self.released])
             if silent:
                 self.unreachable.update(silent)
@@ -434,17 +432,17 @@ class Executor(GroupForming):
         return state
 
     def await_restart(
-        self, had: int, min_workers: int, replicas: int | None, wait_s: float, gather_s: float
+        self, at_least: int, gather: int, at_most: int | None, wait_s: float, gather_s: float
     ) -> list[str] | None:
-        """Every replica lost: wait for ``min_workers``, then a little for as many as the
-        fit had (a nanny's restarts arrive one by one); None if none came."""
+        """Every replica lost: wait for ``at_least`` workers, then a little for ``gather``
+        (``cmd.AwaitRestart``); at most ``at_most`` of them; None if too few came."""
         try:
-            self.client.wait_for_workers(min_workers, timeout=wait_s)
+            self.client.wait_for_workers(at_least, timeout=wait_s)
         except TimeoutError:
             return None
         with contextlib.suppress(TimeoutError):
-            self.client.wait_for_workers(min(had, replicas or had), timeout=gather_s)
-        workers = self.available()[: replicas or None]
+            self.client.wait_for_workers(gather, timeout=gather_s)
+        workers = self.available()[:at_most]
         self.known.update(workers)
         return workers
 

@@ -26,9 +26,6 @@ from dataflow.runtime.replica import ReplicaSpec
 from dataflow.runtime.throttle import as_slowdown
 from dataflow.stages.forward import build_model
 
-MAX_ROLLBACKS = 3  # on_non_finite="rollback": per phase; then the NonFiniteError stops the fit
-MAX_RESTARTS = 3  # every replica lost: how often to start again from one checkpoint
-
 
 def run_fit(
     trainer: Any, client: Client, epochs: int, *, store: Any, checkpoint: Any, every: int | None
@@ -62,7 +59,7 @@ def run_fit(
         compile=config.compile,
         allow_cpu_fp16=cpu_fp16_allowed(),
     )
-    executor = Executor(client, spec, recover=config.recover_lost_workers)
+    executor = Executor(client, spec)
     loop = build_loop(
         trainer, executor, epochs=epochs, order=order, run_id=run_id, store=store, every=every
     )
@@ -139,8 +136,6 @@ def build_loop(
             min_workers=config.min_workers,
             recover_lost_workers=config.recover_lost_workers,
             roll_back_non_finite=trainer.rolls_back_non_finite,
-            max_rollbacks=MAX_ROLLBACKS,
-            max_restarts=MAX_RESTARTS,
             checkpoints=store is not None,
             checkpoint_every=every,
             may_join=config.elastic and not per_replica_caps,
@@ -179,7 +174,6 @@ def build_loop(
         epochs=epochs,
         measures_noise=trainer.measures_noise,
         min_workers=config.min_workers,
-        replicas=config.replicas,
         progress=config.progress,
         scale=scale,
     )

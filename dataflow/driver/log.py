@@ -126,6 +126,7 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     ev.WorkersLost: _as_is,
     ev.WorkersJoined: _as_is,
     ev.RestartPoint: _as_is,
+    ev.CommitRefused: _error_as_info,
     cmd.FormGroup: _as_is,
     cmd.ChoosePhase: _as_is,
     cmd.ScaleCluster: _as_is,

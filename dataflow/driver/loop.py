@@ -35,9 +35,6 @@ from dataflow.planning.plan import phase_line
 from dataflow.runtime.replica import ReplicaState
 from dataflow.schedule.noise_scale import NoiseScaleTracker
 
-RESTART_WAIT_S = 60.0  # every replica lost: how long to wait for min_workers to be back
-RESTART_GATHER_S = 10.0  # ... then how long for as many as the fit had (restarts straggle)
-
 SHARED_GPU_WARNING = (
     "replicas {ranks} share a GPU with another replica: NCCL cannot run two ranks on one "
     "GPU, so their gradients are reduced with gloo through host memory (correct, slower). "
@@ -61,18 +58,18 @@ class FitLoop:
         epochs: int,
         measures_noise: bool,
         min_workers: int,
-        replicas: int | None,
         progress: bool,
         scale: Any = None,
     ) -> None:
         self.machine, self.executor, self.planner = machine, executor, planner
         self.recorder, self.writer, self.epochs = recorder, writer, epochs
-        self.measures_noise, self.min_workers, self.replicas = measures_noise, min_workers, replicas
+        self.measures_noise, self.min_workers = measures_noise, min_workers
         self.progress, self.scale = progress, scale
         self.start = ResumePoint()
         self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
         self.resume_in_phase: PhaseProgress | None = None
         self.open_failure: Any = None  # the FailureRecord a recovery still completes
+        self.refused = False  # the recorder refused a commit in the command list running
         self.saved_path: Any = None  # the survivors' checkpoint before WorkerLostError
         self.members: tuple[str, ...] = ()  # whose totals the recorder holds, in rank order
         self.final_state: Any = None
@@ -136,6 +133,7 @@ class FitLoop:
         """Carry out ``commands`` in order; returns how many were. A member lost on the
         way is an event the executor queues (WorkersLost): the rest of the list is not
         carried out, and the machine decides anew from that event."""
+        self.refused = False
         for i, command in enumerate(commands):
             handler = COMMAND_HANDLERS[type(command)]
             if not self.executor.carry_out(functools.partial(handler, self, command)):
@@ -143,6 +141,8 @@ class FitLoop:
                 for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
                     self._Fail(fail)
                 return i
+            if self.refused:  # the recorder refused a commit: the machine decides next
+                return i + 1
         return len(commands)
 
     # -- membership -----------------------------------------------------------------------
@@ -150,11 +150,11 @@ class FitLoop:
         try:
             infos = self.executor.form_group(c)
         except Exception as error:
-            if not _is_rendezvous_error(error):
-                raise  # the user's own (a model factory's, a source's): no retry mends it
-            # No member was lost (the executor checked): a peer restarted or stalled in
-            # the rendezvous. The machine forms the group again, a few times.
-            self.executor.queue.append(ev.GroupFailed(c.generation, error))
+            # No member was lost (the executor checked): the machine decides whether
+            # to form the group again (a peer restarted or stalled in the rendezvous)
+            # or to stop (the user's own error: a model factory's, a source's)
+            failed = ev.GroupFailed(c.generation, error, _is_rendezvous_error(error))
+            self.executor.queue.append(failed)
             return
         info = self.recorder.history.info
         info["workers"] = info.get("workers", []) + infos
@@ -203,14 +203,7 @@ class FitLoop:
 
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
         step, workers, checkpoint = None, (), None
-        size = self.machine.config.spatial  # counts of replicas, in workers
-        found = self.executor.await_restart(
-            c.had * size,
-            max(1, self.min_workers) * size,
-            self.replicas * size if self.replicas else None,
-            RESTART_WAIT_S,
-            RESTART_GATHER_S,
-        )
+        found = self.executor.await_restart(c.at_least, c.gather, c.at_most, c.wait_s, c.gather_s)
         if found:  # (no checkpoint, or no folder: the machine starts from step 0)
             workers = tuple(found)
             if self.writer is not None and self.writer.store.latest() is not None:
@@ -338,7 +331,10 @@ class FitLoop:
         self.executor.submit_windows(c)
 
     def _CommitWindow(self, c: cmd.CommitWindow) -> None:
-        self.recorder.commit_window(c.plan, c.window, c.results, c.segment)
+        refused = self.recorder.commit_window(c.plan, c.window, c.results, c.segment)
+        if refused is not None:  # the machine decides; the rest of the list waits
+            self.executor.queue.append(ev.CommitRefused(refused))
+            self.refused = True
 
     def _EndPhase(self, c: cmd.EndPhase) -> None:
         self.executor.end_phase(c)
@@ -429,6 +425,8 @@ class FitLoop:
             remain = f"{c.remain} sample group(s) remain: {hint}"
         elif c.starting:
             remain = f"{c.remain} remain (min_workers={self.min_workers})"
+        if c.not_recovering:
+            remain = "recover_lost_workers=False: a lost worker stops the fit"
         if c.starting:
             raise WorkerLostError(
                 f"lost worker(s) {', '.join(c.lost)} while starting the fit; {remain}"

@@ -33,8 +33,8 @@ from dataflow.driver.memory import (
 from dataflow.driver.recovery import LostWorkers
 from dataflow.driver.state import AfterGroup, FitState, Forming, Status, validate_state
 from dataflow.driver.transitions import Ignored, rule
+from dataflow.driver.window_planning import WindowPlanning
 from dataflow.planning.layout import ReplicaGroups
-from dataflow.planning.plan import Plan, checkpoint_windows
 from dataflow.sync import Synchronous, SyncPolicy
 
 
@@ -55,6 +55,8 @@ class MachineConfig:
     max_memory_halvings: int = 4  # per phase: out-of-memory errors the fit recovers from
     max_restarts: int = 3  # from one checkpoint, when every replica is lost
     max_group_retries: int = 3  # a group that fails to form with no member lost
+    restart_wait_s: float = 60.0  # every replica lost: how long to wait for min_workers
+    restart_gather_s: float = 10.0  # ... then for as many as the fit had (restarts straggle)
     checkpoints: bool = False  # a checkpoint folder was given
     checkpoint_every: int | None = None  # windows between mid-phase checkpoints
     may_join: bool = True  # workers that join the client join the fit
@@ -68,7 +70,7 @@ class MachineConfig:
     held_out_samples: int | None = None
 
 
-class FitMachine(LostWorkers):
+class FitMachine(LostWorkers, WindowPlanning):
     """One fit's decisions. See the module docstring; ``state`` is its typed state."""
 
     def __init__(self, config: MachineConfig, *, validate: bool | None = None) -> None:
@@ -153,13 +155,12 @@ class FitMachine(LostWorkers):
         return self._plan(after)
 
     def _group_failed(self, event: ev.GroupFailed) -> list[Any]:
-        """Form the same group again under a new generation (members that joined the
-        failed one refuse its late tasks), a few times; then the error stands."""
+        """A rendezvous that failed: form the same group again under a new generation
+        (members that joined the failed one refuse its late tasks), a few times; then
+        the error stands. The user's own error stands at once."""
         s = self.state
-        if event.generation != s.generation or s.status != Status.FORMING:
-            return []
         s.group_retries += 1
-        if s.group_retries > self.config.max_group_retries:
+        if not event.rendezvous or s.group_retries > self.config.max_group_retries:
             s.status = Status.FAILED
             return [cmd.Fail(error=event.error)]
         s.generation += 1
@@ -252,66 +253,6 @@ class FitMachine(LostWorkers):
         )
         return [begin, self._submit_next()]
 
-    def _submit_next(self) -> cmd.SubmitWindows:
-        """The segment's next steps as a plan: 1-step windows until a step is timed,
-        then windows of about ``window_seconds``."""
-        s, config = self.state, self.config
-        rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
-        # Local(period_samples=...): windows of so many samples, not of seconds
-        window_samples = config.sync.period_samples
-        adapting = config.sync.max_drift is not None
-        if adapting:
-            window_samples = self._adapted_period(window_samples)
-        calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
-        steps = rest[: config.calibration_steps] if calibrating else rest
-        tag = "calibrate" if calibrating else "train"
-        plan = Plan.build(
-            config.stage_names,
-            s.phase,
-            steps,
-            s.layout.replicas,
-            step_seconds=s.step_seconds,
-            window_seconds=config.window_seconds,
-            window_steps=config.window_steps,
-            window_samples=window_samples,
-            epoch_ends_window=config.sync.ends_windows_at_epochs,
-            # Local(max_drift=...): one window at a time, the next one's period follows
-            # the drift its average measures
-            max_windows=1 if adapting else None,
-            tag=tag
-            + (f"-g{s.generation}" if s.generation else "")
-            + (f"-r{s.rollbacks}" if s.rollbacks else "")
-            + (f"-s{steps[0].index}" if adapting else ""),  # a task key must be new
-            run=config.run_id,
-        )
-        marks: frozenset[int] = frozenset()
-        if config.checkpoint_every and config.checkpoints:
-            marks, s.countdown = checkpoint_windows(
-                plan, config.checkpoint_every, s.countdown, s.phase_steps[-1].index + 1
-            )
-        first = s.next_window
-        for window in plan.windows:
-            s.windows[first + window.index] = (plan, window, window.index in marks)
-        s.next_window += len(plan.windows)
-        s.planned_until = plan.steps[-1].index + 1
-        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
-
-    def _adapted_period(self, longest: int) -> int:
-        """Local(max_drift=...): the period for the next window, from the drift the last
-        committed window measured (adapted once per measurement; a recovery that plans
-        again keeps it)."""
-        s = self.state
-        current = s.period_samples or longest
-        if s.period_set_at != s.commit_window and s.last_results:
-            drifts = [r.drift for r in s.last_results if r.drift is not None]
-            shortest = s.phase.global_batch if s.phase is not None else 1
-            current = self.config.sync.next_period(
-                current, max(drifts) if drifts else None, shortest
-            )
-            s.period_set_at = s.commit_window
-        s.period_samples = current
-        return current
-
     def _window_done(self, event: ev.WindowDone) -> list[Any]:
         s = self.state
         if event.generation != s.generation or event.window not in s.windows:
@@ -366,6 +307,11 @@ class FitMachine(LostWorkers):
                         )
                     )
         return out
+
+    def _commit_refused(self, event: ev.CommitRefused) -> list[Any]:
+        """The recorder found a committed window wrong: the fit stops with its error."""
+        self.state.status = Status.FAILED
+        return [cmd.Fail(error=event.error)]
 
     def _finished_but(self, got: dict[int, Any], lost: tuple[int, ...]) -> bool:
         """Whether every replica but the ``lost`` ones has its result in ``got``."""

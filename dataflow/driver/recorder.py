@@ -127,11 +127,22 @@ class Recorder:
             self.bar = None
 
     # -- windows ----------------------------------------------------------------------
-    def commit_window(self, plan: Any, window: Any, results: tuple, segment: tuple) -> None:
+    def commit_window(
+        self, plan: Any, window: Any, results: tuple, segment: tuple
+    ) -> LossError | DataError | None:
         """Record a committed window; a None result is a replica lost after it finished
         the window (its partners could not have without it): its samples from the plan,
         its losses unknown (the step's loss is the others' mean). Vectorised over the
-        replicas: a round of 1,024 costs the driver a few milliseconds."""
+        replicas: a round of 1,024 costs the driver a few milliseconds. Returns why the
+        window cannot be recorded (a loss not finite where nothing is skipped, samples
+        other than the plan's), for the machine to decide on; None when recorded."""
+        try:
+            self._commit_window(plan, window, results, segment)
+        except (LossError, DataError) as refused:
+            return refused
+        return None
+
+    def _commit_window(self, plan: Any, window: Any, results: tuple, segment: tuple) -> None:
         specs = plan.steps[window.first : window.stop]
         salvaged = [rank for rank, r in enumerate(results) if r is None] if None in results else []
         filled = list(results)

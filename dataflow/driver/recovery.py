@@ -68,7 +68,14 @@ class LostWorkers:
             s.status = Status.FAILED
             lost = tuple(w for w in s.layout.workers if w in event.workers)
             remain = s.layout.replicas - len(lost_ranks)
-            return [cmd.Fail(lost=lost, remain=remain, phase=self._phase_index())]
+            fail = cmd.Fail(
+                lost=lost,
+                remain=remain,
+                phase=self._phase_index(),
+                commit_step=s.committed_step,
+                not_recovering=True,
+            )
+            return [fail]
         if s.status == Status.FORMING and s.forming in (Forming.START, Forming.RESTART):
             return self._lost_while_starting(event, lost_ranks)
         if s.releasing:  # lost again while the survivors finish a window: roll back
@@ -201,7 +208,7 @@ class LostWorkers:
             # Wait for workers: start again from the newest checkpoint or, with none (or
             # no checkpoint folder), from step 0, rather than fail a fit they could finish
             s.status, s.lost_everything = Status.RESTARTING, record
-            return [*out, cmd.AwaitRestart(had=s.layout.replicas)]
+            return [*out, self._await_restart(s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         record.update(kept or {})
         in_segment = after == AfterGroup.REST
@@ -278,7 +285,7 @@ class LostWorkers:
             groups = min(groups, config.max_replicas)
         if config.checkpoints and config.may_join and groups >= max(1, config.min_workers):
             s.status, s.lost_everything = Status.RESTARTING, record
-            return [*out, cmd.AwaitRestart(had=groups)]
+            return [*out, self._await_restart(groups)]
         s.status = Status.FAILED
         fail = cmd.Fail(
             lost=lost,
@@ -301,7 +308,7 @@ class LostWorkers:
                 Status.RESTARTING,
                 self._failure("every replica lost", lost),
             )
-            return [cmd.AwaitRestart(had=s.layout.replicas)]
+            return [self._await_restart(s.layout.replicas)]
         if not survivors.replicas or survivors.replicas < config.min_workers:
             s.status, s.layout = Status.FAILED, survivors
             left = len(survivors.workers) + len(s.available)
@@ -323,6 +330,19 @@ class LostWorkers:
                 groups=survivors.groups,
             ),
         ]
+
+    def _await_restart(self, had: int) -> cmd.AwaitRestart:
+        """Wait for at least ``min_workers`` replicas' workers, then a little for the
+        ``had`` replicas the fit had, never more than it may have."""
+        config = self.config
+        size, most = config.spatial, config.max_replicas
+        return cmd.AwaitRestart(
+            at_least=max(1, config.min_workers) * size,
+            gather=min(had, most or had) * size,
+            at_most=most * size if most else None,
+            wait_s=config.restart_wait_s,
+            gather_s=config.restart_gather_s,
+        )
 
     def _restart_point(self, event: ev.RestartPoint) -> list[Any]:
         s, config = self.state, self.config

@@ -205,7 +205,7 @@ class SimulatedExecutor:
     def final_weights(self) -> dict[str, Any]:
         return {}
 
-    def await_restart(self, had: int, *args: Any) -> list[str] | None:
+    def await_restart(self, at_least: int, *args: Any) -> list[str] | None:
         return list(self.workers) or None
 
     def close(self, *, failed: bool) -> None:

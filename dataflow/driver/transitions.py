@@ -40,11 +40,13 @@ ASKED_BEFORE_A_LOSS = Ignored(
 )
 OVER = Ignored("the fit is over: nothing more to decide")
 
-# Any status but the fit's end: membership changes and the poll.
+# Any status but the fit's end: membership changes, the poll, a refused commit.
 MEMBERSHIP: Mapping[type, str | Ignored] = {
     ev.WorkersLost: "_workers_lost",
     ev.WorkersJoined: "_workers_joined",
     ev.Timer: NOTHING_TO_DECIDE,
+    # a window committed before the status moved on (a salvage, then a regroup)
+    ev.CommitRefused: "_commit_refused",
 }
 
 TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {

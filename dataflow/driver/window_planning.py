@@ -1,0 +1,81 @@
+"""How the fit machine cuts the running segment into windows: 1-step calibration
+windows until a step is timed, then windows of about ``window_seconds`` (or of a
+``Local`` period of samples, adapted to the measured drift with ``max_drift``), and
+which of them return the replicas' states for a mid-phase checkpoint. A mixin of
+:class:`~dataflow.driver.machine.FitMachine` (its ``state`` and ``config``); pure,
+like the machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataflow.driver import commands as cmd
+from dataflow.planning.plan import Plan, checkpoint_windows
+
+
+class WindowPlanning:
+    """The machine's window plans."""
+
+    state: Any
+    config: Any
+
+    def _submit_next(self) -> cmd.SubmitWindows:
+        """The segment's next steps as a plan: 1-step windows until a step is timed,
+        then windows of about ``window_seconds``."""
+        s, config = self.state, self.config
+        rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
+        # Local(period_samples=...): windows of so many samples, not of seconds
+        window_samples = config.sync.period_samples
+        adapting = config.sync.max_drift is not None
+        if adapting:
+            window_samples = self._adapted_period(window_samples)
+        calibrating = s.step_seconds is None and not (config.window_steps or window_samples)
+        steps = rest[: config.calibration_steps] if calibrating else rest
+        tag = "calibrate" if calibrating else "train"
+        plan = Plan.build(
+            config.stage_names,
+            s.phase,
+            steps,
+            s.layout.replicas,
+            step_seconds=s.step_seconds,
+            window_seconds=config.window_seconds,
+            window_steps=config.window_steps,
+            window_samples=window_samples,
+            epoch_ends_window=config.sync.ends_windows_at_epochs,
+            # Local(max_drift=...): one window at a time, the next one's period follows
+            # the drift its average measures
+            max_windows=1 if adapting else None,
+            tag=tag
+            + (f"-g{s.generation}" if s.generation else "")
+            + (f"-r{s.rollbacks}" if s.rollbacks else "")
+            + (f"-s{steps[0].index}" if adapting else ""),  # a task key must be new
+            run=config.run_id,
+        )
+        marks: frozenset[int] = frozenset()
+        if config.checkpoint_every and config.checkpoints:
+            marks, s.countdown = checkpoint_windows(
+                plan, config.checkpoint_every, s.countdown, s.phase_steps[-1].index + 1
+            )
+        first = s.next_window
+        for window in plan.windows:
+            s.windows[first + window.index] = (plan, window, window.index in marks)
+        s.next_window += len(plan.windows)
+        s.planned_until = plan.steps[-1].index + 1
+        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
+
+    def _adapted_period(self, longest: int) -> int:
+        """Local(max_drift=...): the period for the next window, from the drift the last
+        committed window measured (adapted once per measurement; a recovery that plans
+        again keeps it)."""
+        s = self.state
+        current = s.period_samples or longest
+        if s.period_set_at != s.commit_window and s.last_results:
+            drifts = [r.drift for r in s.last_results if r.drift is not None]
+            shortest = s.phase.global_batch if s.phase is not None else 1
+            current = self.config.sync.next_period(
+                current, max(drifts) if drifts else None, shortest
+            )
+            s.period_set_at = s.commit_window
+        s.period_samples = current
+        return current
