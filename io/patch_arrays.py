@@ -1,19 +1,22 @@
 """The arrays a ``PatchSource`` cuts windows from, opened as ``ZarrSource`` opens them, and
-read one box at a time.
+read a unit of windows at a time.
 
 A zarr array is read through the same machinery as ``ZarrSource``'s region reads: the
 chunk decoder of ``io.zarr_decode`` on the calling thread (so the chunk reader's decode
-threads decode that many boxes at once), or zarr's own read for layouts it does not know
-(sharding), with a missing object raising ``ChunkMissingError`` and a corrupt one
-``ChunkReadError`` naming it; ``missing`` asks the store whether each object a box
-touches exists (``ZarrArrayReader.missing``). Any other array (numpy, dask, an xarray
+threads decode that many units at once), which hands each storage chunk the windows
+touch to :meth:`PatchArray.read_windows` to copy their parts straight into the windows
+(no bounding box), or zarr's own read of the windows' bounding box for layouts it does
+not know (sharding), with a missing object raising ``ChunkMissingError`` and a corrupt one
+``ChunkReadError`` naming it; ``missing`` asks the store whether each object a read
+decodes exists (``ZarrArrayReader.missing``). Any other array (numpy, dask, an xarray
 variable not backed by zarr) is read with ``numpy.asarray``: it has no chunks to miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +26,7 @@ import zarr
 from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
-from dataflow.io.windows import box_chunks
+from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -37,6 +40,7 @@ from dataflow.io.zarr_source import (
 )
 
 E = TypeVar("E", bound=Exception)
+Window = tuple[np.ndarray, tuple[int, ...]]  # windows' low corners (n, ndim) and shape
 
 
 def _is_data_array(value: Any) -> bool:
@@ -78,17 +82,34 @@ class PatchArray:
             self.unit = tuple(int(c[0]) for c in chunks) if chunks else None
             self.fill_value = None
 
-    def missing(self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
-        """Raise ``ChunkMissingError`` naming the first absent stored object any of the
-        boxes ``(lo, hi)`` touches."""
+    def missing(self, objects: Sequence[tuple[int, ...]]) -> None:
+        """Raise ``ChunkMissingError`` naming the first absent stored object among
+        ``objects`` (coordinates on the grid of :attr:`unit`, as :meth:`objects` lists)."""
         if self.reader is None or self.unit is None:
             return
-        coords: set[tuple[int, ...]] = set()
-        for lo, hi in boxes:
-            coords.update(box_chunks(lo, hi, self.unit))
-        absent = self.reader.missing(sorted(coords))
+        absent = self.reader.missing(sorted(set(objects)))
         if absent:
             raise _renamed(missing_chunk_error(self.reader, absent))
+
+    @property
+    def cuts_direct(self) -> bool:
+        """Whether windows are cut straight from the decoded storage chunks
+        (:meth:`read_windows`): a zarr array decoded here (``io.zarr_decode``)."""
+        return self.reader is not None and self.reader.decoder is not None
+
+    def objects(self, windows: Sequence[Window]) -> list[tuple[int, ...]]:
+        """The stored objects (coordinates on the grid of :attr:`unit`, C order) that a
+        read of ``windows`` decodes: the chunks the windows touch when cut directly,
+        else every object of their bounding box (none: no stored objects)."""
+        if self.unit is None:
+            return []
+        if self.cuts_direct:
+            touched: set[tuple[int, ...]] = set()
+            for los, shape in windows:
+                touched |= window_chunks(los, shape, self.unit)
+            return sorted(touched)
+        lo, hi = enclosing(windows)
+        return box_chunks(lo, hi, self.unit)
 
     @property
     def fetches_ahead(self) -> bool:
@@ -97,21 +118,43 @@ class PatchArray:
         decoder = None if self.reader is None else self.reader.decoder
         return decoder is not None and is_remote(decoder.store)
 
-    def fetch_plan(
-        self, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]
-    ) -> list[tuple[Any, str, int]]:
-        """``(store, key, decoded bytes)`` of each stored object that reads of ``boxes``
-        (in that order, each object in the order the decode reads it) decode here from a
-        remote store; none where nothing is fetched ahead."""
+    def fetch_plan(self, objects: Sequence[tuple[int, ...]]) -> list[tuple[Any, str, int]]:
+        """``(store, key, decoded bytes)`` of each of ``objects`` (in that order: the order
+        the reads decode them) where they are decoded here from a remote store; none
+        where nothing is fetched ahead."""
         if not self.fetches_ahead:
             return []
         decoder = self.reader.decoder
         nbytes = math.prod(decoder.chunks) * self.dtype.itemsize
-        return [
-            (decoder.store, decoder.key(coords), nbytes)
-            for lo, hi in boxes
-            for coords in box_chunks(lo, hi, decoder.chunks)
-        ]
+        return [(decoder.store, decoder.key(coords), nbytes) for coords in objects]
+
+    def read_windows(self, cuts: Sequence[tuple[np.ndarray, Sequence[int], np.ndarray]]) -> None:
+        """Each window of each cut ``(los, shape, out)`` (low corners ``(n, ndim)`` over
+        every axis) straight from the decoded storage chunks it overlaps into its row of
+        ``out``: one copy per window byte and no bounding box, each chunk taken once for
+        all the cuts (x and y of one array). Only where :attr:`cuts_direct`."""
+        decoder = self.reader.decoder
+        pieces = window_pieces([(los, shape) for los, shape, _ in cuts], decoder.chunks)
+        outs = [out for *_, out in cuts]
+
+        def take(coords: tuple[int, ...], chunk: np.ndarray) -> None:
+            for k, source, target in pieces[coords]:
+                outs[k][target] = chunk[source]
+
+        with self._named_errors():
+            decoder.visit(list(pieces), take)
+
+    @contextlib.contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        """The decoder's errors as ``ChunkMissingError`` / ``ChunkReadError`` naming the
+        object (a missing one: the store changed since the epoch's check)."""
+        reader = self.reader
+        try:
+            yield
+        except MissingObject as exc:
+            raise _renamed(missing_chunk_error(reader, [exc.key])) from None
+        except ObjectDecodeError as exc:
+            raise _renamed(reader._decode_error(exc.key, exc.error)) from exc.error
 
     def read_box(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis, native byte order."""
@@ -126,12 +169,8 @@ class PatchArray:
             out = np.empty(
                 [b - a for a, b in zip(lo, hi, strict=True)], self.dtype.newbyteorder("=")
             )
-            try:
+            with self._named_errors():
                 return reader.decoder.read(selection, out)
-            except MissingObject as exc:  # the store changed since the epoch's check
-                raise _renamed(missing_chunk_error(reader, [exc.key])) from None
-            except ObjectDecodeError as exc:
-                raise _renamed(reader._decode_error(exc.key, exc.error)) from exc.error
         try:
             return native(np.asarray(self.array[selection]))
         except Exception:  # name the object that fails (zarr's own read: sharding)
@@ -216,24 +255,46 @@ def open_single(store: Any, label: str) -> PatchArray:
     return PatchArray("x", name, store, label)
 
 
-def shared_reads(
-    arrays: Sequence[PatchArray], boxes: Sequence[tuple[list[int], list[int]]]
-) -> tuple[list[tuple[PatchArray, tuple[list[int], list[int]]]], list[int]]:
-    """The boxes to read, one per distinct stored array (y cut from the same array as an
-    x: one box holding both, decoded once), and which of them serves each array."""
-    reads: list[tuple[PatchArray, tuple[list[int], list[int]]]] = []
-    served: list[int] = []
-    where: dict[str, int] = {}
-    for array, (lo, hi) in zip(arrays, boxes, strict=True):
-        k = where.get(array.name)
-        if k is None:
-            where[array.name] = len(reads)
-            served.append(len(reads))
-            reads.append((array, (list(lo), list(hi))))
+def enclosing(windows: Sequence[Window]) -> tuple[list[int], list[int]]:
+    """``(lo, hi)`` over every axis: the box holding all of ``windows``."""
+    lows = np.concatenate([los for los, _ in windows])
+    highs = np.concatenate([los + np.asarray(shape, np.int64) for los, shape in windows])
+    return lows.min(axis=0).tolist(), highs.max(axis=0).tolist()
+
+
+def stored_arrays(arrays: Sequence[PatchArray]) -> list[list[int]]:
+    """The arrays grouped by the stored array they read (y cut from the same array as
+    an x: one group, its chunks read once for both), in order of first appearance."""
+    groups: dict[str, list[int]] = {}
+    for k, array in enumerate(arrays):
+        groups.setdefault(array.name, []).append(k)
+    return list(groups.values())
+
+
+def read_windows(
+    arrays: Sequence[PatchArray], windows: Sequence[Window], outs: Sequence[np.ndarray | None]
+) -> list[np.ndarray]:
+    """Each array's ``windows`` stacked ``(n, *shape)``, into ``outs[k]`` where given,
+    reading each stored array once: straight from the decoded chunks where the array
+    is decoded here (:meth:`PatchArray.read_windows`), else one bounding box of all
+    its windows read (:meth:`PatchArray.read_box`) and the windows cut from it."""
+    result = list(outs)
+    for group in stored_arrays(arrays):
+        array = arrays[group[0]]
+        native_dtype = array.dtype.newbyteorder("=")
+        if array.cuts_direct:
+            for k in group:
+                if result[k] is None:
+                    result[k] = np.empty((len(windows[k][0]), *windows[k][1]), native_dtype)
+            array.read_windows([(*windows[k], result[k]) for k in group])
             continue
-        first, (a, b) = reads[k]
-        lo2 = [min(x, y) for x, y in zip(a, lo, strict=True)]
-        hi2 = [max(x, y) for x, y in zip(b, hi, strict=True)]
-        reads[k] = (first, (lo2, hi2))
-        served.append(k)
-    return reads, served
+        lo, hi = enclosing([windows[k] for k in group])
+        box = array.read_box(lo, hi)
+        for k in group:
+            los, shape = windows[k]
+            cut = cut_windows(box, lo, los, shape, range(len(shape)))
+            if result[k] is None:
+                result[k] = cut
+            else:
+                result[k][...] = cut
+    return result  # type: ignore[return-value]

@@ -2,10 +2,13 @@
 grid), read from the store as it is: no second, sample-major copy.
 
 Samples are the windows in C order of their corners (``io.windows``). The engine reads
-them in units (its chunks, given as ``chunk_members``): each unit's bounding box is read
-from the store once (``io.patch_arrays``: zarr's chunks decoded on the chunk reader's
-decode threads, missing and corrupt chunks named), its windows are cut from it in one
-numpy gather (``io.windows.cut_windows``: no Python loop over windows) and stacked.
+them in units (its chunks, given as ``chunk_members``; ``io.patch_arrays``): a zarr array
+decoded here (zarr's chunks decoded on the chunk reader's decode threads, missing and
+corrupt chunks named) has each window of a unit copied once, straight from the decoded
+storage chunks it overlaps into its slot of the unit's x (or y), each chunk taken once
+for the unit (x and y of one array alike) and no bounding box built; any other array
+(numpy, dask, a sharded store) has each unit's bounding box read once and its windows
+cut from it in one numpy gather (``io.windows.cut_windows``).
 ``shuffle=True``: units are blocks of storage chunks, so the engine's two-level shuffle
 puts blocks in a random order and permutes windows within groups of ``buffer_chunks``
 blocks (``Load(buffer_chunks=)``/``stream_batches``: more mixes more windows from more
@@ -35,26 +38,26 @@ from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
 from dataflow.io.patch_arrays import (
     PatchArray,
+    Window,
+    enclosing,
     is_single_array,
     open_member,
     open_single,
     open_store,
     raw_zarr,
-    shared_reads,
+    read_windows,
+    stored_arrays,
 )
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
+from dataflow.io.patch_nan import NAN_MODES, masked_nan, refuse_nan
 from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
     block_groups,
     block_units,
-    bounding_box,
-    cut_windows,
     run_units,
 )
-
-NAN_MODES = ("refuse", "mask")
 
 
 class PatchSource:
@@ -268,6 +271,9 @@ class PatchSource:
         """One sample's y shape (None without y)."""
         return self.geometry.y_shape
 
+    def _corner_dims(self, index: int) -> dict[Any, int]:
+        return dict(zip(self.geometry.patch_by_name, self.corner(index), strict=True))
+
     def corner(self, index: int) -> tuple[int, ...]:
         """Sample ``index``'s corner over the patch dims (the array's axis order)."""
         return tuple(int(c) for c in self.corners[index])
@@ -292,58 +298,78 @@ class PatchSource:
         view._region = compose("PatchSource", bounds, self.sample_shape, self._region)
         return view
 
-    def _boxes(self, members: np.ndarray) -> list[tuple[list[int], list[int]]]:
-        """Per array (x then y), the box ``(lo, hi)`` over all its axes that the windows
-        ``members`` need (x's narrowed to the region)."""
+    def _windows(self, members: np.ndarray) -> list[Window]:
+        """Per array (x then y), the low corner over all its axes of each window of
+        ``members`` and the window's shape (x's narrowed to the region)."""
         g = self.geometry
         corners = self.corners[members]
-        offset, x_extent, narrowed = self.geometry.x_window(self._region)
-        boxes = []
+        offset, x_extent, narrowed = g.x_window(self._region)
+        windows = []
         for array in self._open():
             is_y = array.field == "y"
-            shifted = corners + (g.y_shift if is_y else offset)
-            extent = g.y_extent if is_y else x_extent
-            p_lo, p_hi = bounding_box(shifted, extent)
-            lo, hi = [0] * len(array.shape), list(array.shape)
-            for j, axis in enumerate(g.y_axes if is_y else g.axes):
-                lo[axis], hi[axis] = int(p_lo[j]), int(p_hi[j])
-            if not is_y:
-                for axis, (a, b) in narrowed.items():
-                    lo[axis], hi[axis] = a, b
-            boxes.append((lo, hi))
-        return boxes
+            axes = list(g.y_axes if is_y else g.axes)
+            los = np.zeros((len(corners), len(array.shape)), dtype=np.int64)
+            los[:, axes] = corners + (g.y_shift if is_y else offset)
+            shape = list(array.shape)
+            for axis, n in zip(axes, g.y_extent if is_y else x_extent, strict=True):
+                shape[axis] = int(n)
+            for axis, (lo, hi) in () if is_y else narrowed.items():
+                los[:, axis], shape[axis] = lo, hi - lo
+            windows.append((los, tuple(shape)))
+        return windows
+
+    def _boxes(self, members: np.ndarray) -> list[tuple[list[int], list[int]]]:
+        """Per array (x then y), the box ``(lo, hi)`` over all its axes that holds the
+        windows ``members`` (what a read without the chunk decoder reads)."""
+        return [enclosing([window]) for window in self._windows(members)]
+
+    def _objects(self, units: Sequence[int]) -> list[list[tuple[PatchArray, list[tuple]]]]:
+        """Per unit of ``units``, per stored array, the stored objects its read decodes,
+        in the order ``_read_unit`` reads them (``PatchArray.objects``)."""
+        arrays, members = self._open(), self.chunk_members
+        groups = stored_arrays(arrays)
+        per_unit = []
+        for unit in units:
+            windows = self._windows(members[int(unit)])
+            per_unit.append(
+                [(arrays[g[0]], arrays[g[0]].objects([windows[k] for k in g])) for g in groups]
+            )
+        return per_unit
 
     def check_chunks(self, chunks: Sequence[int]) -> None:
         """Raise ``ChunkMissingError`` naming the first absent stored object among those
         the units ``chunks`` read, in every array."""
-        members = self.chunk_members
-        per_unit = [self._boxes(members[int(c)]) for c in chunks]
-        for k, array in enumerate(self._open()):
-            array.missing([boxes[k] for boxes in per_unit])
+        wanted: dict[str, tuple[PatchArray, set[tuple]]] = {}
+        for unit in self._objects(chunks):
+            for array, objects in unit:
+                wanted.setdefault(array.name, (array, set()))[1].update(objects)
+        for array, objects in wanted.values():
+            array.missing(sorted(objects))
 
     def read_chunks(self, chunks: Sequence[int]) -> dict[int, Batch]:
-        """Each unit: its bounding box read once per array, its windows cut and stacked."""
+        """Each unit: its windows read (each stored array once) and stacked."""
         return {int(c): self._read_unit(self.chunk_members[int(c)]) for c in chunks}
 
     def _read_unit(self, members: np.ndarray) -> Batch:
+        """A zarr array decoded here: each window copied once, straight from the decoded
+        storage chunks into its slot of the unit's x (or y); others: each stored array's
+        bounding box read once and the windows cut from it (``patch_arrays.read_windows``)."""
         g = self.geometry
         arrays = self._open()
-        boxes = self._boxes(members)
-        corners = self.corners[members]
-        xs = [a for a in arrays if a.field != "y"]
-        offset, x_extent, _ = g.x_window(self._region)
-        reads, served = shared_reads(arrays, boxes)
-        read = [array.read_box(lo, hi) for array, (lo, hi) in reads]
-        regions = [read[served[k]] for k in range(len(arrays))]
-        origins = [reads[served[k]][1][0] for k in range(len(arrays))]
-        cuts = [
-            cut_windows(region, lo, corners + offset, x_extent, g.axes)
-            for region, lo in zip(regions[: len(xs)], origins, strict=False)
-        ]
+        windows = self._windows(members)
+        xs = [k for k, a in enumerate(arrays) if a.field != "y"]
+        outs: list[np.ndarray | None] = [None] * len(arrays)
+        x = None
+        if len(xs) > 1 or arrays[0].cuts_direct:  # x's channels filled in place
+            dtype = np.result_type(*(arrays[k].dtype.newbyteorder("=") for k in xs))
+            x = np.empty((len(members), len(xs), *windows[0][1]), dtype)
+            for k in xs:
+                outs[k] = x[:, k]
+        cuts = read_windows(arrays, windows, outs)
         if self.nan == "refuse":
-            for array, cut in zip(xs, cuts, strict=True):
-                self._refuse_nan(array, cut, members)
-        x = cuts[0][:, None] if len(cuts) == 1 else np.stack(cuts, axis=1)
+            for k in xs:
+                refuse_nan(arrays[k], cuts[k], members, self._corner_dims)
+        x = cuts[0][:, None] if x is None else x
         x = g.fold(x)
         if self.nan == "mask":
             x = masked_nan(x)
@@ -352,36 +378,10 @@ class PatchSource:
             x = np.ascontiguousarray(x[:, lo:hi])
         y = None
         if self.y_name is not None:
-            region, lo = regions[-1], origins[-1]
-            y = cut_windows(region, lo, corners + g.y_shift, g.y_extent, g.y_axes)
-            self._refuse_nan(arrays[-1], y, members)  # a target is never masked
+            y = cuts[-1]
+            refuse_nan(arrays[-1], y, members, self._corner_dims)  # never masked
             y = torch.from_numpy(y)
         return Batch(x=torch.from_numpy(x), y=y, size=len(members))
-
-    def _refuse_nan(self, array: PatchArray, cut: np.ndarray, members: np.ndarray) -> None:
-        """Raise ``DataError`` naming the first window of ``cut`` holding NaN (one
-        ``isnan`` over the windows; integer arrays hold none)."""
-        if not np.issubdtype(cut.dtype, np.floating) or not np.isnan(cut).any():
-            return
-        k = int(np.flatnonzero(np.isnan(cut.reshape(len(cut), -1)).any(axis=1))[0])
-        index = int(members[k])
-        fill = array.fill_value
-        unwritten = (
-            f"; NaN is also {array.name!r}'s fill value, what a region never written reads as"
-            if isinstance(fill, (float, np.floating)) and np.isnan(fill)
-            else ""
-        )
-        dims = dict(zip(self.geometry.patch_by_name, self.corner(index), strict=True))
-        fix = (
-            "fill or drop those values in the store"
-            if array.field == "y"
-            else "pass nan='mask' (NaN read as 0, a channel appended to x: 1 where valid), "
-            "drop such windows with mask= (True where valid), or fill the store"
-        )
-        raise DataError(
-            f"PatchSource: window {index} (corner {dims}) of {array.field} ({array.name!r}) "
-            f"holds NaN{unwritten}; {fix}"
-        )
 
     def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
         """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects that the
@@ -391,13 +391,13 @@ class PatchSource:
         arrays = [a for a in self._open() if a.fetches_ahead]
         if not arrays:
             return None
-        members = self.chunk_members
-        entries = []
-        for unit in (int(c) for job in jobs for c in job):
-            reads, _ = shared_reads(self._open(), self._boxes(members[unit]))
-            for array, box in reads:  # as _read_unit reads them
-                if array.fetches_ahead:
-                    entries.extend(array.fetch_plan([box]))
+        units = [int(c) for job in jobs for c in job]
+        entries = [  # in read order, as _read_unit reads them
+            entry
+            for unit in self._objects(units)
+            for array, objects in unit
+            for entry in array.fetch_plan(objects)
+        ]
         if not entries:
             return None
         decoders = [a.reader.decoder for a in arrays if a.reader is not None]
@@ -414,15 +414,16 @@ class PatchSource:
         whole = {a.name: math.prod(a.shape) * a.dtype.itemsize for a in self._open()}
         if cache is None or sum(whole.values()) <= cache.max_bytes:
             return None
-        members, keys = self.chunk_members, {}
-        for unit in (int(c) for job in jobs for c in job):
-            reads, _ = shared_reads(self._open(), self._boxes(members[unit]))
-            keys[unit] = [  # as _read_unit reads them
-                key
-                for array, (lo, hi) in reads
-                if array.reader is not None and array.reader.decoder is not None
-                for key in array.reader.decoder.keys(lo, hi)
+        units = [int(c) for job in jobs for c in job]
+        keys = {  # as _read_unit reads them
+            unit: [
+                array.reader.decoder.key(coords)
+                for array, objects in reads
+                if array.cuts_direct
+                for coords in objects
             ]
+            for unit, reads in zip(units, self._objects(units), strict=True)
+        }
         return cache.plan(jobs, keys)
 
     def read(self, indices: np.ndarray) -> Batch:
@@ -465,17 +466,6 @@ class PatchSource:
             f"patch={g.patch_by_name}, stride={g.stride_by_name}, windows={self.num_samples}, "
             f"sample_shape={self.sample_shape}, shuffle={self.shuffle}{region})"
         )
-
-
-def masked_nan(x: np.ndarray) -> np.ndarray:
-    """``(n, C, ...)`` -> ``(n, C + 1, ...)``: NaN read as 0, then a channel that is 1
-    where every channel of the cell is valid (0 where any is NaN)."""
-    if not np.issubdtype(x.dtype, np.floating):
-        return np.concatenate([x, np.ones_like(x[:, :1])], axis=1)
-    bad = np.isnan(x)
-    valid = ~bad.any(axis=1, keepdims=True)
-    x = np.where(bad, x.dtype.type(0), x)
-    return np.concatenate([x, valid.astype(x.dtype)], axis=1)
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

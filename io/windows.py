@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -192,6 +193,49 @@ def box_chunks(lo: Sequence[int], hi: Sequence[int], chunks: Sequence[int]) -> l
         range(int(a) // c, (int(b) - 1) // c + 1) for a, b, c in zip(lo, hi, chunks, strict=True)
     ]
     return list(itertools.product(*ranges))
+
+
+def window_chunks(
+    los: np.ndarray, shape: Sequence[int], chunks: Sequence[int]
+) -> set[tuple[int, ...]]:
+    """Coordinates of the storage chunks of shape ``chunks`` that the windows of
+    ``shape`` at the low corners ``los`` (``(n, ndim)``, over every axis) touch."""
+    touched: set[tuple[int, ...]] = set()
+    first = los // np.asarray(chunks, dtype=np.int64)
+    last = (los + np.asarray(shape, dtype=np.int64) - 1) // np.asarray(chunks, dtype=np.int64)
+    for a, b in zip(first.tolist(), last.tolist(), strict=True):
+        touched.update(itertools.product(*(range(i, j + 1) for i, j in zip(a, b, strict=True))))
+    return touched
+
+
+Piece = tuple[int, tuple[slice, ...], tuple[Any, ...]]  # (cut, source in chunk, target)
+
+
+def window_pieces(
+    windows: Sequence[tuple[np.ndarray, Sequence[int]]], chunks: Sequence[int]
+) -> dict[tuple[int, ...], list[Piece]]:
+    """Per storage chunk (C order of coordinates) that the windows touch, where each
+    part of it goes: ``(k, source, target)`` copies ``chunk[source]`` to
+    ``outs[k][target]`` (``target`` starts with the window's row). ``windows[k]``: the
+    low corners ``(n, ndim)`` over every axis, and the shape, of the windows of cut
+    ``k``. A window overlapping ``m`` chunks is ``m`` pieces, each copied once."""
+    pieces: dict[tuple[int, ...], list[Piece]] = {}
+    for k, (los, shape) in enumerate(windows):
+        for row, lo in enumerate(los.tolist()):
+            spans = []
+            for low, n, c in zip(lo, shape, chunks, strict=True):
+                span = []
+                for i in range(low // c, (low + n - 1) // c + 1):
+                    start, stop = max(low, i * c), min(low + n, (i + 1) * c)
+                    span.append(
+                        (i, slice(start - i * c, stop - i * c), slice(start - low, stop - low))
+                    )
+                spans.append(span)
+            for parts in itertools.product(*spans):
+                coords = tuple(p[0] for p in parts)
+                piece = (k, tuple(p[1] for p in parts), (row, *(p[2] for p in parts)))
+                pieces.setdefault(coords, []).append(piece)
+    return dict(sorted(pieces.items()))
 
 
 def check_corners(corners: object, extents: Sequence[int], patch: Sequence[int]) -> np.ndarray:

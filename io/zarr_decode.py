@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -154,6 +154,19 @@ class ChunkDecoder:
             for (lo, hi), c in zip(bounds, self.chunks, strict=True)
         ]
         objects = list(itertools.product(*ranges))
+        self.visit(objects, lambda coords, chunk: self._copy(chunk, coords, bounds, out))
+        return out
+
+    def visit(
+        self,
+        objects: Sequence[tuple[int, ...]],
+        take: Callable[[tuple[int, ...], np.ndarray], None],
+    ) -> None:
+        """Hand each stored object's decoded chunk (at chunk coordinates ``objects``) to
+        ``take`` once, one at a time, so a caller copies what it needs from each without
+        holding them all: those kept in the :attr:`cache` or decoded here first, in order,
+        those another thread is decoding after (never a cycle). Each chunk decoded here
+        is offered to the cache."""
         keys = [self.key(coords) for coords in objects]
         cache = self.cache
         kept = [None if cache is None else cache.acquire(key) for key in keys]
@@ -174,16 +187,15 @@ class ChunkDecoder:
                     if cache is not None:
                         cache.put(key, chunk)
                         mine.remove(key)
-                self._copy(chunk, coords, bounds, out)
+                take(tuple(coords), chunk)
             for coords, key, decoding in waiting:
                 chunk = decoding.wait()
                 if chunk is None:  # that thread's decode failed: ours names the object
                     chunk = self._decoded(key, self._fetch([key])[0])
-                self._copy(chunk, coords, bounds, out)
+                take(tuple(coords), chunk)
         finally:
             for key in mine if cache is not None else ():  # claimed, not decoded:
                 cache.abandon(key)  # the threads waiting for it decode it themselves
-        return out
 
     def _decoded(self, key: str, stored: Any) -> np.ndarray:
         if stored is None:
