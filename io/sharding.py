@@ -192,8 +192,10 @@ def epoch_streams(
         steps, key=lambda spec: (spec.epoch, spec.earlier_splits)
     ):
         epoch_steps = list(group)
-        width = len(epoch_steps[0].local_batches)
-        wanted = [sum(spec.local_batches[r] for spec in epoch_steps) for r in range(width)]
+        # each replica's samples in these steps (steps x replicas, summed in numpy: a
+        # phase of 1,024 replicas would be a million Python additions)
+        per_step = np.asarray([spec.local_batches for spec in epoch_steps], dtype=np.int64)
+        wanted = per_step.sum(axis=0).tolist()
         first = list(earlier[0][0]) if earlier else wanted
         streams = shard_epoch(
             sizes,

@@ -13,6 +13,8 @@ The model is distributed's ``WorkerState.handle_stimulus``.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import statistics
 from collections.abc import Iterable
@@ -289,11 +291,11 @@ class FitMachine(LostWorkers, WindowPlanning):
                 break
             plan, window, marked = s.windows.pop(s.commit_window)
             s.pending.pop(s.commit_window, None)
-            results = tuple(got.get(r) for r in range(replicas))
+            results = tuple(map(got.get, range(replicas)))
             out.append(cmd.CommitWindow(plan, window, results, s.segment))
             s.committed_step = plan.steps[window.stop - 1].index + 1
             s.commit_window += 1
-            if None not in results:
+            if not any(map(operator.is_, results, itertools.repeat(None))):  # (no __eq__ each)
                 s.last_results = results
                 measured = measured_cap(results)  # on CUDA, a phase's first window
                 if measured is not None:

@@ -8,6 +8,7 @@ planner takes the smaller of the user's ``max_micro_batch`` and the learned cap.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from dataflow.core.errors import ReplicaError
@@ -86,9 +87,12 @@ def measured_cap(results: Any, fraction: float = SAFE_FRACTION) -> int | None:
     them; None: none measured, as off CUDA): each replica's peak per sample held,
     against ``fraction`` of the memory its step could use."""
     caps = []
-    for result in results:
-        memory = getattr(result, "memory", None)
-        if memory and memory.get("samples", 0) > 0:
+    # a phase's first window on CUDA measures; the rest hold none: skip them in C (map)
+    measured = filter(
+        None, map(getattr, results, itertools.repeat("memory"), itertools.repeat(None))
+    )
+    for memory in measured:
+        if memory.get("samples", 0) > 0:
             per_sample = memory["peak_bytes"] / memory["samples"]
             cap = memory_cap(per_sample, memory["usable_bytes"], fraction=fraction)
             if cap is not None:

@@ -7,9 +7,12 @@ The one writer of :class:`~dataflow.history.History`; the report reads it.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import time
 from collections import defaultdict
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -32,6 +35,18 @@ from dataflow.history.records import (
 from dataflow.history.result import History, skipped_steps
 from dataflow.io.ledger import SampleLedger
 from dataflow.schedule.noise_scale import NoiseScaleTracker, NormPair
+
+# a WindowResult's fields, read for every replica of a window in C (map), not bytecode
+_CHECKPOINT = attrgetter("checkpoint")
+_SAMPLES = attrgetter("samples")
+_STALENESS = attrgetter("staleness")
+_DRIFT = attrgetter("drift")
+_TASK_SECONDS = attrgetter("task_seconds")
+_STAGE_SECONDS = attrgetter("stage_seconds")
+_LOSSES = attrgetter("losses")
+_STEP_SECONDS = attrgetter("step_seconds")
+_SKIPPED = attrgetter("skipped")
+_NORM_PAIRS = attrgetter("norm_pairs")
 
 
 class Recorder:
@@ -144,15 +159,20 @@ class Recorder:
 
     def _commit_window(self, plan: Any, window: Any, results: tuple, segment: tuple) -> None:
         specs = plan.steps[window.first : window.stop]
-        salvaged = [rank for rank, r in enumerate(results) if r is None] if None in results else []
+        lost = list(map(operator.is_, results, itertools.repeat(None)))  # not ==: no __eq__ each
+        salvaged = [rank for rank, gone in enumerate(lost) if gone] if any(lost) else []
         filled = list(results)
         for rank in salvaged:
             filled[rank] = self._salvaged(specs, rank)
         if salvaged and self.leases:
             _salvage_leased(filled, salvaged, specs)
-        for w in filled:
-            w.checkpoint = None  # the history keeps the window's numbers, not its weights
-        samples = np.array([w.samples for w in filled], dtype=np.int64)  # replicas x steps
+        # Passes over the replicas by map and attrgetter (no Python frame per replica: a
+        # round of 1,024 replicas is a few of them)
+        checkpoints = list(map(_CHECKPOINT, filled))
+        if checkpoints.count(None) != len(checkpoints):
+            for w in filled:  # the history keeps the window's numbers, not its weights
+                w.checkpoint = None
+        samples = np.array(list(map(_SAMPLES, filled)), dtype=np.int64)  # replicas x steps
         self._add_totals(filled, samples.sum(axis=1))
         if self.lockstep_wait and not salvaged:
             store_waits = None
@@ -161,18 +181,20 @@ class Recorder:
             self._wait[: len(filled)] += lockstep_wait(
                 [w.step_seconds for w in filled], store_waits
             )
-        for rank, w in enumerate(filled):
-            for tau in w.staleness:
-                counts = self._staleness.setdefault(rank, [])
-                counts.extend([0] * (tau + 1 - len(counts)))
-                counts[tau] += 1
+        staleness = list(map(_STALENESS, filled))
+        if any(staleness):  # asynchronous updates only
+            for rank, taus in enumerate(staleness):
+                for tau in taus:
+                    counts = self._staleness.setdefault(rank, [])
+                    counts.extend([0] * (tau + 1 - len(counts)))
+                    counts[tau] += 1
         self._record_steps(specs, plan.phase.index, filled, samples, salvaged)
         moved = self.leases and bool(salvaged)  # the lost may have taken parts over
         self.sample_check.record(self.ledger, segment, specs, filled, salvaged, moved)
         self.phase_windows.append((time.perf_counter(), len(specs)))
-        drift = next((w.drift for w in filled if w.drift is not None), None)  # alike on all
-        if drift is not None:
-            self.phase_drift.append(drift)
+        drifts = list(map(_DRIFT, filled))  # alike on all
+        if drifts.count(None) != len(drifts):
+            self.phase_drift.append(next(d for d in drifts if d is not None))
 
     def _add_totals(self, window: list[Any], samples: np.ndarray) -> None:
         replicas = len(window)
@@ -185,16 +207,17 @@ class Recorder:
             for name in self._stage:
                 self._stage[name] = np.concatenate([self._stage[name], np.zeros(grow)])
         self._samples[:replicas] += samples
-        self._task[:replicas] += [w.task_seconds for w in window]
+        self._task[:replicas] += list(map(_TASK_SECONDS, window))
         self._windows[:replicas] += 1
-        names = {name for w in (window[0], window[-1]) for name in w.stage_seconds}
-        if any(len(w.stage_seconds) != len(names) for w in window):  # salvaged, or unusual
-            names = {name for w in window for name in w.stage_seconds}
+        stages = list(map(_STAGE_SECONDS, window))
+        names = {name for seconds in (stages[0], stages[-1]) for name in seconds}
+        if set(map(len, stages)) != {len(names)}:  # salvaged, or unusual
+            names = set().union(*stages)
         for name in names:
             column = self._stage.get(name)
             if column is None:
                 column = self._stage[name] = np.zeros(len(self._samples))
-            column[:replicas] += [w.stage_seconds.get(name, 0.0) for w in window]
+            column[:replicas] += list(map(methodcaller("get", name, 0.0), stages))
 
     @property
     def totals(self) -> list[ReplicaTotals]:
@@ -243,14 +266,14 @@ class Recorder:
     def _record_steps(
         self, specs: tuple, phase: int, window: list[Any], samples: np.ndarray, salvaged: list
     ) -> None:
-        losses = np.array([w.losses for w in window], dtype=float)  # None: nan
-        seconds = np.array([w.step_seconds for w in window], dtype=float).max(axis=0)
+        losses = np.array(list(map(_LOSSES, window)), dtype=float)  # None: nan
+        seconds = np.array(list(map(_STEP_SECONDS, window)), dtype=float).max(axis=0)
         known = samples > 0
         known[salvaged] = False  # a lost replica's losses are unknown: the others' mean
         weighted = np.where(known, losses * samples, 0.0).sum(axis=0)
         step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
         step_totals = samples.sum(axis=0)
-        skipped = {index for w in window for index in w.skipped}  # on_non_finite="skip"
+        skipped = set().union(*map(_SKIPPED, window))  # on_non_finite="skip"
         now = self.clock.now()  # since training began, earlier runs included
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
@@ -278,7 +301,7 @@ class Recorder:
                 self.epoch_samples += total
             if spec.last_in_epoch:
                 self._record_epoch(spec, window)
-        self.phase_pairs.extend(p for w in window for p in w.norm_pairs)  # so do its noise pairs
+        self.phase_pairs.extend(itertools.chain.from_iterable(map(_NORM_PAIRS, window)))
         if self.bar is not None:
             last = self.history.steps[-1]
             self.bar.update(len(specs))

@@ -8,12 +8,16 @@ plan; the replicas send only a digest of what they read. The recorder calls
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from dataflow.core.digest import index_hashes
 from dataflow.core.errors import DataError
+
+_DIGEST = attrgetter("sample_digest")  # read for every replica in C (map)
+_TAKEN_OVER = attrgetter("taken_over")
 
 
 class SampleCheck:
@@ -44,7 +48,7 @@ class SampleCheck:
                 for spec in epoch_steps:
                     self._layouts[spec.index] = layout
             self._layout_of = segment
-        reported = [w.sample_digest for w in window]
+        reported = np.array(list(map(_DIGEST, window)), dtype=object)  # None: unknown
         expected = np.zeros(len(window), dtype=np.uint64)
         for layout in dict.fromkeys(self._layouts[spec.index] for spec in specs):
             mine = [spec.index for spec in specs if self._layouts[spec.index] is layout]
@@ -52,10 +56,10 @@ class SampleCheck:
             positions = ledger.record_spans(layout.epoch, layout.flat, layout.bounds, start, stop)
             with np.errstate(over="ignore"):
                 expected += layout.digests(positions, stop - start)
-        known = np.array([d is not None for d in reported])
+        known = np.not_equal(reported, None).astype(bool)
         known[salvaged] = False
-        got = np.array([d or 0 for d in reported], dtype=np.uint64)
-        if parts_moved or any(w.taken_over for w in window):
+        got = np.where(known, reported, 0).astype(np.uint64)
+        if parts_moved or any(map(_TAKEN_OVER, window)):
             # Sample leases: replicas took over each other's parts, so only the window's
             # whole is the plan's (digests add up); each part was claimed exactly once.
             # A lost replica's digest is unknown: then the sum cannot be checked.
