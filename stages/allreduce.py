@@ -64,7 +64,6 @@ class AllReduce(Stage):
     ) -> None:
         super().__init__(name)
         self.config = AllReduceConfig(bucket_mb=bucket_mb, dtype=dtype)
-        self.planned_bucket_mb: float | None = None  # set by the fit from its cost model
 
     @property
     def wire_scale(self) -> float:
@@ -73,8 +72,14 @@ class AllReduce(Stage):
 
     @property
     def bucket_mb(self) -> float:
-        """The bucket size in use: the user's, the planned one, or the default."""
-        return self.config.bucket_mb or self.planned_bucket_mb or self.DEFAULT_BUCKET_MB
+        """The bucket size this stage asks for: the user's, or the default. A fit whose
+        user left it to the engine plans one (``driver/fit_settings``, in the history's
+        ``fit_plan``) and hands it to the replicas, not to this stage."""
+        return self.config.bucket_mb or self.DEFAULT_BUCKET_MB
+
+    def bucket_in_use(self, replica: ReplicaContext) -> float:
+        """The user's bucket, else the one the fit planned, else the default."""
+        return self.config.bucket_mb or replica.planned_bucket_mb or self.DEFAULT_BUCKET_MB
 
     def setup(self, replica: ReplicaContext) -> None:
         self._reducer = None
@@ -102,7 +107,7 @@ class AllReduce(Stage):
         self._reducer = BucketReducer(
             list(replica.model.parameters()),
             replica.collective,
-            cap_bytes=int(self.bucket_mb * 2**20),
+            cap_bytes=int(self.bucket_in_use(replica) * 2**20),
             sample_group=self._sample_group if self._replicas > 1 else None,
             wire_dtype=torch.bfloat16 if self.config.dtype == "bf16" else None,
         )

@@ -128,3 +128,30 @@ def test_a_bf16_allreduce_plans_with_the_bytes_it_moves():
         for p in (wide, narrow)
     ]
     assert exposed[1] <= exposed[0]
+
+
+def test_the_planned_bucket_reaches_the_replicas_not_the_users_stage():
+    """The fit hands its planned bucket to each replica's context (ReplicaSpec.bucket_mb);
+    the user's AllReduce stage keeps what it was given, for the next fit to plan anew."""
+    from dataflow.core.step import ReplicaContext
+    from dataflow.driver.fit import plan_from_cost_model
+
+    x, y = torch.randn(64, 4).numpy(), torch.randint(0, 2, (64,)).numpy()
+    pipe = dfl.Pipeline(
+        model=Tiny,
+        device="cpu",
+        loss=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(8),
+        cost_model=cost_model(window_overhead_s=0.002),
+    )
+    (reducer,) = [s for s in pipe.graph if isinstance(s, dfl.stages.AllReduce)]
+    before = dict(vars(reducer))
+    planned = plan_from_cost_model(pipe.trainer, replicas=2, epochs=1).bucket_mb
+    assert vars(reducer) == before and reducer.bucket_mb == 25.0  # the stage is as given
+    context = ReplicaContext(rank=0, world_size=2, device=torch.device("cpu"), seed=0)
+    context.planned_bucket_mb = planned
+    assert reducer.bucket_in_use(context) == planned != 25.0
+    mine = dfl.stages.AllReduce(bucket_mb=2.0)
+    assert mine.bucket_in_use(context) == 2.0  # the user's own wins

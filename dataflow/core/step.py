@@ -57,6 +57,9 @@ class ReplicaContext:
     step_options: Any = None
     # fp16: the loss scale (dataflow.core.precision.LossScale), alike on every replica
     loss_scale: Any = None
+    # the allreduce bucket the fit planned (MiB; None: the default), for AllReduce
+    # stages that leave bucket_mb to the engine (the user's stage objects stay as given)
+    planned_bucket_mb: float | None = None
 
     @property
     def local_updates(self) -> bool:

@@ -37,6 +37,7 @@ def run_fit(
     size = config.spatial
     workers = _pick_workers(available_workers(client), config.replicas, size)
     order = trainer.graph.validate(replicas=len(workers) // size)
+    fit_plan = plan_from_cost_model(trainer, len(workers) // size, epochs)
     spec = ReplicaSpec(
         run_id=run_id,
         graph=trainer.graph,
@@ -58,10 +59,18 @@ def run_fit(
         channels_last=config.channels_last,
         compile=config.compile,
         allow_cpu_fp16=cpu_fp16_allowed(),
+        bucket_mb=fit_plan.bucket_mb,
     )
     executor = Executor(client, spec)
     loop = build_loop(
-        trainer, executor, epochs=epochs, order=order, run_id=run_id, store=store, every=every
+        trainer,
+        executor,
+        epochs=epochs,
+        order=order,
+        run_id=run_id,
+        store=store,
+        every=every,
+        fit_plan=fit_plan,
     )
     recorder = loop.recorder
     if checkpoint is not None:
@@ -120,12 +129,14 @@ def build_loop(
     run_id: str = "",
     store: Any = None,
     every: int | None = None,
+    fit_plan: FitPlan | None = None,
 ) -> FitLoop:
     """The fit's machine, planner, recorder and checkpoint writer around ``executor``
     (Dask's, or :class:`~dataflow.driver.simulate.SimulatedExecutor`)."""
     config = trainer.config
     per_replica_caps = isinstance(config.max_micro_batch, tuple)
-    fit_plan = plan_from_cost_model(trainer, executor, epochs)
+    if fit_plan is None:  # (a simulated executor's fit: planned on its workers)
+        fit_plan = plan_from_cost_model(trainer, len(executor.available()), epochs)
     held_out = held_out_samples(trainer.graph)
     machine = FitMachine(
         MachineConfig(
@@ -200,17 +211,13 @@ def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> 
     return available[:wanted]
 
 
-def plan_from_cost_model(trainer: Any, executor: Any, epochs: int) -> FitPlan:
+def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:
     """The window length and the bucket size for this fit (``driver/fit_settings.py``),
-    planned for its first phase on the workers it starts with; the planned bucket size
-    goes to the AllReduce stages that left ``bucket_mb`` to the engine."""
+    planned for its first phase on the ``replicas`` it starts with. Pure: the planned
+    bucket travels in the ReplicaSpec to the replicas (for AllReduce stages that left
+    ``bucket_mb`` to the engine); the user's stages are not changed."""
     first = trainer.planner().next_phase(0, epochs, None)
-    replicas = trainer.config.replicas or max(1, len(executor.available()))
-    fit_plan = trainer.fit_plan(replicas, first.global_batch)
-    for stage in trainer.graph:
-        if stage.kind == kinds.ALLREDUCE:
-            stage.planned_bucket_mb = fit_plan.bucket_mb
-    return fit_plan
+    return trainer.fit_plan(trainer.config.replicas or max(1, replicas), first.global_batch)
 
 
 def _request_workers(

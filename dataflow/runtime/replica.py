@@ -73,6 +73,7 @@ class ReplicaRuntime:
             local=spec.local,
             asynchronous=spec.asynchronous,
             requested_step_options=spec.requested_step_options,
+            planned_bucket_mb=spec.bucket_mb,
         )
         self.groups = micro_batch_groups(self.order, self.stages)
         self.steps: dict[int, Any] = {}

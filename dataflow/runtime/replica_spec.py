@@ -54,6 +54,8 @@ class ReplicaSpec:
     channels_last: bool | str = False
     compile: bool | str = False
     allow_cpu_fp16: bool = False  # DATAFLOW_ALLOW_CPU_FP16=1 on the driver (tests only)
+    # the allreduce bucket the fit planned (driver/fit_settings); a stage's own wins
+    bucket_mb: float | None = None
 
     @property
     def requested_step_options(self) -> tuple[Any, ...]:
