@@ -8,14 +8,18 @@ interleavings in milliseconds; the fits run on a real LocalCluster."""
 from __future__ import annotations
 
 import random
+import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import digits_accuracy, make_data, max_abs_diff, tiny_pipeline
+from conftest import TinyCNN, digits_accuracy, make_data, max_abs_diff, sgd, tiny_pipeline
 
 import dataflow as dfl
+from dataflow import stages
+from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.ps import StalenessError, StalenessGate, shard_ranges
 
@@ -372,31 +376,141 @@ def _plane_requests(dask_worker):
     return 0 if plugin is None else plugin.ps.plane_requests
 
 
+# -- a slow replica on a schedule the test controls -------------------------------------
+
+
+class Lag(stages.Stage):
+    """Test stage: replica 1 is the slow one on a schedule the test sets, whatever the
+    machine's speed (a throttle's outcome depends on it). Placed at the start of a part
+    (``at="start"``) and after its push (``at="pushed"``). Replica 0 notes in ``folder``
+    each part of a window it begins (``begun-FIRST-N``), each it pushed
+    (``pushed-FIRST-N``) and its window's last part (``last-FIRST``). Replica 1 waits
+    before its first part of a window, and (``until="bound"``) after each push, before
+    it claims its next part, until replica 0 can take nothing more before it:
+    ``"bound"`` (Async): replica 0 finished, or its push is held by the staleness bound
+    at every shard with its next part claimed; ``"last"`` (Local): replica 0 began its
+    window's last part (every part it could take over is taken)."""
+
+    kind = kinds.LOAD  # waiting on a peer, not compute
+
+    def __init__(self, folder: str, *, at: str, until: str) -> None:
+        super().__init__(f"Lag-{at}")
+        self.folder, self.at, self.until = Path(folder), at, until
+        self.window: tuple[int, int] | None = None
+        self.count = 0  # parts of this window that passed here
+
+    def run(self, step: stages.StepContext, value):
+        replica = step.replica
+        if replica.world_size < 2:  # the driver's dry run
+            return value
+        first, stop = replica.window
+        if (first, stop) != self.window:
+            self.window, self.count = (first, stop), 0
+        self.count += 1
+        last = step.spec.index == stop - 1 and step.part is None
+        if replica.rank == 0:
+            (
+                self.folder / f"{'begun' if self.at == 'start' else 'pushed'}-{first}-{self.count}"
+            ).touch()
+            if last and self.at == "start":
+                (self.folder / f"last-{first}").touch()
+        elif (self.at == "start" and self.count == 1) or (self.until == "bound" and not last):
+            deadline = time.monotonic() + 120  # a bound on a real condition, not a pause
+            while not self._leader_is_stuck(step, first):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"replica 0 never got stuck in window {first}")
+                time.sleep(0.01)
+        return value
+
+    def _leader_is_stuck(self, step: stages.StepContext, first: int) -> bool:
+        if self.until == "last":
+            return (self.folder / f"last-{first}").exists()
+        from distributed import get_client
+
+        store = step.replica.parameter_store
+        found = get_client().run(_leader_at_the_gate, store.run_id, first)
+        states = [state for shards in found.values() for state in shards]
+        if len(states) < len(store.ranges):  # a shard does not serve this window yet
+            return False
+        if all(state == "finished" for state in states):
+            return True
+        begun = len(list(self.folder.glob(f"begun-{first}-*")))
+        pushed = len(list(self.folder.glob(f"pushed-{first}-*")))
+        claimed = begun > pushed or (self.folder / f"last-{first}").exists()
+        return claimed and all(state == "held" for state in states)
+
+
+async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> list[str]:
+    """Replica 0 at each of this worker's shards serving ``window``: "finished", "held"
+    (pushed, and the staleness bound keeps the push from applying) or "free". Read on
+    the store loop, which alone changes a shard."""
+    plugin = dask_worker.plugins.get("dataflow")
+    if plugin is None or not plugin.ps.shards:
+        return []
+
+    async def read() -> list[str]:
+        states = []
+        for (run, _), shard in list(plugin.ps.shards.items()):
+            if run == run_id and shard.window == window:
+                gate = shard.gate
+                held = 0 in gate.pending and not gate.may_apply()
+                states.append("finished" if 0 in gate.finished else "held" if held else "free")
+        return states
+
+    return await plugin.ps.store.run(read())
+
+
+def _lagging_trainer(x, y, folder, *, until: str, **options) -> dfl.Trainer:
+    """TinyCNN on batches of 16 (8 steps an epoch of 128 samples), one window an epoch,
+    replica 1 lagging as ``Lag`` says."""
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(Lag(str(folder), at="start", until=until), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    grads = g.add(
+        Lag(str(folder), at="pushed", until=until),
+        g.add(stages.AllReduce(), g.add(stages.Backward(), out)),
+    )
+    g.add(stages.Update(options.pop("optimizer", sgd)), grads)
+    return dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(16),
+        seed=0,
+        device="cpu",
+        progress=False,
+        **options,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("servers", "overlap"), [(1, False), (2, False), (1, True)])
-def test_a_throttled_replica_never_pushes_beyond_the_bound(client, servers, overlap):
-    """Replica 1 throttled 3x on an even split: the fast replica runs ahead until the
-    bound stops it, and takes over parts of the slow one's batches (``leases=True``).
-    Every push the store applied was at most 1 version stale, some were 1 stale, and
+def test_a_slow_replica_never_pushes_beyond_the_bound(client, tmp_path, servers, overlap):
+    """Replica 1 slow on an even split (``Lag``: it pushes only once replica 0 is held
+    by the bound): the fast replica runs ahead until the bound stops it, and takes over
+    parts of the slow one's batches (``leases=True``). Every push the store applied
+    was at most 1 version stale, exactly those the schedule implies were 1 stale, and
     every sample is still trained once per epoch."""
     x, y = make_data(128)
     sync = dfl.sync.Async(staleness=1, servers=servers, leases=True, overlap=overlap)
     # (overlap with momentum 0.9 warns: a step's delay adds momentum)
     calm = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5)) if overlap else {}
-    pipe = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}, **calm)
-    result = pipe.fit(epochs=2, client=client)
+    trainer = _lagging_trainer(x, y, tmp_path, until="bound", sync=sync, window_steps=8, **calm)
+    result = trainer.fit(epochs=2, client=client)
     (phase,) = result.history.phases
     counts = phase.staleness_counts
-    assert all(len(c) <= 2 for c in counts), counts  # τ ∈ {0, 1} only
-    assert sum(c[1] for c in counts if len(c) > 1) > 0, counts  # it did run ahead
+    # Each window (an epoch: 8 steps, of which leases hand out 7 parts a replica, then
+    # each trains its own part of the last), replica 0's pushes, then replica 1's, by
+    # staleness τ = 0, 1. Without overlap replica 0 pushes on time, then the bound holds
+    # it until replica 1's 1-stale push joins: 2 of 0's to 1 of 1's, 0 takes over 3 of
+    # 1's parts. With overlap gradient k is on reply k - 2's weights: after the first
+    # push each, all are 1 stale; replica 0 is a part ahead and takes over 1.
+    window = [[1, 8], [1, 6]] if overlap else [[11], [0, 5]]
+    counts = phase.staleness_counts
+    assert counts == [[2 * n for n in replica] for replica in window], counts
     # sample leases: the fast replica took over parts of the slow one's batches
     fast_pushes, slow_pushes = phase.pushes
     assert fast_pushes + slow_pushes == 2 * len(result.history.steps)
-    assert fast_pushes > slow_pushes, phase.pushes
-    assert (
-        phase.samples_trained[0] > phase.samples_trained[1]
-        and sum(phase.samples_trained) == 2 * 128
-    ), phase.samples_trained
+    assert phase.samples_trained == [8 * fast_pushes, 8 * slow_pushes], phase.samples_trained
     for epoch in range(2):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
     waits = phase.lockstep_wait_s  # measured durations: only their shape is asserted here
@@ -465,18 +579,20 @@ def test_async_updates_learn_the_digits_with_a_throttled_replica(client):
 
 
 @pytest.mark.slow
-def test_local_updates_with_leases_let_the_fast_replica_train_more(client):
+def test_local_updates_with_leases_let_the_fast_replica_train_more(client, tmp_path):
     """``Local(period_seconds=...)`` hands out the window's parts on demand: with replica
-    1 throttled 3x on an even split, the fast replica takes over parts of the slow
+    1 slow on an even split (``Lag``), the fast replica takes over parts of the slow
     one's batches, the average weighs each by what it trained, every sample is trained
     once per epoch, and the replicas end identical."""
     x, y = make_data(128)
     sync = dfl.sync.Local(period_steps=4, leases=True)
-    result = tiny_pipeline(x, y, sync=sync, throttle={1: 3.0}).fit(epochs=2, client=client)
+    result = _lagging_trainer(x, y, tmp_path, until="last", sync=sync).fit(2, client=client)
     assert "sample leases" in result.history.info["sync"]
     (phase,) = result.history.phases
-    fast, slow = phase.samples_trained
-    assert fast > slow and fast + slow == 2 * 128, phase.samples_trained
+    # each period of 4 steps (leases hand out 3 parts a replica, then each trains its
+    # own part of the last): replica 1 holds its first part until replica 0 took its
+    # other 2, so replica 0 trains 3 + 2 + 1 parts of 8 samples, replica 1 1 + 1
+    assert phase.samples_trained == [4 * 6 * 8, 4 * 2 * 8], phase.samples_trained
     for epoch in range(2):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
     # (the driver checks at the phase's end that every replica's weights are identical)
