@@ -434,6 +434,8 @@ class Lag(stages.Stage):
             return False
         if all(state == "finished" for state in states):
             return True
+        # held, and (overlap: its push returned at once) its next part claimed: a claim
+        # racing replica 1's for the last part left would change who trains it
         begun = len(list(self.folder.glob(f"begun-{first}-*")))
         pushed = len(list(self.folder.glob(f"pushed-{first}-*")))
         claimed = begun > pushed or (self.folder / f"last-{first}").exists()
@@ -461,8 +463,8 @@ async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> lis
 
 
 def _lagging_trainer(x, y, folder, *, until: str, **options) -> dfl.Trainer:
-    """TinyCNN on batches of 16 (8 steps an epoch of 128 samples), one window an epoch,
-    replica 1 lagging as ``Lag`` says."""
+    """TinyCNN on batches of 16 (8 steps an epoch of 128 samples), replica 1 lagging as
+    ``Lag`` says."""
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     batch = g.add(Lag(str(folder), at="start", until=until), batch)
