@@ -360,7 +360,8 @@ class PatchSource:
         xs = [k for k, a in enumerate(arrays) if a.field != "y"]
         outs: list[np.ndarray | None] = [None] * len(arrays)
         x = None
-        if len(xs) > 1 or arrays[0].cuts_direct:  # x's channels filled in place
+        first = [windows[k] for k, a in enumerate(arrays) if a.name == arrays[0].name]
+        if len(xs) > 1 or arrays[0].cuts_from_chunks(first):  # x's channels filled in place
             dtype = np.result_type(*(arrays[k].dtype.newbyteorder("=") for k in xs))
             x = np.empty((len(members), len(xs), *windows[0][1]), dtype)
             for k in xs:
