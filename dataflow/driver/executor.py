@@ -107,6 +107,11 @@ class Executor(GroupForming):
         self.known.update(new)
         return ev.WorkersJoined(tuple(new)) if new else None
 
+    def is_loss(self, error: BaseException) -> bool:
+        """Whether ``error`` is this layer's signal of a lost member (``carry_out`` turns
+        it into a WorkersLost event; the loop lets it through)."""
+        return isinstance(error, Lost)
+
     def carry_out(self, effects: Callable[[], None]) -> bool:
         """Carry out one command's ``effects``. A member lost meanwhile (seen while the
         command waited on Dask) becomes a WorkersLost event in the queue, after what the

@@ -150,6 +150,8 @@ class FitLoop:
         try:
             infos = self.executor.form_group(c)
         except Exception as error:
+            if self.executor.is_loss(error):  # a member lost: the executor queues it
+                raise
             # No member was lost (the executor checked): the machine decides whether
             # to form the group again (a peer restarted or stalled in the rendezvous)
             # or to stop (the user's own error: a model factory's, a source's)
