@@ -76,24 +76,27 @@ class CheckpointWriter:
         }
         return self._write(states, phase, phase.end_epoch, next_step, schedule_state, recorder)
 
-    def save_mid_phase(self, states: list[dict], machine: Any, step: int, recorder: Any) -> Path:
-        """Inside a phase, at the committed ``step``: what a boundary checkpoint saves, and
-        where the phase stands (:class:`PhaseProgress`) so a resume goes on from there."""
-        epoch = next(spec.epoch for spec in machine.phase_steps if spec.index == step)
+    def save_mid_phase(
+        self, states: list[dict], phase: Any, position: Any, step: int, recorder: Any
+    ) -> Path:
+        """Inside ``phase``, at the committed ``step``: what a boundary checkpoint saves,
+        and where the phase stands (``position``, the command's ``PhasePosition``, as
+        :class:`PhaseProgress`) so a resume goes on from there."""
+        epoch = next(spec.epoch for spec in position.phase_steps if spec.index == step)
         progress = PhaseProgress(
-            phase=machine.phase,
-            steps=machine.phase_steps,
-            segment=machine.segment,
-            lr_factor=machine.lr_factor,
-            rollbacks=machine.rollbacks,
+            phase=phase,
+            steps=position.phase_steps,
+            segment=position.segment,
+            lr_factor=position.lr_factor,
+            rollbacks=position.rollbacks,
             norm_pairs=list(recorder.phase_pairs),
             epoch_loss=(recorder.epoch_loss_sum, recorder.epoch_samples),
             totals=list(recorder.totals),
             seconds=time.perf_counter() - recorder.phase_started,
             lost=list(recorder.lost_replicas),
         )
-        schedule_state = {"memory_cap": machine.memory_cap}
-        return self._write(states, machine.phase, epoch, step, schedule_state, recorder, progress)
+        schedule_state = {"memory_cap": position.memory_cap}
+        return self._write(states, phase, epoch, step, schedule_state, recorder, progress)
 
     def _write(
         self,

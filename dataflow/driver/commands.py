@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from dataflow.driver.state import PhasePosition
+
 
 class SegmentKind(StrEnum):
     """Which steps ``PlanSegment`` asks for."""
@@ -44,6 +46,7 @@ class FormGroup:
     restore: bool = False
     # Each replica's workers, leader first (spatial layouts); () = one worker each.
     groups: tuple[tuple[str, ...], ...] = ()
+    phase: int | None = None  # the phase the group trains next (a regroup's record)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class PlanSegment:
     phase: Any = None
     commit_step: int = 0  # "rest": the first step not committed; "phase": its first step
     memory_cap: int | None = None
+    # REST: the steps running and the phase as planned, to re-split (StepSpecs)
+    segment: tuple[Any, ...] = ()
+    phase_steps: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class BeginPhase:
     steps: tuple[Any, ...]
     continued: bool
     lr_factor: float
+    phase_length: int = 0  # the phase's steps as planned (its noise-measure cadence)
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class WriteCheckpoint:
     phase: Any
     members: tuple[str, ...] = ()
     states: tuple[Any, ...] | None = None
+    position: PhasePosition | None = None  # where the phase stands (its checkpoint's)
 
 
 @dataclass(frozen=True)

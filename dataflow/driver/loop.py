@@ -27,7 +27,6 @@ from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
 from dataflow.driver.segments import Planner
-from dataflow.driver.state import AfterGroup
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint
@@ -181,11 +180,9 @@ class FitLoop:
             )
             self.executor.restore(state, checkpoint.replica_rng, checkpoint.replica_buffers)
         if c.joining and not c.fresh:
-            state = self.machine.state
-            phase = state.next_phase if state.after_group == AfterGroup.PHASE else state.phase
             info.setdefault("regroups", []).append(
                 {
-                    "phase": getattr(phase, "index", None),
+                    "phase": c.phase,
                     "replicas": len(c.members),
                     "joined": list(c.joining),
                 }
@@ -193,7 +190,7 @@ class FitLoop:
             if self.progress:
                 print(
                     f"dataflow: {len(c.joining)} worker(s) joined; phase "
-                    f"{getattr(phase, 'index', '?')} runs {len(c.members)} replicas"
+                    f"{'?' if c.phase is None else c.phase} runs {len(c.members)} replicas"
                 )
         if self.open_failure is not None:
             self.open_failure.update(resumed_at=time.time(), replicas_after=len(c.members))
@@ -299,13 +296,10 @@ class FitLoop:
             self.recorder.begin_phase(c.phase, steps, steps)
             self.executor.queue.append(ev.SegmentPlanned(c.phase, steps, steps))
             return
-        state = self.machine.state
         todo = self.planner.rest(
-            state.segment, c.commit_step, c.replicas, c.memory_cap, len(state.phase_steps)
+            c.segment, c.commit_step, c.replicas, c.memory_cap, len(c.phase_steps)
         )
-        self.executor.queue.append(
-            ev.SegmentPlanned(c.phase, state.phase_steps, todo, continued=True)
-        )
+        self.executor.queue.append(ev.SegmentPlanned(c.phase, c.phase_steps, todo, continued=True))
 
     def _announce(self, phase: Any, steps: tuple, todo: tuple) -> None:
         """The phase's plan, one line, before its progress bar opens: as many steps as
@@ -323,7 +317,7 @@ class FitLoop:
             lr_scale=phase.lr_scale,
             warmup_steps=phase.warmup_steps,
             measure_noise=self.measures_noise,
-            measure_every=self.planner.measure_every(len(self.machine.state.phase_steps)),
+            measure_every=self.planner.measure_every(c.phase_length),
             continued=c.continued,
             lr_factor=c.lr_factor,
         )
@@ -398,11 +392,11 @@ class FitLoop:
         self.executor.roll_back(c)
 
     def _WriteCheckpoint(self, c: cmd.WriteCheckpoint) -> None:
-        writer, state = self.writer, self.machine.state
+        writer, position = self.writer, c.position
         if c.kind == cmd.CheckpointKind.PHASE:
             states = self.executor.replica_states(f"p{c.phase.index}")
             writer.save_boundary(
-                states, c.phase, c.step, self.measurement, self.recorder, state.memory_cap
+                states, c.phase, c.step, self.measurement, self.recorder, position.memory_cap
             )
             return
         if c.kind == cmd.CheckpointKind.SURVIVORS:
@@ -413,7 +407,7 @@ class FitLoop:
             states = [
                 s for part in c.states for s in (part if isinstance(part, tuple) else (part,))
             ]
-        path = writer.save_mid_phase(states, state, c.step, self.recorder)
+        path = writer.save_mid_phase(states, c.phase, position, c.step, self.recorder)
         if c.kind == cmd.CheckpointKind.SURVIVORS:
             self.saved_path = path
 

@@ -13,6 +13,7 @@ The model is distributed's ``WorkerState.handle_stimulus``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import os
@@ -33,7 +34,14 @@ from dataflow.driver.memory import (
     out_of_memory_error,
 )
 from dataflow.driver.recovery import LostWorkers
-from dataflow.driver.state import AfterGroup, FitState, Forming, Status, validate_state
+from dataflow.driver.state import (
+    AfterGroup,
+    FitState,
+    Forming,
+    PhasePosition,
+    Status,
+    validate_state,
+)
 from dataflow.driver.transitions import Ignored, rule
 from dataflow.driver.window_planning import WindowPlanning
 from dataflow.planning.layout import ReplicaGroups
@@ -124,7 +132,14 @@ class FitMachine(LostWorkers, WindowPlanning):
         s.generation += 1
         s.layout, s.joining, s.after_group, s.status = layout, joining, after, Status.FORMING
         s.available = tuple(w for w in s.available if w not in layout.worker_set)
-        return [cmd.FormGroup(s.generation, layout.leaders, joining=joining, groups=layout.groups)]
+        phase = s.next_phase if after == AfterGroup.PHASE else s.phase
+        form = cmd.FormGroup(s.generation, layout.leaders, joining=joining, groups=layout.groups)
+        return [dataclasses.replace(form, phase=getattr(phase, "index", None))]
+
+    def _position(self) -> PhasePosition:
+        """Where the running phase stands, for the checkpoint a command writes."""
+        s = self.state
+        return PhasePosition(s.phase_steps, s.segment, s.lr_factor, s.rollbacks, s.memory_cap)
 
     def _started(self, event: ev.Started) -> list[Any]:
         s = self.state
@@ -193,11 +208,10 @@ class FitMachine(LostWorkers, WindowPlanning):
                     cmd.SegmentKind.PHASE, replicas, s.next_phase, s.next_step, memory_cap=cap
                 )
             ]
-        return [
-            cmd.PlanSegment(
-                cmd.SegmentKind.REST, s.layout.replicas, s.phase, s.committed_step, memory_cap=cap
-            )
-        ]
+        rest = cmd.PlanSegment(
+            cmd.SegmentKind.REST, s.layout.replicas, s.phase, s.committed_step, memory_cap=cap
+        )
+        return [dataclasses.replace(rest, segment=s.segment, phase_steps=s.phase_steps)]
 
     def _workers_joined(self, event: ev.WorkersJoined) -> list[Any]:
         s = self.state
@@ -251,7 +265,13 @@ class FitMachine(LostWorkers, WindowPlanning):
         s.committed_step = s.planned_until = event.todo[0].index
         s.status = Status.RUNNING
         begin = cmd.BeginPhase(
-            s.generation, self.members, event.phase, event.todo, event.continued, s.lr_factor
+            s.generation,
+            self.members,
+            event.phase,
+            event.todo,
+            event.continued,
+            s.lr_factor,
+            phase_length=len(s.phase_steps),
         )
         return [begin, self._submit_next()]
 
@@ -305,7 +325,11 @@ class FitMachine(LostWorkers, WindowPlanning):
                 if all(state is not None for state in states):
                     out.append(
                         cmd.WriteCheckpoint(
-                            cmd.CheckpointKind.WINDOW, s.committed_step, s.phase, states=states
+                            cmd.CheckpointKind.WINDOW,
+                            s.committed_step,
+                            s.phase,
+                            states=states,
+                            position=self._position(),
                         )
                     )
         return out
@@ -350,7 +374,11 @@ class FitMachine(LostWorkers, WindowPlanning):
     def _phase_checkpoint(self) -> cmd.WriteCheckpoint:
         s = self.state
         return cmd.WriteCheckpoint(
-            cmd.CheckpointKind.PHASE, s.committed_step, s.phase, members=self.members
+            cmd.CheckpointKind.PHASE,
+            s.committed_step,
+            s.phase,
+            members=self.members,
+            position=self._position(),
         )
 
     # -- failures ---------------------------------------------------------------------

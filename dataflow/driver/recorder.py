@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 from dataflow.checkpoint.progress import ReplicaTotals
 from dataflow.core import kinds
 from dataflow.core.errors import DataError, LossError
-from dataflow.core.window import WHOLE, WindowResult, scored_samples
+from dataflow.core.window import WHOLE, scored_samples
 from dataflow.driver.clock import RunClock, train_seconds
+from dataflow.driver.salvage import salvage_leased, salvaged_result
 from dataflow.driver.sample_check import SampleCheck
 from dataflow.driver.step_times import lockstep_wait, plausible_step_seconds, steady_step_seconds
 from dataflow.history.records import (
@@ -163,9 +164,9 @@ class Recorder:
         salvaged = [rank for rank, gone in enumerate(lost) if gone] if any(lost) else []
         filled = list(results)
         for rank in salvaged:
-            filled[rank] = self._salvaged(specs, rank)
+            filled[rank] = salvaged_result(specs, rank)
         if salvaged and self.leases:
-            _salvage_leased(filled, salvaged, specs)
+            salvage_leased(filled, salvaged, specs)
         # Passes over the replicas by map and attrgetter (no Python frame per replica: a
         # round of 1,024 replicas is a few of them)
         checkpoints = list(map(_CHECKPOINT, filled))
@@ -251,17 +252,6 @@ class Recorder:
             name: np.array([t.stage_seconds.get(name, 0.0) for t in totals], dtype=float)
             for name in names
         }
-
-    def _salvaged(self, specs: tuple, rank: int) -> Any:
-        return WindowResult(
-            rank=rank,
-            first_step=specs[0].index,
-            samples=[spec.local_batches[rank] for spec in specs],
-            losses=[None] * len(specs),
-            step_seconds=[0.0] * len(specs),
-            stage_seconds={},
-            task_seconds=0.0,
-        )
 
     def _record_steps(
         self, specs: tuple, phase: int, window: list[Any], samples: np.ndarray, salvaged: list
@@ -480,21 +470,6 @@ class Recorder:
             end_step = steps[-1]["step"] + 1 if steps else self.clock.start_step
         info["segments"] = self.clock.segments(end_step, self.samples_seen, info.get("run_id"))
         info["train_seconds"] = train_seconds(info["segments"])
-
-
-def _salvage_leased(filled: list[Any], salvaged: list[int], specs: tuple) -> None:
-    """Sample leases and a replica lost after its window finished: which parts it
-    trained is unknown, but every part of every step was trained exactly once, so its
-    samples are each step's global batch less what the others report (split over
-    several lost replicas by their planned shares)."""
-    known = [w for rank, w in enumerate(filled) if rank not in salvaged]
-    for i, spec in enumerate(specs):
-        left = spec.global_batch - sum(w.samples[i] for w in known)
-        planned = [spec.local_batches[rank] for rank in salvaged]
-        shares = [left * p // max(sum(planned), 1) for p in planned]
-        shares[0] += left - sum(shares)
-        for rank, share in zip(salvaged, shares, strict=True):
-            filled[rank].samples[i] = share
 
 
 def _per_replica(ends: list[dict[str, Any]], key: str) -> list[Any] | None:

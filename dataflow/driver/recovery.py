@@ -25,6 +25,7 @@ class LostWorkers:
 
     state: Any
     config: Any
+    _position: Any  # FitMachine's: where the running phase stands
 
     def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> FailureRecord:
         """A ``history.info["failures"]`` entry; at most the window in progress is lost."""
@@ -230,6 +231,7 @@ class LostWorkers:
                         s.committed_step,
                         s.phase,
                         members=survivors.leaders,
+                        position=self._position(),
                     )
                 )
             fail = cmd.Fail(
@@ -277,9 +279,15 @@ class LostWorkers:
             cmd.RollBack(partners, s.committed_step, groups=alone),
         ]
         if config.checkpoints and after == AfterGroup.REST:  # inside a phase: the commit
-            out.append(cmd.WriteCheckpoint(cmd.CheckpointKind.SURVIVORS, s.committed_step, s.phase))
-        elif config.checkpoints and after == "checkpoint":  # the phase's, not written yet
-            out.append(cmd.WriteCheckpoint(cmd.CheckpointKind.PHASE, s.committed_step, s.phase))
+            kind = cmd.CheckpointKind.SURVIVORS
+            out.append(
+                cmd.WriteCheckpoint(kind, s.committed_step, s.phase, position=self._position())
+            )
+        elif config.checkpoints and after == AfterGroup.CHECKPOINT:  # the phase's, not written yet
+            kind = cmd.CheckpointKind.PHASE
+            out.append(
+                cmd.WriteCheckpoint(kind, s.committed_step, s.phase, position=self._position())
+            )
         groups = len(s.available) // config.spatial
         if config.max_replicas is not None:
             groups = min(groups, config.max_replicas)

@@ -44,6 +44,18 @@ class Forming(StrEnum):
     REGROUP = "regroup"
 
 
+@dataclass(frozen=True)
+class PhasePosition:
+    """Where the running phase stands, as a checkpoint records it: the phase as planned,
+    the steps running, the LR cut and rollbacks so far, and the micro-batch cap learned."""
+
+    phase_steps: tuple[Any, ...] = ()
+    segment: tuple[Any, ...] = ()
+    lr_factor: float = 1.0
+    rollbacks: int = 0
+    memory_cap: int | None = None
+
+
 @dataclass
 class FitState:
     """Where a fit stands. ``status``: what the machine waits for (``forming``: a group,
