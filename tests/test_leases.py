@@ -99,7 +99,7 @@ def test_a_replica_lost_after_a_leased_window_gets_what_the_others_did_not_train
     the others' (the others took over some of its parts here)."""
     from dataflow.core.step import StepSpec
     from dataflow.core.window import WindowResult
-    from dataflow.driver.recorder import _salvage_leased
+    from dataflow.driver.salvage import salvage_leased
 
     specs = tuple(
         StepSpec(index=i, epoch=0, step_in_epoch=i, start=24 * i, global_batch=24,
@@ -113,7 +113,7 @@ def test_a_replica_lost_after_a_leased_window_gets_what_the_others_did_not_train
                             taken_over=list(taken))  # fmt: skip
 
     filled = [result(0, [16, 8, 8], [(0, 2)]), result(1, [8, 8, 8]), result(2, [8, 8, 8])]
-    _salvage_leased(filled, [2], specs)
+    salvage_leased(filled, [2], specs)
     assert filled[2].samples == [0, 8, 8]  # its part of step 0 was replica 0's
 
 
