@@ -11,7 +11,7 @@ import torch
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import DataError
-from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
+from dataflow.io.region import Bounds, RegionView, compose
 
 
 def _as_tensor(name: str, array: Any) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _as_tensor(name: str, array: Any) -> torch.Tensor:
     return tensor
 
 
-class ArraySource:
+class ArraySource(RegionView):
     """Samples along the first dimension of ``x`` (and ``y``), held in memory.
 
     ``shuffle`` draws a new sample order each epoch from (seed, epoch); the fit's
@@ -72,16 +72,6 @@ class ArraySource:
     def sample_shape(self) -> tuple[int, ...]:
         """One sample's x shape, whole (before any region)."""
         return self._sample_shape
-
-    @property
-    def region_bounds(self) -> Bounds:
-        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
-        return self._region if self._region is not None else full_bounds(self._sample_shape)
-
-    @property
-    def region_shape(self) -> tuple[int, ...]:
-        """One sample's x shape as this source reads it."""
-        return bounds_shape(self.region_bounds)
 
     def region(self, bounds: Mapping[int, tuple[int, int]]) -> ArraySource:
         """A view whose x is ``[lo, hi)`` along each given axis of every sample

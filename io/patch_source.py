@@ -50,7 +50,7 @@ from dataflow.io.patch_arrays import (
 )
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
 from dataflow.io.patch_nan import NAN_MODES, masked_nan, refuse_nan
-from dataflow.io.region import Bounds, bounds_shape, compose, full_bounds
+from dataflow.io.region import Bounds, RegionView, compose
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
@@ -60,7 +60,7 @@ from dataflow.io.windows import (
 )
 
 
-class PatchSource:
+class PatchSource(RegionView):
     """Windows of the arrays ``x`` (and ``y``) of a store, as samples.
 
     ``x``: an array name, or a list of names of arrays of one shape, stacked as
@@ -279,16 +279,6 @@ class PatchSource:
         return tuple(int(c) for c in self.corners[index])
 
     # -- regions (spatial decomposition) -----------------------------------------
-    @property
-    def region_bounds(self) -> Bounds:
-        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
-        return self._region if self._region is not None else full_bounds(self.sample_shape)
-
-    @property
-    def region_shape(self) -> tuple[int, ...]:
-        """One sample's x shape as this source reads it."""
-        return bounds_shape(self.region_bounds)
-
     def region(self, bounds: Mapping[int, tuple[int, int]]) -> PatchSource:
         """A view reading only ``[lo, hi)`` along each given axis of every window's x
         (whole-sample coordinates, axis 0 the channels; see ``io.region``); y is whole.

@@ -31,6 +31,23 @@ def bounds_shape(bounds: Bounds) -> tuple[int, ...]:
     return tuple(hi - lo for lo, hi in bounds)
 
 
+class RegionView:
+    """What a source with a region view answers from its ``sample_shape`` and the region
+    it holds (``_region``: None for the whole sample; set by its ``region()``)."""
+
+    _region: Bounds | None = None
+
+    @property
+    def region_bounds(self) -> Bounds:
+        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
+        return self._region if self._region is not None else full_bounds(self.sample_shape)
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        """One sample's x shape as this source reads it."""
+        return bounds_shape(self.region_bounds)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 

@@ -44,7 +44,13 @@ from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
 from dataflow.io.metadata_check import corrupt_metadata
-from dataflow.io.region import Bounds, array_cuts, bounds_shape, common_shape, compose, full_bounds
+from dataflow.io.region import (
+    Bounds,
+    RegionView,
+    array_cuts,
+    common_shape,
+    compose,
+)
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -150,7 +156,7 @@ def _names(field: str, value: Any) -> list[Any]:
     return [value]
 
 
-class ZarrSource:
+class ZarrSource(RegionView):
     """Samples along ``sample_dim`` of arrays ``x`` (and ``y``) of a chunked store.
 
     ``x``: an array name, or a list of names for several inputs (batches then hold
@@ -319,16 +325,6 @@ class ZarrSource:
         """One sample's x shape, sample axis removed, whole (before any region)."""
         shapes = {r.field: r.sample_shape for r in self._open() if r.field != "y"}
         return common_shape(f"ZarrSource(x={self.x_name!r})", shapes)
-
-    @property
-    def region_bounds(self) -> Bounds:
-        """``(lo, hi)`` per axis of a sample that this source reads (whole: no region)."""
-        return self._region if self._region is not None else full_bounds(self.sample_shape)
-
-    @property
-    def region_shape(self) -> tuple[int, ...]:
-        """One sample's x shape as this source reads it."""
-        return bounds_shape(self.region_bounds)
 
     def region(self, bounds: Mapping[int, tuple[int, int]]) -> ZarrSource:
         """A view reading only ``[lo, hi)`` along each given axis of every sample's x

@@ -13,9 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+from test_driver_simulated import trainer as simulated_trainer
 
 import dataflow as dfl
 from dataflow.driver.fit import build_loop
@@ -32,18 +31,7 @@ def counted_lines(replicas: int, rounds: int = 3, local_batch: int = 2) -> int:
     """Lines of the driver's modules executed by one simulated fit of one phase of
     ``rounds`` one-step windows (every step a window round, the driver's worst case)."""
     batch = replicas * local_batch
-    x = np.zeros((batch * rounds, 1), dtype=np.float32)
-    pipe = dfl.Pipeline(
-        model=lambda: torch.nn.Linear(1, 1),
-        device="cpu",
-        loss=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-        source=dfl.io.ArraySource(x, x),
-        schedule=dfl.schedule.Fixed(batch),
-        progress=False,
-        window_steps=1,
-    )
-    trainer = pipe.trainer
+    trainer = simulated_trainer(batch * rounds, schedule=dfl.schedule.Fixed(batch), window_steps=1)
     workers = [f"tcp://10.0.{r // 250}.{r % 250}:9000" for r in range(replicas)]
     executor = SimulatedExecutor(workers, load=trainer.load, step_seconds=lambda w: 1.0)
     loop = build_loop(trainer, executor, epochs=1, order=trainer.graph.validate(replicas=replicas))

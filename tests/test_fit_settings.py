@@ -90,10 +90,10 @@ class Tiny(torch.nn.Module):
         return self.fc(x)
 
 
-def test_the_plan_uses_the_planned_window_and_bucket():
-    x, y = torch.randn(512, 4).numpy(), torch.randint(0, 2, (512,)).numpy()
-    model = cost_model(window_overhead_s=0.002)  # 0.198 s windows of 0.01 s steps
-    pipe = dfl.Pipeline(
+def tiny_pipeline(samples: int, model) -> dfl.Pipeline:
+    """Tiny on ``samples`` random rows, batch 8, planned by the cost ``model``."""
+    x, y = torch.randn(samples, 4).numpy(), torch.randint(0, 2, (samples,)).numpy()
+    return dfl.Pipeline(
         model=Tiny,
         device="cpu",
         loss=F.cross_entropy,
@@ -102,6 +102,10 @@ def test_the_plan_uses_the_planned_window_and_bucket():
         schedule=dfl.schedule.Fixed(8),
         cost_model=model,
     )
+
+
+def test_the_plan_uses_the_planned_window_and_bucket():
+    pipe = tiny_pipeline(512, cost_model(window_overhead_s=0.002))  # 0.198 s windows of 0.01 s
     (plan,) = pipe.plan(epochs=1, replicas=2, step_seconds=0.01)
     assert plan.windows[0].n_steps == 20
     (reducer,) = [s for s in pipe.graph if isinstance(s, dfl.stages.AllReduce)]
@@ -136,16 +140,7 @@ def test_the_planned_bucket_reaches_the_replicas_not_the_users_stage():
     from dataflow.core.step import ReplicaContext
     from dataflow.driver.fit import plan_from_cost_model
 
-    x, y = torch.randn(64, 4).numpy(), torch.randint(0, 2, (64,)).numpy()
-    pipe = dfl.Pipeline(
-        model=Tiny,
-        device="cpu",
-        loss=F.cross_entropy,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(8),
-        cost_model=cost_model(window_overhead_s=0.002),
-    )
+    pipe = tiny_pipeline(64, cost_model(window_overhead_s=0.002))
     (reducer,) = [s for s in pipe.graph if isinstance(s, dfl.stages.AllReduce)]
     before = dict(vars(reducer))
     planned = plan_from_cost_model(pipe.trainer, replicas=2, epochs=1).bucket_mb
