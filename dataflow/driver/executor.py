@@ -33,6 +33,7 @@ from dataflow.driver.membership import (
     LIVENESS_POLL_S,
     Lost,
     RemovalWatch,
+    tell,
     unreachable,
     wait_some,
 )
@@ -373,16 +374,29 @@ class Executor(GroupForming):
                 self.windows[future] = (c.generation, task.replica, c.first_window + window.index)
 
     def stop(self, c: cmd.StopWindows) -> None:
-        alive = list(self._addressed(c))
+        """The addressed replicas leave their windows; waits (at most the collective
+        timeout) for their running tasks to end. One of their workers lost meanwhile is
+        reported at once: its task never ends, and waiting the whole timeout for it
+        would only delay the recovery that loss needs."""
+        addressed = self._addressed(c)
         if c.leave_group:  # not waiting: a worker that died unnoticed would stall it
-            with contextlib.suppress(Exception):
-                self.client.run(remote.abort_run_soon, self.run_id, workers=alive, wait=False)
-        running = [f for f, address in self.in_flight if address in alive and not f.done()]
-        with contextlib.suppress(Exception):
-            wait(running, timeout=self.spec.collective_timeout_s)
+            tell(
+                self.client,
+                remote.abort_run_soon,
+                self.run_id,
+                self.generation,
+                workers=list(addressed),
+            )
+        running = [f for f, address in self.in_flight if address in addressed and not f.done()]
         # Dropped, not cancelled: cancelling a chain of dependent futures can trip the
         # scheduler; a dropped task that still runs finds a newer generation and refuses.
         self.in_flight, self.windows, self.slot_of = [], {}, {}
+        deadline = time.monotonic() + self.spec.collective_timeout_s
+        while running and time.monotonic() < deadline:
+            running = wait_some(running, self.removals.removed)[1]
+            gone = [a for a in self.lost() if a in addressed] if running else []
+            if gone:
+                raise Lost(gone)
 
     def release(self, c: cmd.ReleaseReplicas) -> None:
         """The survivors finish window ``c.window`` without the lost replicas: their
@@ -395,16 +409,15 @@ class Executor(GroupForming):
         }
         self.slot_of = {f: slot for f, slot in self.slot_of.items() if f in self.windows}
         survivors = list(self._workers_of(c.members))
-        with contextlib.suppress(Exception):
-            self.client.run(
-                remote.release_replicas,
-                self.run_id,
-                c.generation,
-                list(c.lost),
-                c.stop_step,
-                workers=survivors,
-                wait=False,
-            )
+        tell(
+            self.client,
+            remote.release_replicas,
+            self.run_id,
+            c.generation,
+            list(c.lost),
+            c.stop_step,
+            workers=survivors,
+        )
 
     def roll_back(self, c: cmd.RollBack) -> None:
         self.members = self._addressed(c)

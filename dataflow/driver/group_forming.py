@@ -10,11 +10,10 @@ run id, spec and task submission (``send``, ``gather``, ``lost``)."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from dataflow.driver import commands as cmd
-from dataflow.driver.membership import Lost
+from dataflow.driver.membership import Lost, tell
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
 
@@ -91,8 +90,7 @@ class GroupForming:
         except Lost:
             self._abort_forming(c.generation)
             alive = [a for a in c.joining if a not in self.lost()]
-            with contextlib.suppress(Exception):
-                self.client.run(remote.close_run_soon, self.run_id, workers=alive, wait=False)
+            tell(self.client, remote.close_run_soon, self.run_id, c.generation, workers=alive)
             raise
         self.last = [*regroups, *setups]
         return infos[:: self.size]
@@ -102,10 +100,7 @@ class GroupForming:
         for it to arrive (not waiting for them: a worker that died unnoticed would stall
         it), so their workers are free for the next group at once."""
         alive = [a for a in self.members if a not in self.lost()]
-        with contextlib.suppress(Exception):
-            self.client.run(
-                remote.abort_group_soon, self.run_id, generation, workers=alive, wait=False
-            )
+        tell(self.client, remote.abort_group_soon, self.run_id, generation, workers=alive)
 
     def scatter_spec(self) -> None:
         """The replica spec (its graph holds the sources: in-memory arrays, maybe GBs) on

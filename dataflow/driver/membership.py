@@ -89,6 +89,28 @@ def unreachable(client: Any, workers: list[str], timeout_s: float = PROBE_S) -> 
     return client.sync(probe_all) if workers else []
 
 
+def tell(client: Any, function: Any, *args: Any, workers: list[str]) -> None:
+    """Run ``function`` on ``workers``' event loops (``client.run(wait=False)``) without
+    the driver waiting: the scheduler's broadcast retries a worker that died unnoticed
+    for the whole connect timeout (30 s by default) and ``client.run`` waits for it even
+    with ``wait=False``. A worker that cannot be reached is skipped."""
+    if not workers:
+        return
+
+    async def send() -> None:
+        with contextlib.suppress(Exception):
+            await client.run(
+                function,
+                *args,
+                workers=list(workers),
+                wait=False,
+                on_error="ignore",
+                asynchronous=True,
+            )
+
+    client.loop.add_callback(send)
+
+
 class Lost(Exception):
     """Internal: workers of the fit are gone while a command waited on them."""
 

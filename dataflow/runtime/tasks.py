@@ -336,9 +336,18 @@ async def abort_group_soon(run_id: str, generation: int, dask_worker: Any = None
         plugin.aborted_groups.add(group_key(run_id, generation))
 
 
-async def abort_run_soon(run_id: str, dask_worker: Any = None) -> None:
-    """:func:`abort_run` for ``client.run(..., wait=False)`` (which takes coroutines)."""
-    abort_run(run_id, dask_worker)
+async def abort_run_soon(run_id: str, generation: int, dask_worker: Any = None) -> None:
+    """:func:`abort_run` for ``client.run(..., wait=False)`` (which takes coroutines), for
+    the process group of ``generation`` only: the driver does not wait for it to arrive,
+    so it may come after this replica joined a newer group, which it must not break."""
+    runtime = _runtime_of(run_id, dask_worker)
+    if runtime is not None and runtime.generation <= generation:
+        runtime.abort()
+
+
+def _runtime_of(run_id: str, dask_worker: Any) -> Any:
+    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
+    return None if plugin is None else plugin.replicas.get(run_id)
 
 
 async def release_replicas(
@@ -362,5 +371,9 @@ def close_run(run_id: str, dask_worker: Any = None) -> None:
         plugin.close_run(run_id)
 
 
-async def close_run_soon(run_id: str, dask_worker: Any = None) -> None:
-    close_run(run_id, dask_worker)
+async def close_run_soon(run_id: str, generation: int, dask_worker: Any = None) -> None:
+    """:func:`close_run` for a joiner whose group ``generation`` failed to form; not
+    when it already joined a newer group (the driver does not wait for this to arrive)."""
+    runtime = _runtime_of(run_id, dask_worker)
+    if runtime is None or runtime.generation <= generation:
+        close_run(run_id, dask_worker)
