@@ -15,6 +15,7 @@ from dataflow.core.phase import PhaseSpec
 from dataflow.core.window import WindowResult
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.fit_settings import WorkerScaling, WorkersWanted
 from dataflow.driver.log import loggable
 from dataflow.driver.machine import FitMachine, MachineConfig, replay
 from dataflow.errors import ReplicaError
@@ -690,18 +691,41 @@ def test_the_machine_keeps_the_fits_position_and_ends_it_when_every_epoch_is_tra
     assert resumed.send(ev.PhaseChosen(phase1)) == [cmd.PlanSegment("phase", 2, phase1, 8)]
 
 
-def test_scale_with_batch_asks_the_cluster_once_before_a_later_phase_and_takes_joiners():
-    d = Driver(scale_with_batch=True)
+# scale_with_batch without a cost model: ceil(batch / 8) workers, at most 4
+SCALING = WorkerScaling(max_workers=4, max_micro_batch=8, timeout_s=30.0)
+
+
+def after_phase0(batch: int, pool: tuple[str, ...] = ()) -> tuple[Driver, PhaseSpec]:
+    """A scale_with_batch fit on W[:2] (``pool`` waiting) after PHASE0, and its next
+    phase of ``batch`` samples a step."""
+    d = Driver(scaling=SCALING, epochs=3)
+    d.send(ev.Started(tuple(W[:2]), epoch=2, step=8, previous=PHASE0))
+    d.send(ev.GroupFormed(0))
+    if pool:
+        d.send(ev.WorkersJoined(pool))
+    return d, PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=batch)
+
+
+def test_scale_with_batch_asks_the_cluster_for_what_the_batch_wants_once_and_takes_joiners():
+    d = Driver(scaling=SCALING)
     assert d.send(ev.Started(tuple(W[:2]))) and d.send(ev.GroupFormed(0)) == [cmd.ChoosePhase()]
     assert of(cmd.ScaleCluster, d.send(ev.PhaseChosen(PHASE0))) == []  # the first: as is
-    d2 = Driver(scale_with_batch=True, epochs=3)
-    d2.send(ev.Started(tuple(W[:2]), epoch=2, step=8, previous=PHASE0))  # after PHASE0
-    d2.send(ev.GroupFormed(0))
-    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=24)
-    assert d2.send(ev.PhaseChosen(phase1)) == [cmd.ScaleCluster(phase1)]
+    d2, phase1 = after_phase0(24)  # 3 workers wanted, 2 in the fit: the machine asks
+    why = WorkersWanted(3, "max_micro_batch")
+    assert d2.send(ev.PhaseChosen(phase1)) == [cmd.ScaleCluster(phase1, 3, 30.0, why)]
     d2.send(ev.WorkersJoined((W[2],)))  # the worker the cluster started
     [form] = d2.send(ev.PhaseChosen(phase1))  # said again once scaled: not asked twice
     assert isinstance(form, cmd.FormGroup) and form.joining == (W[2],)
+
+
+def test_scale_with_batch_asks_nothing_when_the_members_and_pool_are_enough():
+    d, phase1 = after_phase0(16)  # 2 wanted, 2 members: planned at once
+    [plan] = d.send(ev.PhaseChosen(phase1))
+    assert plan == cmd.PlanSegment(cmd.SegmentKind.PHASE, 2, phase1, 8)
+    d, phase1 = after_phase0(24, pool=(W[2],))  # 3 wanted: 2 members and 1 in the pool
+    [form] = d.send(ev.PhaseChosen(phase1))
+    assert isinstance(form, cmd.FormGroup) and form.joining == (W[2],)
+    assert of(cmd.ScaleCluster, d.out) == []
 
 
 def test_the_root_cause_is_the_first_real_failure_not_its_echoes():

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 import dataflow as dfl
 from dataflow.costmodel import ComputeFit, CostModel, Link, Topology
-from dataflow.driver.fit_settings import plan_fit, workers_wanted
+from dataflow.driver.fit_settings import WorkerScaling, more_workers, plan_fit, workers_wanted
+from dataflow.planning.layout import starting_workers
 from dataflow.trainer_config import TrainerConfig
 
 MIB = 1 << 20
@@ -57,23 +58,57 @@ def test_window_length_stays_within_its_range():
         assert planned.window_seconds == expected
 
 
-def scaling_config(model=None) -> TrainerConfig:
-    return TrainerConfig(scale_with_batch=True, max_micro_batch=32, max_workers=8, cost_model=model)
+def scaling_config(model=None) -> WorkerScaling:
+    config = TrainerConfig(
+        scale_with_batch=True, max_micro_batch=32, max_workers=8, cost_model=model
+    )
+    return WorkerScaling.of(config)
 
 
 def test_scale_with_batch_without_a_model_fills_the_memory_cap():
-    assert workers_wanted(scaling_config(), 128)["requested"] == 4
-    assert workers_wanted(scaling_config(), 1024)["requested"] == 8
+    assert workers_wanted(scaling_config(), 128).requested == 4
+    assert workers_wanted(scaling_config(), 1024).requested == 8
+    # the history's row: the count and who chose it
+    assert workers_wanted(scaling_config(), 128).to_dict() == {
+        "requested": 4,
+        "chosen_by": "max_micro_batch",
+    }
 
 
 def test_scale_with_batch_asks_for_the_workers_the_model_says_pay():
     fast = workers_wanted(scaling_config(cost_model()), 256)
-    assert fast["chosen_by"] == "cost model" and fast["requested"] == 8
+    assert fast.chosen_by == "cost model" and fast.requested == 8
     # a network so slow that a second worker costs more than it computes: stay on one,
     # micro-batching under the memory cap
     slow = workers_wanted(scaling_config(cost_model(SLOW)), 256)
-    assert slow["requested"] == 1
-    assert slow["predicted_samples_per_second"] > slow["predicted_at_max"]
+    assert slow.requested == 1
+    assert slow.predicted_samples_per_second > slow.predicted_at_max
+    assert set(slow.to_dict()) == {
+        "requested",
+        "chosen_by",
+        "predicted_samples_per_second",
+        "predicted_at_max",
+    }
+
+
+def test_more_workers_are_asked_for_only_when_the_fit_has_fewer():
+    assert more_workers(scaling_config(), 128, have=3).requested == 4
+    assert more_workers(scaling_config(), 128, have=4) is None
+    assert more_workers(scaling_config(), 128, have=5) is None
+
+
+def test_a_fit_starts_on_the_workers_its_replicas_and_layout_need():
+    workers = ["w0", "w1", "w2", "w3", "w4"]
+    assert starting_workers(workers, None) == workers  # every worker (spares: the pool's)
+    assert starting_workers(workers, 2, size=2) == workers[:4]
+    with pytest.raises(dfl.ConfigError, match=r"^the client has no workers; start some"):
+        starting_workers([], None)
+    with pytest.raises(dfl.ConfigError, match=r"^replicas=3 but the client has 2 worker"):
+        starting_workers(workers[:2], 3)
+    with pytest.raises(dfl.ConfigError, match=r"^replicas=3 of 2 workers each need 6 but"):
+        starting_workers(workers, 3, size=2)
+    with pytest.raises(dfl.ConfigError, match=r"^Layout\(spatial=8\) splits each sample"):
+        starting_workers(workers, None, size=8)
 
 
 def test_the_cost_model_is_validated_where_it_is_given():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from dataflow.driver.fit_settings import WorkersWanted
 from dataflow.driver.state import PhasePosition
 
 
@@ -62,11 +63,15 @@ class ChoosePhase:
 
 @dataclass(frozen=True)
 class ScaleCluster:
-    """``scale_with_batch``: ask the cluster for the workers ``phase``'s batch needs
-    (how many: the cost plan's), then say ``PhaseChosen(phase)`` again, the workers that
-    came first."""
+    """``scale_with_batch``: the fit has fewer workers than ``phase``'s batch wants: ask
+    the cluster for ``wanted`` workers, wait up to ``timeout_s`` for them, record the
+    request (``why``: who chose the count, and the cost model's predictions), then say
+    ``PhaseChosen(phase)`` again, the workers that came first."""
 
     phase: Any  # PhaseSpec
+    wanted: int
+    timeout_s: float
+    why: WorkersWanted
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ if TYPE_CHECKING:
 
 
 from dataflow.core import kinds
-from dataflow.core.errors import ConfigError
 from dataflow.core.precision import cpu_fp16_allowed
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.executor import Executor
-from dataflow.driver.fit_settings import FitPlan, planned_model, workers_wanted
+from dataflow.driver.fit_settings import FitPlan, WorkerScaling, planned_model
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
 from dataflow.history.result import FitResult
+from dataflow.planning.layout import starting_workers
 from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica import ReplicaSpec
 from dataflow.runtime.throttle import as_slowdown
@@ -35,7 +35,7 @@ def run_fit(
     check_client(client)
     run_id = f"fit{uuid.uuid4().hex[:12]}"
     size = config.spatial
-    workers = _pick_workers(available_workers(client), config.replicas, size)
+    workers = starting_workers(available_workers(client), config.replicas, size)
     order = trainer.graph.validate(replicas=len(workers) // size)
     fit_plan = plan_from_cost_model(trainer, len(workers) // size, epochs)
     spec = ReplicaSpec(
@@ -154,7 +154,9 @@ def build_loop(
             spatial=config.spatial,
             sync=config.sync,
             epochs=epochs,
-            scale_with_batch=bool(config.scale_with_batch and config.elastic),
+            scaling=WorkerScaling.of(config, fit_plan.wire_scale)
+            if config.scale_with_batch and config.elastic
+            else None,
             held_out_samples=held_out,
         )
     )
@@ -172,10 +174,6 @@ def build_loop(
     )
     recorder.history.info["fit_plan"] = fit_plan.to_dict()
     writer = None if store is None else CheckpointWriter(store, trainer.checkpoint_fingerprint)
-    scale = None
-    if config.scale_with_batch and config.elastic:
-        wire = fit_plan.wire_scale
-        scale = lambda phase: _request_workers(executor, config, phase, recorder, wire)  # noqa: E731
     loop = FitLoop(
         machine=machine,
         executor=executor,
@@ -186,29 +184,8 @@ def build_loop(
         measures_noise=trainer.measures_noise,
         min_workers=config.min_workers,
         progress=config.progress,
-        scale=scale,
     )
     return loop
-
-
-def _pick_workers(available: list[str], replicas: int | None, size: int = 1) -> list[str]:
-    """The fit's workers: ``replicas`` groups of ``size`` (default: every worker; the
-    machine forms as many groups as fit, a remainder waits in its pool as spares)."""
-    if not available:
-        raise ConfigError("the client has no workers; start some before fit()")
-    if len(available) < size:
-        raise ConfigError(
-            f"Layout(spatial={size}) splits each sample over {size} workers but the client "
-            f"has {len(available)}; start more workers or use a smaller spatial"
-        )
-    wanted = replicas * size if replicas else len(available)
-    if wanted > len(available):
-        each = f" of {size} workers each need {wanted}" if size > 1 else ""
-        raise ConfigError(
-            f"replicas={replicas}{each} but the client has {len(available)} worker(s); "
-            "start more workers or lower replicas"
-        )
-    return available[:wanted]
 
 
 def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:
@@ -218,22 +195,6 @@ def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:
     ``bucket_mb`` to the engine); the user's stages are not changed."""
     first = trainer.planner().next_phase(0, epochs, None)
     return trainer.fit_plan(trainer.config.replicas or max(1, replicas), first.global_batch)
-
-
-def _request_workers(
-    executor: Executor, config: Any, phase: Any, recorder: Recorder, wire_scale: float = 1.0
-) -> None:
-    """``scale_with_batch``: the workers ``driver/fit_settings.workers_wanted`` asks for."""
-    wanted = workers_wanted(config, phase.global_batch, wire_scale)
-    scaling: dict[str, Any] = {"phase": phase.index, **wanted}
-    wanted = scaling["requested"]
-    if wanted <= len(executor.available()):
-        return
-    error = executor.scale_cluster(wanted, config.scale_timeout_s)
-    if error is not None:
-        scaling["error"] = error
-    scaling["workers"] = len(executor.available())
-    recorder.history.info.setdefault("scaling", []).append(scaling)
 
 
 def held_out_samples(graph: Any) -> int | None:

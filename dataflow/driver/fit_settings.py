@@ -36,14 +36,60 @@ class FitPlan:
         }
 
 
+@dataclass(frozen=True)
+class WorkerScaling:
+    """``scale_with_batch``'s settings: what the fit machine needs to decide, before each
+    later phase, how many workers to ask the cluster for (:func:`more_workers`)."""
+
+    max_workers: int
+    max_micro_batch: int
+    cost_model: CostModel | None = None  # the user's (None: fill the memory cap)
+    wire_scale: float = 1.0  # bytes on the wire per fp32 gradient byte (0.5: bf16)
+    timeout_s: float = 120.0  # how long to wait for the workers asked for
+
+    @classmethod
+    def of(cls, config: Any, wire_scale: float = 1.0) -> WorkerScaling:
+        """From a ``TrainerConfig`` with ``scale_with_batch`` (it checked the cap and the
+        maximum are there)."""
+        return cls(
+            max_workers=config.max_workers,
+            max_micro_batch=config.max_micro_batch,
+            cost_model=config.cost_model,
+            wire_scale=wire_scale,
+            timeout_s=config.scale_timeout_s,
+        )
+
+
+@dataclass(frozen=True)
+class WorkersWanted:
+    """How many workers a phase's batch wants, who chose the count, and what the cost
+    model predicted (the row ``history.info["scaling"]`` records)."""
+
+    requested: int
+    chosen_by: str  # "max_micro_batch" or "cost model"
+    predicted_samples_per_second: float | None = None  # at ``requested`` (cost model)
+    predicted_at_max: float | None = None  # at ``max_workers`` (cost model)
+
+    def to_dict(self) -> dict[str, Any]:
+        row: dict[str, Any] = {"requested": self.requested, "chosen_by": self.chosen_by}
+        if self.predicted_samples_per_second is not None:
+            row["predicted_samples_per_second"] = self.predicted_samples_per_second
+            row["predicted_at_max"] = self.predicted_at_max
+        return row
+
+
 def _model(config: Any, wire_scale: float = 1.0) -> CostModel | None:
     """The user's cost model with the fit's memory cap, and the bytes its allreduce
     really moves (``wire_scale``: half of fp32's over a bf16 wire)."""
-    model = config.cost_model
+    cap = config.max_micro_batch if isinstance(config.max_micro_batch, int) else None
+    return _fit_model(config.cost_model, cap, wire_scale)
+
+
+def _fit_model(model: CostModel | None, cap: int | None, wire_scale: float) -> CostModel | None:
     if model is None:
         return None
-    if model.max_micro_batch is None and isinstance(config.max_micro_batch, int):
-        model = model.replace(max_micro_batch=config.max_micro_batch)
+    if model.max_micro_batch is None and cap is not None:
+        model = model.replace(max_micro_batch=cap)
     if wire_scale != 1.0:
         model = model.replace(gradient_bytes=int(model.gradient_bytes * wire_scale))
     return model
@@ -93,21 +139,23 @@ def planned_model(config: Any, fit_plan: FitPlan) -> CostModel | None:
     )
 
 
-def workers_wanted(config: Any, global_batch: int, wire_scale: float = 1.0) -> dict[str, Any]:
+def workers_wanted(scaling: WorkerScaling, global_batch: int) -> WorkersWanted:
     """``scale_with_batch``: how many workers to ask the cluster for at ``global_batch``.
 
     With a cost model: the count with the best goodput up to ``max_workers`` (at a
     fixed batch the statistical efficiency is the same for every count, so the count
     with the best predicted throughput, the fewest within 2 %); without one: enough
     that no replica's batch exceeds ``max_micro_batch``."""
-    model = _model(config, wire_scale)
+    most, cap = scaling.max_workers, scaling.max_micro_batch
+    model = _fit_model(scaling.cost_model, cap, scaling.wire_scale)
     if model is None:
-        wanted = min(config.max_workers, math.ceil(global_batch / config.max_micro_batch))
-        return {"requested": wanted, "chosen_by": "max_micro_batch"}
-    wanted, table = best_replicas(model, global_batch=global_batch, max_replicas=config.max_workers)
-    return {
-        "requested": wanted,
-        "chosen_by": "cost model",
-        "predicted_samples_per_second": dict(table)[wanted],
-        "predicted_at_max": table[-1][1],
-    }
+        return WorkersWanted(min(most, math.ceil(global_batch / cap)), "max_micro_batch")
+    wanted, table = best_replicas(model, global_batch=global_batch, max_replicas=most)
+    return WorkersWanted(wanted, "cost model", dict(table)[wanted], table[-1][1])
+
+
+def more_workers(scaling: WorkerScaling, global_batch: int, have: int) -> WorkersWanted | None:
+    """The workers to ask the cluster for before a phase of ``global_batch``, when the
+    fit has ``have`` (its members' and its pool's); None when that is enough."""
+    wanted = workers_wanted(scaling, global_batch)
+    return wanted if wanted.requested > have else None

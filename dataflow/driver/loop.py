@@ -58,12 +58,11 @@ class FitLoop:
         measures_noise: bool,
         min_workers: int,
         progress: bool,
-        scale: Any = None,
     ) -> None:
         self.machine, self.executor, self.planner = machine, executor, planner
         self.recorder, self.writer, self.epochs = recorder, writer, epochs
         self.measures_noise, self.min_workers = measures_noise, min_workers
-        self.progress, self.scale = progress, scale
+        self.progress = progress
         self.start = ResumePoint()
         self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
         self.resume_in_phase: PhaseProgress | None = None
@@ -277,8 +276,12 @@ class FitLoop:
         self.executor.queue.append(ev.PhaseChosen(phase))
 
     def _ScaleCluster(self, c: cmd.ScaleCluster) -> None:
-        if self.scale is not None:
-            self.scale(c.phase)  # the workers the batch needs, from the cost plan
+        error = self.executor.scale_cluster(c.wanted, c.timeout_s)
+        scaling: dict[str, Any] = {"phase": c.phase.index, **c.why.to_dict()}
+        if error is not None:
+            scaling["error"] = error
+        scaling["workers"] = len(self.executor.available())
+        self.recorder.history.info.setdefault("scaling", []).append(scaling)
         joined = self.executor.joined_event()
         if joined is not None:
             self.executor.queue.append(joined)

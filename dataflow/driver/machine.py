@@ -25,6 +25,7 @@ from typing import Any
 from dataflow.core.errors import ReplicaError
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.fit_settings import WorkerScaling, more_workers
 from dataflow.driver.log import DriverLog
 from dataflow.driver.memory import (
     halved_cap,
@@ -73,7 +74,9 @@ class MachineConfig:
     max_replicas: int | None = None  # the most replicas joins may grow the fit to
     spatial: int = 1  # workers per replica (Layout.spatial): groups form from P workers
     epochs: int | None = None  # the fit's length; None: until the schedule has no phase
-    scale_with_batch: bool = False  # ask the cluster for workers before each later phase
+    # scale_with_batch: before each later phase, the workers its batch wants are asked
+    # of the cluster when the fit has fewer (None: the cluster is not scaled)
+    scaling: WorkerScaling | None = None
     sync: SyncPolicy = field(default_factory=Synchronous)
     # the held-out samples an evaluation scores (the graph's Evaluate source), if any: a
     # window salvaged without a lost replica must still have scored all of them
@@ -228,13 +231,14 @@ class FitMachine(LostWorkers, WindowPlanning):
         if event.phase is None:
             s.status = Status.DONE
             return [cmd.Finish(self.members)]
-        if (
-            self.config.scale_with_batch
-            and s.previous is not None
-            and s.scaled_for != event.phase.index
-        ):  # more workers for a larger batch: asked for once, before the phase is planned
+        scaling = self.config.scaling
+        if scaling is not None and s.previous is not None and s.scaled_for != event.phase.index:
+            # more workers for a larger batch: decided once, before the phase is planned
             s.scaled_for = event.phase.index
-            return [cmd.ScaleCluster(event.phase)]
+            have = len(s.layout.worker_set) + len(s.available)
+            more = more_workers(scaling, event.phase.global_batch, have)
+            if more is not None:
+                return [cmd.ScaleCluster(event.phase, more.requested, scaling.timeout_s, more)]
         s.next_phase = event.phase
         joiners = self._joinable()
         if joiners:

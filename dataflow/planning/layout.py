@@ -149,6 +149,28 @@ class ReplicaGroups:
         return ReplicaGroups(self.groups + other.groups)
 
 
+def starting_workers(available: Sequence[str], replicas: int | None, size: int = 1) -> list[str]:
+    """A fit's first workers: ``replicas`` groups of ``size`` (None: every worker; the
+    driver forms as many groups as fit, a remainder waits in its pool as spares). The
+    count is fixed before the driver's machine exists: the replica specification and
+    the cost plan are built for it."""
+    if not available:
+        raise ConfigError("the client has no workers; start some before fit()")
+    if len(available) < size:
+        raise ConfigError(
+            f"Layout(spatial={size}) splits each sample over {size} workers but the client "
+            f"has {len(available)}; start more workers or use a smaller spatial"
+        )
+    wanted = replicas * size if replicas else len(available)
+    if wanted > len(available):
+        each = f" of {size} workers each need {wanted}" if size > 1 else ""
+        raise ConfigError(
+            f"replicas={replicas}{each} but the client has {len(available)} worker(s); "
+            "start more workers or lower replicas"
+        )
+    return list(available[:wanted])
+
+
 def fewer_workers_hint(spatial: int, workers: int, replicas: int = 1) -> str:
     """What to say when ``workers`` are left for a fit that needs ``replicas`` groups of
     ``spatial`` workers: how many to restart with, or the layout they could run."""
