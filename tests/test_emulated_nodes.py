@@ -14,6 +14,8 @@ from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd, 
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
 from dataflow.tools.emulated_nodes import EmulatedNodes, unavailable
 
 pytestmark = pytest.mark.slow
@@ -146,6 +148,11 @@ def test_a_link_cut_mid_window_is_a_lost_worker_and_the_survivors_go_on(nodes, t
     [failure] = result.history.info["failures"]
     assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2, failure
     assert failure["commit_step"] <= 6
+    # the executor reported the probe's finding; the machine declared node 1 lost
+    log = result.driver_log
+    [silent] = [e for e in log.events if isinstance(e, ev.WorkersSilent)]
+    assert silent.workers == tuple(failure["lost"]) and silent.waited_s > 0
+    assert cmd.ExcludeWorkers(silent.workers) in log.commands
     summary = result.ledger.summary()
     for epoch in range(epochs):
         assert summary[epoch] == {"consumed": 240, "unused": 0}, epoch

@@ -157,6 +157,15 @@ class StopWindows:
 
 
 @dataclass(frozen=True)
+class ExcludeWorkers:
+    """Treat ``workers`` as gone from now on, whatever the scheduler says (members that
+    stayed silent to the driver's probe after a failed collective): none of them is
+    taken again as a member, a joiner or a restart's worker, nor sent the fit's clean-up."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ReleaseReplicas:
     """Asynchronous updates: replicas ``lost`` (ranks; workers ``workers``) are gone,
     and none hosted the parameter store. ``members`` (the survivors) finish the window
@@ -268,6 +277,7 @@ Command = (
     | CommitWindow
     | WriteCheckpoint
     | StopWindows
+    | ExcludeWorkers
     | ReleaseReplicas
     | RollBack
     | EndPhase

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -85,15 +85,31 @@ class WindowDone:
 @dataclass(frozen=True)
 class WindowFailed:
     """A window failed for a reason other than a lost worker (the executor checked the
-    workers first): ``error`` is the root cause (raised on replica ``rank``),
-    ``non_finite`` a NaN/inf caught before the update (every replica sees the same
-    reduced gradient), ``out_of_memory`` torch's out-of-memory error (the replica's
-    micro-batch did not fit its device)."""
+    workers first): window ``window`` failed first, with ``error`` raised on replica
+    ``rank``; ``non_finite`` a NaN/inf caught before the update (every replica sees the
+    same reduced gradient), ``out_of_memory`` torch's out-of-memory error (the replica's
+    micro-batch did not fit its device). ``failures``: every failed window the executor
+    saw while it gave the others time to fail too, among which the machine picks the
+    root cause (``root_cause.acted_on``: a peer's "connection closed" is only an echo);
+    empty, or none readable: ``rank`` and ``error`` are the failure it acts on."""
 
     generation: int
     rank: int
     window: int
     error: BaseException
+    non_finite: bool = False
+    out_of_memory: bool = False
+    failures: tuple[WindowFailure, ...] = ()
+
+
+class WindowFailure(NamedTuple):
+    """One failed window task of a :class:`WindowFailed`: replica ``rank``'s window
+    ``window``, its ``error`` as the fit reports it (None: it could not be read any
+    more), and what kind it is (as ``WindowFailed``'s flags)."""
+
+    window: int
+    rank: int
+    error: BaseException | None
     non_finite: bool = False
     out_of_memory: bool = False
 
@@ -111,6 +127,17 @@ class WorkersLost:
     """Workers the scheduler no longer has (dead, or restarted under a new address)."""
 
     workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WorkersSilent:
+    """Members that did not answer the driver's probe within ``waited_s`` seconds after
+    a collective failed while the scheduler named no loss (a cut link or a hung node
+    sends no reset, and the scheduler's verdict can take minutes). Whether that makes
+    them lost is the machine's rule (``_workers_silent``)."""
+
+    workers: tuple[str, ...]
+    waited_s: float
 
 
 @dataclass(frozen=True)
@@ -155,6 +182,7 @@ Event = (
     | WindowFailed
     | PhaseEnded
     | WorkersLost
+    | WorkersSilent
     | WorkersJoined
     | RestartPoint
     | CommitRefused

@@ -31,6 +31,7 @@ from dataflow.driver import events as ev
 from dataflow.driver.group_forming import GroupForming
 from dataflow.driver.membership import (
     LIVENESS_POLL_S,
+    PROBE_S,
     Lost,
     RemovalWatch,
     tell,
@@ -38,7 +39,7 @@ from dataflow.driver.membership import (
     wait_some,
 )
 from dataflow.driver.memory import is_out_of_memory
-from dataflow.driver.root_cause import may_echo_a_loss, root_cause
+from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import available_workers, live_workers
 
@@ -87,8 +88,9 @@ class Executor(GroupForming):
     def raise_if_lost(self, grace: bool = False) -> None:
         """Raise :class:`Lost` if a member is gone. With ``grace`` (a task just failed,
         maybe because a peer died) wait a little for the scheduler to notice, then ask
-        the members directly: one that does not answer is lost too (a cut link or a
-        hung node sends no reset, and the scheduler's verdict can take minutes)."""
+        the members directly: those that do not answer are reported silent (a cut link
+        or a hung node sends no reset, and the scheduler's verdict can take minutes;
+        whether they are lost is the machine's rule, ``cmd.ExcludeWorkers`` its word)."""
         deadline = time.monotonic() + (FAILURE_GRACE_S if grace else 0.0)
         while True:
             lost = self.lost()
@@ -100,8 +102,11 @@ class Executor(GroupForming):
         if grace:
             silent = unreachable(self.client, [a for a in self.members if a not in self.released])
             if silent:
-                self.unreachable.update(silent)
-                raise Lost(silent)
+                raise Lost(silent, silent_s=PROBE_S)
+
+    def exclude(self, workers: tuple[str, ...]) -> None:
+        """``cmd.ExcludeWorkers``: ``workers`` count as gone from now on."""
+        self.unreachable.update(workers)
 
     def joined_event(self) -> ev.WorkersJoined | None:
         new = [a for a in self.available() if a not in self.known]
@@ -121,7 +126,7 @@ class Executor(GroupForming):
         try:
             effects()
         except Lost as lost:
-            self.queue_lost(lost.workers)
+            self.queue_lost(lost.workers, lost.silent_s)
             return False
         return True
 
@@ -133,12 +138,16 @@ class Executor(GroupForming):
         except Lost:
             return None
 
-    def queue_lost(self, lost: list[str]) -> None:
+    def queue_lost(self, lost: list[str], silent_s: float | None = None) -> None:
+        """A WorkersLost event, or WorkersSilent for members silent ``silent_s`` to the
+        probe, after what the survivors finished and the workers that joined."""
         self._harvest(lost)  # what the survivors finished commits before the loss is handled
         joined = self.joined_event()  # a nanny's replacement may already be there
         if joined is not None:
             self.queue.append(joined)
-        self.queue.append(ev.WorkersLost(tuple(lost)))
+        gone = tuple(lost)
+        event = ev.WorkersLost(gone) if silent_s is None else ev.WorkersSilent(gone, silent_s)
+        self.queue.append(event)
 
     # -- waiting --------------------------------------------------------------------------
     def gather(self, futures: list[Any]) -> list[Any]:
@@ -187,7 +196,7 @@ class Executor(GroupForming):
             try:
                 self._poll_windows()
             except Lost as lost:
-                self.queue_lost(lost.workers)
+                self.queue_lost(lost.workers, lost.silent_s)
 
     def _poll_windows(self) -> None:
         # A finished window may wait here for its group's other workers (spatial layouts):
@@ -217,15 +226,16 @@ class Executor(GroupForming):
         # is reported without waiting FAILURE_GRACE_S for the scheduler's word of a loss.
         own = is_out_of_memory(first) or not may_echo_a_loss(first)
         self.raise_if_lost(grace=not own)
+        failures: tuple[ev.WindowFailure, ...] = ()
         if first is None:
             error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
         elif isinstance(first, NonFiniteError):
             error = first
-        else:
-            wait_s = 0.0 if own else None
-            rank, error = self._root_cause(future, rank, window, first, wait_s=wait_s)
-        non_finite, oom = isinstance(error, NonFiniteError), is_out_of_memory(error)
-        self.queue.append(ev.WindowFailed(generation, rank, window, error, non_finite, oom))
+        else:  # the machine picks the root cause among every failure seen
+            error = as_replica_error(first, rank, self._worker(rank))
+            failures = self._failures(future, rank, window, wait_s=0.0 if own else None)
+        kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
+        self.queue.append(ev.WindowFailed(generation, rank, window, error, *kind, failures))
 
     def _harvest(self, lost: list[str] = ()) -> None:
         """Queue the result of every window that finished, in window order, except on
@@ -258,29 +268,25 @@ class Executor(GroupForming):
         # mid-phase checkpoint state it may carry) past this point.
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
 
-    def _root_cause(
-        self,
-        first: Any,
-        rank: int,
-        window: int,
-        error: BaseException,
-        wait_s: float | None = None,
-    ) -> tuple[int, BaseException]:
-        """The first real failure and the rank it was raised on: a peer's "connection
-        closed" is only its echo. ``error`` is ``first``'s, kept in case no future reads
-        as failed any more (a future the scheduler released or lost meanwhile).
-        ``wait_s``: how long the other windows may take to fail too (FAILURE_GRACE_S;
-        none when ``error`` is the replica's own: the peers' echoes add nothing)."""
+    def _failures(
+        self, first: Any, rank: int, window: int, wait_s: float | None = None
+    ) -> tuple[ev.WindowFailure, ...]:
+        """Every window failed once the others had ``wait_s`` to fail too (None:
+        FAILURE_GRACE_S; none when ``first``'s error is the replica's own: the peers'
+        echoes add nothing), each error as the fit reports it, for the machine to pick
+        the root cause among (a peer's "connection closed" is only an echo)."""
         futures = {first: (self.generation, rank, window), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=FAILURE_GRACE_S if wait_s is None else wait_s)
-        failed = [((w, r), f) for f, (_, r, w) in futures.items() if f.status == "error"]
-        errors = [(key, _exception_now(f)) for key, f in failed]
-        chosen = root_cause(errors)
-        if chosen is None:
-            return rank, as_replica_error(error, rank, self._worker(rank))
-        (_, r), cause = errors[chosen]
-        return r, as_replica_error(cause, r, self._worker(r))
+        failures = []
+        for future, (_, r, w) in futures.items():
+            if future.status != "error":
+                continue
+            raw = _exception_now(future)
+            error = None if raw is None else as_replica_error(raw, r, self._worker(r))
+            kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
+            failures.append(ev.WindowFailure(w, r, error, *kind))
+        return tuple(failures)
 
     def _worker(self, rank: int) -> str:
         slot = rank * self.size

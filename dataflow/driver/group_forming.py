@@ -54,8 +54,8 @@ class GroupForming:
             host, port = self._rendezvous(world)
             try:
                 infos = self.gather([self._setup(r, host, port) for r in range(world)])
-            except Lost:
-                self._abort_forming(c.generation)
+            except Lost as lost:
+                self._abort_forming(c.generation, lost.workers)
                 raise
             return infos[:: self.size]  # one per replica: its leader's
         joining = set(c.joining)
@@ -87,19 +87,22 @@ class GroupForming:
         try:  # together: a survivor's failed rendezvous ends the wait for a joiner's setup
             # that never runs (its inputs failed to reach its worker: Dask leaves it waiting)
             infos = self.gather([*setups, *regroups])[: len(setups)]
-        except Lost:
-            self._abort_forming(c.generation)
-            alive = [a for a in c.joining if a not in self.lost()]
+        except Lost as lost:
+            self._abort_forming(c.generation, lost.workers)
+            gone = {*self.lost(), *lost.workers}  # (silent ones too: not yet excluded)
+            alive = [a for a in c.joining if a not in gone]
             tell(self.client, remote.close_run_soon, self.run_id, c.generation, workers=alive)
             raise
         self.last = [*regroups, *setups]
         return infos[:: self.size]
 
-    def _abort_forming(self, generation: int) -> None:
-        """A member was lost while group ``generation`` formed: the others stop waiting
-        for it to arrive (not waiting for them: a worker that died unnoticed would stall
-        it), so their workers are free for the next group at once."""
-        alive = [a for a in self.members if a not in self.lost()]
+    def _abort_forming(self, generation: int, lost: list[str]) -> None:
+        """A member was lost while group ``generation`` formed (``lost``: gone, or
+        silent to the driver's probe): the others stop waiting for it to arrive (not
+        waiting for them: a worker that died unnoticed would stall it), so their workers
+        are free for the next group at once."""
+        gone = {*self.lost(), *lost}
+        alive = [a for a in self.members if a not in gone]
         tell(self.client, remote.abort_group_soon, self.run_id, generation, workers=alive)
 
     def scatter_spec(self) -> None:

@@ -14,9 +14,10 @@ fit's decisions can be replayed from its log (``FitResult.driver_log``, or
 worker's stimulus log.
 
 The log is a ring: it keeps the newest entries whose size (one per entry plus one per
-replica result it holds) stays within ``limit``, so a fit of 1,024 replicas keeps about
-100 window rounds and one of 2 replicas about 30,000; a fit shorter than that replays
-from its start (``dropped`` is 0). Pure: no torch, Dask or I/O.
+replica result or window failure it holds) stays within ``limit``, so a fit of 1,024
+replicas keeps about 100 window rounds and one of 2 replicas about 30,000; a fit
+shorter than that replays from its start (``dropped`` is 0). Pure: no torch, Dask or
+I/O.
 """
 
 from __future__ import annotations
@@ -37,17 +38,21 @@ STATE_TAKEN = "<replica state>"  # a replica's state (weights) went with this re
 
 @dataclass(frozen=True)
 class ErrorInfo:
-    """An exception in the log: its type's name and its message."""
+    """An exception in the log: its type's name, its message, and the names of its
+    classes (``kinds``: what the machine's root-cause choice reads, so a replay picks
+    the same failure)."""
 
     type: str
     message: str
+    kinds: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.message
 
     @classmethod
     def of(cls, error: BaseException) -> ErrorInfo:
-        return cls(type(error).__name__, str(error))
+        kinds = tuple(kind.__name__ for kind in type(error).__mro__[:-1])  # (not object)
+        return cls(type(error).__name__, str(error), kinds)
 
 
 def loggable(item: Any) -> Any:
@@ -74,6 +79,18 @@ def _error_as_info(item: Any) -> Any:
     if isinstance(error, BaseException):
         return dataclasses.replace(item, error=ErrorInfo.of(error))
     return item
+
+
+def _failures_as_info(item: Any) -> Any:
+    """``WindowFailed``: its error and each of its ``failures``' as :class:`ErrorInfo`."""
+    item = _error_as_info(item)
+    if not item.failures:
+        return item
+    failures = tuple(
+        f._replace(error=ErrorInfo.of(f.error)) if isinstance(f.error, BaseException) else f
+        for f in item.failures
+    )
+    return dataclasses.replace(item, failures=failures)
 
 
 def _results_without_state(item: Any) -> Any:
@@ -124,9 +141,10 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     ev.PhaseChosen: _as_is,
     ev.SegmentPlanned: _as_is,
     ev.WindowDone: _results_without_state,
-    ev.WindowFailed: _error_as_info,
+    ev.WindowFailed: _failures_as_info,
     ev.PhaseEnded: _as_is,
     ev.WorkersLost: _as_is,
+    ev.WorkersSilent: _as_is,
     ev.WorkersJoined: _as_is,
     ev.RestartPoint: _as_is,
     ev.CommitRefused: _error_as_info,
@@ -139,6 +157,7 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     cmd.CommitWindow: _results_without_state,
     cmd.WriteCheckpoint: _states_as_markers,
     cmd.StopWindows: _as_is,
+    cmd.ExcludeWorkers: _as_is,
     cmd.ReleaseReplicas: _as_is,
     cmd.RollBack: _as_is,
     cmd.EndPhase: _as_is,
@@ -176,7 +195,8 @@ class DriverLog:
     def record(self, event: Any, commands: list[Any]) -> None:
         if isinstance(event, NOT_LOGGED):
             return
-        size = 1 + len(getattr(event, "results", ()) or ())
+        held = len(getattr(event, "results", ()) or ()) + len(getattr(event, "failures", ()))
+        size = 1 + held
         entry = LogEntry(loggable(event), tuple(loggable(c) for c in commands))
         self.entries.append(entry)
         self._sizes.append(size)

@@ -391,6 +391,9 @@ class FitLoop:
     def _StopWindows(self, c: cmd.StopWindows) -> None:
         self.executor.stop(c)
 
+    def _ExcludeWorkers(self, c: cmd.ExcludeWorkers) -> None:
+        self.executor.exclude(c.workers)
+
     def _RollBack(self, c: cmd.RollBack) -> None:
         self.executor.roll_back(c)
 

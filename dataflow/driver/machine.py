@@ -35,6 +35,7 @@ from dataflow.driver.memory import (
     out_of_memory_error,
 )
 from dataflow.driver.recovery import LostWorkers
+from dataflow.driver.root_cause import acted_on
 from dataflow.driver.state import (
     AfterGroup,
     FitState,
@@ -392,6 +393,7 @@ class FitMachine(LostWorkers, WindowPlanning):
             return []
         if s.releasing:  # the survivors could not finish the released window
             return self._abandon_release(())
+        event = acted_on(event)  # the root cause among the failures the executor saw
         if event.out_of_memory:
             return self._out_of_memory(event)
         if not (

@@ -112,8 +112,10 @@ def tell(client: Any, function: Any, *args: Any, workers: list[str]) -> None:
 
 
 class Lost(Exception):
-    """Internal: workers of the fit are gone while a command waited on them."""
+    """Internal: workers of the fit are gone while a command waited on them;
+    ``silent_s``: not by the scheduler's word but silent to the driver's probe for that
+    long (a WorkersSilent event: whether that is a loss is the machine's rule)."""
 
-    def __init__(self, workers: list[str]) -> None:
+    def __init__(self, workers: list[str], silent_s: float | None = None) -> None:
         super().__init__(f"lost workers {workers}")
-        self.workers = workers
+        self.workers, self.silent_s = workers, silent_s

@@ -16,6 +16,7 @@ from dataflow.core.window import scored_samples
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.state import AfterGroup, Forming, Status
+from dataflow.driver.transitions import Ignored, rule
 from dataflow.history.records import FailureRecord
 from dataflow.planning.layout import ReplicaGroups
 
@@ -43,6 +44,16 @@ class LostWorkers:
             window_steps_lost=in_progress - s.committed_step,
             **extra,
         )
+
+    def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
+        """Members silent to the driver's probe for ``waited_s`` after a collective failed
+        (the scheduler named no loss: a cut link or a hung node sends no reset) are lost:
+        the executor treats them as gone from now on, and the loss is decided as the
+        scheduler's report of it would be, by the status's rule for WorkersLost."""
+        lost = ev.WorkersLost(event.workers)
+        entry = rule(self.state, lost)
+        out = [] if isinstance(entry, Ignored) else getattr(self, entry)(lost)
+        return [cmd.ExcludeWorkers(event.workers), *out]
 
     def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
         s, config = self.state, self.config

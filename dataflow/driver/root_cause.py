@@ -4,23 +4,53 @@ When one replica fails, its peers' collectives fail after it ("connection closed
 peer"), each a :class:`~dataflow.core.errors.CollectiveError`, and their parameter-store
 calls fail with the failed replica's reason (a ``ShardError``, "replica 0 failed in
 window 2: ..."): only echoes. The fit reports the first real failure: the earliest
-(window, rank) whose error is not an echo, else the earliest of the echoes.
+(window, rank) whose error is not an echo, else the earliest of the echoes. The
+executor reports every failure it saw (``WindowFailed.failures``); the machine picks
+the one it acts on (:func:`acted_on`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
+
+from dataflow.driver import events as ev
 
 # Errors that report another replica's failure. Named, not imported: pure.
 _ECHOES = {"CollectiveError", "ShardError"}
 
 
-def is_echo(error: BaseException) -> bool:
-    """Whether ``error`` only reports a peer's failure (its collective or the store)."""
-    return any(kind.__name__ in _ECHOES for kind in type(error).__mro__)
+def is_echo(error: Any) -> bool:
+    """Whether ``error`` only reports a peer's failure (its collective or the store).
+    An error copied into the driver log (``log.ErrorInfo``) names its classes in
+    ``kinds``, so a replayed fit picks the same root cause."""
+    if isinstance(error, BaseException):
+        kinds = [kind.__name__ for kind in type(error).__mro__]
+    else:
+        kinds = list(getattr(error, "kinds", ()))
+    return any(kind in _ECHOES for kind in kinds)
 
 
-def root_cause(failures: Sequence[tuple[tuple[int, int], BaseException | None]]) -> int | None:
+def acted_on(event: ev.WindowFailed) -> ev.WindowFailed:
+    """``event`` as the failure the machine acts on: the rank, error and kind of the
+    root cause among ``event.failures`` (:func:`root_cause`); the window stays the one
+    that failed first (the one the machine waits for). As is when no failure's error
+    could be read (or the executor reported none: the failure is its own cause)."""
+    chosen = root_cause([((f.window, f.rank), f.error) for f in event.failures])
+    if chosen is None:
+        return event
+    cause = event.failures[chosen]
+    return dataclasses.replace(
+        event,
+        rank=cause.rank,
+        error=cause.error,
+        non_finite=cause.non_finite,
+        out_of_memory=cause.out_of_memory,
+    )
+
+
+def root_cause(failures: Sequence[tuple[tuple[int, int], Any]]) -> int | None:
     """The index in ``failures`` (``((window, rank), error)``, an error None where it
     could not be read) of the one to report; None when no error could be read."""
     readable = sorted((key, i) for i, (key, error) in enumerate(failures) if error is not None)

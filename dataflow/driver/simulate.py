@@ -78,6 +78,9 @@ class SimulatedExecutor:
     def queue_lost(self, lost: list[str]) -> None:
         self.queue.append(ev.WorkersLost(tuple(lost)))
 
+    def exclude(self, workers: tuple[str, ...]) -> None:
+        self.workers = [w for w in self.workers if w not in workers]
+
     def events(self) -> Iterator[Any]:
         while True:
             fault = self.faults(self.events_seen)

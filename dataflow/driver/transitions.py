@@ -43,6 +43,9 @@ OVER = Ignored("the fit is over: nothing more to decide")
 # Any status but the fit's end: membership changes, the poll, a refused commit.
 MEMBERSHIP: Mapping[type, str | Ignored] = {
     ev.WorkersLost: "_workers_lost",
+    # silent to the driver's probe: lost, then as WorkersLost in the status (the rule
+    # looked up again for it)
+    ev.WorkersSilent: "_workers_silent",
     ev.WorkersJoined: "_workers_joined",
     ev.Timer: NOTHING_TO_DECIDE,
     # a window committed before the status moved on (a salvage, then a regroup)
@@ -78,8 +81,9 @@ TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {
         **MEMBERSHIP,
     },
     # Done: a loss before the final weights are taken forms the survivors again
-    Status.DONE: {t: OVER for t in EVENT_TYPES} | {ev.WorkersLost: "_workers_lost"},
-    Status.FAILED: {t: OVER for t in EVENT_TYPES},
+    Status.DONE: {t: OVER for t in EVENT_TYPES}
+    | {ev.WorkersLost: "_workers_lost", ev.WorkersSilent: "_workers_silent"},
+    Status.FAILED: {t: OVER for t in EVENT_TYPES} | {ev.WorkersSilent: "_workers_silent"},
 }
 
 

@@ -1,0 +1,152 @@
+"""The machine's failure decisions that the executor only reports: which replica's
+error is the root cause of a failed window round (the others' "connection closed" are
+its echoes), and whether members silent to the driver's probe after a failed collective
+are lost. Scripted events, no cluster: the real cut link is
+tests/test_emulated_nodes.py's."""
+
+from __future__ import annotations
+
+import pytest
+from test_driver_machine import Driver, of
+
+from dataflow.core.errors import CollectiveError, NonFiniteError
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.log import ErrorInfo, loggable
+from dataflow.driver.machine import replay
+from dataflow.errors import ReplicaError
+from dataflow.ps.shard import ShardError
+
+ECHO = CollectiveError("replica 0: connection closed by peer")
+REAL = ReplicaError("replica 1 on worker tcp://b failed: ValueError: label 7 of 3 classes")
+OOM = MemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")  # the flag decides
+
+
+def failed(d: Driver, *failures: ev.WindowFailure) -> list:
+    """Window round ``failures`` as the executor reports it: the first seen (rank 0's
+    echo) as the event's own failure, every one it collected in ``failures``."""
+    first = failures[0]
+    event = ev.WindowFailed(
+        d.state.generation, first.rank, first.window, first.error, failures=failures
+    )
+    return d.send(event)
+
+
+def test_the_machine_acts_on_the_real_failure_not_the_echo_that_came_first():
+    d = Driver()
+    _, submit = d.start()
+    w = submit.first_window
+    [fail] = failed(d, ev.WindowFailure(w, 0, ECHO), ev.WindowFailure(w, 1, REAL))
+    assert isinstance(fail, cmd.Fail) and fail.error is REAL
+    # only echoes: the earliest (window, rank); none readable: the event's own
+    d = Driver()
+    _, submit = d.start()
+    w = submit.first_window
+    later = CollectiveError("replica 1: connection closed by peer")
+    [fail] = failed(d, ev.WindowFailure(w, 1, later), ev.WindowFailure(w, 0, ECHO))
+    assert fail.error is ECHO
+    d = Driver()
+    _, submit = d.start()
+    unread = (ev.WindowFailure(submit.first_window, 0, None),)
+    [fail] = d.send(ev.WindowFailed(0, 1, submit.first_window, REAL, failures=unread))
+    assert fail.error is REAL
+
+
+def test_a_root_cause_out_of_memory_halves_the_cap_for_its_own_rank():
+    """Rank 0's echo came first, rank 1 ran out of memory: the machine's decision follows
+    the root cause's kind (a halved cap, the group formed again), for rank 1."""
+    d = Driver()
+    _, submit = d.start()
+    w = submit.first_window
+    out = failed(d, ev.WindowFailure(w, 0, ECHO), ev.WindowFailure(w, 1, OOM, False, True))
+    assert [type(c) for c in out] == [
+        cmd.RecordFailure,
+        cmd.StopWindows,
+        cmd.RollBack,
+        cmd.FormGroup,
+    ]
+    assert out[0].record["reason"] == "out-of-memory" and out[0].record["rank"] == 1
+
+
+def test_a_root_cause_non_finite_step_rolls_back_in_place():
+    """A parameter-store call failed with a peer's reason first (a ShardError: an echo);
+    the peer's NaN is the cause, and a NaN rolls back in place with a lower LR."""
+    d = Driver(roll_back_non_finite=True)
+    _, submit = d.start()
+    w = submit.first_window
+    store_echo = ShardError("parameter store, replica 0: replica 1 failed in window 0")
+    nan = NonFiniteError("replica 1: non-finite gradient at step 0")
+    out = failed(d, ev.WindowFailure(w, 0, store_echo), ev.WindowFailure(w, 1, nan, True))
+    assert [type(c) for c in out[:3]] == [cmd.RecordFailure, cmd.StopWindows, cmd.RollBack]
+    assert not of(cmd.StopWindows, out)[0].leave_group and d.state.lr_factor == 0.5
+
+
+def test_a_logged_window_failure_replays_to_the_same_root_cause():
+    """The log holds each failure's error as text with the names of its classes, so the
+    replayed machine tells the echo from the real error as the live one did."""
+    d = Driver()
+    _, submit = d.start()
+    w = submit.first_window
+    failed(d, ev.WindowFailure(w, 0, ECHO), ev.WindowFailure(w, 1, REAL))
+    logged = d.machine.log.events[-1]
+    assert [f.error for f in logged.failures] == [ErrorInfo.of(ECHO), ErrorInfo.of(REAL)]
+    assert "CollectiveError" in logged.failures[0].error.kinds
+    _, replayed = replay(d.machine.config, d.machine.log.events)
+    assert [loggable(c) for out in replayed for c in out] == d.machine.log.commands
+    assert replayed[-1][0].error == ErrorInfo.of(REAL)
+
+
+def running(**config) -> Driver:
+    """A machine mid-phase on W[:2], a window in flight."""
+    d = Driver(**config)
+    d.start()
+    return d
+
+
+def at_start(**config) -> Driver:
+    d = Driver(**config)
+    d.send(ev.Started(("tcp://a", "tcp://b", "tcp://c")))
+    return d
+
+
+def done(**config) -> Driver:
+    d = Driver(**config)
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    d.send(ev.PhaseChosen(None))
+    assert d.state.status == "done"
+    return d
+
+
+def too_few(**config) -> Driver:
+    """Failed: below min_workers, the Fail not yet carried out."""
+    d = Driver(min_workers=2, **config)
+    d.start()
+    d.send(ev.WorkersLost(("tcp://a",)))
+    assert d.state.status == "failed"
+    return d
+
+
+@pytest.mark.parametrize("where", [running, at_start, done, too_few])
+def test_members_silent_to_the_probe_are_lost_and_excluded(where):
+    """A member silent for the probe's time after a failed collective is lost: the
+    executor is told to treat it as gone, and the rest is what the scheduler's word of
+    the loss gives in that status (a twin machine fed WorkersLost)."""
+    silent, twin = where(checkpoints=True), where(checkpoints=True)
+    out = silent.send(ev.WorkersSilent(("tcp://b",), 5.0))
+    assert out[0] == cmd.ExcludeWorkers(("tcp://b",))
+    assert out[1:] == twin.send(ev.WorkersLost(("tcp://b",)))
+    assert silent.state == twin.state
+
+
+def test_a_silent_member_is_logged_and_replays():
+    d = running(checkpoints=True)
+    d.send(ev.WorkersSilent(("tcp://b",), 5.0))
+    assert d.machine.log.events[-1] == ev.WorkersSilent(("tcp://b",), 5.0)
+    assert cmd.ExcludeWorkers(("tcp://b",)) in d.machine.log.commands
+    _, replayed = replay(d.machine.config, d.machine.log.events)
+    assert [loggable(c) for out in replayed for c in out] == d.machine.log.commands
+    again = d.send(ev.GroupFormed(1))  # the survivor's group: the phase's rest is planned
+    assert [type(c) for c in again] == [cmd.PlanSegment] and again[0].replicas == 1
