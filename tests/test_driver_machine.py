@@ -257,7 +257,7 @@ def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budge
     d = Driver(checkpoints=True, max_restarts=2)
     _, calibration = d.start()
     d.finish_plan(calibration)
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, 60.0, 10.0)]
     for _ in range(2):
         out = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
         [record] = of(cmd.RecordFailure, out)
@@ -266,7 +266,7 @@ def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budge
         [form] = of(cmd.FormGroup, out)
         assert form.fresh and form.restore and form.members == ("tcp://c",)
         # every one lost again while starting: wait for workers once more
-        assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(1, 1, None, 60.0, 10.0)]
+        assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(1, 1, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
@@ -289,7 +289,7 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0
     d = Driver(checkpoints=True, max_restarts=2)
     _, calibration = d.start()
     d.finish_plan(calibration)  # steps 0-1 committed, then every replica lost
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, 60.0, 10.0)]
     for _ in range(2):
         record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
         assert record.record["reason"] == "every replica lost"
@@ -298,7 +298,7 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0
         assert form.fresh and not form.restore and form.members == W[2:]
         assert d.send(ev.GroupFormed(form.generation)) == [cmd.ChoosePhase(0, None)]
         assert d.state.committed_step == 0 and d.state.next_step == 0
-        assert d.send(ev.WorkersLost(W[2:])) == [cmd.AwaitRestart(1, 1, None, 60.0, 10.0)]
+        assert d.send(ev.WorkersLost(W[2:])) == [cmd.AwaitRestart(1, 1, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=None, workers=W[2:]))
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
@@ -318,7 +318,7 @@ def test_every_worker_lost_while_the_first_group_forms_waits_for_workers():
     forms starts from step 0 on the restarted ones; no workers back: it fails."""
     d = Driver(checkpoints=True)
     d.send(ev.Started(W[:2]))
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, 60.0, 10.0)]
     [fail] = d.send(ev.RestartPoint(step=None, workers=()))
     assert isinstance(fail, cmd.Fail) and fail.lost == W[:2] and fail.restarts_from is None
     d = Driver(checkpoints=True)
@@ -335,7 +335,7 @@ def test_every_replica_lost_without_checkpoints_starts_again_from_step_0_or_fail
     d = Driver()
     _, calibration = d.start()
     d.finish_plan(calibration)
-    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, None, 60.0, 10.0)]
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, 60.0, 10.0)]
     record, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
     assert record.record["restarted_from_step"] == 0 and restart.from_start
     assert form.members == W[2:] and not form.restore

@@ -120,7 +120,7 @@ def test_no_group_left_but_the_pool_forms_one_the_fit_restarts_from_the_partners
     _running(d, FIVE[:3], 1)  # (w0, w1) and the spare w2
     out = d.send(ev.WorkersLost((FIVE[1],)))
     assert [c.kind for c in of(cmd.WriteCheckpoint, out)] == ["survivors"]
-    assert out[-1] == cmd.AwaitRestart(2, 2, None, 60.0, 10.0) and not of(cmd.Fail, out)
+    assert out[-1] == cmd.AwaitRestart(2, 2, 60.0, 10.0) and not of(cmd.Fail, out)
     out = d.send(ev.RestartPoint(step=0, workers=(FIVE[0], FIVE[2])))
     [record] = of(cmd.RecordFailure, out)
     assert record.record["restarted_from_step"] == 0 and record.record["replicas_after"] == 1

@@ -22,6 +22,9 @@ class SegmentKind(StrEnum):
 
     PHASE = "phase"  # a new phase, from its first step
     REST = "rest"  # the running phase's steps from the commit, re-split after a recovery
+    # a fit started from a checkpoint inside a phase (a resume, a restart): that phase's
+    # steps from the checkpoint's step (the loop holds the checkpoint's progress)
+    RESUMED = "resumed"
 
 
 class CheckpointKind(StrEnum):
@@ -77,8 +80,8 @@ class ScaleCluster:
 @dataclass(frozen=True)
 class PlanSegment:
     """Ask the planner for the steps to run on ``replicas``: ``kind`` is ``PHASE``
-    (``phase`` from its first step) or ``REST`` (the phase's steps from ``commit_step``
-    re-split after a recovery; a fit resumed inside a phase plans its rest this way).
+    (``phase`` from its first step), ``REST`` (the phase's steps from ``commit_step``
+    re-split after a recovery) or ``RESUMED`` (the checkpoint's phase from its step).
     ``memory_cap``: the micro-batch cap out-of-memory errors taught the fit (None:
     none), below the user's ``max_micro_batch``."""
 
@@ -222,12 +225,11 @@ class RecordFailure:
 @dataclass(frozen=True)
 class AwaitRestart:
     """Every replica is lost: wait up to ``wait_s`` for ``at_least`` workers, then up to
-    ``gather_s`` more for ``gather`` (a nanny's restarts arrive one by one), take at most
-    ``at_most`` (None: all), then find the newest checkpoint."""
+    ``gather_s`` more for ``gather`` (a nanny's restarts arrive one by one), then find the
+    newest checkpoint; the workers there are reported (the machine picks the fit's)."""
 
     at_least: int
     gather: int
-    at_most: int | None
     wait_s: float
     gather_s: float
 

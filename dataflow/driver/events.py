@@ -27,6 +27,7 @@ class Started:
     epoch: int = 0
     step: int = 0
     previous: Any = None
+    in_phase: bool = False  # the checkpoint is inside a phase: its rest is trained first
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class RestartPoint:
     workers: tuple[str, ...]
     epoch: int = 0  # the checkpoint's first epoch to train, and the phase before it
     previous: Any = None
+    in_phase: bool = False  # the checkpoint is inside a phase: its rest is trained first
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from dataflow.core.errors import (
 )
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.arrivals import WorkerArrivals
 from dataflow.driver.group_forming import GroupForming
 from dataflow.driver.membership import (
     LIVENESS_POLL_S,
@@ -41,12 +42,12 @@ from dataflow.driver.membership import (
 from dataflow.driver.memory import is_out_of_memory
 from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
-from dataflow.runtime.cluster import available_workers, live_workers
+from dataflow.runtime.cluster import live_workers
 
 FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 
 
-class Executor(GroupForming):
+class Executor(GroupForming, WorkerArrivals):
     """Runs one fit's cluster commands on ``client``; ``spec`` is the ReplicaSpec."""
 
     def __init__(self, client: Client, spec: Any) -> None:
@@ -72,9 +73,6 @@ class Executor(GroupForming):
         self.unreachable: set[str] = set()
 
     # -- liveness -----------------------------------------------------------------------
-    def available(self) -> list[str]:
-        return [a for a in available_workers(self.client) if a not in self.unreachable]
-
     def lost(self) -> list[str]:
         """Members gone (whether the fit recovers from that is the machine's decision)."""
         self.removals.removed.clear()
@@ -108,11 +106,6 @@ class Executor(GroupForming):
         """``cmd.ExcludeWorkers``: ``workers`` count as gone from now on."""
         self.unreachable.update(workers)
 
-    def joined_event(self) -> ev.WorkersJoined | None:
-        new = [a for a in self.available() if a not in self.known]
-        self.known.update(new)
-        return ev.WorkersJoined(tuple(new)) if new else None
-
     def is_loss(self, error: BaseException) -> bool:
         """Whether ``error`` is this layer's signal of a lost member (``carry_out`` turns
         it into a WorkersLost event; the loop lets it through)."""
@@ -129,14 +122,6 @@ class Executor(GroupForming):
             self.queue_lost(lost.workers, lost.silent_s)
             return False
         return True
-
-    def states_unless_lost(self, label: str) -> list[Any] | None:
-        """The replicas' states (:meth:`replica_states`), or None when a member is lost
-        while they are gathered."""
-        try:
-            return self.replica_states(label)
-        except Lost:
-            return None
 
     def queue_lost(self, lost: list[str], silent_s: float | None = None) -> None:
         """A WorkersLost event, or WorkersSilent for members silent ``silent_s`` to the
@@ -454,37 +439,6 @@ class Executor(GroupForming):
         key = f"weights@replica0-{self.run_id}{self.tag()}-{self.serial()}"
         [state] = self.gather([self.send(request, 0, key=key)])
         return state
-
-    def await_restart(
-        self, at_least: int, gather: int, at_most: int | None, wait_s: float, gather_s: float
-    ) -> list[str] | None:
-        """Every replica lost: wait for ``at_least`` workers, then a little for ``gather``
-        (``cmd.AwaitRestart``); at most ``at_most`` of them; None if too few came."""
-        try:
-            self.client.wait_for_workers(at_least, timeout=wait_s)
-        except TimeoutError:
-            return None
-        with contextlib.suppress(TimeoutError):
-            self.client.wait_for_workers(gather, timeout=gather_s)
-        workers = self.available()[:at_most]
-        self.known.update(workers)
-        return workers
-
-    def scale_cluster(self, wanted: int, timeout_s: float) -> str | None:
-        """Ask the client's cluster for ``wanted`` workers and wait for them; the reason
-        when it could not (None: they are here)."""
-        cluster = getattr(self.client, "cluster", None)
-        if cluster is None or not hasattr(cluster, "scale"):
-            return (
-                "the client has no cluster object to scale (connected by address?); start "
-                "more workers yourself, they join at the next phase"
-            )
-        cluster.scale(wanted)
-        try:
-            self.client.wait_for_workers(wanted, timeout=timeout_s)
-        except TimeoutError:
-            return f"only some workers arrived in {timeout_s} s"
-        return None
 
     def close(self, *, failed: bool) -> None:
         """Release the fit's futures and its replicas on the workers still alive (a

@@ -113,6 +113,7 @@ class FitLoop:
             epoch=start.epoch,
             step=start.step,
             previous=start.previous,
+            in_phase=self.resume_in_phase is not None,
         )
         self._decide(started)
         for event in self.executor.events():
@@ -135,10 +136,7 @@ class FitLoop:
         for i, command in enumerate(commands):
             handler = COMMAND_HANDLERS[type(command)]
             if not self.executor.carry_out(functools.partial(handler, self, command)):
-                # The machine already chose to stop: a loss on the way does not change it.
-                for fail in (c for c in commands[i + 1 :] if isinstance(c, cmd.Fail)):
-                    self._Fail(fail)
-                return i
+                return i  # (a Fail further on is the machine's again, from that event)
             if self.refused:  # the recorder refused a commit: the machine decides next
                 return i + 1
         return len(commands)
@@ -201,7 +199,7 @@ class FitLoop:
 
     def _AwaitRestart(self, c: cmd.AwaitRestart) -> None:
         step, workers, checkpoint = None, (), None
-        found = self.executor.await_restart(c.at_least, c.gather, c.at_most, c.wait_s, c.gather_s)
+        found = self.executor.await_restart(c.at_least, c.gather, c.wait_s, c.gather_s)
         if found:  # (no checkpoint, or no folder: the machine starts from step 0)
             workers = tuple(found)
             if self.writer is not None and self.writer.store.latest() is not None:
@@ -211,7 +209,9 @@ class FitLoop:
             self.executor.queue.append(ev.RestartPoint(None, workers))
             return
         point = ResumePoint.of(self.checkpoint)
-        self.executor.queue.append(ev.RestartPoint(step, workers, point.epoch, point.previous))
+        in_phase = point.progress is not None
+        restart = ev.RestartPoint(step, workers, point.epoch, point.previous, in_phase=in_phase)
+        self.executor.queue.append(restart)
 
     def _Restart(self, c: cmd.Restart) -> None:
         if self.progress:
@@ -243,32 +243,6 @@ class FitLoop:
 
     # -- phases ---------------------------------------------------------------------------
     def _ChoosePhase(self, c: cmd.ChoosePhase) -> None:
-        progress, self.resume_in_phase = self.resume_in_phase, None
-        if progress is not None:  # resumed from a mid-phase checkpoint: the rest of it
-            n = len(self.members)
-            todo = self.planner.resumed(progress.segment, self.start.step, n)
-            carried = progress.totals if len(progress.totals) == n else None
-            self._announce(progress.phase, progress.steps, todo)
-            self.recorder.begin_phase(
-                progress.phase,
-                progress.steps,
-                todo,
-                carried=carried,
-                elapsed=progress.seconds,
-                lost=tuple(progress.lost),
-            )
-            self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
-            self.executor.queue.append(
-                ev.SegmentPlanned(
-                    progress.phase,
-                    progress.steps,
-                    todo,
-                    continued=True,
-                    lr_factor=progress.lr_factor,
-                    rollbacks=progress.rollbacks,
-                )
-            )
-            return
         phase = self.planner.next_phase(c.epoch, self.epochs, c.previous, self.measurement)
         joined = self.executor.joined_event()
         if joined is not None:
@@ -290,6 +264,9 @@ class FitLoop:
     def _PlanSegment(self, c: cmd.PlanSegment) -> None:
         if c.memory_cap is not None:  # learned (out of memory) or measured (CUDA)
             self.recorder.history.info["micro_batch_cap"] = c.memory_cap
+        if c.kind == cmd.SegmentKind.RESUMED:
+            self._plan_resumed(c.replicas)
+            return
         if c.kind == cmd.SegmentKind.PHASE:
             measured = self.recorder.measured_speeds()
             steps = self.planner.phase_steps(
@@ -303,6 +280,34 @@ class FitLoop:
             c.segment, c.commit_step, c.replicas, c.memory_cap, len(c.phase_steps)
         )
         self.executor.queue.append(ev.SegmentPlanned(c.phase, c.phase_steps, todo, continued=True))
+
+    def _plan_resumed(self, replicas: int) -> None:
+        """The rest of the checkpoint's phase (a mid-phase checkpoint: a resume or a
+        restart), on ``replicas``, with the totals and LR cut it saved."""
+        progress, self.resume_in_phase = self.resume_in_phase, None
+        if progress is None:
+            raise RuntimeError("the machine resumed inside a phase with no checkpoint (a bug)")
+        todo = self.planner.resumed(progress.segment, self.start.step, replicas)
+        carried = progress.totals if len(progress.totals) == replicas else None
+        self._announce(progress.phase, progress.steps, todo)
+        self.recorder.begin_phase(
+            progress.phase,
+            progress.steps,
+            todo,
+            carried=carried,
+            elapsed=progress.seconds,
+            lost=tuple(progress.lost),
+        )
+        self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
+        planned = ev.SegmentPlanned(
+            progress.phase,
+            progress.steps,
+            todo,
+            continued=True,
+            lr_factor=progress.lr_factor,
+            rollbacks=progress.rollbacks,
+        )
+        self.executor.queue.append(planned)
 
     def _announce(self, phase: Any, steps: tuple, todo: tuple) -> None:
         """The phase's plan, one line, before its progress bar opens: as many steps as
@@ -405,10 +410,8 @@ class FitLoop:
                 states, c.phase, c.step, self.measurement, self.recorder, position.memory_cap
             )
             return
-        if c.kind == cmd.CheckpointKind.SURVIVORS:
-            states = self.executor.states_unless_lost("lost")
-            if states is None:  # the last survivors died too: the newest checkpoint stands
-                return
+        if c.kind == cmd.CheckpointKind.SURVIVORS:  # (a survivor lost meanwhile: an event)
+            states = self.executor.replica_states("lost")
         else:  # each replica's state, or its group's workers' (a spatial layout)
             states = [
                 s for part in c.states for s in (part if isinstance(part, tuple) else (part,))

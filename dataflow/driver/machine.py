@@ -102,6 +102,9 @@ class FitMachine(LostWorkers, WindowPlanning):
             commands: list[cmd.Command] = []
         else:
             commands = getattr(self, entry)(event)
+        fail = next((c for c in commands if isinstance(c, cmd.Fail)), None)
+        if fail is not None:
+            self.state.failing = fail
         if self.validate:
             validate_state(self.state, self.config)
         self.log.record(event, commands)
@@ -151,6 +154,7 @@ class FitMachine(LostWorkers, WindowPlanning):
         s.forming, s.after_group, s.restoring = Forming.START, AfterGroup.CHOOSE, event.restore
         s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
         s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous
+        s.resume_in_phase = event.in_phase
         return [
             cmd.FormGroup(
                 0, self.members, fresh=True, restore=event.restore, groups=s.layout.groups
@@ -202,9 +206,13 @@ class FitMachine(LostWorkers, WindowPlanning):
         steps, ``REST`` the running phase's steps from the commit on."""
         s = self.state
         s.status, s.after_group = Status.PLANNING, kind
+        cap = s.memory_cap
+        if kind == AfterGroup.CHOOSE and s.resume_in_phase:  # the checkpoint's phase first
+            s.resume_in_phase = False
+            resumed = cmd.SegmentKind.RESUMED
+            return [cmd.PlanSegment(resumed, s.layout.replicas, None, s.next_step, memory_cap=cap)]
         if kind == AfterGroup.CHOOSE:
             return self._next_phase()
-        cap = s.memory_cap
         if kind == AfterGroup.PHASE:
             replicas = s.layout.replicas
             return [

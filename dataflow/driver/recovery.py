@@ -10,6 +10,7 @@ like the machine.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dataflow.core.window import scored_samples
@@ -44,6 +45,19 @@ class LostWorkers:
             window_steps_lost=in_progress - s.committed_step,
             **extra,
         )
+
+    def _lost_while_failing(self, event: ev.WorkersLost) -> list[Any]:
+        """The machine chose to stop, and a worker was lost before the Fail was carried
+        out (the survivors rolling back or saving their checkpoint): the Fail again, with
+        those workers named (a survivors' checkpoint a loss interrupted was not written:
+        the newest checkpoint stands)."""
+        fail = self.state.failing
+        if fail is None:
+            return []
+        if fail.error is None:
+            more = tuple(w for w in event.workers if w not in fail.lost)
+            fail = dataclasses.replace(fail, lost=(*fail.lost, *more))
+        return [fail]
 
     def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
         """Members silent to the driver's probe for ``waited_s`` after a collective failed
@@ -352,13 +366,12 @@ class LostWorkers:
 
     def _await_restart(self, had: int) -> cmd.AwaitRestart:
         """Wait for at least ``min_workers`` replicas' workers, then a little for the
-        ``had`` replicas the fit had, never more than it may have."""
+        ``had`` replicas the fit had (``_restart_point`` takes no more than it may have)."""
         config = self.config
         size, most = config.spatial, config.max_replicas
         return cmd.AwaitRestart(
             at_least=max(1, config.min_workers) * size,
             gather=min(had, most or had) * size,
-            at_most=most * size if most else None,
             wait_s=config.restart_wait_s,
             gather_s=config.restart_gather_s,
         )
@@ -388,14 +401,19 @@ class LostWorkers:
                 )
             ]
         s.restarts[step] = s.restarts.get(step, 0) + 1
+        # the fit starts again on as many as it may have (max_replicas); the rest wait
+        # in the pool, as spares and joiners do
+        most = config.max_replicas
+        workers = event.workers[: most * config.spatial] if most else event.workers
         record.update(
             restarted_from_step=step,
             window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - step,
-            replicas_after=len(event.workers) // config.spatial,
+            replicas_after=len(workers) // config.spatial,
         )
         arrived = set(event.workers)
         s.available = tuple(w for w in s.available if w not in arrived)
-        s.layout = self._groups(tuple(event.workers))
+        s.layout = self._groups(tuple(workers))
+        s.available = (*s.available, *event.workers[len(workers) :])
         if not s.layout.replicas:  # too few workers for one group (a spatial layout)
             s.status = Status.FAILED
             return [
@@ -410,6 +428,7 @@ class LostWorkers:
         s.generation += 1
         s.committed_step, s.step_seconds, s.phase = step, None, None
         s.epoch, s.next_step, s.previous = event.epoch, step, event.previous
+        s.resume_in_phase = event.in_phase
         s.status, s.forming, s.after_group, s.restoring = (
             Status.FORMING,
             Forming.RESTART,

@@ -64,9 +64,6 @@ class SimulatedExecutor:
     def is_loss(self, error: BaseException) -> bool:
         return False  # a simulated loss is a queued event, never an exception
 
-    def states_unless_lost(self, tag: str) -> list[Any] | None:
-        return self.replica_states(tag)
-
     def available(self) -> list[str]:
         return list(self.workers)
 

@@ -108,6 +108,12 @@ class FitState:
     releasing: tuple[int, ...] = ()
     released_workers: tuple[str, ...] = ()
     release_window: int = -1
+    # The Fail the machine issued: a loss before the loop reached it (while the
+    # survivors roll back or save their checkpoint) leads to it again, not to a recovery
+    failing: Any = None
+    # the fit starts (a resume, a restart) from a checkpoint inside a phase: the first
+    # plan is that phase's rest, not the next phase
+    resume_in_phase: bool = False
 
 
 def validate_state(s: FitState, config: Any) -> None:

@@ -83,7 +83,10 @@ TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {
     # Done: a loss before the final weights are taken forms the survivors again
     Status.DONE: {t: OVER for t in EVENT_TYPES}
     | {ev.WorkersLost: "_workers_lost", ev.WorkersSilent: "_workers_silent"},
-    Status.FAILED: {t: OVER for t in EVENT_TYPES} | {ev.WorkersSilent: "_workers_silent"},
+    # Failed: a loss before the loop reached the Fail (it stopped the command list while
+    # the survivors rolled back or saved their checkpoint) leads to the Fail again
+    Status.FAILED: {t: OVER for t in EVENT_TYPES}
+    | {ev.WorkersLost: "_lost_while_failing", ev.WorkersSilent: "_workers_silent"},
 }
 
 
