@@ -223,20 +223,26 @@ class Executor(GroupForming, WorkerArrivals):
         self.queue.append(ev.WindowFailed(generation, rank, window, error, *kind, failures))
 
     def _harvest(self, lost: list[str] = ()) -> None:
-        """Queue the result of every window that finished, in window order, except on
-        ``lost`` workers (their results died with them; their partners' salvage them)."""
+        """Queue the result of every window that finished, in window order, whatever
+        became of its workers since (which results the fit uses is the machine's
+        decision), except what cannot be read: a result held on a ``lost`` worker (the
+        leader's; for a mid-phase checkpoint every worker's part) died with it."""
         finished = [f for f in self.windows if f.status == "finished"]
         parts: dict[tuple[int, int, int], list[Any]] = {}
         for future in finished:
             parts.setdefault(self.windows[future], []).append(future)
         by_window: dict[tuple[int, int], dict[int, Any]] = {}
+        gone = set(lost)
         for (generation, rank, window), futures in sorted(parts.items(), key=lambda i: i[0][2]):
-            if len(futures) < self.size or set(self._slots_of(rank)).intersection(lost):
-                continue  # the group's other workers still run it, or one died
+            slots = self._slots_of(rank)
+            if len(futures) < self.size or gone.intersection(slots[:1]):
+                continue  # the group's other workers still run it, or its result died
             futures.sort(key=lambda f: self.slot_of.get(f, 0))
             try:
                 result = futures[0].result(timeout=LIVENESS_POLL_S)  # the leader's
                 if result.checkpoint is not None and self.size > 1:
+                    if gone.intersection(slots):
+                        continue  # a part of the group's checkpoint died with its worker
                     # a mid-phase checkpoint keeps every worker's part (random state,
                     # buffers) as a phase-boundary one does: the group's, in slot order
                     parts = [f.result(timeout=LIVENESS_POLL_S).checkpoint for f in futures]
