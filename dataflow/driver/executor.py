@@ -66,7 +66,9 @@ class Executor(GroupForming, WorkerArrivals):
         self.size = getattr(getattr(spec, "layout", None), "spatial", 1) or 1
         self.groups: dict[str, tuple[str, ...]] = {}  # leader -> its group's workers
         self.slot_of: dict[Any, int] = {}  # window future -> the worker (slot) it ran on
-        self.released: set[str] = set()  # lost members the machine already handles
+        # members the machine released (cmd.ReleaseReplicas: it handled their loss and
+        # waits on nothing of theirs); their loss is not reported again
+        self.unwatched: set[str] = set()
         self.removals = RemovalWatch(client)  # the scheduler's word of a lost member
         # members the driver could not reach after a failed collective (a cut link, a
         # hung node): lost, whatever the scheduler still says
@@ -80,7 +82,7 @@ class Executor(GroupForming, WorkerArrivals):
         return [
             a
             for a in self.members
-            if (a not in alive or a in self.unreachable) and a not in self.released
+            if (a not in alive or a in self.unreachable) and a not in self.unwatched
         ]
 
     def raise_if_lost(self, grace: bool = False) -> None:
@@ -98,7 +100,7 @@ class Executor(GroupForming, WorkerArrivals):
                 break
             time.sleep(0.1)
         if grace:
-            silent = unreachable(self.client, [a for a in self.members if a not in self.released])
+            silent = unreachable(self.client, [a for a in self.members if a not in self.unwatched])
             if silent:
                 raise Lost(silent, silent_s=PROBE_S)
 
@@ -400,7 +402,7 @@ class Executor(GroupForming, WorkerArrivals):
         futures, and every later window's (which the survivors skip), are dropped from
         what the driver waits on; the survivors' workers are told (not waiting: a
         worker that died unnoticed would stall it)."""
-        self.released.update(c.workers)
+        self.unwatched.update(c.workers)
         self.windows = {
             f: key for f, key in self.windows.items() if key[1] not in c.lost and key[2] <= c.window
         }

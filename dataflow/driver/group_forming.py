@@ -30,7 +30,7 @@ class GroupForming:
     size: int
     last: list[Any]
     known: set[str]
-    released: set[str]
+    unwatched: set[str]
     removals: Any
     windows: dict[Any, tuple[int, int, int]]
     slot_of: dict[Any, int]
@@ -44,7 +44,7 @@ class GroupForming:
         members = tuple(w for g in groups for w in g)
         self.members, self.generation = members, c.generation
         self.known.update(members)
-        self.released = set()
+        self.unwatched = set()
         self.removals.watch(members)
         world = len(members)
         if c.fresh:  # no window of an older group is in flight any more
