@@ -81,8 +81,9 @@ class Update(Stage):
     update (counted in the history as ``skipped_steps``) and trains on.
 
     The check reads the squared norm AllReduce left in ``step.metrics["grad_sq"]`` (one
-    launch over its buckets, computed anyway); without one (a single replica) it makes
-    its own, once, with :func:`dataflow.ops.grad_squared_norm`. Norm and loss are summed
+    launch over its buckets, computed anyway); without one (a single replica) it reads
+    the gradients' largest magnitude in one ``_foreach_norm`` (finite exactly when their
+    float64 squared norm is; float64 gradients: that norm). Norm and loss are summed
     on the device and read as one scalar: no gradient pass of its own, and on a GPU the
     step's only host read (the decision must precede ``optimizer.step()``).
     """
@@ -328,10 +329,33 @@ class Update(Stage):
         return stats
 
 
+# Gradient dtypes whose squares, summed in float64 over any real model's elements, cannot
+# overflow (at most 3.4e38 squared: 1.2e77 each): their float64 squared norm is finite
+# exactly when every element is, which their largest magnitude tells in one call.
+_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _gradient_bound(model: torch.nn.Module) -> torch.Tensor:
+    """A 0-d float64 tensor on the gradients' device, finite exactly when the squared
+    gradient norm is: for bounded dtypes the largest magnitude (``_foreach_norm`` with
+    ord inf, NaN-propagating), a few microseconds a step where the squared norm's plan
+    is rebuilt for each step's new gradient buffers; else the squared norm itself."""
+    grads = [g for p in model.parameters() if (g := p.grad) is not None and g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    first = grads[0]
+    if first.dtype in _BOUNDED and all(
+        g.dtype == first.dtype and g.device == first.device and g.layout == torch.strided
+        for g in grads
+    ):
+        return torch.stack(torch._foreach_norm(grads, math.inf)).amax().double()
+    return grad_squared_norm(grads)
+
+
 def _finite_flag(loss: Any, grad_sq: Any, model: torch.nn.Module) -> torch.Tensor:
     """:func:`_finite` as a 0-d bool tensor on the device, not read (no sync)."""
     if grad_sq is None:
-        grad_sq = grad_squared_norm([p.grad for p in model.parameters()])
+        grad_sq = _gradient_bound(model)
     grad_sq = torch.as_tensor(grad_sq, dtype=torch.float64)
     total = grad_sq.reshape(())
     if isinstance(loss, torch.Tensor):
@@ -343,11 +367,11 @@ def _finite(loss: Any, grad_sq: Any, model: torch.nn.Module) -> bool:
     """The local loss and the (reduced) gradient hold no NaN or inf.
 
     ``grad_sq``: the gradient's squared norm if already known (a float, or a 0-d tensor
-    on the device), else computed here in one launch. Loss and norm are summed on the
-    device, so one scalar read decides both.
+    on the device), else :func:`_gradient_bound`, finite exactly when it would be. Loss
+    and norm are summed on the device, so one scalar read decides both.
     """
     if grad_sq is None:
-        grad_sq = grad_squared_norm([p.grad for p in model.parameters()])
+        grad_sq = _gradient_bound(model)
     if not isinstance(grad_sq, torch.Tensor):
         if not math.isfinite(grad_sq):
             return False
