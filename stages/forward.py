@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import warnings
 from collections.abc import Callable
@@ -120,11 +121,19 @@ def _broadcast_shape(output: Any, y: Any) -> tuple[int, ...] | None:
         return None
     if output.shape == y.shape:
         return None
+    return _larger_broadcast(output.shape, y.shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _larger_broadcast(output: torch.Size, y: torch.Size) -> tuple[int, ...] | None:
+    """:func:`_broadcast_shape` of two shapes, kept: every step of a phase asks again for
+    the same pair, and torch answers a pair that does not broadcast (class logits and
+    labels, the common case) with an exception, ~100 us of host work a step."""
     try:
-        shape = tuple(torch.broadcast_shapes(output.shape, y.shape))
+        shape = tuple(torch.broadcast_shapes(output, y))
     except RuntimeError:  # not broadcastable: e.g. class logits (N, C) and labels (N,)
         return None
-    return shape if shape != tuple(output.shape) else None
+    return shape if shape != tuple(output) else None
 
 
 def _call_watching_broadcast(

@@ -3,12 +3,22 @@ keeps every verdict and value it replaced."""
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from dataflow.core import digest
+from dataflow.core.digest import add_digests, sample_digest
+from dataflow.core.errors import LossError
+from dataflow.core.step import ReplicaContext, StepContext, StepSpec
 from dataflow.ops import flat
 from dataflow.ops.flat import grad_squared_norm
-from stages.update import _finite, _finite_flag
+from dataflow.runtime.window_parts import WindowTally
+from dataflow.stages.forward import compute_loss
+from dataflow.stages.update import _finite, _finite_flag
 
 
 def _model(dtype: torch.dtype, values: dict[int, float]) -> torch.nn.Module:
@@ -58,3 +68,72 @@ def test_the_single_replica_check_builds_no_plan_per_step():
     for _ in range(3):
         assert _finite(torch.tensor(1.0), None, _model(torch.float32, {}))
     assert plans == flat._PLANS
+
+
+def test_a_phase_asks_torch_whether_its_loss_shapes_broadcast_once():
+    """torch answers a pair that does not broadcast (class logits and labels) with an
+    exception: once per shape pair, not once per step."""
+    calls = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code is torch.broadcast_shapes.__code__:
+            calls.append(frame.f_code.co_name)
+
+    logits, labels = torch.randn(5, 3), torch.tensor([0, 1, 2, 0, 1])
+    sys.setprofile(watch)
+    try:
+        losses = [compute_loss(F.cross_entropy, logits, labels) for _ in range(3)]
+    finally:
+        sys.setprofile(None)
+    assert torch.equal(losses[0], F.cross_entropy(logits, labels))
+    assert len(calls) <= 1
+
+
+def test_a_shape_pair_that_broadcasts_wider_is_still_refused_every_time():
+    for _ in range(2):
+        with pytest.raises(LossError, match=r"broadcast to \(4, 4\)"):
+            compute_loss(F.mse_loss, torch.randn(4, 1), torch.randn(4))
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        [np.array([3, 1, 4]), torch.tensor([1, 5]), np.array([], dtype=np.int64)],
+        [np.array([], dtype=np.int64)],
+        [],
+    ],
+)
+def test_a_windows_digest_is_the_sum_of_its_steps_digests(reads):
+    tally = WindowTally(0, max(1, len(reads)))
+    spec = StepSpec(0, 0, 0, 0, 8, (8,), False)
+    for indices in reads:
+        tally.add(StepContext(ReplicaContext(0, 1, torch.device("cpu"), 0), spec,
+                              metrics={"sample_indices": indices}), 0.0)  # fmt: skip
+    expected = None
+    for indices in reads:
+        expected = add_digests(expected or 0, sample_digest(np.asarray(indices)))
+    assert tally.digest == expected
+    assert tally.read == sum(len(i) for i in reads)
+
+
+def test_a_window_hashes_its_samples_once():
+    """The digest's numpy calls ran in every step; the window sums them at its end."""
+    calls = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code is digest.index_hashes.__code__:
+            calls.append(1)
+
+    tally = WindowTally(0, 4)
+    sys.setprofile(watch)
+    try:
+        for i in range(4):
+            spec = StepSpec(i, 0, i, 8 * i, 8, (8,), False)
+            metrics = {"sample_indices": np.arange(8 * i, 8 * i + 8)}
+            tally.add(StepContext(ReplicaContext(0, 1, torch.device("cpu"), 0), spec,
+                                  metrics=metrics), 0.0)  # fmt: skip
+        value = tally.digest
+    finally:
+        sys.setprofile(None)
+    assert value == sample_digest(np.arange(32))
+    assert len(calls) == 1
