@@ -7,9 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from dataflow.core.digest import add_digests, sample_digest
+from dataflow.core.digest import sample_digest
 
 
 def optimizer_factory(stages: Any) -> Any:
@@ -129,7 +130,10 @@ class WindowTally:
         self.skipped: list[int] = []  # steps whose update was dropped (not finite)
         self.pairs: list[Any] = []
         self.epoch_ends: list[Any] = []
-        self.read, self.digest = 0, None
+        self.read = 0
+        # each step's sample indices, hashed once at the window's end (``digest``): the
+        # digest is a sum, and per step its numpy calls cost more than the hashing
+        self.indices: list[Any] = []
 
     def add(self, step: Any, seconds: float) -> None:
         """One task done: ``step`` (a StepContext) ran in ``seconds``."""
@@ -147,12 +151,21 @@ class WindowTally:
         indices = step.metrics.get("sample_indices")
         if indices is not None:  # the driver knows them from the plan: prove them
             self.read += len(indices)
-            self.digest = add_digests(self.digest or 0, sample_digest(host_indices(indices)))
+            self.indices.append(host_indices(indices))
         self.pairs.extend(step.metrics.get("norm_pairs", ()))
         if "store_wait_s" in step.metrics:
             self.waits[offset] += step.metrics["store_wait_s"]
         if step.spec.last_in_epoch and step.part is None:  # evaluations: after end_window
             self.epoch_ends.append(step)
+
+    @property
+    def digest(self) -> int | None:
+        """The digest of every sample the window's tasks read (None: no task reported
+        its samples)."""
+        if not self.indices:
+            return None
+        flat = [np.asarray(i, dtype=np.int64).reshape(-1) for i in self.indices]
+        return sample_digest(np.concatenate(flat))
 
     def step_losses(self) -> list[float | None]:
         return step_losses(to_floats(self.losses), self.offsets, self.sizes, self.count)
