@@ -26,6 +26,10 @@ class DataflowWorkerPlugin(WorkerPlugin):
         # Process groups (by group key) the driver gave up forming: a rank waiting for
         # its peers to arrive stops waiting
         self.aborted_groups: set[str] = set()
+        # Group key -> the Collective of a group joined but not yet set up (its stages'
+        # first collectives, a broadcast of the weights): a member lost then leaves the
+        # others waiting there, so giving the group up aborts it too
+        self.forming_groups: dict[str, Any] = {}
         self.profiler_paused_by: set[str] = set()  # runs that asked for the profiler off
         # Aborted process groups of finished fits: destroying one whose operation still
         # waits on a dead peer would freeze this worker until the timeout.
@@ -79,6 +83,8 @@ class DataflowWorkerPlugin(WorkerPlugin):
         self.aborted_groups = {
             k for k in self.aborted_groups if k != run_id and not k.startswith(f"{run_id}/")
         }
+        for key in [k for k in self.forming_groups if k.startswith(f"{run_id}/")]:
+            self.retired_groups.append(self.forming_groups.pop(key))
         runtime = self.replicas.pop(run_id, None)
         if runtime is not None:
             runtime.close()

@@ -88,6 +88,9 @@ def _join_group(
         prefix=key,
     )
     collective.store = store  # keep rank 0's server alive as long as the group
+    plugin.forming_groups[key] = collective  # until the setup or regroup ends
+    if key in plugin.aborted_groups:  # given up while this rank arrived
+        collective.abort()
     return collective
 
 
@@ -164,6 +167,7 @@ class Regroup(Request):
         runtime.regroup(collective, self.world_size // size)
         runtime.generation, runtime.rollbacks = self.generation, 0
         plugin = current_plugin()
+        plugin.forming_groups.pop(group_key(runtime.spec.run_id, self.generation), None)
         runtime.attach_store(plugin.worker, plugin.ps)
         return self.rank
 
@@ -299,6 +303,7 @@ def _setup(request: Setup, spec: ReplicaSpec, snapshot: Any) -> dict[str, Any]:
     if snapshot is not None:
         runtime.restore(snapshot)
     plugin.replicas[spec.run_id] = runtime
+    plugin.forming_groups.pop(group_key(spec.run_id, request.generation), None)
     if spec.pause_dask_profiler:
         plugin.pause_profiler(spec.run_id)
     if spec.freeze_gc:
@@ -333,7 +338,14 @@ async def abort_group_soon(run_id: str, generation: int, dask_worker: Any = None
     ``generation`` here (a member was lost while it formed; the driver forms another)."""
     plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
     if plugin is not None:
-        plugin.aborted_groups.add(group_key(run_id, generation))
+        key = group_key(run_id, generation)
+        plugin.aborted_groups.add(key)
+        # joined already, its stages' setup waiting on the lost member: abort it (kept
+        # alive: destroying a group that waits on a dead peer freezes the worker)
+        forming = plugin.forming_groups.pop(key, None)
+        if forming is not None:
+            forming.abort()
+            plugin.retired_groups.append(forming)
 
 
 async def abort_run_soon(run_id: str, generation: int, dask_worker: Any = None) -> None:
