@@ -303,13 +303,12 @@ class LostWorkers:
             cmd.StopWindows(partners, groups=alone),
             cmd.RollBack(partners, s.committed_step, groups=alone),
         ]
-        if config.checkpoints and after == AfterGroup.REST:  # inside a phase: the commit
-            kind = cmd.CheckpointKind.SURVIVORS
-            out.append(
-                cmd.WriteCheckpoint(kind, s.committed_step, s.phase, position=self._position())
-            )
-        elif config.checkpoints and after == AfterGroup.CHECKPOINT:  # the phase's, not written yet
-            kind = cmd.CheckpointKind.PHASE
+        # inside a phase: the commit; at its end: the phase's checkpoint, not written yet
+        kind = {
+            AfterGroup.REST: cmd.CheckpointKind.SURVIVORS,
+            AfterGroup.CHECKPOINT: cmd.CheckpointKind.PHASE,
+        }.get(after)
+        if config.checkpoints and kind is not None:
             out.append(
                 cmd.WriteCheckpoint(kind, s.committed_step, s.phase, position=self._position())
             )
