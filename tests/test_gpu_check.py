@@ -46,6 +46,24 @@ def test_gpu_check_skips_the_steps_its_budget_has_no_time_for(tmp_path):
     assert all(line.endswith("skipped: the check's 5 s are spent") for line in lines[:-1])
 
 
+def test_gpu_wheels_lists_what_the_node_lacks_and_nothing_torch_brings():
+    """benchmarks/gpu_wheels.sh --list (no download): the packages a registry-less GPU
+    node needs, pinned to this environment's versions, numpy below 2.5 (numba-cuda)."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_wheels.sh"), "--list"],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    pins = dict(line.split("==") for line in done.stdout.split())
+    assert {"dask", "distributed", "zarr", "numcodecs", "numpy", "tornado", "zict"} <= set(pins)
+    assert not {"torch", "jinja2", "fsspec", "typing-extensions", "pyyaml"} & set(pins)
+    assert tuple(int(p) for p in pins["numpy"].split(".")[:2]) < (2, 5)
+    assert (ROOT / ".gitignore").read_text().count("/.whl/") == 1  # carried, never committed
+
+
 def test_bench_gpu_parses_its_arguments_without_a_gpu():
     """The script imports and parses on a CPU machine (its sides are named by --loops)."""
     done = subprocess.run(
