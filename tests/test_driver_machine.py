@@ -68,8 +68,8 @@ class Driver:
     def state(self):
         return self.machine.state
 
-    def start(self, workers=W[:2], phase=PHASE0) -> list:
-        self.send(ev.Started(tuple(workers)))
+    def start(self, workers=W[:2], phase=PHASE0, spares=()) -> list:
+        self.send(ev.Started(tuple(workers), spares=tuple(spares)))
         assert self.send(ev.GroupFormed(0)) == [cmd.ChoosePhase()]
         [plan_cmd] = self.send(ev.PhaseChosen(phase))
         assert isinstance(plan_cmd, cmd.PlanSegment)
@@ -388,6 +388,25 @@ def test_workers_join_at_a_phase_boundary_and_the_next_phase_is_planned_for_them
     assert d.send(ev.GroupFormed(1)) == [
         cmd.PlanSegment("phase", 3, phase=phase1, commit_step=8)
     ]  # from step 8
+
+
+def test_spares_left_out_of_the_first_group_replace_a_lost_replica_not_grow_the_fit():
+    """``replicas=2`` (or ``max_workers=2``) on 3 workers: the third is a spare. It does
+    not join at a phase boundary (the fit has its 2), but it replaces a lost replica."""
+    d = Driver(max_replicas=2)
+    _, calibration = d.start(spares=("tcp://c",))
+    assert d.state.available == ("tcp://c",)
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
+    [plan] = d.send(ev.PhaseChosen(phase1))  # no FormGroup: nobody joins
+    assert isinstance(plan, cmd.PlanSegment) and plan.replicas == 2
+    d.send(ev.SegmentPlanned(phase1, planned(phase1, 2, first=8), planned(phase1, 2, first=8)))
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    [form] = of(cmd.FormGroup, out)
+    assert form.members == ("tcp://a", "tcp://c") and form.joining == ("tcp://c",)
+    assert of(cmd.RecordFailure, out)[0].record["joined"] == ["tcp://c"]
 
 
 def test_a_loss_while_joiners_join_forms_the_group_again_without_them():

@@ -94,6 +94,22 @@ def test_a_lost_worker_mid_phase_is_recovered_and_every_sample_still_trained_onc
     assert lost[0].lost_replicas[0]["samples"] > 0  # it trained before its loss
 
 
+def test_a_worker_left_out_by_replicas_replaces_a_lost_one():
+    """replicas=2 on 3 workers: the loop hands the third to the machine as a spare (it
+    used to mark it seen and never report it), so a loss leaves 2 replicas, not 1."""
+    t = trainer(replicas=2)
+    executor = SimulatedExecutor(list(WORKERS[:3]), load=t.load, seed=t.config.seed)
+    loop = build_loop(t, executor, epochs=3, order=t.graph.validate(replicas=2))
+    lose_b = iter([None] * 7 + [("lose", 1)])
+    executor.faults = lambda n: next(lose_b, None)
+    loop.run(list(WORKERS[:2]))
+    [failure] = loop.recorder.history.info["failures"]
+    assert failure["lost"] == [WORKERS[1]] and failure["joined"] == [WORKERS[2]]
+    assert [len(p.local_batches) for p in loop.recorder.history.phases][-1] == 2
+    for epoch in range(3):
+        assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
+
+
 def assert_counts_add_up(history) -> None:
     """Each phase's per-replica sample counts, the lost replicas' included, sum to the
     samples its committed steps trained."""

@@ -101,6 +101,11 @@ def test_a_fit_starts_on_the_workers_its_replicas_and_layout_need():
     workers = ["w0", "w1", "w2", "w3", "w4"]
     assert starting_workers(workers, None) == workers  # every worker (spares: the pool's)
     assert starting_workers(workers, 2, size=2) == workers[:4]
+    # replicas=None starts no more than max_workers replicas (the rest: the pool's)
+    assert starting_workers(workers, None, most=3) == workers[:3]
+    assert starting_workers(workers, None, size=2, most=1) == workers[:2]
+    assert starting_workers(workers, None, most=8) == workers
+    assert starting_workers(workers, 2, most=4) == workers[:2]  # replicas wins
     with pytest.raises(dfl.ConfigError, match=r"^the client has no workers; start some"):
         starting_workers([], None)
     with pytest.raises(dfl.ConfigError, match=r"^replicas=3 but the client has 2 worker"):

@@ -171,6 +171,32 @@ def test_sigkill_mid_window_recovers_on_survivors_and_keeps_every_sample_once(tm
 
 
 @pytest.mark.timeout(240)
+def test_max_workers_caps_the_first_group_and_the_spare_replaces_a_lost_replica(tmp_path):
+    """replicas=None, max_workers=2 on 3 workers: the fit starts on 2 (it used to start
+    on all 3), the third waits as a spare and takes the killed worker's place."""
+    from dataflow.runtime.cluster import available_workers
+
+    x, y = make_data(N_SAMPLES)
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        for nanny in list(cluster.workers.values()):  # a killed worker does not come back
+            cluster.loop.add_callback(nanny.close_gracefully)
+        spare = available_workers(client)[2]
+        marker = str(tmp_path / "killed")
+        trainer = _trainer(x, y, marker=marker, kill_step=5, max_workers=2)
+        result = trainer.fit(epochs=1, client=client)
+    info = result.history.info
+    assert info["replicas"] == 2
+    [failure] = info["failures"]
+    assert failure["replicas_before"] == 2 and failure["replicas_after"] == 2, failure
+    assert failure["joined"] == [spare] and spare not in failure["lost"], failure
+    assert [p["replicas"] for p in result.history.phases] == [2]
+    _assert_exact_ledger(result, 1)
+
+
+@pytest.mark.timeout(240)
 def test_too_few_workers_left_checkpoints_the_commit_raises_and_resumes(tmp_path):
     x, y = make_data(N_SAMPLES)
     epochs, folder, marker = 2, tmp_path / "checkpoints", str(tmp_path / "killed")

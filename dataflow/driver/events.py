@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 class Started:
     """The fit begins on ``workers`` (one replica each, in rank order); ``restore``: the
     replicas load a checkpoint once their group is formed (``fit(resume=True)``);
-    ``memory_cap``: the micro-batch cap the resumed fit had learned (None: none)."""
+    ``memory_cap``: the micro-batch cap the resumed fit had learned (None: none);
+    ``spares``: the client's other workers (beyond ``replicas`` or ``max_workers``),
+    pooled: they replace lost ones when the fit takes joins."""
 
     workers: tuple[str, ...]
     restore: bool = False
@@ -28,6 +30,7 @@ class Started:
     step: int = 0
     previous: Any = None
     in_phase: bool = False  # the checkpoint is inside a phase: its rest is trained first
+    spares: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 
 from dataflow.core import kinds
-from dataflow.core.precision import cpu_fp16_allowed
+from dataflow.core.precision import capture_simulated, cpu_fp16_allowed
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.executor import Executor
 from dataflow.driver.fit_settings import FitPlan, WorkerScaling, planned_model
@@ -35,7 +35,9 @@ def run_fit(
     check_client(client)
     run_id = f"fit{uuid.uuid4().hex[:12]}"
     size = config.spatial
-    workers = starting_workers(available_workers(client), config.replicas, size)
+    workers = starting_workers(
+        available_workers(client), config.replicas, size, most_replicas(config)
+    )
     order = trainer.graph.validate(replicas=len(workers) // size)
     fit_plan = plan_from_cost_model(trainer, len(workers) // size, epochs)
     spec = ReplicaSpec(
@@ -59,6 +61,8 @@ def run_fit(
         channels_last=config.channels_last,
         compile=config.compile,
         allow_cpu_fp16=cpu_fp16_allowed(),
+        capture=config.capture,
+        simulate_capture=capture_simulated(),
         bucket_mb=fit_plan.bucket_mb,
     )
     executor = Executor(client, spec)
@@ -150,7 +154,7 @@ def build_loop(
             checkpoints=store is not None,
             checkpoint_every=every,
             may_join=config.elastic and not per_replica_caps,
-            max_replicas=config.replicas if config.replicas is not None else config.max_workers,
+            max_replicas=most_replicas(config),
             spatial=config.spatial,
             sync=config.sync,
             epochs=epochs,
@@ -186,6 +190,12 @@ def build_loop(
         progress=config.progress,
     )
     return loop
+
+
+def most_replicas(config: Any) -> int | None:
+    """The most replicas the fit may have at once, its first group and its joins alike:
+    ``replicas`` when fixed, else ``max_workers`` (None: no limit)."""
+    return config.replicas if config.replicas is not None else config.max_workers
 
 
 def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:

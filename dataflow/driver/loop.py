@@ -101,10 +101,12 @@ class FitLoop:
         self.measurement = self.start.measurement
 
     def run(self, workers: list[str]) -> dict[str, Any]:
-        """Train; returns rank 0's final weights."""
+        """Train on ``workers`` first; the client's others are the machine's spares.
+        Returns rank 0's final weights."""
         if self.checkpoint is None:
             self.measurement = None
-        self.executor.known.update(self.executor.available())
+        available = self.executor.available()
+        self.executor.known.update(available)
         start = self.start  # (a fresh fit: the start of it)
         started = ev.Started(
             tuple(workers),
@@ -114,6 +116,7 @@ class FitLoop:
             step=start.step,
             previous=start.previous,
             in_phase=self.resume_in_phase is not None,
+            spares=tuple(w for w in available if w not in workers),
         )
         self._decide(started)
         for event in self.executor.events():

@@ -151,6 +151,7 @@ class FitMachine(LostWorkers, WindowPlanning):
     def _started(self, event: ev.Started) -> list[Any]:
         s = self.state
         s.layout, s.generation, s.status = self._groups(event.workers), 0, Status.FORMING
+        s.available = (*s.available, *event.spares)  # pooled, as a restart pools its extras
         s.forming, s.after_group, s.restoring = Forming.START, AfterGroup.CHOOSE, event.restore
         s.memory_cap = event.memory_cap  # a resumed fit does not run out of memory again
         s.epoch, s.next_step, s.previous = event.epoch, event.step, event.previous

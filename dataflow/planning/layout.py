@@ -149,11 +149,14 @@ class ReplicaGroups:
         return ReplicaGroups(self.groups + other.groups)
 
 
-def starting_workers(available: Sequence[str], replicas: int | None, size: int = 1) -> list[str]:
-    """A fit's first workers: ``replicas`` groups of ``size`` (None: every worker; the
-    driver forms as many groups as fit, a remainder waits in its pool as spares). The
-    count is fixed before the driver's machine exists: the replica specification and
-    the cost plan are built for it."""
+def starting_workers(
+    available: Sequence[str], replicas: int | None, size: int = 1, most: int | None = None
+) -> list[str]:
+    """A fit's first workers: ``replicas`` groups of ``size`` (None: every worker, but no
+    more than ``most`` groups, ``max_workers``; the driver forms as many groups as fit,
+    a remainder waits in its pool as spares, as do the workers left out, which replace
+    lost ones). The count is fixed before the driver's machine exists: the replica
+    specification and the cost plan are built for it."""
     if not available:
         raise ConfigError("the client has no workers; start some before fit()")
     if len(available) < size:
@@ -162,6 +165,8 @@ def starting_workers(available: Sequence[str], replicas: int | None, size: int =
             f"has {len(available)}; start more workers or use a smaller spatial"
         )
     wanted = replicas * size if replicas else len(available)
+    if not replicas and most is not None:
+        wanted = min(wanted, max(1, most) * size)
     if wanted > len(available):
         each = f" of {size} workers each need {wanted}" if size > 1 else ""
         raise ConfigError(
