@@ -12,9 +12,16 @@ Two parts, each side timed in the same run, ratios printed:
   channels_last, compiled). ``resnet50`` (ResNet-50 at 128 px, batch 128, 80 steps)
   and ``cosmoflow`` (the CosmoFlow network on 4 x 128^3 volumes, batch 16, 48 steps):
   fits in fp32 and in bf16 + channels_last from memory, and bf16 + channels_last from
-  zarr, against resident loops in fp32 and bf16 + channels_last, all eager. Steady
+  zarr, against resident loops in fp32 and bf16 + channels_last, all eager. Every
+  model also fits with ``capture=True`` (each steady step's forward, loss and backward
+  replayed as a CUDA graph) in fp32 and in bf16 + channels_last, against the same
+  eager hand loops and the eager fits; CUDA only (recorded as skipped on the CPU).
+  Sides run across the models, the most informative first: captured bf16 +
+  channels_last and its loop on each model, then the eager bf16 fits, then fp32's
+  loop, captured and eager fits, then the rest, the compiled sides last. Steady
   state: from the first window start past each workload's warm-up. Each fit records
-  its replica's host milliseconds per step in each stage.
+  its replica's host milliseconds per step in each stage (captured fits: capture
+  seconds and the steps replayed).
 * ``kernels``: ``ops.flat`` (pack_scaled_, sum_of_squares), the fused optimizers, the
   halo pack and the random flip / rotate transforms, each against the torch code a user
   would write instead, on ResNet-50's parameter shapes (25.6 M elements) and a batch of
@@ -29,7 +36,8 @@ Two parts, each side timed in the same run, ratios printed:
 The run record holds each workload's sides, its ``ratios`` (``"a / b"``: steady
 samples/s of side a over side b), and issue 37's ``targets`` (each with its measured
 value and met or not), flattened at the top as ``"<model>: ..."``. ``--budget-s``: no
-side starts after that many seconds (skipped sides are recorded); the run so far is
+side starts after that many seconds, nor one that the longest of its model's fits (or
+loops) so far says would end after them (skipped sides are recorded); the run so far is
 written to ``<out>.partial.json`` after every side, so a killed call leaves its figures.
 
     python benchmarks/bench_gpu.py                      # both parts, ~3-4 minutes on an H100

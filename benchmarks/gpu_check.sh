@@ -12,10 +12,11 @@
 #    benchmarks/README.md "One GPU check";
 # 2. installs this checkout without dependencies (editable);
 # 3. runs bench_gpu.py (the figures first): the small CNN, ResNet-50 and CosmoFlow, each
-#    fit against its hand loop in fp32 and bf16 + channels_last, from memory and zarr,
-#    the small CNN's Adaptive and compiled sides, then the kernels if time is left; one
-#    run in OUT_DIR/gpu.json with the commit, ratios, issue 37's targets and host ms per
-#    stage (OUT_DIR/gpu.partial.json holds the sides done if the step is cut short);
+#    fit (eager and capture=True) against its hand loop in fp32 and bf16 + channels_last,
+#    captured bf16 + channels_last first, from memory and zarr, the small CNN's Adaptive
+#    and compiled sides, then the kernels if time is left; one run in OUT_DIR/gpu.json
+#    with the commit, ratios, issue 37's targets and host ms per stage
+#    (OUT_DIR/gpu.partial.json holds the sides done if the step is cut short);
 # 4. runs the `gpu` tests (pytest -m gpu), for as long as step 3 left them;
 # 5. runs profile_gpu.py: the replica worker's stack samples during a fit (host time).
 #

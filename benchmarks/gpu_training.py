@@ -4,24 +4,29 @@ hand-written torch loops with the same precision, memory format and compile mode
 One LocalCluster (one worker) serves every fit. A fit's rate is its steady state from
 the first window start past the warm-up; each hand loop counts the same steps. The
 loops train on a Fixed pipeline's own sample plan, so they need no fit to have run.
-A side that raises is recorded with its error and the others go on; a side not started
-before the deadline is recorded as skipped, so one call always leaves its figures.
+The sides run across workloads, the most informative first (``side_order``: captured
+bf16 + channels_last against its hand loop on every model, first). A side that raises
+is recorded with its error and the others go on; a side that would not end before the
+deadline (by the longest of its workload's fits, or loops, so far) is recorded as
+skipped, so one call always leaves its figures. A ``capture=True`` side needs CUDA.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from gpu_device import Device
 from gpu_models import parameter_count, sgd
-from gpu_workloads import Workload, ratios, targets
+from gpu_workloads import Workload, ratios, side_order, targets
 from measure import steady_boundary, steady_fit
 from records import table
 
@@ -128,14 +133,21 @@ def fit_figures(result: Any, warmup: int) -> dict[str, Any]:
     first = steady_boundary(steps, warmup)
     worker = result.history.info["workers"][0]
     phase = result.history.phases[0]
+    options = ("precision", "memory_format", "compile", "capture")
     return {
         "samples_per_s": steady_fit(steps, first).samples_per_second,
         "first_step": first,
         "steps": len(steps),
         "device": worker.get("device"),
-        "step_options": {k: worker.get(k) for k in ("precision", "memory_format", "compile")},
+        "step_options": {k: worker.get(k) for k in options},
         "compile_seconds": phase.compile_seconds,
         "compiled_shapes": phase.compiled_shapes,
+        # capture=True: per replica, seconds capturing, shapes captured, steps replayed
+        # (the rest ran eagerly) and why a shape could not be captured
+        **{
+            key: getattr(phase, key, None)
+            for key in ("capture_seconds", "captured_shapes", "captured_steps", "capture_failures")
+        },
         # the replica's host time per step in each stage (the whole fit): where a
         # host-bound fit's time goes, without a profiler
         "host_ms_per_step": {
@@ -145,79 +157,135 @@ def fit_figures(result: Any, warmup: int) -> dict[str, Any]:
     }
 
 
-def compiled(variants: dict[str, dict[str, Any]], wanted: bool) -> dict[str, dict[str, Any]]:
-    """The compiled sides (``wanted``) or the others: compiled ones run last, the least
-    needed of the run's figures and the slowest to start."""
-    return {k: v for k, v in variants.items() if bool(v.get("compile")) == wanted}
+def capture_unavailable(device: Device) -> str | None:
+    """Why a ``capture=True`` side cannot run here (None: it can): CUDA graphs need a
+    GPU, except where the engine's CPU simulation is asked for
+    (``DATAFLOW_SIMULATE_CAPTURE=1``, tests only)."""
+    import dataclasses
+
+    from dataflow.trainer_config import TrainerConfig
+
+    if "capture" not in {f.name for f in dataclasses.fields(TrainerConfig)}:
+        return "this checkout's Pipeline has no capture= option"
+    if not device.cuda and os.environ.get("DATAFLOW_SIMULATE_CAPTURE") != "1":
+        return "needs CUDA"
+    return None
 
 
-def run_fits(
-    w: Workload, fits: dict[str, dict[str, Any]], client: Any, device: Device, x: Any,
-    y: Any, tmp: str, budget: Budget, out: dict[str, Any], saved: Callable[[], None],
-) -> None:  # fmt: skip
-    import dataflow as dfl
+@dataclass
+class Sides:
+    """What one workload's sides share: its data, its sources (the zarr store written
+    when a side first needs it) and its sample plan, each made when first needed."""
 
-    sources: dict[str, Any] = {"memory": dfl.io.ArraySource(x, y)}
-    for name, variant in fits.items():
-        if budget.spent():
-            out[name] = {"skipped": "the bench's time budget (--budget-s) was spent"}
-            continue
-        started = time.perf_counter()
-        try:
-            if variant["source"] not in sources:  # written once, when first needed
-                dfl.io.to_zarr(f"{tmp}/{w.name}.zarr", x, y)
-                sources["zarr"] = dfl.io.ZarrSource(f"{tmp}/{w.name}.zarr", y="y")
-            options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
-            result = pipeline(w, sources[variant["source"]], device, **options).fit(
-                epochs=w.epochs, client=client
-            )
-            out[name] = fit_figures(result, w.warmup)
-            print(f"{w.name} {name}: host ms per step by stage: {out[name]['host_ms_per_step']}")
-        except Exception as error:  # one broken side must not cost the others' figures
-            print(f"{w.name} {name}: failed: {type(error).__name__}: {error}")
-            out[name] = {"error": f"{type(error).__name__}: {error}"}
-        out[name]["wall_s"] = round(time.perf_counter() - started, 1)
-        saved()
+    w: Workload
+    device: Device
+    tmp: str
+    out: dict[str, Any]
+    data: tuple[Any, Any] | None = None
+    sources: dict[str, Any] = field(default_factory=dict)
+    batches: list[np.ndarray] | None = None
+
+    def arrays(self) -> tuple[Any, Any]:
+        if self.data is None:
+            self.data = x, _ = self.w.data()
+            self.out.update(sizes=self.w.sizes(x), parameters=parameter_count(self.w.model()))
+        return self.data
+
+    def source(self, kind: str) -> Any:
+        import dataflow as dfl
+
+        if kind not in self.sources:
+            x, y = self.arrays()
+            if kind == "zarr":
+                dfl.io.to_zarr(f"{self.tmp}/{self.w.name}.zarr", x, y)
+                self.sources[kind] = dfl.io.ZarrSource(f"{self.tmp}/{self.w.name}.zarr", y="y")
+            else:
+                self.sources[kind] = dfl.io.ArraySource(x, y)
+        return self.sources[kind]
+
+    def plan(self) -> list[np.ndarray]:
+        """The Fixed pipeline's global batches, which the hand loops train on."""
+        if self.batches is None:
+            pipe = pipeline(self.w, self.source("memory"), self.device)
+            plan = pipe.sample_plan(epochs=self.w.epochs, replicas=1)
+            self.batches = [np.concatenate(parts) for parts in plan]
+        return self.batches
+
+    def longest(self, pool: dict[str, Any]) -> float:
+        """The longest wall time of this workload's sides in ``pool`` so far (0: none):
+        what the next such side is expected to take."""
+        walls = [
+            v["wall_s"] for k, v in self.out.items() if k in pool and "samples_per_s" in v
+        ]  # fmt: skip
+        return max(walls, default=0.0)
 
 
-def run_loops(
-    w: Workload, loops: dict[str, dict[str, Any]], device: Device, x: Any, y: Any,
-    budget: Budget, out: dict[str, Any], saved: Callable[[], None],
-) -> None:  # fmt: skip
-    import dataflow as dfl
+def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> dict[str, Any]:
+    w = sides.w
+    options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
+    result = pipeline(w, sides.source(variant["source"]), sides.device, **options).fit(
+        epochs=w.epochs, client=client
+    )
+    figures = fit_figures(result, w.warmup)
+    print(f"{w.name} {name}: host ms per step by stage: {figures['host_ms_per_step']}")
+    if variant.get("capture"):
+        print(
+            f"{w.name} {name}: captured steps {figures['captured_steps']}, capture "
+            f"seconds {figures['capture_seconds']}, failures {figures['capture_failures']}"
+        )
+    return figures
 
-    plan = pipeline(w, dfl.io.ArraySource(x, y), device).sample_plan(epochs=w.epochs, replicas=1)
-    batches = [np.concatenate(parts) for parts in plan]
+
+def run_loop(sides: Sides, options: dict[str, Any]) -> dict[str, Any]:
+    w = sides.w
+    x, y = sides.arrays()
+    batches = sides.plan()
     # the steps the first fit that ran counted, so the loops time the same ones
     first = next(
-        (v["first_step"] for v in out.values() if isinstance(v, dict) and "first_step" in v),
+        (v["first_step"] for v in sides.out.values() if isinstance(v, dict) and "first_step" in v),
         min(w.warmup, len(batches) - 1),
     )
     samples = sum(len(b) for b in batches[first:])
-    for name, options in loops.items():
-        if budget.spent():
-            out[name] = {"skipped": "the bench's time budget (--budget-s) was spent"}
-            continue
-        started = time.perf_counter()
-        try:
-            ends, first_step_s = hand_loop(w, device, x, y, batches, **options)
-            out[name] = {
-                "samples_per_s": samples / (ends[-1] - ends[first - 1]),
-                "first_step_s": first_step_s,
-            }
-        except Exception as error:
-            print(f"{w.name} {name}: failed: {type(error).__name__}: {error}")
-            out[name] = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        ends, first_step_s = hand_loop(w, sides.device, x, y, batches, **options)
+    finally:
         gc.collect()
-        device.release()
-        out[name]["wall_s"] = round(time.perf_counter() - started, 1)
-        saved()
+        sides.device.release()
+    return {"samples_per_s": samples / (ends[-1] - ends[first - 1]), "first_step_s": first_step_s}
 
 
-def report(w: Workload, out: dict[str, Any]) -> None:
-    """The workload's ratios and targets from the sides that ran, printed."""
+def run_side(sides: Sides, name: str, client: Any, budget: Budget) -> None:
+    """One side into ``sides.out[name]``: its figures, its error (one broken side must
+    not cost the others' figures), or why it was skipped."""
+    w, out = sides.w, sides.out
+    is_fit = name in w.fits
+    options = w.fits[name] if is_fit else w.loops[name]
+    unavailable = capture_unavailable(sides.device) if options.get("capture") else None
+    if unavailable:
+        out[name] = {"skipped": unavailable}
+        return
+    expected = sides.longest(w.fits if is_fit else w.loops)
+    if budget.spent(needing=expected):
+        out[name] = {"skipped": "the bench's time budget (--budget-s) was spent"}
+        if expected:
+            out[name]["skipped"] += f" (its workload's {'fits' if is_fit else 'loops'} took"
+            out[name]["skipped"] += f" up to {expected:.0f} s)"
+        return
+    started = time.perf_counter()
+    try:
+        out[name] = run_fit(sides, name, options, client) if is_fit else run_loop(sides, options)
+    except Exception as error:
+        print(f"{w.name} {name}: failed: {type(error).__name__}: {error}")
+        out[name] = {"error": f"{type(error).__name__}: {error}"}
+    out[name]["wall_s"] = round(time.perf_counter() - started, 1)
+
+
+def report(w: Workload, out: dict[str, Any], show: bool = True) -> None:
+    """The workload's ratios and targets from the sides that ran (printed if ``show``)."""
     out["ratios"] = ratios(w, out)
     out["targets"] = targets(w, out)
+    if not show:
+        return
     sides = [k for k, v in out.items() if isinstance(v, dict) and "samples_per_s" in v]
     print(
         table(
@@ -237,7 +305,7 @@ def run_training(
     saved: Callable[[], None],
 ) -> None:
     """``training[workload]``: its sides, ratios and targets, filled as each side ends
-    (``saved`` after each); every workload's eager sides first, then the compiled ones."""
+    (``saved`` after each), the sides in :func:`side_order` (most informative first)."""
     from distributed import Client, LocalCluster
 
     with (
@@ -247,17 +315,14 @@ def run_training(
         Client(cluster) as client,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        data = {}
-        for late in (False, True):
-            for name, w in workloads.items():
-                fits, loops = compiled(w.fits, late), compiled(w.loops, late)
-                if not (fits or loops):
-                    continue
-                if name not in data:
-                    data[name] = x, y = w.data()
-                    training[name] = {"sizes": w.sizes(x), "parameters": parameter_count(w.model())}
-                x, y = data[name]
-                run_fits(w, fits, client, device, x, y, tmp, budget, training[name], saved)
-                run_loops(w, loops, device, x, y, budget, training[name], saved)
-                report(w, training[name])
-                saved()
+        shared: dict[str, Sides] = {}
+        for w, name in side_order(workloads):
+            if w.name not in shared:
+                training[w.name] = {}
+                shared[w.name] = Sides(w, device, tmp, training[w.name])
+            run_side(shared[w.name], name, client, budget)
+            report(w, training[w.name], show=False)
+            saved()
+        for name, sides in shared.items():
+            report(workloads[name], sides.out)
+        saved()

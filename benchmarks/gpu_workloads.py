@@ -52,6 +52,8 @@ class Workload:
     loops: dict[str, dict[str, Any]]  # name: hand-loop options
     ratios: tuple[tuple[str, str], ...]  # (numerator side, denominator side)
     targets: dict[str, Target]
+    # the sides that run before the rest, in rounds across workloads (see side_order)
+    first: tuple[tuple[str, ...], ...] = ()
     fit_options: dict[str, Any] = field(default_factory=dict)  # every fit's, e.g. tiny's
 
     @property
@@ -108,6 +110,14 @@ SMALL_FITS: dict[str, dict[str, Any]] = {
     # the noise-scale auto-tuner measuring but never growing: its cost per step (item 7)
     "dataflow_memory_adaptive": {"source": "memory", "schedule": "adaptive"},
     "dataflow_memory_compiled": {"source": "memory", "compile": True},
+    # forward, loss and backward replayed as a CUDA graph per input shape (capture=True)
+    "dataflow_memory_captured": {"source": "memory", "capture": True},
+    "dataflow_memory_fp32_captured": {
+        "source": "memory",
+        "precision": "fp32",
+        "channels_last": False,
+        "capture": True,
+    },
 }
 SMALL_RATIOS = (  # each fit against the hand loop with its settings, then fit to fit
     ("dataflow_memory_fp32", "torch_loop_resident"),
@@ -120,6 +130,11 @@ SMALL_RATIOS = (  # each fit against the hand loop with its settings, then fit t
     ("dataflow_zarr", "dataflow_memory"),
     ("dataflow_memory", "dataflow_memory_fp32"),
     ("torch_loop_resident_bf16_cl", "torch_loop_resident"),
+    # captured steps: against the same hand loops, and against the eager fits
+    ("dataflow_memory_captured", "torch_loop_resident_bf16_cl"),
+    ("dataflow_memory_fp32_captured", "torch_loop_resident"),
+    ("dataflow_memory_captured", "dataflow_memory"),
+    ("dataflow_memory_fp32_captured", "dataflow_memory_fp32"),
 )
 SMALL_TARGETS = {
     "fit / hand loop, fp32": Target("dataflow_memory_fp32", "torch_loop_resident", 0.95),
@@ -128,15 +143,36 @@ SMALL_TARGETS = {
     ),
     "zarr fit / memory fit": Target("dataflow_zarr", "dataflow_memory", 0.9),
     "Adaptive / Fixed": Target("dataflow_memory_adaptive", "dataflow_memory", 0.95),
+    # the same bars for the captured fits, beside the eager ones (not instead of them)
+    "captured fit / hand loop, fp32": Target(
+        "dataflow_memory_fp32_captured", "torch_loop_resident", 0.95
+    ),
+    "captured fit / hand loop, bf16 + channels_last": Target(
+        "dataflow_memory_captured", "torch_loop_resident_bf16_cl", 0.95
+    ),
 }
+SMALL_FIRST = (  # captured bf16 vs its loop; eager bf16; fp32's three; the other targets'
+    ("dataflow_memory_captured", "torch_loop_resident_bf16_cl"),
+    ("dataflow_memory",),
+    ("torch_loop_resident", "dataflow_memory_fp32_captured", "dataflow_memory_fp32"),
+    ("dataflow_zarr", "dataflow_memory_adaptive"),  # the other targets' sides
+)
 
 # The seeds' workloads: every fit names its precision and memory format (not "auto"),
-# and so does the hand loop it is compared with; both eager.
+# and so does the hand loop it is compared with; the loops eager, the fits eager and
+# captured (capture=True: a CUDA graph per input shape).
 BF16_CL = {"precision": "bf16", "channels_last": True}
 SEED_FITS: dict[str, dict[str, Any]] = {
     "fit_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
     "fit_memory_bf16_cl": {"source": "memory", **BF16_CL},
     "fit_zarr_bf16_cl": {"source": "zarr", **BF16_CL},
+    "fit_memory_fp32_captured": {
+        "source": "memory",
+        "precision": "fp32",
+        "channels_last": False,
+        "capture": True,
+    },
+    "fit_memory_bf16_cl_captured": {"source": "memory", **BF16_CL, "capture": True},
 }
 SEED_LOOPS: dict[str, dict[str, Any]] = {
     "loop_resident_fp32": {"resident": True},
@@ -149,6 +185,11 @@ SEED_RATIOS = (
     ("fit_zarr_bf16_cl", "fit_memory_bf16_cl"),
     ("fit_memory_bf16_cl", "fit_memory_fp32"),
     ("loop_resident_bf16_cl", "loop_resident_fp32"),
+    ("fit_memory_fp32_captured", "loop_resident_fp32"),
+    ("fit_memory_bf16_cl_captured", "loop_resident_bf16_cl"),
+    ("fit_memory_fp32_captured", "fit_memory_fp32"),
+    ("fit_memory_bf16_cl_captured", "fit_memory_bf16_cl"),
+    ("fit_memory_bf16_cl_captured", "fit_memory_fp32_captured"),
 )
 SEED_TARGETS = {
     "fit / hand loop, fp32": Target("fit_memory_fp32", "loop_resident_fp32", 0.95),
@@ -162,7 +203,25 @@ SEED_TARGETS = {
         ceiling=("loop_resident_bf16_cl", "loop_resident_fp32"),
     ),
     "zarr fit / memory fit": Target("fit_zarr_bf16_cl", "fit_memory_bf16_cl", 0.9),
+    "captured fit / hand loop, fp32": Target(
+        "fit_memory_fp32_captured", "loop_resident_fp32", 0.95
+    ),
+    "captured fit / hand loop, bf16 + channels_last": Target(
+        "fit_memory_bf16_cl_captured", "loop_resident_bf16_cl", 0.95
+    ),
+    "captured bf16 fit / captured fp32 fit": Target(
+        "fit_memory_bf16_cl_captured",
+        "fit_memory_fp32_captured",
+        1.5,
+        ceiling=("loop_resident_bf16_cl", "loop_resident_fp32"),
+    ),
 }
+SEED_FIRST = (
+    ("fit_memory_bf16_cl_captured", "loop_resident_bf16_cl"),
+    ("fit_memory_bf16_cl",),
+    ("loop_resident_fp32", "fit_memory_fp32_captured", "fit_memory_fp32"),
+    ("fit_zarr_bf16_cl",),
+)
 
 
 def workloads(args: Any) -> dict[str, Workload]:
@@ -179,7 +238,7 @@ def workloads(args: Any) -> dict[str, Workload]:
     # now and then gives non-finite weight gradients (torch 2.13, oneDNN)
     resnet_px, resnet_width, resnet_samples = (32, 8, 8) if tiny else (128, 64, 1024)
     cube, conv_size, cosmo_samples = (32, 4, 8) if tiny else (128, 32, 64)
-    seed = {"fits": SEED_FITS, "loops": SEED_LOOPS, "ratios": SEED_RATIOS}
+    seed = {"fits": SEED_FITS, "loops": SEED_LOOPS, "ratios": SEED_RATIOS, "first": SEED_FIRST}
     # On the CPU, torch 2.13's bf16 channels_last_3d convolutions now and then return
     # wrong gradients (a plain torch loop too: the same 4 steps' losses differ between
     # processes, at times 1.8 for 0.26, or a non-finite gradient; about 1 run in 6):
@@ -199,6 +258,7 @@ def workloads(args: Any) -> dict[str, Workload]:
             loops=small_loops,
             ratios=SMALL_RATIOS,
             targets=SMALL_TARGETS,
+            first=SMALL_FIRST,
             **shared,
         ),
         "resnet50": Workload(
@@ -229,6 +289,28 @@ def workloads(args: Any) -> dict[str, Workload]:
         ),
     }
     return {name: built[name] for name in args.models}
+
+
+def side_order(workloads: dict[str, Workload]) -> list[tuple[Workload, str]]:
+    """(workload, side) in the order they run, the most informative first, so that a
+    spent ``--budget-s`` skips the least needed: round by round of each workload's
+    ``first`` (captured bf16 + channels_last and its hand loop on every model, then the
+    eager bf16 fits, then fp32's loop, captured and eager fits, then zarr and Adaptive),
+    then each workload's other eager sides (fits, then loops), then the compiled ones
+    (the slowest to start)."""
+    order: dict[tuple[str, str], tuple[Workload, str]] = {}
+    rounds = max((len(w.first) for w in workloads.values()), default=0)
+    for k in range(rounds):
+        for w in workloads.values():
+            for side in w.first[k] if k < len(w.first) else ():
+                if side in w.fits or side in w.loops:
+                    order[w.name, side] = (w, side)
+    for late in (False, True):
+        for w in workloads.values():
+            for side, options in (*w.fits.items(), *w.loops.items()):
+                if bool(options.get("compile")) == late:
+                    order.setdefault((w.name, side), (w, side))
+    return list(order.values())
 
 
 def rate(out: dict[str, Any], side: str) -> float | None:
