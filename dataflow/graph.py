@@ -149,6 +149,31 @@ class Graph:
                 )
         return order
 
+    def capture_blocker(self) -> str | None:
+        """Why this graph's steps cannot be captured as CUDA graphs (``capture=True``),
+        or None. A captured step computes Forward's loss and the gradients in one
+        replay, so each Forward's only consumer must be a plain Backward: a stage between
+        them (one that changes the loss) would be skipped, and a stage reading Forward's
+        output would see the graph's buffers, overwritten at the next replay."""
+        for name, stage in self._stages.items():
+            if not isinstance(stage, Forward):
+                continue
+            if type(stage) is not Forward:
+                return (
+                    f"Forward stage {name!r} is a {type(stage).__name__}, whose run the "
+                    "captured step would bypass"
+                )
+            readers = [other for other, inputs in self._inputs.items() if name in inputs]
+            plain = [r for r in readers if type(self._stages[r]) is Backward]
+            if len(readers) != 1 or len(plain) != 1:
+                others = ", ".join(repr(r) for r in readers if r not in plain) or "none"
+                return (
+                    f"Forward stage {name!r} feeds {len(readers)} stage(s) (besides a plain "
+                    f"Backward: {others}); a captured step hands its loss only to one "
+                    "stages.Backward()"
+                )
+        return None
+
     def _topological_order(self) -> tuple[str, ...]:
         pending = {name: set(inputs) for name, inputs in self._inputs.items()}
         order: list[str] = []

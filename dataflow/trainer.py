@@ -192,6 +192,8 @@ class Trainer:
                 f"{self.source.num_samples}"
             )
         self.graph.validate(replicas=self.config.replicas or 1)
+        if self.config.capture and (blocker := self.graph.capture_blocker()) is not None:
+            raise ConfigError(f"capture=True: {blocker}; use capture=False with this graph")
         if self.config.dry_run:
             self._dry_run()
         with (

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dataflow.core.errors import ConfigError
-from dataflow.core.precision import check_fp16_device, check_step_options, cpu_fp16_allowed
+from dataflow.core.precision import (
+    capture_simulated,
+    check_capture,
+    check_fp16_device,
+    check_step_options,
+    cpu_fp16_allowed,
+)
 from dataflow.schedule.balance import Balancer, Even
 
 
@@ -73,6 +79,10 @@ class TrainerConfig:
     precision: str = "auto"
     channels_last: bool | str = "auto"
     compile: bool | str = False
+    # Replay each steady step's forward, loss and backward as a CUDA graph (one per input
+    # shape; the optimizer and the allreduce stay eager): the GPU no longer waits for
+    # Python to launch the step's kernels (stages/capture.py; README, "On GPUs").
+    capture: bool = False
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
 
@@ -162,6 +172,14 @@ class TrainerConfig:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         check_fp16_device(self.precision, self.device, allowed=cpu_fp16_allowed())
+        check_capture(
+            self.capture,
+            precision=self.precision,
+            compile=self.compile,
+            device=self.device,
+            spatial=self.spatial,
+            simulate=capture_simulated(),
+        )
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
         for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):

@@ -13,7 +13,7 @@ class Backward(Stage):
     per_micro_batch = True
 
     def run(self, step: StepContext, out: ForwardOutput) -> Gradients:
-        if out.loss is not None:
+        if out.loss is not None and not out.captured:  # (a replay computed them already)
             scale = step.replica.loss_scale  # fp16: AllReduce divides it out again
             (out.loss if scale is None else out.loss * scale.scale).backward()
         return Gradients(samples=out.batch.size)

@@ -18,11 +18,17 @@ from dataflow.core.precision import StepOptions
 EAGER_FP32 = StepOptions()
 
 
-def autocast(device: torch.device, options: StepOptions) -> contextlib.AbstractContextManager:
-    """torch.autocast in the options' dtype on ``device``; a no-op context for fp32."""
+def autocast(
+    device: torch.device, options: StepOptions, *, cache_enabled: bool = True
+) -> contextlib.AbstractContextManager:
+    """torch.autocast in the options' dtype on ``device``; a no-op context for fp32.
+    ``cache_enabled=False`` inside a CUDA graph capture (torch's rule: the weights' cast
+    copies must be made inside the graph, not kept from before it)."""
     if not options.autocast:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=options.autocast_dtype())
+    return torch.autocast(
+        device_type=device.type, dtype=options.autocast_dtype(), cache_enabled=cache_enabled
+    )
 
 
 def to_memory_format(x: Any, memory_format: torch.memory_format | None) -> Any:

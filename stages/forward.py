@@ -21,7 +21,15 @@ from dataflow.core.errors import (
 )
 from dataflow.core.precision import LossScale, StepOptions, resolve_step_options
 from dataflow.io.labels import float_label_error, loss_call
-from dataflow.stages.base import Batch, ForwardOutput, ReplicaContext, Stage, StepContext
+from dataflow.stages.base import (
+    Batch,
+    ForwardOutput,
+    PhaseContext,
+    ReplicaContext,
+    Stage,
+    StepContext,
+)
+from dataflow.stages.capture import StepCapture
 from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
 
 
@@ -270,7 +278,9 @@ class Forward(Stage):
         model = build_model(self.config.model, replica.seed)
         if replica.spatial is not None:  # this worker computes its region of each sample
             model = replica.spatial.wrap_model(model)
-        precision, channels_last, compile_mode, *allow = replica.requested_step_options
+        precision, channels_last, compile_mode, allow_fp16, capture, simulate = (
+            replica.requested_step_options
+        )
         options = resolve_step_options(
             precision,
             channels_last,
@@ -278,7 +288,9 @@ class Forward(Stage):
             replica.device,
             model,
             spatial=replica.spatial is not None,
-            allow_cpu_fp16=bool(allow and allow[0]),
+            allow_cpu_fp16=bool(allow_fp16),
+            capture=bool(capture),
+            simulate_capture=bool(simulate),
         )
         replica.step_options = options
         replica.loss_scale = LossScale() if options.precision == "fp16" else None
@@ -287,10 +299,29 @@ class Forward(Stage):
             model = model.to(memory_format=memory_format)  # once: weights stay in it
         replica.model = model.train()
         self._compiled = CompiledModel(model, options.compile) if options.compile else None
+        self._capture = None
+        if options.capture is not None:
+            self._capture = StepCapture(
+                model,
+                lambda x, y: self._loss_of(model, x, y),
+                options,
+                replica.device,
+                simulate=options.capture == "simulated",
+            )
+
+    def _loss_of(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[torch.Tensor, Any]:
+        """The captured step's forward and loss (the eager steps before it checked them)."""
+        output = call_model(model, x)
+        return compute_loss(self.config.loss, output, y), output
 
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:
         if batch.size == 0:  # this replica has no samples in this step
             return ForwardOutput(loss=None, output=None, batch=batch)
+        capture = getattr(self, "_capture", None)
+        if capture is not None and (replayed := capture.run(step, batch)) is not None:
+            loss, output = replayed  # the gradients are on the parameters already
+            step.metrics["loss"] = loss
+            return ForwardOutput(loss=loss, output=output, batch=batch, captured=True)
         options: StepOptions = step.replica.step_options or EAGER_FP32
         x = to_memory_format(batch.x, options.torch_memory_format())
         compiled = getattr(self, "_compiled", None)
@@ -312,13 +343,19 @@ class Forward(Stage):
             step.metrics["loss"] = loss.detach()
         return ForwardOutput(loss=loss, output=output, batch=batch)
 
+    def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
+        if getattr(self, "_capture", None) is not None:
+            self._capture.reset()  # a new local batch: the last phase's graphs are done
+
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
-        compiled = getattr(self, "_compiled", None)
-        if compiled is None:
-            return {}
-        return compiled.phase_report()
+        report: dict[str, Any] = {}
+        for part in (getattr(self, "_compiled", None), getattr(self, "_capture", None)):
+            if part is not None:
+                report.update(part.phase_report())
+        return report
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_compiled", None)  # worker-side: a compiled model never travels
+        state.pop("_capture", None)  # nor its captured graphs
         return state

@@ -48,11 +48,15 @@ def _slice(value: Any, start: int, stop: int) -> Any:
 
 @dataclass
 class ForwardOutput:
-    """What Forward hands to Backward: the local mean loss and the model output."""
+    """What Forward hands to Backward: the local mean loss and the model output.
+
+    ``captured``: a CUDA graph replay computed the step's gradients too (Forward's
+    captured steps, ``stages/capture.py``): Backward has nothing left to do."""
 
     loss: torch.Tensor | None
     output: Any
     batch: Batch
+    captured: bool = False
 
 
 @dataclass

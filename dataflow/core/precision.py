@@ -30,8 +30,11 @@ __all__ = [
     "COMPILE_MODES",
     "CPU_FP16_ENV",
     "PRECISIONS",
+    "SIMULATE_CAPTURE_ENV",
     "LossScale",
     "StepOptions",
+    "capture_simulated",
+    "check_capture",
     "check_fp16_device",
     "check_step_options",
     "cpu_fp16_allowed",
@@ -48,6 +51,53 @@ def cpu_fp16_allowed() -> bool:
     """Whether ``DATAFLOW_ALLOW_CPU_FP16=1`` is set in this process (read by the driver,
     which passes it to the workers with the fit)."""
     return os.environ.get(CPU_FP16_ENV) == "1"
+
+
+# For tests only: capture=True on a CPU worker runs the captured step's bookkeeping
+# (static buffers, replays writing into the same tensors) without CUDA
+SIMULATE_CAPTURE_ENV = "DATAFLOW_SIMULATE_CAPTURE"
+
+
+def capture_simulated() -> bool:
+    """Whether ``DATAFLOW_SIMULATE_CAPTURE=1`` is set in this process (read by the
+    driver, which passes it to the workers with the fit)."""
+    return os.environ.get(SIMULATE_CAPTURE_ENV) == "1"
+
+
+def check_capture(
+    capture: Any, *, precision: Any, compile: Any, device: Any, spatial: int, simulate: bool
+) -> None:
+    """Refuse a ``capture=`` that cannot work, naming the field that conflicts."""
+    if not isinstance(capture, bool):
+        raise ConfigError(
+            f"capture={capture!r}: use True (each steady step's forward and backward "
+            "replayed as a CUDA graph) or False (eager)"
+        )
+    if not capture:
+        return
+    if str(device).startswith("cpu") and not simulate:
+        raise ConfigError(
+            "capture=True with device='cpu': CUDA graphs need a CUDA device (the CPU has "
+            "no launch overhead to save); use device='auto' or 'cuda', or capture=False"
+        )
+    if precision == "fp16":
+        raise ConfigError(
+            "capture=True with precision='fp16': fp16's loss scale changes between steps, "
+            "and a captured graph keeps the scale it was captured with; use "
+            "precision='bf16' (no loss scale) or capture=False"
+        )
+    if compile:
+        raise ConfigError(
+            f"capture=True with compile={compile!r}: pick one. capture=True replays the "
+            "eager step as a CUDA graph; compile='reduce-overhead' compiles the model and "
+            "replays its graphs through torch.compile"
+        )
+    if spatial > 1:
+        raise ConfigError(
+            "capture=True with a spatial layout: the partitioned model exchanges halos "
+            "with other workers inside its forward, which a CUDA graph cannot hold; use "
+            "capture=False with layout=, or layout=None"
+        )
 
 
 def check_fp16_device(precision: Any, device: Any, *, allowed: bool = False) -> None:
@@ -94,6 +144,9 @@ class StepOptions:
     precision: str = "fp32"  # "bf16", "fp16" or "fp32"
     memory_format: str | None = None  # "channels_last", "channels_last_3d" or None
     compile: str | None = None  # a torch.compile mode, "cudagraphs", or None (eager)
+    # steady steps replayed as CUDA graphs (stages/capture.py): "cuda", "simulated"
+    # (tests on the CPU), or None (eager)
+    capture: str | None = None
 
     @property
     def autocast(self) -> bool:
@@ -116,6 +169,7 @@ class StepOptions:
             "precision": self.precision,
             "memory_format": self.memory_format or "contiguous",
             "compile": self.compile or "eager",
+            "capture": self.capture or "off",
         }
 
 
@@ -141,11 +195,14 @@ def resolve_step_options(
     *,
     spatial: bool = False,
     allow_cpu_fp16: bool = False,
+    capture: bool = False,
+    simulate_capture: bool = False,
 ) -> StepOptions:
     """ "auto" made concrete for this worker: bf16 where CUDA supports it, else fp32 (never
     fp16, which is refused off CUDA unless ``allow_cpu_fp16``: tests only); channels_last
     on CUDA for a model whose convolutions are all 2-D (or all 3-D); never for a spatial
-    layout (its halo exchange slices contiguous NCHW tensors)."""
+    layout (its halo exchange slices contiguous NCHW tensors); captured steps on CUDA
+    (or simulated, ``simulate_capture``: tests only), eager on a worker without a GPU."""
     import torch
 
     cuda = device.type == "cuda"
@@ -178,7 +235,14 @@ def resolve_step_options(
             "compile='cudagraphs' on the CPU: CUDA graphs need a CUDA device; use "
             "compile=True on the CPU"
         )
-    return StepOptions(precision=precision, memory_format=memory_format, compile=mode)
+    captured = None
+    if capture and cuda:
+        captured = "cuda"
+    elif capture and simulate_capture:
+        captured = "simulated"
+    return StepOptions(
+        precision=precision, memory_format=memory_format, compile=mode, capture=captured
+    )
 
 
 @dataclass

@@ -51,9 +51,9 @@ class ReplicaContext:
     window_parts: tuple[tuple[int, int], ...] = ()
     window_verdict: Any = None
     # The step options asked for (dataflow.core.precision: precision, channels_last,
-    # compile, allow_cpu_fp16); Forward resolves them against the device and model into
-    # ``step_options``
-    requested_step_options: tuple[Any, ...] = ("fp32", False, False, False)
+    # compile, allow_cpu_fp16, capture, simulate_capture); Forward resolves them against
+    # the device and model into ``step_options``
+    requested_step_options: tuple[Any, ...] = ("fp32", False, False, False, False, False)
     step_options: Any = None
     # fp16: the loss scale (dataflow.core.precision.LossScale), alike on every replica
     loss_scale: Any = None

@@ -381,6 +381,11 @@ class Recorder:
                 or None,
                 compile_seconds=_per_replica(ends, "compile_seconds"),
                 compiled_shapes=_per_replica(ends, "compiled_shapes"),
+                capture_seconds=_per_replica(ends, "capture_seconds"),
+                captured_shapes=_per_replica(ends, "captured_shapes"),
+                captured_steps=_per_replica(ends, "captured_steps"),
+                capture_failures=sorted({f for e in ends for f in e.get("capture_failures", ())})
+                or None,
                 overflow_steps=ends[0].get("overflow_steps"),
                 loss_scale=ends[0].get("loss_scale"),
                 drift=list(self.phase_drift) or None,

@@ -225,6 +225,14 @@ class PhaseRecord(Record):
     # and how many shapes were compiled in this phase (0: the compiled code was reused)
     compile_seconds: list[float] | None = None
     compiled_shapes: list[int] | None = None
+    # capture=True: per replica, seconds spent capturing CUDA graphs in this phase, the
+    # input shapes captured, and the steps that ran as a graph replay (the rest ran
+    # eagerly: each shape's warm-up, short last steps, micro-batches); why a shape could
+    # not be captured (it then runs eagerly)
+    capture_seconds: list[float] | None = None
+    captured_shapes: list[int] | None = None
+    captured_steps: list[int] | None = None
+    capture_failures: list[str] | None = None
     # precision="fp16": steps skipped because the scaled gradient overflowed (not a
     # non-finite failure), and the loss scale at the phase's end (alike on all replicas)
     overflow_steps: int | None = None
@@ -243,6 +251,10 @@ class PhaseRecord(Record):
         "lost_replicas",
         "compile_seconds",
         "compiled_shapes",
+        "capture_seconds",
+        "captured_shapes",
+        "captured_steps",
+        "capture_failures",
         "overflow_steps",
         "loss_scale",
         "drift",

@@ -54,13 +54,22 @@ class ReplicaSpec:
     channels_last: bool | str = False
     compile: bool | str = False
     allow_cpu_fp16: bool = False  # DATAFLOW_ALLOW_CPU_FP16=1 on the driver (tests only)
+    capture: bool = False  # steady steps replayed as CUDA graphs (stages/capture.py)
+    simulate_capture: bool = False  # DATAFLOW_SIMULATE_CAPTURE=1 on the driver (tests only)
     # the allreduce bucket the fit planned (driver/fit_settings); a stage's own wins
     bucket_mb: float | None = None
 
     @property
     def requested_step_options(self) -> tuple[Any, ...]:
         """What Forward resolves on the worker (``dataflow.core.precision``)."""
-        return (self.precision, self.channels_last, self.compile, self.allow_cpu_fp16)
+        return (
+            self.precision,
+            self.channels_last,
+            self.compile,
+            self.allow_cpu_fp16,
+            self.capture,
+            self.simulate_capture,
+        )
 
     @property
     def spatial(self) -> int:
