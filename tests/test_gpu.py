@@ -2,7 +2,10 @@
 
 import pytest
 import torch
-from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
+from conftest import make_data, max_abs_diff, reference_training, sgd, tiny_pipeline
+
+import dataflow as dfl
+from dataflow import stages
 
 pytestmark = [
     pytest.mark.gpu,
@@ -106,3 +109,148 @@ def test_an_in_memory_source_is_uploaded_once_and_trains_as_from_the_host(client
     assert on_device.history.info["workers"][0]["data_on_device"] is True
     assert from_host.history.info["workers"][0]["data_on_device"] is False
     assert max_abs_diff(on_device.model, from_host.model) <= 1e-6
+
+
+# -- captured steps (Pipeline(capture=True): forward, loss and backward as a CUDA graph) --
+
+
+class BatchNormCNN(torch.nn.Module):
+    """TinyCNN with BatchNorm (its running statistics are updated inside the graph) and
+    no dropout (a captured step must compute what the eager step computes)."""
+
+    def __init__(self, classes: int = 3) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 8, 3, bias=False),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, bias=False),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+        )
+        self.head = torch.nn.Linear(8 * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+def _exact_cuda(on: bool = True) -> None:
+    """No TF32 (as ``_no_tf32``) and deterministic cuDNN on a worker: eager and
+    captured steps then run the same kernels with the same sums (``on=False``: cuDNN
+    free to choose again, TF32 left off as the other tests leave it)."""
+    _no_tf32()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.deterministic = on
+
+
+def _captured_and_eager(client, device="cuda", epochs=3, **options):
+    """The same fit (seed, batches, 12 steps of batch 16) eager and with capture=True."""
+    x, y = make_data(64)
+    fits = [
+        tiny_pipeline(
+            x, y, model=BatchNormCNN, device=device, replicas=1, capture=capture, **options
+        ).fit(epochs=epochs, client=client)
+        for capture in (False, True)
+    ]
+    return fits[0], fits[1]
+
+
+def _losses(result):
+    return [s["loss"] for s in result.history.steps]
+
+
+def _captured_steps(result) -> int:
+    """Steps that ran as a graph replay, over every phase and replica."""
+    return sum(sum(phase.get("captured_steps") or [0]) for phase in result.history.phases)
+
+
+def test_a_captured_fit_equals_the_eager_fit_in_fp32(client):
+    """Same seed and batches, fp32, TF32 off, BatchNorm: the graph replays compute what
+    the eager steps compute, to float rounding, and most steps were replays (each
+    shape's first 2 steps run eager, the 3rd is captured)."""
+    client.run(_exact_cuda)
+    try:
+        eager, captured = _captured_and_eager(client, **FP32)
+    finally:
+        client.run(_exact_cuda, False)
+    assert _captured_steps(captured) > 0
+    assert len(_losses(captured)) == len(_losses(eager)) == 12
+    assert _losses(captured) == pytest.approx(_losses(eager), rel=1e-5)
+    want = eager.model.state_dict()
+    for name, got in captured.model.state_dict().items():
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_bf16_channels_last_captured_equals_eager_to_bf16_rounding(client):
+    """bf16 autocast and channels_last inside the graph: the eager fit's results to
+    bf16's rounding (8 bits of mantissa), as the auto test's tolerance."""
+    eager, captured = _captured_and_eager(client, precision="bf16", channels_last=True)
+    (worker,) = captured.history.info["workers"]
+    assert (worker["precision"], worker["memory_format"]) == ("bf16", "channels_last")
+    assert _captured_steps(captured) > 0
+    assert _losses(captured) == pytest.approx(_losses(eager), rel=2e-2)
+    assert max_abs_diff(captured.model, eager.model) <= 2e-2
+
+
+class SyncErrors(stages.Stage):
+    """After Update: from step ``start`` on, torch raises at any host-device sync
+    (``torch.cuda.set_sync_debug_mode("error")``) from the start of each step's stages
+    to the end of the last step of its window, so a window's own once-per-window reads
+    (losses, the non-finite verdict) stay allowed and every per-step one fails."""
+
+    def __init__(self, start: int) -> None:
+        super().__init__("SyncErrors")
+        self.start = start
+
+    def _set(self, step, on: bool) -> None:
+        if step.replica.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+    def begin_step(self, step) -> None:
+        if step.spec.index >= self.start:
+            self._set(step, True)
+
+    def run(self, step, grads):
+        window = step.replica.window  # None outside a window (the driver's dry run)
+        last_in_window = window is None or step.spec.index + 1 >= window[1]
+        self._set(step, step.spec.index >= self.start and not last_in_window)
+        return grads
+
+
+def _sync_debug_off() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _sync_checked_fit(client, device="cuda", start=4, epochs=3):
+    """A captured fp32 fit whose steps from ``start`` on fail at any host sync."""
+    x, y = make_data(64)
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    out = g.add(stages.Forward(BatchNormCNN, torch.nn.functional.cross_entropy), batch)
+    grads = g.add(stages.Backward(), out)
+    reduced = g.add(stages.AllReduce(), grads)
+    updated = g.add(stages.Update(sgd), reduced)
+    g.add(SyncErrors(start), updated)
+    trainer = dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(16),
+        device=device,
+        replicas=1,
+        capture=True,
+        progress=False,
+        **FP32,
+    )
+    try:
+        return trainer.fit(epochs=epochs, client=client)
+    finally:
+        client.run(_sync_debug_off)
+
+
+def test_steady_captured_steps_make_no_host_sync(client):
+    """Issue 37 item 1 with captured steps: from the 5th step on (the shape was
+    captured at its 3rd and replayed at its 4th), no stage of a step reads the device
+    on the host or waits for it; the window's results are read once, at its end."""
+    result = _sync_checked_fit(client)
+    assert _captured_steps(result) > 0
+    assert len(result.history.steps) == 12
