@@ -44,6 +44,7 @@ def _loss(model):
 
 def _step(index=0, *, micro_count=1, loss_scale=None):
     replica = ReplicaContext(rank=0, world_size=1, device=CPU, seed=0, loss_scale=loss_scale)
+    replica.window = (index, index + 1)  # each step a window of its own
     spec = StepSpec(
         index=index,
         epoch=0,
