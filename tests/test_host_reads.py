@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.core.precision import SIMULATE_CAPTURE_ENV
 
 pytestmark = pytest.mark.slow  # real worker processes
 
@@ -102,10 +103,18 @@ def counted_fit(client, path: Path, **options) -> tuple[dfl.FitResult, list[dict
             dict(schedule=dfl.schedule.Fixed(16), sync=dfl.sync.Local(period_steps=4)),
             id="local",
         ),
+        pytest.param(  # replayed steps (on the CPU: the capture's bookkeeping, simulated)
+            dict(schedule=dfl.schedule.Stepwise({0: 16, 1: 32}), capture=True, precision="bf16"),
+            id="captured-bf16",
+        ),
     ],
 )
-def test_no_steady_step_reads_its_result_on_the_host(client, tmp_path, options):
+def test_no_steady_step_reads_its_result_on_the_host(client, tmp_path, monkeypatch, options):
+    if options.get("capture"):
+        monkeypatch.setenv(SIMULATE_CAPTURE_ENV, "1")
     result, records = counted_fit(client, tmp_path / "reads.jsonl", **options)
+    if options.get("capture"):
+        assert sum(sum(p.captured_steps) for p in result.history.phases) > 0
     steps = result.history.steps
     counted = {(r["step"], r["rank"]) for r in records}  # (and the driver's dry run)
     assert counted == {(s["step"], rank) for s in steps for rank in (0, 1)}
