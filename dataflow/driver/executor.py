@@ -35,6 +35,7 @@ from dataflow.driver.membership import (
     PROBE_S,
     Lost,
     RemovalWatch,
+    read_now,
     tell,
     unreachable,
     wait_some,
@@ -228,29 +229,37 @@ class Executor(GroupForming, WorkerArrivals):
         """Queue the result of every window that finished, in window order, whatever
         became of its workers since (which results the fit uses is the machine's
         decision), except what cannot be read: a result held on a ``lost`` worker (the
-        leader's; for a mid-phase checkpoint every worker's part) died with it."""
+        leader's; for a mid-phase checkpoint every worker's part) died with it, and so
+        did one on a worker that died unnoticed (``read_now`` leaves it out at once)."""
         finished = [f for f in self.windows if f.status == "finished"]
         parts: dict[tuple[int, int, int], list[Any]] = {}
         for future in finished:
             parts.setdefault(self.windows[future], []).append(future)
-        by_window: dict[tuple[int, int], dict[int, Any]] = {}
         gone = set(lost)
+        complete = []  # (generation, rank, window, its futures in slot order)
         for (generation, rank, window), futures in sorted(parts.items(), key=lambda i: i[0][2]):
-            slots = self._slots_of(rank)
-            if len(futures) < self.size or gone.intersection(slots[:1]):
+            if len(futures) < self.size or gone.intersection(self._slots_of(rank)[:1]):
                 continue  # the group's other workers still run it, or its result died
             futures.sort(key=lambda f: self.slot_of.get(f, 0))
-            try:
-                result = futures[0].result(timeout=LIVENESS_POLL_S)  # the leader's
-                if result.checkpoint is not None and self.size > 1:
-                    if gone.intersection(slots):
-                        continue  # a part of the group's checkpoint died with its worker
-                    # a mid-phase checkpoint keeps every worker's part (random state,
-                    # buffers) as a phase-boundary one does: the group's, in slot order
-                    parts = [f.result(timeout=LIVENESS_POLL_S).checkpoint for f in futures]
-                    result.checkpoint = tuple(parts)
-            except Exception:  # gone meanwhile: the next poll tells why
-                continue
+            complete.append((generation, rank, window, futures))
+        read = read_now(self.client, [futures[0] for *_, futures in complete])  # leaders'
+        if self.size > 1:  # a mid-phase checkpoint keeps every worker's part
+            held = [
+                f
+                for _, rank, _, futures in complete
+                if getattr(read.get(futures[0].key), "checkpoint", None) is not None
+                and not gone.intersection(self._slots_of(rank))
+                for f in futures[1:]
+            ]
+            read.update(read_now(self.client, held))
+        by_window: dict[tuple[int, int], dict[int, Any]] = {}
+        for generation, rank, window, futures in complete:
+            if any(f.key not in read for f in self._needed(futures, read)):
+                continue  # its worker died (or a part of a group's checkpoint did)
+            result = read[futures[0].key]
+            if result.checkpoint is not None and self.size > 1:
+                # (random state, buffers) as a phase-boundary one does: in slot order
+                result.checkpoint = tuple(read[f.key].checkpoint for f in futures)
             for future in futures:
                 del self.windows[future]
                 self.slot_of.pop(future, None)
@@ -260,6 +269,14 @@ class Executor(GroupForming, WorkerArrivals):
         # Release what finished: the client holds no committed window's result (nor the
         # mid-phase checkpoint state it may carry) past this point.
         self.in_flight = [(f, a) for f, a in self.in_flight if not f.done()]
+
+    def _needed(self, futures: list[Any], read: dict) -> list[Any]:
+        """What a window's result needs read: its leader's, and with a spatial group's
+        mid-phase checkpoint every worker's part."""
+        leader = read.get(futures[0].key)
+        if self.size > 1 and getattr(leader, "checkpoint", None) is not None:
+            return futures
+        return futures[:1]
 
     def _failures(
         self, first: Any, rank: int, window: int, wait_s: float | None = None

@@ -71,6 +71,29 @@ def wait_some(futures: list[Any], woken: threading.Event | None = None) -> tuple
             return done, [f for f in futures if not f.done()]
 
 
+def read_now(client: Any, futures: list[Any], timeout_s: float = LIVENESS_POLL_S) -> dict:
+    """The results of the finished ``futures`` that can be read now, by key, in one
+    request to the scheduler (a second without the keys it could not gather): a result
+    whose worker died is left out at once, whether the scheduler has removed that
+    worker yet or not. ``future.result(timeout)`` would wait its whole timeout on each
+    such future: the client resets a future it could not read and waits for a
+    recomputation that, pinned to the dead worker, never comes. A request that times
+    out (a hung worker) reads nothing; the caller looks again at its next poll."""
+    keys = [f.key for f in futures if f.status == "finished"]
+    for _ in range(2):
+        if not keys:
+            return {}
+        try:
+            answer = client.sync(client.scheduler.gather, keys=keys, callback_timeout=timeout_s)
+        except Exception:  # timed out, or the scheduler is gone: nothing read this time
+            return {}
+        if answer.get("status") == "OK":
+            return dict(answer["data"])
+        failed = set(answer.get("keys", ()))
+        keys = [k for k in keys if k not in failed]
+    return {}
+
+
 def unreachable(client: Any, workers: list[str], timeout_s: float = PROBE_S) -> list[str]:
     """The ``workers`` that do not answer the driver's identity call within
     ``timeout_s`` (asked all at once, each on its own connection)."""
