@@ -30,6 +30,7 @@ from test_lost_worker import KillOnce
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.core.precision import SIMULATE_CAPTURE_ENV
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.log import loggable
@@ -121,16 +122,16 @@ def _trainer(source, held_out, fault: stages.Stage, *, policy: str = "raise", **
     )
 
 
-def _fit(client, folder, *, sync: str, evaluate: bool, data: str) -> tuple:
+def _fit(client, folder, *, sync: str, evaluate: bool, data: str, **options) -> tuple:
     """A fit of ``EPOCHS`` epochs whose replica 1 SIGKILLs its worker at ``KILL_STEP``;
     returns the result, the held-out source (None without evaluation) and the kill's
-    marker file."""
+    marker file. ``options``: more of the Trainer's."""
     source, held_out = _sources(data, folder)
     held_out = held_out if evaluate else None
     marker = folder / "killed"
     kill = KillOnce(str(marker), step=KILL_STEP, rank=1)
     # elastic=False: the restarted worker stays out, the survivor ends the fit alone
-    trainer = _trainer(source, held_out, kill, elastic=False, **SYNCS[sync]())
+    trainer = _trainer(source, held_out, kill, elastic=False, **SYNCS[sync](), **options)
     result = trainer.fit(epochs=EPOCHS, client=client)
     return result, held_out, marker
 
@@ -217,28 +218,43 @@ def test_a_lost_worker_without_recovery_stops_the_fit_by_the_machines_decision(c
 # (The Local cells once hung: the driver read a failed window's exception with no
 # timeout, and a window whose worker had died read as "lost", waiting forever for a
 # recomputation its dead worker never runs.)
-CELLS = [
-    pytest.param(
-        sync,
-        evaluate,
-        data,
-        id=f"{sync}-{'eval' if evaluate else 'noeval'}-{data}",
-    )
-    for sync in SYNCS
-    for evaluate in (True, False)
-    for data in ("memory", "zarr")
-    if not (sync == "async" and evaluate)
-] + [  # windows of a store (PatchSource): rolled back, and released
-    pytest.param(sync, True, "windows", id=f"{sync}-eval-windows") for sync in ("sync", "local")
-]
+CELLS = (
+    [
+        pytest.param(
+            sync,
+            evaluate,
+            data,
+            id=f"{sync}-{'eval' if evaluate else 'noeval'}-{data}",
+        )
+        for sync in SYNCS
+        for evaluate in (True, False)
+        for data in ("memory", "zarr")
+        if not (sync == "async" and evaluate)
+    ]
+    + [  # windows of a store (PatchSource): rolled back, and released
+        pytest.param(sync, True, "windows", id=f"{sync}-eval-windows") for sync in ("sync", "local")
+    ]
+    + [  # captured steps (capture=True; on the CPU, their bookkeeping simulated)
+        pytest.param("sync", True, "captured", id="sync-eval-memory-captured")
+    ]
+)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("sync", "evaluate", "data"), CELLS)
 def test_a_worker_killed_mid_window_recovers_in_every_configuration(
-    client, tmp_path, sync, evaluate, data
+    client, tmp_path, monkeypatch, sync, evaluate, data
 ):
-    result, held_out, marker = _fit(client, tmp_path, sync=sync, evaluate=evaluate, data=data)
+    options = {}
+    if data == "captured":
+        monkeypatch.setenv(SIMULATE_CAPTURE_ENV, "1")
+        data, options = "memory", {"capture": True}
+    result, held_out, marker = _fit(
+        client, tmp_path, sync=sync, evaluate=evaluate, data=data, **options
+    )
+    if options:
+        replayed = [sum(p.captured_steps or [0]) for p in result.history.phases]
+        assert sum(replayed) > 0, replayed
     _assert_recovered(result, marker, sync)
     if evaluate:
         _assert_evaluated(result, held_out)
