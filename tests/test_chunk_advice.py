@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import zarr
 
+from dataflow.io.checksums import checksum_of
 from dataflow.tools.chunk_advice import suggest_chunks
 from dataflow.tools.cli import main
 
@@ -30,20 +29,21 @@ def advice_of(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)["patch"]
 
 
-def run_rewrite(command: str) -> None:
+def run_rewrite(command: str, capsys) -> None:
+    """The printed ``dataflow convert ... --chunks ...`` command, run as the CLI runs it."""
     argv = shlex.split(command)
-    assert argv[:2] == ["python", "-c"], command
-    done = subprocess.run([sys.executable, "-c", argv[2]], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert argv[:2] == ["dataflow", "convert"] and "--chunks" in argv, command
+    assert main(argv[1:]) == 0
+    assert "wrote " in capsys.readouterr().out
 
 
-@pytest.mark.slow  # a subprocess importing xarray: about 2 s
 def test_small_chunks_are_counted_per_window_and_the_rewrite_gives_chunks_that_suit(
     tmp_path, capsys
 ):
     """8^3 chunks under 16^3 windows: (1 + 15/8)^3 = 23.8 chunks a window on average, 27
-    at most; suggested 64^3 (1 MB), which the printed xarray command writes, keeping the
-    dimension names, and which info then calls suitable."""
+    at most; suggested 64^3 (1 MB), which the printed `dataflow convert` command writes
+    (by dimension name), keeping the dimension names, and which info then calls
+    suitable."""
     store = volume(tmp_path / "v.zarr", (8, 8, 8))
     advice = advice_of(capsys, store, "--patch", "z=16,y=16,x=16")
     (field,) = advice["arrays"]
@@ -53,7 +53,10 @@ def test_small_chunks_are_counted_per_window_and_the_rewrite_gives_chunks_that_s
     assert field["window_bytes"] == 16**3 * 4 and not field["good"]
     assert field["suggested_chunks"] == [64, 64, 64]
     assert "dimension_names" in field and advice["skipped"] == []
-    run_rewrite(advice["rewrite"])
+    assert advice["rewrite"] == (
+        f"dataflow convert {store} {tmp_path / 'v-rechunked.zarr'} --chunks z=64,y=64,x=64"
+    )
+    run_rewrite(advice["rewrite"], capsys)
     rewritten = zarr.open_group(str(tmp_path / "v-rechunked.zarr"), mode="r")["field"]
     assert rewritten.chunks == (64, 64, 64)
     assert list(rewritten.metadata.dimension_names) == ["z", "y", "x"]
@@ -70,23 +73,25 @@ def test_small_chunks_are_counted_per_window_and_the_rewrite_gives_chunks_that_s
     assert "field: chunks suit this patch (at most 1 chunk(s) a window" in printed
 
 
-def test_axes_without_dimension_names_get_a_dask_rewrite_and_verify_still_runs(tmp_path, capsys):
+def test_axes_without_dimension_names_get_a_rewrite_by_axis_and_verify_still_runs(tmp_path, capsys):
     """Dims taken whole should be whole in a chunk: 64 x 8 x 8 chunks under 0=32,1=32
     windows (whole along axis 2: 40 chunks at most) are suggested 64^3 (the patch, doubled
-    to 1 MB); the dask command writes them; --verify and --patch together give both
-    reports."""
+    to 1 MB); the `dataflow convert --chunks 0=64,1=64,2=64` command writes them (with
+    checksums); --verify and --patch together give both reports."""
     store = volume(tmp_path / "a.zarr", (64, 8, 8), dimension_names=None)
     advice = advice_of(capsys, store, "--patch", "0=32,1=32")
     (field,) = advice["arrays"]
     assert field["window"] == [32, 32, 64] and field["chunks_per_window_max"] == 1 * 5 * 8
     assert field["suggested_chunks"] == [64, 64, 64] and not field["good"]
-    assert "dask.array" in advice["rewrite"]
-    run_rewrite(advice["rewrite"])
+    assert advice["rewrite"].endswith("a-rechunked.zarr --chunks 0=64,1=64,2=64")
+    run_rewrite(advice["rewrite"], capsys)
     rewritten = zarr.open_group(str(tmp_path / "a-rechunked.zarr"), mode="r")["field"]
-    assert rewritten.chunks == (64, 64, 64)
+    assert rewritten.chunks == (64, 64, 64) and checksum_of(rewritten) == "zstd checksum"
+    assert np.array_equal(rewritten[...], zarr.open_group(str(store), mode="r")["field"][...])
     assert main(["info", str(store), "--no-decode", "--verify", "--patch", "0=32,1=32"]) == 0
     printed = capsys.readouterr().out
-    assert "suggested for field: chunks (64, 64, 64)" in printed and "rewrite the store" in printed
+    assert "suggested for field: chunks (64, 64, 64)" in printed
+    assert f"rewrite the store with them:\n  dataflow convert {store} " in printed
 
 
 def test_patch_mistakes_say_what_to_pass(tmp_path, capsys):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -279,27 +280,25 @@ def _per_window(
 
 
 def _rewrite(path: str, advice: list[ArrayAdvice]) -> str | None:
-    """A command that writes a copy of the store with the suggested chunks: xarray for a
-    store with dimension names (it keeps them), dask array by array otherwise."""
-    dest = path.rstrip("/").removesuffix(".zarr") + "-rechunked.zarr"
+    """The ``dataflow convert`` command that writes a copy of the store with the suggested
+    chunks (``tools.rechunk``: streamed, checksummed, attributes and dimension names kept):
+    by dimension name where every array has names, else by axis; per dimension, the
+    first array needing a change sets the length (shorter arrays are clipped)."""
     changes = [a for a in advice if not a.good]
     if not changes:
         return None
-    if all(a.dimension_names for a in advice):
-        dims: dict[str, int] = {}  # per dimension name, as the first array needing it
-        for a in changes:
-            for dim, length in zip(a.dimension_names or [], a.suggested_chunks, strict=True):
-                dims.setdefault(dim, length)
-        return (
-            "python -c \"import xarray as xr; xr.open_zarr('" + path + "', consolidated=False)"
-            f".drop_encoding().chunk({dims}).to_zarr('{dest}', consolidated=False)\""
-        )
-    steps = "; ".join(
-        f"da.from_zarr('{path}', component='{a.name}').rechunk({a.suggested_chunks})"
-        f".to_zarr('{dest}', component='{a.name}')"
-        for a in changes
+    named = all(a.dimension_names for a in advice)
+    dims: dict[str | int, int] = {}
+    for a in changes:
+        keys = a.dimension_names if named else range(len(a.suggested_chunks))
+        for key, length in zip(keys or [], a.suggested_chunks, strict=True):
+            dims.setdefault(key, length)
+    name = path.rstrip("/").rsplit("/", 1)[-1] if "://" in path else path.rstrip("/")
+    dest = name.removesuffix(".zarr") + "-rechunked.zarr"
+    chunks = ",".join(f"{key}={length}" for key, length in dims.items())
+    return (
+        f"dataflow convert {shlex.quote(path)} {shlex.quote(dest)} --chunks {shlex.quote(chunks)}"
     )
-    return f'python -c "import dask.array as da; {steps}"'
 
 
 def patch_advice(path: str, patch: Mapping[str | int, int]) -> PatchAdvice:

@@ -69,6 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from dataflow.tools.convert import convert
+    from dataflow.tools.rechunk import Rechunked
 
     started = time.perf_counter()
     done = convert(
@@ -81,7 +82,18 @@ def _convert(args: argparse.Namespace) -> int:
         zarr_format=args.format,
         overwrite=args.overwrite,
         spatial_chunks=_spatial_chunks(args.spatial_chunks),
+        chunks=args.chunks,
+        fill_missing=args.fill_missing,
     )
+    if isinstance(done, Rechunked):
+        print(
+            f"wrote {done.dest} (zarr format {done.zarr_format}, checksummed) in "
+            f"{time.perf_counter() - started:.1f} s:"
+        )
+        for line in done.summary():
+            print(f"  {line}")
+        print(f"check it with: dataflow info {done.dest}")
+        return 0
     shapes = ", ".join(f"{name} {shape}" for name, shape in done.shapes.items())
     print(f"wrote {done.dest} ({shapes}) in {time.perf_counter() - started:.1f} s")
     if done.left_out:
@@ -272,17 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser(
         "convert",
-        help="convert a numpy, HDF5 or netCDF file into a zarr store chunked for streaming",
+        help="convert a numpy, HDF5 or netCDF file into a zarr store chunked for streaming, "
+        "or rechunk a zarr store",
         description="Writes SRC's arrays into the zarr store DEST, chunked by whole samples "
         "(about --chunk-mb MB a chunk) so training streams it chunk by chunk. Inputs: .npy "
         "(one array), .npz (by name), HDF5 .h5/.hdf5 (dataset paths; needs h5py), netCDF .nc "
         "(variables; needs xarray and a netCDF reader: netCDF4, h5netcdf or scipy). Large "
-        "files are read a slab at a time, never whole.",
+        "files are read a slab at a time, never whole. A zarr store SRC (v2 or v3, a path or "
+        "fsspec URL) is copied with the chunks --chunks gives (the rest kept), its attributes "
+        "and dimension names, streamed slab by slab, with checksums; a chunk missing from SRC "
+        "is refused, never written as fill values.",
         epilog="examples:\n  dataflow convert fields.npz fields.zarr --x x --y y\n"
-        "  dataflow convert sim.nc sim.zarr --x density --y params --sample-dim time",
+        "  dataflow convert sim.nc sim.zarr --x density --y params --sample-dim time\n"
+        "  dataflow convert era5.zarr era5-rechunked.zarr --chunks time=64,lat=64,lon=64",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    convert.add_argument("src", metavar="SRC", help="the file to convert")
+    convert.add_argument("src", metavar="SRC", help="the file (or zarr store) to convert")
     convert.add_argument("dest", metavar="DEST.zarr", help="the zarr store to write")
     convert.add_argument(
         "--x",
@@ -299,10 +316,27 @@ def build_parser() -> argparse.ArgumentParser:
         "(numpy, HDF5; default 0)",
     )
     convert.add_argument(
-        "--chunk-mb", type=float, default=8.0, help="target chunk size in MB (default 8)"
+        "--chunk-mb", type=float, default=None, help="target chunk size in MB (default 8)"
     )
     convert.add_argument(
-        "--format", type=int, choices=(2, 3), default=3, help="zarr format (default 3)"
+        "--format",
+        type=int,
+        choices=(2, 3),
+        default=None,
+        help="zarr format (default 3; a zarr SRC's own)",
+    )
+    convert.add_argument(
+        "--chunks",
+        metavar="DIM=LEN,...",
+        help="a zarr SRC's new chunks: dimension names (stores written by xarray) or axis "
+        "numbers, e.g. time=64,lat=64,lon=64 or 0=64,1=64; clipped to each array's length; "
+        "an array without a dimension keeps its chunks",
+    )
+    convert.add_argument(
+        "--fill-missing",
+        action="store_true",
+        help="write chunks absent from a zarr SRC as its fill value (only when its writer "
+        "skipped fill-value chunks on purpose; refused by default)",
     )
     convert.add_argument(
         "--spatial-chunks",

@@ -1,4 +1,5 @@
-"""``dataflow convert``: numpy, HDF5 and netCDF files into a zarr store laid out for streaming.
+"""``dataflow convert``: numpy, HDF5 and netCDF files into a zarr store laid out for streaming
+(and a zarr store into one with new chunks: ``tools.rechunk``).
 
 Every input becomes arrays with a sample axis, written by ``dataflow.io.to_zarr``
 (whole samples per chunk, ~``chunk_mb`` MB a chunk). Large inputs are never
@@ -17,9 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataError
 from dataflow.history.report import MissingDependencyError
 from dataflow.io import VariableNotFoundError, to_zarr
+from dataflow.tools.rechunk import (
+    Rechunked,
+    SourceFileError,
+    check_dest,
+    is_zarr_source,
+    rechunk_store,
+)
 
 FORMATS = {
     ".npy": "numpy",
@@ -34,10 +42,6 @@ FORMATS = {
     ".he5": "hdf5",
 }
 SAMPLE = "sample"  # the sample dimension's name for inputs without named dimensions
-
-
-class SourceFileError(DataflowError, FileNotFoundError):
-    """The file to convert does not exist."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,15 @@ def convert(
     x: list[str] | None = None,
     y: str | None = None,
     sample_dim: str | int | None = None,
-    chunk_mb: float = 8.0,
-    zarr_format: int = 3,
+    chunk_mb: float | None = None,
+    zarr_format: int | None = None,
     overwrite: bool = False,
     spatial_chunks: dict[int | str, int] | None = None,
-) -> Converted:
-    """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``.
+    chunks: str | dict[str | int, int] | None = None,
+    fill_missing: bool = False,
+) -> Converted | Rechunked:
+    """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``,
+    or rewrite the zarr store ``src`` (path or fsspec URL) with new ``chunks``.
 
     ``x``: the input variables (default: ``x`` if the file has one, else its only
     array, else every variable with the sample dimension); ``y``: the target
@@ -84,33 +91,60 @@ def convert(
     number (numpy, HDF5; default 0).
     ``spatial_chunks``: also chunk each sample for spatial ranks (``to_zarr``'s
     argument): ``{axis of one x sample: length}``, or ``{dimension name: length}``
-    for netCDF.
+    for netCDF. ``chunk_mb``: about 8 MB a chunk by default; ``zarr_format``: 3 by default.
+
+    A zarr ``src`` is copied by ``rechunk_store`` (every array, or those named by
+    ``x``/``y``, with attributes and dimension names, streamed slab by slab, with
+    checksums): ``chunks`` is ``{dimension name or axis: length}`` or ``"lat=64,lon=64"``
+    (None: same chunks); ``zarr_format`` defaults to the source's; a chunk absent from
+    ``src`` raises ``ChunkMissingError`` unless ``fill_missing``.
     """
+    if is_zarr_source(src):
+        given = {"sample_dim": sample_dim, "chunk_mb": chunk_mb, "spatial_chunks": spatial_chunks}
+        for name, value in given.items():
+            if value is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(
+                    f"convert({flag}): {str(src)!r} is a zarr store, which convert rechunks "
+                    "as it is; give the new chunks with --chunks DIM=LEN,... instead"
+                )
+        names = [*(x or []), *([y] if y else [])] or None
+        return rechunk_store(
+            src,
+            dest,
+            chunks,
+            arrays=names,
+            zarr_format=zarr_format,
+            overwrite=overwrite,
+            fill_missing=fill_missing,
+        )
+    chunk_mb = 8.0 if chunk_mb is None else chunk_mb
+    zarr_format = 3 if zarr_format is None else zarr_format
     src, dest = Path(src), Path(dest)
     if not src.exists():
         raise SourceFileError(f"convert: no file {str(src)!r}; check the path")
     kind = FORMATS.get(src.suffix.lower())
+    if kind is None and src.is_dir():
+        raise DataError(
+            f"convert: {str(src)!r} is a directory but not a zarr store (no zarr.json, .zgroup "
+            "or .zarray in it); give a zarr store, or a numpy, HDF5 or netCDF file"
+        )
     if kind is None:
         raise ConfigError(
             f"convert: cannot read {src.name!r}: unknown extension {src.suffix!r}; supported: "
-            f"{', '.join(sorted(FORMATS))} (numpy, netCDF, HDF5)"
+            f"{', '.join(sorted(FORMATS))} (numpy, netCDF, HDF5) and .zarr stores"
+        )
+    if chunks is not None or fill_missing:
+        raise ConfigError(
+            f"convert(--chunks/--fill-missing): these rewrite a zarr store, and {str(src)!r} is "
+            "not one; for numpy, HDF5 and netCDF files use --chunk-mb and --spatial-chunks"
         )
     if not (isinstance(chunk_mb, int | float) and chunk_mb > 0):
         raise ConfigError(f"convert(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8")
     if zarr_format not in (2, 3):
         raise ConfigError(f"convert(zarr_format={zarr_format!r}): use 2 or 3")
+    check_dest(dest, overwrite)
     if dest.exists():
-        if not overwrite:
-            raise ConfigError(
-                f"convert: {str(dest)!r} already exists; choose another destination, or pass "
-                "--overwrite to replace it"
-            )
-        is_zarr = (dest / "zarr.json").exists() or (dest / ".zgroup").exists()
-        if not is_zarr:
-            raise ConfigError(
-                f"convert: {str(dest)!r} exists and is not a zarr store; --overwrite replaces "
-                "only zarr stores, so choose another destination"
-            )
         shutil.rmtree(dest)
     if isinstance(sample_dim, str) and sample_dim.lstrip("-").isdigit():
         sample_dim = int(sample_dim)
