@@ -9,6 +9,7 @@ What is asserted is what the executor called and queued, never how long it took.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from distributed import Client, Future, LocalCluster, wait
 from dataflow.core.window import WindowResult
 from dataflow.driver import events as ev
 from dataflow.driver.executor import Executor
+from dataflow.driver.membership import LIVENESS_POLL_S, ResultReader
 
 pytestmark = pytest.mark.slow  # real worker processes, one really killed
 
@@ -85,3 +87,26 @@ def test_results_on_a_just_killed_worker_are_not_waited_for(monkeypatch):
     done = [e for e in events if isinstance(e, ev.WindowDone)]
     assert [(e.window, sorted(e.results)) for e in done] == [(0, [0]), (1, [0])]
     assert isinstance(events[-1], ev.WorkersLost) and events[-1].workers == (victim,)
+
+
+def large_result() -> bytes:
+    """A result that takes longer than a microsecond to move (runs on the worker)."""
+    return bytes(64 * 2**20)
+
+
+@pytest.mark.timeout(120)
+def test_a_result_slower_to_move_than_the_read_timeout_is_read_with_a_longer_one(client):
+    """A result (a large checkpoint, say) that cannot move within the read's timeout is
+    not asked for again with the same timeout forever: each read that times out doubles
+    it, and the result arrives; the next read starts from the short timeout again."""
+    future = client.submit(large_result, pure=False)
+    wait([future])
+    reader = ResultReader(client, longest_s=30.0)
+    reader.timeout_s = 1e-6  # shorter than any gather
+    timeouts, read = [], {}
+    while not read:
+        timeouts.append(reader.timeout_s)
+        read = reader.read([future])
+    assert len(read[future.key]) == 64 * 2**20
+    assert len(timeouts) > 1 and all(b == 2 * a for a, b in itertools.pairwise(timeouts))
+    assert reader.timeout_s == LIVENESS_POLL_S

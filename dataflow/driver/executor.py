@@ -35,7 +35,7 @@ from dataflow.driver.membership import (
     PROBE_S,
     Lost,
     RemovalWatch,
-    read_now,
+    ResultReader,
     tell,
     unreachable,
     wait_some,
@@ -71,6 +71,7 @@ class Executor(GroupForming, WorkerArrivals):
         # waits on nothing of theirs); their loss is not reported again
         self.unwatched: set[str] = set()
         self.removals = RemovalWatch(client)  # the scheduler's word of a lost member
+        self.reader = ResultReader(client)  # finished windows' results, read in one go
         # members the driver could not reach after a failed collective (a cut link, a
         # hung node): lost, whatever the scheduler still says
         self.unreachable: set[str] = set()
@@ -242,7 +243,7 @@ class Executor(GroupForming, WorkerArrivals):
                 continue  # the group's other workers still run it, or its result died
             futures.sort(key=lambda f: self.slot_of.get(f, 0))
             complete.append((generation, rank, window, futures))
-        read = read_now(self.client, [futures[0] for *_, futures in complete])  # leaders'
+        read = self.reader.read([futures[0] for *_, futures in complete])  # the leaders'
         if self.size > 1:  # a mid-phase checkpoint keeps every worker's part
             held = [
                 f
@@ -251,7 +252,7 @@ class Executor(GroupForming, WorkerArrivals):
                 and not gone.intersection(self._slots_of(rank))
                 for f in futures[1:]
             ]
-            read.update(read_now(self.client, held))
+            read.update(self.reader.read(held))
         by_window: dict[tuple[int, int], dict[int, Any]] = {}
         for generation, rank, window, futures in complete:
             if any(f.key not in read for f in self._needed(futures, read)):

@@ -71,27 +71,50 @@ def wait_some(futures: list[Any], woken: threading.Event | None = None) -> tuple
             return done, [f for f in futures if not f.done()]
 
 
-def read_now(client: Any, futures: list[Any], timeout_s: float = LIVENESS_POLL_S) -> dict:
+def read_now(client: Any, futures: list[Any], timeout_s: float = LIVENESS_POLL_S) -> dict | None:
     """The results of the finished ``futures`` that can be read now, by key, in one
     request to the scheduler (a second without the keys it could not gather): a result
     whose worker died is left out at once, whether the scheduler has removed that
     worker yet or not. ``future.result(timeout)`` would wait its whole timeout on each
     such future: the client resets a future it could not read and waits for a
     recomputation that, pinned to the dead worker, never comes. A request that times
-    out (a hung worker) reads nothing; the caller looks again at its next poll."""
+    out (a hung worker, or results too large to move in ``timeout_s``) reads nothing and
+    returns None; the caller looks again at its next poll, with a longer timeout."""
     keys = [f.key for f in futures if f.status == "finished"]
     for _ in range(2):
         if not keys:
             return {}
         try:
             answer = client.sync(client.scheduler.gather, keys=keys, callback_timeout=timeout_s)
-        except Exception:  # timed out, or the scheduler is gone: nothing read this time
+        except TimeoutError:
+            return None
+        except Exception:  # the scheduler is gone: nothing read this time
             return {}
         if answer.get("status") == "OK":
             return dict(answer["data"])
         failed = set(answer.get("keys", ()))
         keys = [k for k in keys if k not in failed]
     return {}
+
+
+class ResultReader:
+    """:func:`read_now` with a timeout that doubles (to a minute) while reads time out,
+    back to a second after one succeeds: a result carrying a large checkpoint may take
+    longer than a second to move, and must not be asked for again and again, a second
+    at a time, never arriving."""
+
+    def __init__(self, client: Any, longest_s: float = 60.0) -> None:
+        self.client = client
+        self.longest_s = longest_s
+        self.timeout_s = LIVENESS_POLL_S
+
+    def read(self, futures: list[Any]) -> dict:
+        read = read_now(self.client, futures, self.timeout_s)
+        if read is None:
+            self.timeout_s = min(self.longest_s, 2 * self.timeout_s)
+            return {}
+        self.timeout_s = LIVENESS_POLL_S
+        return read
 
 
 def unreachable(client: Any, workers: list[str], timeout_s: float = PROBE_S) -> list[str]:
