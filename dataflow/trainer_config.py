@@ -25,7 +25,9 @@ class TrainerConfig:
     """How a fit runs (what it computes is the graph and the schedule)."""
 
     seed: int = 0
-    replicas: int | None = None  # default: every worker of the client
+    # default: every worker of the client, up to max_workers; the rest are spares that
+    # replace a lost replica (elastic fits)
+    replicas: int | None = None
     device: str = "auto"  # "cpu", "cuda" or "auto" (cuda when the worker has one)
     threads_per_replica: int | None = None  # torch intra-op threads; default: the worker's
     # Work fused into one Dask task; default: from cost_model (the window that keeps
