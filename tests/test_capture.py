@@ -283,3 +283,19 @@ def test_captured_steps_meet_the_other_features(client, simulated, options):
             e.metrics["eval_loss"] for e in eager.history.epochs
         ]
     assert np.all(np.isfinite([s.loss for s in captured.history.steps]))
+
+
+@pytest.mark.slow
+def test_capture_on_workers_without_a_gpu_warns_and_trains_eagerly(client):
+    """device='auto' on CPU workers: capture=True cannot capture there; the fit says so
+    once, names the replicas, and trains as the eager fit does."""
+    x, y = make_data(64)
+    eager = tiny_pipeline(x, y, replicas=2).fit(epochs=1, client=client)
+    with pytest.warns(RuntimeWarning, match=r"capture=True, but replicas \[0, 1\] run on"):
+        asked = tiny_pipeline(x, y, replicas=2, device="auto", capture=True).fit(
+            epochs=1, client=client
+        )
+    assert asked.history.info["capture_off"] == [0, 1]
+    assert {w["capture"] for w in asked.history.info["workers"]} == {"off"}
+    assert asked.history.phases[0].captured_steps is None
+    assert max_abs_diff(eager.model, asked.model) == 0.0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import time
 import typing
-import warnings
 from typing import Any
 
 from dataflow.checkpoint import ledger_from_state
@@ -27,19 +26,13 @@ from dataflow.driver.executor import Executor
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
 from dataflow.driver.segments import Planner
+from dataflow.driver.worker_notes import record_workers
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
 from dataflow.planning.layout import fewer_workers_hint
 from dataflow.planning.plan import phase_line
 from dataflow.runtime.replica import ReplicaState
 from dataflow.schedule.noise_scale import NoiseScaleTracker
-
-SHARED_GPU_WARNING = (
-    "replicas {ranks} share a GPU with another replica: NCCL cannot run two ranks on one "
-    "GPU, so their gradients are reduced with gloo through host memory (correct, slower). "
-    "For NCCL, run one worker per GPU: dask-cuda's LocalCUDACluster, or --gpus-per-node "
-    "under mpirun (docs/hpc.md)"
-)
 
 
 class FitLoop:
@@ -158,11 +151,7 @@ class FitLoop:
             self.executor.queue.append(failed)
             return
         info = self.recorder.history.info
-        info["workers"] = info.get("workers", []) + infos
-        shared = [i["rank"] for i in infos if i.get("shared_gpu")]
-        if shared and not info.get("shared_gpu"):
-            info["shared_gpu"] = shared
-            warnings.warn(SHARED_GPU_WARNING.format(ranks=shared), RuntimeWarning, stacklevel=2)
+        record_workers(info, infos, capture=bool(getattr(self.executor.spec, "capture", False)))
         info["replicas"] = len(c.members)
         info["process_groups"] = info.get("process_groups", 0) + 1  # formed in this fit
         if c.fresh:
