@@ -106,6 +106,11 @@ def test_by_axis_without_dimension_names_into_another_format_from_a_url(tmp_path
         return source.read(np.arange(source.num_samples)).x.numpy()
 
     assert np.array_equal(windows(src), windows(tmp_path / "v3.zarr"))
+    # no chunks given: the same chunks, now with checksums
+    same = rechunk_store(src, tmp_path / "same.zarr")
+    assert same.chunks_after == same.chunks_before and same.zarr_format == 2
+    assert checksum_of(read(src)["field"]) is None
+    assert checksum_of(read(tmp_path / "same.zarr")["field"]) == "zstd checksum"
 
 
 def test_an_xarray_store_keeps_its_dataset_and_dimension_names(tmp_path):
@@ -141,6 +146,10 @@ def test_slabs_are_aligned_to_both_chunk_grids_within_the_memory_budget():
     assert slab_shape((60, 60), (3, 60), (5, 60), 1, 30 * 60) == (30, 60)
     # over budget: the destination's grid only, at least one destination chunk
     assert slab_shape((60, 60), (60, 3), (60, 5), 1, 1) == (60, 5)
+    # time x lat x lon stored a time step a chunk, into 8^3 chunks, the aligned box (8,
+    # 50, 60) just over the budget: lat cut to 40 (each source chunk decoded twice), not
+    # to 8 (7 times)
+    assert slab_shape((100, 50, 60), (1, 50, 60), (8, 8, 8), 1, 20_000) == (8, 40, 60)
     # a whole array that fits is one slab
     assert slab_shape((8, 8), (3, 3), (5, 5), 1, 10**6) == (8, 8)
 
