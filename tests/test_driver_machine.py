@@ -481,6 +481,26 @@ def test_a_loss_while_starting_goes_on_with_the_rest_or_fails_below_min_workers(
     assert fail.starting and fail.remain == 2
 
 
+def test_a_spare_takes_the_place_of_a_worker_lost_while_the_first_group_forms():
+    """``replicas=2`` on 3 workers: the third waits as a spare. A worker lost before the
+    first group formed is replaced by it (the fit keeps its 2 replicas), and a fit that
+    takes no joins (``elastic=False``) goes on with the one left."""
+    d = Driver(max_replicas=2)
+    d.send(ev.Started(W[:2], spares=(W[2],)))
+    record, form = d.send(ev.WorkersLost((W[0],)))
+    assert form.fresh and form.members == (W[1], W[2]) and form.generation == 1
+    assert record.record["joined"] == [W[2]] and record.record["replicas_after"] == 2
+    assert d.state.available == ()
+    d = Driver(max_replicas=2, may_join=False)
+    d.send(ev.Started(W[:2], spares=(W[2],)))
+    record, form = d.send(ev.WorkersLost((W[0],)))
+    assert form.members == (W[1],) and record.record["joined"] == []
+    d = Driver(max_replicas=2, min_workers=2)  # the spare keeps the fit above min_workers
+    d.send(ev.Started(W[:2], spares=(W[2],)))
+    [_, form] = d.send(ev.WorkersLost((W[0],)))
+    assert form.members == (W[1], W[2])
+
+
 def test_the_log_replays_to_the_same_decisions():
     d = Driver(checkpoints=True, checkpoint_every=1)
     _, calibration = d.start()

@@ -151,7 +151,8 @@ class FitLoop:
             self.executor.queue.append(failed)
             return
         info = self.recorder.history.info
-        record_workers(info, infos, capture=bool(getattr(self.executor.spec, "capture", False)))
+        spec = getattr(self.executor, "spec", None)  # (a simulated executor has none)
+        record_workers(info, infos, capture=bool(getattr(spec, "capture", False)))
         info["replicas"] = len(c.members)
         info["process_groups"] = info.get("process_groups", 0) + 1  # formed in this fit
         if c.fresh:

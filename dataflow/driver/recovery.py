@@ -341,25 +341,32 @@ class LostWorkers:
                 self._failure("every replica lost", lost),
             )
             return [self._await_restart(s.layout.replicas)]
-        if not survivors.replicas or survivors.replicas < config.min_workers:
+        before, s.layout = s.layout, survivors
+        joiners = self._joinable()  # spares the fit may take (elastic, up to its cap)
+        s.layout = before  # (the failure record counts the replicas it had)
+        layout = survivors.plus(ReplicaGroups.of(joiners, config.spatial))
+        if layout.replicas < config.min_workers:
             s.status, s.layout = Status.FAILED, survivors
             left = len(survivors.workers) + len(s.available)
             return [
                 cmd.Fail(lost=lost, remain=survivors.replicas, starting=True, workers_left=left)
             ]
-        # Nothing was trained in this group yet: the survivors form it again; the loss
-        # is recorded like any other (it costs the forming, no step).
-        record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
+        # Nothing was trained in this group yet: the survivors form it again, with spares
+        # in place of the lost; the loss is recorded like any other (it costs the
+        # forming, no step).
+        record = self._failure("lost workers", lost, replicas_after=layout.replicas)
+        record["joined"] = list(joiners)
         s.generation += 1
-        s.layout = survivors
+        s.layout = layout
+        s.available = tuple(w for w in s.available if w not in layout.worker_set)
         return [
             cmd.RecordFailure(record),
             cmd.FormGroup(
                 s.generation,
-                survivors.leaders,
+                layout.leaders,
                 fresh=True,
                 restore=s.restoring,
-                groups=survivors.groups,
+                groups=layout.groups,
             ),
         ]
 
