@@ -124,7 +124,7 @@ class StoreInfo:
             lines.append(
                 f"note: {bare} carry no checksums: a chunk corrupted on disk that still decodes "
                 "would be trained on; check every chunk with `dataflow info --verify`, or "
-                "re-write the store with `dataflow convert` / dataflow.io.to_zarr"
+                f"copy the store with checksums: `dataflow convert {self.path} NEW.zarr`"
             )
         rate = self.decode_samples_per_second
         if rate is not None:
