@@ -424,6 +424,32 @@ def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
     assert record.record["replicas_before"] == 3 and record.record["replicas_after"] == 2
 
 
+def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_it():
+    """A joining worker raised its own error setting up (a node without a library the
+    model needs): it is excluded for good, the loss recorded with the error, and the
+    members form the group again without it (it is not put back in the pool)."""
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    d.send(ev.WorkersJoined(("tcp://c",)))
+    d.finish_plan(train)
+    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
+    [form] = of(
+        cmd.FormGroup,
+        d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16))),
+    )
+    assert form.joining == ("tcp://c",)
+    error = ModuleNotFoundError("No module named 'libfoo'")
+    exclude, record, again = d.send(ev.JoinersFailed(form.generation, ("tcp://c",), error))
+    assert exclude == cmd.ExcludeWorkers(("tcp://c",))
+    assert record.record["reason"] == "a joining worker failed to set up"
+    assert record.record["error"] == "ModuleNotFoundError: No module named 'libfoo'"
+    assert record.record["lost"] == ["tcp://c"] and record.record["window_steps_lost"] == 0
+    assert again.members == W[:2] and again.joining == () and "tcp://c" not in d.state.available
+    # a stale answer (an older forming) changes nothing
+    assert d.send(ev.JoinersFailed(form.generation, ("tcp://c",), error)) == []
+
+
 def test_mid_phase_checkpoints_follow_the_cadence_and_never_the_phase_end():
     d = Driver(checkpoints=True, checkpoint_every=2)
     _, calibration = d.start()

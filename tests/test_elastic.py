@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
+from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
 from distributed import Client, LocalCluster
 
 import dataflow as dfl
@@ -56,3 +56,59 @@ def test_scale_with_batch_needs_a_cap_and_a_maximum():
         tiny_pipeline(x, y, scale_with_batch=True, max_micro_batch=8)
     with pytest.raises(ConfigError, match="replicas=None"):
         tiny_pipeline(x, y, scale_with_batch=True, max_micro_batch=8, max_workers=2, replicas=1)
+
+
+class OnlyOn:
+    """A model factory that builds TinyCNN only on the given workers (and on the driver,
+    for its dry run), as on a node that lacks a library the model needs elsewhere."""
+
+    def __init__(self, workers: tuple[str, ...]) -> None:
+        self.workers = workers
+
+    def __call__(self) -> torch.nn.Module:
+        from distributed import get_worker
+
+        try:
+            here = get_worker().address
+        except ValueError:  # not on a worker: the driver's dry run
+            return TinyCNN()
+        if here not in self.workers:
+            raise ModuleNotFoundError("No module named 'libfoo' (this node lacks it)")
+        return TinyCNN()
+
+
+def test_a_worker_that_cannot_set_up_is_left_out_and_the_fit_goes_on():
+    """scale_with_batch asks the cluster for a second worker for phase 1; that node
+    cannot build the model (its own error, not a peer's loss). The fit does not stop:
+    the node is excluded, recorded with its error, and the first replica trains phase 1
+    alone (in micro-batches), exactly as a one-replica fit of the same batches."""
+    x, y = make_data(96)
+    schedule = dfl.schedule.Stepwise({0: 16, 1: 64}, lr_scaling="linear")
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        first = tuple(client.scheduler_info()["workers"])
+        pipe = tiny_pipeline(
+            x,
+            y,
+            model=OnlyOn(first),
+            optimizer=plain_sgd,
+            schedule=schedule,
+            max_micro_batch=32,
+            scale_with_batch=True,
+            max_workers=2,
+        )
+        result = pipe.fit(epochs=3, client=client)
+        joined = [w for w in client.scheduler_info()["workers"] if w not in first]
+    [failure] = result.history.info["failures"]
+    assert failure["reason"] == "a joining worker failed to set up", failure
+    assert failure["lost"] == joined and "No module named 'libfoo'" in failure["error"]
+    assert failure["replicas_after"] == 1 and failure["window_steps_lost"] == 0
+    assert [p["replicas"] for p in result.history.phases] == [1, 1]
+    for epoch in range(3):
+        assert result.ledger.consumed(epoch).tolist() == list(range(96))
+    batches = pipe.sample_plan(epochs=3, replicas=[1, 1])
+    lrs = [0.02] * 6 + [0.08] * 4
+    expected = reference_training(x, y, batches=batches, seed=0, optimizer=plain_sgd, lrs=lrs)
+    assert max_abs_diff(result.model, expected) <= 1e-5

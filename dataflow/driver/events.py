@@ -53,6 +53,18 @@ class GroupFailed:
 
 
 @dataclass(frozen=True)
+class JoinersFailed:
+    """Joining ``workers`` raised their own error while setting up for group
+    ``generation`` (not an echo of a peer's: e.g. a node without a library the model
+    needs, or another version of a package the spec was pickled with), while the
+    members already in the fit run it: the node, not the fit, is at fault."""
+
+    generation: int
+    workers: tuple[str, ...]
+    error: BaseException
+
+
+@dataclass(frozen=True)
 class PhaseChosen:
     """The schedule's next phase (``None``: the fit has trained every epoch)."""
 
@@ -181,6 +193,7 @@ Event = (
     Started
     | GroupFormed
     | GroupFailed
+    | JoinersFailed
     | PhaseChosen
     | SegmentPlanned
     | WindowDone

@@ -13,9 +13,19 @@ from __future__ import annotations
 from typing import Any
 
 from dataflow.driver import commands as cmd
-from dataflow.driver.membership import Lost, tell
+from dataflow.driver.membership import Lost, tell, wait_some
+from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
+
+
+class JoinersRefused(Exception):
+    """Joining workers whose setup raised an error of their own (``error``, the first's):
+    the loop makes it a ``JoinersFailed`` event for the machine to decide on."""
+
+    def __init__(self, workers: tuple[str, ...], error: BaseException) -> None:
+        super().__init__(f"joiners {list(workers)} failed to set up: {error!r}")
+        self.workers, self.error = workers, error
 
 
 class GroupForming:
@@ -84,17 +94,47 @@ class GroupForming:
         setups = [
             self._setup(r, host, port, snapshot) for r, a in enumerate(members) if a in joining
         ]
+        joiners = {f: a for f, a in zip(setups, (a for a in members if a in joining), strict=True)}
         try:  # together: a survivor's failed rendezvous ends the wait for a joiner's setup
             # that never runs (its inputs failed to reach its worker: Dask leaves it waiting)
+            self._await_joiners(joiners, regroups)
             infos = self.gather([*setups, *regroups])[: len(setups)]
-        except Lost as lost:
-            self._abort_forming(c.generation, lost.workers)
-            gone = {*self.lost(), *lost.workers}  # (silent ones too: not yet excluded)
+        except (Lost, JoinersRefused) as failed:
+            self._abort_forming(c.generation, list(failed.workers))
+            gone = {*self.lost(), *failed.workers}  # (silent ones too: not yet excluded)
             alive = [a for a in c.joining if a not in gone]
-            tell(self.client, remote.close_run_soon, self.run_id, c.generation, workers=alive)
+            refused = [a for a in c.joining if a in failed.workers and a not in self.lost()]
+            tell(
+                self.client,
+                remote.close_run_soon,
+                self.run_id,
+                c.generation,
+                workers=[*alive, *refused],
+            )
             raise
         self.last = [*regroups, *setups]
         return infos[:: self.size]
+
+    def _await_joiners(self, joiners: dict[Any, str], regroups: list[Any]) -> None:
+        """Wait for the joiners' setups and the members' regroups; a joiner whose setup
+        raised its own error (not an echo of a peer's loss) is refused at once: the
+        members would otherwise wait for it in the rendezvous until the collective
+        timeout."""
+        pending = [*joiners, *regroups]
+        while pending:
+            done, pending = wait_some(pending, self.removals.removed)
+            own = [
+                (joiners[f], error)
+                for f in done
+                if f in joiners
+                and f.status == "error"
+                and not may_echo_a_loss(error := _exception_of(f))
+            ]
+            if own:
+                self.raise_if_lost()  # a member lost meanwhile comes first
+                raise JoinersRefused(tuple(a for a, _ in own), own[0][1])
+            if pending:
+                self.raise_if_lost()
 
     def _abort_forming(self, generation: int, lost: list[str]) -> None:
         """A member was lost while group ``generation`` formed (``lost``: gone, or
@@ -170,3 +210,12 @@ class GroupForming:
             spec=self.spec_future,
             key=f"setup@replica{rank}-{self.run_id}-g{self.generation}",
         )
+
+
+def _exception_of(future: Any) -> BaseException | None:
+    """A failed future's exception, None when it can no longer be read (its worker
+    died: a loss, which the executor reports)."""
+    try:
+        return future.exception(timeout=1.0)
+    except Exception:
+        return None

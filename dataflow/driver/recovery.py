@@ -59,6 +59,21 @@ class LostWorkers:
             fail = dataclasses.replace(fail, lost=(*fail.lost, *more))
         return [fail]
 
+    def _joiners_failed(self, event: ev.JoinersFailed) -> list[Any]:
+        """Joiners whose own setup failed are lost to this fit: excluded (never asked to
+        join again) and decided as a joiner's loss is (the group forms again without
+        them); the record says why, with their error."""
+        out = self._workers_lost(ev.WorkersLost(event.workers))
+        error = event.error  # (in a replay, the log's ErrorInfo of it)
+        kind = type(error).__name__ if isinstance(error, BaseException) else error.type
+        message = (str(error).splitlines() or [""])[0]
+        for command in out:
+            if isinstance(command, cmd.RecordFailure):
+                command.record.update(
+                    reason="a joining worker failed to set up", error=f"{kind}: {message}"
+                )
+        return [cmd.ExcludeWorkers(event.workers), *out]
+
     def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
         """Members silent to the driver's probe for ``waited_s`` after a collective failed
         (the scheduler named no loss: a cut link or a hung node sends no reset) are lost:
