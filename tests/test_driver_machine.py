@@ -440,14 +440,14 @@ def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_
     )
     assert form.joining == ("tcp://c",)
     error = ModuleNotFoundError("No module named 'libfoo'")
-    exclude, record, again = d.send(ev.JoinersFailed(form.generation, ("tcp://c",), error))
+    exclude, record, again = d.send(ev.SetupFailed(form.generation, ("tcp://c",), error))
     assert exclude == cmd.ExcludeWorkers(("tcp://c",))
-    assert record.record["reason"] == "a joining worker failed to set up"
+    assert record.record["reason"] == "a worker failed to set up"
     assert record.record["error"] == "ModuleNotFoundError: No module named 'libfoo'"
     assert record.record["lost"] == ["tcp://c"] and record.record["window_steps_lost"] == 0
     assert again.members == W[:2] and again.joining == () and "tcp://c" not in d.state.available
     # a stale answer (an older forming) changes nothing
-    assert d.send(ev.JoinersFailed(form.generation, ("tcp://c",), error)) == []
+    assert d.send(ev.SetupFailed(form.generation, ("tcp://c",), error)) == []
 
 
 def test_mid_phase_checkpoints_follow_the_cadence_and_never_the_phase_end():

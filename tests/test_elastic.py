@@ -102,7 +102,7 @@ def test_a_worker_that_cannot_set_up_is_left_out_and_the_fit_goes_on():
         result = pipe.fit(epochs=3, client=client)
         joined = [w for w in client.scheduler_info()["workers"] if w not in first]
     [failure] = result.history.info["failures"]
-    assert failure["reason"] == "a joining worker failed to set up", failure
+    assert failure["reason"] == "a worker failed to set up", failure
     assert failure["lost"] == joined and "No module named 'libfoo'" in failure["error"]
     assert failure["replicas_after"] == 1 and failure["window_steps_lost"] == 0
     assert [p["replicas"] for p in result.history.phases] == [1, 1]
@@ -111,4 +111,27 @@ def test_a_worker_that_cannot_set_up_is_left_out_and_the_fit_goes_on():
     batches = pipe.sample_plan(epochs=3, replicas=[1, 1])
     lrs = [0.02] * 6 + [0.08] * 4
     expected = reference_training(x, y, batches=batches, seed=0, optimizer=plain_sgd, lrs=lrs)
+    assert max_abs_diff(result.model, expected) <= 1e-5
+
+
+def test_a_first_group_worker_that_cannot_set_up_is_left_out_unless_every_one_fails():
+    """Of a first group of two workers, one cannot build the model (its node's fault):
+    it is left out and the other trains alone, exactly as a one-replica fit. When no
+    worker can, the error is the fit's own: it stops with it."""
+    x, y = make_data(96)
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        good, bad = sorted(client.scheduler_info()["workers"])
+        pipe = tiny_pipeline(x, y, model=OnlyOn((good,)), optimizer=plain_sgd)
+        result = pipe.fit(epochs=2, client=client)
+        with pytest.raises(ModuleNotFoundError, match="No module named 'libfoo'"):
+            tiny_pipeline(x, y, model=OnlyOn(()), optimizer=plain_sgd).fit(epochs=1, client=client)
+    [failure] = result.history.info["failures"]
+    assert failure["reason"] == "a worker failed to set up" and failure["lost"] == [bad]
+    assert failure["replicas_before"] == 2 and failure["replicas_after"] == 1
+    assert [p["replicas"] for p in result.history.phases] == [1]
+    batches = pipe.sample_plan(epochs=2, replicas=1)
+    expected = reference_training(x, y, batches=batches, seed=0, optimizer=plain_sgd)
     assert max_abs_diff(result.model, expected) <= 1e-5

@@ -53,11 +53,12 @@ class GroupFailed:
 
 
 @dataclass(frozen=True)
-class JoinersFailed:
-    """Joining ``workers`` raised their own error while setting up for group
-    ``generation`` (not an echo of a peer's: e.g. a node without a library the model
-    needs, or another version of a package the spec was pickled with), while the
-    members already in the fit run it: the node, not the fit, is at fault."""
+class SetupFailed:
+    """``workers`` raised their own error while setting up for group ``generation`` (not
+    an echo of a peer's: e.g. a node without a library the model needs, or another
+    version of a package the spec was pickled with) while the others did not: joiners
+    whose members already run the fit, or some (not all) of a first group's workers.
+    The node, not the fit, is at fault."""
 
     generation: int
     workers: tuple[str, ...]
@@ -193,7 +194,7 @@ Event = (
     Started
     | GroupFormed
     | GroupFailed
-    | JoinersFailed
+    | SetupFailed
     | PhaseChosen
     | SegmentPlanned
     | WindowDone

@@ -31,6 +31,7 @@ from dataflow.driver import events as ev
 from dataflow.driver.arrivals import WorkerArrivals
 from dataflow.driver.group_forming import GroupForming
 from dataflow.driver.membership import (
+    FAILURE_GRACE_S,
     LIVENESS_POLL_S,
     PROBE_S,
     Lost,
@@ -44,8 +45,6 @@ from dataflow.driver.memory import is_out_of_memory
 from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
-
-FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 
 
 class Executor(GroupForming, WorkerArrivals):

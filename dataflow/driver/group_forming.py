@@ -10,21 +10,25 @@ run id, spec and task submission (``send``, ``gather``, ``lost``)."""
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import CancelledError
 from typing import Any
 
+from distributed import wait
+
 from dataflow.driver import commands as cmd
-from dataflow.driver.membership import Lost, tell, wait_some
+from dataflow.driver.membership import FAILURE_GRACE_S, Lost, tell, wait_some
 from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
 
 
-class JoinersRefused(Exception):
-    """Joining workers whose setup raised an error of their own (``error``, the first's):
-    the loop makes it a ``JoinersFailed`` event for the machine to decide on."""
+class SetupRefused(Exception):
+    """Workers whose setup raised an error of their own (``error``, the first's) while
+    the others' did not: the loop makes it a ``SetupFailed`` event for the machine."""
 
     def __init__(self, workers: tuple[str, ...], error: BaseException) -> None:
-        super().__init__(f"joiners {list(workers)} failed to set up: {error!r}")
+        super().__init__(f"workers {list(workers)} failed to set up: {error!r}")
         self.workers, self.error = workers, error
 
 
@@ -62,10 +66,12 @@ class GroupForming:
             self.scatter_spec()
             self.last = [None] * world
             host, port = self._rendezvous(world)
+            setups = [self._setup(r, host, port) for r in range(world)]
             try:
-                infos = self.gather([self._setup(r, host, port) for r in range(world)])
-            except Lost as lost:
-                self._abort_forming(c.generation, lost.workers)
+                self._await_setups(dict(zip(setups, members, strict=True)), [], every=True)
+                infos = self.gather(setups)
+            except (Lost, SetupRefused) as failed:
+                self._abort_forming(c.generation, list(failed.workers))
                 raise
             return infos[:: self.size]  # one per replica: its leader's
         joining = set(c.joining)
@@ -97,9 +103,9 @@ class GroupForming:
         joiners = {f: a for f, a in zip(setups, (a for a in members if a in joining), strict=True)}
         try:  # together: a survivor's failed rendezvous ends the wait for a joiner's setup
             # that never runs (its inputs failed to reach its worker: Dask leaves it waiting)
-            self._await_joiners(joiners, regroups)
+            self._await_setups(joiners, regroups)
             infos = self.gather([*setups, *regroups])[: len(setups)]
-        except (Lost, JoinersRefused) as failed:
+        except (Lost, SetupRefused) as failed:
             self._abort_forming(c.generation, list(failed.workers))
             gone = {*self.lost(), *failed.workers}  # (silent ones too: not yet excluded)
             alive = [a for a in c.joining if a not in gone]
@@ -115,24 +121,29 @@ class GroupForming:
         self.last = [*regroups, *setups]
         return infos[:: self.size]
 
-    def _await_joiners(self, joiners: dict[Any, str], regroups: list[Any]) -> None:
-        """Wait for the joiners' setups and the members' regroups; a joiner whose setup
-        raised its own error (not an echo of a peer's loss) is refused at once: the
-        members would otherwise wait for it in the rendezvous until the collective
-        timeout."""
-        pending = [*joiners, *regroups]
+    def _await_setups(
+        self, setups: dict[Any, str], regroups: list[Any], *, every: bool = False
+    ) -> None:
+        """Wait for the ``setups`` (future -> worker) and the members' ``regroups``. A
+        worker whose setup raised its own error (not an echo of a peer's loss) is refused
+        at once: the others would wait for it in the rendezvous until the collective
+        timeout. ``every`` (a first group: no worker is known to run the fit yet): the
+        others' setups get ``FAILURE_GRACE_S`` to fail too, and when every one of them
+        raised its own error, nothing is refused (the error is the fit's: ``gather``
+        raises it)."""
+        pending = [*setups, *regroups]
         while pending:
             done, pending = wait_some(pending, self.removals.removed)
-            own = [
-                (joiners[f], error)
-                for f in done
-                if f in joiners
-                and f.status == "error"
-                and not may_echo_a_loss(error := _exception_of(f))
-            ]
+            own = _own_errors(setups, done)
+            if own and every and pending:
+                with contextlib.suppress(TimeoutError, CancelledError):
+                    wait(pending, timeout=FAILURE_GRACE_S)
+                own = _own_errors(setups, list(setups))
+            if own and every and len(own) == len(setups):
+                return
             if own:
                 self.raise_if_lost()  # a member lost meanwhile comes first
-                raise JoinersRefused(tuple(a for a, _ in own), own[0][1])
+                raise SetupRefused(tuple(a for a, _ in own), own[0][1])
             if pending:
                 self.raise_if_lost()
 
@@ -210,6 +221,15 @@ class GroupForming:
             spec=self.spec_future,
             key=f"setup@replica{rank}-{self.run_id}-g{self.generation}",
         )
+
+
+def _own_errors(setups: dict[Any, str], done: Any) -> list[tuple[str, BaseException]]:
+    """(worker, error) of each finished setup that raised an error of its own."""
+    return [
+        (setups[f], error)
+        for f in done
+        if f in setups and f.status == "error" and not may_echo_a_loss(error := _exception_of(f))
+    ]
 
 
 def _exception_of(future: Any) -> BaseException | None:

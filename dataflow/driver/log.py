@@ -138,7 +138,7 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     ev.Started: _as_is,
     ev.GroupFormed: _as_is,
     ev.GroupFailed: _error_as_info,
-    ev.JoinersFailed: _error_as_info,
+    ev.SetupFailed: _error_as_info,
     ev.PhaseChosen: _as_is,
     ev.SegmentPlanned: _as_is,
     ev.WindowDone: _results_without_state,

@@ -23,7 +23,7 @@ from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.executor import Executor
-from dataflow.driver.group_forming import JoinersRefused
+from dataflow.driver.group_forming import SetupRefused
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
 from dataflow.driver.segments import Planner
@@ -145,8 +145,8 @@ class FitLoop:
         except Exception as error:
             if self.executor.is_loss(error):  # a member lost: the executor queues it
                 raise
-            if isinstance(error, JoinersRefused):  # a joiner's own setup failed
-                refused = ev.JoinersFailed(c.generation, error.workers, error.error)
+            if isinstance(error, SetupRefused):  # a joiner's own setup failed
+                refused = ev.SetupFailed(c.generation, error.workers, error.error)
                 self.executor.queue.append(refused)
                 return
             # No member was lost (the executor checked): the machine decides whether

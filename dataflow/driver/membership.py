@@ -20,6 +20,7 @@ from typing import Any
 from distributed import wait
 
 LIVENESS_POLL_S = 1.0  # how often the driver checks that the fit's workers are alive
+FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after the first
 # a member that does not answer the driver within this long, when a collective failed and
 # the scheduler names no loss, is lost (a cut link sends no reset; Dask's own verdict
 # waits for the worker's time to live and a connect timeout: minutes by default)

@@ -59,10 +59,11 @@ class LostWorkers:
             fail = dataclasses.replace(fail, lost=(*fail.lost, *more))
         return [fail]
 
-    def _joiners_failed(self, event: ev.JoinersFailed) -> list[Any]:
-        """Joiners whose own setup failed are lost to this fit: excluded (never asked to
-        join again) and decided as a joiner's loss is (the group forms again without
-        them); the record says why, with their error."""
+    def _setup_failed(self, event: ev.SetupFailed) -> list[Any]:
+        """Workers whose own setup failed are lost to this fit: excluded (never asked to
+        join again) and decided as their loss would be (a joiner's: the members form the
+        group again without it; a first group's: the others, and spares, form it again);
+        the record says why, with their error."""
         out = self._workers_lost(ev.WorkersLost(event.workers))
         error = event.error  # (in a replay, the log's ErrorInfo of it)
         kind = type(error).__name__ if isinstance(error, BaseException) else error.type
@@ -70,7 +71,7 @@ class LostWorkers:
         for command in out:
             if isinstance(command, cmd.RecordFailure):
                 command.record.update(
-                    reason="a joining worker failed to set up", error=f"{kind}: {message}"
+                    reason="a worker failed to set up", error=f"{kind}: {message}"
                 )
         return [cmd.ExcludeWorkers(event.workers), *out]
 

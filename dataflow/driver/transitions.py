@@ -57,7 +57,7 @@ TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {
     Status.FORMING: {
         ev.GroupFormed: "_group_formed",
         ev.GroupFailed: "_group_failed",
-        ev.JoinersFailed: "_joiners_failed",
+        ev.SetupFailed: "_setup_failed",
         ev.PhaseChosen: ASKED_BEFORE_A_LOSS,
         ev.SegmentPlanned: ASKED_BEFORE_A_LOSS,
         **MEMBERSHIP,

@@ -292,7 +292,7 @@ class CheckpointRecord(Record):
 class FailureRecord(Record):
     """One entry of ``history.info["failures"]``: what failed and where the fit stood
     (``reason``: "lost workers", "every replica lost", "out-of-memory", "non-finite" or
-    "a joining worker failed to set up";
+    "a worker failed to set up";
     ``commit_step``: the step it went on from; ``window_steps_lost``: the steps trained
     again), then how it went on (``replicas_after``, ``joined``, ``resumed_at``, ...).
     The machine builds it, the loop completes it as the recovery goes on (``update``,
