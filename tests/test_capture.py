@@ -299,3 +299,15 @@ def test_capture_on_workers_without_a_gpu_warns_and_trains_eagerly(client):
     assert {w["capture"] for w in asked.history.info["workers"]} == {"off"}
     assert asked.history.phases[0].captured_steps is None
     assert max_abs_diff(eager.model, asked.model) == 0.0
+
+
+def test_the_no_gpu_warning_points_at_the_users_line_not_the_engines():
+    """Raised deep in the driver, attributed to the first frame outside the engine."""
+    from dataflow.driver.worker_notes import record_workers
+
+    info: dict = {}
+    with pytest.warns(RuntimeWarning, match="capture=True, but replicas") as caught:
+        record_workers(info, [{"rank": 0, "capture": "off"}], capture=True)
+    assert caught[0].filename == __file__
+    record_workers(info, [{"rank": 1, "capture": "off"}], capture=True)  # once a fit
+    assert info["capture_off"] == [0]

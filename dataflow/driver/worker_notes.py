@@ -4,8 +4,9 @@ cannot honour as asked is warned about once per fit."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+from dataflow.core.user_warning import warn_user
 
 SHARED_GPU_WARNING = (
     "replicas {ranks} share a GPU with another replica: NCCL cannot run two ranks on one "
@@ -29,8 +30,8 @@ def record_workers(info: dict[str, Any], infos: list[dict[str, Any]], *, capture
     shared = [i["rank"] for i in infos if i.get("shared_gpu")]
     if shared and not info.get("shared_gpu"):
         info["shared_gpu"] = shared
-        warnings.warn(SHARED_GPU_WARNING.format(ranks=shared), RuntimeWarning, stacklevel=3)
+        warn_user(SHARED_GPU_WARNING.format(ranks=shared))
     eager = [i["rank"] for i in infos if capture and i.get("capture") == "off"]
     if eager and not info.get("capture_off"):
         info["capture_off"] = eager
-        warnings.warn(CAPTURE_OFF_WARNING.format(ranks=eager), RuntimeWarning, stacklevel=3)
+        warn_user(CAPTURE_OFF_WARNING.format(ranks=eager))
