@@ -450,6 +450,18 @@ def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_
     assert d.send(ev.SetupFailed(form.generation, ("tcp://c",), error)) == []
 
 
+def test_a_spatial_first_group_forms_without_the_group_of_a_worker_that_cannot_set_up():
+    """Two groups of two workers; b cannot set up: its group is gone, its partner waits
+    in the pool, the other group forms again (fresh: nothing was trained)."""
+    workers = tuple(f"tcp://{c}" for c in "abcd")
+    d = Driver(spatial=2)
+    [form] = d.send(ev.Started(workers))
+    exclude, record, again = d.send(ev.SetupFailed(form.generation, ("tcp://b",), OSError()))
+    assert exclude.workers == ("tcp://b",) and record.record["lost"] == ["tcp://b"]
+    assert again.fresh and again.groups == (("tcp://c", "tcp://d"),)
+    assert d.state.available == ("tcp://a",)
+
+
 def test_mid_phase_checkpoints_follow_the_cadence_and_never_the_phase_end():
     d = Driver(checkpoints=True, checkpoint_every=2)
     _, calibration = d.start()
