@@ -110,6 +110,24 @@ def test_a_worker_left_out_by_replicas_replaces_a_lost_one():
         assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
 
 
+def test_scale_with_batch_grows_a_simulated_cluster_and_the_new_replica_joins():
+    """The machine's ScaleCluster, carried out on the simulated cluster: phase 1's batch
+    wants two replicas of at most 4 samples; the one started joins at that phase."""
+    t = trainer(
+        schedule=dfl.schedule.Stepwise({0: 4, 2: 8}),
+        max_micro_batch=4,
+        scale_with_batch=True,
+        max_workers=2,
+    )
+    loop, _ = simulate(t, epochs=4, workers=WORKERS[:1])
+    history = loop.recorder.history
+    assert [len(p["local_batches"]) for p in history.phases] == [1, 2]
+    [scaling] = history.info["scaling"]
+    assert scaling["workers"] == 2 and "error" not in scaling, scaling
+    for epoch in range(4):
+        assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
+
+
 def assert_counts_add_up(history) -> None:
     """Each phase's per-replica sample counts, the lost replicas' included, sum to the
     samples its committed steps trained."""

@@ -78,6 +78,13 @@ class SimulatedExecutor:
     def exclude(self, workers: tuple[str, ...]) -> None:
         self.workers = [w for w in self.workers if w not in workers]
 
+    def scale_cluster(self, wanted: int, timeout_s: float) -> str | None:
+        """``scale_with_batch``'s request: the simulated cluster starts the workers it
+        lacks at once (``tcp://scaled<i>``); they join as arrivals do."""
+        while len(self.workers) < wanted:
+            self.workers.append(f"tcp://scaled{len(self.workers)}")
+        return None
+
     def events(self) -> Iterator[Any]:
         while True:
             fault = self.faults(self.events_seen)
