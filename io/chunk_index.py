@@ -8,7 +8,6 @@ windows: found through two lookup arrays, :class:`MemberIndex`, built once per s
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,22 +85,22 @@ class MemberIndex:
         return int(self.sizes[chunk])
 
 
-_MEMBER_INDEXES: weakref.WeakKeyDictionary[Any, MemberIndex] = weakref.WeakKeyDictionary()
+MEMBER_INDEX = "_member_index"  # where a source keeps its MemberIndex (not pickled)
 
 
 def chunk_index(source: Any) -> RunIndex | MemberIndex:
     """How ``source``'s samples map to its chunks: its ``chunk_members`` (lookup arrays
-    built once per source object and kept while it lives), else its ``chunk_bounds``."""
+    built once per source object and kept on it, as ``_member_index``, which its
+    pickling leaves out), else its ``chunk_bounds``."""
     members = getattr(source, "chunk_members", None)
     if members is None:
         return RunIndex(source.chunk_bounds)
-    try:
-        index = _MEMBER_INDEXES.get(source)
-    except TypeError:  # not weakly referable or not hashable: built per reader
+    kept = getattr(source, "__dict__", None)
+    if kept is None:  # (no instance dict: built per reader)
         return MemberIndex(members)
+    index = kept.get(MEMBER_INDEX)
     if index is None:
-        index = MemberIndex(members)
-        _MEMBER_INDEXES[source] = index
+        index = kept[MEMBER_INDEX] = MemberIndex(members)
     return index
 
 

@@ -33,6 +33,7 @@ import torch
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, CachePlan, ChunkCache
+from dataflow.io.chunk_index import MEMBER_INDEX
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
@@ -443,7 +444,7 @@ class PatchSource(RegionView):
         state = {
             k: v
             for k, v in self.__dict__.items()
-            if k not in ("_opened", "chunk_members", "chunk_groups")
+            if k not in ("_opened", "chunk_members", "chunk_groups", MEMBER_INDEX)
         }
         state["_arrays"] = None  # open handles stay behind; reopened on first use
         return state

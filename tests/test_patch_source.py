@@ -465,3 +465,19 @@ def test_a_zarr_backed_xarray_dataset_is_read_as_raw_zarr_and_a_dataarray_throug
     assert raw.sample_shape == data.sample_shape == (1, 10, 8, 6)
     for source in (raw, data):
         assert np.array_equal(source.read(np.arange(4)).x.numpy()[:, 0], expected)
+
+
+def test_the_member_index_is_built_once_per_source_and_never_pickled(tmp_path):
+    """The chunk reader's lookup arrays live on the source that needs them (no module
+    cache), are reused by every reader of it, and stay behind when it travels."""
+    import pickle
+
+    from dataflow.io.chunk_index import MEMBER_INDEX, chunk_index
+
+    path, _ = write_2d(tmp_path)
+    source = dfl.io.PatchSource(path, "a", "lab", patch={"lat": 8, "lon": 8})
+    index = chunk_index(source)
+    assert chunk_index(source) is index and source.__dict__[MEMBER_INDEX] is index
+    travelled = pickle.loads(pickle.dumps(source))
+    assert MEMBER_INDEX not in travelled.__dict__
+    assert chunk_index(travelled) is not index
