@@ -243,6 +243,8 @@ def test_a_captured_fit_is_the_eager_fit_bit_for_bit(client, simulated, replicas
     assert phase.capture_failures is None
     assert {w["capture"] for w in captured.history.info["workers"]} == {"simulated"}
     assert eager.history.phases[0].captured_steps is None
+    replayed = f"steps replayed as CUDA graphs per replica {phase.captured_steps} of 33"
+    assert replayed in captured.summary() and "CUDA graphs" not in eager.summary()
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ class FitResult:
                 f"  phase {phase['phase']}: epochs {phase['start_epoch']}-{phase['end_epoch'] - 1}"
                 f", global batch {phase['global_batch']}, lr {figure(phase['lr'])}, split "
                 f"{phase['local_batches']}, samples/s per replica "
-                f"{[round(v) for v in phase['samples_per_second']]}"
+                f"{[round(v) for v in phase['samples_per_second']]}" + _captured_text(phase)
             )
         if (skipped := skipped_text(h)) is not None:
             lines.append(f"  {skipped}")
@@ -129,6 +129,17 @@ class FitResult:
             )
             lines.append(f"  epoch {last['epoch']}: {metrics}")
         return "\n".join(lines)
+
+
+def _captured_text(phase: Any) -> str:
+    """``capture=True``: how many of the phase's steps each replica replayed as a CUDA
+    graph, and why a shape could not be captured (empty without capture)."""
+    replayed = phase.get("captured_steps")
+    if replayed is None:
+        return ""
+    text = f", steps replayed as CUDA graphs per replica {replayed} of {phase['steps']}"
+    failures = phase.get("capture_failures")
+    return text + (f" (not captured: {'; '.join(failures)})" if failures else "")
 
 
 def figure(value: Any) -> str:
