@@ -7,7 +7,10 @@ records the kernels of one step once and replays them with a single launch.
 What is captured: the model's forward, the loss, and the gradients of the parameters
 (``torch.autograd.grad``: no gradient hooks run, in the capture or in a replay), for one
 input shape: a phase has one local batch, so a phase needs one graph; its last, shorter
-step, micro-batches and empty batches run eagerly. Everything after the gradients (the
+step adds one. With micro-batches (gradient accumulation) each micro-batch is replayed:
+the first one's graph writes the gradients into buffers the phase's micro-batch graphs
+share, the others' add to them (never onto gradients an eager first micro-batch left:
+then the step accumulates eagerly). Empty batches run eagerly. Everything after the gradients (the
 allreduce, the optimizer, the non-finite check, the noise scale) stays eager and reads
 the gradient tensors the replays write: the same tensors at every replay, attached to
 the parameters again after each one, since an optimizer's ``zero_grad`` drops them.
@@ -41,7 +44,7 @@ from dataflow.stages.base import Batch, StepContext
 from dataflow.stages.compiled import autocast, to_memory_format
 
 WARMUP = 2  # eager steps of a shape before it is captured
-MAX_SHAPES = 4  # graphs kept per fit (each holds its own activations' memory)
+MAX_SHAPES = 8  # graphs kept per phase (a shape's, its micro-batches' variants)
 
 __all__ = ["MAX_SHAPES", "WARMUP", "StepCapture"]
 
@@ -85,6 +88,9 @@ class StepCapture:
         self._failed: dict[tuple[Any, ...], str] = {}
         self._recorded: tuple[int, ...] = ()
         self._checked: Any = None  # the window whose addresses were checked
+        self._shared: list[torch.Tensor] | None = None  # the micro-batches' gradients
+        self._whole = True  # every micro-batch of the running step replayed so far
+        self._pool: Any = None  # the phase's graphs' memory pool (CUDA)
         self._seconds = 0.0
         self._captures = 0
         self._replays = 0
@@ -95,6 +101,8 @@ class StepCapture:
         start, whose local batch is new, so a phase keeps only its own graphs."""
         self._graphs.clear()
         self._seen.clear()
+        self._shared = None
+        self._pool = None
 
     def _addresses(self) -> tuple[int, ...]:
         """Where the weights and buffers live: a graph reads them there. Everything the
@@ -104,16 +112,33 @@ class StepCapture:
         return tuple(t.data_ptr() for t in self._tensors)  # (ResNet-50: ~30 us)
 
     def run(self, step: StepContext, batch: Batch) -> tuple[torch.Tensor, Any] | None:
-        """This step's ``(loss, output)`` from a graph replay, its gradients on the
-        parameters; None when the step runs eagerly (a shape still warming up, a
-        micro-batch, an fp16 loss scale, inputs that are not tensors)."""
-        if step.micro_count > 1 or batch.size == 0 or step.replica.loss_scale is not None:
+        """This step's (micro-batch's) ``(loss, output)`` from a graph replay, its
+        gradients on the parameters (accumulated over micro-batches); None when it runs
+        eagerly (a shape still warming up, an fp16 loss scale, inputs that are not
+        tensors). A step counts as replayed when every micro-batch of it was."""
+        if step.micro_index == 0:
+            self._whole = True
+        replayed = self._run(step, batch)
+        if replayed is None:
+            self._whole = False
+        elif step.last_micro_batch and self._whole:
+            self._replays += 1
+        return replayed
+
+    def _run(self, step: StepContext, batch: Batch) -> tuple[torch.Tensor, Any] | None:
+        if batch.size == 0 or step.replica.loss_scale is not None:
             return None
         if not self._model.training:  # graphs hold the training mode they were captured in
             return None
-        key = _shape_key(batch.x, batch.y)
-        if key is None:
+        shape = _shape_key(batch.x, batch.y)
+        if shape is None:
             return None
+        # micro-batches (gradient accumulation): the loss weighted by the micro-batch's
+        # share, the gradients written (the first) or added (the others) into buffers
+        # every micro-batch's graph shares; the others only onto what the first wrote
+        micro = step.micro_count > 1
+        adds = micro and step.micro_index > 0
+        key = (shape, step.micro_weight, micro, adds)
         if self._graphs and step.replica.window is not self._checked:
             # once per window: the engine changes weights in place, between windows
             self._checked = step.replica.window
@@ -127,6 +152,9 @@ class StepCapture:
             self._seen[key] = seen = self._seen.get(key, 0) + 1
             if seen <= WARMUP:
                 return None
+        if adds and not self._holds_shared_grads():
+            return None  # an earlier micro-batch ran eagerly: accumulate eagerly too
+        if captured is None:
             captured = self._capture(key, batch)
             if captured is None:
                 return None
@@ -134,18 +162,45 @@ class StepCapture:
             _fill(captured.x, batch.x)
             _fill(captured.y, batch.y)
             captured.replay()
-        self._replays += 1
         for param, grad in zip(self._params, captured.grads, strict=True):
             if grad is not None and param.grad is not grad:
                 param.grad = grad
         return captured.loss.clone(), captured.output
 
-    def _gradients(self, x: Any, y: Any) -> tuple[torch.Tensor, Any, list[Any]]:
-        """One step's loss, output and parameter gradients, as a graph records them."""
+    def _holds_shared_grads(self) -> bool:
+        """Whether the parameters' gradients are the micro-batch graphs' buffers (an
+        earlier micro-batch of this step was replayed and wrote them)."""
+        if self._shared is None:
+            return False
+        held = [
+            p.grad is s
+            for p, s in zip(self._params, self._shared, strict=True)
+            if p.grad is not None
+        ]
+        return bool(held) and all(held)
+
+    def _gradients(
+        self, x: Any, y: Any, key: tuple[Any, ...]
+    ) -> tuple[torch.Tensor, Any, list[Any]]:
+        """One step's (micro-batch's) loss, output and parameter gradients, as a graph
+        records them; for a micro-batch, the loss weighted by its share and the gradients
+        written or added into the shared buffers (which the parameters then get)."""
+        _, weight, micro, adds = key
         with autocast(self._device, self._options, cache_enabled=False):
             loss, output = self._compute(x, y)
-        grads = torch.autograd.grad(loss, self._params, allow_unused=True)
-        return loss.detach(), _detach(output), list(grads)
+            if micro:
+                loss = loss * weight
+        grads = list(torch.autograd.grad(loss, self._params, allow_unused=True))
+        if micro:  # (a parameter the loss does not use keeps no gradient, as eagerly)
+            pairs = [(s, g) for s, g in zip(self._shared, grads, strict=True) if g is not None]
+            into, new = [s for s, _ in pairs], [g for _, g in pairs]
+            with torch.no_grad():
+                if adds:
+                    torch._foreach_add_(into, new)
+                else:
+                    torch._foreach_copy_(into, new)
+            grads = [s if g is not None else None for s, g in zip(self._shared, grads, strict=True)]
+        return loss.detach(), _detach(output), grads
 
     def _capture(self, key: tuple[Any, ...], batch: Batch) -> _Captured | None:
         """Record the step for ``key``'s shape and run it once (this step's result)."""
@@ -153,14 +208,16 @@ class StepCapture:
         memory_format = self._options.torch_memory_format()
         x = _static_copy(to_memory_format(batch.x, memory_format))
         y = _static_copy(batch.y)
+        if key[2] and self._shared is None:  # micro-batches: the gradient buffers they share
+            self._shared = [torch.zeros_like(p) for p in self._params]
         try:
             record = self._record_simulated if self._simulate else self._record_cuda
-            captured = record(x, y)
+            captured = record(x, y, key)
         except Exception as exc:  # the model or loss cannot be captured: eager from now
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             self._failed[key] = reason
             warnings.warn(
-                f"capture=True: the step for input shape {_describe(key)} could not be "
+                f"capture=True: the step for input shape {_describe(key[0])} could not be "
                 f"captured as a CUDA graph ({reason}); it runs eagerly. A captured step "
                 "needs a model and loss that do the same GPU work every step, without host "
                 "reads (.item(), printing tensors) or Python decisions on the data",
@@ -174,29 +231,36 @@ class StepCapture:
         self._seconds += time.perf_counter() - started
         return captured
 
-    def _record_cuda(self, x: Any, y: Any) -> _Captured:
+    def _record_cuda(self, x: Any, y: Any, key: tuple[Any, ...]) -> _Captured:
         graph = torch.cuda.CUDAGraph()
-        # the replica's GPU, whichever this task thread's current device is; thread_local:
-        # the loader thread keeps copying the next batches meanwhile
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # the replica's GPU, whichever this task thread's current device is; one memory
+        # pool for the phase's graphs, so a micro-batch's variants do not each hold the
+        # activations' memory (a graph may reuse another's intermediates, and a replay
+        # may overwrite another graph's outputs: each graph's outputs are read right
+        # after its own replay, the loss copied, the micro-batches' gradients summed
+        # in buffers outside the pool); thread_local: the loader thread keeps copying
+        # the next batches meanwhile
         with (
             torch.cuda.device(self._device),
-            torch.cuda.graph(graph, capture_error_mode="thread_local"),
+            torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
         ):
-            loss, output, grads = self._gradients(x, y)
+            loss, output, grads = self._gradients(x, y, key)
         graph.replay()  # the capture only recorded: this computes the step
         torch.cuda.synchronize(self._device)  # the capture's time, once per shape
         return _Captured(x, y, loss, output, grads, graph.replay)
 
-    def _record_simulated(self, x: Any, y: Any) -> _Captured:
-        loss, output, grads = self._gradients(x, y)
+    def _record_simulated(self, x: Any, y: Any, key: tuple[Any, ...]) -> _Captured:
+        loss, output, grads = self._gradients(x, y, key)
 
         def replay() -> None:  # new values into the recorded tensors, as a replay writes
-            new_loss, new_output, new_grads = self._gradients(x, y)
+            new_loss, new_output, new_grads = self._gradients(x, y, key)
             with torch.no_grad():
                 loss.copy_(new_loss)
                 _copy_into(output, new_output)
                 for grad, new in zip(grads, new_grads, strict=True):
-                    if grad is not None:
+                    if grad is not None and grad is not new:  # (shared: written already)
                         grad.copy_(new)
 
         return _Captured(x, y, loss, output, grads, replay)

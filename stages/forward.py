@@ -320,7 +320,10 @@ class Forward(Stage):
         capture = getattr(self, "_capture", None)
         if capture is not None and (replayed := capture.run(step, batch)) is not None:
             loss, output = replayed  # the gradients are on the parameters already
-            step.metrics["loss"] = loss
+            if step.micro_count > 1:  # (a micro-batch's share of the local mean)
+                step.metrics["loss"] = step.metrics.get("loss", 0.0) + loss
+            else:
+                step.metrics["loss"] = loss
             return ForwardOutput(loss=loss, output=output, batch=batch, captured=True)
         options: StepOptions = step.replica.step_options or EAGER_FP32
         x = to_memory_format(batch.x, options.torch_memory_format())

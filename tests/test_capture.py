@@ -112,7 +112,7 @@ def test_each_shape_is_captured_once_and_a_phase_starts_afresh():
 
 @pytest.mark.parametrize(
     "why",
-    ["micro-batches", "fp16 loss scale", "evaluation mode", "an empty batch", "not tensors"],
+    ["fp16 loss scale", "evaluation mode", "an empty batch", "not tensors"],
 )
 def test_steps_a_graph_cannot_replay_run_eagerly(why):
     model = TinyCNN()
@@ -121,9 +121,7 @@ def test_steps_a_graph_cannot_replay_run_eagerly(why):
     for batch in batches[:WARMUP]:
         capture.run(_step(), batch)
     step, batch = _step(), batches[-1]
-    if why == "micro-batches":
-        step = _step(micro_count=2)
-    elif why == "fp16 loss scale":
+    if why == "fp16 loss scale":
         step = _step(loss_scale=object())
     elif why == "evaluation mode":
         model.eval()
@@ -259,10 +257,12 @@ def test_a_captured_fit_is_the_eager_fit_bit_for_bit(client, simulated, replicas
             replicas=2,
         ),
         dict(sync=dfl.sync.Local(period_steps=4, leases=False), replicas=2),
-        dict(max_micro_batch=6, replicas=2),  # accumulation: those steps stay eager
+        # accumulation: each micro-batch replayed, the gradients summed in shared buffers
+        dict(max_micro_batch=6, replicas=2),
+        dict(max_micro_batch=5, schedule=dfl.schedule.Fixed(16)),  # micro-batches 5, 5, 6
         dict(on_non_finite="skip", optimizer=lambda p: torch.optim.Adam(p, lr=1e-3)),
     ],
-    ids=["stepwise-eval-bf16", "local", "micro-batches", "skip-adam"],
+    ids=["stepwise-eval-bf16", "local", "micro-batches", "uneven-micro-batches", "skip-adam"],
 )
 def test_captured_steps_meet_the_other_features(client, simulated, options):
     x, y = make_data(160)
@@ -275,11 +275,8 @@ def test_captured_steps_meet_the_other_features(client, simulated, options):
     assert [s.loss for s in captured.history.steps] == [s.loss for s in eager.history.steps]
     replicas = len(captured.history.phases[0].local_batches)
     replayed = [sum(p.captured_steps[r] for p in captured.history.phases) for r in range(replicas)]
-    if "max_micro_batch" in options:
-        assert replayed == [0] * replicas
-    else:
-        assert replayed == [_replayed(captured.history)] * replicas
-        assert min(replayed) > 0
+    assert replayed == [_replayed(captured.history)] * replicas
+    assert min(replayed) > 0
     if "eval_source" in options:
         assert [e.metrics["eval_loss"] for e in captured.history.epochs] == [
             e.metrics["eval_loss"] for e in eager.history.epochs
@@ -313,3 +310,40 @@ def test_the_no_gpu_warning_points_at_the_users_line_not_the_engines():
     assert caught[0].filename == __file__
     record_workers(info, [{"rank": 1, "capture": "off"}], capture=True)  # once a fit
     assert info["capture_off"] == [0]
+
+
+def _micro_step(index, k, count=2, size=4):
+    step = _step(index)
+    step.micro_count, step.micro_index, step.micro_size = count, k, size
+    return step
+
+
+def test_micro_batches_replay_into_shared_gradients_only_after_a_replayed_first_one():
+    """Gradient accumulation: the first micro-batch's graph writes the gradients into
+    buffers every micro-batch graph shares, the others add to them, as eager
+    accumulation does; a later micro-batch never adds onto gradients an eager first
+    micro-batch left (it runs eagerly too)."""
+    torch.manual_seed(0)
+    model, reference = TinyCNN(), TinyCNN()
+    reference.load_state_dict(model.state_dict())
+    capture = StepCapture(model, _loss(model), StepOptions(), CPU, simulate=True)
+    halves = _batches(2 * (WARMUP + 2), size=4)
+    for i in range(WARMUP + 2):
+        parts = halves[2 * i : 2 * i + 2]
+        if i == WARMUP + 1:  # this step's first micro-batch runs eagerly (a fallback)
+            (torch.nn.functional.cross_entropy(model(parts[0].x), parts[0].y) * 0.5).backward()
+            assert capture.run(_micro_step(i, 1), parts[1]) is None
+            (torch.nn.functional.cross_entropy(model(parts[1].x), parts[1].y) * 0.5).backward()
+        else:
+            for k, part in enumerate(parts):
+                if capture.run(_micro_step(i, k), part) is None:
+                    loss = torch.nn.functional.cross_entropy(model(part.x), part.y) * 0.5
+                    loss.backward()
+        reference.zero_grad()
+        for part in parts:
+            (torch.nn.functional.cross_entropy(reference(part.x), part.y) * 0.5).backward()
+        for param, expected in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(param.grad, expected.grad), i
+        model.zero_grad()
+    report = capture.phase_report()
+    assert (report["captured_shapes"], report["captured_steps"]) == (2, 1)

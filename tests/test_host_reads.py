@@ -104,7 +104,12 @@ def counted_fit(client, path: Path, **options) -> tuple[dfl.FitResult, list[dict
             id="local",
         ),
         pytest.param(  # replayed steps (on the CPU: the capture's bookkeeping, simulated)
-            dict(schedule=dfl.schedule.Stepwise({0: 16, 1: 32}), capture=True, precision="bf16"),
+            dict(
+                schedule=dfl.schedule.Stepwise({0: 16, 1: 32}),
+                capture=True,
+                precision="bf16",
+                max_micro_batch=8,  # phase 1: two micro-batches a step, replayed too
+            ),
             id="captured-bf16",
         ),
     ],

@@ -226,9 +226,10 @@ class PhaseRecord(Record):
     compile_seconds: list[float] | None = None
     compiled_shapes: list[int] | None = None
     # capture=True: per replica, seconds spent capturing CUDA graphs in this phase, the
-    # input shapes captured, and the steps that ran as a graph replay (the rest ran
-    # eagerly: each shape's warm-up, short last steps, micro-batches); why a shape could
-    # not be captured (it then runs eagerly)
+    # graphs captured (one per input shape; a micro-batched step's first and later
+    # micro-batches are two), and the steps that ran as graph replays, every micro-batch
+    # of them (the rest ran eagerly: each shape's warm-up, short last steps); why a
+    # shape could not be captured (it then runs eagerly)
     capture_seconds: list[float] | None = None
     captured_shapes: list[int] | None = None
     captured_steps: list[int] | None = None
