@@ -347,3 +347,20 @@ def test_micro_batches_replay_into_shared_gradients_only_after_a_replayed_first_
         model.zero_grad()
     report = capture.phase_report()
     assert (report["captured_shapes"], report["captured_steps"]) == (2, 1)
+
+
+@pytest.mark.slow
+def test_adaptive_measured_steps_are_captured_too_and_the_fit_is_the_eager_one(client, simulated):
+    """One replica under Adaptive measures the noise on micro-batched steps (its first
+    micro-batch's gradient inside the step's): those replay as micro-batch graphs, read
+    between the two, and the fit and its noise-scale decisions equal the eager fit's."""
+    x, y = make_data(192)
+    options = dict(schedule=dfl.schedule.Adaptive(8, max_batch=64), window_steps=4, replicas=1)
+    eager = tiny_pipeline(x, y, **options).fit(epochs=3, client=client)
+    captured = tiny_pipeline(x, y, capture=True, **options).fit(epochs=3, client=client)
+    assert max_abs_diff(eager.model, captured.model) == 0.0
+    assert [p.global_batch for p in captured.history.phases] == [
+        p.global_batch for p in eager.history.phases
+    ]
+    assert [s.loss for s in captured.history.steps] == [s.loss for s in eager.history.steps]
+    assert sum(sum(p.captured_steps) for p in captured.history.phases) > 0
