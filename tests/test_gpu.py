@@ -254,3 +254,19 @@ def test_steady_captured_steps_make_no_host_sync(client):
     result = _sync_checked_fit(client)
     assert _captured_steps(result) > 0
     assert len(result.history.steps) == 12
+
+
+def test_captured_micro_batches_equal_the_eager_accumulation(client):
+    """max_micro_batch=6 on a local batch of 16 (6, 5, 5): the first micro-batch's graph
+    writes the shared gradient buffers, the others add to them (one memory pool for the
+    phase's graphs), to float rounding of the eager accumulation."""
+    client.run(_exact_cuda)
+    try:
+        eager, captured = _captured_and_eager(client, max_micro_batch=6, **FP32)
+    finally:
+        client.run(_exact_cuda, False)
+    assert _captured_steps(captured) > 0
+    assert _losses(captured) == pytest.approx(_losses(eager), rel=1e-5)
+    want = eager.model.state_dict()
+    for name, got in captured.model.state_dict().items():
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5, msg=name)
