@@ -37,6 +37,7 @@ from dataflow.driver.membership import (
     Lost,
     RemovalWatch,
     ResultReader,
+    exception_now,
     tell,
     unreachable,
     wait_some,
@@ -146,7 +147,7 @@ class Executor(GroupForming, WorkerArrivals):
             failed = [f for f in done if f.status == "error"]
             if failed or pending:  # a failure's grace once: the others' errors follow
                 # (none for an error of the task's own: a model factory's, a source's)
-                echo = any(may_echo_a_loss(_exception_now(f)) for f in failed)
+                echo = any(may_echo_a_loss(exception_now(f)) for f in failed)
                 self.raise_if_lost(grace=echo and not graced)
                 graced = graced or bool(failed)
         return [self._result(f) for f in futures]
@@ -292,7 +293,7 @@ class Executor(GroupForming, WorkerArrivals):
         for future, (_, r, w) in futures.items():
             if future.status != "error":
                 continue
-            raw = _exception_now(future)
+            raw = exception_now(future)
             error = None if raw is None else as_replica_error(raw, r, self._worker(r))
             kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
             failures.append(ev.WindowFailure(w, r, error, *kind))
@@ -480,12 +481,3 @@ class Executor(GroupForming, WorkerArrivals):
         with contextlib.suppress(Exception):
             self.client.run(remote.close_run, self.run_id, workers=members)
         self.removals.close()
-
-
-def _exception_now(future: Any) -> BaseException | None:
-    """The exception of a future that read as failed; None if it no longer does (its
-    worker died since, and the scheduler waits to recompute it)."""
-    try:
-        return future.exception(timeout=LIVENESS_POLL_S)
-    except (TimeoutError, CancelledError):
-        return None

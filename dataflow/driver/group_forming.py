@@ -17,7 +17,7 @@ from typing import Any
 from distributed import wait
 
 from dataflow.driver import commands as cmd
-from dataflow.driver.membership import FAILURE_GRACE_S, Lost, tell, wait_some
+from dataflow.driver.membership import FAILURE_GRACE_S, Lost, exception_now, tell, wait_some
 from dataflow.driver.root_cause import may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
@@ -228,14 +228,5 @@ def _own_errors(setups: dict[Any, str], done: Any) -> list[tuple[str, BaseExcept
     return [
         (setups[f], error)
         for f in done
-        if f in setups and f.status == "error" and not may_echo_a_loss(error := _exception_of(f))
+        if f in setups and f.status == "error" and not may_echo_a_loss(error := exception_now(f))
     ]
-
-
-def _exception_of(future: Any) -> BaseException | None:
-    """A failed future's exception, None when it can no longer be read (its worker
-    died: a loss, which the executor reports)."""
-    try:
-        return future.exception(timeout=1.0)
-    except Exception:
-        return None

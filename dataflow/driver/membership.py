@@ -166,3 +166,12 @@ class Lost(Exception):
     def __init__(self, workers: list[str], silent_s: float | None = None) -> None:
         super().__init__(f"lost workers {workers}")
         self.workers, self.silent_s = workers, silent_s
+
+
+def exception_now(future: Any) -> BaseException | None:
+    """The exception of a future that read as failed; None if it no longer does (its
+    worker died since, and the scheduler waits to recompute it)."""
+    try:
+        return future.exception(timeout=LIVENESS_POLL_S)
+    except (TimeoutError, CancelledError):
+        return None
