@@ -409,14 +409,22 @@ def test_spares_left_out_of_the_first_group_replace_a_lost_replica_not_grow_the_
     assert of(cmd.RecordFailure, out)[0].record["joined"] == ["tcp://c"]
 
 
-def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
-    d = Driver()
+def joining_at_phase_1(d: Driver) -> cmd.FormGroup:
+    """Phase 0 trains on a and b while c joins the client; the FormGroup that brings c in
+    at phase 1."""
     _, calibration = d.start()
     [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
     d.send(ev.WorkersJoined(("tcp://c",)))
     d.finish_plan(train)
     d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
-    d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)))
+    phase1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
+    [form] = of(cmd.FormGroup, d.send(ev.PhaseChosen(phase1)))
+    return form
+
+
+def test_a_loss_while_joiners_join_forms_the_group_again_without_them():
+    d = Driver()
+    joining_at_phase_1(d)
     record, form = d.send(ev.WorkersLost(("tcp://c",)))
     assert form.members == W[:2] and form.joining == () and form.generation == 2
     # the joiner's loss is recorded too (issue 35): it cost the forming, no step
@@ -429,15 +437,7 @@ def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_
     model needs): it is excluded for good, the loss recorded with the error, and the
     members form the group again without it (it is not put back in the pool)."""
     d = Driver()
-    _, calibration = d.start()
-    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
-    d.send(ev.WorkersJoined(("tcp://c",)))
-    d.finish_plan(train)
-    d.send(ev.PhaseEnded(0, ({"weights_digest": "x"},) * 2))
-    [form] = of(
-        cmd.FormGroup,
-        d.send(ev.PhaseChosen(PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16))),
-    )
+    form = joining_at_phase_1(d)
     assert form.joining == ("tcp://c",)
     error = ModuleNotFoundError("No module named 'libfoo'")
     exclude, record, again = d.send(ev.SetupFailed(form.generation, ("tcp://c",), error))
