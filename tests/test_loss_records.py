@@ -14,6 +14,8 @@ import os
 import signal
 import threading
 import time
+import types
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,8 @@ from test_lost_worker import KillOnce
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.errors import CollectiveError
+from dataflow.runtime import tasks as remote
 
 pytestmark = pytest.mark.slow  # real worker processes, really killed
 
@@ -214,6 +218,45 @@ def test_a_worker_killed_while_the_spec_is_sent_is_recorded_not_waited_for(clien
     assert failure["reason"] == "lost workers" and failure["replicas_before"] == WORKERS
     assert failure["replicas_after"] == 2, failure
     _assert_exact(result)
+
+
+def _join_group_zero_as_rank_1(run_id: str, host: str, port: int) -> str | None:
+    """In a task: rank 1 of fit ``run_id``'s group 0 joins at ``host:port``; the error it
+    gives up with (None if it joined)."""
+    spec = types.SimpleNamespace(run_id=run_id, collective_timeout_s=5.0)
+    try:
+        remote._join_group(spec, 1, 2, host, port, 0, torch.device("cpu"))
+    except CollectiveError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_setup_on_a_freshly_restarted_worker_gives_up_at_once(client):
+    """The driver gives a forming up (a member was lost) before a worker that its nanny
+    just restarted ran any task of the fit; that worker's Setup of the group, queued
+    behind the spec's transfer, runs afterwards. It gives up at once. It used to miss
+    the abort (the worker had no plugin yet to hear it), join rank 0's store and wait
+    there out the collective timeout, holding the worker's one task thread while the
+    Setup of the next group queued behind it: a 30-45 s stall of the recovery, in the
+    test above one run in two."""
+    before = set(client.scheduler_info()["workers"])
+    rank0, restarted = sorted(before)[:2]
+    client.restart_workers([restarted])
+    client.wait_for_workers(WORKERS, timeout=120)
+    [fresh] = set(client.scheduler_info()["workers"]) - before
+    assert client.run(lambda dask_worker: "dataflow" in dask_worker.plugins, workers=[fresh]) == {
+        fresh: False
+    }
+    run_id = f"fit{uuid.uuid4().hex[:12]}"
+    host, port = client.submit(
+        remote.open_rendezvous, run_id, 2, 5.0, 0, workers=[rank0], pure=False
+    ).result()
+    client.run(remote.abort_group_soon, run_id, 0, workers=[rank0, fresh])
+    message = client.submit(
+        _join_group_zero_as_rank_1, run_id, host, port, workers=[fresh], pure=False
+    ).result()
+    assert message is not None and f"'{run_id}' was aborted" in message, message
 
 
 @pytest.mark.timeout(150)

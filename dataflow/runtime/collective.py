@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,61 @@ def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def connect_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+CONNECT_ATTEMPT_S = 1.0  # one try to reach rank 0's store; ``aborted()`` is checked between
+
+
+def connect_store(
+    host: str,
+    port: int,
+    world_size: int,
+    timeout_s: float,
+    *,
+    aborted: Callable[[], bool] = lambda: False,
+    prefix: str = "",
+) -> dist.TCPStore:
+    """A client of rank 0's store, reached first with a plain socket in short tries.
+
+    torch's client retries a refused connection until its whole timeout; but the store
+    is open before its address is handed out, so a refusal means it is closed: rank 0
+    gave the forming up (the driver aborted it, or a task of an older group ran here
+    late) or its worker died. That fails at once, and so does an abort between tries,
+    rather than keeping this worker's task thread (and the Setup of the group the
+    driver forms next, queued behind it) the whole collective timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if aborted():
+            raise CollectiveError(aborted_message(None, prefix))
+        try:
+            socket.create_connection((host, port), timeout=CONNECT_ATTEMPT_S).close()
+            break
+        except ConnectionRefusedError as exc:
+            raise CollectiveError(
+                f"process group {prefix!r}: its store at {host}:{port} refused the "
+                f"connection ({exc}); rank 0 gave that group up or its worker died, and "
+                "the driver forms another"
+            ) from exc
+        except OSError as exc:  # no answer yet: try again until the deadline
+            time.sleep(ARRIVAL_POLL_S)
+            if time.monotonic() >= deadline:
+                raise CollectiveError(
+                    f"process group {prefix!r}: its store at {host}:{port} did not answer "
+                    f"within {timeout_s:g} s ({exc}). Check that workers can reach each "
+                    "other on TCP ports"
+                ) from exc
     return dist.TCPStore(
         host,
         port,
         world_size,
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def aborted_message(rank: int | None, prefix: str) -> str:
+    who = "this replica" if rank is None else f"replica {rank}"
+    return (
+        f"{who}: forming process group {prefix!r} was aborted (a peer was lost meanwhile; "
+        "the driver forms another)"
     )
 
 
@@ -68,10 +117,7 @@ def await_arrivals(
     deadline = time.monotonic() + timeout_s
     while not arrived.check(names):
         if aborted():
-            raise CollectiveError(
-                f"replica {rank}: forming process group {prefix!r} was aborted (a peer "
-                "was lost meanwhile; the driver forms another)"
-            )
+            raise CollectiveError(aborted_message(rank, prefix))
         if time.monotonic() >= deadline:
             missing = [n for n in names if not arrived.check([n])]
             raise CollectiveError(

@@ -7,6 +7,7 @@ worker process without stepping on each other.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from distributed import WorkerPlugin, get_worker
@@ -14,6 +15,7 @@ from distributed import WorkerPlugin, get_worker
 from dataflow.ps.service import HANDLER, ShardRegistry
 
 PLUGIN_NAME = "dataflow"
+_INSTALLING = threading.Lock()  # guards installing the plugin only; its state is per worker
 
 
 class DataflowWorkerPlugin(WorkerPlugin):
@@ -101,10 +103,20 @@ def current_plugin() -> DataflowWorkerPlugin:
     cluster tears down the instance that holds other fits' replicas, and a worker a
     nanny restarted mid-fit gets it without a round trip to the driver.
     """
-    worker = get_worker()
+    return plugin_of(get_worker())
+
+
+def plugin_of(worker: Any) -> DataflowWorkerPlugin:
+    """``worker``'s plugin, installed if this is its first use: a message of the driver
+    (a group's forming given up) can reach a freshly restarted worker before any task
+    of the fit did, and must not be dropped there."""
     plugin = worker.plugins.get(PLUGIN_NAME)
-    if plugin is None:
-        plugin = DataflowWorkerPlugin()
-        plugin.setup(worker)
-        worker.plugins[PLUGIN_NAME] = plugin
+    if plugin is not None:
+        return plugin
+    with _INSTALLING:  # the task thread and the event loop may both be first
+        plugin = worker.plugins.get(PLUGIN_NAME)
+        if plugin is None:
+            plugin = DataflowWorkerPlugin()
+            plugin.setup(worker)
+            worker.plugins[PLUGIN_NAME] = plugin
     return plugin

@@ -17,17 +17,18 @@ from urllib.parse import urlparse
 
 import torch
 
-from dataflow.core.errors import ReplicaError
+from dataflow.core.errors import CollectiveError, ReplicaError
 from dataflow.core.precision import StepOptions
 from dataflow.core.window import WindowResult
 from dataflow.runtime.collective import (
     Collective,
+    aborted_message,
     await_arrivals,
     connect_store,
     open_store,
 )
 from dataflow.runtime.malloc import needs_relaxing, relax_malloc
-from dataflow.runtime.plugin import current_plugin
+from dataflow.runtime.plugin import current_plugin, plugin_of
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec, resolve_device
 from dataflow.runtime.spatial_rank import spatial_rank
 from dataflow.stages.base import PhaseContext
@@ -66,16 +67,25 @@ def _join_group(
         return None
     key = group_key(spec.run_id, generation)
     plugin = current_plugin()
+
+    def aborted() -> bool:
+        return key in plugin.aborted_groups
+
+    if aborted():  # a stale task: the driver gave this group up before it ran here
+        plugin.stores.pop(key, None)
+        raise CollectiveError(aborted_message(rank, key))
     if rank == 0:
         store = plugin.stores.pop(key)
     else:
-        store = connect_store(host, port, world_size, spec.collective_timeout_s)
+        store = connect_store(
+            host, port, world_size, spec.collective_timeout_s, aborted=aborted, prefix=key
+        )
     await_arrivals(
         store,
         rank=rank,
         world_size=world_size,
         timeout_s=spec.collective_timeout_s,
-        aborted=lambda: key in plugin.aborted_groups,
+        aborted=aborted,
         prefix=key,
     )
     collective = Collective(
@@ -336,8 +346,8 @@ def abort_run(run_id: str, dask_worker: Any = None) -> None:
 async def abort_group_soon(run_id: str, generation: int, dask_worker: Any = None) -> None:
     """Via ``client.run(..., wait=False)``: give up forming the fit's process group of
     ``generation`` here (a member was lost while it formed; the driver forms another)."""
-    plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
-    if plugin is not None:
+    if dask_worker is not None:  # installed if missing: the Setup may not have run yet
+        plugin = plugin_of(dask_worker)
         key = group_key(run_id, generation)
         plugin.aborted_groups.add(key)
         # joined already, its stages' setup waiting on the lost member: abort it (kept
