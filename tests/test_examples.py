@@ -88,9 +88,10 @@ def test_every_example_has_help():
 
 @pytest.mark.slow
 def test_cosmoflow_beats_predict_the_mean(tmp_path):
-    """Both parameters: held-out MSE at most 0.3 x the predict-the-mean baseline (the
-    default run reaches 0.04-0.09), with a batch that grew 16 -> 32 -> 64."""
-    result = run_example("cosmoflow", tmp_path)
+    """A shorter run (6 epochs, 128 held-out fields): both parameters' held-out MSE at
+    most 0.3 x the predict-the-mean baseline (seeds 0-2 reached A 0.06-0.20, n 0.05-0.09;
+    the default run 0.04-0.09), with a batch that grew 16 -> 32 -> 64."""
+    result = run_example("cosmoflow", tmp_path, "--epochs", "6", "--test", "128")
     for name in ("A", "n"):
         figures = result["params"][name]
         assert figures["baseline_mse"] > 0.5  # standardised targets: about 1
@@ -130,8 +131,10 @@ def test_cosmoflow_spatial_splits_each_sample_over_two_workers(tmp_path):
 
 @pytest.mark.slow
 def test_digits_reaches_95_percent_with_adaptive(tmp_path):
+    """12 epochs (the default 20): held-out accuracy at least 95 % (seeds 0-2 reached
+    98.6, 98.3 and 97.2 %; the default run 99.2 %), Adaptive growing the batch from 16."""
     pytest.importorskip("sklearn")
-    result = run_example("digits", tmp_path)
+    result = run_example("digits", tmp_path, "--epochs", "12")
     assert result["test_accuracy"] >= 0.95, result["accuracy_per_epoch"]
     batches = [p["global_batch"] for p in result["phases"]]
     assert batches[0] == 16 and max(batches) > 16, batches  # Adaptive grew the batch
@@ -145,8 +148,9 @@ def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path):
     ``Throughput(smoothing=0.7)`` from the speeds measured before it, the 2x throttle's
     pause counted in the slow replica's. The decisions are checked, not the share they
     come to (the example's own bar, < 0.42, is a measurement of a shared machine: its
-    PASS or FAIL is printed, not required here)."""
-    result = run_example("heterogeneous", tmp_path, must_pass=False)
+    PASS or FAIL is printed, not required here). 512 samples an epoch (4 steps a phase):
+    the decisions need measured phases, not a trained net."""
+    result = run_example("heterogeneous", tmp_path, "--samples", "512", must_pass=False)
     phases = result["phases"]
     assert len(phases) == 5
     assert phases[0]["slow_share"] == 0.5
@@ -270,6 +274,7 @@ def test_heterogeneous_with_local_updates_moves_samples_without_a_balancer(tmp_p
     many the fast one takes over depends on the machine's speed (the example's bar,
     < 0.47, is printed, not required); ``test_leases.py`` checks the takeover itself."""
     flags = ("--balancer", "even", "--sync", "local", "--epochs", "3", "--bar", "0.47")
+    flags += ("--samples", "512")  # 4 steps a phase: the split and the ledger, not accuracy
     result = run_example("heterogeneous", tmp_path, *flags, must_pass=False)
     phases = result["phases"]
     assert all(p["slow_share"] == 0.5 for p in phases)  # the split stayed even
