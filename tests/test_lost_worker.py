@@ -393,7 +393,10 @@ def test_a_lost_parameter_store_host_is_rebuilt_from_the_commit(tmp_path):
         result = trainer.fit(epochs=epochs, client=client)
     assert marker.exists()
     [failure] = result.history.info["failures"]
-    assert failure["replicas_before"] == 3 and failure["replicas_after"] == 2
+    # the nanny's restart may be back in time to join the new group (as above)
+    joined_at_once = bool(failure["joined"])
+    assert failure["replicas_before"] == 3
+    assert failure["replicas_after"] == (3 if joined_at_once else 2), failure
     _assert_exact_ledger(result, epochs)
     assert max_abs_diff(result.model, _recovered_reference(x, y, epochs, failure)) < 1e-5
 
