@@ -18,6 +18,7 @@ from dataflow.driver import events as ev
 from dataflow.driver.fit_settings import WorkerScaling, WorkersWanted
 from dataflow.driver.log import loggable
 from dataflow.driver.machine import FitMachine, MachineConfig, replay
+from dataflow.driver.state import Status
 from dataflow.errors import ReplicaError
 from dataflow.planning.plan import phase_steps, resplit_steps
 
@@ -448,6 +449,30 @@ def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_
     assert again.members == W[:2] and again.joining == () and "tcp://c" not in d.state.available
     # a stale answer (an older forming) changes nothing
     assert d.send(ev.SetupFailed(form.generation, ("tcp://c",), error)) == []
+
+
+def test_the_same_setup_error_on_a_second_worker_is_the_fits_and_stops_it():
+    """Rank 1's setup raises (the user's code fails on that rank, whichever worker holds
+    it): the first time it looks like a node's fault and b is left out; when c, rank 1
+    of the group formed again, raises the same error, the fit stops with it rather than
+    leave out one worker per try until one remains. A different error on another worker
+    is still a node's."""
+    d = Driver()
+    [form] = d.send(ev.Started(W))
+    error = ValueError("rank 1 has no head\n(traceback lines differ)")
+    _, record, again = d.send(ev.SetupFailed(form.generation, ("tcp://b",), error))
+    assert record.record["error"] == "ValueError: rank 1 has no head"
+    assert again.members == ("tcp://a", "tcp://c")
+    [fail] = d.send(
+        ev.SetupFailed(again.generation, ("tcp://c",), ValueError("rank 1 has no head"))
+    )
+    assert isinstance(fail, cmd.Fail) and str(fail.error) == "rank 1 has no head"
+    assert d.state.status == Status.FAILED
+    d = Driver()
+    [form] = d.send(ev.Started(W))
+    _, _, again = d.send(ev.SetupFailed(form.generation, ("tcp://b",), OSError("no GPU here")))
+    out = d.send(ev.SetupFailed(again.generation, ("tcp://c",), OSError("disk full")))
+    assert not of(cmd.Fail, out) and of(cmd.ExcludeWorkers, out)
 
 
 def test_a_spatial_first_group_forms_without_the_group_of_a_worker_that_cannot_set_up():

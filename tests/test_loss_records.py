@@ -25,6 +25,7 @@ from test_lost_worker import KillOnce
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.driver import group_forming
 from dataflow.errors import CollectiveError
 from dataflow.runtime import tasks as remote
 
@@ -89,6 +90,22 @@ class KillOnArrival(stages.Stage):
         elif first.read_text() != str(pid):
             Path(f"{self.marker}.killed").write_text(str(pid))
             os.kill(pid, signal.SIGKILL)
+
+    def run(self, step, batch):
+        return batch
+
+
+class FailInSetup(stages.Stage):
+    """Test stage: its setup raises on replica ``rank``, whichever worker holds it (a
+    mistake in the user's code, not a node's fault)."""
+
+    def __init__(self, *, rank: int) -> None:
+        super().__init__("FailInSetup")
+        self.rank = rank
+
+    def setup(self, replica) -> None:
+        if replica.rank == self.rank:
+            raise ValueError(f"replica {self.rank} cannot set up (the user's mistake)")
 
     def run(self, step, batch):
         return batch
@@ -218,6 +235,20 @@ def test_a_worker_killed_while_the_spec_is_sent_is_recorded_not_waited_for(clien
     assert failure["reason"] == "lost workers" and failure["replicas_before"] == WORKERS
     assert failure["replicas_after"] == 2, failure
     _assert_exact(result)
+
+
+@pytest.mark.timeout(120)
+def test_a_setup_error_of_a_rank_not_a_node_stops_the_fit(client, tmp_path, monkeypatch):
+    """Replica 1's setup raises whichever worker holds it. The first worker to fail is
+    left out as a node at fault would be; the second with the same error shows it is
+    the fit's: the fit stops with it. It used to leave out one worker per try and train
+    on whatever was left (here one replica of the three asked for), the error only in
+    the failure records. (The driver's grace for the others' setups to fail too is cut
+    to 1 s: here they never do, they wait for replica 1.)"""
+    monkeypatch.setattr(group_forming, "FAILURE_GRACE_S", 1.0)
+    trainer = _trainer(tmp_path, FailInSetup(rank=1))
+    with pytest.raises(ValueError, match=r"replica 1 cannot set up \(the user's mistake\)"):
+        trainer.fit(epochs=EPOCHS, client=client)
 
 
 def _join_group_zero_as_rank_1(run_id: str, host: str, port: int) -> str | None:

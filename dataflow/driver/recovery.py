@@ -63,16 +63,25 @@ class LostWorkers:
         """Workers whose own setup failed are lost to this fit: excluded (never asked to
         join again) and decided as their loss would be (a joiner's: the members form the
         group again without it; a first group's: the others, and spares, form it again);
-        the record says why, with their error."""
-        out = self._workers_lost(ev.WorkersLost(event.workers))
+        the record says why, with their error.
+
+        Unless another worker already failed with the same error (type and first line):
+        then it is the fit's own mistake (code that fails on a rank, whichever worker
+        holds it), not a node's, and the fit stops with it rather than shrink by one
+        worker per try."""
         error = event.error  # (in a replay, the log's ErrorInfo of it)
         kind = type(error).__name__ if isinstance(error, BaseException) else error.type
         message = (str(error).splitlines() or [""])[0]
+        signature = f"{kind}: {message}"
+        s = self.state
+        if signature in s.setup_errors:
+            s.status = Status.FAILED
+            return [cmd.Fail(error=error)]
+        s.setup_errors = {**s.setup_errors, signature: event.workers}
+        out = self._workers_lost(ev.WorkersLost(event.workers))
         for command in out:
             if isinstance(command, cmd.RecordFailure):
-                command.record.update(
-                    reason="a worker failed to set up", error=f"{kind}: {message}"
-                )
+                command.record.update(reason="a worker failed to set up", error=signature)
         return [cmd.ExcludeWorkers(event.workers), *out]
 
     def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
