@@ -255,6 +255,12 @@ class TrainerConfig:
             or self.max_workers < 1
         ):
             raise ConfigError(f"max_workers must be an int >= 1 or None, got {self.max_workers!r}")
+        if self.max_workers is not None and self.max_workers < self.spatial:
+            raise ConfigError(
+                f"max_workers={self.max_workers} is fewer than the {self.spatial} workers one "
+                f"replica of Layout(spatial={self.spatial}) needs; max_workers counts workers "
+                f"(here {self.spatial} per replica): set it to at least {self.spatial}"
+            )
         if self.scale_with_batch and (
             not isinstance(self.max_micro_batch, int) or self.max_workers is None
         ):

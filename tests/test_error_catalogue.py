@@ -232,6 +232,12 @@ CAUGHT = [
         r"^max_workers must be an int >= 1 or None, got 0",
     ),
     Mistake(
+        "max-workers-below-one-replica",
+        lambda _: pipe(max_workers=1, layout=dfl.Layout(spatial=2)),
+        dfl.ConfigError,
+        r"^max_workers=1 is fewer than the 2 workers one replica of Layout\(spatial=2\) needs",
+    ),
+    Mistake(
         "scale-timeout-zero",
         lambda _: pipe(scale_timeout_s=0),
         dfl.ConfigError,

@@ -58,9 +58,9 @@ def test_window_length_stays_within_its_range():
         assert planned.window_seconds == expected
 
 
-def scaling_config(model=None) -> WorkerScaling:
+def scaling_config(model=None, **options) -> WorkerScaling:
     config = TrainerConfig(
-        scale_with_batch=True, max_micro_batch=32, max_workers=8, cost_model=model
+        scale_with_batch=True, max_micro_batch=32, max_workers=8, cost_model=model, **options
     )
     return WorkerScaling.of(config)
 
@@ -97,13 +97,30 @@ def test_more_workers_are_asked_for_only_when_the_fit_has_fewer():
     assert more_workers(scaling_config(), 128, have=5) is None
 
 
+def test_a_spatial_fit_asks_for_whole_replicas_within_max_workers():
+    """max_workers counts workers: with 2 per replica, 8 workers are 4 replicas. The
+    batch wants 4 replicas at 128 (8 workers), and at 1024 still 4 (not 32 workers)."""
+    spatial = scaling_config(layout=dfl.Layout(spatial=2))
+    assert workers_wanted(spatial, 128).requested == 8
+    assert workers_wanted(spatial, 1024).requested == 8
+    assert workers_wanted(spatial, 64).requested == 4
+    assert more_workers(spatial, 128, have=6).requested == 8
+    assert more_workers(spatial, 128, have=8) is None
+    model = workers_wanted(scaling_config(cost_model(), layout=dfl.Layout(spatial=2)), 256)
+    assert model.chosen_by == "cost model" and model.requested % 2 == 0
+    assert model.requested <= 8
+
+
 def test_a_fit_starts_on_the_workers_its_replicas_and_layout_need():
     workers = ["w0", "w1", "w2", "w3", "w4"]
     assert starting_workers(workers, None) == workers  # every worker (spares: the pool's)
     assert starting_workers(workers, 2, size=2) == workers[:4]
     # replicas=None starts no more than max_workers replicas (the rest: the pool's)
     assert starting_workers(workers, None, most=3) == workers[:3]
-    assert starting_workers(workers, None, size=2, most=1) == workers[:2]
+    assert starting_workers(workers, None, size=2, most=2) == workers[:2]
+    # max_workers counts workers, in whole groups: 3 workers hold one group of 2
+    assert starting_workers(workers, None, size=2, most=3) == workers[:2]
+    assert starting_workers(workers, None, size=2, most=4) == workers[:4]
     assert starting_workers(workers, None, most=8) == workers
     assert starting_workers(workers, 2, most=4) == workers[:2]  # replicas wins
     with pytest.raises(dfl.ConfigError, match=r"^the client has no workers; start some"):

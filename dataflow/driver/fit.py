@@ -35,9 +35,7 @@ def run_fit(
     check_client(client)
     run_id = f"fit{uuid.uuid4().hex[:12]}"
     size = config.spatial
-    workers = starting_workers(
-        available_workers(client), config.replicas, size, most_replicas(config)
-    )
+    workers = starting_workers(available_workers(client), config.replicas, size, config.max_workers)
     order = trainer.graph.validate(replicas=len(workers) // size)
     fit_plan = plan_from_cost_model(trainer, len(workers) // size, epochs)
     spec = ReplicaSpec(
@@ -194,8 +192,11 @@ def build_loop(
 
 def most_replicas(config: Any) -> int | None:
     """The most replicas the fit may have at once, its first group and its joins alike:
-    ``replicas`` when fixed, else ``max_workers`` (None: no limit)."""
-    return config.replicas if config.replicas is not None else config.max_workers
+    ``replicas`` when fixed, else as many whole replicas as ``max_workers`` holds (each
+    is ``spatial`` workers; None: no limit)."""
+    if config.replicas is not None or config.max_workers is None:
+        return config.replicas
+    return max(1, config.max_workers // config.spatial)
 
 
 def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:

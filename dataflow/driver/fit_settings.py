@@ -46,6 +46,7 @@ class WorkerScaling:
     cost_model: CostModel | None = None  # the user's (None: fill the memory cap)
     wire_scale: float = 1.0  # bytes on the wire per fp32 gradient byte (0.5: bf16)
     timeout_s: float = 120.0  # how long to wait for the workers asked for
+    spatial: int = 1  # workers per replica: asked for in whole replicas
 
     @classmethod
     def of(cls, config: Any, wire_scale: float = 1.0) -> WorkerScaling:
@@ -57,6 +58,7 @@ class WorkerScaling:
             cost_model=config.cost_model,
             wire_scale=wire_scale,
             timeout_s=config.scale_timeout_s,
+            spatial=config.spatial,
         )
 
 
@@ -145,13 +147,16 @@ def workers_wanted(scaling: WorkerScaling, global_batch: int) -> WorkersWanted:
     With a cost model: the count with the best goodput up to ``max_workers`` (at a
     fixed batch the statistical efficiency is the same for every count, so the count
     with the best predicted throughput, the fewest within 2 %); without one: enough
-    that no replica's batch exceeds ``max_micro_batch``."""
-    most, cap = scaling.max_workers, scaling.max_micro_batch
+    that no replica's batch exceeds ``max_micro_batch``. Counted in replicas, asked
+    for in workers (``spatial`` per replica), never more than ``max_workers``."""
+    size, cap = scaling.spatial, scaling.max_micro_batch
+    most = max(1, scaling.max_workers // size)  # replicas
     model = _fit_model(scaling.cost_model, cap, scaling.wire_scale)
     if model is None:
-        return WorkersWanted(min(most, math.ceil(global_batch / cap)), "max_micro_batch")
+        replicas = min(most, math.ceil(global_batch / cap))
+        return WorkersWanted(replicas * size, "max_micro_batch")
     wanted, table = best_replicas(model, global_batch=global_batch, max_replicas=most)
-    return WorkersWanted(wanted, "cost model", dict(table)[wanted], table[-1][1])
+    return WorkersWanted(wanted * size, "cost model", dict(table)[wanted], table[-1][1])
 
 
 def more_workers(scaling: WorkerScaling, global_batch: int, have: int) -> WorkersWanted | None:

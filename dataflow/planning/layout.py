@@ -153,10 +153,10 @@ def starting_workers(
     available: Sequence[str], replicas: int | None, size: int = 1, most: int | None = None
 ) -> list[str]:
     """A fit's first workers: ``replicas`` groups of ``size`` (None: every worker, but no
-    more than ``most`` groups, ``max_workers``; the driver forms as many groups as fit,
-    a remainder waits in its pool as spares, as do the workers left out, which replace
-    lost ones). The count is fixed before the driver's machine exists: the replica
-    specification and the cost plan are built for it."""
+    more than ``most`` workers, ``max_workers``, in whole groups; the driver forms as
+    many groups as fit, a remainder waits in its pool as spares, as do the workers left
+    out, which replace lost ones). The count is fixed before the driver's machine
+    exists: the replica specification and the cost plan are built for it."""
     if not available:
         raise ConfigError("the client has no workers; start some before fit()")
     if len(available) < size:
@@ -166,7 +166,7 @@ def starting_workers(
         )
     wanted = replicas * size if replicas else len(available)
     if not replicas and most is not None:
-        wanted = min(wanted, max(1, most) * size)
+        wanted = min(wanted, max(1, most // size) * size)
     if wanted > len(available):
         each = f" of {size} workers each need {wanted}" if size > 1 else ""
         raise ConfigError(
