@@ -24,9 +24,10 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync
 
-from dataflow.core.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError, DataflowError
 from dataflow.io.array_readers import chunk_read_error
 from dataflow.io.checksums import checksum_of
+from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 OUTLIER_FACTOR = 1e6  # a chunk this many times larger than the typical one is suspect
@@ -125,17 +126,19 @@ def verify_store(
     arrays: list[str] | None = None,
     outlier_factor: float = OUTLIER_FACTOR,
     threads: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> StoreCheck:
     """Decode every chunk of ``arrays`` (default: all) of the store at ``path``; see the
     module docstring. Returns a :class:`StoreCheck` (``.ok``, ``.problems``, ``.format()``);
     raises only when the store cannot be opened. ``outlier_factor=0`` turns the range
     check off (data whose chunks truly differ by that much); ``threads``: decode threads
-    (default: min(4, cores))."""
+    (default: min(4, cores)); ``storage_options``: fsspec's, for a URL (as ``ZarrSource``
+    takes them)."""
     if not (isinstance(outlier_factor, int | float) and outlier_factor >= 0):
         raise ConfigError(
             f"verify_store(outlier_factor={outlier_factor!r}): a number >= 0 (0: no range check)"
         )
-    node = path if isinstance(path, zarr.Group | zarr.Array) else _open(path)
+    node = path if isinstance(path, zarr.Group | zarr.Array) else _open(path, storage_options)
     label = str(path.store_path) if isinstance(path, zarr.Group | zarr.Array) else str(path)
     members = _members(node, label, arrays)
     threads = threads or max(1, min(4, os.cpu_count() or 1))
@@ -144,12 +147,14 @@ def verify_store(
     return StoreCheck(path=label, arrays=checked, outlier_factor=float(outlier_factor))
 
 
-def _open(path: str | Path) -> Any:
+def _open(path: str | Path, storage_options: dict[str, Any] | None) -> Any:
     if "://" not in str(path) and not Path(path).exists():
         raise DataError(f"verify_store: no zarr store at {str(path)!r}; check the path")
     try:
-        return zarr.open(store=str(path), mode="r")
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        return open_zarr("verify_store", path, storage_options)
+    except DataflowError:
+        raise
+    except (ValueError, KeyError) as exc:
         raise DataError(f"verify_store: {str(path)!r} is not a zarr store ({exc})") from exc
 
 

@@ -78,13 +78,17 @@ def _label(store: Any) -> str:
     return str(store)
 
 
-def _open_zarr(store: str | Path, storage_options: dict[str, Any] | None) -> Any:
+def _open_zarr(
+    store: str | Path, storage_options: dict[str, Any] | None, caller: str = "ZarrSource"
+) -> Any:
+    """The zarr group or array at a path or fsspec URL; ``caller`` names who asked (the
+    tools open stores through this too: ``io.store_open``)."""
     options = {} if storage_options is None else {"storage_options": storage_options}
     try:
         return zarr.open(store=str(store), mode="r", **options)
     except FileNotFoundError as exc:
         raise DataError(
-            f"ZarrSource(store={str(store)!r}): no zarr array or group there; check the path "
+            f"{caller}(store={str(store)!r}): no zarr array or group there; check the path "
             "(write one with dataflow.io.to_zarr)"
         ) from exc
 

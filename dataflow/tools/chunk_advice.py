@@ -30,8 +30,10 @@ import zarr
 from dataflow.core.errors import ConfigError, DataError, DataflowError
 from dataflow.io.mixing import Mixing, format_mixing, source_mixing
 from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS
+from dataflow.io.store_open import open_zarr
 from dataflow.io.windows import bounding_box
 from dataflow.tools.info import _arrays, _bytes, _names, _tuple
+from dataflow.tools.storage_flags import storage_flags
 
 SMALL_CHUNK = 1_000_000  # bytes: grow suggested chunks to at least this
 LARGE_CHUNK = 16_000_000  # bytes: and keep them under this where the patch allows
@@ -279,11 +281,12 @@ def _per_window(
     return mean, most
 
 
-def _rewrite(path: str, advice: list[ArrayAdvice]) -> str | None:
+def _rewrite(path: str, advice: list[ArrayAdvice], flags: str = "") -> str | None:
     """The ``dataflow convert`` command that writes a copy of the store with the suggested
     chunks (``tools.rechunk``: streamed, checksummed, attributes and dimension names kept):
     by dimension name where every array has names, else by axis; per dimension, the
-    first array needing a change sets the length (shorter arrays are clipped)."""
+    first array needing a change sets the length (shorter arrays are clipped). ``flags``:
+    the store's storage options as flags (``storage_flags``: no credentials)."""
     changes = [a for a in advice if not a.good]
     if not changes:
         return None
@@ -298,17 +301,26 @@ def _rewrite(path: str, advice: list[ArrayAdvice]) -> str | None:
     chunks = ",".join(f"{key}={length}" for key, length in dims.items())
     return (
         f"dataflow convert {shlex.quote(path)} {shlex.quote(dest)} --chunks {shlex.quote(chunks)}"
+        + flags
     )
 
 
-def patch_advice(path: str, patch: Mapping[str | int, int]) -> PatchAdvice:
+def patch_advice(
+    path: str,
+    patch: Mapping[str | int, int],
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> PatchAdvice:
     """How the arrays of the zarr store at ``path`` with every dim of ``patch`` suit
-    windows of that size; see the module docstring."""
+    windows of that size; see the module docstring. ``storage_options``: fsspec's, for
+    a URL (as ``ZarrSource`` takes them)."""
     if isinstance(patch, str):
         patch = parse_patch(patch)
     try:
-        node = zarr.open(store=str(path), mode="r")
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        node = open_zarr("info", path, storage_options)
+    except DataflowError:
+        raise
+    except (ValueError, KeyError) as exc:
         raise DataError(f"info: {str(path)!r} is not a zarr store ({exc})") from exc
     windowed = [(n, a, _axes(a, patch)) for n, a in _arrays(node)]
     skipped = [n for n, _, axes in windowed if axes is None]
@@ -322,20 +334,24 @@ def patch_advice(path: str, patch: Mapping[str | int, int]) -> PatchAdvice:
             f"info(--patch {dict(patch)}): no array of {str(path)!r} has all these dims; "
             + (f"its dimension names are {dims}" if dims else "give axes, e.g. --patch 0=64,1=64")
         )
-    mixing, note = _mixing(str(path), node, advice[0], patch)
+    mixing, note = _mixing(str(path), node, advice[0], patch, storage_options)
     return PatchAdvice(
         path=str(path),
         patch={str(k): int(v) for k, v in patch.items()},
         arrays=advice,
         skipped=skipped,
-        rewrite=_rewrite(str(path), advice),
+        rewrite=_rewrite(str(path), advice, storage_flags(storage_options)),
         mixing=mixing,
         mixing_note=note,
     )
 
 
 def _mixing(
-    path: str, node: Any, array: ArrayAdvice, patch: Mapping[str | int, int]
+    path: str,
+    node: Any,
+    array: ArrayAdvice,
+    patch: Mapping[str | int, int],
+    storage_options: dict[str, Any] | None,
 ) -> tuple[MixingAdvice | None, str | None]:
     """The mixing of a shuffled ``PatchSource`` over ``array`` (stride = patch), or why
     it was not measured."""
@@ -343,7 +359,9 @@ def _mixing(
 
     x = None if isinstance(node, zarr.Array) else array.name
     try:
-        source = PatchSource(path, x, patch=patch, chunk_cache_mb=0)
+        source = PatchSource(
+            path, x, patch=patch, chunk_cache_mb=0, storage_options=storage_options
+        )
     except DataflowError as exc:
         return None, f"PatchSource refused the store: {exc}"
     n = source.num_samples

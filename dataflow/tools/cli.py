@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dataflow.core.errors import ConfigError, DataflowError
+from dataflow.tools.storage_flags import add_storage_option, hide_secrets, parse_storage_options
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -84,6 +85,7 @@ def _convert(args: argparse.Namespace) -> int:
         spatial_chunks=_spatial_chunks(args.spatial_chunks),
         chunks=args.chunks,
         fill_missing=args.fill_missing,
+        storage_options=parse_storage_options(args.storage_options),
     )
     if isinstance(done, Rechunked):
         print(
@@ -127,14 +129,19 @@ def _info(args: argparse.Namespace) -> int:
     from dataflow.tools.chunk_advice import parse_patch, patch_advice
     from dataflow.tools.info import store_info
 
+    remote = {"storage_options": parse_storage_options(args.storage_options)}
     info = store_info(
         args.store,
         sample_dim=args.sample_dim,
         check_missing=not args.no_check,
         decode_budget_s=0.0 if args.no_decode else args.decode_seconds,
+        **remote,
     )
-    check = verify_store(args.store, outlier_factor=args.outlier_factor) if args.verify else None
-    advice = patch_advice(args.store, parse_patch(args.patch)) if args.patch else None
+    check = advice = None
+    if args.verify:
+        check = verify_store(args.store, outlier_factor=args.outlier_factor, **remote)
+    if args.patch:
+        advice = patch_advice(args.store, parse_patch(args.patch), **remote)
     if args.json:
         out = info.to_dict()
         if check is not None:
@@ -349,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument(
         "--overwrite", action="store_true", help="replace DEST if it is an existing zarr store"
     )
+    add_storage_option(convert, "SRC given as a URL (DEST is always a local path)")
     convert.set_defaults(run=_convert)
 
     info = commands.add_parser(
@@ -398,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="windows of this size (dataflow.io.PatchSource), e.g. lat=64,lon=64 or "
         "0=64,1=64,2=64: the chunks and bytes a window reads, and a chunking that suits it",
     )
+    add_storage_option(info, "STORE given as a URL (with --verify and --patch too)")
     info.set_defaults(run=_info)
 
     report = commands.add_parser(
@@ -481,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except DataflowError as exc:
-        print(f"dataflow: error: {exc}", file=sys.stderr)
+        shown = hide_secrets(str(exc), getattr(args, "storage_options", None))
+        print(f"dataflow: error: {shown}", file=sys.stderr)
         return 1
 
 

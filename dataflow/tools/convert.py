@@ -21,11 +21,13 @@ import numpy as np
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.history.report import MissingDependencyError
 from dataflow.io import VariableNotFoundError, to_zarr
+from dataflow.io.store_open import local_path_error
 from dataflow.tools.rechunk import (
     Rechunked,
     SourceFileError,
     check_dest,
     is_zarr_source,
+    local_dest,
     rechunk_store,
 )
 
@@ -78,6 +80,7 @@ def convert(
     spatial_chunks: dict[int | str, int] | None = None,
     chunks: str | dict[str | int, int] | None = None,
     fill_missing: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Converted | Rechunked:
     """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``,
     or rewrite the zarr store ``src`` (path or fsspec URL) with new ``chunks``.
@@ -97,7 +100,8 @@ def convert(
     ``x``/``y``, with attributes and dimension names, streamed slab by slab, with
     checksums): ``chunks`` is ``{dimension name or axis: length}`` or ``"lat=64,lon=64"``
     (None: same chunks); ``zarr_format`` defaults to the source's; a chunk absent from
-    ``src`` raises ``ChunkMissingError`` unless ``fill_missing``.
+    ``src`` raises ``ChunkMissingError`` unless ``fill_missing``; ``storage_options``:
+    fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them; ``dest`` is a local path).
     """
     if is_zarr_source(src):
         given = {"sample_dim": sample_dim, "chunk_mb": chunk_mb, "spatial_chunks": spatial_chunks}
@@ -117,10 +121,13 @@ def convert(
             zarr_format=zarr_format,
             overwrite=overwrite,
             fill_missing=fill_missing,
+            storage_options=storage_options,
         )
+    if storage_options is not None:
+        raise ConfigError(local_path_error("convert", src))
     chunk_mb = 8.0 if chunk_mb is None else chunk_mb
     zarr_format = 3 if zarr_format is None else zarr_format
-    src, dest = Path(src), Path(dest)
+    src, dest = Path(src), local_dest(dest)
     if not src.exists():
         raise SourceFileError(f"convert: no file {str(src)!r}; check the path")
     kind = FORMATS.get(src.suffix.lower())

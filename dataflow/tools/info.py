@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import zarr
 
-from dataflow.core.errors import ConfigError, DataError
+from dataflow.core.errors import ConfigError, DataError, DataflowError
 from dataflow.io.array_readers import ZarrArrayReader
 from dataflow.io.checksums import checksum_of
+from dataflow.io.store_open import open_zarr
+from dataflow.tools.storage_flags import storage_flags
 
 
 @dataclass
@@ -52,6 +54,7 @@ class StoreInfo:
     zarr_format: int
     sample_dim: str | int
     arrays: list[ArrayInfo]
+    flags: str = field(default="", repr=False)  # the storage options for a suggested command
 
     @property
     def samples(self) -> int | None:
@@ -69,6 +72,7 @@ class StoreInfo:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["flags"]
         out["samples"] = self.samples
         out["decode_samples_per_second"] = self.decode_samples_per_second
         out["chunks_missing"] = sum(a.chunks_missing or 0 for a in self.arrays)
@@ -124,7 +128,8 @@ class StoreInfo:
             lines.append(
                 f"note: {bare} carry no checksums: a chunk corrupted on disk that still decodes "
                 "would be trained on; check every chunk with `dataflow info --verify`, or "
-                f"copy the store with checksums: `dataflow convert {self.path} NEW.zarr`"
+                f"copy the store with checksums: `dataflow convert {self.path} NEW.zarr"
+                f"{self.flags}`"
             )
         rate = self.decode_samples_per_second
         if rate is not None:
@@ -217,20 +222,24 @@ def store_info(
     sample_dim: str | int = 0,
     check_missing: bool = True,
     decode_budget_s: float = 0.5,
+    storage_options: dict[str, Any] | None = None,
 ) -> StoreInfo:
     """Describe the zarr store (group or array) at ``path``; see the module docstring.
 
     ``sample_dim``: the dimension that indexes samples, a name (stores written from
     xarray) or an axis number; arrays without it are listed with no sample count.
     ``decode_budget_s``: the time spent decoding per array (0: no estimate).
+    ``storage_options``: fsspec's, for a URL (as ``ZarrSource`` takes them).
     """
     if isinstance(sample_dim, str) and sample_dim.lstrip("-").isdigit():
         sample_dim = int(sample_dim)
     if not Path(path).exists() and "://" not in str(path):
         raise DataError(f"info: no zarr store at {str(path)!r}; check the path")
     try:
-        node = zarr.open(store=str(path), mode="r")
-    except (FileNotFoundError, ValueError, KeyError) as exc:
+        node = open_zarr("info", path, storage_options)
+    except DataflowError:
+        raise
+    except (ValueError, KeyError) as exc:
         raise DataError(
             f"info: {str(path)!r} is not a zarr store ({exc}); write one with `dataflow convert`"
         ) from exc
@@ -290,6 +299,7 @@ def store_info(
         zarr_format=int(getattr(next(iter(arrays))[1].metadata, "zarr_format", 3)),
         sample_dim=sample_dim,
         arrays=described,
+        flags=storage_flags(storage_options),
     )
 
 

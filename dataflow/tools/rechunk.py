@@ -41,6 +41,7 @@ from dataflow.core.errors import (
 )
 from dataflow.io.array_readers import chunk_read_error
 from dataflow.io.checksums import checksummed_codecs
+from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 from dataflow.tools.info import _arrays, _names
 
@@ -141,20 +142,22 @@ def rechunk_store(
     fill_missing: bool = False,
     compressor: str | None = "zstd",
     memory_mb: float = DEFAULT_MEMORY_MB,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Rechunked:
     """Copy the zarr store ``src`` (path or fsspec URL) to the local path ``dest``, with
     ``chunks`` (``{dimension name or axis: length}``; None keeps the chunks: a copy with
     checksums). ``arrays``: only these (default: every array). ``zarr_format``: the
     source's by default. ``fill_missing``: write chunks absent from ``src`` as its fill
     value (only for a store whose writer skipped fill-value chunks on purpose); else
-    such a chunk raises ``ChunkMissingError``. ``memory_mb``: the slab copied at once."""
+    such a chunk raises ``ChunkMissingError``. ``memory_mb``: the slab copied at once.
+    ``storage_options``: fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them)."""
     wanted = {} if chunks is None else parse_chunks(chunks)
     if zarr_format not in (None, 2, 3):
         raise ConfigError(f"convert(zarr_format={zarr_format!r}): use 2 or 3")
     if not (isinstance(memory_mb, int | float) and memory_mb > 0):
         raise ConfigError(f"convert(memory_mb={memory_mb!r}): a positive number, e.g. 256")
-    dest = Path(dest)
-    node = _open_source(src)
+    dest = local_dest(dest)
+    node = _open_source(src, storage_options)
     if "://" not in str(src) and _same_or_inside(Path(src), dest):
         raise ConfigError(
             f"convert: DEST {str(dest)!r} is SRC {str(src)!r} or inside it; write the "
@@ -197,7 +200,18 @@ def rechunk_store(
     )
 
 
-def _open_source(src: str | Path) -> Any:
+def local_dest(dest: str | Path) -> Path:
+    """``dest`` as a local path: the copy is written beside it and moved into place, which
+    an object store cannot do, so a URL is refused, saying how to get the copy there."""
+    if "://" in str(dest):
+        raise ConfigError(
+            f"convert: DEST {str(dest)!r} is a URL; write to a local path (or a mounted "
+            "file system), then upload the store (e.g. `aws s3 sync` or `rclone copy`)"
+        )
+    return Path(dest)
+
+
+def _open_source(src: str | Path, storage_options: Mapping[str, Any] | None) -> Any:
     text = str(src)
     path = Path(text)
     if "://" not in text and not path.exists():
@@ -208,8 +222,10 @@ def _open_source(src: str | Path) -> Any:
             "give a zarr store, or a .npy, .npz, HDF5 or netCDF file"
         )
     try:
-        return zarr.open(store=text, mode="r")
-    except (FileNotFoundError, ValueError, KeyError, OSError) as exc:
+        return open_zarr("convert", text, storage_options)
+    except DataflowError:
+        raise
+    except (ValueError, KeyError, OSError) as exc:
         raise DataError(
             f"convert: cannot open {text!r} as a zarr store ({exc}); check the path or URL"
         ) from exc
