@@ -174,12 +174,13 @@ def test_custom_graph_clips_the_reduced_gradient(tmp_path):
 
 @pytest.mark.slow
 def test_segment_volume_beats_the_majority_class_on_a_slab_it_never_trained_on(tmp_path):
-    """A small run (a 64^3 volume chunked 16^3, 384 random 12^3 crops, 3 epochs): on the
+    """A small run (a 64^3 volume chunked 16^3, 384 random 12^3 crops, 2 epochs): on the
     held-out slab the net closes at least 40 % of the majority class's error (seeds 0-2
-    closed 73-78 %; the default run 82-84 %) and beats thresholding each voxel, and its
+    closed 58-70 %, 73-78 % in 3 epochs; the default run 82-84 %) and beats thresholding
+    each voxel (seeds 0-2: 75-82 % of voxels against its 57 %), and its
     mean IoU is at least twice the majority class's."""
     flags = ("--side", "64", "--chunk", "16", "--patch", "12", "--crops", "384")
-    result = run_example("segment_volume", tmp_path, *flags, "--epochs", "3", "--bar", "0.4")
+    result = run_example("segment_volume", tmp_path, *flags, "--epochs", "2", "--bar", "0.4")
     net, trivial = result["scores"]["net"], result["scores"]["majority"]
     assert result["error_closed"] >= 0.4 and result["passed"], result["scores"]
     assert net["accuracy"] > result["scores"]["threshold"]["accuracy"], result["scores"]
@@ -190,10 +191,11 @@ def test_segment_volume_beats_the_majority_class_on_a_slab_it_never_trained_on(t
 
 @pytest.mark.slow
 def test_forecast_fields_beats_persistence_on_a_later_year(tmp_path):
-    """A small run (3 years, the last held out, 3 epochs): the held-out RMSE is at most
-    0.85 x persistence's (seeds 0-2: 0.66-0.71; the default run 0.63-0.66)."""
+    """A small run (3 years, the last held out, 2 epochs): the held-out RMSE is at most
+    0.85 x persistence's (seeds 0-2: 0.68 each, 0.66-0.71 in 3 epochs; the default run
+    0.63-0.66)."""
     result = run_example(
-        "forecast_fields", tmp_path, "--years", "3", "--epochs", "3", "--bar", "0.85"
+        "forecast_fields", tmp_path, "--years", "3", "--epochs", "2", "--bar", "0.85"
     )
     assert result["rmse"]["net"] <= 0.85 * result["rmse"]["persistence"], result["rmse"]
     assert result["held_out_year"] == 2002 and result["train_years"] == [2000, 2001]
