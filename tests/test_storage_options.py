@@ -43,6 +43,8 @@ def test_values_are_json_when_they_parse_and_strings_otherwise():
         "secret": "s3cr3t",
     }
     assert "s3cr3t" not in repr(options) and "s3cr3t" not in str(options)
+    # a credential is kept as given, even when it would parse as a number
+    assert parse_storage_options(["secret=12345", "key=007"]) == {"secret": "12345", "key": "007"}
     assert parse_storage_options(None) is None and parse_storage_options([]) is None
     # A suggested command carries the options back, credentials left out
     flags = storage_flags({**options, "client_kwargs": {"aws_secret_access_key": "s3cr3t"}})

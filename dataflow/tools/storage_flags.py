@@ -59,7 +59,8 @@ def parse_storage_options(items: Sequence[str] | None) -> StorageOptions | None:
             )
         if key in options:
             raise ConfigError(f"{FLAG} {key}=...: given twice; give each option once")
-        options[key] = _value(value)
+        # a credential stays the string given (secret=12345 is not the number 12345)
+        options[key] = value if is_secret(key) else _value(value)
     return options
 
 
