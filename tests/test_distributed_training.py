@@ -7,6 +7,7 @@ from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd, 
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.driver import executor
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +133,12 @@ class FailOnReplica(stages.Stage):
         return batch
 
 
-def test_a_failing_replica_fails_the_fit_loudly_and_frees_the_cluster(client):
+def test_a_failing_replica_fails_the_fit_loudly_and_frees_the_cluster(client, monkeypatch):
+    """Replica 1 raises its own error at step 3 while replica 0 waits in the allreduce:
+    the fit raises replica 1's error, and the abort releases replica 0 (the next fit on
+    the same cluster trains). The driver's grace for the other replicas' errors is cut
+    to 1 s: replica 0 fails with none of its own, and the default 5 s were pure wait."""
+    monkeypatch.setattr(executor, "FAILURE_GRACE_S", 1.0)
     x, y = make_data(64)
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
