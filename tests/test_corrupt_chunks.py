@@ -19,6 +19,7 @@ from conftest import make_data, tiny_pipeline
 from distributed import Client
 
 import dataflow as dfl
+from dataflow.driver import executor
 from dataflow.io.checksums import checksum_of
 from dataflow.tools.cli import main
 
@@ -115,7 +116,11 @@ def test_the_dry_run_stops_at_a_damaged_chunk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_worker_meeting_a_damaged_chunk_stops_the_fit(client, tmp_path):
+def test_a_worker_meeting_a_damaged_chunk_stops_the_fit(client, tmp_path, monkeypatch):
+    """The fit stops with the ChunkReadError of the replica that read the damaged chunk,
+    naming the chunk. The driver's grace for the other replicas' errors is cut to 1 s:
+    the first error is the root cause here, and the default 5 s were pure wait."""
+    monkeypatch.setattr(executor, "FAILURE_GRACE_S", 1.0)
     path = written_store(tmp_path, 3)
     damage(chunk_file(path, "x", 6, 3))
     x, y = make_data(64)
