@@ -855,11 +855,19 @@ def test_only_an_error_that_may_echo_a_lost_peer_waits_for_the_schedulers_word()
 
     from dataflow.core.errors import CollectiveError, DataError, NonFiniteError
     from dataflow.driver.root_cause import may_echo_a_loss
+    from dataflow.ps.shard import ShardError
 
     gloo = RuntimeError("Connection closed by peer [127.0.0.1]:29871")
-    for echo in (CollectiveError("aborted"), gloo, ConnectionResetError(), TimeoutError(), None):
+    timeout = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out"
+    )
+    store = ShardError("parameter store, replica 0: replica 1 failed in window 2: ...")
+    echoes = (CollectiveError("aborted"), gloo, timeout, store, ConnectionResetError())
+    for echo in (*echoes, TimeoutError(), None):
         assert may_echo_a_loss(echo), echo
+    # a model's mistakes are RuntimeErrors too, but no peer's: reported at once
+    shapes = RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x64 and 32x3)")
+    dtypes = RuntimeError("Input type (unsigned char) and bias type (float) should be the same")
     own = (NonFiniteError("step 7"), DataError("label 7"), ValueError(), IndexError(), KeyError())
-    for error in own:
+    for error in (*own, shapes, dtypes, RuntimeError("disk on fire"), torch.OutOfMemoryError()):
         assert not may_echo_a_loss(error), error
-    assert may_echo_a_loss(torch.OutOfMemoryError())  # a RuntimeError: memory.py names it

@@ -12,6 +12,7 @@ the one it acts on (:func:`acted_on`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +65,9 @@ def root_cause(failures: Sequence[tuple[tuple[int, int], Any]]) -> int | None:
 # the scheduler has not yet reported lost. Named, not imported: pure.
 _MAY_ECHO_A_LOSS = {
     "CollectiveError",
-    "RuntimeError",  # gloo's "connection closed by peer", "timed out waiting"
+    "ShardError",  # the parameter store: "replica 1 failed in window 2"
+    "DistError",  # torch.distributed's own, and its subclasses below
+    "DistBackendError",
     "DistStoreError",
     "DistNetworkError",
     "OSError",
@@ -77,11 +80,28 @@ _MAY_ECHO_A_LOSS = {
 }
 
 
+# A plain RuntimeError is both gloo's word for a vanished peer ("[.../gloo/transport/
+# tcp/pair.cc:534] Connection closed by peer", "Timed out waiting 20000ms for recv") and
+# torch's for a model's mistake ("mat1 and mat2 shapes cannot be multiplied"): only the
+# first kind, told by its message, may echo a loss.
+_COMMUNICATION = re.compile(
+    r"gloo|nccl|connect|socket|peer|timed? ?out|broken pipe|reset|closed|store|"
+    r"rendezvous|process ?group|abort",
+    re.IGNORECASE,
+)
+
+
 def may_echo_a_loss(error: BaseException | None) -> bool:
     """Whether ``error`` may be a peer's death seen from a survivor, so that the driver
     should give the scheduler a moment to report the loss before calling it a failure.
     None (a cancelled task) may; an error of the replica's own (bad data, a model's
-    mistake, a non-finite step, out of memory) does not, and is reported at once."""
+    mistake such as a shape mismatch, a non-finite step, out of memory) does not, and
+    is reported at once (the grace is seconds a user waits for a typo's traceback)."""
     if error is None:
         return True
-    return any(kind.__name__ in _MAY_ECHO_A_LOSS for kind in type(error).__mro__[:-2])
+    kinds = [kind.__name__ for kind in type(error).__mro__[:-2]]
+    if any(kind in _MAY_ECHO_A_LOSS for kind in kinds):
+        return True
+    if kinds[0] == "OutOfMemoryError":  # a RuntimeError, but never a peer's
+        return False
+    return "RuntimeError" in kinds and _COMMUNICATION.search(str(error)) is not None
