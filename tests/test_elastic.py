@@ -115,22 +115,29 @@ def test_a_worker_that_cannot_set_up_is_left_out_and_the_fit_goes_on():
     assert max_abs_diff(result.model, expected) <= 1e-5
 
 
+@pytest.mark.timeout(150)
 def test_a_first_group_worker_that_cannot_set_up_is_left_out_unless_every_one_fails(
     monkeypatch,
 ):
     """Of a first group of two workers, one cannot build the model (its node's fault):
     it is left out and the other trains alone, exactly as a one-replica fit. When no
-    worker can, the error is the fit's own: it stops with it (within the driver's grace
-    for the others' errors, cut to 1 s here: one that comes later is the same error on
-    a second worker, which stops the fit too)."""
-    monkeypatch.setattr(group_forming, "FAILURE_GRACE_S", 1.0)
+    worker can, the error is the fit's own: it stops with it. The driver's grace for
+    the others' errors is set to 10 minutes here: the healthy worker, waiting for the
+    failed one in the group's first collective, is released by giving the forming up
+    (it used to hold the grace, or the collective timeout, to its end); and a worker
+    that fails after the grace
+    would raise the same error as the first, which stops the fit too."""
+    monkeypatch.setattr(group_forming, "FAILURE_GRACE_S", 600.0)
     x, y = make_data(96)
     with (
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         good, bad = sorted(client.scheduler_info()["workers"])
-        pipe = tiny_pipeline(x, y, model=OnlyOn((good,)), optimizer=plain_sgd)
+        # (a collective timeout of 10 minutes too: it used to end that wait after 30 s)
+        pipe = tiny_pipeline(
+            x, y, model=OnlyOn((good,)), optimizer=plain_sgd, collective_timeout_s=600.0
+        )
         result = pipe.fit(epochs=2, client=client)
         with pytest.raises(ModuleNotFoundError, match="No module named 'libfoo'"):
             tiny_pipeline(x, y, model=OnlyOn(()), optimizer=plain_sgd).fit(epochs=1, client=client)

@@ -130,12 +130,15 @@ class GroupForming:
         timeout. ``every`` (a first group: no worker is known to run the fit yet): the
         others' setups get ``FAILURE_GRACE_S`` to fail too, and when every one of them
         raised its own error, nothing is refused (the error is the fit's: ``gather``
-        raises it)."""
+        raises it). The forming is given up on them first: those that wait for the
+        failed workers in the group's first collectives then fail at once (an echo),
+        rather than hold the grace to its end; those that fail on their own still do."""
         pending = [*setups, *regroups]
         while pending:
             done, pending = wait_some(pending, self.removals.removed)
             own = _own_errors(setups, done)
             if own and every and pending:
+                self._abort_forming(self.generation, [a for a, _ in own])
                 with contextlib.suppress(TimeoutError, CancelledError):
                     wait(pending, timeout=FAILURE_GRACE_S)
                 own = _own_errors(setups, list(setups))
