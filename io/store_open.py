@@ -38,19 +38,25 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str | Path) and "://" in str(path)
 
 
-def open_zarr(caller: str, path: str | Path, storage_options: Mapping[str, Any] | None) -> Any:
-    """The zarr group or array at ``path``; ``caller`` (``"info"``) starts the messages.
-    The options are kept as :class:`StorageOptions`, so no repr of them shows a secret."""
+def open_zarr(
+    caller: str, path: str | Path, storage_options: Mapping[str, Any] | None, hint: str = ""
+) -> Any:
+    """The zarr group or array at ``path``; ``caller`` (``"info"``) starts the messages,
+    ``hint`` ends the one for a folder or object that is not a zarr store. The options
+    are kept as :class:`StorageOptions`, so no repr of them shows a secret."""
     options = StorageOptions.of(storage_options)
-    if not is_url(path):
-        if options:  # zarr would refuse them with a TypeError
-            raise ConfigError(local_path_error(caller, path))
-        return _open_zarr(path, options, caller)
+    if not is_url(path) and options:  # zarr would refuse them with a TypeError
+        raise ConfigError(local_path_error(caller, path))
     try:
         return _open_zarr(path, options, caller)
-    except (DataflowError, ValueError, KeyError):
-        raise  # not a zarr store, or none there: each tool says so in its own words
-    except Exception as exc:  # the client's: credentials, permissions, endpoint, options
+    except DataflowError:
+        raise  # nothing there: _open_zarr said so
+    except (ValueError, KeyError) as exc:  # something there, but no zarr metadata
+        raise DataError(f"{caller}: {str(path)!r} is not a zarr store ({exc}){hint}") from exc
+    except Exception as exc:
+        if not is_url(path):
+            raise
+        # the client's: credentials, permissions, endpoint, options
         raise DataError(
             f"{caller}: cannot open {str(path)!r} ({type(exc).__name__}: {exc}); {REMOTE_HINT}"
         ) from exc

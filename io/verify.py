@@ -24,7 +24,7 @@ import numpy as np
 import zarr
 from zarr.core.sync import sync
 
-from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import chunk_read_error
 from dataflow.io.checksums import checksum_of
 from dataflow.io.store_open import open_zarr
@@ -150,12 +150,7 @@ def verify_store(
 def _open(path: str | Path, storage_options: dict[str, Any] | None) -> Any:
     if "://" not in str(path) and not Path(path).exists():
         raise DataError(f"verify_store: no zarr store at {str(path)!r}; check the path")
-    try:
-        return open_zarr("verify_store", path, storage_options)
-    except DataflowError:
-        raise
-    except (ValueError, KeyError) as exc:
-        raise DataError(f"verify_store: {str(path)!r} is not a zarr store ({exc})") from exc
+    return open_zarr("verify_store", path, storage_options)
 
 
 def _members(node: Any, label: str, names: list[str] | None) -> list[tuple[str, zarr.Array]]:

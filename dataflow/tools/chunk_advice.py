@@ -27,7 +27,7 @@ from typing import Any
 
 import zarr
 
-from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataflowError
 from dataflow.io.mixing import Mixing, format_mixing, source_mixing
 from dataflow.io.sharding import DEFAULT_BUFFER_CHUNKS
 from dataflow.io.store_open import open_zarr
@@ -316,12 +316,7 @@ def patch_advice(
     a URL (as ``ZarrSource`` takes them)."""
     if isinstance(patch, str):
         patch = parse_patch(patch)
-    try:
-        node = open_zarr("info", path, storage_options)
-    except DataflowError:
-        raise
-    except (ValueError, KeyError) as exc:
-        raise DataError(f"info: {str(path)!r} is not a zarr store ({exc})") from exc
+    node = open_zarr("info", path, storage_options)
     windowed = [(n, a, _axes(a, patch)) for n, a in _arrays(node)]
     skipped = [n for n, _, axes in windowed if axes is None]
     windowed = [(n, a, axes) for n, a, axes in windowed if axes is not None]

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import ZarrArrayReader
 from dataflow.io.checksums import checksum_of
 from dataflow.io.store_open import open_zarr
@@ -235,14 +235,7 @@ def store_info(
         sample_dim = int(sample_dim)
     if not Path(path).exists() and "://" not in str(path):
         raise DataError(f"info: no zarr store at {str(path)!r}; check the path")
-    try:
-        node = open_zarr("info", path, storage_options)
-    except DataflowError:
-        raise
-    except (ValueError, KeyError) as exc:
-        raise DataError(
-            f"info: {str(path)!r} is not a zarr store ({exc}); write one with `dataflow convert`"
-        ) from exc
+    node = open_zarr("info", path, storage_options, "; write one with `dataflow convert`")
     arrays = _arrays(node)
     if not arrays:
         raise DataError(f"info: the zarr store {str(path)!r} holds no arrays")

@@ -222,13 +222,9 @@ def _open_source(src: str | Path, storage_options: Mapping[str, Any] | None) -> 
             "give a zarr store, or a .npy, .npz, HDF5 or netCDF file"
         )
     try:
-        return open_zarr("convert", text, storage_options)
-    except DataflowError:
-        raise
-    except (ValueError, KeyError, OSError) as exc:
-        raise DataError(
-            f"convert: cannot open {text!r} as a zarr store ({exc}); check the path or URL"
-        ) from exc
+        return open_zarr("convert", text, storage_options, "; check the path or URL")
+    except OSError as exc:  # a local file system's
+        raise DataError(f"convert: cannot open {text!r} ({exc}); check the path") from exc
 
 
 def _same_or_inside(src: Path, dest: Path) -> bool:
