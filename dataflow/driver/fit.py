@@ -20,7 +20,7 @@ from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
 from dataflow.history.result import FitResult
-from dataflow.planning.layout import starting_workers
+from dataflow.planning.layout import starting_workers, whole_replicas
 from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica import ReplicaSpec
 from dataflow.runtime.throttle import as_slowdown
@@ -196,7 +196,7 @@ def most_replicas(config: Any) -> int | None:
     is ``spatial`` workers; None: no limit)."""
     if config.replicas is not None or config.max_workers is None:
         return config.replicas
-    return max(1, config.max_workers // config.spatial)
+    return whole_replicas(config.max_workers, config.spatial)
 
 
 def plan_from_cost_model(trainer: Any, replicas: int, epochs: int) -> FitPlan:

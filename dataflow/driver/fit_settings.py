@@ -12,6 +12,7 @@ from typing import Any
 
 from dataflow.costmodel import CostModel, best_replicas, bucket_bytes, window_seconds
 from dataflow.costmodel.model import MIB
+from dataflow.planning.layout import whole_replicas
 
 DEFAULT_WINDOW_SECONDS = 1.0
 DEFAULT_BUCKET_MB = 25.0
@@ -150,7 +151,7 @@ def workers_wanted(scaling: WorkerScaling, global_batch: int) -> WorkersWanted:
     that no replica's batch exceeds ``max_micro_batch``. Counted in replicas, asked
     for in workers (``spatial`` per replica), never more than ``max_workers``."""
     size, cap = scaling.spatial, scaling.max_micro_batch
-    most = max(1, scaling.max_workers // size)  # replicas
+    most = whole_replicas(scaling.max_workers, size)
     model = _fit_model(scaling.cost_model, cap, scaling.wire_scale)
     if model is None:
         replicas = min(most, math.ceil(global_batch / cap))

@@ -77,7 +77,7 @@ class LostWorkers:
         if signature in s.setup_errors:
             s.status = Status.FAILED
             return [cmd.Fail(error=error)]
-        s.setup_errors = {**s.setup_errors, signature: event.workers}
+        s.setup_errors = s.setup_errors | {signature}
         out = self._workers_lost(ev.WorkersLost(event.workers))
         for command in out:
             if isinstance(command, cmd.RecordFailure):

@@ -102,9 +102,9 @@ class FitState:
     memory_halvings: int = 0
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
-    # Workers' own setup errors so far ("Type: first line" -> the workers): the same one
-    # on a second worker is the fit's mistake, not a node's
-    setup_errors: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Workers' own setup errors so far ("Type: first line"): the same one on a second
+    # worker is the fit's mistake, not a node's
+    setup_errors: frozenset[str] = frozenset()
     lost_everything: Any = None  # the FailureRecord of a restart (every replica lost)
     # Asynchronous updates: replicas lost while the survivors finish the window in
     # flight (fit-wide number ``release_window``) without them, and their workers

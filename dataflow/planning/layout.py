@@ -149,6 +149,13 @@ class ReplicaGroups:
         return ReplicaGroups(self.groups + other.groups)
 
 
+def whole_replicas(max_workers: int, size: int) -> int:
+    """How many replicas of ``size`` workers ``max_workers`` holds (at least one: the
+    config refuses fewer workers than one replica needs). ``max_workers`` counts
+    workers, whatever the layout."""
+    return max(1, max_workers // size)
+
+
 def starting_workers(
     available: Sequence[str], replicas: int | None, size: int = 1, most: int | None = None
 ) -> list[str]:
@@ -166,7 +173,7 @@ def starting_workers(
         )
     wanted = replicas * size if replicas else len(available)
     if not replicas and most is not None:
-        wanted = min(wanted, max(1, most // size) * size)
+        wanted = min(wanted, whole_replicas(most, size) * size)
     if wanted > len(available):
         each = f" of {size} workers each need {wanted}" if size > 1 else ""
         raise ConfigError(
