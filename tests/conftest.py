@@ -206,6 +206,25 @@ def digits_accuracy(client, data: dict, **options) -> float:
     return float(pipe.fit(epochs=10, client=client).history.epochs[-1]["eval_accuracy"])
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 server behind a latency proxy (tests/object_store.py), for one module."""
+    from object_store import s3_server
+
+    with s3_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3_stores(s3, tmp_path_factory):
+    """The same data twice: a local zarr store of make_data(256), and its copy in the
+    bucket (``s3.upload``)."""
+    local = dfl.io.to_zarr(
+        tmp_path_factory.mktemp("s3") / "train.zarr", *make_data(256), chunk_mb=0.01
+    )
+    return local, s3.upload(local, "train.zarr")
+
+
 @pytest.fixture(scope="session")
 def pool2():
     """A gloo group of 2 spawned processes (``dataflow.spatial.local_group.LocalGroup``),

@@ -18,23 +18,9 @@ import torch
 import torch.nn.functional as F
 import zarr
 from conftest import TinyCNN, make_data, sgd
-from object_store import KEY, SECRET, s3_server
+from object_store import KEY, SECRET
 
 import dataflow as dfl
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def stores(s3, tmp_path_factory):
-    """The same data twice: a local zarr store, and its copy in the bucket."""
-    x, y = make_data(256)
-    local = dfl.io.to_zarr(tmp_path_factory.mktemp("s3") / "train.zarr", x, y, chunk_mb=0.01)
-    return local, s3.upload(local, "train.zarr")
 
 
 @pytest.fixture
@@ -53,9 +39,9 @@ def batches(source, **options):
 
 
 def test_an_s3_store_streams_the_local_batches_with_chunk_requests_in_flight_together(
-    s3, stores, proxy
+    s3, s3_stores, proxy
 ):
-    local, url = stores
+    local, url = s3_stores
     remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
     assert len(remote.chunk_bounds) > 4  # several chunks, so several GETs to overlap
     proxy.delay, proxy.rendezvous = 0.01, 2  # the first chunk GET waits for a second
@@ -115,11 +101,11 @@ def tiles(store, **options):
 
 
 def test_an_epoch_from_s3_sends_no_head_its_gets_are_the_existence_check(
-    s3, stores, proxy, tmp_path
+    s3, s3_stores, proxy, tmp_path
 ):
     """Each object of an epoch is asked for once (a GET) and never HEAD-ed: the GET
     is the existence check; a resident array read is not checked again."""
-    local, url = stores
+    local, url = s3_stores
     remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
     proxy.reset_counts()
     got = two_epochs(remote)
@@ -172,8 +158,10 @@ def test_an_object_missing_from_s3_is_named_and_never_read_as_fill_values(
         assert np.array_equal(gi, wi) and torch.equal(gx, wx) and torch.equal(gy, wy)
 
 
-def test_credentials_never_print_and_also_come_from_the_environment(s3, stores, proxy, monkeypatch):
-    _, url = stores
+def test_credentials_never_print_and_also_come_from_the_environment(
+    s3, s3_stores, proxy, monkeypatch
+):
+    _, url = s3_stores
     source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
     shown = [
         repr(source),
@@ -194,18 +182,18 @@ def test_credentials_never_print_and_also_come_from_the_environment(s3, stores, 
     assert from_env.read(np.arange(4)).size == 4
 
 
-def test_bad_fetch_ahead_is_refused_naming_the_field(stores):
-    local, _ = stores
+def test_bad_fetch_ahead_is_refused_naming_the_field(s3_stores):
+    local, _ = s3_stores
     with pytest.raises(dfl.ConfigError, match=r"fetch_ahead_mb=0.*number > 0"):
         dfl.io.ZarrSource(local, x="x", y="y", fetch_ahead_mb=0)
 
 
 @pytest.mark.slow
 def test_a_fit_from_s3_has_an_exact_ledger_and_leaves_no_credentials_behind(
-    client, s3, stores, proxy, tmp_path, caplog
+    client, s3, s3_stores, proxy, tmp_path, caplog
 ):
     caplog.set_level(logging.DEBUG)
-    _, url = stores
+    _, url = s3_stores
     proxy.delay = 0.005
     proxy.rendezvous = 3  # more than one GET per worker: each fetches its epoch ahead
     source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)

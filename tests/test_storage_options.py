@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 from conftest import make_data
-from object_store import SECRET, close_sessions, s3_server
+from object_store import SECRET, close_sessions
 
 import dataflow as dfl
 from dataflow.tools.cli import main
@@ -105,21 +105,6 @@ def test_help_names_the_flag_and_says_to_keep_secrets_in_the_environment(capsys)
     assert "SRC given as a URL (DEST is always a local path)" in text
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def stores(s3, tmp_path_factory):
-    """A local store and its copy in the bucket."""
-    local = dfl.io.to_zarr(
-        tmp_path_factory.mktemp("options") / "train.zarr", *make_data(256), chunk_mb=0.01
-    )
-    return local, s3.upload(local, "train.zarr")
-
-
 @pytest.fixture
 def no_aws_environment(monkeypatch, tmp_path):
     """No credentials, endpoint or profile from this machine: only the flags count."""
@@ -138,9 +123,9 @@ def flags(s3):
 
 
 def test_info_reports_an_s3_store_given_its_options_and_never_prints_the_secret(
-    s3, stores, no_aws_environment, capsys
+    s3, s3_stores, no_aws_environment, capsys
 ):
-    _, url = stores
+    _, url = s3_stores
     assert main(["info", url, *flags(s3), "--verify", "--patch", "2=4,3=4"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith(f"{url}: zarr format 3, 2 array(s), 256 samples along axis 0")
@@ -157,9 +142,9 @@ def test_info_reports_an_s3_store_given_its_options_and_never_prints_the_secret(
 
 
 def test_convert_rechunks_an_s3_store_to_a_local_copy_equal_to_its_source(
-    s3, stores, no_aws_environment, tmp_path, capsys
+    s3, s3_stores, no_aws_environment, tmp_path, capsys
 ):
-    local, url = stores
+    local, url = s3_stores
     dest = tmp_path / "copy.zarr"
     assert main(["convert", url, str(dest), "--chunks", "0=32", *flags(s3)]) == 0
     captured = capsys.readouterr()
@@ -173,9 +158,9 @@ def test_convert_rechunks_an_s3_store_to_a_local_copy_equal_to_its_source(
 
 @pytest.mark.parametrize("command", ["info", "convert"])
 def test_without_the_options_an_s3_store_is_refused_in_one_clear_line(
-    command, s3, stores, no_aws_environment, tmp_path, capsys
+    command, s3, s3_stores, no_aws_environment, tmp_path, capsys
 ):
-    _, url = stores
+    _, url = s3_stores
     dest = tmp_path / "copy.zarr"
     args = [url] + ([str(dest)] if command == "convert" else [])
     assert main([command, *args]) == 1
