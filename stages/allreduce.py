@@ -293,7 +293,6 @@ class AllReduce(Stage):
                 value = average[offset : offset + t.numel()].view(t.shape)
                 t.copy_(value if t.is_floating_point() else value.round())
                 offset += t.numel()
-        replica.orphans = tuple(store.orphans())
         return float(reply["drift"])
 
     def _replica_grad_sq(self, model: Any) -> Any:

@@ -169,15 +169,22 @@ class Evaluate(Stage):
         """Local or asynchronous updates: the epoch's last step ends its window
         (``Plan.build``), and the evaluation waits for the window's end, where the
         replicas' weights are averaged (or taken from the parameter store): it scores
-        the shared model, not this replica's own."""
+        the shared model, not this replica's own. With a parameter store the replicas'
+        sums meet there (not in the process group, which a loss may have aborted):
+        each result then holds the whole set's, so a replica lost after it scored
+        takes no share with it (its result may never reach the driver)."""
         step = getattr(self, "_due", None)
-        if step is not None:
-            self._due = None
-            scores = self.evaluate_shard(step)
-            for rank in replica.orphans:  # a lost replica's share, so none goes unscored
-                for key, value in self.evaluate_shard(step, rank).items():
-                    scores[key] += value
-            step.metrics["eval"] = scores  # (the group may be aborted: not summed over it)
+        if step is None:
+            return
+        self._due = None
+        scores = self.evaluate_shard(step)
+        store = replica.parameter_store
+        if store is not None and replica.world_size > 1:
+            handed = store.sum_held_out(step.spec.index, scores)
+            scores = whole_from_shares(
+                handed, replica.world_size, lambda rank: self.evaluate_shard(step, rank)
+            )
+        step.metrics["eval"] = scores
 
     def prepare(self, batch: Any, device: torch.device) -> Any:
         """A held-out batch on ``device`` with the evaluation transforms applied, as the
@@ -235,6 +242,19 @@ def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
     wait = getattr(group, "wait", None)  # the runtime's: fails at once on an aborted group
     wait(handle) if wait is not None else handle.wait()
     summed = dict(zip(keys, totals.cpu().tolist(), strict=True))
+    summed["count"] = round(summed["count"])
+    summed[WHOLE] = 1.0
+    return summed
+
+
+def whole_from_shares(
+    handed: dict[int, dict[str, float]], replicas: int, score_share: Callable[[int], dict]
+) -> dict[str, float]:
+    """The whole held-out set's sums, marked ``WHOLE``, from the shares ``handed`` in by
+    replica; a share nobody handed in (its replica was lost before) is scored here by
+    ``score_share(rank)``. Summed in rank order: the same on every survivor."""
+    shares = [handed[r] if r in handed else score_share(r) for r in range(replicas)]
+    summed = {key: math.fsum(share[key] for share in shares) for key in shares[0]}
     summed["count"] = round(summed["count"])
     summed[WHOLE] = 1.0
     return summed

@@ -366,9 +366,11 @@ def test_staleness_zero_equals_synchronous_training(client):
     (phase,) = async_.history.phases
     steps = len(synchronous.history.steps)
     assert phase.staleness_counts == [[steps], [steps]]  # every push applied on time
-    # replica 1's pushes and window barriers reached shard 0's host over the data
-    # plane, not Dask's RPC (replica 0 calls the shard its own worker hosts directly)
-    assert served == steps + phase.windows, (served, steps, phase.windows)
+    # replica 1's pushes, window barriers and held-out sums (one per evaluation)
+    # reached shard 0's host over the data plane, not Dask's RPC (replica 0 calls the
+    # shard its own worker hosts directly)
+    evaluations = len(async_.history.epochs)
+    assert served == steps + phase.windows + evaluations, (served, steps, phase.windows)
 
 
 def _plane_requests(dask_worker):

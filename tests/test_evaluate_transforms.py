@@ -13,8 +13,10 @@ from conftest import TinyCNN, make_data, sgd
 
 import dataflow as dfl
 from dataflow import stages
+from dataflow.core.window import WHOLE, scored_samples
 from dataflow.errors import ConfigError, GraphError
 from dataflow.stages.base import ReplicaContext, StepContext, StepSpec
+from dataflow.stages.evaluate import whole_from_shares
 from dataflow.trainer import Trainer
 
 LOG = dfl.ops.Log1p(scale=2.0)
@@ -91,24 +93,29 @@ def test_evaluation_applies_the_graph_transforms_without_a_cluster():
     assert abs(by_hand(model, x[32:], y[32:], transforms=(LOG, STD, FLIP)) - expected) > 1e-4
 
 
-def test_a_lost_replicas_held_out_share_is_scored_by_a_survivor():
-    """Asynchronous updates go on without a lost replica until the fit regroups: at the
-    window's end a survivor scores the lost one's share of the held-out set too
-    (``ReplicaContext.orphans``), so the epoch's metrics cover every sample."""
+def test_the_shares_nobody_handed_in_are_scored_here_and_the_sum_is_whole():
+    """Asynchronous or local updates: the replicas' held-out sums meet at the parameter
+    store; a share no replica handed in (its replica was lost before) the survivor
+    scores itself, so its result holds the whole set's sums, marked ``WHOLE``."""
     x, y = positive_data(60)
     graph, evaluate = training_graph(x[:30], y[:30], x[30:], y[30:])
     evaluate.bind(graph)
     torch.manual_seed(0)
     model = TinyCNN()
     step = last_step(evaluate, model)
-    step.replica.world_size, step.replica.asynchronous = 3, dfl.sync.Async()
-    step.replica.orphans = (2,)
-    evaluate.run(step)  # deferred to the window's end (the store's weights)
-    evaluate.end_window(step.replica)
-    scores = step.metrics["eval"]
-    assert scores["count"] == 20  # its own third of the 30, and replica 2's
-    expected = (by_hand(model, x[30:40], y[30:40]) + by_hand(model, x[50:], y[50:])) / 2
-    assert scores["loss"] / 20 == pytest.approx(expected, rel=1e-5)
+    step.replica.world_size = 3
+    handed = {r: evaluate.evaluate_shard(step, r) for r in (0, 1)}  # replica 2 lost
+    scored = []
+
+    def score_share(rank):
+        scored.append(rank)
+        return evaluate.evaluate_shard(step, rank)
+
+    scores = whole_from_shares(handed, 3, score_share)
+    assert scored == [2]
+    assert scores["count"] == 30 and scores[WHOLE] == 1.0
+    assert scores["loss"] / 30 == pytest.approx(by_hand(model, x[30:], y[30:]), rel=1e-5)
+    assert scored_samples([scores, scores]) == 30  # every survivor's result: one count
 
 
 def test_explicit_transforms_override_the_graph_and_random_ones_are_refused():

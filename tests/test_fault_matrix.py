@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -136,15 +137,16 @@ def _fit(client, folder, *, sync: str, evaluate: bool, data: str, **options) -> 
     return result, held_out, marker
 
 
-def _assert_recovered(result, marker, sync: str) -> None:
+def _assert_recovered(result, marker, sync: str, commits=(2 * WINDOW,)) -> None:
     """One worker really died mid-window and the fit went on without it; every sample
-    of every epoch was trained exactly once; the weights are finite."""
+    of every epoch was trained exactly once; the weights are finite. ``commits``: the
+    steps a released window may end at."""
     assert marker.exists(), "replica 1 killed its worker"
     [failure] = result.history.info["failures"]
     assert failure["replicas_before"] == 2 and failure["replicas_after"] == 1, failure
     if sync in ("async", "local"):  # released: the survivor finished the window in flight
         assert failure["kept_window"] and failure["window_steps_lost"] == 0, failure
-        assert failure["commit_step"] == 2 * WINDOW, failure
+        assert failure["commit_step"] in commits, failure
     else:  # rolled back to the last commit and replayed from there
         assert failure["commit_step"] <= KILL_STEP, failure
         assert failure["window_steps_lost"] >= KILL_STEP - failure["commit_step"], failure
@@ -262,6 +264,67 @@ def test_a_worker_killed_mid_window_recovers_in_every_configuration(
         for epoch in result.history.epochs:
             assert "held_out_samples" not in epoch
             assert not any(key.startswith("eval_") for key in epoch), epoch
+
+
+class KillAfterItsEvaluation(stages.Stage):
+    """Test stage, after Evaluate: SIGKILLs replica ``rank``'s worker at the end of the
+    window that stops at step ``stop``, once it scored its share of the held-out set
+    (and handed the sums to the parameter store), once per ``marker`` file."""
+
+    def __init__(self, marker: str, *, stop: int, rank: int = 1) -> None:
+        super().__init__("KillAfterItsEvaluation")
+        self.marker, self.stop, self.rank = marker, stop, rank
+
+    def run(self, step: stages.StepContext, *inputs):
+        return inputs[0] if inputs else None
+
+    def end_window(self, replica) -> None:
+        if (
+            replica.rank == self.rank
+            and replica.window[1] == self.stop
+            and replica.world_size > 1
+            and not os.path.exists(self.marker)
+        ):
+            Path(self.marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sync", ["local", "async"])
+def test_a_replica_lost_after_it_scored_its_held_out_share_takes_no_share_with_it(
+    client, tmp_path, sync
+):
+    """Replica 1 scores its half of the held-out set at the end of the window that ends
+    epoch 0, then dies before its result reaches the driver. The replicas' sums met at
+    the parameter store first, so the survivor's result holds the whole set's: the
+    window is kept (nothing rolled back) and the epoch scores all 90 samples. (Each
+    result held only its own half: the window was trained again, or, once the
+    survivors had gone past it, kept with half the set scored, which the fault soak met
+    about once in 10 kills under ``Local``.)"""
+    source, held_out = _sources("memory", tmp_path)
+    marker = tmp_path / "killed"
+    g = dfl.Graph()
+    out = g.add(stages.Forward(TinyCNN, _cross_entropy), g.add(stages.Load(source)))
+    reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
+    evaluate = g.add(
+        stages.Evaluate(held_out, metrics={"loss": _cross_entropy}),
+        g.add(stages.Update(sgd), reduced),
+    )
+    g.add(KillAfterItsEvaluation(str(marker), stop=2 * WINDOW), evaluate)
+    trainer = dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(BATCH),
+        seed=0,
+        progress=False,
+        collective_timeout_s=20.0,
+        elastic=False,
+        **SYNCS[sync](),
+    )
+    result = trainer.fit(epochs=EPOCHS, client=client)
+    # released in that window's end or, noticed later, in the next window
+    _assert_recovered(result, marker, sync, commits=(2 * WINDOW, 3 * WINDOW))
+    _assert_evaluated(result, held_out)
+    assert "partial_evaluations" not in result.history.info
 
 
 # -- a NaN in one batch, under each on_non_finite policy ---------------------------------

@@ -162,3 +162,36 @@ def test_a_failed_shard_fails_the_waiting_hand_ins():
 
     with pytest.raises(ShardError, match="replica 1 failed"):
         run(main())
+
+
+def test_the_held_out_sums_wait_for_every_replica_and_keep_a_lost_ones_share():
+    """The evaluation at a window's end: each replica hands in its held-out sums and
+    gets every replica's back. Replica 1 handed in and then died: its share stays
+    (its own result may never reach the driver). Replica 2 died before it handed in:
+    once dropped, nobody waits for it and its share is missing (the survivors score it)."""
+
+    def sums(rank):
+        return {"count": 10.0, "loss": float(rank)}
+
+    async def main():
+        s = shard()
+        calls = [asyncio.ensure_future(s.sum_held_out(r, 11, sums(r))) for r in (0, 1)]
+        await until(lambda: set(s.held_out.get(11, ())) == {0, 1}, "replicas 0, 1 handed in")
+        assert not any(c.done() for c in calls)  # replica 2 is still evaluating
+        await s.drop([1, 2])
+        replies = await asyncio.gather(*calls)
+        with pytest.raises(ShardError, match="replica 2 handed in scores after it was dropped"):
+            await s.sum_held_out(2, 11, sums(2))
+        return replies
+
+    for reply in run(main()):
+        assert reply["sums"] == {0: sums(0), 1: sums(1)}
+
+
+def test_held_out_sums_that_never_all_arrive_time_out_naming_the_missing_replica():
+    async def main():
+        s = shard(replicas=2, timeout_s=0.2)
+        with pytest.raises(ShardError, match=r"evaluation at step 11 .* replicas \[1\]"):
+            await s.sum_held_out(0, 11, {"count": 5.0})
+
+    run(main())

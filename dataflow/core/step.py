@@ -40,9 +40,6 @@ class ReplicaContext:
     asynchronous: Any = None
     parameter_store: Any = None
     window: tuple[int, int] | None = None  # the running window's [first, stop) steps
-    # Lost replicas whose held-out share this one evaluates at the window's end
-    # (asynchronous updates go on without them until the fit regroups)
-    orphans: tuple[int, ...] = ()
     # Local updates averaged at the parameter store (they survive a lost replica): the
     # runtime's ``retrain(parts)`` trains (step, owner) parts of the running window again
     # (a lost replica's, at the average); ``window_parts``: the window's planned parts;

@@ -45,6 +45,7 @@ class AverageShard(WaitingShard):
         self.window, self.incarnation = window, incarnation
         self.replicas, self.timeout_s = replicas, timeout_s
         self.dropped: set[int] = set()
+        self.held_out = {}
         self.error: str | None = None
         self.changed = asyncio.Condition()
         # by (window, round): what the replicas of that barrier take

@@ -267,9 +267,13 @@ class StoreClient:
             self.round += 1
             retrain(self._my_share([(int(s), int(o)) for s, o in reply["retrain"]]))
 
-    def orphans(self) -> list[int]:
-        """The lost replicas whose held-out share this replica evaluates."""
-        return self._my_share(self.dropped)
+    def sum_held_out(self, step: int, sums: dict[str, float]) -> dict[int, dict[str, float]]:
+        """Hand this replica's held-out sums of the evaluation at step ``step`` to shard 0
+        and wait for every replica still in the fit: returns the sums handed in, by
+        replica (the shares of replicas lost before they handed in are missing)."""
+        message = dict(op_name="held_out", replica=self.rank, step=step, sums=dict(sums))
+        reply = self._wait(self._start({0: message}))[0]
+        return {int(r): dict(s) for r, s in reply["sums"].items()}
 
     def _my_share(self, items: list[Any]) -> list[Any]:
         """This replica's items of a list every survivor holds alike: the k-th goes to

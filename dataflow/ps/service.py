@@ -146,7 +146,8 @@ class ShardRegistry:
         return {k: to_serialize(v) if _bulky(v) else v for k, v in reply.items()}
 
     async def handle(self, **msg: Any) -> dict[str, Any]:
-        """One call, on the store loop: ``op_name`` is push, finish, average or fail."""
+        """One call, on the store loop: ``op_name`` is push, finish, average, held_out
+        or fail."""
         op, run_id, index = msg["op_name"], msg["run_id"], msg["shard"]
         try:
             if op == "fail":
@@ -192,6 +193,9 @@ class ShardRegistry:
                 )
                 await self.notify()
                 return {"status": "ok", **final}
+            if op == "held_out":
+                summed = await shard.sum_held_out(msg["replica"], msg["step"], msg["sums"])
+                return {"status": "ok", **summed}
             return {"status": "error", "message": f"unknown parameter-store op {op!r}"}
         except (ShardError, StalenessError) as exc:
             return {"status": "error", "message": str(exc)}

@@ -45,6 +45,10 @@ class WaitingShard:
     changed: asyncio.Condition
     error: str | None
     timeout_s: float
+    replicas: int
+    dropped: set[int]
+    # by step: the held-out sums each replica handed in at that evaluation
+    held_out: dict[int, dict[int, dict[str, float]]]
 
     async def fail(self, reason: str) -> None:
         async with self.changed:
@@ -59,17 +63,50 @@ class WaitingShard:
         """The error a wait that timed out leaves: who was waited for."""
         raise NotImplementedError
 
-    async def _wait_for(self, ready: Any) -> None:
+    async def _wait_for(self, ready: Any, timed_out: Any = None) -> None:
         try:
             await asyncio.wait_for(
                 self.changed.wait_for(lambda: ready() or self.error is not None),
                 self.timeout_s,
             )
         except TimeoutError:
-            self.error = self._timed_out()
+            self.error = (timed_out or self._timed_out)()
             self.changed.notify_all()
         if not ready():
             self._check()
+
+    # -- the held-out evaluation's sums (shard 0) ----------------------------------------
+    async def sum_held_out(self, replica: int, step: int, sums: dict[str, float]) -> dict:
+        """``replica`` scored its share of the held-out set at step ``step``'s window end
+        (the shared weights): hand in its sums and wait until every replica not dropped
+        did; returns every sum handed in, by replica. A replica lost after it handed in
+        still counts: its result may never reach the driver, but every survivor's now
+        holds its share. The shares nobody handed in (replicas dropped before) the
+        survivors score themselves."""
+        dropped: set[int] = self.dropped  # (both kinds of shard keep the lost replicas)
+        async with self.changed:
+            self._check()
+            if replica in dropped:
+                raise ShardError(f"replica {replica} handed in scores after it was dropped")
+            handed = self.held_out.setdefault(step, {})
+            handed[replica] = dict(sums)
+            for old in sorted(self.held_out)[:-2]:  # a slow reader may still read the last
+                del self.held_out[old]
+            self.changed.notify_all()
+
+            def everyone() -> bool:
+                return set(range(self.replicas)) - dropped <= set(handed)
+
+            def timed_out() -> str:
+                waiting = sorted(set(range(self.replicas)) - dropped - set(handed))
+                return (
+                    f"the held-out evaluation at step {step} waited {self.timeout_s:g} s for "
+                    f"replicas {waiting} to hand in their scores; a replica is lost or stuck "
+                    "(raise collective_timeout_s if the evaluation is long)"
+                )
+
+            await self._wait_for(everyone, timed_out)
+            return {"sums": dict(handed)}
 
 
 class ParameterShard(WaitingShard):
@@ -110,6 +147,7 @@ class ParameterShard(WaitingShard):
         # by (window, round): what the finishers of that barrier take
         self.finals: dict[tuple[int, int], dict[str, Any]] = {}
         self.dropped: set[int] = set()  # replicas lost (for good: the fit regroups)
+        self.held_out = {}
         self._new_window()
         self.error: str | None = None
         self.changed = asyncio.Condition()

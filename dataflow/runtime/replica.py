@@ -121,9 +121,6 @@ class ReplicaRuntime:
             self.commit(first_step)
         self.in_window = True
         self.context.window = (first_step, stop_step)
-        # A window's orphans are its own: set at its store barrier, read by its evaluation
-        # (a later window, in a regrouped and smaller group, must not score them again)
-        self.context.orphans = ()
         store = self.context.parameter_store
         if store is None:
             return self._run_steps(first_step, stop_step, started)
@@ -218,7 +215,6 @@ class ReplicaRuntime:
             if not retrain:
                 break
             self._retrain(retrain, tally, stage_seconds)
-        self.context.orphans = tuple(store.orphans())
 
     def _planned_parts(self, first: int, stop: int) -> list[tuple[int, int]]:
         """The window's (step, owner) parts: every replica's non-empty local batch."""
