@@ -24,6 +24,7 @@ from dataflow.core.errors import (
     ModelError,
     NonFiniteError,
     ReplicaError,
+    StoreAccessError,
     WorkerLostError,
 )
 
@@ -94,6 +95,7 @@ __all__ = [
     "Plan",
     "ReplicaError",
     "SlowdownSchedule",
+    "StoreAccessError",
     "Trainer",
     "TrainerConfig",
     "WorkerLostError",

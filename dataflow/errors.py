@@ -21,6 +21,7 @@ from dataflow.core.errors import (
     ModelError,
     NonFiniteError,
     ReplicaError,
+    StoreAccessError,
     WorkerLostError,
 )
 
@@ -39,5 +40,6 @@ __all__ = [
     "ModelError",
     "NonFiniteError",
     "ReplicaError",
+    "StoreAccessError",
     "WorkerLostError",
 ]

@@ -40,11 +40,12 @@ import zarr
 from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from dataflow.core.errors import ChunkMissingError, ChunkReadError
+from dataflow.core.errors import ChunkMissingError, ChunkReadError, StoreAccessError
 from dataflow.io.checksums import is_checksum_mismatch
 from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
 from dataflow.io.region import chunk_range
+from dataflow.io.store_access import access_failure, store_access_error, store_label
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 RESIDENT_BYTES = 64 * 2**20
@@ -356,8 +357,14 @@ class MemoryArrayReader(ArrayReader):
         return np.asarray(self.array[self._selection(start, stop)])
 
 
-def chunk_read_error(array: zarr.Array, name: str, key: str, exc: Exception) -> ChunkReadError:
-    """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do."""
+def chunk_read_error(
+    array: zarr.Array, name: str, key: str, exc: Exception
+) -> ChunkReadError | StoreAccessError:
+    """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do
+    (a store that refused the read is not a corrupt chunk: ``io.store_access``)."""
+    kind = access_failure(exc)
+    if kind is not None:
+        return store_access_error("ZarrSource", store_label(array), key, exc, kind)
     why = (
         "its checksum does not match: the chunk is corrupt (its bytes changed after the "
         "store was written)"

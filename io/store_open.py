@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dataflow.core.errors import ConfigError, DataError, DataflowError
+from dataflow.core.errors import ConfigError, DataError, DataflowError, StoreAccessError
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.zarr_source import _open_zarr
 
@@ -49,6 +49,11 @@ def open_zarr(
         raise ConfigError(local_path_error(caller, path))
     try:
         return _open_zarr(path, options, caller)
+    except StoreAccessError as exc:  # a tool's hint names its --storage-option flag
+        cause = exc.__cause__ or exc
+        raise DataError(
+            f"{caller}: cannot open {str(path)!r} ({type(cause).__name__}: {cause}); {REMOTE_HINT}"
+        ) from cause
     except DataflowError:
         raise  # nothing there: _open_zarr said so
     except (ValueError, KeyError) as exc:  # something there, but no zarr metadata

@@ -39,6 +39,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from dataflow.io.chunk_cache import ChunkCache, Decoding
 from dataflow.io.fetch import FetchAhead, fetch_now
+from dataflow.io.store_access import access_failure, store_access_error, store_label
 
 
 class MissingObject(Exception):
@@ -223,6 +224,18 @@ class ChunkDecoder:
         out[tuple(target)] = chunk[tuple(source)]
 
     def _fetch(self, keys: list[str]) -> list[Any]:
+        """The stored objects ``keys``; a store refusing them (credentials, permission, no
+        route) is a StoreAccessError naming the object and the fix."""
+        try:
+            return self._fetch_objects(keys)
+        except Exception as exc:
+            kind = access_failure(exc)
+            if kind is None:
+                raise
+            key = getattr(exc, "key", None) or (keys[0] if keys else None)
+            raise store_access_error("", store_label(self.array), key, exc, kind) from exc
+
+    def _fetch_objects(self, keys: list[str]) -> list[Any]:
         if self._get_sync is not None:  # a local or in-memory store: read here
             return [self._get_sync(key, prototype=self._prototype) for key in keys]
         # A remote store: what an epoch's plan fetched ahead (io.fetch), the rest together now

@@ -51,6 +51,7 @@ from dataflow.io.region import (
     common_shape,
     compose,
 )
+from dataflow.io.store_access import access_failure, store_access_error
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -91,6 +92,11 @@ def _open_zarr(
             f"{caller}(store={str(store)!r}): no zarr array or group there; check the path "
             "(write one with dataflow.io.to_zarr)"
         ) from exc
+    except Exception as exc:  # no credentials, refused, unreachable: say so and the fix
+        kind = access_failure(exc)
+        if kind is None:
+            raise
+        raise store_access_error(caller, store, None, exc, kind) from exc
 
 
 def _zarr_backing(dataset: Any, names: list[str]) -> str | None:

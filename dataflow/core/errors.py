@@ -51,6 +51,11 @@ class ChunkReadError(DataflowError, OSError):
     """A chunk exists in the store but could not be read or decoded (corrupt, truncated)."""
 
 
+class StoreAccessError(DataflowError, OSError):
+    """A store refused a read or could not be reached: no credentials in this process,
+    credentials the store refuses, or no route to its endpoint (not a corrupt chunk)."""
+
+
 class ReplicaError(DataflowError, RuntimeError):
     """A replica failed on its worker, or the replicas' weights diverged."""
 

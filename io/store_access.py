@@ -1,0 +1,154 @@
+"""An object store that refuses a read, named as such: not a corrupt chunk, not a bare
+client traceback from a worker.
+
+A remote store is opened where the fit starts (``ZarrSource`` and ``PatchSource`` read
+its metadata on the driver) and its chunks are read on the workers, each with its own
+credentials and its own route to the endpoint. So the commonest object-store failure
+in a fit on a cluster is a worker that cannot do what the driver could: no
+credentials in its environment (a batch job does not inherit the login shell's
+``AWS_PROFILE``), an identity the bucket refuses, or no route to the endpoint (compute
+nodes often have none outside the cluster). The client says only
+``NoCredentialsError: Unable to locate credentials``, and a failed decode would read
+as a corrupt chunk. :func:`access_failure` recognises these failures by the client's
+exception (botocore's, aiohttp's, or the ``PermissionError`` s3fs and a local file
+raise) and :func:`store_access_error` names the object, the store, the process that
+failed and what fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from dataflow.core.errors import StoreAccessError
+
+NO_CREDENTIALS = "credentials"
+DENIED = "denied"
+UNREACHABLE = "unreachable"
+
+# botocore's and aiohttp's exception classes, by name (neither is a dependency of ours)
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "NoAuthTokenError",
+    "TokenRetrievalError",
+    "UnauthorizedSSOTokenError",
+    "SSOTokenLoadError",
+}
+_UNREACHABLE_ERRORS = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ClientConnectorError",
+    "ClientConnectorDNSError",
+    "ServerTimeoutError",
+    "gaierror",
+}
+_DENIED_CODES = {
+    "AccessDenied",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AccountProblem",
+    "403",
+}
+
+ADVICE = {
+    NO_CREDENTIALS: (
+        "this process found no credentials for the store. Each worker reads them from its "
+        "own environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE and "
+        "its files), which a batch job does not inherit from the shell the fit started "
+        "in: set them where the workers start (dask-jobqueue: job_script_prologue=["
+        "'export AWS_PROFILE=...']), or pass key and secret in storage_options (they "
+        "travel to the workers and print as '***')"
+    ),
+    DENIED: (
+        "the store refused this process's credentials: check that the workers use the "
+        "identity the driver does (the same AWS_PROFILE or keys) and that the bucket's "
+        "policy lets it read; a local file needs read permission for the workers' user"
+    ),
+    UNREACHABLE: (
+        "this process cannot reach the store's endpoint: compute nodes often have no "
+        "route outside the cluster. Copy the store to a filesystem the workers share "
+        "(dataflow convert, or any copy of the folder), or give an endpoint they can "
+        "reach (storage_options={'endpoint_url': ...})"
+    ),
+}
+
+
+def access_failure(exc: BaseException) -> str | None:
+    """Which access failure ``exc`` (or an exception it was raised from) is: one of
+    :data:`NO_CREDENTIALS`, :data:`DENIED`, :data:`UNREACHABLE`, or None."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        kind = _kind(current)
+        if kind is not None:
+            return kind
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _kind(exc: BaseException) -> str | None:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _CREDENTIAL_ERRORS:
+        return NO_CREDENTIALS
+    if names & _UNREACHABLE_ERRORS:
+        return UNREACHABLE
+    if isinstance(exc, PermissionError):  # s3fs's AccessDenied, or a local file's mode
+        return DENIED
+    response = getattr(exc, "response", None)  # botocore's ClientError
+    if isinstance(response, dict):
+        code = str((response.get("Error") or {}).get("Code", ""))
+        if code in _DENIED_CODES:
+            return DENIED
+    return None
+
+
+def where_this_runs() -> str:
+    """This process, as a user finds it in the cluster's logs: its Dask worker's address
+    if it is one, else the host and process id."""
+    from distributed import Worker, get_worker
+
+    try:
+        return f"worker {get_worker().address}"
+    except ValueError:  # not a task's thread: a reader's, or no worker at all
+        workers = [w for w in list(Worker._instances) if w.address]
+        if len(workers) == 1:  # (a worker process holds one)
+            return f"worker {workers[0].address}"
+    return f"process {os.getpid()} on {socket.gethostname()}"
+
+
+def store_label(array: Any) -> str:
+    """A zarr array's store as its user named it: ``s3://bucket/data.zarr``, a folder."""
+    store = array.store_path.store
+    fs, path = getattr(store, "fs", None), getattr(store, "path", None)
+    if fs is not None and path is not None:
+        protocol = fs.protocol[0] if isinstance(fs.protocol, tuple | list) else fs.protocol
+        return f"{protocol}://{path}"
+    root = getattr(store, "root", None)
+    return str(store) if root is None else str(root)
+
+
+def store_access_error(
+    who: str, store: Any, key: str | None, exc: BaseException, kind: str
+) -> StoreAccessError:
+    """The error for ``exc`` (an access failure of ``kind``) reading object ``key``
+    (None: opening the store) of ``store``; ``who`` (``"ZarrSource"``, or "") starts
+    the message."""
+    what = "opening" if key is None else f"reading object {key!r} of"
+    advice = ADVICE[kind]
+    if key is None and kind != DENIED:  # where the fit starts: the options may be wrong
+        advice += (
+            "; a store outside AWS also needs storage_options={'endpoint_url': ...}, a "
+            "public bucket anon=True"
+        )
+    message = (
+        f"{what} store {str(store)!r} failed in {where_this_runs()} "
+        f"({type(exc).__name__}: {exc}); {advice}"
+    )
+    return StoreAccessError(f"{who}: {message}" if who else message[0].upper() + message[1:])
