@@ -91,9 +91,13 @@ class DataflowWorkerPlugin(WorkerPlugin):
         if runtime is not None:
             runtime.close()
             self.retired_groups.extend(runtime.retired)
-            collective = runtime.context.collective
-            if collective is not None and collective.closed:
-                self.retired_groups.append(collective)
+            spatial = runtime.context.spatial
+            for collective in (
+                runtime.context.collective,
+                None if spatial is None else spatial.collective,
+            ):
+                if collective is not None and collective.closed:
+                    self.retired_groups.append(collective)
 
 
 def current_plugin() -> DataflowWorkerPlugin:

@@ -481,8 +481,12 @@ class ReplicaRuntime:
         return {k: v.detach().cpu().clone() for k, v in self.context.model.state_dict().items()}
 
     def abort(self) -> None:
+        """Leave the fit's process group and, under a spatial layout, the sample group
+        (a worker also waits there); fail the parameter store's waiting calls."""
         if self.context.collective is not None:
             self.context.collective.abort()
+        if self.context.spatial is not None:
+            self.context.spatial.abort()
         if self.context.parameter_store is not None:  # fail the store's waiting calls
             self.context.parameter_store.abort("the fit's driver aborted the window")
 

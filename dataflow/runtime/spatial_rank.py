@@ -41,11 +41,23 @@ class SpatialRank:
             )
         return source.region(self.layout.region(source.sample_shape, self.rank))
 
-    def rejoin(self, collective: Collective) -> None:
-        """A new process group for the same place (after a recovery regrouped the fit)."""
-        self.collective = collective
+    def rejoin(self, collective: Collective) -> Collective | None:
+        """A new process group for the same place (after a recovery regrouped the fit);
+        returns the old one, aborted, for the caller to keep alive (see
+        :meth:`Collective.abort`: a gloo group's destructor can freeze the worker)."""
+        old, self.collective = self.collective, collective
         self.group.process_group = collective._live_group()
         self.group._wait = collective.wait
+        if old is not None:
+            old.abort()
+        return old
+
+    def abort(self) -> None:
+        """Leave the sample group: a wait in one of its collectives (a layer's halo
+        allreduce, BatchNorm's statistics) fails at once. Its partner's worker died, or
+        the fit's group did: without this, the wait ran to the collective timeout."""
+        if self.collective is not None:
+            self.collective.abort()
 
 
 def spatial_rank(layout: Layout, rank: int, collective: Collective, seed: int) -> SpatialRank:

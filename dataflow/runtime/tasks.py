@@ -171,9 +171,11 @@ class Regroup(Request):
             runtime.context.device,
         )
         if runtime.context.spatial is not None:
-            runtime.context.spatial.rejoin(
+            old = runtime.context.spatial.rejoin(
                 _join_spatial(runtime.spec, collective, self.rank, self.generation)
             )
+            if old is not None:  # kept alive: see Collective.abort
+                runtime.retired.append(old)
         runtime.regroup(collective, self.world_size // size)
         runtime.generation, runtime.rollbacks = self.generation, 0
         plugin = current_plugin()
