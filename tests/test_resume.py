@@ -78,6 +78,9 @@ def test_a_resumed_fit_counts_time_and_throughput_over_its_runs(client, tmp_path
     assert (np.diff(times) >= 0).all()
     assert times[split] >= segments[0]["seconds"]
     assert [s["time"] for s in history.steps[:split]] == [s["time"] for s in first.history.steps]
+    # the wall time each run's training ended, after the run began
+    for run, result in zip(segments, (first, resumed), strict=True):
+        assert result.history.info["finished_at"] >= run["started_at"]
     total = sum(s["seconds"] for s in segments)
     assert history.info["train_seconds"] == pytest.approx(total)
     assert total > segments[1]["seconds"]

@@ -465,6 +465,9 @@ class FitLoop:
         raise WorkerLostError(message)
 
     def _Finish(self, c: cmd.Finish) -> None:
+        # the wall time training ended (every replica's last phase end in): a worker
+        # lost after it costs the fit nothing, and is not one of its failures
+        self.recorder.history.info["finished_at"] = time.time()
         self.final_state = self.executor.final_weights()
 
 
