@@ -177,11 +177,13 @@ def nanny_cluster(workers: int):
     come back (for modules that SIGKILL them). A LocalCluster closes the nanny of a
     worker not back within lost-worker-timeout (15 s): on a loaded machine a restart
     can take longer, so it is 300 s here."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from dataflow.runtime.cluster import EmbeddedCluster  # (survives a worker removed twice)
 
     with (
         dask.config.set({"distributed.deploy.lost-worker-timeout": "300s"}),
-        LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+        EmbeddedCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
         yield client

@@ -373,6 +373,40 @@ def test_staleness_zero_equals_synchronous_training(client):
     assert served == steps + phase.windows + evaluations, (served, steps, phase.windows)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sync",
+    [
+        dfl.sync.Async(staleness=1, servers=2, leases=True, overlap=True),
+        dfl.sync.Local(period_steps=4, leases=True),
+    ],
+    ids=["async-2-servers-leases-overlap", "local-leases"],
+)
+def test_the_held_out_sums_meet_at_the_store_with_every_option_of_the_policy(client, sync):
+    """A held-out evaluation with the store's other options: two shards (the sums go to
+    shard 0 only), sample leases (each replica still evaluates: the last step of a
+    window is never handed out) and overlapped pushes. Every epoch scores the whole
+    set once, and the last one is the final model's loss over all of it."""
+    x, y = make_data(128)
+    hx, hy = make_data(40, seed=1)
+    held_out = dfl.io.ArraySource(hx, hy, shuffle=False)
+    options = {} if isinstance(sync, dfl.sync.Local) else {"window_steps": 4}
+    if getattr(sync, "overlap", False):  # (overlap with momentum 0.9 warns)
+        options["optimizer"] = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.5)
+    result = tiny_pipeline(x, y, sync=sync, eval_source=held_out, **options).fit(
+        epochs=2, client=client
+    )
+    epochs = result.history.epochs
+    assert [e["held_out_samples"] for e in epochs] == [40, 40], epochs
+    model = result.model.eval()
+    with torch.no_grad():
+        expected = float(
+            torch.nn.functional.cross_entropy(model(torch.from_numpy(hx)), torch.from_numpy(hy))
+        )
+    assert epochs[-1]["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert "partial_evaluations" not in result.history.info
+
+
 def _plane_requests(dask_worker):
     plugin = dask_worker.plugins.get("dataflow")  # (installed by the first fit)
     return 0 if plugin is None else plugin.ps.plane_requests

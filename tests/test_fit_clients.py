@@ -141,3 +141,28 @@ def _assert_group_ends(group: int, within_s: float = 10.0) -> None:
             os.killpg(group, signal.SIGKILL)
             pytest.fail("worker processes of the embedded cluster outlived the driver")
         time.sleep(0.1)
+
+
+async def _removed(cluster, address: str) -> None:
+    """The scheduler's word that ``address`` left, as the cluster's watch takes it (on
+    the cluster's event loop)."""
+    cluster._update_worker_status("remove", address)
+
+
+def test_the_embedded_cluster_outlives_a_worker_removed_twice():
+    """A SIGKILLed worker can reach the cluster's watch of the scheduler as removed twice
+    (dask/distributed issue 5407). The stock LocalCluster's watch dies on the second,
+    and closing the cluster, after a fit that recovered from the loss, raised
+    ``KeyError: 'tcp://...'``; the embedded cluster forgets the worker once."""
+    from dataflow.runtime.cluster import EmbeddedCluster
+
+    with EmbeddedCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
+        [address] = cluster.scheduler_info["workers"]
+        cluster.sync(_removed, cluster, address)
+        cluster.sync(_removed, cluster, address)  # the stock cluster's watch: KeyError
+        assert address not in cluster.scheduler_info["workers"]
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as stock:
+        [address] = stock.scheduler_info["workers"]
+        stock.sync(_removed, stock, address)
+        with pytest.raises(KeyError):
+            stock.sync(_removed, stock, address)

@@ -70,6 +70,19 @@ def live_workers(client: Client) -> dict[str, dict[str, Any]]:
     return dict(identity.get("workers", {}))
 
 
+class EmbeddedCluster(LocalCluster):
+    """A LocalCluster whose watch of the scheduler outlives a worker removed twice, or
+    removed before the cluster heard of it (a SIGKILLed worker can be: dask/distributed
+    issue 5407). The stock watch dies on that KeyError and raises it again when the
+    cluster closes: after a fit that recovered from the loss, its ``with`` block would
+    end in ``KeyError: 'tcp://...'``."""
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        if op == "remove" and msg not in self.scheduler_info.get("workers", {}):
+            return  # nothing of it left to forget
+        super()._update_worker_status(op, msg)
+
+
 def start_local_cluster(n_workers: int) -> LocalCluster:
     """One single-threaded worker process per core, dashboard on a free port. A script
     that calls this from its top level, unguarded, is told so before anything starts."""
@@ -84,7 +97,7 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
             "pass client=distributed.Client(...))"
         )
     try:
-        return LocalCluster(
+        return EmbeddedCluster(
             n_workers=n_workers,
             threads_per_worker=1,
             processes=True,
