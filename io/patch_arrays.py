@@ -212,7 +212,7 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
     """The opened store (a zarr group or array, an xarray Dataset, a dask array) and its
     label for messages; a path or URL is opened as ``ZarrSource`` opens it."""
     if isinstance(store, (str, Path)):
-        return _open_zarr(store, storage_options), str(store)
+        return _open_zarr(store, storage_options, "PatchSource"), str(store)
     if isinstance(store, (zarr.Array, zarr.Group)) or _is_xarray_dataset(store):
         return store, _label(store)
     if _is_dask_array(store) or isinstance(store, np.ndarray) or _is_data_array(store):
