@@ -118,13 +118,14 @@ def reference_training(
 
 
 def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:
-    """The Pipeline most tests train: TinyCNN, cross entropy, SGD with momentum."""
+    """The Pipeline most tests train: TinyCNN, cross entropy, SGD with momentum; on
+    ``source=`` instead of arrays ``x``, ``y`` when given (then pass None for both)."""
     defaults = dict(
         model=TinyCNN,
         device="cpu",  # compared with CPU references; tests/test_gpu.py asks for "cuda"
         loss=torch.nn.functional.cross_entropy,
         optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
+        source=options["source"] if "source" in options else dfl.io.ArraySource(x, y),
         schedule=dfl.schedule.Fixed(batch),
         progress=False,
     )
@@ -225,6 +226,22 @@ def s3_stores(s3, tmp_path_factory):
         tmp_path_factory.mktemp("s3") / "train.zarr", *make_data(256), chunk_mb=0.01
     )
     return local, s3.upload(local, "train.zarr")
+
+
+@pytest.fixture
+def no_aws_environment(monkeypatch, tmp_path):
+    """No credentials, endpoint or profile from this machine's environment or files
+    (botocore would look there); no s3fs filesystem cached with other options."""
+    from object_store import close_sessions
+
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    close_sessions()
+    yield monkeypatch
+    close_sessions()
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import zarr
-from conftest import TinyCNN, make_data, sgd
+from conftest import make_data, tiny_pipeline
 from object_store import KEY, SECRET
 
 import dataflow as dfl
@@ -197,15 +196,7 @@ def test_a_fit_from_s3_has_an_exact_ledger_and_leaves_no_credentials_behind(
     proxy.delay = 0.005
     proxy.rendezvous = 3  # more than one GET per worker: each fetches its epoch ahead
     source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
-    pipe = dfl.Pipeline(
-        model=TinyCNN,
-        device="cpu",
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=source,
-        schedule=dfl.schedule.Fixed(32),
-        progress=False,
-    )
+    pipe = tiny_pipeline(None, None, source=source, batch=32)
     checkpoints = tmp_path / "checkpoints"
     result = pipe.fit(epochs=2, client=client, checkpoint_dir=checkpoints, checkpoint_every=1)
     for epoch in range(2):

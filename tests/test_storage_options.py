@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zarr
 from conftest import make_data
-from object_store import SECRET, close_sessions
+from object_store import SECRET
 
 import dataflow as dfl
 from dataflow.tools.cli import main
@@ -103,19 +103,6 @@ def test_help_names_the_flag_and_says_to_keep_secrets_in_the_environment(capsys)
         assert "--storage-option KEY=VALUE" in text
         assert "AWS_SECRET_ACCESS_KEY" in text and "not on the command line" in text
     assert "SRC given as a URL (DEST is always a local path)" in text
-
-
-@pytest.fixture
-def no_aws_environment(monkeypatch, tmp_path):
-    """No credentials, endpoint or profile from this machine: only the flags count."""
-    import os
-
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    close_sessions()  # no filesystem cached with other options
 
 
 def flags(s3):

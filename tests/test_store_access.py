@@ -12,8 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
-import torch.nn.functional as F
-from conftest import TinyCNN, sgd
+from conftest import tiny_pipeline
 from distributed import Client, LocalCluster
 from object_store import KEY, SECRET, close_sessions
 
@@ -43,18 +42,11 @@ def test_the_clients_access_failures_are_recognised_and_nothing_else():
 
 
 @pytest.fixture
-def aws_env_only(monkeypatch, tmp_path):
+def aws_env_only(no_aws_environment):
     """Credentials in this process's environment only (none in files or options)."""
-    for name in [n for n in os.environ if n.startswith("AWS_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    close_sessions()
-    yield monkeypatch
-    close_sessions()
+    no_aws_environment.setenv("AWS_ACCESS_KEY_ID", KEY)
+    no_aws_environment.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    return no_aws_environment
 
 
 def _drop_credentials(monkeypatch) -> None:
@@ -100,15 +92,7 @@ def test_a_fit_whose_workers_lack_the_drivers_credentials_fails_naming_the_worke
     source = dfl.io.ZarrSource(url, x="x", y="y", storage_options={"endpoint_url": s3.endpoint_url})
     source.read(np.arange(4))
     _drop_credentials(aws_env_only)  # the workers start without them
-    pipe = dfl.Pipeline(
-        model=TinyCNN,
-        device="cpu",
-        loss=F.cross_entropy,
-        optimizer=sgd,
-        source=source,
-        schedule=dfl.schedule.Fixed(32),
-        progress=False,
-    )
+    pipe = tiny_pipeline(None, None, source=source, batch=32)
     with (
         LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
         Client(cluster) as client,
