@@ -228,10 +228,12 @@ def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
     so a replica lost after it evaluated, whose result never reached the driver, takes
     no share of them with it (a window its partners finished is kept whole). Synchronous
     training only, whose group allreduces every step (under local or asynchronous
-    updates the group may be aborted while the fit goes on), and not under a spatial
-    layout (its group spans the samples' parts)."""
+    updates the group may be aborted while the fit goes on; they sum at the parameter
+    store instead). Under a spatial layout the group holds each replica's P workers,
+    which all score the replica's share on the same gathered output: the sum over the
+    group, divided by P."""
     group = replica.collective
-    if group is None or replica.world_size < 2 or replica.spatial is not None:
+    if group is None or replica.world_size < 2:
         return scores
     if replica.settles_at_window_end:
         return scores
@@ -241,7 +243,8 @@ def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
     handle = group.allreduce_async(totals)
     wait = getattr(group, "wait", None)  # the runtime's: fails at once on an aborted group
     wait(handle) if wait is not None else handle.wait()
-    summed = dict(zip(keys, totals.cpu().tolist(), strict=True))
+    parts = 1 if replica.spatial is None else replica.spatial.group.size
+    summed = {k: v / parts for k, v in zip(keys, totals.cpu().tolist(), strict=True)}
     summed["count"] = round(summed["count"])
     summed[WHOLE] = 1.0
     return summed

@@ -30,6 +30,7 @@ from distributed import Client, LocalCluster
 import dataflow as dfl
 from dataflow import stages
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
+from dataflow.core.window import WHOLE
 from dataflow.planning.plan import resplit_steps
 from dataflow.schedule.balance import Even
 
@@ -287,6 +288,17 @@ def test_a_killed_worker_takes_its_group_the_other_goes_on_and_the_pair_forms_ag
             logits = expected(torch.from_numpy(hx))
             loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(hy))
         assert evaluated[-1]["eval_loss"] == pytest.approx(float(loss), rel=1e-4)
+        # every group's result holds the whole set's sums (with two groups, the fit's
+        # group of all four workers summed them: a group lost after it scored takes
+        # no share with it; alone, a group scores the whole set itself)
+        scored = [
+            evals
+            for event in result.driver_log.events
+            if type(event).__name__ == "WindowDone"
+            for window in event.results.values()
+            for evals in (getattr(window, "evals", None) or {}).values()
+        ]
+        assert all(e["count"] == 60 for e in scored) and any(e.get(WHOLE) for e in scored)
 
 
 @pytest.mark.timeout(240)
