@@ -161,8 +161,4 @@ def test_the_embedded_cluster_outlives_a_worker_removed_twice():
         cluster.sync(_removed, cluster, address)
         cluster.sync(_removed, cluster, address)  # the stock cluster's watch: KeyError
         assert address not in cluster.scheduler_info["workers"]
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as stock:
-        [address] = stock.scheduler_info["workers"]
-        stock.sync(_removed, stock, address)
-        with pytest.raises(KeyError):
-            stock.sync(_removed, stock, address)
+    # (and the close: the scheduler's own word that the worker left comes a third time)
