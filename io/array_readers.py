@@ -45,7 +45,7 @@ from dataflow.io.checksums import is_checksum_mismatch
 from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
 from dataflow.io.region import chunk_range
-from dataflow.io.store_access import access_failure, store_access_error, store_label
+from dataflow.io.store_access import store_access_error
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 RESIDENT_BYTES = 64 * 2**20
@@ -362,9 +362,9 @@ def chunk_read_error(
 ) -> ChunkReadError | StoreAccessError:
     """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do
     (a store that refused the read is not a corrupt chunk: ``io.store_access``)."""
-    kind = access_failure(exc)
-    if kind is not None:
-        return store_access_error("ZarrSource", store_label(array), key, exc, kind)
+    refused = store_access_error("ZarrSource", array, key, exc)
+    if refused is not None:
+        return refused
     why = (
         "its checksum does not match: the chunk is corrupt (its bytes changed after the "
         "store was written)"

@@ -135,11 +135,17 @@ def store_label(array: Any) -> str:
 
 
 def store_access_error(
-    who: str, store: Any, key: str | None, exc: BaseException, kind: str
-) -> StoreAccessError:
-    """The error for ``exc`` (an access failure of ``kind``) reading object ``key``
-    (None: opening the store) of ``store``; ``who`` (``"ZarrSource"``, or "") starts
-    the message."""
+    who: str, store: Any, key: str | None, exc: BaseException
+) -> StoreAccessError | None:
+    """The error for ``exc`` reading object ``key`` (None: opening the store) of
+    ``store`` (a label, or a zarr array: :func:`store_label`), when ``exc`` is an access
+    failure; else None (the caller's own error stands). ``who`` (``"ZarrSource"``, or
+    "") starts the message."""
+    kind = access_failure(exc)
+    if kind is None:
+        return None
+    if hasattr(store, "store_path"):
+        store = store_label(store)
     what = "opening" if key is None else f"reading object {key!r} of"
     advice = ADVICE[kind]
     if key is None and kind != DENIED:  # where the fit starts: the options may be wrong

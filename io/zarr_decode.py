@@ -39,7 +39,7 @@ from zarr.core.buffer import default_buffer_prototype
 
 from dataflow.io.chunk_cache import ChunkCache, Decoding
 from dataflow.io.fetch import FetchAhead, fetch_now
-from dataflow.io.store_access import access_failure, store_access_error, store_label
+from dataflow.io.store_access import store_access_error
 
 
 class MissingObject(Exception):
@@ -229,11 +229,11 @@ class ChunkDecoder:
         try:
             return self._fetch_objects(keys)
         except Exception as exc:
-            kind = access_failure(exc)
-            if kind is None:
-                raise
             key = getattr(exc, "key", None) or (keys[0] if keys else None)
-            raise store_access_error("", store_label(self.array), key, exc, kind) from exc
+            refused = store_access_error("", self.array, key, exc)
+            if refused is None:
+                raise
+            raise refused from exc
 
     def _fetch_objects(self, keys: list[str]) -> list[Any]:
         if self._get_sync is not None:  # a local or in-memory store: read here

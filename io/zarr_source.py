@@ -51,7 +51,7 @@ from dataflow.io.region import (
     common_shape,
     compose,
 )
-from dataflow.io.store_access import access_failure, store_access_error
+from dataflow.io.store_access import store_access_error
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -93,10 +93,10 @@ def _open_zarr(
             "(write one with dataflow.io.to_zarr)"
         ) from exc
     except Exception as exc:  # no credentials, refused, unreachable: say so and the fix
-        kind = access_failure(exc)
-        if kind is None:
+        refused = store_access_error(caller, store, None, exc)
+        if refused is None:
             raise
-        raise store_access_error(caller, store, None, exc, kind) from exc
+        raise refused from exc
 
 
 def _zarr_backing(dataset: Any, names: list[str]) -> str | None:

@@ -244,10 +244,7 @@ def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
     wait = getattr(group, "wait", None)  # the runtime's: fails at once on an aborted group
     wait(handle) if wait is not None else handle.wait()
     parts = 1 if replica.spatial is None else replica.spatial.group.size
-    summed = {k: v / parts for k, v in zip(keys, totals.cpu().tolist(), strict=True)}
-    summed["count"] = round(summed["count"])
-    summed[WHOLE] = 1.0
-    return summed
+    return _marked_whole({k: v / parts for k, v in zip(keys, totals.cpu().tolist(), strict=True)})
 
 
 def whole_from_shares(
@@ -257,7 +254,11 @@ def whole_from_shares(
     replica; a share nobody handed in (its replica was lost before) is scored here by
     ``score_share(rank)``. Summed in rank order: the same on every survivor."""
     shares = [handed[r] if r in handed else score_share(r) for r in range(replicas)]
-    summed = {key: math.fsum(share[key] for share in shares) for key in shares[0]}
+    return _marked_whole({key: math.fsum(share[key] for share in shares) for key in shares[0]})
+
+
+def _marked_whole(summed: dict[str, float]) -> dict[str, float]:
+    """Sums over every replica's share: the count an integer, the set marked ``WHOLE``."""
     summed["count"] = round(summed["count"])
     summed[WHOLE] = 1.0
     return summed
