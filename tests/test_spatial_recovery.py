@@ -231,7 +231,8 @@ def test_a_killed_worker_takes_its_group_the_other_goes_on_and_the_pair_forms_ag
 ):
     """4 workers, 2 sample groups; a worker of group 1 is killed in phase 0: group 0 ends
     the phase alone (as trained on one process: exact), then the partner and the
-    restarted worker form group 1 again for phase 1. Every sample once per epoch.
+    restarted worker form group 1 again for phase 1 (or at once, when the restart is
+    back before the recovery). Every sample once per epoch.
 
     ``zarr-evaluated``: the spatial cell of the fault matrix (test_fault_matrix.py):
     the data in zarr and a held-out evaluation at each epoch's end, the whole held-out
@@ -261,23 +262,32 @@ def test_a_killed_worker_takes_its_group_the_other_goes_on_and_the_pair_forms_ag
 
     [failure] = result.history.info["failures"]
     assert failure["reason"] == "lost workers" and failure["phase"] == 0
-    assert failure["replicas_before"] == 2 and failure["replicas_after"] == 1
     assert len(failure["lost"]) == 1 and failure["commit_step"] == 4
     assert "resumed_at" in failure
+    # the nanny's restart is usually back only after the recovery; when it is back in
+    # time, it and the partner form group 1 again at once (as a spare does, below)
+    assert failure["replicas_before"] == 2 and failure["replicas_after"] in (1, 2)
+    alone = failure["replicas_after"] == 1
     phases = result.history.phases
-    assert [p["replicas"] for p in phases] == [1, 2]  # phase 0 ended on group 0 alone
+    # phase 0 ended on group 0 alone, or on both groups again
+    assert [p["replicas"] for p in phases] == ([1, 2] if alone else [2])
     [regroup] = result.history.info["regroups"]
-    assert regroup["phase"] == 1 and len(regroup["joined"]) == 2  # the partner, the new one
+    assert regroup["phase"] == (1 if alone else 0)
+    assert len(regroup["joined"]) == 2  # the partner, the new one
     _every_sample_once(result, epochs, N_SAMPLES)
 
-    # exact: group 0 rolled back to the commit and trained on the rest of phase 0 alone;
-    # single-process training on the same global batches ends the same
-    plans = trainer.plan(epochs, replicas=2)
-    rest = resplit_steps(plans[0].steps, 4, lambda size: Even().split(size, 1, []))
-    streams = trainer.load.streams
-    batches = [parts for spec, parts in streams(plans[0].steps, 0) if spec.index < 4]
-    batches += [parts for _, parts in streams(rest, 0)]
-    batches += [parts for _, parts in streams(plans[1].steps, 0)]
+    # exact: group 0 rolled back to the commit and trained on the rest of phase 0 alone
+    # (or with the new group 1); single-process training on the same global batches
+    # ends the same
+    if alone:
+        plans = trainer.plan(epochs, replicas=2)
+        rest = resplit_steps(plans[0].steps, 4, lambda size: Even().split(size, 1, []))
+        streams = trainer.load.streams
+        batches = [parts for spec, parts in streams(plans[0].steps, 0) if spec.index < 4]
+        batches += [parts for _, parts in streams(rest, 0)]
+        batches += [parts for _, parts in streams(plans[1].steps, 0)]
+    else:
+        batches = trainer.sample_plan(epochs, replicas=2)
     expected = reference_training(x, y, batches=batches, seed=0)
     assert max_abs_diff(result.model, expected) < 1e-5
     if data == "zarr-evaluated":
