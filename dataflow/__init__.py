@@ -25,6 +25,7 @@ from dataflow.core.errors import (
     NonFiniteError,
     ReplicaError,
     StoreAccessError,
+    StoreUnavailableError,
     WorkerLostError,
 )
 
@@ -96,6 +97,7 @@ __all__ = [
     "ReplicaError",
     "SlowdownSchedule",
     "StoreAccessError",
+    "StoreUnavailableError",
     "Trainer",
     "TrainerConfig",
     "WorkerLostError",

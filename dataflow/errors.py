@@ -22,6 +22,7 @@ from dataflow.core.errors import (
     NonFiniteError,
     ReplicaError,
     StoreAccessError,
+    StoreUnavailableError,
     WorkerLostError,
 )
 
@@ -41,5 +42,6 @@ __all__ = [
     "NonFiniteError",
     "ReplicaError",
     "StoreAccessError",
+    "StoreUnavailableError",
     "WorkerLostError",
 ]

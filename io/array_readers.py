@@ -46,6 +46,7 @@ from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
 from dataflow.io.region import chunk_range
 from dataflow.io.store_access import store_access_error
+from dataflow.io.store_retry import DEFAULT_RETRY_S, StoreRetry
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 RESIDENT_BYTES = 64 * 2**20
@@ -152,8 +153,12 @@ class ArrayReader:
 class ZarrArrayReader(ArrayReader):
     """A zarr array; the storage unit is the shard when the array is sharded."""
 
-    def __init__(self, field: str, array: zarr.Array, sample_dim: int) -> None:
+    def __init__(
+        self, field: str, array: zarr.Array, sample_dim: int, retry_s: float = DEFAULT_RETRY_S
+    ) -> None:
         super().__init__(field, array.path or "<array>", array, sample_dim)
+        # Reads retried while the store fails in a way that passes (io.store_retry)
+        self.retry = StoreRetry(retry_s)
         self.unit = (array.shards or array.chunks)[sample_dim]
         # Decoded chunks, reused once the chunk reader has dropped them. The pool grows only
         # while that many are in use at once, so it keeps at most the peak of live chunks
@@ -161,6 +166,8 @@ class ZarrArrayReader(ArrayReader):
         # epochs.
         self.slabs = BatchBuffers(keep=SLAB_KEEP)
         self.decoder = chunk_decoder(array)  # None: zarr reads it (v2, sharded)
+        if self.decoder is not None:
+            self.decoder.retry = self.retry
 
     @functools.cached_property
     def bounds(self) -> np.ndarray:
@@ -204,7 +211,8 @@ class ZarrArrayReader(ArrayReader):
         async def exists_all() -> list[bool]:
             return await asyncio.gather(*(store.exists(key) for key in keys))
 
-        return [key for key, ok in zip(keys, sync(exists_all()), strict=True) if not ok]
+        found = self.retry.run(lambda: sync(exists_all()))
+        return [key for key, ok in zip(keys, found, strict=True) if not ok]
 
     @property
     def fetches_ahead(self) -> bool:
@@ -237,7 +245,7 @@ class ZarrArrayReader(ArrayReader):
             shape[self.sample_dim] = stop - start
             return self._decode_into(start, stop, np.empty(shape, self.dtype.newbyteorder("=")))
         try:
-            return self.array[self._selection(start, stop)]
+            return self.retry.run(lambda: self.array[self._selection(start, stop)])
         except Exception as exc:
             self._raise_read_error(start, stop, exc)
             raise  # unreachable: _raise_read_error always raises
@@ -263,8 +271,9 @@ class ZarrArrayReader(ArrayReader):
             )
 
         try:
-            blocks = sync(read_all())
+            blocks = self.retry.run(lambda: sync(read_all()))
         except Exception as exc:  # name the object that fails, range by range
+            self._raise_if_refused(ranges[0][0], exc)
             for start, stop in ranges:
                 self._read(start, stop)
             raise ChunkReadError(
@@ -302,8 +311,19 @@ class ZarrArrayReader(ArrayReader):
         shape = self.read_shape[1:]
         return NDBuffer.from_numpy_array(self.slabs.take_array(rows, shape, self.dtype))
 
+    def _raise_if_refused(self, start: int, exc: Exception) -> None:
+        """A store that refused a read of zarr's (or failed for longer than the retries)
+        is named at once, not re-read object by object (each read would wait as long)."""
+        coords = self._grid([start // self.unit])[0]
+        refused = store_access_error(
+            "ZarrSource", self.array, self._key(coords), exc, StoreRetry.retried(exc)
+        )
+        if refused is not None:
+            raise refused from exc
+
     def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
         """Re-read object by object to name the one that fails to decode."""
+        self._raise_if_refused(start, exc)
         unit = self.array.shards or self.array.chunks
         first, last = start // self.unit, (stop - 1) // self.unit
         for coords in self._grid(range(first, last + 1)):
@@ -362,7 +382,7 @@ def chunk_read_error(
 ) -> ChunkReadError | StoreAccessError:
     """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do
     (a store that refused the read is not a corrupt chunk: ``io.store_access``)."""
-    refused = store_access_error("ZarrSource", array, key, exc)
+    refused = store_access_error("ZarrSource", array, key, exc, StoreRetry.retried(exc))
     if refused is not None:
         return refused
     why = (

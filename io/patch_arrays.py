@@ -26,6 +26,8 @@ import zarr
 from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
+from dataflow.io.store_access import store_access_error
+from dataflow.io.store_retry import StoreRetry
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
@@ -184,10 +186,15 @@ class PatchArray:
             with self._named_errors():
                 return reader.decoder.read(selection, out)
         try:
-            return native(np.asarray(self.array[selection]))
-        except Exception:  # name the object that fails (zarr's own read: sharding)
+            return native(np.asarray(reader.retry.run(lambda: self.array[selection])))
+        except Exception as exc:  # name the object that fails (zarr's own read: sharding)
             assert self.unit is not None
-            for coords in box_chunks(lo, hi, self.unit):
+            objects = box_chunks(lo, hi, self.unit)
+            retried = StoreRetry.retried(exc)
+            refused = store_access_error("", self.array, reader._key(objects[0]), exc, retried)
+            if refused is not None:  # not a chunk's fault: no re-read object by object
+                raise refused from exc
+            for coords in objects:
                 part = tuple(
                     slice(max(a, i * u), min(b, (i + 1) * u))
                     for i, u, a, b in zip(coords, self.unit, lo, hi, strict=True)

@@ -52,6 +52,7 @@ from dataflow.io.patch_arrays import (
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
 from dataflow.io.patch_nan import NAN_MODES, masked_nan, refuse_nan
 from dataflow.io.region import Bounds, RegionView, compose
+from dataflow.io.store_retry import DEFAULT_RETRY_S, retry_seconds
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
@@ -92,19 +93,20 @@ class PatchSource(RegionView):
     store is reopened on a worker (a remote store's arrays travel opened: metadata only).
 
     ``storage_options``: fsspec's, for a URL (credentials print as ``'***'``,
-    ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``:
-    a remote store's chunk objects fetched ahead of the decode, per replica
-    (``io.fetch``), as ``ZarrSource`` does. ``chunk_cache_mb``: the most decoded storage
-    chunks kept per replica for the next units that reach into them (``io.chunk_cache``:
-    planned from the epoch's order, each kept until its last use only, the one needed
-    furthest ahead evicted first; shuffled epochs keep neighbouring blocks together so
-    little is held; arrays that fit whole are kept across epochs; 0: none).
+    ``io.credentials``; without them s3fs reads the environment). ``fetch_ahead_mb``: a
+    remote store's chunk objects fetched ahead of the decode, per replica (``io.fetch``),
+    and ``retry_s``, how long a read retries a store failing in a way that passes
+    (``io.store_retry``), as ``ZarrSource`` does. ``chunk_cache_mb``: the most decoded
+    storage chunks kept per replica for the next units that reach into them
+    (``io.chunk_cache``: planned from the epoch's order, each kept until its last use only,
+    the one needed furthest ahead evicted first; shuffled epochs keep neighbouring blocks
+    together so little is held; arrays that fit whole are kept across epochs; 0: none).
 
-    ``nan``: a window of x holding NaN (data, or the fill value of a region never
-    written) is refused with a ``DataError`` naming the array, the window and its
-    corner (``"refuse"``, the default: one ``isnan`` per unit read), or read with NaN
-    as 0 and one channel appended to x, 1 where every channel is valid (``"mask"``).
-    A y holding NaN is always refused.
+    ``nan``: a window of x holding NaN (data, or the fill value of a region never written)
+    is refused with a ``DataError`` naming the array, the window and its corner
+    (``"refuse"``, the default: one ``isnan`` per unit read), or read with NaN as 0 and one
+    channel appended to x, 1 where every channel is valid (``"mask"``). A y holding NaN is
+    always refused.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class PatchSource(RegionView):
         fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
         nan: str = "refuse",
         chunk_cache_mb: float = DEFAULT_CHUNK_CACHE_MB,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         if nan not in NAN_MODES:
             raise ConfigError(
@@ -165,6 +168,7 @@ class PatchSource(RegionView):
             DEFAULT_CHUNK_CACHE_MB,
             zero="keep none",
         )
+        self.retry_s = retry_seconds("PatchSource", retry_s)
         self._arrays: list[PatchArray] | None = None
         self._remote: Any = None  # a remote store's arrays, opened on the driver
         arrays = self._open()
@@ -218,8 +222,10 @@ class PatchSource(RegionView):
             self._remote = opened_remote(opened, [a.array for a in arrays])
         cache = ChunkCache(int(self.chunk_cache_mb * 2**20)) if self.chunk_cache_mb else None
         for array in arrays:  # one cache for all: y cut from x's array finds x's chunks
-            if array.reader is not None and array.reader.decoder is not None:
-                array.reader.decoder.cache = cache
+            if array.reader is not None:
+                array.reader.retry.retry_s = self.retry_s  # its decoder's too
+                if array.reader.decoder is not None:
+                    array.reader.decoder.cache = cache
         self._arrays = arrays
         return arrays
 
@@ -440,6 +446,11 @@ class PatchSource(RegionView):
         return batch
 
     # -- pickling and display -------------------------------------------------------
+    @property
+    def store_retries(self) -> int:
+        """Reads of this copy sent again to a store failing in a way that passes."""
+        return sum(a.reader.retry.retries for a in self._arrays or [] if a.reader is not None)
+
     def __getstate__(self) -> dict[str, Any]:
         state = {
             k: v

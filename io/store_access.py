@@ -13,6 +13,12 @@ as a corrupt chunk. :func:`access_failure` recognises these failures by the clie
 exception (botocore's, aiohttp's, or the ``PermissionError`` s3fs and a local file
 raise) and :func:`store_access_error` names the object, the store, the process that
 failed and what fixes it.
+
+The other kind of failure is passing: a store that throttles its readers (S3's
+``SlowDown``), answers with a server error, or drops a connection. The client retries
+these for a while (botocore and s3fs for up to about 30 s, fsspec's HTTP not at all);
+``io.store_retry`` goes on retrying a read for a source's ``retry_s``, and only then
+:func:`store_access_error` names it, a :class:`StoreUnavailableError`.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import os
 import socket
 from typing import Any
 
-from dataflow.core.errors import StoreAccessError
+from dataflow.core.errors import StoreAccessError, StoreUnavailableError
 
 NO_CREDENTIALS = "credentials"
 DENIED = "denied"
 UNREACHABLE = "unreachable"
+UNAVAILABLE = "unavailable"  # passing: throttled, a server error, a dropped connection
 
 # botocore's and aiohttp's exception classes, by name (neither is a dependency of ours)
 _CREDENTIAL_ERRORS = {
@@ -56,6 +63,38 @@ _DENIED_CODES = {
     "403",
 }
 
+# S3's (and S3-compatible stores') codes of a request worth sending again, and the HTTP
+# statuses behind them; clients' exceptions for a connection that broke mid-request
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+    "429",
+    "500",
+    "502",
+    "503",
+    "504",
+}
+_TRANSIENT_ERRORS = {
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "ClientOSError",
+    "ReadTimeoutError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "FSTimeoutError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "TimeoutError",
+}
+
 ADVICE = {
     NO_CREDENTIALS: (
         "this process found no credentials for the store. Each worker reads them from its "
@@ -75,6 +114,14 @@ ADVICE = {
         "route outside the cluster. Copy the store to a filesystem the workers share "
         "(dataflow convert, or any copy of the folder), or give an endpoint they can "
         "reach (storage_options={'endpoint_url': ...})"
+    ),
+    UNAVAILABLE: (
+        "the store kept failing in a way that passes (throttling, a server error, a "
+        "dropped connection). A store read by many workers at once throttles them (S3: "
+        "about 5,500 GETs/s per prefix): fewer requests in flight (a smaller "
+        "fetch_ahead_mb), larger chunks, or the data spread over more prefixes help; a "
+        "longer outage needs a larger retry_s on the source. Training goes on from the "
+        "last checkpoint with fit(..., resume=True)"
     ),
 }
 
@@ -106,6 +153,13 @@ def _kind(exc: BaseException) -> str | None:
         code = str((response.get("Error") or {}).get("Code", ""))
         if code in _DENIED_CODES:
             return DENIED
+        if code in _TRANSIENT_CODES:
+            return UNAVAILABLE
+    if names & _TRANSIENT_ERRORS:
+        return UNAVAILABLE
+    status = getattr(exc, "status", None)  # aiohttp's ClientResponseError (fsspec's HTTP)
+    if isinstance(status, int) and (status == 429 or 500 <= status < 600):
+        return UNAVAILABLE
     return None
 
 
@@ -135,12 +189,13 @@ def store_label(array: Any) -> str:
 
 
 def store_access_error(
-    who: str, store: Any, key: str | None, exc: BaseException
+    who: str, store: Any, key: str | None, exc: BaseException, retried: str = ""
 ) -> StoreAccessError | None:
     """The error for ``exc`` reading object ``key`` (None: opening the store) of
     ``store`` (a label, or a zarr array: :func:`store_label`), when ``exc`` is an access
     failure; else None (the caller's own error stands). ``who`` (``"ZarrSource"``, or
-    "") starts the message."""
+    "") starts the message; ``retried`` says how long the read was retried
+    (``io.store_retry``), for a passing failure."""
     kind = access_failure(exc)
     if kind is None:
         return None
@@ -154,7 +209,8 @@ def store_access_error(
             "public bucket anon=True"
         )
     message = (
-        f"{what} store {str(store)!r} failed in {where_this_runs()} "
+        f"{what} store {str(store)!r} failed in {where_this_runs()}{retried} "
         f"({type(exc).__name__}: {exc}); {advice}"
     )
-    return StoreAccessError(f"{who}: {message}" if who else message[0].upper() + message[1:])
+    error = StoreUnavailableError if kind == UNAVAILABLE else StoreAccessError
+    return error(f"{who}: {message}" if who else message[0].upper() + message[1:])

@@ -40,6 +40,7 @@ from zarr.core.buffer import default_buffer_prototype
 from dataflow.io.chunk_cache import ChunkCache, Decoding
 from dataflow.io.fetch import FetchAhead, fetch_now
 from dataflow.io.store_access import store_access_error
+from dataflow.io.store_retry import StoreRetry
 
 
 class MissingObject(Exception):
@@ -130,6 +131,7 @@ class ChunkDecoder:
         self.plans: list[FetchAhead] = []  # epochs' objects fetched ahead (remote stores)
         self.cache: ChunkCache | None = None  # decoded chunks kept across reads (PatchSource)
         self.decoded: list[int] = []  # bytes of each object decoded (append: thread-safe)
+        self.retry = StoreRetry()  # the source's retry_s (its reader sets it)
 
     def key(self, coords: Sequence[int]) -> str:
         return self.prefix + self.array.metadata.encode_chunk_key(tuple(coords))
@@ -224,13 +226,15 @@ class ChunkDecoder:
         out[tuple(target)] = chunk[tuple(source)]
 
     def _fetch(self, keys: list[str]) -> list[Any]:
-        """The stored objects ``keys``; a store refusing them (credentials, permission, no
-        route) is a StoreAccessError naming the object and the fix."""
+        """The stored objects ``keys``, fetched again while the store fails in a way that
+        passes (``io.store_retry``); a store refusing them (credentials, permission, no
+        route, or failing for longer than the retries) is a StoreAccessError naming the
+        object and the fix."""
         try:
-            return self._fetch_objects(keys)
+            return self.retry.run(lambda: self._fetch_objects(keys))
         except Exception as exc:
             key = getattr(exc, "key", None) or (keys[0] if keys else None)
-            refused = store_access_error("", self.array, key, exc)
+            refused = store_access_error("", self.array, key, exc, StoreRetry.retried(exc))
             if refused is None:
                 raise
             raise refused from exc

@@ -52,6 +52,7 @@ from dataflow.io.region import (
     compose,
 )
 from dataflow.io.store_access import store_access_error
+from dataflow.io.store_retry import DEFAULT_RETRY_S, retry_seconds
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -190,6 +191,7 @@ class ZarrSource(RegionView):
         shuffle: bool = True,
         storage_options: dict[str, Any] | None = None,
         fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         if isinstance(sample_dim, bool) or not isinstance(sample_dim, (int, str)):
             raise DataError(
@@ -216,6 +218,7 @@ class ZarrSource(RegionView):
             "the MB of a remote store's chunks fetched ahead of the decode",
             DEFAULT_FETCH_AHEAD_MB,
         )
+        self.retry_s = retry_seconds("ZarrSource", retry_s)
         self._readers: list[ArrayReader] | None = None
         self._region: Bounds | None = None  # see region()
         readers = self._open()
@@ -321,7 +324,7 @@ class ZarrSource(RegionView):
         _check_dtype(field, name, array.dtype, label)
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
-            return ZarrArrayReader(field, array, axis)
+            return ZarrArrayReader(field, array, axis, self.retry_s)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
         if _is_dask_array(data):
             return DaskArrayReader(field, name, data, axis)
@@ -424,6 +427,12 @@ class ZarrSource(RegionView):
         return Batch(x=x, y=tensors[-1] if has_y else None, size=size)
 
     # -- pickling ----------------------------------------------------------------
+    @property
+    def store_retries(self) -> int:
+        """Reads of this copy sent again to a store failing in a way that passes."""
+        readers = self._readers or []
+        return sum(r.retry.retries for r in readers if isinstance(r, ZarrArrayReader))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_readers"] = state["_main"] = None  # open handles stay behind; reopened on first use

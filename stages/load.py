@@ -273,12 +273,16 @@ class Load(Stage):
             self._prefetcher = None
 
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
-        """Report the chunks decoded and the most samples held at once in the phase."""
+        """Report the chunks decoded, the most samples held at once and the reads sent
+        again to a store failing in a way that passes (``io.store_retry``) in the phase."""
         self._close()
         readers, self._readers = self._readers, []
+        retries = int(getattr(self.source, "store_retries", 0))
+        new_retries, self._store_retries = retries - getattr(self, "_store_retries", 0), retries
         return {
             "chunks_decoded": sum(r.decoded for r in readers),
             "peak_buffered_samples": max((r.peak_live_samples for r in readers), default=0),
+            "store_retries": new_retries,
         }
 
     def teardown(self, replica: ReplicaContext) -> None:

@@ -4,7 +4,9 @@
 127.0.0.1 at a port the OS picks, and :class:`DelayProxy` in front of it: a threaded
 HTTP/1.1 proxy that holds every request ``delay`` seconds before forwarding it, as a
 far-away object store would, and counts how many requests it had in flight at once
-(the test of concurrency: a count the proxy observed, never a measured time).
+(the test of concurrency: a count the proxy observed, never a measured time), and
+can fail chunk GETs as a struggling store does (``DelayProxy.fail_chunk_gets``: S3's
+503 ``SlowDown``, a 500 ``InternalError``, or a connection dropped without an answer).
 Clients talk to the proxy: ``S3Server.storage_options`` are what ``ZarrSource`` and
 s3fs take. Used by ``tests/test_object_store.py`` and
 ``benchmarks/bench_object_store.py``.
@@ -27,6 +29,21 @@ KEY = "testing-key-id"
 SECRET = "s3cr3t-not-for-logs-4f9a1c"  # tests look for this string where it must not be
 RENDEZVOUS_S = 5.0  # how long a held chunk GET waits for company before going on alone
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+# What S3 answers when it throttles a reader, or fails inside
+S3_ERRORS = {
+    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
+    "internal": (500, "InternalError", "We encountered an internal error. Please try again."),
+}
+
+
+class QuietServer(ThreadingHTTPServer):
+    """No traceback for a client that hung up (a read cancelled, a fetch plan closed)."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class DelayProxy:
@@ -41,6 +58,11 @@ class DelayProxy:
         self.methods: dict[str, int] = {}
         self.peak_in_flight = 0
         self.peak_chunk_gets = 0  # GETs of chunk objects (zarr v3 keys .../c/...) at once
+        self.failed_chunk_gets = 0  # chunk GETs answered with a failure (fail_chunk_gets)
+        self._fail_objects = 0  # objects still to fail, of those not asked for yet
+        self._fail_each = 1
+        self._failing: dict[str, int] = {}  # object -> failures it has left
+        self._fail_how = "internal"
         # Hold the first chunk GETs until this many are held at once (or RENDEZVOUS_S
         # pass): "requests in flight together" is then a count, not a race with the delay
         self.rendezvous = 1
@@ -60,6 +82,22 @@ class DelayProxy:
             def _forward(self) -> None:
                 body = self._body()
                 chunk = self.command == "GET" and "/c/" in self.path
+                failure = proxy._failure(self.path) if chunk else None
+                if failure == "reset":  # no answer: the client sees the connection close
+                    self.close_connection = True
+                    return
+                if failure is not None:
+                    status, code, message = S3_ERRORS[failure]
+                    payload = (
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                        f"<Message>{message}</Message></Error>"
+                    ).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
                 proxy._enter(self.command, chunk)
                 try:
                     if proxy.delay:
@@ -97,11 +135,35 @@ class DelayProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = QuietServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.port = int(self.server.server_address[1])
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
+
+    def fail_chunk_gets(self, objects: int, how: str = "internal", each: int = 1) -> None:
+        """Answer the GETs of the next ``objects`` chunk objects asked for with a failure,
+        ``each`` times in a row for each object (then forward them): ``how`` is
+        ``"slowdown"`` (503), ``"internal"`` (500) or ``"reset"`` (the connection closed
+        without an answer). s3fs itself sends a GET 5 times on a 503 or a dropped
+        connection, once on a 500. ``objects=0`` stops failing."""
+        assert how in (*S3_ERRORS, "reset"), how
+        with self._lock:
+            self._fail_objects, self._fail_each, self._fail_how = objects, each, how
+            self._failing = {}
+
+    def _failure(self, path: str) -> str | None:
+        with self._lock:
+            if path not in self._failing:
+                if self._fail_objects <= 0:
+                    return None
+                self._fail_objects -= 1
+                self._failing[path] = self._fail_each
+            if self._failing[path] <= 0:
+                return None
+            self._failing[path] -= 1
+            self.failed_chunk_gets += 1
+            return self._fail_how
 
     def _enter(self, method: str, chunk: bool) -> None:
         with self._lock:
@@ -125,6 +187,7 @@ class DelayProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests, self.methods, self._met = 0, {}, False
+            self.failed_chunk_gets, self._fail_objects, self._failing = 0, 0, {}
             self.peak_in_flight, self.peak_chunk_gets = self._in_flight, self._chunk_gets
 
     def _send(

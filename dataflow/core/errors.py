@@ -56,6 +56,11 @@ class StoreAccessError(DataflowError, OSError):
     credentials the store refuses, or no route to its endpoint (not a corrupt chunk)."""
 
 
+class StoreUnavailableError(StoreAccessError):
+    """A store kept failing transiently (throttling, server errors, dropped connections)
+    for longer than a source's ``retry_s``: the store, not the data, is at fault."""
+
+
 class ReplicaError(DataflowError, RuntimeError):
     """A replica failed on its worker, or the replicas' weights diverged."""
 

@@ -366,6 +366,7 @@ class Recorder:
                 data_wait_fraction=data_wait,
                 chunks_decoded=[end.get("chunks_decoded", 0) for end in ends],
                 peak_buffered_samples=[end.get("peak_buffered_samples", 0) for end in ends],
+                store_retries=[end.get("store_retries", 0) for end in ends],
                 skipped_steps=len(skipped_steps(self.history.steps, phase.index)),
                 measured_step_seconds=measured,
                 measured_step_note=measured_note,

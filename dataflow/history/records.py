@@ -202,6 +202,9 @@ class PhaseRecord(Record):
     data_wait_fraction: list[float] | None = None  # per replica: share of step time in Load
     chunks_decoded: list[int] | None = None
     peak_buffered_samples: list[int] | None = None
+    # per replica: reads sent again to a store that failed in a way that passes
+    # (throttling, a server error, a dropped connection; ``io.store_retry``)
+    store_retries: list[int] | None = None
     skipped_steps: int = 0  # non-finite, dropped (the committed steps marked ``skipped``)
     # The phase's steady step time on the driver's clock (the recorder's
     # ``steady_step_seconds``: window commits after the phase's first windows), and,
