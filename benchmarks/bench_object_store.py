@@ -17,6 +17,13 @@ fit's. Target: at least 0.9x at 100 ms, for both sources:
 
     python benchmarks/bench_object_store.py                  # 0, 20, 100 ms, both sources
     python benchmarks/bench_object_store.py --delays 0 100 --sources patch
+    python benchmarks/bench_object_store.py --delays 0 20 --throttle 0.05 0.2
+
+``--throttle P ...`` adds sides at ``--throttle-delay`` ms (default 20) where the store
+answers each chunk GET with S3's 503 ``SlowDown`` at probability P (a throttling
+store: a retried GET may be throttled again), the clients' own retries as a user has
+them; what the fit keeps of its 0 ms throughput shows what the fetch-ahead hides of
+the retries' backoff (``io.store_retry`` sends again what the client gives up on).
 
 Prints a table and appends the run to ``benchmarks/results/object_store.json``.
 """
@@ -97,7 +104,10 @@ def write_stores(root: Path, x: np.ndarray, y: np.ndarray, chunk_mb: float) -> d
     return stores
 
 
-def fit_once(client: Any, kind: str, url: str, options: dict, args: argparse.Namespace) -> float:
+def fit_once(
+    client: Any, kind: str, url: str, options: dict, args: argparse.Namespace
+) -> tuple[float, int]:
+    """The fit's seconds, and the reads its source sent again (``store_retries``)."""
     source = open_source(kind, url, options)
     pipe = dfl.Pipeline(
         model=functools.partial(CNN, MODEL) if kind == "zarr" else tile_model(),
@@ -113,7 +123,7 @@ def fit_once(client: Any, kind: str, url: str, options: dict, args: argparse.Nam
     seconds = time.perf_counter() - start
     for epoch in range(args.epochs):  # every sample once per epoch, or the figure is void
         assert len(result.ledger.consumed(epoch)) == args.samples
-    return seconds
+    return seconds, sum(sum(p.store_retries or []) for p in result.history.phases)
 
 
 def main() -> None:
@@ -127,11 +137,14 @@ def main() -> None:
     parser.add_argument(
         "--sources", nargs="+", default=["zarr", "patch"], choices=["zarr", "patch"]
     )
+    parser.add_argument("--throttle", type=float, nargs="*", default=[], help="fractions")
+    parser.add_argument("--throttle-delay", type=float, default=20.0, help="ms")
     parser.add_argument("--out", default=None)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
     if 0 not in args.delays:
         args.delays = [0.0, *args.delays]
+    sides = [(d, 0.0) for d in args.delays] + [(args.throttle_delay, t) for t in args.throttle]
     ship_to_workers()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.samples, 1, 64, 64)).astype(np.float32)
@@ -150,32 +163,44 @@ def main() -> None:
             s3.proxy.delay = 0.0
             for kind in args.sources:  # warm: imports, first fit
                 fit_once(client, kind, urls[kind], s3.storage_options, args)
-            times = {(k, d): [] for k in args.sources for d in args.delays}
-            counts: dict[tuple[str, float], tuple[dict, int]] = {}
+            times = {(k, side): [] for k in args.sources for side in sides}
+            counts: dict[tuple[str, tuple], dict] = {}
             for _ in range(args.repeats):  # interleaved: a busy spell hits every side
                 for kind in args.sources:
-                    for delay in args.delays:
-                        s3.proxy.delay = delay / 1000
+                    for side in sides:
+                        s3.proxy.delay, s3.proxy.throttle = side[0] / 1000, side[1]
                         s3.proxy.reset_counts()
-                        seconds = fit_once(client, kind, urls[kind], s3.storage_options, args)
-                        times[kind, delay].append(seconds)
-                        counts[kind, delay] = (dict(s3.proxy.methods), s3.proxy.peak_chunk_gets)
+                        seconds, retries = fit_once(
+                            client, kind, urls[kind], s3.storage_options, args
+                        )
+                        times[kind, side].append(seconds)
+                        counts[kind, side] = {
+                            "requests": dict(s3.proxy.methods),
+                            "peak_chunk_gets": s3.proxy.peak_chunk_gets,
+                            "throttled_gets": s3.proxy.failed_chunk_gets,
+                            "store_retries": retries,
+                        }
+                s3.proxy.throttle = 0.0
             for kind in args.sources:
-                for delay in args.delays:
-                    seconds = min(times[kind, delay])  # the least disturbed of the repeats
+                for side in sides:
+                    seconds = min(times[kind, side])  # the least disturbed of the repeats
                     runs.append(
                         {
                             "source": kind,
-                            "delay_ms": delay,
+                            "delay_ms": side[0],
+                            "throttle": side[1],
                             "fit_s": seconds,
-                            "fit_s_all": times[kind, delay],
+                            "fit_s_all": times[kind, side],
                             "samples_per_s": args.samples * args.epochs / seconds,
-                            "requests": counts[kind, delay][0],
-                            "peak_chunk_gets": counts[kind, delay][1],
+                            **counts[kind, side],
                         }
                     )
     for r in runs:
-        base = next(b for b in runs if b["source"] == r["source"] and b["delay_ms"] == 0)
+        base = next(
+            b
+            for b in runs
+            if b["source"] == r["source"] and b["delay_ms"] == 0 and not b["throttle"]
+        )
         r["vs_0ms"] = r["samples_per_s"] / base["samples_per_s"]
         gets = r["requests"].get("GET", 0)
         heads = r["requests"].get("HEAD", 0)
@@ -183,14 +208,26 @@ def main() -> None:
             [
                 r["source"],
                 f"{r['delay_ms']:g}",
+                f"{r['throttle']:.0%}",
                 f"{r['fit_s']:.2f}",
                 f"{r['samples_per_s']:.0f}",
                 f"{r['vs_0ms']:.2f}x",
                 f"{gets}/{heads}",
                 r["peak_chunk_gets"],
+                f"{r['throttled_gets']}/{r['store_retries']}",
             ]
         )
-    header = ["source", "delay ms", "fit s", "samples/s", "vs 0 ms", "GET/HEAD", "GETs at once"]
+    header = [
+        "source",
+        "delay ms",
+        "SlowDown",
+        "fit s",
+        "samples/s",
+        "vs 0 ms",
+        "GET/HEAD",
+        "GETs at once",
+        "503s/retried",
+    ]
     print(
         f"{args.samples} samples of 1x64x64 ({objects['zarr']} sample-major chunks, "
         f"{objects['patch']} blocks of tiles) of {args.chunk_mb:g} MB, {args.epochs} epochs, "

@@ -52,7 +52,7 @@ from dataflow.io.patch_arrays import (
 from dataflow.io.patch_geometry import Geometry, resolve_geometry
 from dataflow.io.patch_nan import NAN_MODES, masked_nan, refuse_nan
 from dataflow.io.region import Bounds, RegionView, compose
-from dataflow.io.store_retry import DEFAULT_RETRY_S, retry_seconds
+from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
 from dataflow.io.windows import (
     DEFAULT_BLOCK_WINDOWS,
     block_factor,
@@ -171,7 +171,7 @@ class PatchSource(RegionView):
         self.retry_s = retry_seconds("PatchSource", retry_s)
         self._arrays: list[PatchArray] | None = None
         self._remote: Any = None  # a remote store's arrays, opened on the driver
-        arrays = self._open()
+        arrays = open_with_retries(self._open, self.retry_s, "PatchSource", self.store)
         mask_array = mask
         if isinstance(mask, str):
             mask_array = self._member("mask", mask).read_all()

@@ -17,6 +17,7 @@ from typing import Any
 
 from dataflow.core.errors import ConfigError, DataError, DataflowError, StoreAccessError
 from dataflow.io.credentials import StorageOptions
+from dataflow.io.store_access import UNAVAILABLE, access_failure
 from dataflow.io.zarr_source import _open_zarr
 
 REMOTE_HINT = (
@@ -61,7 +62,11 @@ def open_zarr(
     except Exception as exc:
         if not is_url(path):
             raise
-        # the client's: credentials, permissions, endpoint, options
+        # the client's: credentials, permissions, endpoint, options; or a store failing
+        # for a while (throttled, a server error), which a later try may pass
+        passing = access_failure(exc) == UNAVAILABLE
+        hint = "the store is throttling or failing for now: try again later" if passing else ""
         raise DataError(
-            f"{caller}: cannot open {str(path)!r} ({type(exc).__name__}: {exc}); {REMOTE_HINT}"
+            f"{caller}: cannot open {str(path)!r} ({type(exc).__name__}: {exc}); "
+            f"{hint or REMOTE_HINT}"
         ) from exc

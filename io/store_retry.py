@@ -14,7 +14,8 @@ chunk, no credentials) is not retried: no retry mends it.
 
 :func:`backoff_s` and :func:`gives_up` are the decisions, pure; :class:`StoreRetry`
 applies them to a call, counting what it retried (``retries``, reported per phase as
-``store_retries`` in the history).
+``store_retries`` in the history); :func:`open_with_retries` does the same for a
+source's opening on the driver (its metadata's reads).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from dataflow.core.errors import ConfigError
-from dataflow.io.store_access import UNAVAILABLE, access_failure
+from dataflow.core.errors import ConfigError, StoreAccessError
+from dataflow.io.store_access import UNAVAILABLE, access_failure, store_access_error
 
 DEFAULT_RETRY_S = 120.0  # under the collective timeout (300 s) that the peers wait in
 FIRST_BACKOFF_S = 0.5
@@ -114,3 +115,18 @@ class StoreRetry:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["retry_s"])
+
+
+def open_with_retries(open_: Callable[[], T], retry_s: float, who: str, store: Any) -> T:
+    """``open_()`` (a source reading ``store``'s metadata), tried again while it fails in
+    a way that passes for ``retry_s``; then, or for a refusal, a StoreAccessError naming
+    ``who`` and the store (an error the opening named itself stands)."""
+    try:
+        return StoreRetry(retry_s).run(open_)
+    except StoreAccessError:
+        raise
+    except Exception as exc:
+        refused = store_access_error(who, store, None, exc, StoreRetry.retried(exc))
+        if refused is None:
+            raise
+        raise refused from exc

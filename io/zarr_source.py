@@ -30,7 +30,7 @@ import torch
 import zarr
 
 from dataflow.core.batch import Batch
-from dataflow.core.errors import DataError, DataflowError
+from dataflow.core.errors import DataError, DataflowError, StoreUnavailableError
 from dataflow.io.array_readers import (
     RESIDENT_BYTES,
     ArrayReader,
@@ -52,7 +52,7 @@ from dataflow.io.region import (
     compose,
 )
 from dataflow.io.store_access import store_access_error
-from dataflow.io.store_retry import DEFAULT_RETRY_S, retry_seconds
+from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -84,7 +84,8 @@ def _open_zarr(
     store: str | Path, storage_options: dict[str, Any] | None, caller: str = "ZarrSource"
 ) -> Any:
     """The zarr group or array at a path or fsspec URL; ``caller`` names who asked (the
-    tools open stores through this too: ``io.store_open``)."""
+    tools open stores through this too: ``io.store_open``). A failure that passes is
+    raised as it is, for the caller to try again (``io.store_retry.open_with_retries``)."""
     options = {} if storage_options is None else {"storage_options": storage_options}
     try:
         return zarr.open(store=str(store), mode="r", **options)
@@ -95,7 +96,7 @@ def _open_zarr(
         ) from exc
     except Exception as exc:  # no credentials, refused, unreachable: say so and the fix
         refused = store_access_error(caller, store, None, exc)
-        if refused is None:
+        if refused is None or isinstance(refused, StoreUnavailableError):
             raise
         raise refused from exc
 
@@ -221,7 +222,7 @@ class ZarrSource(RegionView):
         self.retry_s = retry_seconds("ZarrSource", retry_s)
         self._readers: list[ArrayReader] | None = None
         self._region: Bounds | None = None  # see region()
-        readers = self._open()
+        readers = open_with_retries(self._open, self.retry_s, "ZarrSource", self.store)
         if len({r.num_samples for r in readers}) != 1:
             counts = ", ".join(f"{r.field} ({r.name!r}) has {r.num_samples}" for r in readers)
             raise DataError(

@@ -6,7 +6,8 @@ HTTP/1.1 proxy that holds every request ``delay`` seconds before forwarding it, 
 far-away object store would, and counts how many requests it had in flight at once
 (the test of concurrency: a count the proxy observed, never a measured time), and
 can fail chunk GETs as a struggling store does (``DelayProxy.fail_chunk_gets``: S3's
-503 ``SlowDown``, a 500 ``InternalError``, or a connection dropped without an answer).
+503 ``SlowDown``, a 500 ``InternalError``, or a connection dropped without an answer;
+``DelayProxy.throttle``: a share of them answered ``SlowDown``).
 Clients talk to the proxy: ``S3Server.storage_options`` are what ``ZarrSource`` and
 s3fs take. Used by ``tests/test_object_store.py`` and
 ``benchmarks/bench_object_store.py``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -62,7 +64,12 @@ class DelayProxy:
         self._fail_objects = 0  # objects still to fail, of those not asked for yet
         self._fail_each = 1
         self._failing: dict[str, int] = {}  # object -> failures it has left
+        self._fail_metadata = False  # metadata files' GETs fail too
         self._fail_how = "internal"
+        # Besides: each chunk GET answered with S3's 503 SlowDown at this probability (a
+        # throttling store; a retried GET may be throttled again), from a seeded draw
+        self.throttle = 0.0
+        self._draw = random.Random(0).random
         # Hold the first chunk GETs until this many are held at once (or RENDEZVOUS_S
         # pass): "requests in flight together" is then a count, not a race with the delay
         self.rendezvous = 1
@@ -82,7 +89,7 @@ class DelayProxy:
             def _forward(self) -> None:
                 body = self._body()
                 chunk = self.command == "GET" and "/c/" in self.path
-                failure = proxy._failure(self.path) if chunk else None
+                failure = proxy._failure(self.path, chunk) if self.command == "GET" else None
                 if failure == "reset":  # no answer: the client sees the connection close
                     self.close_connection = True
                     return
@@ -141,19 +148,27 @@ class DelayProxy:
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()
 
-    def fail_chunk_gets(self, objects: int, how: str = "internal", each: int = 1) -> None:
+    def fail_chunk_gets(
+        self, objects: int, how: str = "internal", each: int = 1, metadata: bool = False
+    ) -> None:
         """Answer the GETs of the next ``objects`` chunk objects asked for with a failure,
         ``each`` times in a row for each object (then forward them): ``how`` is
         ``"slowdown"`` (503), ``"internal"`` (500) or ``"reset"`` (the connection closed
-        without an answer). s3fs itself sends a GET 5 times on a 503 or a dropped
-        connection, once on a 500. ``objects=0`` stops failing."""
+        without an answer); ``metadata``: the metadata files' GETs too. s3fs itself sends
+        a GET 5 times on a 503 or a dropped connection, once on a 500. ``objects=0``
+        stops failing."""
         assert how in (*S3_ERRORS, "reset"), how
         with self._lock:
             self._fail_objects, self._fail_each, self._fail_how = objects, each, how
-            self._failing = {}
+            self._failing, self._fail_metadata = {}, metadata
 
-    def _failure(self, path: str) -> str | None:
+    def _failure(self, path: str, chunk: bool) -> str | None:
         with self._lock:
+            if not (chunk or self._fail_metadata):
+                return None
+            if chunk and self.throttle and self._draw() < self.throttle:
+                self.failed_chunk_gets += 1
+                return "slowdown"
             if path not in self._failing:
                 if self._fail_objects <= 0:
                     return None

@@ -192,6 +192,23 @@ def test_a_store_failing_past_retry_s_is_named_with_the_object_and_the_fix(s3, s
     assert "retries over" not in str(failed.value) and source.store_retries == 0
 
 
+def test_opening_a_store_failing_for_a_while_is_tried_again(s3, s3_stores, proxy):
+    """The driver's open (the metadata's GETs) rides out the failure too; the tools
+    (``dataflow info``) fail at once, with the store's message."""
+    _, url = s3_stores
+    proxy.fail_chunk_gets(2, "internal", metadata=True)
+    source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=options(s3))
+    assert proxy.failed_chunk_gets == 2 and source.num_samples == 256
+    proxy.reset_counts()
+    proxy.fail_chunk_gets(10**6, "internal", each=10**6, metadata=True)
+    with pytest.raises(dfl.StoreUnavailableError, match=r"opening store .*after \d+ retries"):
+        dfl.io.ZarrSource(url, x="x", y="y", storage_options=options(s3), retry_s=0.5)
+    from dataflow.io.store_open import open_zarr
+
+    with pytest.raises(dfl.DataError, match=r"info: cannot open .*throttling or failing for now"):
+        open_zarr("info", url, options(s3))
+
+
 def test_a_patch_source_rides_out_a_failing_store_with_the_same_windows(s3, tmp_path, proxy):
     field = np.random.default_rng(0).standard_normal((24, 24)).astype(np.float32)
     local = tmp_path / "field.zarr"
@@ -231,6 +248,8 @@ def test_a_fit_through_a_failing_store_equals_the_fit_from_the_local_copy(
     got = fit(dfl.io.ZarrSource(url, x="x", y="y", storage_options=options(s3)))
     assert proxy.failed_chunk_gets == 12
     assert sum(sum(p.store_retries) for p in got.history.phases) >= 1
+    assert "store reads retried per replica" in got.summary()
+    assert "store reads retried" not in want.summary()
     for e in range(2):
         assert got.ledger.consumed(e).tolist() == list(range(256))
     weights, reference = got.model.state_dict(), want.model.state_dict()

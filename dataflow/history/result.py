@@ -112,7 +112,9 @@ class FitResult:
                 f"  phase {phase['phase']}: epochs {phase['start_epoch']}-{phase['end_epoch'] - 1}"
                 f", global batch {phase['global_batch']}, lr {figure(phase['lr'])}, split "
                 f"{phase['local_batches']}, samples/s per replica "
-                f"{[round(v) for v in phase['samples_per_second']]}" + _captured_text(phase)
+                f"{[round(v) for v in phase['samples_per_second']]}"
+                + _captured_text(phase)
+                + _retried_text(phase)
             )
         if (skipped := skipped_text(h)) is not None:
             lines.append(f"  {skipped}")
@@ -140,6 +142,15 @@ def _captured_text(phase: Any) -> str:
     text = f", steps replayed as CUDA graphs per replica {replayed} of {phase['steps']}"
     failures = phase.get("capture_failures")
     return text + (f" (not captured: {'; '.join(failures)})" if failures else "")
+
+
+def _retried_text(phase: Any) -> str:
+    """Reads sent again to a store that failed for a while (``io.store_retry``): a store
+    throttling the fit's readers is worth knowing of before it fails one."""
+    retried = phase.get("store_retries") or []
+    if not any(retried):
+        return ""
+    return f", store reads retried per replica {retried} (throttled or failing for a while)"
 
 
 def figure(value: Any) -> str:
