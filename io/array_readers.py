@@ -412,6 +412,7 @@ def fetch_ahead(
     readers: Sequence[ArrayReader],
     ranges: Sequence[tuple[int, int]],
     fetch_ahead_mb: float = DEFAULT_FETCH_AHEAD_MB,
+    after: FetchAhead | None = None,
 ) -> FetchAhead | None:
     """The stored objects that reads of the sample ``ranges`` (in read order) decode from
     ``readers``, fetched ahead with ``fetch_ahead_mb`` MB at most fetched and not yet
@@ -429,4 +430,5 @@ def fetch_ahead(
     if not entries:
         return None
     decoders = [r.decoder for r in zarr_readers if r.fetches_ahead or r in resident]
-    return FetchAhead(entries, max_bytes=int(fetch_ahead_mb * 2**20), consumers=decoders)
+    budget = int(fetch_ahead_mb * 2**20)
+    return FetchAhead(entries, max_bytes=budget, consumers=decoders, after=after)

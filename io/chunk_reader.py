@@ -317,6 +317,17 @@ class EpochChunkReader:
         self._held = 0
         self._lock = threading.Lock()
         self._plan: Any = None  # the source's plan of the epoch's reads (plan_reads)
+        seen: set[int] = set()
+        self.news = []  # per batch, the chunks it is the first to use
+        for touched in self.touched:
+            self.news.append([c for c in touched if c not in seen])
+            seen.update(touched)
+        self.jobs = [new for new in self.news if new]  # the reads, in order
+        # A remote store's objects fetched ahead (io.fetch), from iteration on, or started
+        # earlier by the epoch before (``then``: the reader of the epoch after this one)
+        self.fetching: Any = None
+        self._fetch_started = False
+        self.then: EpochChunkReader | None = None
 
     def _samples(self, chunks: Sequence[int]) -> int:
         return int(sum(self.index.size(c) for c in chunks))
@@ -335,16 +346,33 @@ class EpochChunkReader:
             self.requests += 1
         return decoded
 
-    def __iter__(self) -> Iterator[Batch]:
-        seen: set[int] = set()
-        news = []  # per batch, the chunks it is the first to use
-        for touched in self.touched:
-            news.append([c for c in touched if c not in seen])
-            seen.update(touched)
-        jobs = [new for new in news if new]
-        # A remote store's objects, fetched ahead in this order from now on (io.fetch)
+    def start_fetching(self, after: Any = None) -> None:
+        """Fetch this epoch's objects of a remote store ahead, in read order, from now on
+        (``io.fetch``; once). ``after``: the plan of the epoch before, still being read:
+        this one shares its budget, so an epoch's first GETs need not wait for its start."""
+        if self._fetch_started:
+            return
+        self._fetch_started = True
         fetch_ahead = getattr(self.source, "fetch_ahead", None)
-        fetching = fetch_ahead(jobs) if fetch_ahead is not None else None
+        if fetch_ahead is not None:
+            options = {} if after is None else {"after": after}
+            self.fetching = fetch_ahead(self.jobs, **options)
+
+    def close_fetching(self) -> None:
+        """Drop what was fetched ahead and not read (an epoch not read after all)."""
+        if self.fetching is not None:
+            self.fetching.close()
+
+    def _start_the_next(self, fetching: Any) -> None:
+        """Once this epoch's plan has asked for everything, the next epoch's may start."""
+        then = self.then
+        if then is not None and not then._fetch_started and fetching.launched_all:
+            then.start_fetching(after=fetching)
+
+    def __iter__(self) -> Iterator[Batch]:
+        news, jobs = self.news, self.jobs
+        self.start_fetching()  # unless the epoch before started it
+        fetching = self.fetching
         # The same order tells a decoded-chunk cache what to keep (io.chunk_cache)
         plan_reads = getattr(self.source, "plan_reads", None)
         self._plan = plan_reads(jobs) if plan_reads is not None else None
@@ -368,6 +396,8 @@ class EpochChunkReader:
                     live.update(decoder.get())
                 if fetching is not None and fetching.missing:
                     self._stop_missing(fetching)
+                if fetching is not None:
+                    self._start_the_next(fetching)
                 yield self._assemble(indices, self.chunks[position], position, live)
                 done = [c for c in self.touched[position] if self.last_use[c] == position]
                 for chunk in done:

@@ -20,6 +20,11 @@ fetched when it is needed (:func:`fetch_now`), so a decode never waits on the pl
 budget. Any source that knows its reads in advance can do the same: list
 ``(store, key, nbytes)`` in read order, then ``take`` each key before fetching it.
 
+Across an epoch's end: the next epoch's plan may start while this one's last objects
+are still being decoded (``FetchAhead(..., after=this)``, see ``io.chunk_reader``), so
+its first GETs are not on the critical path. The two share one budget: the successor
+counts what its predecessor still holds, and fetches only within what is left.
+
 One request per object: :func:`get_object` asks s3fs for the whole object at once
 (s3fs's own ``cat`` first asks for the size, a second round trip per chunk). The GET
 is also the existence check: an object a live plan fetches (:meth:`FetchAhead.covers`)
@@ -120,6 +125,7 @@ class FetchAhead:
         max_bytes: int,
         max_requests: int = DEFAULT_REQUESTS,
         consumers: Sequence[Any] = (),
+        after: FetchAhead | None = None,
     ) -> None:
         if max_requests < 1:
             raise ValueError(f"FetchAhead(max_requests={max_requests}): must be >= 1")
@@ -144,6 +150,13 @@ class FetchAhead:
         self._wake: asyncio.Event | None = None
         self._closed = False
         self._consumers = list(consumers)  # each has a ``plans`` list it takes from
+        # The plan whose reads come before this one's: what it holds counts against
+        # this one's budget, and its releases wake this one (see :attr:`launched_all`)
+        self._after = after
+        self._successor: FetchAhead | None = None
+        if after is not None:
+            after._successor = self
+        self.launched_all = not self.entries  # every entry launched (or skipped)
         for consumer in self._consumers:
             consumer.plans.append(self)
         self._task = asyncio.run_coroutine_threadsafe(self._run(), self._loop)
@@ -182,6 +195,14 @@ class FetchAhead:
         if self._wake is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop stopped at exit
                 self._loop.call_soon_threadsafe(self._wake.set)
+        successor = self._successor
+        if successor is not None:  # this plan's bytes count against its successor's
+            successor._poke()
+
+    def _held_before(self) -> int:
+        """The bytes the preceding plan holds (0 once it is closed)."""
+        after = self._after
+        return 0 if after is None or after._closed else after._held
 
     def close(self) -> None:
         """Stop fetching; what was fetched and not taken is dropped."""
@@ -209,7 +230,8 @@ class FetchAhead:
                             return
                         if self._state[i] == "skipped":
                             break
-                        room = self._held == 0 or self._held + nbytes <= self.max_bytes
+                        held = self._held + self._held_before()
+                        room = held == 0 or held + nbytes <= self.max_bytes
                         if room and self._in_flight < self.max_requests:
                             self._state[i] = "launched"
                             self._held += nbytes
@@ -223,6 +245,7 @@ class FetchAhead:
                     task = asyncio.ensure_future(self._one(i, store, key))
                     running.add(task)
                     task.add_done_callback(running.discard)
+            self.launched_all = True  # the next plan may start (within what is left)
             if running:
                 await asyncio.gather(*running, return_exceptions=True)
         finally:

@@ -381,11 +381,14 @@ class PatchSource(RegionView):
             y = torch.from_numpy(y)
         return Batch(x=torch.from_numpy(x), y=y, size=len(members))
 
-    def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
+    def fetch_ahead(
+        self, jobs: Sequence[Sequence[int]], after: FetchAhead | None = None
+    ) -> FetchAhead | None:
         """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects that the
         units ``jobs`` (lists of units, in the order they will be read) decode, fetched
         from now on, many requests in flight, at most ``fetch_ahead_mb`` MB ahead of the
-        decode (``io.fetch``); None for a local store. The chunk reader closes it."""
+        decode (``io.fetch``; ``after``: the plan of the reads before, sharing the
+        budget); None for a local store. The chunk reader closes it."""
         arrays = [a for a in self._open() if a.fetches_ahead]
         if not arrays:
             return None
@@ -399,7 +402,8 @@ class PatchSource(RegionView):
         if not entries:
             return None
         decoders = [a.reader.decoder for a in arrays if a.reader is not None]
-        return FetchAhead(entries, max_bytes=int(self.fetch_ahead_mb * 2**20), consumers=decoders)
+        budget = int(self.fetch_ahead_mb * 2**20)
+        return FetchAhead(entries, max_bytes=budget, consumers=decoders, after=after)
 
     def plan_reads(self, jobs: Sequence[Sequence[int]]) -> CachePlan | None:
         """The decoded-chunk cache's plan of an epoch (``io.chunk_cache``): the stored keys

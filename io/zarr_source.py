@@ -393,14 +393,17 @@ class ZarrSource(RegionView):
             for i, (chunk, (start, stop)) in enumerate(zip(ordered, ranges, strict=True))
         }
 
-    def fetch_ahead(self, jobs: Sequence[Sequence[int]]) -> FetchAhead | None:
+    def fetch_ahead(
+        self, jobs: Sequence[Sequence[int]], after: FetchAhead | None = None
+    ) -> FetchAhead | None:
         """A remote store (``s3://``, ``gs://``, ``https://``): the stored objects of
         ``jobs`` (lists of chunks, in the order they will be read) fetched from now on,
         many requests in flight, at most ``fetch_ahead_mb`` MB ahead of the decode
-        (``io.fetch``); None for a local store. The chunk reader closes it."""
+        (``io.fetch``; ``after``: the plan of the reads before, sharing the budget); None
+        for a local store. The chunk reader closes it."""
         bounds = self.chunk_bounds
         ranges = [(int(bounds[c]), int(bounds[c + 1])) for job in jobs for c in sorted(job)]
-        return fetch_ahead(self._open(), ranges, self.fetch_ahead_mb)
+        return fetch_ahead(self._open(), ranges, self.fetch_ahead_mb, after)
 
     def read(self, indices: np.ndarray) -> Batch:
         """The samples at ``indices`` (in that order) as one batch, sample dim first.

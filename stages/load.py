@@ -186,29 +186,48 @@ class Load(Stage):
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,
         )
-        for _, epoch_steps, parts in epochs:
-            mine = [step_parts[rank] for step_parts in parts]
-            if is_chunked(self.source):  # checks the epoch's chunks exist, then decodes once
-                reader = EpochChunkReader(
-                    self.source,
-                    mine,
-                    buffers=self._buffers,
-                    decode_threads=self._decode_threads,
-                )
-                self._readers.append(reader)
-                batches = iter(reader)
-            else:
-                source = self._reads_from
-                batches = (source.read(indices) for indices in mine)
-            try:
-                for spec, batch in zip(epoch_steps, batches, strict=False):
-                    batch.indices = mine[spec.index - epoch_steps[0].index]
-                    yield spec.index, batch
-                    del batch  # the consumer decides how long it lives (buffer reuse)
-            finally:
-                close = getattr(batches, "close", None)
-                if close is not None:  # stops the reader's decode thread early
-                    close()
+        # One epoch ahead: a remote store's next epoch is fetched while this one ends
+        # (EpochChunkReader.then), so its first GETs are not waited for at its start
+        mine_per_epoch = (
+            (epoch_steps, [step_parts[rank] for step_parts in parts])
+            for _, epoch_steps, parts in epochs
+        )
+        current = next(mine_per_epoch, None)
+        reader = self._epoch_reader(current[1]) if current is not None else None
+        after = None
+        try:
+            while current is not None:
+                epoch_steps, mine = current
+                following = next(mine_per_epoch, None)
+                after = self._epoch_reader(following[1]) if following is not None else None
+                if reader is not None:  # checks the epoch's chunks exist, then decodes once
+                    reader.then = after
+                    self._readers.append(reader)
+                    batches = iter(reader)
+                else:
+                    source = self._reads_from
+                    batches = (source.read(indices) for indices in mine)
+                try:
+                    for spec, batch in zip(epoch_steps, batches, strict=False):
+                        batch.indices = mine[spec.index - epoch_steps[0].index]
+                        yield spec.index, batch
+                        del batch  # the consumer decides how long it lives (buffer reuse)
+                finally:
+                    close = getattr(batches, "close", None)
+                    if close is not None:  # stops the reader's decode thread early
+                        close()
+                current, reader = following, after
+        finally:  # an epoch started ahead and never read: what it fetched is dropped
+            if after is not None:
+                after.close_fetching()
+
+    def _epoch_reader(self, mine: list[np.ndarray]) -> EpochChunkReader | None:
+        """The reader of an epoch of this replica's batches ``mine`` (a chunked source)."""
+        if not is_chunked(self.source):
+            return None
+        return EpochChunkReader(
+            self.source, mine, buffers=self._buffers, decode_threads=self._decode_threads
+        )
 
     def _stage(self, item: Any) -> tuple[int, Batch]:
         """On CUDA: pinned host memory, then an asynchronous copy (on the loader thread)."""

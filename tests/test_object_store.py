@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from conftest import make_data, tiny_pipeline
 from object_store import KEY, SECRET
 
 import dataflow as dfl
+from dataflow.io import EpochChunkReader
 
 
 @pytest.fixture
@@ -126,6 +128,41 @@ def test_an_epoch_from_s3_sends_no_head_its_gets_are_the_existence_check(
     for epoch in range(2):
         for (gi, gx, gy), (wi, wx, wy) in zip(got[epoch], want[epoch], strict=True):
             assert np.array_equal(gi, wi) and torch.equal(gx, wx) and torch.equal(gy, wy)
+
+
+def test_the_next_epoch_is_fetched_while_this_one_ends_each_object_once(s3, s3_stores, proxy):
+    """A reader whose plan has asked for all its objects starts the next epoch's plan
+    (``EpochChunkReader.then``, as ``Load`` chains a phase's epochs), sharing its budget:
+    the next epoch's GETs are out before it starts, each object still GET once."""
+    local, url = s3_stores
+    here = dfl.io.ZarrSource(local, x="x", y="y")
+    orders = [
+        [b.indices.copy() for b in dfl.io.stream_batches(here, 32, seed=3, epoch=e)] for e in (0, 1)
+    ]
+    remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    first, second = (EpochChunkReader(remote, order) for order in orders)
+    first.then = second
+    proxy.reset_counts()
+    batches = iter(first)
+    got = [next(batches) for _ in range(len(orders[0]) - 1)]
+    deadline = time.monotonic() + 60
+    while not first.fetching.launched_all:  # what the step before the last waits for
+        assert time.monotonic() < deadline, "the first epoch's plan never asked for all"
+        time.sleep(0.01)
+    got.append(next(batches))  # the last batch: the next epoch's plan starts here
+    assert second.fetching is not None and second._fetch_started
+    assert second.fetching._after is first.fetching
+    assert next(batches, None) is None
+    got += list(second)
+    want = [b for e in (0, 1) for b in dfl.io.stream_batches(here, 32, seed=3, epoch=e)]
+    assert len(got) == len(want) == 16
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.indices, w.indices) and torch.equal(g.x, w.x)
+        assert torch.equal(g.y, w.y)
+    # x's objects once per epoch, y's (resident) once in all: none asked for twice
+    objects = 2 * stored_objects(local, "x") + stored_objects(local, "y")
+    assert proxy.methods.get("GET", 0) == objects, proxy.methods
+    assert proxy.methods.get("HEAD", 0) == 0, proxy.methods
 
 
 @pytest.mark.parametrize("kind", ["zarr", "patch"])
