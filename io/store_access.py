@@ -182,6 +182,8 @@ def store_label(array: Any) -> str:
     store = array.store_path.store
     fs, path = getattr(store, "fs", None), getattr(store, "path", None)
     if fs is not None and path is not None:
+        if "://" in str(path):  # fsspec's HTTP keeps the whole URL as the path
+            return str(path)
         protocol = fs.protocol[0] if isinstance(fs.protocol, tuple | list) else fs.protocol
         return f"{protocol}://{path}"
     root = getattr(store, "root", None)

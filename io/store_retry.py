@@ -108,7 +108,7 @@ class StoreRetry:
         if retried is None:
             return ""
         times, seconds = retried
-        return f" after {times} retries over {seconds:.0f} s"
+        return f" after {times} {'retry' if times == 1 else 'retries'} over {seconds:.1f} s"
 
     def __getstate__(self) -> dict[str, Any]:  # a copy on a worker counts its own
         return {"retry_s": self.retry_s}
