@@ -20,6 +20,7 @@ source's opening on the driver (its metadata's reads).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -29,9 +30,12 @@ from typing import Any, TypeVar
 from dataflow.core.errors import ConfigError, StoreAccessError
 from dataflow.io.store_access import UNAVAILABLE, access_failure, store_access_error
 
+log = logging.getLogger(__name__)
+
 DEFAULT_RETRY_S = 120.0  # under the collective timeout (300 s) that the peers wait in
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
+WARN_EVERY_S = 30.0  # a worker's log says a store is failing at most this often
 
 T = TypeVar("T")
 
@@ -78,6 +82,7 @@ class StoreRetry:
         self._sleep = sleep
         self._draw = random.Random().random  # timing only: no result depends on it
         self._lock = threading.Lock()
+        self._warned_at: float | None = None
 
     def run(self, read: Callable[[], T]) -> T:
         """``read()``, sent again while it fails transiently; the last failure raised with
@@ -99,6 +104,18 @@ class StoreRetry:
                     raise
                 with self._lock:
                     self.retries += 1
+                    warn = self._warned_at is None or now - self._warned_at >= WARN_EVERY_S
+                    self._warned_at = now if warn else self._warned_at
+                if warn:  # in the worker's log as it happens, not only when it gives up
+                    log.warning(
+                        "dataflow: a store read failed in a way that passes (%s: %s); "
+                        "sending it again (%d retries by this source so far, for at most "
+                        "retry_s=%g s per read)",
+                        type(exc).__name__,
+                        str(exc)[:200],
+                        self.retries,
+                        self.retry_s,
+                    )
                 self._sleep(wait)
 
     @staticmethod

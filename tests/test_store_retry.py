@@ -12,6 +12,7 @@ source: what is counted is the proxy's failures and the source's retries, never 
 from __future__ import annotations
 
 import errno
+import logging
 import pickle
 import re
 
@@ -87,7 +88,7 @@ class FakeClock:
         self.now += seconds
 
 
-def test_a_read_is_sent_again_until_it_succeeds_or_the_budget_is_spent():
+def test_a_read_is_sent_again_until_it_succeeds_or_the_budget_is_spent(caplog):
     clock = FakeClock()
     retry = StoreRetry(30.0, clock=lambda: clock.now, sleep=clock.sleep)
     answers = iter([client_error("SlowDown", 503)] * 3 + ["bytes"])
@@ -98,8 +99,12 @@ def test_a_read_is_sent_again_until_it_succeeds_or_the_budget_is_spent():
             raise answer
         return answer
 
-    assert retry.run(read) == "bytes"
+    with caplog.at_level(logging.WARNING, logger="dataflow.io.store_retry"):
+        assert retry.run(read) == "bytes"
     assert retry.retries == 3 and len(clock.waits) == 3
+    # the log says so at once, and once per WARN_EVERY_S, not per retry
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "SlowDown" in warned[0] and "retry_s=30" in warned[0]
     assert all(0 <= w <= cap for w, cap in zip(clock.waits, [0.5, 1.0, 2.0], strict=True))
 
     def down() -> str:
