@@ -32,7 +32,10 @@ from dataflow.io.store_access import UNAVAILABLE, access_failure, store_access_e
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETRY_S = 120.0  # under the collective timeout (300 s) that the peers wait in
+# A replica riding out a failing store keeps its peers waiting in their allreduce: past
+# the trainer's collective_timeout_s (default 30 s) the phase's rest is redone from the
+# last commit (a "stalled" failure), past twice that the replica is dropped as hung
+DEFAULT_RETRY_S = 120.0
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 10.0
 WARN_EVERY_S = 30.0  # a worker's log says a store is failing at most this often

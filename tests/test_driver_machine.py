@@ -519,6 +519,43 @@ def test_nan_rolls_back_in_place_with_half_the_lr_until_the_budget_is_spent():
     assert isinstance(fail, cmd.Fail)
 
 
+def test_a_collective_timed_out_on_a_live_peer_is_redone_from_the_commit_then_fails():
+    """Every worker alive (the executor checked), a replica's allreduce timed out: a peer
+    was slow (a data stall), so the phase's rest is redone from the commit with the group
+    formed again, ``max_stalls`` times in a phase; then the fit stops saying which
+    timeout to raise. Any other collective error still stops it at once."""
+    from dataflow.core.errors import CollectiveError
+    from dataflow.driver.log import ErrorInfo
+
+    timeout = CollectiveError(
+        "allreduce failed on replica 0: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+        "waiting 3000ms for recv operation to complete; another replica (or the driver) most "
+        "likely failed first"
+    )
+    d = Driver(max_stalls=2)
+    _, submit = d.start()
+    for attempt, error in enumerate((timeout, ErrorInfo.of(timeout))):  # a replayed log too
+        out = d.send(ev.WindowFailed(attempt, 0, submit.first_window, error))
+        [record] = [c.record for c in of(cmd.RecordFailure, out)]
+        assert record["reason"] == "stalled" and record["rank"] == 0 and record.lost == []
+        assert of(cmd.StopWindows, out) and of(cmd.RollBack, out)[0].step == 0
+        [form] = of(cmd.FormGroup, out)
+        assert form.members == W[:2] and form.generation == attempt + 1
+        [plan] = d.send(ev.GroupFormed(attempt + 1))
+        assert plan.kind == "rest" and plan.replicas == 2 and plan.commit_step == 0
+        steps = planned(PHASE0, 2)
+        _, submit = d.send(ev.SegmentPlanned(PHASE0, steps, steps, continued=True))
+    [fail] = d.send(ev.WindowFailed(2, 1, submit.first_window, timeout))
+    assert isinstance(fail, cmd.Fail) and isinstance(fail.error, CollectiveError)
+    assert "after 2 redo(s)" in str(fail.error) and "collective_timeout_s" in str(fail.error)
+    assert fail.error.__cause__ is timeout
+    d = Driver()
+    _, submit = d.start()
+    closed = CollectiveError("allreduce failed on replica 0: Connection closed by peer")
+    [fail] = d.send(ev.WindowFailed(0, 0, submit.first_window, closed))
+    assert fail == cmd.Fail(error=closed)
+
+
 def test_diverged_weights_fail_the_fit():
     d = Driver()
     _, calibration = d.start()

@@ -43,7 +43,7 @@ from dataflow.driver.membership import (
     wait_some,
 )
 from dataflow.driver.memory import is_out_of_memory
-from dataflow.driver.root_cause import may_echo_a_loss
+from dataflow.driver.root_cause import is_collective_timeout, may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
 
@@ -223,8 +223,22 @@ class Executor(GroupForming, WorkerArrivals):
         else:  # the machine picks the root cause among every failure seen
             error = as_replica_error(first, rank, self._worker(rank))
             failures = self._failures(future, rank, window, wait_s=0.0 if own else None)
+            if is_collective_timeout(error):
+                self._raise_if_hung()
         kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
         self.queue.append(ev.WindowFailed(generation, rank, window, error, *kind, failures))
+
+    def _raise_if_hung(self) -> None:
+        """A collective timed out with every worker alive: a peer was slow (the machine
+        redoes the phase from the commit) or is hung. A slow peer, once it reaches its
+        collective, fails within the timeout; a window still running after that long is
+        hung, and its workers count as lost (``Lost``: excluded, the fit goes on)."""
+        running = [f for f in self.windows if not f.done()]
+        with contextlib.suppress(TimeoutError, CancelledError):
+            wait(running, timeout=self.spec.collective_timeout_s)
+        hung = {self.members[self.slot_of[f]] for f in running if not f.done()}
+        if hung:
+            raise Lost(sorted(hung), silent_s=self.spec.collective_timeout_s)
 
     def _harvest(self, lost: list[str] = ()) -> None:
         """Queue the result of every window that finished, in window order, whatever

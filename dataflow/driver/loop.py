@@ -377,6 +377,12 @@ class FitLoop:
                 f"{record['commit_step']} with micro-batches of at most "
                 f"{record['micro_batch_cap']}"
             )
+        elif self.progress and record["reason"] == "stalled":
+            print(
+                f"dataflow: replica {record['rank']} waited in a collective past "
+                "collective_timeout_s while every worker stayed alive (a slow step, not a "
+                f"lost worker); redoing from step {record['commit_step']}"
+            )
         elif self.progress and record["reason"] == "non-finite":
             print(
                 f"dataflow: {record.get('error')}; rolling back to step "

@@ -28,14 +28,10 @@ from dataflow.driver import events as ev
 from dataflow.driver.fit_settings import WorkerScaling, more_workers
 from dataflow.driver.log import DriverLog
 from dataflow.driver.memory import (
-    halved_cap,
-    largest_micro_batch,
     largest_planned,
     measured_cap,
-    out_of_memory_error,
 )
 from dataflow.driver.recovery import LostWorkers
-from dataflow.driver.root_cause import acted_on
 from dataflow.driver.state import (
     AfterGroup,
     FitState,
@@ -45,6 +41,7 @@ from dataflow.driver.state import (
     validate_state,
 )
 from dataflow.driver.transitions import Ignored, rule
+from dataflow.driver.window_failures import WindowFailures
 from dataflow.driver.window_planning import WindowPlanning
 from dataflow.planning.layout import ReplicaGroups
 from dataflow.sync import Synchronous, SyncPolicy
@@ -65,6 +62,7 @@ class MachineConfig:
     max_rollbacks: int = 3  # per phase
     lr_cut: float = 0.5  # the LR factor applied per rollback
     max_memory_halvings: int = 4  # per phase: out-of-memory errors the fit recovers from
+    max_stalls: int = 3  # per phase: collectives timed out on a slow (live) peer
     max_restarts: int = 3  # from one checkpoint, when every replica is lost
     max_group_retries: int = 3  # a group that fails to form with no member lost
     restart_wait_s: float = 60.0  # every replica lost: how long to wait for min_workers
@@ -84,7 +82,7 @@ class MachineConfig:
     held_out_samples: int | None = None
 
 
-class FitMachine(LostWorkers, WindowPlanning):
+class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
     """One fit's decisions. See the module docstring; ``state`` is its typed state."""
 
     def __init__(self, config: MachineConfig, *, validate: bool | None = None) -> None:
@@ -264,7 +262,7 @@ class FitMachine(LostWorkers, WindowPlanning):
         s.phase, s.phase_steps = event.phase, event.phase_steps
         s.segment = event.todo or s.segment  # nothing left: the phase record keeps its split
         if new_phase:
-            s.lr_factor, s.rollbacks, s.memory_halvings = 1.0, 0, 0
+            s.lr_factor, s.rollbacks, s.memory_halvings, s.stalls = 1.0, 0, 0, 0
         if event.lr_factor is not None:  # a resumed phase's
             s.lr_factor = event.lr_factor
         if event.rollbacks is not None:
@@ -394,79 +392,6 @@ class FitMachine(LostWorkers, WindowPlanning):
             members=self.members,
             position=self._position(),
         )
-
-    # -- failures ---------------------------------------------------------------------
-    def _window_failed(self, event: ev.WindowFailed) -> list[Any]:
-        s, config = self.state, self.config
-        if event.generation != s.generation or event.window not in s.windows:
-            return []
-        if s.releasing:  # the survivors could not finish the released window
-            return self._abandon_release(())
-        event = acted_on(event)  # the root cause among the failures the executor saw
-        if event.out_of_memory:
-            return self._out_of_memory(event)
-        if not (
-            event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks
-        ):
-            s.status = Status.FAILED
-            return [cmd.Fail(error=event.error)]
-        # Every replica saw the same reduced gradient and stopped before the update:
-        # the group is intact, so the replicas roll back in place, with a lower LR.
-        s.rollbacks += 1
-        s.lr_factor *= config.lr_cut
-        record = self._failure("non-finite", (), error=str(event.error), lr_factor=s.lr_factor)
-        s.windows.clear()
-        s.pending.clear()
-        return [
-            cmd.RecordFailure(record),
-            cmd.StopWindows(self.members, leave_group=False),
-            cmd.RollBack(self.members, s.committed_step, leave_group=False),
-            *self._plan(AfterGroup.REST),
-        ]
-
-    def _out_of_memory(self, event: ev.WindowFailed) -> list[Any]:
-        """Replica ``event.rank`` ran out of device memory: halve the micro-batch cap and
-        redo the rest of the phase from the commit, as more, smaller micro-batches
-        (gradient accumulation: the same steps). The cap is every replica's: they run
-        one model on near-equal shares, mostly on alike devices, so a micro-batch one
-        could not hold the others would fail on next; one cap also survives regroups
-        (ranks renumber) and stays for the fit's later phases. The failed replica broke
-        the collective its peers waited in, so the group is formed again, as after a
-        lost worker, with no member lost. Past ``max_memory_halvings`` in a phase, or
-        when one sample did not fit, the fit fails naming the cap."""
-        s, config = self.state, self.config
-        plan, window, _ = s.windows[event.window]
-        ran = largest_micro_batch(plan, window, event.rank)
-        cap = halved_cap(ran, s.memory_cap)
-        if cap < 1 or s.memory_halvings >= config.max_memory_halvings:
-            s.status = Status.FAILED
-            error = out_of_memory_error(
-                event.error,
-                rank=event.rank,
-                ran=ran,
-                halvings=s.memory_halvings,
-                budget=config.max_memory_halvings,
-                phase=self._phase_index(),
-            )
-            return [cmd.Fail(error=error)]
-        s.memory_halvings += 1
-        s.memory_cap = cap
-        record = self._failure(
-            "out-of-memory",
-            (),
-            error=str(event.error),
-            rank=event.rank,
-            micro_batch=ran,
-            micro_batch_cap=cap,
-        )
-        s.windows.clear()
-        s.pending.clear()
-        out: list[Any] = [
-            cmd.RecordFailure(record),
-            cmd.StopWindows(self.members),
-            cmd.RollBack(self.members, s.committed_step),
-        ]
-        return out + self._form(s.layout, after=AfterGroup.REST)
 
     def _phase_index(self) -> int | None:
         return None if self.state.phase is None else self.state.phase.index

@@ -16,6 +16,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from dataflow.core.errors import CollectiveError
 from dataflow.driver import events as ev
 
 # Errors that report another replica's failure. Named, not imported: pure.
@@ -105,3 +106,36 @@ def may_echo_a_loss(error: BaseException | None) -> bool:
     if kinds[0] == "OutOfMemoryError":  # a RuntimeError, but never a peer's
         return False
     return "RuntimeError" in kinds and _COMMUNICATION.search(str(error)) is not None
+
+
+# What a collective says when it waited past ``collective_timeout_s`` (gloo: "Timed out
+# waiting 30000ms for recv operation to complete"; NCCL's watchdog: "... operation timeout")
+_TIMED_OUT = re.compile(r"timed out waiting|operation timeout|watchdog", re.IGNORECASE)
+_COLLECTIVE = {"CollectiveError", "DistError", "DistBackendError", "RuntimeError"}
+
+
+def is_collective_timeout(error: Any) -> bool:
+    """Whether ``error`` (an exception, or its ``log.ErrorInfo``) is a replica's collective
+    that waited past its timeout: the executor found every worker alive, so a peer was
+    slow to reach it (a data stall, a long pause), not lost."""
+    if isinstance(error, BaseException):
+        kinds = {kind.__name__ for kind in type(error).__mro__}
+    else:
+        kinds = set(getattr(error, "kinds", ()))
+    return bool(kinds & _COLLECTIVE) and _TIMED_OUT.search(str(error)) is not None
+
+
+def stalled_error(error: Any, rank: int, stalls: int) -> BaseException:
+    """The error a fit stops with when redoing the phase from the commit did not get
+    past a collective that timed out on a live peer ``stalls`` times."""
+    failure = CollectiveError(
+        f"replica {rank} waited in a collective past collective_timeout_s ({error}), "
+        f"after {stalls} redo(s) of this phase from its last commit, while every worker "
+        "stayed alive: some replica's step takes longer than the timeout (a data stall: a "
+        "store throttling or failing, its reads retried for the source's retry_s; a slow "
+        "file system; a long pause). Raise Trainer(collective_timeout_s=...) above the "
+        "longest stall, e.g. above the source's retry_s"
+    )
+    # (a replayed log holds the error's name and message, not the exception)
+    failure.__cause__ = error if isinstance(error, BaseException) else None
+    return failure

@@ -100,6 +100,7 @@ class FitState:
     # phases; None: none) and the halvings in this phase
     memory_cap: int | None = None
     memory_halvings: int = 0
+    stalls: int = 0  # collectives timed out on a live peer, in this phase
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     # Workers' own setup errors so far ("Type: first line"): the same one on a second
@@ -151,6 +152,8 @@ def validate_state(s: FitState, config: Any) -> None:
         problems.append(f"{s.rollbacks} rollbacks past max_rollbacks={config.max_rollbacks}")
     if s.memory_halvings > config.max_memory_halvings:
         problems.append(f"{s.memory_halvings} memory halvings past the budget")
+    if s.stalls > config.max_stalls:
+        problems.append(f"{s.stalls} stalled collectives redone past the budget")
     if s.memory_cap is not None and s.memory_cap < 1:
         problems.append(f"micro-batch cap {s.memory_cap} < 1")
     if any(not 0 <= r < s.layout.replicas for r in s.releasing) and s.status == Status.RUNNING:

@@ -295,8 +295,9 @@ class CheckpointRecord(Record):
 @dataclasses.dataclass(eq=False)
 class FailureRecord(Record):
     """One entry of ``history.info["failures"]``: what failed and where the fit stood
-    (``reason``: "lost workers", "every replica lost", "out-of-memory", "non-finite" or
-    "a worker failed to set up";
+    (``reason``: "lost workers", "every replica lost", "out-of-memory", "non-finite",
+    "stalled" (a collective timed out on a live, slow peer) or "a worker failed to set
+    up";
     ``commit_step``: the step it went on from; ``window_steps_lost``: the steps trained
     again), then how it went on (``replicas_after``, ``joined``, ``resumed_at``, ...).
     The machine builds it, the loop completes it as the recovery goes on (``update``,

@@ -1,0 +1,97 @@
+"""A replica slower than ``collective_timeout_s`` for a while (a store riding out
+failures, a slow file system, a long pause) is not a lost worker: its peers' allreduce
+times out, the driver finds every worker alive, and the phase's rest is redone from the
+last commit with the group formed again, where the fit used to stop with the timeout.
+A peer that does not end its step long after the timeout is hung, and is dropped as a
+lost worker. A real LocalCluster, a real gloo timeout; the stall is a test stage that
+sleeps once, past the timeout, on one replica."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from conftest import TinyCNN, make_data, sgd
+
+import dataflow as dfl
+from dataflow import stages
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 2.0
+
+
+class StallOnce(stages.Stage):
+    """Test stage: at step ``step`` on replica ``rank``, sleeps ``seconds`` (once per
+    ``marker`` file), before the step's allreduce."""
+
+    def __init__(self, marker: str, *, step: int, rank: int, seconds: float) -> None:
+        super().__init__("StallOnce")
+        self.marker, self.step, self.rank, self.seconds = marker, step, rank, seconds
+
+    def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
+        replica = step.replica
+        if (
+            step.spec.index == self.step
+            and replica.rank == self.rank
+            and not os.path.exists(self.marker)
+        ):
+            with open(self.marker, "w") as f:
+                f.write(str(time.time()))
+            time.sleep(self.seconds)
+        return batch
+
+
+def _trainer(marker, seconds: float = 2.5 * TIMEOUT_S) -> dfl.Trainer:
+    x, y = make_data(240)
+    g = dfl.Graph()
+    batch = g.add(
+        StallOnce(str(marker), step=5, rank=1, seconds=seconds),
+        g.add(stages.Load(dfl.io.ArraySource(x, y))),
+    )
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
+    return dfl.Trainer(
+        g,
+        schedule=dfl.schedule.Fixed(24),
+        seed=0,
+        progress=False,
+        replicas=2,
+        window_steps=4,
+        collective_timeout_s=TIMEOUT_S,
+    )
+
+
+def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(client, tmp_path):
+    marker = tmp_path / "stalled"
+    result = _trainer(marker).fit(epochs=2, client=client)
+    assert marker.exists()  # the stall happened
+    [failure] = result.history.info["failures"]
+    assert failure["reason"] == "stalled" and failure["lost"] == []
+    assert failure["replicas_before"] == failure["replicas_after"] == 2
+    assert "Timed out" in failure["error"] and failure["commit_step"] <= 5
+    for epoch in range(2):
+        assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}
+    # redone from the commit, the same steps on the same replicas: the uninterrupted fit
+    reference = _trainer(marker).fit(epochs=2, client=client)  # (the marker: no stall)
+    assert not reference.history.info.get("failures")
+    want = reference.model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in result.model.state_dict().items())
+
+
+def test_a_peer_still_in_its_step_long_after_the_timeout_is_hung_and_dropped(tmp_path):
+    """Its window still runs once the driver has waited the failure grace and another
+    timeout: it counts as lost, and the other replica goes on alone (its own cluster:
+    the hung worker sleeps on after the fit)."""
+    from dataflow.runtime.cluster import client_or_local_cluster
+
+    marker = tmp_path / "hung"
+    with client_or_local_cluster(None, n_workers=2, announce=False) as client:
+        result = _trainer(marker, seconds=15.0).fit(epochs=2, client=client)
+    [failure] = result.history.info["failures"]
+    assert failure["reason"] == "lost workers" and len(failure["lost"]) == 1
+    assert failure["replicas_before"] == 2 and failure["replicas_after"] == 1
+    for epoch in range(2):
+        assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}
