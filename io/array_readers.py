@@ -273,7 +273,7 @@ class ZarrArrayReader(ArrayReader):
         try:
             blocks = self.retry.run(lambda: sync(read_all()))
         except Exception as exc:  # name the object that fails, range by range
-            self._raise_if_refused(ranges[0][0], exc)
+            self._raise_if_refused(self._first_key(ranges[0][0]), exc)
             for start, stop in ranges:
                 self._read(start, stop)
             raise ChunkReadError(
@@ -311,19 +311,21 @@ class ZarrArrayReader(ArrayReader):
         shape = self.read_shape[1:]
         return NDBuffer.from_numpy_array(self.slabs.take_array(rows, shape, self.dtype))
 
-    def _raise_if_refused(self, start: int, exc: Exception) -> None:
+    def _first_key(self, start: int) -> str:
+        """The first stored object a read from sample ``start`` takes."""
+        return self._key(self._grid([start // self.unit])[0])
+
+    def _raise_if_refused(self, key: str, exc: Exception, who: str = "ZarrSource") -> None:
         """A store that refused a read of zarr's (or failed for longer than the retries)
-        is named at once, not re-read object by object (each read would wait as long)."""
-        coords = self._grid([start // self.unit])[0]
-        refused = store_access_error(
-            "ZarrSource", self.array, self._key(coords), exc, StoreRetry.retried(exc)
-        )
+        is named at once, by the read's object ``key``, not re-read object by object
+        (each read would wait as long)."""
+        refused = store_access_error(who, self.array, key, exc)
         if refused is not None:
             raise refused from exc
 
     def _raise_read_error(self, start: int, stop: int, exc: Exception) -> None:
         """Re-read object by object to name the one that fails to decode."""
-        self._raise_if_refused(start, exc)
+        self._raise_if_refused(self._first_key(start), exc)
         unit = self.array.shards or self.array.chunks
         first, last = start // self.unit, (stop - 1) // self.unit
         for coords in self._grid(range(first, last + 1)):
@@ -382,7 +384,7 @@ def chunk_read_error(
 ) -> ChunkReadError | StoreAccessError:
     """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do
     (a store that refused the read is not a corrupt chunk: ``io.store_access``)."""
-    refused = store_access_error("ZarrSource", array, key, exc, StoreRetry.retried(exc))
+    refused = store_access_error("ZarrSource", array, key, exc)
     if refused is not None:
         return refused
     why = (

@@ -26,8 +26,6 @@ import zarr
 from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
-from dataflow.io.store_access import store_access_error
-from dataflow.io.store_retry import StoreRetry
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
@@ -190,10 +188,7 @@ class PatchArray:
         except Exception as exc:  # name the object that fails (zarr's own read: sharding)
             assert self.unit is not None
             objects = box_chunks(lo, hi, self.unit)
-            retried = StoreRetry.retried(exc)
-            refused = store_access_error("", self.array, reader._key(objects[0]), exc, retried)
-            if refused is not None:  # not a chunk's fault: no re-read object by object
-                raise refused from exc
+            reader._raise_if_refused(reader._key(objects[0]), exc, "PatchSource")
             for coords in objects:
                 part = tuple(
                     slice(max(a, i * u), min(b, (i + 1) * u))

@@ -33,6 +33,8 @@ NO_CREDENTIALS = "credentials"
 DENIED = "denied"
 UNREACHABLE = "unreachable"
 UNAVAILABLE = "unavailable"  # passing: throttled, a server error, a dropped connection
+# Set on the last error of a read that ``io.store_retry`` sent again: (retries, seconds)
+RETRIED = "dataflow_retried"
 
 # botocore's and aiohttp's exception classes, by name (neither is a dependency of ours)
 _CREDENTIAL_ERRORS = {
@@ -191,13 +193,13 @@ def store_label(array: Any) -> str:
 
 
 def store_access_error(
-    who: str, store: Any, key: str | None, exc: BaseException, retried: str = ""
+    who: str, store: Any, key: str | None, exc: BaseException
 ) -> StoreAccessError | None:
     """The error for ``exc`` reading object ``key`` (None: opening the store) of
     ``store`` (a label, or a zarr array: :func:`store_label`), when ``exc`` is an access
     failure; else None (the caller's own error stands). ``who`` (``"ZarrSource"``, or
-    "") starts the message; ``retried`` says how long the read was retried
-    (``io.store_retry``), for a passing failure."""
+    "") starts the message, which says how long the read was retried when
+    ``io.store_retry`` sent it again (:data:`RETRIED`)."""
     kind = access_failure(exc)
     if kind is None:
         return None
@@ -211,8 +213,17 @@ def store_access_error(
             "public bucket anon=True"
         )
     message = (
-        f"{what} store {str(store)!r} failed in {where_this_runs()}{retried} "
+        f"{what} store {str(store)!r} failed in {where_this_runs()}{_retried_text(exc)} "
         f"({type(exc).__name__}: {exc}); {advice}"
     )
     error = StoreUnavailableError if kind == UNAVAILABLE else StoreAccessError
     return error(f"{who}: {message}" if who else message[0].upper() + message[1:])
+
+
+def _retried_text(exc: BaseException) -> str:
+    """How long the read that raised ``exc`` was retried (:data:`RETRIED`), or ""."""
+    retried = getattr(exc, RETRIED, None)
+    if retried is None:
+        return ""
+    times, seconds = retried
+    return f" after {times} {'retry' if times == 1 else 'retries'} over {seconds:.1f} s"

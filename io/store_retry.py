@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dataflow.core.errors import ConfigError, StoreAccessError
-from dataflow.io.store_access import UNAVAILABLE, access_failure, store_access_error
+from dataflow.io.store_access import RETRIED, UNAVAILABLE, access_failure, store_access_error
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class StoreRetry:
 
     def run(self, read: Callable[[], T]) -> T:
         """``read()``, sent again while it fails transiently; the last failure raised with
-        ``retried`` set on it (see :meth:`retried`) once the time is spent."""
+        how long it was retried set on it (``store_access.RETRIED``, which the error
+        naming it says) once the time is spent."""
         first_failure: float | None = None
         attempt = 0
         while True:
@@ -103,7 +104,7 @@ class StoreRetry:
                     wait = backoff_s(attempt, self._draw())
                 if gives_up(access_failure(exc), now - first_failure, wait, self.retry_s):
                     if attempt > 1:
-                        exc.dataflow_retried = (attempt - 1, now - first_failure)
+                        setattr(exc, RETRIED, (attempt - 1, now - first_failure))
                     raise
                 with self._lock:
                     self.retries += 1
@@ -121,15 +122,6 @@ class StoreRetry:
                     )
                 self._sleep(wait)
 
-    @staticmethod
-    def retried(exc: BaseException) -> str:
-        """How long the read that raised ``exc`` was retried, for its message ("" if not)."""
-        retried = getattr(exc, "dataflow_retried", None)
-        if retried is None:
-            return ""
-        times, seconds = retried
-        return f" after {times} {'retry' if times == 1 else 'retries'} over {seconds:.1f} s"
-
     def __getstate__(self) -> dict[str, Any]:  # a copy on a worker counts its own
         return {"retry_s": self.retry_s}
 
@@ -146,7 +138,7 @@ def open_with_retries(open_: Callable[[], T], retry_s: float, who: str, store: A
     except StoreAccessError:
         raise
     except Exception as exc:
-        refused = store_access_error(who, store, None, exc, StoreRetry.retried(exc))
+        refused = store_access_error(who, store, None, exc)
         if refused is None:
             raise
         raise refused from exc

@@ -234,7 +234,7 @@ class ChunkDecoder:
             return self.retry.run(lambda: self._fetch_objects(keys))
         except Exception as exc:
             key = getattr(exc, "key", None) or (keys[0] if keys else None)
-            refused = store_access_error("", self.array, key, exc, StoreRetry.retried(exc))
+            refused = store_access_error("", self.array, key, exc)
             if refused is None:
                 raise
             raise refused from exc
