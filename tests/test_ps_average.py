@@ -195,3 +195,54 @@ def test_held_out_sums_that_never_all_arrive_time_out_naming_the_missing_replica
             await s.sum_held_out(0, 11, {"count": 5.0})
 
     run(main())
+
+
+def test_every_barrier_that_waited_past_the_timeout_reads_as_a_slow_peer_to_the_driver():
+    """A replica slower than ``collective_timeout_s`` under ``Async`` or ``Local`` times
+    out the store's barriers on its peers. The driver redoes the phase from the commit
+    when every worker is alive (``is_wait_timeout``), as for a collective's timeout: the
+    real messages of each barrier, as a replica raises them, are recognised; a peer's
+    failure echoed by the store, a refused call and a closed connection are not."""
+    import dataflow as dfl
+    from dataflow.driver.root_cause import is_wait_timeout
+    from dataflow.ps.plane import PlaneError
+    from dataflow.ps.shard import ParameterShard
+
+    def parameters() -> ParameterShard:
+        return ParameterShard(
+            index=0,
+            indices=range(1),
+            window=10,
+            incarnation=0,
+            weights=[torch.tensor([0.0])],
+            optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0),
+            optimizer_state={},
+            policy=dfl.sync.Async(),
+            replicas=2,
+            timeout_s=0.05,
+        )
+
+    async def timed_out(call) -> str:
+        with pytest.raises(ShardError) as caught:
+            await call
+        return str(caught.value)
+
+    async def main():
+        return [
+            await timed_out(shard(2, 0.05).average(0, 10, 12, 0, PLANNED, handed(0, 1.0))),
+            await timed_out(shard(2, 0.05).sum_held_out(0, 11, {"count": 5.0})),
+            await timed_out(parameters().finish(0, 10, 12)),
+        ]
+
+    messages = run(main())
+    assert len(set(messages)) == 3
+    for message in messages:  # as the replica's client raises it
+        assert is_wait_timeout(ShardError(f"parameter store, replica 0: {message}"))
+    assert is_wait_timeout(PlaneError("parameter-store host 10.0.0.1:4000: timed out"))
+    for other in (
+        ShardError("parameter store, replica 0: replica 1 failed in window 10: bad chunk"),
+        ShardError("parameter store, replica 0: replica 1 pushed after it was dropped as lost"),
+        PlaneError("the peer closed the connection"),
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (waited 2 s for nothing)"),
+    ):
+        assert not is_wait_timeout(other), other

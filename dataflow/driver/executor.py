@@ -43,7 +43,7 @@ from dataflow.driver.membership import (
     wait_some,
 )
 from dataflow.driver.memory import is_out_of_memory
-from dataflow.driver.root_cause import is_collective_timeout, may_echo_a_loss
+from dataflow.driver.root_cause import is_wait_timeout, may_echo_a_loss
 from dataflow.runtime import tasks as remote
 from dataflow.runtime.cluster import live_workers
 
@@ -214,6 +214,7 @@ class Executor(GroupForming, WorkerArrivals):
         # replica's own (out of memory, a non-finite step, bad data, a model's mistake)
         # is reported without waiting FAILURE_GRACE_S for the scheduler's word of a loss.
         own = is_out_of_memory(first) or not may_echo_a_loss(first)
+        seen_at = time.monotonic()
         self.raise_if_lost(grace=not own)
         failures: tuple[ev.WindowFailure, ...] = ()
         if first is None:
@@ -222,8 +223,10 @@ class Executor(GroupForming, WorkerArrivals):
             error = first
         else:  # the machine picks the root cause among every failure seen
             error = as_replica_error(first, rank, self._worker(rank))
-            failures = self._failures(future, rank, window, wait_s=0.0 if own else None)
-            if is_collective_timeout(error):
+            # the peers had the grace to fail too: their errors are in, or they are slow
+            rest_s = max(0.0, seen_at + FAILURE_GRACE_S - time.monotonic())
+            failures = self._failures(future, rank, window, wait_s=0.0 if own else rest_s)
+            if is_wait_timeout(error):
                 self._raise_if_hung()
         kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
         self.queue.append(ev.WindowFailed(generation, rank, window, error, *kind, failures))

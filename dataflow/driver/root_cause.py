@@ -112,24 +112,37 @@ def may_echo_a_loss(error: BaseException | None) -> bool:
 # waiting 30000ms for recv operation to complete"; NCCL's watchdog: "... operation timeout")
 _TIMED_OUT = re.compile(r"timed out waiting|operation timeout|watchdog", re.IGNORECASE)
 _COLLECTIVE = {"CollectiveError", "DistError", "DistBackendError", "RuntimeError"}
+# What the parameter store (``Async``, ``Local``) says when one of its barriers waited
+# past the same timeout: a shard's "... waited 30 s for replicas [1] ...", which every
+# replica at that barrier reports (``ShardError``); or a replica's connection to the
+# shard's host that got no reply in time (``PlaneError``, "...: timed out").
+_STORE_WAITED = re.compile(r"\bwaited [0-9.e+]+ s for\b")
+_PLANE_TIMED_OUT = re.compile(r"timed out", re.IGNORECASE)
 
 
-def is_collective_timeout(error: Any) -> bool:
-    """Whether ``error`` (an exception, or its ``log.ErrorInfo``) is a replica's collective
-    that waited past its timeout: the executor found every worker alive, so a peer was
-    slow to reach it (a data stall, a long pause), not lost."""
+def is_wait_timeout(error: Any) -> bool:
+    """Whether ``error`` (an exception, or its ``log.ErrorInfo``) is a replica that waited
+    for its peers past ``collective_timeout_s``, in a collective or at a barrier of the
+    parameter store: when the executor finds every worker alive, a peer was slow to
+    reach it (a data stall, a long pause), not lost."""
     if isinstance(error, BaseException):
         kinds = {kind.__name__ for kind in type(error).__mro__}
     else:
         kinds = set(getattr(error, "kinds", ()))
-    return bool(kinds & _COLLECTIVE) and _TIMED_OUT.search(str(error)) is not None
+    text = str(error)
+    if "ShardError" in kinds:
+        return _STORE_WAITED.search(text) is not None
+    if "PlaneError" in kinds:
+        return _PLANE_TIMED_OUT.search(text) is not None
+    return bool(kinds & _COLLECTIVE) and _TIMED_OUT.search(text) is not None
 
 
 def stalled_error(error: Any, rank: int, stalls: int) -> BaseException:
     """The error a fit stops with when redoing the phase from the commit did not get
-    past a collective that timed out on a live peer ``stalls`` times."""
+    past a wait for a live peer that timed out ``stalls`` times."""
     failure = CollectiveError(
-        f"replica {rank} waited in a collective past collective_timeout_s ({error}), "
+        f"replica {rank} waited for its peers (in a collective or at the parameter "
+        f"store's barrier) past collective_timeout_s ({error}), "
         f"after {stalls} redo(s) of this phase from its last commit, while every worker "
         "stayed alive: some replica's step takes longer than the timeout (a data stall: a "
         "store throttling or failing, its reads retried for the source's retry_s; a slow "

@@ -13,7 +13,7 @@ from typing import Any
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.memory import halved_cap, largest_micro_batch, out_of_memory_error
-from dataflow.driver.root_cause import acted_on, is_collective_timeout, stalled_error
+from dataflow.driver.root_cause import acted_on, is_wait_timeout, stalled_error
 from dataflow.driver.state import AfterGroup, Status
 
 
@@ -38,7 +38,7 @@ class WindowFailures:
         event = acted_on(event)  # the root cause among the failures the executor saw
         if event.out_of_memory:
             return self._out_of_memory(event)
-        if is_collective_timeout(event.error):
+        if is_wait_timeout(event.error):
             return self._stalled(event)
         if not (
             event.non_finite and config.roll_back_non_finite and s.rollbacks < config.max_rollbacks

@@ -165,10 +165,17 @@ class PlaneServer:
                 pass
 
 
+# How much longer than the shard's own wait a replica waits for a reply: a shard answers
+# a barrier that timed out with its error (which names whom it waited for), and that
+# answer should arrive before the replica gives up on the connection.
+REPLY_MARGIN_S = 5.0
+
+
 class PlaneConnection:
     """A replica's connection to one shard host: ``send`` a request now, ``receive`` its
     reply later (a push in flight overlaps the next step). Blocking, on the replica's
-    own thread; ``timeout_s`` bounds each wait."""
+    own thread; ``timeout_s`` bounds connecting, and ``timeout_s + REPLY_MARGIN_S`` each
+    wait for a reply (the shard's barriers wait ``timeout_s``)."""
 
     def __init__(self, address: str, token: str, timeout_s: float) -> None:
         self.address = address
@@ -178,6 +185,7 @@ class PlaneConnection:
         except OSError as exc:
             raise PlaneError(f"cannot reach the parameter-store host at {address}: {exc}") from exc
         try:
+            self._sock.settimeout(timeout_s + REPLY_MARGIN_S)
             _tuned(self._sock).sendall(token.encode())
         except OSError as exc:
             self._sock.close()
