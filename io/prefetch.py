@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 _DONE = object()
+INTERRUPT_POLL_S = 0.1  # how soon a waiting ``get`` sees an interrupt
 
 
 class Prefetcher:
@@ -25,6 +26,7 @@ class Prefetcher:
             raise ValueError(f"Prefetcher depth must be >= 1, got {depth}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._interrupted: BaseException | None = None
         self._thread = threading.Thread(
             target=self._work, args=(load, iter(items)), name="dataflow-prefetch", daemon=True
         )
@@ -55,14 +57,38 @@ class Prefetcher:
         self._put((True, _DONE))
 
     def get(self) -> Any:
-        """The next loaded item; raises the loader's exception; StopIteration at the end."""
-        ok, value = self._queue.get()
+        """The next loaded item; raises the loader's exception; StopIteration at the end;
+        the :meth:`interrupt` error once interrupted while it waits (or after)."""
+        try:
+            ok, value = self._queue.get_nowait()  # the usual case: loaded ahead
+        except queue.Empty:
+            ok, value = self._wait()
         if not ok:
             raise value
         if value is _DONE:
             raise StopIteration
         return value
 
+    def _wait(self) -> tuple[bool, Any]:
+        """The next entry, waited for; an interrupt ends the wait (a read riding out a
+        store outage can take minutes, and the window that waits must not outlive it)."""
+        while True:
+            if self._interrupted is not None:
+                raise self._interrupted
+            try:
+                return self._queue.get(timeout=INTERRUPT_POLL_S)
+            except queue.Empty:
+                continue
+
+    def interrupt(self, error: BaseException) -> None:
+        """From another thread: a ``get`` waiting now, or any later one, raises ``error``
+        (the loader thread goes on; :meth:`close` stops it)."""
+        self._interrupted = error
+
     def close(self) -> None:
+        """Stop the loader thread after its current item. Waits for it (5 s at most),
+        unless interrupted: then its item may be a read stuck for minutes, and the
+        replica must go on without it (batch buffers are reused only once unreferenced,
+        so a late item harms nothing)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=0 if self._interrupted is not None else 5)

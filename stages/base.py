@@ -91,6 +91,12 @@ class Stage:
         local updates: the replicas' drift, ``{"drift": ...}``, into the window's
         result). Raising here fails the window."""
 
+    def interrupt(self, reason: str) -> None:
+        """From another thread, when the driver aborts the running window (a peer failed,
+        or its wait for this replica timed out): a stage blocked on something that is not
+        a collective (Load waiting for its batch) leaves that wait by raising, so the
+        window ends instead of outliving the abort. Best effort; never raises."""
+
     def end_phase(self, replica: ReplicaContext) -> dict[str, Any]:
         """After the last step of a phase; returns statistics for the driver."""
         return {}

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from dataflow.core import kinds
-from dataflow.core.errors import ConfigError
+from dataflow.core.errors import CollectiveError, ConfigError
 from dataflow.core.protocols import Source, missing_members
 from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import (
@@ -285,6 +285,18 @@ class Load(Stage):
         # The driver records them in its sample ledger when the window is committed.
         step.metrics["sample_indices"] = batch.indices
         return self._handed_over(batch)
+
+    def interrupt(self, reason: str) -> None:
+        """The window was aborted while this replica may wait for its batch (a store
+        riding out an outage): the wait ends with an echo of the abort, not the cause."""
+        prefetcher = getattr(self, "_prefetcher", None)
+        if prefetcher is not None:
+            rank = getattr(getattr(self, "_replica", None), "rank", None)
+            prefetcher.interrupt(
+                CollectiveError(
+                    f"replica {rank}: {reason} while it waited for its batch from the source"
+                )
+            )
 
     def _close(self) -> None:
         if getattr(self, "_prefetcher", None) is not None:

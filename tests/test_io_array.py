@@ -52,6 +52,46 @@ def test_prefetcher_raises_the_loader_error_at_its_item():
     fetch.close()
 
 
+def test_an_interrupt_ends_a_wait_for_a_load_that_never_comes():
+    """The driver aborted the window while the replica waited for a read stuck in a
+    store outage: the waiting ``get`` raises the interrupt's error, so does any later
+    one, and closing does not wait for the stuck loader."""
+    import threading
+
+    stuck, waiting = threading.Event(), threading.Event()
+
+    def load(i):
+        if i == 1:
+            waiting.set()
+            stuck.wait()
+        return i
+
+    fetch = Prefetcher(load, range(5))
+    assert fetch.get() == 0
+    outcome = []
+
+    def consume():
+        try:
+            fetch.get()
+        except BaseException as error:
+            outcome.append(error)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert waiting.wait(timeout=60)
+    fetch.interrupt(RuntimeError("the window was aborted"))
+    consumer.join(timeout=60)
+    assert not consumer.is_alive()
+    assert [str(e) for e in outcome] == ["the window was aborted"]
+    with pytest.raises(RuntimeError, match="aborted"):
+        fetch.get()
+    fetch.close()  # returns at once, the loader still stuck in item 1
+    assert fetch._thread.is_alive()
+    stuck.set()
+    fetch._thread.join(timeout=60)
+    assert not fetch._thread.is_alive()  # it stopped after its item
+
+
 def test_prefetcher_reads_ahead_at_most_depth():
     """Nothing taken: the thread loads ``depth`` items into the queue and one more, then
     waits in put (the queue full) until the consumer takes one."""

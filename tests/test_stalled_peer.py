@@ -98,6 +98,74 @@ def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(clien
     assert all(torch.equal(v, want[k]) for k, v in result.model.state_dict().items())
 
 
+class StuckOnce(dfl.io.ArraySource):
+    """Test source: one worker's ``after``-th read blocks (once, whichever worker gets
+    there first) until ``marker + ".release"`` appears: a store outage the reader rides
+    out for minutes, on one replica only."""
+
+    def __init__(self, x, y, marker: str, after: int) -> None:
+        super().__init__(x, y)
+        self.marker, self.after, self.reads = marker, after, 0
+        self.driver = os.getpid()
+
+    def read(self, indices):
+        if os.getpid() == self.driver:  # the driver's dry run
+            return super().read(indices)
+        self.reads += 1
+        if self.reads == self.after:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return super().read(indices)
+            while not os.path.exists(self.marker + ".release"):
+                time.sleep(0.05)
+        return super().read(indices)
+
+
+def test_a_replica_waiting_minutes_for_its_data_is_not_hung_the_phase_is_redone(tmp_path):
+    """One replica's batch does not come (its read blocks far past the timeout, as a
+    store riding out an outage for ``retry_s``): the peer's allreduce times out, the
+    driver aborts the round, the waiting Load leaves its wait, and the phase's rest is
+    redone on both replicas, with the uninterrupted fit's weights. It used to sit in
+    its wait until dropped as hung (its own cluster: the blocked read thread outlives
+    the window until released)."""
+    from dataflow.runtime.cluster import client_or_local_cluster
+
+    x, y = make_data(240)
+    marker = str(tmp_path / "stuck")
+
+    def trainer() -> dfl.Trainer:
+        g = dfl.Graph()
+        batch = g.add(stages.Load(StuckOnce(x, y, marker, after=6)))
+        out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+        g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
+        return dfl.Trainer(
+            g,
+            schedule=dfl.schedule.Fixed(24),
+            seed=0,
+            progress=False,
+            replicas=2,
+            window_steps=4,
+            collective_timeout_s=TIMEOUT_S,
+        )
+
+    with client_or_local_cluster(None, n_workers=2, announce=False) as client:
+        try:
+            result = trainer().fit(epochs=2, client=client)
+        finally:
+            (tmp_path / "stuck.release").touch()
+        assert os.path.exists(marker)  # a read blocked
+        [failure] = result.history.info["failures"]
+        assert failure["reason"] == "stalled" and failure["lost"] == [], failure
+        assert failure["replicas_before"] == failure["replicas_after"] == 2
+        for epoch in range(2):
+            assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}
+        reference = trainer().fit(epochs=2, client=client)  # (the marker: nothing blocks)
+    assert not reference.history.info.get("failures")
+    want = reference.model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in result.model.state_dict().items())
+
+
 def test_a_peer_still_in_its_step_long_after_the_timeout_is_hung_and_dropped(tmp_path):
     """Its window still runs once the driver has waited the failure grace and another
     timeout: it counts as lost, and the other replica goes on alone (its own cluster:

@@ -235,8 +235,19 @@ class Executor(GroupForming, WorkerArrivals):
         """A collective timed out with every worker alive: a peer was slow (the machine
         redoes the phase from the commit) or is hung. A slow peer, once it reaches its
         collective, fails within the timeout; a window still running after that long is
-        hung, and its workers count as lost (``Lost``: excluded, the fit goes on)."""
+        hung, and its workers count as lost (``Lost``: excluded, the fit goes on). The
+        running windows are aborted first (the machine stops them next either way): a
+        replica waiting for its data, not in a collective (a store riding out an outage
+        for its ``retry_s``), ends its wait then, and only one that does not is hung."""
         running = [f for f in self.windows if not f.done()]
+        if running:
+            tell(
+                self.client,
+                remote.abort_run_soon,
+                self.run_id,
+                self.generation,
+                workers=sorted({self.members[self.slot_of[f]] for f in running}),
+            )
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(running, timeout=self.spec.collective_timeout_s)
         hung = {self.members[self.slot_of[f]] for f in running if not f.done()}

@@ -482,13 +482,19 @@ class ReplicaRuntime:
 
     def abort(self) -> None:
         """Leave the fit's process group and, under a spatial layout, the sample group
-        (a worker also waits there); fail the parameter store's waiting calls."""
+        (a worker also waits there); fail the parameter store's waiting calls; end a
+        stage's wait for data (``Stage.interrupt``)."""
         if self.context.collective is not None:
             self.context.collective.abort()
         if self.context.spatial is not None:
             self.context.spatial.abort()
         if self.context.parameter_store is not None:  # fail the store's waiting calls
             self.context.parameter_store.abort("the fit's driver aborted the window")
+        for name in self.order:  # a stage waiting on data (Load) leaves its wait
+            try:
+                self.stages[name].interrupt("the fit's driver aborted the window")
+            except Exception:  # best effort, as the rest of an abort
+                pass
 
     def close(self) -> None:
         if self.context.parameter_store is not None:
