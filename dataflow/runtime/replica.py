@@ -22,6 +22,7 @@ from dataflow.runtime.collective import Collective
 from dataflow.runtime.device_memory import MemoryProbe, largest_micro_batch
 from dataflow.runtime.leases import WindowLeases, planned_tasks
 from dataflow.runtime.replica_spec import ReplicaSpec, ReplicaState, resolve_device
+from dataflow.runtime.replica_store import StoreSide
 from dataflow.runtime.window_parts import (
     WindowTally,
     add_note,
@@ -29,7 +30,6 @@ from dataflow.runtime.window_parts import (
     host_pairs,
     micro_batch_groups,
     micro_batch_sizes,
-    optimizer_factory,
 )
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
@@ -38,7 +38,7 @@ THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra 
 __all__ = ["ReplicaRuntime", "ReplicaSpec", "ReplicaState", "resolve_device"]
 
 
-class ReplicaRuntime:
+class ReplicaRuntime(StoreSide):
     """A replica's stages and context; runs windows of steps."""
 
     def __init__(
@@ -198,39 +198,6 @@ class ReplicaRuntime:
     def _fit_seconds(self) -> float:
         """Seconds since the fit began, the clock of a moving slow-down."""
         return time.time() - self.spec.started_at
-
-    def _settle_with_store(
-        self, store: Any, tally: WindowTally, stage_seconds: dict, stop_step: int
-    ) -> None:
-        """The window's barrier at the parameter store. A replica lost in the window left
-        parts the store never applied: they come back as retrain rounds, shared out over
-        the survivors, until every part of every step is applied once. Then the store's
-        weights, optimizer state and averaged buffers are this replica's."""
-        first = tally.first
-        planned = self._planned_parts(first, stop_step)
-        total = sum(self.steps[i].global_batch for i in range(first, stop_step))
-        while True:
-            share = sum(tally.samples) / total if total else 0.0
-            retrain = store.finish(stop_step, planned, share)
-            if not retrain:
-                break
-            self._retrain(retrain, tally, stage_seconds)
-
-    def _planned_parts(self, first: int, stop: int) -> list[tuple[int, int]]:
-        """The window's (step, owner) parts: every replica's non-empty local batch."""
-        return [
-            (i, r)
-            for i in range(first, stop)
-            for r, size in enumerate(self.steps[i].local_batches)
-            if size > 0
-        ]
-
-    def _retrain(self, parts: Any, tally: WindowTally, stage_seconds: dict) -> None:
-        """Train (step, owner) parts of this window again: a lost replica's, which the
-        store never received."""
-        for index, part in parts:
-            self._train(index, part, tally, stage_seconds)
-            tally.retrained.append((index, part))
 
     def _tasks(self, first_step: int, stop_step: int) -> Any:
         """(step, part) in the order this replica trains them: its own parts of every
@@ -434,40 +401,6 @@ class ReplicaRuntime:
         if old is not None:
             old.abort()
             self.retired.append(old)
-
-    def attach_store(self, worker: Any, registry: Any) -> None:
-        """Asynchronous updates, and local updates without a spatial layout: a client of
-        the fit's parameter store for this replica (none with a single replica), after
-        setup and after every regroup; shards this worker hosted for an earlier group
-        are dropped (rebuilt from the commit). Local updates average there, so a lost
-        replica does not break the period (``dataflow/ps/average.py``)."""
-        ctx = self.context
-        averaging = self.spec.local is not None and ctx.spatial is None
-        policy = self.spec.asynchronous or (self.spec.local if averaging else None)
-        if policy is None:
-            return
-        if ctx.parameter_store is not None:
-            ctx.parameter_store.close()
-        ctx.parameter_store = None
-        if ctx.collective is None:
-            return
-        from dataflow.ps.client import StoreClient
-
-        ctx.parameter_store = StoreClient(
-            run_id=f"{self.spec.run_id}/g{self.generation}",
-            policy=policy,
-            rank=ctx.rank,
-            replicas=ctx.world_size,
-            model=ctx.model,
-            optimizer=ctx.optimizer,
-            optimizer_factory=optimizer_factory(self.stages.values()),
-            worker=worker,
-            registry=registry,
-            store=ctx.collective.store,
-            prefix=f"dataflow-ps/{self.spec.run_id}/g{self.generation}",
-            timeout_s=self.spec.collective_timeout_s,
-            averaging=averaging,
-        )
 
     def weights_digest(self) -> str:
         """A hash of every parameter's bytes: replicas must agree bit for bit."""
