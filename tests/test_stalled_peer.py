@@ -76,7 +76,8 @@ def _trainer(marker, seconds: float = 2.5 * TIMEOUT_S, sync: str = "sync") -> df
     )
 
 
-@pytest.mark.parametrize("sync", ["sync", "local", "async"])
+# (synchronous training's stall, and its weights, in the data-wait test below)
+@pytest.mark.parametrize("sync", ["local", "async"])
 def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(client, tmp_path, sync):
     marker = tmp_path / "stalled"
     result = _trainer(marker, sync=sync).fit(epochs=2, client=client)
@@ -85,8 +86,8 @@ def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(clien
     assert failure["reason"] == "stalled" and failure["lost"] == []
     assert failure["replicas_before"] == failure["replicas_after"] == 2
     assert failure["commit_step"] <= 5
-    # what timed out: the allreduce, or a barrier of the parameter store
-    assert ("Timed out" if sync == "sync" else "waited 2 s for") in failure["error"]
+    # what timed out: a barrier of the parameter store
+    assert "waited 2 s for" in failure["error"]
     for epoch in range(2):
         assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}
     if sync == "async":  # the order pushes apply in is the replicas' race: not compared
@@ -157,6 +158,7 @@ def test_a_replica_waiting_minutes_for_its_data_is_not_hung_the_phase_is_redone(
         assert os.path.exists(marker)  # a read blocked
         [failure] = result.history.info["failures"]
         assert failure["reason"] == "stalled" and failure["lost"] == [], failure
+        assert "Timed out" in failure["error"]  # the peer's allreduce
         assert failure["replicas_before"] == failure["replicas_after"] == 2
         for epoch in range(2):
             assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}
