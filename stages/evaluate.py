@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from dataflow.core import kinds
-from dataflow.core.errors import ConfigError, DataError, GraphError
+from dataflow.core.errors import CollectiveError, ConfigError, DataError, GraphError
 from dataflow.core.window import WHOLE
+from dataflow.io.prefetch import Prefetcher
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -204,12 +205,30 @@ class Evaluate(Stage):
         lo = n * rank // replica.world_size
         hi = n * (rank + 1) // replica.world_size
         sums = dict.fromkeys(self.config.metrics, 0.0)
+        size = self.config.batch_size
+        starts = range(lo, hi, size)
+        # read on a thread, a batch ahead of the model (a remote store's latency hides
+        # behind it), and a read the driver aborts (a store outage) ends the wait
+        reading = Prefetcher(
+            lambda start: self.source.read(np.arange(start, min(hi, start + size))), starts
+        )
+        self._reading = reading
         model = replica.model
         model.eval()
+        try:
+            self._score(reading, starts, replica, sums)
+        finally:
+            self._reading = None
+            reading.close()
+            model.train()
+        return {"count": hi - lo, **sums}
+
+    def _score(self, reading: Prefetcher, starts: range, replica: Any, sums: dict) -> None:
+        """Add each batch's metric sums to ``sums``, in ``starts`` order."""
+        model = replica.model
         with torch.no_grad():
-            for start in range(lo, hi, self.config.batch_size):
-                batch = self.source.read(np.arange(start, min(hi, start + self.config.batch_size)))
-                batch = self.prepare(batch, replica.device)
+            for start in starts:
+                batch = self.prepare(reading.get(), replica.device)
                 output = call_model(model, batch.x)
                 y = batch.y
                 check_finite(self.source, start, batch, output)
@@ -218,8 +237,14 @@ class Evaluate(Stage):
                     if not math.isfinite(value):
                         raise _metric_error(self.source, key, value, start, batch.size)
                     sums[key] += value * batch.size
-        model.train()
-        return {"count": hi - lo, **sums}
+
+    def interrupt(self, reason: str) -> None:
+        """The window was aborted while this replica may wait for a held-out batch."""
+        reading = getattr(self, "_reading", None)
+        if reading is not None:
+            reading.interrupt(
+                CollectiveError(f"{reason} while it waited for a batch of the held-out set")
+            )
 
 
 def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:

@@ -6,6 +6,8 @@ applied to the held-out batches; random augmentations (RandomFlip) are not.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,58 @@ def test_evaluation_applies_the_graph_transforms_without_a_cluster():
     # The transforms matter here: the raw or the flipped inputs give another loss.
     assert abs(by_hand(model, x[32:], y[32:], transforms=()) - expected) > 1e-3
     assert abs(by_hand(model, x[32:], y[32:], transforms=(LOG, STD, FLIP)) - expected) > 1e-4
+
+
+def test_a_held_out_read_stuck_in_a_store_outage_ends_when_the_window_is_aborted():
+    """The held-out batches are read on a thread, a batch ahead of the model; when the
+    driver aborts the window (a peer's wait for this replica timed out) while a read
+    hangs, the evaluation stops with an echo of the abort instead of outliving it, and
+    the model is left in training mode. Read in order, the scores are those read inline."""
+    import threading
+
+    from dataflow.core.errors import CollectiveError
+
+    x, y = positive_data(48)
+    graph, evaluate = training_graph(x[:32], y[:32], x[32:], y[32:])
+    evaluate.bind(graph)
+    torch.manual_seed(0)
+    model = TinyCNN()
+    inline = by_hand(model, x[32:], y[32:])
+    evaluate.config = dataclasses.replace(evaluate.config, batch_size=4)  # 4 batches
+    assert evaluate.evaluate_shard(last_step(evaluate, model))["loss"] / 16 == pytest.approx(
+        inline, rel=1e-5
+    )
+
+    source, stuck, reading = evaluate.source, threading.Event(), threading.Event()
+
+    class StuckAtTheThirdBatch:
+        num_samples = source.num_samples
+
+        def read(self, indices):
+            if indices[0] == 8:
+                reading.set()
+                stuck.wait(timeout=60)
+            return source.read(indices)
+
+    evaluate.source = StuckAtTheThirdBatch()
+    outcome = []
+
+    def evaluating():
+        try:
+            evaluate.evaluate_shard(last_step(evaluate, model))
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=evaluating)
+    thread.start()
+    assert reading.wait(timeout=60)
+    evaluate.interrupt("the fit's driver aborted the window")
+    thread.join(timeout=60)
+    stuck.set()
+    assert not thread.is_alive()
+    [error] = outcome
+    assert isinstance(error, CollectiveError) and "held-out set" in str(error)
+    assert model.training
 
 
 def test_the_shares_nobody_handed_in_are_scored_here_and_the_sum_is_whole():
