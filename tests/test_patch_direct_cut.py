@@ -125,12 +125,18 @@ def test_a_unit_is_cut_from_the_chunks_its_windows_touch_not_its_bounding_box(tm
     )
     assert [len(m) for m in source.chunk_members] == [2]  # one unit: its box is the volume
     decoder = source._open()[0].reader.decoder
-    tracemalloc.start()
-    try:
-        batch = source.read_chunks([0])[0]
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    # tracemalloc counts every thread's allocations, and a long suite leaves threads of
+    # its own behind (a client's IO loop, a store server's): the least of three reads'
+    # peaks is this read's (the box path allocates its 3.4 MiB on every read)
+    peaks = []
+    for attempt in range(3):
+        tracemalloc.start()
+        try:
+            batch = source.read_chunks([0])[0]
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        if attempt == 0:  # the two chunks the windows lie in, not the box's 216
+            assert len(decoder.decoded) == 2
     assert np.array_equal(batch.x.numpy()[:, 0], precut(vol, corners, (8, 8, 8), (0, 1, 2)))
-    assert len(decoder.decoded) == 2  # the two chunks the windows lie in, not the box's 216
-    assert peak < vol.nbytes // 16  # a chunk or two in flight (16 KiB each), never the box
+    assert min(peaks) < vol.nbytes // 16  # a chunk or two in flight (16 KiB each), not the box
