@@ -150,3 +150,29 @@ def test_a_silent_member_is_logged_and_replays():
     assert [loggable(c) for out in replayed for c in out] == d.machine.log.commands
     again = d.send(ev.GroupFormed(1))  # the survivor's group: the phase's rest is planned
     assert [type(c) for c in again] == [cmd.PlanSegment] and again[0].replicas == 1
+
+
+def test_each_recorded_failure_has_its_console_line():
+    """What a fit prints as it goes on (``progress=True``), from the record alone: a
+    stall names the replicas still in their step when the driver could tell; a slow
+    replica dropped names it, its workers and how many replicas go on."""
+    from dataflow.driver.failure_lines import failure_line
+    from dataflow.history.records import FailureRecord
+
+    def record(reason, **extra):
+        return FailureRecord(reason=reason, phase=0, commit_step=8, **extra)
+
+    stalled = failure_line(record("stalled", rank=0, slow_replicas=[1]))
+    assert "replica(s) [1] still in their step" in stalled and "from step 8" in stalled
+    assert "still in their step" not in failure_line(record("stalled", rank=0, slow_replicas=[]))
+    dropped = failure_line(
+        record("slow replica dropped", lost=["tcp://b"], slow_replicas=[1], replicas_after=2)
+    )
+    assert dropped == (
+        "dataflow: replica(s) [1] stalled the phase past max_stalls; going on without "
+        "worker(s) tcp://b from step 8 on 2 replica(s)"
+    )
+    lost = failure_line(record("lost workers", lost=["tcp://c"], replicas_after=1))
+    assert lost == "dataflow: lost worker(s) tcp://c; rolling back to step 8 on 1 replica(s)"
+    assert failure_line(record("lost workers", lost=["tcp://c"], kept_window=False)) is None
+    assert failure_line(record("a worker failed to set up")) is None

@@ -556,6 +556,41 @@ def test_a_collective_timed_out_on_a_live_peer_is_redone_from_the_commit_then_fa
     assert fail == cmd.Fail(error=closed)
 
 
+def test_a_replica_that_stalls_the_phase_past_max_stalls_is_dropped_as_a_slow_one():
+    """The executor names the replicas still in their step once the others' wait timed
+    out (``slow``): each stall's record says which; past ``max_stalls`` those replicas
+    go as a lost worker would (excluded), and the fit goes on with the others, where it
+    would stop for one bad node. Without a name, or when every replica was slow, the fit
+    stops as before; the log replays to the same commands."""
+    from dataflow.core.errors import CollectiveError
+    from dataflow.driver.log import loggable
+    from dataflow.driver.machine import replay
+
+    timeout = CollectiveError("allreduce failed on replica 0: Timed out waiting 3000ms")
+    d = Driver(max_stalls=1, checkpoints=False)
+    _, submit = d.start()
+    out = d.send(ev.WindowFailed(0, 0, submit.first_window, timeout, slow=(1,)))
+    [record] = [c.record for c in of(cmd.RecordFailure, out)]
+    assert record["reason"] == "stalled" and record["slow_replicas"] == [1]
+    d.send(ev.GroupFormed(1))
+    steps = planned(PHASE0, 2)
+    _, submit = d.send(ev.SegmentPlanned(PHASE0, steps, steps, continued=True))
+    out = d.send(ev.WindowFailed(1, 0, submit.first_window, timeout, slow=(1,)))
+    assert out[0] == cmd.ExcludeWorkers((W[1],))
+    [record] = [c.record for c in of(cmd.RecordFailure, out)]
+    assert record["reason"] == "slow replica dropped" and record["lost"] == [W[1]]
+    assert record["slow_replicas"] == [1] and record["replicas_after"] == 1
+    assert "Timed out" in record["error"]
+    assert d.state.status != "failed"
+    _, replayed = replay(d.machine.config, d.machine.log.events)
+    assert [loggable(c) for out in replayed for c in out] == d.machine.log.commands
+    for slow in ((), (0, 1)):  # nobody named, or every replica: the fit stops
+        d = Driver(max_stalls=0)
+        _, submit = d.start()
+        [fail] = d.send(ev.WindowFailed(0, 0, submit.first_window, timeout, slow=slow))
+        assert isinstance(fail, cmd.Fail) and "after 0 redo(s)" in str(fail.error)
+
+
 def test_diverged_weights_fail_the_fit():
     d = Driver()
     _, calibration = d.start()

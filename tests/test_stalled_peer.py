@@ -159,6 +159,7 @@ def test_a_replica_waiting_minutes_for_its_data_is_not_hung_the_phase_is_redone(
         [failure] = result.history.info["failures"]
         assert failure["reason"] == "stalled" and failure["lost"] == [], failure
         assert "Timed out" in failure["error"]  # the peer's allreduce
+        assert len(failure["slow_replicas"]) == 1  # the reader, still in its step
         assert failure["replicas_before"] == failure["replicas_after"] == 2
         for epoch in range(2):
             assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}

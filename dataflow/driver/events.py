@@ -108,7 +108,10 @@ class WindowFailed:
     micro-batch did not fit its device). ``failures``: every failed window the executor
     saw while it gave the others time to fail too, among which the machine picks the
     root cause (``root_cause.acted_on``: a peer's "connection closed" is only an echo);
-    empty, or none readable: ``rank`` and ``error`` are the failure it acts on."""
+    empty, or none readable: ``rank`` and ``error`` are the failure it acts on.
+    ``slow``: when a replica's wait for its peers timed out, the replicas whose windows
+    were still running once the others had had the failure grace to fail too (the slow
+    ones, as far as the driver can tell; empty when it cannot)."""
 
     generation: int
     rank: int
@@ -117,6 +120,7 @@ class WindowFailed:
     non_finite: bool = False
     out_of_memory: bool = False
     failures: tuple[WindowFailure, ...] = ()
+    slow: tuple[int, ...] = ()
 
 
 class WindowFailure(NamedTuple):

@@ -23,6 +23,7 @@ from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.executor import Executor
+from dataflow.driver.failure_lines import failure_line
 from dataflow.driver.group_forming import SetupRefused
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
@@ -356,38 +357,9 @@ class FitLoop:
     # -- failures -------------------------------------------------------------------------
     def _RecordFailure(self, c: cmd.RecordFailure) -> None:
         self.open_failure = self.recorder.failure(c.record, self.open_failure if c.update else None)
-        record = c.record
-        if "kept_window" in record and not record["kept_window"]:
-            pass  # a release begins: _ReleaseReplicas says so
-        elif self.progress and record.get("kept_window"):
-            print(
-                f"dataflow: the window in flight is kept ({record['retrained_parts']} part(s) "
-                f"trained again); going on from step {record['commit_step']} on "
-                f"{record.get('replicas_after')} replica(s)"
-            )
-        elif self.progress and record["reason"] == "lost workers":
-            print(
-                f"dataflow: lost worker(s) {', '.join(record['lost'])}; rolling back to step "
-                f"{record['commit_step']} on {record.get('replicas_after')} replica(s)"
-            )
-        elif self.progress and record.get("reason") == "out-of-memory":
-            print(
-                f"dataflow: replica {record['rank']} ran out of device memory with "
-                f"micro-batches of {record['micro_batch']} samples; redoing from step "
-                f"{record['commit_step']} with micro-batches of at most "
-                f"{record['micro_batch_cap']}"
-            )
-        elif self.progress and record["reason"] == "stalled":
-            print(
-                f"dataflow: replica {record['rank']} waited in a collective past "
-                "collective_timeout_s while every worker stayed alive (a slow step, not a "
-                f"lost worker); redoing from step {record['commit_step']}"
-            )
-        elif self.progress and record["reason"] == "non-finite":
-            print(
-                f"dataflow: {record.get('error')}; rolling back to step "
-                f"{record['commit_step']}, LR x {record.get('lr_factor')}"
-            )
+        line = failure_line(c.record)
+        if self.progress and line is not None:
+            print(line)
 
     def _ReleaseReplicas(self, c: cmd.ReleaseReplicas) -> None:
         self.executor.release(c)

@@ -27,6 +27,7 @@ class WindowFailures:
     _form: Any  # FitMachine's: form a group over a layout
     _plan: Any  # WindowPlanning's
     _abandon_release: Any  # LostWorkers'
+    _workers_silent: Any  # LostWorkers'
     _phase_index: Any
 
     def _window_failed(self, event: ev.WindowFailed) -> list[Any]:
@@ -104,11 +105,34 @@ class WindowFailures:
         ``max_stalls`` in a phase the fit fails saying which timeout to raise."""
         s = self.state
         if s.stalls >= self.config.max_stalls:
+            if event.slow and len(event.slow) < s.layout.replicas:
+                return self._drop_slow(event)
             s.status = Status.FAILED
             return [cmd.Fail(error=stalled_error(event.error, event.rank, s.stalls))]
         s.stalls += 1
-        record = self._failure("stalled", (), error=str(event.error), rank=event.rank)
+        record = self._failure(
+            "stalled", (), error=str(event.error), rank=event.rank, slow_replicas=list(event.slow)
+        )
         return self._again_from_the_commit(record)
+
+    def _drop_slow(self, event: ev.WindowFailed) -> list[Any]:
+        """The phase stalled past ``max_stalls``, and the executor named the replicas
+        still in their step each time the others' wait ended (``event.slow``: one riding
+        out a store outage, a node much slower than the rest). They go as a lost worker
+        would, excluded from the fit, and the others go on (or the fit stops below
+        ``min_workers``, as for any loss), where a fit would stop for one bad node."""
+        s = self.state
+        workers = tuple(w for r in event.slow for w in s.layout.groups[r])
+        out = self._workers_silent(ev.WorkersSilent(workers, waited_s=0.0))
+        for command in out:
+            if isinstance(command, cmd.RecordFailure):
+                command.record.update(
+                    reason="slow replica dropped",
+                    error=str(event.error),
+                    rank=event.rank,
+                    slow_replicas=list(event.slow),
+                )
+        return out
 
     def _again_from_the_commit(self, record: Any) -> list[Any]:
         """No member lost: stop, roll every replica back to the commit, form the group

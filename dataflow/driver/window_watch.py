@@ -51,6 +51,7 @@ class WindowFailureWatch:
         seen_at = time.monotonic()
         self.raise_if_lost(grace=not own)
         failures: tuple[ev.WindowFailure, ...] = ()
+        slow: tuple[int, ...] = ()
         if first is None:
             error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
         elif isinstance(first, NonFiniteError):
@@ -61,19 +62,23 @@ class WindowFailureWatch:
             rest_s = max(0.0, seen_at + FAILURE_GRACE_S - time.monotonic())
             failures = self._failures(future, rank, window, wait_s=0.0 if own else rest_s)
             if is_wait_timeout(error):
-                self._raise_if_hung()
+                slow = self._raise_if_hung()
         kind = isinstance(error, NonFiniteError), is_out_of_memory(error)
-        self.queue.append(ev.WindowFailed(generation, rank, window, error, *kind, failures))
+        self.queue.append(
+            ev.WindowFailed(generation, rank, window, error, *kind, failures, slow=slow)
+        )
 
-    def _raise_if_hung(self) -> None:
+    def _raise_if_hung(self) -> tuple[int, ...]:
         """A collective timed out with every worker alive: a peer was slow (the machine
         redoes the phase from the commit) or is hung. A slow peer, once it reaches its
         collective, fails within the timeout; a window still running after that long is
         hung, and its workers count as lost (``Lost``: excluded, the fit goes on). The
         running windows are aborted first (the machine stops them next either way): a
         replica waiting for its data, not in a collective (a store riding out an outage
-        for its ``retry_s``), ends its wait then, and only one that does not is hung."""
+        for its ``retry_s``), ends its wait then, and only one that does not is hung.
+        Returns the ranks whose windows were still running (the slow replicas)."""
         running = [f for f in self.windows if not f.done()]
+        slow = tuple(sorted({self.windows[f][1] for f in running}))
         if running:
             tell(
                 self.client,
@@ -87,6 +92,7 @@ class WindowFailureWatch:
         hung = {self.members[self.slot_of[f]] for f in running if not f.done()}
         if hung:
             raise Lost(sorted(hung), silent_s=self.spec.collective_timeout_s)
+        return slow
 
     def _failures(
         self, first: Any, rank: int, window: int, wait_s: float | None = None

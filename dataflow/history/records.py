@@ -296,8 +296,8 @@ class CheckpointRecord(Record):
 class FailureRecord(Record):
     """One entry of ``history.info["failures"]``: what failed and where the fit stood
     (``reason``: "lost workers", "every replica lost", "out-of-memory", "non-finite",
-    "stalled" (a collective timed out on a live, slow peer) or "a worker failed to set
-    up";
+    "stalled" (a collective timed out on a live, slow peer), "slow replica dropped" (it
+    stalled the phase past ``max_stalls``) or "a worker failed to set up";
     ``commit_step``: the step it went on from; ``window_steps_lost``: the steps trained
     again), then how it went on (``replicas_after``, ``joined``, ``resumed_at``, ...).
     The machine builds it, the loop completes it as the recovery goes on (``update``,
@@ -317,6 +317,7 @@ class FailureRecord(Record):
     retrained_parts: int | None = None
     error: str | None = None  # out-of-memory, non-finite: the error's message
     rank: int | None = None  # out-of-memory: the replica, what it held, the new cap
+    slow_replicas: list[int] | None = None  # stalled: those still in their step
     micro_batch: int | None = None
     micro_batch_cap: int | None = None
     lr_factor: float | None = None  # non-finite: the phase's LR factor after the cut
@@ -325,7 +326,8 @@ class FailureRecord(Record):
     resumed_at: float | None = None  # ... and of training going on
     optional: ClassVar[tuple[str, ...]] = (
         "replicas_before", "window_steps_lost", "replicas_after", "joined", "kept_window",
-        "retrained_parts", "error", "rank", "micro_batch", "micro_batch_cap", "lr_factor",
+        "retrained_parts", "error", "rank", "slow_replicas", "micro_batch", "micro_batch_cap",
+        "lr_factor",
         "restarted_from_step", "detected_at", "resumed_at",
     )  # fmt: skip
 
