@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,7 +191,7 @@ class Update(Stage):
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
         if getattr(self, "_deferred", False):  # the verdict stays on the device
-            ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), step.replica.model)
+            ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), self._parameters(step))
             if self._first_bad is None:
                 self._first_bad = torch.full((), -1, dtype=torch.int64, device=ok.device)
             first = self._first_bad
@@ -199,7 +199,7 @@ class Update(Stage):
             # would be a blocking copy, a host sync every step
             self._first_bad = torch.where(~ok & (first < 0), step.spec.index, first)
             optimizer.step()
-        elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.model):
+        elif not _finite(loss, step.metrics.get(GRAD_SQ), self._parameters(step)):
             scale = getattr(self, "_loss_scale", None)
             if scale is not None and scale.scale > scale.min_scale:
                 self._overflowed(step, scale)
@@ -211,6 +211,19 @@ class Update(Stage):
                 self._loss_scale.update(overflowed=False)
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def _parameters(self, step: StepContext) -> list[torch.Tensor]:
+        """The model's parameters, listed once per model object (not walked every step)."""
+        model = step.replica.model
+        if getattr(self, "_listed_model", None) is not model:
+            self._listed, self._listed_model = list(model.parameters()), model
+        return self._listed
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_listed", None)  # a model's own parameters never travel with the stage
+        state.pop("_listed_model", None)
+        return state
 
     def _overflowed(self, step: StepContext, scale: Any) -> None:
         """fp16: the scaled gradient overflowed. Not a failure: the step is dropped as
@@ -335,12 +348,14 @@ class Update(Stage):
 _BOUNDED = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _gradient_bound(model: torch.nn.Module) -> torch.Tensor:
+def _gradient_bound(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """A 0-d float64 tensor on the gradients' device, finite exactly when the squared
-    gradient norm is: for bounded dtypes the largest magnitude (``_foreach_norm`` with
-    ord inf, NaN-propagating), a few microseconds a step where the squared norm's plan
-    is rebuilt for each step's new gradient buffers; else the squared norm itself."""
-    grads = [g for p in model.parameters() if (g := p.grad) is not None and g.numel()]
+    gradient norm of ``params`` is: for bounded dtypes the largest magnitude
+    (``_foreach_norm`` with ord inf, NaN-propagating), a few microseconds a step where
+    the squared norm's plan is rebuilt for each step's new gradient buffers; else the
+    squared norm itself. ``params`` is a list kept by the caller: walking the module
+    tree (``model.parameters()``) each step cost 0.24 ms of host time on ResNet-50."""
+    grads = [g for p in params if (g := p.grad) is not None and g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     first = grads[0]
@@ -352,10 +367,10 @@ def _gradient_bound(model: torch.nn.Module) -> torch.Tensor:
     return grad_squared_norm(grads)
 
 
-def _finite_flag(loss: Any, grad_sq: Any, model: torch.nn.Module) -> torch.Tensor:
+def _finite_flag(loss: Any, grad_sq: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`_finite` as a 0-d bool tensor on the device, not read (no sync)."""
     if grad_sq is None:
-        grad_sq = _gradient_bound(model)
+        grad_sq = _gradient_bound(params)
     grad_sq = torch.as_tensor(grad_sq, dtype=torch.float64)
     total = grad_sq.reshape(())
     if isinstance(loss, torch.Tensor):
@@ -363,7 +378,7 @@ def _finite_flag(loss: Any, grad_sq: Any, model: torch.nn.Module) -> torch.Tenso
     return torch.isfinite(total)
 
 
-def _finite(loss: Any, grad_sq: Any, model: torch.nn.Module) -> bool:
+def _finite(loss: Any, grad_sq: Any, params: Sequence[torch.Tensor]) -> bool:
     """The local loss and the (reduced) gradient hold no NaN or inf.
 
     ``grad_sq``: the gradient's squared norm if already known (a float, or a 0-d tensor
@@ -371,7 +386,7 @@ def _finite(loss: Any, grad_sq: Any, model: torch.nn.Module) -> bool:
     and norm are summed on the device, so one scalar read decides both.
     """
     if grad_sq is None:
-        grad_sq = _gradient_bound(model)
+        grad_sq = _gradient_bound(params)
     if not isinstance(grad_sq, torch.Tensor):
         if not math.isfinite(grad_sq):
             return False

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from dataflow.core import digest
 from dataflow.core.digest import add_digests, sample_digest
-from dataflow.core.errors import LossError
+from dataflow.core.errors import LossError, NonFiniteError
 from dataflow.core.step import ReplicaContext, StepContext, StepSpec
 from dataflow.ops import flat
 from dataflow.ops.flat import grad_squared_norm
@@ -57,8 +57,9 @@ def test_the_single_replica_check_gives_the_squared_norms_verdict(case, loss):
     if dtype in (torch.float32, torch.float64):
         assert torch.equal(norm.isfinite(), grad_squared_norm(grads).isfinite())
     expected = bool(torch.isfinite(norm + (0.0 if loss is None else loss_t.double())))
-    assert _finite(loss_t, None, model) is expected
-    assert bool(_finite_flag(loss_t, None, model)) is expected
+    params = list(model.parameters())
+    assert _finite(loss_t, None, params) is expected
+    assert bool(_finite_flag(loss_t, None, params)) is expected
 
 
 def test_the_single_replica_check_builds_no_plan_per_step():
@@ -66,7 +67,8 @@ def test_the_single_replica_check_builds_no_plan_per_step():
     arena over their addresses, a chunk table) was rebuilt every step."""
     plans = dict(flat._PLANS)
     for _ in range(3):
-        assert _finite(torch.tensor(1.0), None, _model(torch.float32, {}))
+        model = _model(torch.float32, {})
+        assert _finite(torch.tensor(1.0), None, list(model.parameters()))
     assert plans == flat._PLANS
 
 
@@ -137,3 +139,46 @@ def test_a_window_hashes_its_samples_once():
         sys.setprofile(None)
     assert value == sample_digest(np.arange(32))
     assert len(calls) == 1
+
+
+def test_the_update_lists_the_models_parameters_once_not_every_step():
+    """The single-replica check reads every parameter's gradient each step; walking the
+    module tree for them (``model.parameters()``) cost 0.24 ms of host time a step on
+    ResNet-50. The list is made once per model; the verdicts are unchanged."""
+    from dataflow.core.batch import Gradients
+    from dataflow.stages.update import Update
+
+    class Counted(torch.nn.Sequential):
+        walks = 0
+
+        def parameters(self, recurse: bool = True):
+            Counted.walks += 1
+            return super().parameters(recurse)
+
+    model = Counted(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    replica = ReplicaContext(rank=0, world_size=1, device=torch.device("cpu"), seed=0, model=model)
+    update = Update(lambda params: torch.optim.SGD(params, lr=0.1))
+    update.setup(replica)
+    walks = Counted.walks
+    for index in range(5):
+        spec = StepSpec(
+            index=index,
+            epoch=0,
+            step_in_epoch=index,
+            start=8 * index,
+            global_batch=8,
+            local_batches=(8,),
+            last_in_epoch=False,
+        )
+        step = StepContext(replica=replica, spec=spec)
+        loss = model(torch.randn(8, 4)).square().mean()
+        loss.backward()
+        step.metrics["loss"] = loss.detach()
+        update.run(step, Gradients(samples=8, reduced=True))
+    assert Counted.walks - walks == 1
+    bad = model(torch.full((8, 4), float("nan"))).sum()  # a non-finite step still fails
+    bad.backward()
+    step = StepContext(replica=replica, spec=spec)
+    step.metrics["loss"] = bad.detach()
+    with pytest.raises(NonFiniteError, match="non-finite loss or gradient at step 4"):
+        update.run(step, Gradients(samples=8, reduced=True))
