@@ -126,20 +126,21 @@ def test_a_dropped_replica_keeps_its_pushed_gradient_and_holds_nobody_back():
     assert set(after.pulled) == {0, 1} and not after.all_finished
 
 
-def _shard(replicas: int, staleness: int = 1):
+def _shard(replicas: int, staleness: int = 1, *, window: int = 0, timeout_s: float = 10.0):
+    """A one-parameter shard of the store (no cluster: driven on an event loop)."""
     from dataflow.ps.shard import ParameterShard
 
     return ParameterShard(
         index=0,
         indices=range(1),
-        window=0,
+        window=window,
         incarnation=0,
         weights=[torch.tensor([0.0])],
         optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0),
         optimizer_state={},
         policy=dfl.sync.Async(staleness=staleness),
         replicas=replicas,
-        timeout_s=10.0,
+        timeout_s=timeout_s,
     )
 
 

@@ -203,24 +203,10 @@ def test_every_barrier_that_waited_past_the_timeout_reads_as_a_slow_peer_to_the_
     when every worker is alive (``is_wait_timeout``), as for a collective's timeout: the
     real messages of each barrier, as a replica raises them, are recognised; a peer's
     failure echoed by the store, a refused call and a closed connection are not."""
-    import dataflow as dfl
+    from test_async_updates import _shard
+
     from dataflow.driver.root_cause import is_wait_timeout
     from dataflow.ps.plane import PlaneError
-    from dataflow.ps.shard import ParameterShard
-
-    def parameters() -> ParameterShard:
-        return ParameterShard(
-            index=0,
-            indices=range(1),
-            window=10,
-            incarnation=0,
-            weights=[torch.tensor([0.0])],
-            optimizer_factory=lambda p: torch.optim.SGD(p, lr=1.0),
-            optimizer_state={},
-            policy=dfl.sync.Async(),
-            replicas=2,
-            timeout_s=0.05,
-        )
 
     async def timed_out(call) -> str:
         with pytest.raises(ShardError) as caught:
@@ -231,7 +217,7 @@ def test_every_barrier_that_waited_past_the_timeout_reads_as_a_slow_peer_to_the_
         return [
             await timed_out(shard(2, 0.05).average(0, 10, 12, 0, PLANNED, handed(0, 1.0))),
             await timed_out(shard(2, 0.05).sum_held_out(0, 11, {"count": 5.0})),
-            await timed_out(parameters().finish(0, 10, 12)),
+            await timed_out(_shard(2, window=10, timeout_s=0.05).finish(0, 10, 12)),
         ]
 
     messages = run(main())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -55,13 +56,13 @@ SYNC = {
 }
 
 
-def _trainer(marker, seconds: float = 2.5 * TIMEOUT_S, sync: str = "sync") -> dfl.Trainer:
-    x, y = make_data(240)
+def _trainer(source: Any, *, stall: stages.Stage | None = None, sync: str = "sync") -> dfl.Trainer:
+    """Two replicas of TinyCNN on ``source``, 4-step windows, the tests' short timeout;
+    ``stall`` (a test stage) between Load and Forward."""
     g = dfl.Graph()
-    batch = g.add(
-        StallOnce(str(marker), step=5, rank=1, seconds=seconds),
-        g.add(stages.Load(dfl.io.ArraySource(x, y))),
-    )
+    batch = g.add(stages.Load(source))
+    if stall is not None:
+        batch = g.add(stall, batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
     return dfl.Trainer(
@@ -76,11 +77,17 @@ def _trainer(marker, seconds: float = 2.5 * TIMEOUT_S, sync: str = "sync") -> df
     )
 
 
+def _stalled(marker, seconds: float = 2.5 * TIMEOUT_S, sync: str = "sync") -> dfl.Trainer:
+    """Replica 1 sleeps ``seconds`` once, at step 5."""
+    stall = StallOnce(str(marker), step=5, rank=1, seconds=seconds)
+    return _trainer(dfl.io.ArraySource(*make_data(240)), stall=stall, sync=sync)
+
+
 # (synchronous training's stall, and its weights, in the data-wait test below)
 @pytest.mark.parametrize("sync", ["local", "async"])
 def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(client, tmp_path, sync):
     marker = tmp_path / "stalled"
-    result = _trainer(marker, sync=sync).fit(epochs=2, client=client)
+    result = _stalled(marker, sync=sync).fit(epochs=2, client=client)
     assert marker.exists()  # the stall happened
     [failure] = result.history.info["failures"]
     assert failure["reason"] == "stalled" and failure["lost"] == []
@@ -93,7 +100,7 @@ def test_a_peer_slower_than_the_collective_timeout_is_waited_out_not_fatal(clien
     if sync == "async":  # the order pushes apply in is the replicas' race: not compared
         return
     # redone from the commit, the same steps on the same replicas: the uninterrupted fit
-    reference = _trainer(marker, sync=sync).fit(epochs=2, client=client)  # (no stall now)
+    reference = _stalled(marker, sync=sync).fit(epochs=2, client=client)  # (no stall now)
     assert not reference.history.info.get("failures")
     want = reference.model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in result.model.state_dict().items())
@@ -136,19 +143,7 @@ def test_a_replica_waiting_minutes_for_its_data_is_not_hung_the_phase_is_redone(
     marker = str(tmp_path / "stuck")
 
     def trainer() -> dfl.Trainer:
-        g = dfl.Graph()
-        batch = g.add(stages.Load(StuckOnce(x, y, marker, after=6)))
-        out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
-        g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
-        return dfl.Trainer(
-            g,
-            schedule=dfl.schedule.Fixed(24),
-            seed=0,
-            progress=False,
-            replicas=2,
-            window_steps=4,
-            collective_timeout_s=TIMEOUT_S,
-        )
+        return _trainer(StuckOnce(x, y, marker, after=6))
 
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:
         try:
@@ -178,7 +173,7 @@ def test_a_peer_still_in_its_step_long_after_the_timeout_is_hung_and_dropped(tmp
     marker = tmp_path / "hung"
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:
         try:
-            result = _trainer(marker, seconds=120.0).fit(epochs=2, client=client)
+            result = _stalled(marker, seconds=120.0).fit(epochs=2, client=client)
         finally:
             (tmp_path / "hung.release").touch()
     [failure] = result.history.info["failures"]

@@ -95,15 +95,15 @@ class WindowFailureWatch:
         return slow
 
     def _failures(
-        self, first: Any, rank: int, window: int, wait_s: float | None = None
+        self, first: Any, rank: int, window: int, wait_s: float
     ) -> tuple[ev.WindowFailure, ...]:
-        """Every window failed once the others had ``wait_s`` to fail too (None:
-        FAILURE_GRACE_S; none when ``first``'s error is the replica's own: the peers'
-        echoes add nothing), each error as the fit reports it, for the machine to pick
-        the root cause among (a peer's "connection closed" is only an echo)."""
+        """Every window failed once the others had ``wait_s`` more to fail too (what is
+        left of the failure grace; none when ``first``'s error is the replica's own: the
+        peers' echoes add nothing), each error as the fit reports it, for the machine to
+        pick the root cause among (a peer's "connection closed" is only an echo)."""
         futures = {first: (self.generation, rank, window), **self.windows}
         with contextlib.suppress(TimeoutError, CancelledError):
-            wait(list(futures), timeout=FAILURE_GRACE_S if wait_s is None else wait_s)
+            wait(list(futures), timeout=wait_s)
         failures = []
         for future, (_, r, w) in futures.items():
             if future.status != "error":
