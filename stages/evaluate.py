@@ -213,6 +213,9 @@ class Evaluate(Stage):
             lambda start: self.source.read(np.arange(start, min(hi, start + size))), starts
         )
         self._reading = reading
+        interrupted = getattr(self, "_interrupted", None)
+        if interrupted is not None:  # the abort came as this reading began
+            reading.interrupt(interrupted)
         model = replica.model
         model.eval()
         try:
@@ -239,12 +242,17 @@ class Evaluate(Stage):
                     sums[key] += value * batch.size
 
     def interrupt(self, reason: str) -> None:
-        """The window was aborted while this replica may wait for a held-out batch."""
+        """The window was aborted while this replica may wait for a held-out batch: the
+        reading in progress, or one beginning now, ends (until the next phase begins,
+        as every recovery's redo does)."""
+        error = CollectiveError(f"{reason} while it waited for a batch of the held-out set")
+        self._interrupted = error
         reading = getattr(self, "_reading", None)
         if reading is not None:
-            reading.interrupt(
-                CollectiveError(f"{reason} while it waited for a batch of the held-out set")
-            )
+            reading.interrupt(error)
+
+    def begin_phase(self, replica: Any, phase: Any) -> None:
+        self._interrupted = None  # an abort of a window the recovery replaced
 
 
 def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
