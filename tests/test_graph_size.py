@@ -14,6 +14,7 @@ of it (sharing the source's arrays): the one a worker holds must stay as sent.
 
 from __future__ import annotations
 
+import types
 import warnings
 from contextlib import contextmanager
 
@@ -138,3 +139,32 @@ def test_a_recovery_after_a_killed_worker_gets_the_source_outside_the_graph(tmp_
     assert failure["reason"] == "lost workers" and failure["phase"] == 0
     assert result.history.phases[-1]["replicas"] == 2  # the restarted worker joined
     assert_every_sample_once(result, 2)
+
+
+def test_a_spec_held_only_outside_the_new_group_is_sent_again_to_a_member():
+    """The spec counts as on the cluster only where a member of the group forming holds
+    it: a worker excluded as hung (alive, outside the group) may die as the new group's
+    setups fetch from it, and that cancels them without a member lost to recover from
+    (CI met it: a hung spatial partner killed as the next group formed)."""
+    from dataflow.driver.group_forming import GroupForming
+
+    with (
+        LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        first, second = sorted(cluster.scheduler.workers)
+        forming = GroupForming()
+        forming.client = client
+        forming.spec = types.SimpleNamespace(graph="the spec", collective_timeout_s=30.0)
+        forming.unreachable = set()
+        [forming.spec_future] = client.scatter([forming.spec], workers=[first], hash=False)
+        forming.members = (first, second)
+        assert forming._spec_held()
+        forming.members = (second,)  # the holder is no member of the new group
+        assert not forming._spec_held()
+        forming.members, forming.unreachable = (first, second), {first}  # excluded
+        assert not forming._spec_held()
+        forming.members, forming.unreachable = (second,), set()
+        forming.scatter_spec()  # sent again, to the member
+        assert list(client.who_has([forming.spec_future])[forming.spec_future.key]) == [second]
+        assert forming._spec_held()

@@ -49,6 +49,7 @@ class GroupForming:
     windows: dict[Any, tuple[int, int, int]]
     slot_of: dict[Any, int]
     in_flight: list[tuple[Any, str]]
+    unreachable: set[str]
 
     def form_group(self, c: cmd.FormGroup) -> list[dict[str, Any]]:
         """Set up (``fresh``) or regroup the members; returns the new replicas' infos."""
@@ -185,8 +186,11 @@ class GroupForming:
             raise
 
     def _spec_held(self) -> bool:
-        """Whether a live worker still holds the scattered spec (Dask cannot compute it
-        again: scattered data lost with its last holder is gone)."""
+        """Whether a live member of the group still holds the scattered spec (Dask cannot
+        compute it again: scattered data lost with its last holder is gone). Only a
+        member counts: the setups' wait reads a member's death as a loss, but a holder
+        outside the group (a worker excluded as hung, still alive) that dies meanwhile
+        only cancels the setups that fetch from it, a loss of nobody's."""
         if self.spec_future.status != "finished":
             return False
         try:
@@ -194,7 +198,7 @@ class GroupForming:
         except Exception:
             return False
         live = live_workers(self.client)
-        return any(w in live for w in holders)
+        return any(w in live and w in self.members and w not in self.unreachable for w in holders)
 
     def _rendezvous(self, world: int) -> tuple[Any, Any]:
         """Rank 0's worker opens the store the group forms at."""
