@@ -23,6 +23,8 @@ import torch
 from dataflow.core import kinds
 from dataflow.core.errors import CollectiveError, ConfigError, DataError, GraphError
 from dataflow.core.window import WHOLE
+from dataflow.io.chunk_index import is_chunked
+from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.prefetch import Prefetcher
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
@@ -207,11 +209,7 @@ class Evaluate(Stage):
         sums = dict.fromkeys(self.config.metrics, 0.0)
         size = self.config.batch_size
         starts = range(lo, hi, size)
-        # read on a thread, a batch ahead of the model (a remote store's latency hides
-        # behind it), and a read the driver aborts (a store outage) ends the wait
-        reading = Prefetcher(
-            lambda start: self.source.read(np.arange(start, min(hi, start + size))), starts
-        )
+        reading = self._held_out_reading([np.arange(s, min(hi, s + size)) for s in starts])
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
         if interrupted is not None:  # the abort came as this reading began
@@ -225,6 +223,19 @@ class Evaluate(Stage):
             reading.close()
             model.train()
         return {"count": hi - lo, **sums}
+
+    def _held_out_reading(self, batches: list[np.ndarray]) -> Prefetcher:
+        """The held-out ``batches``, read on a thread ahead of the model (a remote store's
+        latency hides behind the forward passes), so that a read the driver aborts (a
+        store outage) ends the wait. A chunked source (zarr, dask) is read as training
+        reads it, through an :class:`~dataflow.io.chunk_reader.EpochChunkReader`: each
+        chunk decoded once, however many batches it spans, its chunks checked to exist
+        first, and a remote store's objects fetched ahead, many at once (a batch's worth
+        of GETs one after another would each wait a round trip)."""
+        if is_chunked(self.source) and getattr(self.source, "chunk_members", None) is None:
+            reader = EpochChunkReader(self.source, batches)
+            return Prefetcher(_as_is, reader)
+        return Prefetcher(self.source.read, batches)
 
     def _score(self, reading: Prefetcher, starts: range, replica: Any, sums: dict) -> None:
         """Add each batch's metric sums to ``sums``, in ``starts`` order."""
@@ -253,6 +264,10 @@ class Evaluate(Stage):
 
     def begin_phase(self, replica: Any, phase: Any) -> None:
         self._interrupted = None  # an abort of a window the recovery replaced
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
 
 
 def whole_set(replica: Any, scores: dict[str, float]) -> dict[str, float]:
