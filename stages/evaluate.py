@@ -24,7 +24,7 @@ from dataflow.core import kinds
 from dataflow.core.errors import CollectiveError, ConfigError, DataError, GraphError
 from dataflow.core.window import WHOLE
 from dataflow.io.chunk_index import is_chunked
-from dataflow.io.chunk_reader import EpochChunkReader
+from dataflow.io.chunk_reader import EpochChunkReader, auto_decode_threads
 from dataflow.io.prefetch import Prefetcher
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
@@ -209,7 +209,8 @@ class Evaluate(Stage):
         sums = dict.fromkeys(self.config.metrics, 0.0)
         size = self.config.batch_size
         starts = range(lo, hi, size)
-        reading = self._held_out_reading([np.arange(s, min(hi, s + size)) for s in starts])
+        batches = [np.arange(s, min(hi, s + size)) for s in starts]
+        reading = self._held_out_reading(batches, replica.device)
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
         if interrupted is not None:  # the abort came as this reading began
@@ -224,7 +225,7 @@ class Evaluate(Stage):
             model.train()
         return {"count": hi - lo, **sums}
 
-    def _held_out_reading(self, batches: list[np.ndarray]) -> Prefetcher:
+    def _held_out_reading(self, batches: list[np.ndarray], device: Any) -> Prefetcher:
         """The held-out ``batches``, read on a thread ahead of the model (a remote store's
         latency hides behind the forward passes), so that a read the driver aborts (a
         store outage) ends the wait. A chunked source (zarr, dask) is read as training
@@ -233,7 +234,8 @@ class Evaluate(Stage):
         first, and a remote store's objects fetched ahead, many at once (a batch's worth
         of GETs one after another would each wait a round trip)."""
         if is_chunked(self.source) and getattr(self.source, "chunk_members", None) is None:
-            reader = EpochChunkReader(self.source, batches)
+            threads = auto_decode_threads(device)  # (on a GPU, the idle host cores)
+            reader = EpochChunkReader(self.source, batches, decode_threads=threads)
             return Prefetcher(_as_is, reader)
         return Prefetcher(self.source.read, batches)
 
