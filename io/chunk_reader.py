@@ -53,6 +53,7 @@ from dataflow.core.batch import Batch
 from dataflow.core.errors import ChunkMissingError, ConfigError
 from dataflow.core.protocols import ChunkedSource
 from dataflow.io.chunk_index import chunk_index, last_uses
+from dataflow.io.store_retry import abandoned_when
 
 # -- output buffers ---------------------------------------------------------------------
 
@@ -317,6 +318,7 @@ class EpochChunkReader:
         self._held = 0
         self._lock = threading.Lock()
         self._plan: Any = None  # the source's plan of the epoch's reads (plan_reads)
+        self._abandoned = threading.Event()  # abandon(): reads stop retrying
         seen: set[int] = set()
         self.news = []  # per batch, the chunks it is the first to use
         for touched in self.touched:
@@ -339,12 +341,19 @@ class EpochChunkReader:
 
     def _read(self, chunks: list[int]) -> dict[int, Batch]:
         self._hold(self._samples(chunks))  # counted before decoding: the memory is coming
-        with self._plan.reading(chunks) if self._plan is not None else contextlib.nullcontext():
+        reading = self._plan.reading(chunks) if self._plan is not None else contextlib.nullcontext()
+        with reading, abandoned_when(self._abandoned):
             decoded = self.source.read_chunks(chunks)
         with self._lock:  # decode threads may finish together
             self.decoded += len(chunks)
             self.requests += 1
         return decoded
+
+    def abandon(self) -> None:
+        """Nobody will take this epoch's batches any more (its window was aborted): a
+        read retrying a failing store gives up now, with the store's failure, rather
+        than for ``retry_s`` (``io.store_retry.abandoned_when``)."""
+        self._abandoned.set()
 
     def start_fetching(self, after: Any = None) -> None:
         """Fetch this epoch's objects of a remote store ahead, in read order, from now on

@@ -58,12 +58,16 @@ class Prefetcher:
 
     def get(self) -> Any:
         """The next loaded item; raises the loader's exception; StopIteration at the end;
-        the :meth:`interrupt` error once interrupted while it waits (or after)."""
+        the :meth:`interrupt` error once interrupted while it waits (or after), also in
+        place of a loader's exception then (a read the interrupt abandoned failed)."""
         try:
             ok, value = self._queue.get_nowait()  # the usual case: loaded ahead
         except queue.Empty:
             ok, value = self._wait()
         if not ok:
+            interrupted = self._interrupted
+            if interrupted is not None:  # (an abandoned read's failure: the interrupt's)
+                raise interrupted from value
             raise value
         if value is _DONE:
             raise StopIteration

@@ -20,11 +20,12 @@ source's opening on the driver (its metadata's reads).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from dataflow.core.errors import ConfigError, StoreAccessError
@@ -67,10 +68,27 @@ def gives_up(kind: str | None, elapsed_s: float, wait_s: float, retry_s: float) 
     return kind != UNAVAILABLE or elapsed_s + wait_s > retry_s
 
 
+_scope = threading.local()  # the event that abandons this thread's reads (if any)
+
+
+@contextlib.contextmanager
+def abandoned_when(event: threading.Event) -> Iterator[None]:
+    """Reads on this thread inside the block stop retrying once ``event`` is set: the
+    reader they read for is gone (a window the driver aborted while its replica rode
+    out an outage). Its failure is then raised at once, instead of the thread sending
+    GETs to a failing store, for nobody, until ``retry_s`` runs out."""
+    previous = getattr(_scope, "event", None)
+    _scope.event = event
+    try:
+        yield
+    finally:
+        _scope.event = previous
+
+
 class StoreRetry:
     """Runs reads of one store, each retried while it fails transiently for at most
-    ``retry_s`` seconds; thread-safe (decode threads share one). ``retries``: the reads
-    sent again so far."""
+    ``retry_s`` seconds (or until the thread's reads are abandoned, ``abandoned_when``);
+    thread-safe (decode threads share one). ``retries``: the reads sent again so far."""
 
     def __init__(
         self,
@@ -102,6 +120,9 @@ class StoreRetry:
                 attempt += 1
                 with self._lock:
                     wait = backoff_s(attempt, self._draw())
+                abandon = getattr(_scope, "event", None)
+                if abandon is not None and abandon.is_set():
+                    raise
                 if gives_up(access_failure(exc), now - first_failure, wait, self.retry_s):
                     if attempt > 1:
                         setattr(exc, RETRIED, (attempt - 1, now - first_failure))
@@ -120,7 +141,10 @@ class StoreRetry:
                         self.retries,
                         self.retry_s,
                     )
-                self._sleep(wait)
+                if abandon is None:
+                    self._sleep(wait)
+                elif abandon.wait(wait):  # abandoned while it waited
+                    raise
 
     def __getstate__(self) -> dict[str, Any]:  # a copy on a worker counts its own
         return {"retry_s": self.retry_s}

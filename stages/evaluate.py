@@ -214,13 +214,13 @@ class Evaluate(Stage):
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
         if interrupted is not None:  # the abort came as this reading began
-            reading.interrupt(interrupted)
+            self._abandon(reading, interrupted)
         model = replica.model
         model.eval()
         try:
             self._score(reading, starts, replica, sums)
         finally:
-            self._reading = None
+            self._reading = self._reader = None
             reading.close()
             model.train()
         return {"count": hi - lo, **sums}
@@ -233,10 +233,11 @@ class Evaluate(Stage):
         chunk decoded once, however many batches it spans, its chunks checked to exist
         first, and a remote store's objects fetched ahead, many at once (a batch's worth
         of GETs one after another would each wait a round trip)."""
+        self._reader = None
         if is_chunked(self.source) and getattr(self.source, "chunk_members", None) is None:
             threads = auto_decode_threads(device)  # (on a GPU, the idle host cores)
-            reader = EpochChunkReader(self.source, batches, decode_threads=threads)
-            return Prefetcher(_as_is, reader)
+            self._reader = EpochChunkReader(self.source, batches, decode_threads=threads)
+            return Prefetcher(_as_is, self._reader)
         return Prefetcher(self.source.read, batches)
 
     def _score(self, reading: Prefetcher, starts: range, replica: Any, sums: dict) -> None:
@@ -262,7 +263,15 @@ class Evaluate(Stage):
         self._interrupted = error
         reading = getattr(self, "_reading", None)
         if reading is not None:
-            reading.interrupt(error)
+            self._abandon(reading, error)
+
+    def _abandon(self, reading: Prefetcher, error: BaseException) -> None:
+        """The wait for ``reading`` ends with ``error``; a read of it retrying a failing
+        store gives up now (nobody will take its batches)."""
+        reading.interrupt(error)  # first: the abandoned read's failure is not the cause
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.abandon()
 
     def begin_phase(self, replica: Any, phase: Any) -> None:
         self._interrupted = None  # an abort of a window the recovery replaced

@@ -297,6 +297,8 @@ class Load(Stage):
                     f"replica {rank}: {reason} while it waited for its batch from the source"
                 )
             )
+        for reader in getattr(self, "_readers", ()):  # a read retrying a failing store
+            reader.abandon()  # gives up now: nobody takes this phase's batches any more
 
     def _close(self) -> None:
         if getattr(self, "_prefetcher", None) is not None:

@@ -15,13 +15,16 @@ import errno
 import logging
 import pickle
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, tiny_pipeline
+from conftest import TinyCNN, make_data, tiny_pipeline
 
 import dataflow as dfl
+from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.store_access import DENIED, RETRIED, UNAVAILABLE, access_failure
 from dataflow.io.store_retry import (
     MAX_BACKOFF_S,
@@ -311,3 +314,70 @@ def test_a_fit_through_a_failing_store_equals_the_fit_from_the_local_copy(
         assert got.ledger.consumed(e).tolist() == list(range(256))
     weights, reference = got.model.state_dict(), want.model.state_dict()
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def _wait_for(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.05)
+
+
+def test_an_abandoned_reader_stops_retrying_a_failing_store(s3, s3_stores, proxy):
+    """Its window was aborted while it rode out an outage: nobody will take the epoch's
+    batches, so its reads give up at once (retry_s=600 would keep them sending GETs to
+    the failing store for 10 minutes, on threads nobody waits for)."""
+    _, url = s3_stores
+    source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=options(s3), retry_s=600)
+    proxy.fail_chunk_gets(10**6, "internal", each=10**6)
+    batches = [np.arange(start, start + 32) for start in range(0, 256, 32)]
+    reader = EpochChunkReader(source, batches, decode_threads=2)
+    failed: list[BaseException] = []
+
+    def read_the_epoch() -> None:
+        try:
+            list(reader)
+        except Exception as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=read_the_epoch, daemon=True)
+    thread.start()
+    _wait_for(lambda: source.store_retries >= 2, "the reads to retry")
+    reader.abandon()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and failed  # every read ended: the decode threads too
+    assert access_failure(failed[0]) == UNAVAILABLE, failed[0]  # the store's own failure
+
+
+def test_an_evaluation_interrupted_in_an_outage_leaves_no_read_retrying(s3, s3_stores, proxy):
+    """Evaluate's interrupt (the driver aborted the window) ends the wait for a held-out
+    batch and abandons the reader behind it: its reading thread ends too."""
+    from test_evaluate_transforms import last_step
+
+    from dataflow.core.errors import CollectiveError
+
+    _, url = s3_stores
+    source = dfl.io.ZarrSource(url, x="x", y="y", storage_options=options(s3), retry_s=600)
+    evaluate = dfl.stages.Evaluate(
+        source, metrics={"loss": torch.nn.functional.cross_entropy}, transforms=()
+    )
+    before = {t for t in threading.enumerate() if t.name == "dataflow-prefetch"}
+    proxy.fail_chunk_gets(10**6, "internal", each=10**6)
+    outcome: list[BaseException] = []
+
+    def evaluating() -> None:
+        try:
+            evaluate.evaluate_shard(last_step(evaluate, TinyCNN()))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=evaluating, daemon=True)
+    thread.start()
+    _wait_for(lambda: source.store_retries >= 2, "the held-out reads to retry")
+    evaluate.interrupt("the window was aborted")
+    thread.join(timeout=60)
+    assert not thread.is_alive() and isinstance(outcome[0], CollectiveError), outcome
+    _wait_for(
+        lambda: not {t for t in threading.enumerate() if t.name == "dataflow-prefetch"} - before,
+        "the held-out reading thread to end",
+    )
