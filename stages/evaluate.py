@@ -26,6 +26,7 @@ from dataflow.core.window import WHOLE
 from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import EpochChunkReader, auto_decode_threads
 from dataflow.io.prefetch import Prefetcher
+from dataflow.io.sharding import source_chunk_members
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -207,9 +208,7 @@ class Evaluate(Stage):
         lo = n * rank // replica.world_size
         hi = n * (rank + 1) // replica.world_size
         sums = dict.fromkeys(self.config.metrics, 0.0)
-        size = self.config.batch_size
-        starts = range(lo, hi, size)
-        batches = [np.arange(s, min(hi, s + size)) for s in starts]
+        batches = held_out_batches(self.source, lo, hi, self.config.batch_size)
         reading = self._held_out_reading(batches, replica.device)
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
@@ -218,7 +217,7 @@ class Evaluate(Stage):
         model = replica.model
         model.eval()
         try:
-            self._score(reading, starts, replica, sums)
+            self._score(reading, batches, replica, sums)
         finally:
             self._reading = self._reader = None
             reading.close()
@@ -232,27 +231,31 @@ class Evaluate(Stage):
         reads it, through an :class:`~dataflow.io.chunk_reader.EpochChunkReader`: each
         chunk decoded once, however many batches it spans, its chunks checked to exist
         first, and a remote store's objects fetched ahead, many at once (a batch's worth
-        of GETs one after another would each wait a round trip)."""
+        of GETs one after another would each wait a round trip). A window source's unit
+        (``PatchSource``) is read whole, once: read batch by batch, each batch would
+        read again every unit it touches (100x slower on a 16k-window field)."""
         self._reader = None
-        if is_chunked(self.source) and getattr(self.source, "chunk_members", None) is None:
+        if is_chunked(self.source):
             threads = auto_decode_threads(device)  # (on a GPU, the idle host cores)
             self._reader = EpochChunkReader(self.source, batches, decode_threads=threads)
             return Prefetcher(_as_is, self._reader)
         return Prefetcher(self.source.read, batches)
 
-    def _score(self, reading: Prefetcher, starts: range, replica: Any, sums: dict) -> None:
-        """Add each batch's metric sums to ``sums``, in ``starts`` order."""
+    def _score(
+        self, reading: Prefetcher, batches: list[np.ndarray], replica: Any, sums: dict
+    ) -> None:
+        """Add each batch's metric sums to ``sums``, in ``batches`` order."""
         model = replica.model
         with torch.no_grad():
-            for start in starts:
+            for indices in batches:
                 batch = self.prepare(reading.get(), replica.device)
                 output = call_model(model, batch.x)
                 y = batch.y
-                check_finite(self.source, start, batch, output)
+                check_finite(self.source, indices, batch, output)
                 for key, fn in self.config.metrics.items():
                     value = float(fn(output) if y is None else fn(output, y))
                     if not math.isfinite(value):
-                        raise _metric_error(self.source, key, value, start, batch.size)
+                        raise _metric_error(self.source, key, value, indices)
                     sums[key] += value * batch.size
 
     def interrupt(self, reason: str) -> None:
@@ -343,17 +346,41 @@ def _bad_rows(values: list[torch.Tensor], size: int) -> torch.Tensor:
     return bad
 
 
-def check_finite(source: Any, start: int, batch: Any, output: Any) -> None:
+def held_out_batches(source: Any, lo: int, hi: int, size: int) -> list[np.ndarray]:
+    """The held-out samples ``[lo, hi)`` in batches of ``size``: in index order, or for a
+    source whose chunks are sets of samples (``chunk_members``: a ``PatchSource``'s
+    units of windows) unit by unit, so that one unit is decoded at a time and once (in
+    index order a unit's windows are spread over the whole shard, and every unit
+    would stay decoded until its last window's batch). The sums do not depend on the
+    order (up to float rounding); the order is fixed, so neither do the scores."""
+    members = source_chunk_members(source)
+    if members is None:
+        return [np.arange(start, min(hi, start + size)) for start in range(lo, hi, size)]
+    order = np.concatenate([np.asarray(m, dtype=np.int64) for m in members])
+    order = order[(order >= lo) & (order < hi)]
+    return [order[start : start + size] for start in range(0, len(order), size)]
+
+
+def _named(indices: np.ndarray) -> str:
+    """Held-out samples, as an error names them: a range, or the first few."""
+    first, last = int(indices[0]), int(indices[-1])
+    if last - first + 1 == len(indices) and (np.diff(indices) == 1).all():
+        return f"{first} to {last}"
+    shown = ", ".join(str(int(i)) for i in indices[:5])
+    return f"{shown}{', ...' if len(indices) > 5 else ''} ({len(indices)} samples)"
+
+
+def check_finite(source: Any, indices: np.ndarray, batch: Any, output: Any) -> None:
     """Raise a DataError naming the first held-out sample whose model output or target is
     NaN or inf (the held-out loss would be NaN, and the other metrics scored on it). One
     ``isfinite`` over the batch's output and float targets; the sample is found only then.
-    ``start``: the index in ``source`` of the batch's first sample."""
+    ``indices``: the batch's samples' indices in ``source``."""
     if all(bool(torch.isfinite(t).all()) for t in (*_tensors(output), *_tensors(batch.y))):
         return
     y_bad = _bad_rows(_tensors(batch.y), batch.size)
     rows = (_bad_rows(_tensors(output), batch.size) | y_bad).nonzero().flatten().tolist()
     rows = rows or [0]  # an output without a sample dimension: the batch's first
-    index = start + rows[0]
+    index = int(indices[rows[0]])
     if y_bad[rows[0]]:
         cause = "its y holds NaN or inf"
     elif _bad_rows(_tensors(batch.x), batch.size)[rows[0]]:
@@ -362,7 +389,7 @@ def check_finite(source: Any, start: int, batch: Any, output: Any) -> None:
         cause = "the model's output for it is NaN or inf, though its x is finite"
     others = ""
     if len(rows) > 1:
-        shown = ", ".join(str(start + r) for r in rows[1:6])
+        shown = ", ".join(str(int(indices[r])) for r in rows[1:6])
         others = (
             f" Other such samples of the same batch: {shown}{', ...' if len(rows) > 6 else ''}."
         )
@@ -375,14 +402,14 @@ def check_finite(source: Any, start: int, batch: Any, output: Any) -> None:
     raise error
 
 
-def _metric_error(source: Any, key: str, value: float, start: int, size: int) -> DataError:
+def _metric_error(source: Any, key: str, value: float, indices: np.ndarray) -> DataError:
     error = DataError(
-        f"metric {key!r} is {value} on held-out samples {start} to {start + size - 1} of "
+        f"metric {key!r} is {value} on held-out samples {_named(indices)} of "
         f"eval_source {source!r}, though the model's outputs and the targets there are "
         "finite: the metric is not finite on them (a division by zero, a log of 0?); make "
         "it finite on every batch"
     )
-    error.index, error.source = start, repr(source)
+    error.index, error.source = int(indices[0]), repr(source)
     return error
 
 
