@@ -60,6 +60,8 @@ class Prefetcher:
         """The next loaded item; raises the loader's exception; StopIteration at the end;
         the :meth:`interrupt` error once interrupted while it waits (or after), also in
         place of a loader's exception then (a read the interrupt abandoned failed)."""
+        if self._interrupted is not None:  # (also over items loaded ahead)
+            raise self._interrupted
         try:
             ok, value = self._queue.get_nowait()  # the usual case: loaded ahead
         except queue.Empty:

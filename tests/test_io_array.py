@@ -92,6 +92,22 @@ def test_an_interrupt_ends_a_wait_for_a_load_that_never_comes():
     assert not fetch._thread.is_alive()  # it stopped after its item
 
 
+def test_an_interrupt_ends_the_reading_even_with_items_loaded_ahead():
+    """An abort that came as an evaluation began (or any time): its ``get`` raises the
+    interrupt's error, though the next items were loaded already (read from memory, a
+    held-out set is loaded ahead in microseconds), and so does every later one."""
+    fetch = Prefetcher(lambda i: i, range(5), depth=3)
+    deadline = time.monotonic() + 60  # a bound on a real condition, not a pause
+    while not fetch._queue.full():
+        assert time.monotonic() < deadline, "the prefetcher never filled its queue"
+        time.sleep(0.001)
+    fetch.interrupt(RuntimeError("the window was aborted"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="aborted"):
+            fetch.get()
+    fetch.close()
+
+
 def test_prefetcher_reads_ahead_at_most_depth():
     """Nothing taken: the thread loads ``depth`` items into the queue and one more, then
     waits in put (the queue full) until the consumer takes one."""
