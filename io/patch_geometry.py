@@ -305,7 +305,9 @@ def _y_axes(
         raise ConfigError(
             f"PatchSource(y={y.name!r}): y has shape {y.shape} (dims {y.dims}), x {shape} "
             f"(dims {dims}); y needs each patch dim ({', '.join(patch_dims)}) as long as x's, "
-            "to be cut at the same place (found by name, else by axis when y has x's rank)"
+            "to be cut at the same place (found by name, else by axis when y has x's rank): "
+            "name both arrays' dims (zarr's dimension_names, e.g. ('level', 'lat', 'lon') "
+            "for x and ('lat', 'lon') for y), or give y x's rank"
         )
     if list(y_axes) != sorted(y_axes):
         raise ConfigError(

@@ -315,7 +315,11 @@ def test_every_mistake_is_a_config_error_naming_the_argument(tmp_path):
         "lab3", shape=(64, 40), chunks=(16, 16), dtype=np.int64, dimension_names=("lat", "lon")
     )
     config_error(
-        r"y='lab3'.*each patch dim \(lat, lon\) as long as x's", path, "a", "lab3", patch=p
+        r"y='lab3'.*each patch dim \(lat, lon\) as long as x's.*dimension_names",
+        path,
+        "a",
+        "lab3",
+        patch=p,
     )
 
 
