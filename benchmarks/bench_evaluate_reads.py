@@ -31,11 +31,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from object_store import s3_server  # noqa: E402
 from records import save_run  # noqa: E402
+from test_evaluate_transforms import last_step  # noqa: E402  (a 1-replica epoch's end)
 
 import dataflow as dfl  # noqa: E402
 from dataflow import stages  # noqa: E402
 from dataflow.io.prefetch import Prefetcher  # noqa: E402
-from dataflow.stages.base import ReplicaContext, StepContext, StepSpec  # noqa: E402
 
 METRICS = {"loss": F.cross_entropy, "accuracy": stages.accuracy}
 
@@ -79,17 +79,7 @@ def tile_source(root: str, size: int, field: str = "held.zarr") -> dfl.io.PatchS
 
 def engine(source, model, batch: int, metrics=METRICS) -> dict[str, float]:
     evaluate = stages.Evaluate(source, metrics=metrics, batch_size=batch, transforms=())
-    replica = ReplicaContext(rank=0, world_size=1, device=torch.device("cpu"), seed=0, model=model)
-    spec = StepSpec(
-        index=0,
-        epoch=0,
-        step_in_epoch=0,
-        start=0,
-        global_batch=batch,
-        local_batches=(batch,),
-        last_in_epoch=True,
-    )
-    return evaluate.evaluate_shard(StepContext(replica=replica, spec=spec))
+    return evaluate.evaluate_shard(last_step(evaluate, model))
 
 
 def hand_loop(source, model, batch: int, metrics=METRICS) -> dict[str, float]:
