@@ -38,6 +38,8 @@ its defaults).
     python benchmarks/bench_adaptive_heldout.py --seeds 5  # the reported table
     python benchmarks/bench_adaptive_heldout.py --quick    # smoke test: 1 seed, ~1 min
     python benchmarks/bench_adaptive_heldout.py --tune     # the LR sweep of Fixed(B0), 1 seed
+    python benchmarks/bench_adaptive_heldout.py --seeds 5 --lr-decay cosine --versus none
+                                               # both under a cosine decay, against no decay
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from records import save_run, table
+from records import RESULTS, save_run, table
 from workloads import CosmoNet, DigitsNet, Optimizer, SignalNet, TargetMSE, ship_to_workers
 
 from dataflow.tools.datasets import cosmology_arrays, digits_arrays, gratings_arrays, signals_arrays
@@ -172,8 +174,24 @@ def score(dataset: Dataset, last: dict[str, Any]) -> float:
 # -- one fit ----------------------------------------------------------------------------
 
 
+DECAYS = ("none", "cosine")
+
+
+def lr_decay(name: str) -> Any:
+    """``--lr-decay``: None, or a cosine decay to 0 over the fit (no warmup: B0 is small)."""
+    from dataflow.schedule import CosineDecay
+
+    return None if name == "none" else CosineDecay()
+
+
 def fit_one(
-    dataset: Dataset, schedule: Any, optimizer: Optimizer, epochs: int, seed: int, client: Any
+    dataset: Dataset,
+    schedule: Any,
+    optimizer: Optimizer,
+    epochs: int,
+    seed: int,
+    client: Any,
+    decay: Any = None,
 ) -> dict[str, Any]:
     import dataflow as dfl
     from dataflow import stages
@@ -185,7 +203,9 @@ def fit_one(
     node = graph.add(stages.AllReduce(), node)
     node = graph.add(stages.Update(optimizer), node)
     graph.add(stages.Evaluate(dataset.test, metrics=dataset.metrics, every_epochs=epochs), node)
-    trainer = dfl.Trainer(graph, schedule=schedule, seed=seed, progress=False, replicas=2)
+    trainer = dfl.Trainer(
+        graph, schedule=schedule, lr_decay=decay, seed=seed, progress=False, replicas=2
+    )
     started = time.perf_counter()
     history = trainer.fit(epochs, client).history
     last = history.epochs[-1]
@@ -313,8 +333,11 @@ def print_phases(run: dict[str, Any]) -> None:
     print("      " + " ".join(parts), flush=True)
 
 
-def earlier_fixed(path: str | None, key: str, epochs: int, lr: float) -> dict[int, Any]:
-    """``{seed: run}`` of Fixed(B0) for ``key`` from the last matching run in ``path``."""
+def earlier_runs(
+    path: str | None, key: str, epochs: int, lr: float, decay: str, label: str = "fixed"
+) -> dict[int, Any]:
+    """``{seed: run}`` of schedule ``label`` for ``key`` from the last run in ``path`` with
+    these epochs, lr0 and LR decay."""
     if not path:
         return {}
     import json
@@ -322,9 +345,26 @@ def earlier_fixed(path: str | None, key: str, epochs: int, lr: float) -> dict[in
     found: dict[int, Any] = {}
     for record in json.loads(Path(path).read_text())["runs"]:
         entry = record.get("results", {}).get(key)
-        if record.get("epochs") == epochs and entry and entry.get("lr0") == lr:
-            found = {run["seed"]: run for run in entry["runs"]["fixed"]}
+        same = record.get("epochs") == epochs and (record.get("lr_decay") or "none") == decay
+        if same and entry and entry.get("lr0") == lr:
+            found = {run["seed"]: run for run in entry["runs"][label]}
     return found
+
+
+def print_versus(record: dict[str, Any], path: str, decay: str) -> None:
+    """Each schedule's mean score against the same schedule of ``path``'s matching run
+    under LR decay ``decay`` (``--versus``), on the seeds both ran."""
+    rows = []
+    for key, entry in record["results"].items():
+        for label, runs in entry["runs"].items():
+            theirs = earlier_runs(path, key, record["epochs"], entry["lr0"], decay, label)
+            pairs = [(r["score"], theirs[r["seed"]]["score"]) for r in runs if r["seed"] in theirs]
+            if pairs:
+                mine, other = (statistics.fmean(p[i] for p in pairs) for i in (0, 1))
+                rows.append([key, label, f"{other:.2f}", f"{mine:.2f}", f"{mine - other:+.2f}"])
+    if rows:
+        header = ["dataset/optimizer", "schedule", f"lr_decay={decay}", "this run", "diff"]
+        print(table(rows, header), flush=True)
 
 
 # -- main ------------------------------------------------------------------------------------
@@ -356,6 +396,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--fixed-from",
         help="a JSON file of an earlier run: reuse its Fixed(B0) runs (deterministic for a "
         "seed) instead of training them again, when they match epochs and lr0",
+    )
+    p.add_argument(
+        "--lr-decay",
+        choices=DECAYS,
+        default="none",
+        help="a decay of the LR over the fit for every schedule (cosine: to 0, no warmup)",
+    )
+    p.add_argument(
+        "--versus",
+        metavar="DECAY",
+        choices=DECAYS,
+        help="also print each schedule's mean against its runs under this LR decay in "
+        "--fixed-from's file (or the default results file), seed for seed",
     )
     p.add_argument("--out", help=f"JSON file (default benchmarks/results/{NAME}.json)")
     p.add_argument("--overwrite", action="store_true", help="replace the file, not append")
@@ -391,6 +444,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seeds": seeds,
         "B0": B0,
         "Bmax": BMAX,
+        "lr_decay": args.lr_decay,
         "load_average_start": load,
         "results": {},
     }
@@ -414,13 +468,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 optimizer = Optimizer(kind, LR0[(name, kind)])
                 plans = {"fixed": Fixed(B0), "adaptive": adaptive_schedule(args, kind)}
                 runs: dict[str, list[dict[str, Any]]] = {label: [] for label in plans}
-                reused = earlier_fixed(args.fixed_from, key, epochs, optimizer.lr)
+                reused = earlier_runs(args.fixed_from, key, epochs, optimizer.lr, args.lr_decay)
                 for seed in range(seeds):
                     for label, schedule in plans.items():
                         if label == "fixed" and seed in reused:
                             runs[label].append(reused[seed])
                             continue
-                        run = fit_one(dataset, schedule, optimizer, epochs, seed, client)
+                        decay = lr_decay(args.lr_decay)
+                        run = fit_one(dataset, schedule, optimizer, epochs, seed, client, decay)
                         run["seed"] = seed
                         runs[label].append(run)
                         print(
@@ -446,6 +501,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         met = all(s["within_0.5_points"] and s["steps_2x"] for s in summaries.values())
         record["all_targets_met"] = met
         print(f"every dataset x optimizer within 0.5 points at >= 2x fewer steps: {met}")
+    if args.versus:
+        print_versus(record, args.fixed_from or str(RESULTS / f"{NAME}.json"), args.versus)
     print(f"total {record['seconds']:.0f} s", flush=True)
     path = save_run(NAME, record, args.out, overwrite=args.overwrite)
     print(f"saved {path}")

@@ -10,7 +10,7 @@ import torch
 from dataflow.core.errors import ConfigError
 from dataflow.graph import Graph
 from dataflow.history.result import FitResult
-from dataflow.schedule import Fixed, Schedule
+from dataflow.schedule import Fixed, LRDecay, Schedule
 from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
 from dataflow.trainer import Trainer
 
@@ -23,6 +23,9 @@ class Pipeline:
     ``eval_source`` evaluates at the end of every epoch: the held-out loss
     (``eval_loss``) and each of ``metrics`` (``eval_<name>``; a ``"loss"`` entry
     replaces the training loss function there).
+    ``lr_decay``: a warmup and a decay of the LR over the whole fit, on top of the
+    schedule's (``dataflow.schedule.CosineDecay(warmup_epochs=5)``,
+    ``StepDecay({30: 0.1, 60: 0.01})``; each step's LR in ``history.steps``).
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
     (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
@@ -46,6 +49,7 @@ class Pipeline:
         source: Any,
         transforms: Sequence[Callable[[Any], Any]] = (),
         schedule: Schedule | None = None,
+        lr_decay: LRDecay | None = None,
         seed: int = 0,
         eval_source: Any = None,
         metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
@@ -88,7 +92,9 @@ class Pipeline:
         elif metrics:
             raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
         self.graph = graph
-        self.trainer = Trainer(graph, schedule=schedule, seed=seed, **trainer_options)
+        self.trainer = Trainer(
+            graph, schedule=schedule, lr_decay=lr_decay, seed=seed, **trainer_options
+        )
 
     def fit(
         self,

@@ -33,6 +33,7 @@ from dataflow.planning.layout_choice import check_transforms
 from dataflow.planning.plan import Plan, Plans, phase_steps
 from dataflow.runtime.cluster import client_or_local_cluster
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+from dataflow.schedule.decay import LRDecay
 from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
 from dataflow.stages.evaluate import bind_evaluations
@@ -45,7 +46,9 @@ __all__ = ["Trainer", "TrainerConfig"]
 class Trainer:
     """Runs ``graph`` under ``schedule``; see :class:`dataflow.Pipeline` for the usual graph."""
 
-    def __init__(self, graph: Graph, *, schedule: Schedule, **config: Any) -> None:
+    def __init__(
+        self, graph: Graph, *, schedule: Schedule, lr_decay: LRDecay | None = None, **config: Any
+    ) -> None:
         if not isinstance(graph, Graph):
             raise ConfigError(f"Trainer(graph=...) expects a dataflow.Graph, got {type(graph)}")
         if isinstance(schedule, type):
@@ -58,8 +61,14 @@ class Trainer:
                 f"schedule must be a dataflow.schedule schedule such as Fixed(64), got "
                 f"{type(schedule).__name__}"
             )
+        if lr_decay is not None and not isinstance(lr_decay, LRDecay):
+            raise ConfigError(
+                f"lr_decay={lr_decay!r}: give a dataflow.schedule decay such as "
+                "CosineDecay(warmup_epochs=5), StepDecay({30: 0.1, 60: 0.01}) or None"
+            )
         self.graph = graph
         self.schedule = schedule
+        self.lr_decay = lr_decay
         bind_evaluations(graph)  # Evaluate applies the graph's deterministic transforms
         check_options(config)
         self.config = TrainerConfig(**config)
@@ -102,8 +111,9 @@ class Trainer:
             wire_scale=self.wire_scale,
         )
 
-    def planner(self) -> Planner:
-        """The fit's plans (schedule, balancer, split, micro-batches), pure."""
+    def planner(self, epochs: int | None = None) -> Planner:
+        """The fit's plans (schedule, balancer, split, micro-batches, the LR's decay over
+        ``epochs``), pure."""
         return Planner(
             schedule=self.schedule,
             balancer=self.config.balancer,
@@ -111,6 +121,8 @@ class Trainer:
             drop_last=self.drop_last,
             max_micro_batch=self.config.max_micro_batch,
             measures_noise=self.measures_noise,
+            lr_decay=self.lr_decay,
+            epochs=epochs,
         )
 
     # -- inspection, no cluster ---------------------------------------------------------
@@ -122,10 +134,10 @@ class Trainer:
         ``replicas`` may list the replica count of each phase (the last one repeats), as
         in a fit where workers joined between phases (``history.phases[i]["replicas"]``).
         """
-        _check_epochs(epochs)
+        _check_epochs(epochs, self.lr_decay)
         counts = [replicas] if isinstance(replicas, int) else list(replicas)
         plans, epoch, previous, index = Plans(), 0, None, 0
-        planner = self.planner()
+        planner = self.planner(epochs)
         layout = self.config.layout.describe() if isinstance(self.config.layout, Layout) else ""
         if self.config.layout == "auto" or self.config.memory_per_worker is not None:
             # with "auto", ``replicas`` counts workers: groups follow from the choice
@@ -182,7 +194,7 @@ class Trainer:
         differences listed, if it belongs to another model, dataset, seed or schedule).
         With the same replica count the resumed fit ends bit-identical to an
         uninterrupted one, from a phase boundary or from inside a phase."""
-        _check_epochs(epochs)
+        _check_epochs(epochs, self.lr_decay)
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:
@@ -334,9 +346,11 @@ def _check_checkpoint_every(every: Any, directory: Any) -> None:
         )
 
 
-def _check_epochs(epochs: Any) -> None:
+def _check_epochs(epochs: Any, lr_decay: LRDecay | None = None) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"fit(epochs={epochs!r}): epochs must be an int >= 1")
+    if lr_decay is not None:
+        lr_decay.check(epochs)
 
 
 def _warn_overlap_momentum(sync: Any, optimizer: Any) -> None:

@@ -119,10 +119,12 @@ class Update(Stage):
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
-        ramped from the current LR over ``warmup_steps`` (set step by step in run)."""
+        ramped from the previous phase's LR over ``warmup_steps``, and times each step's
+        ``lr_decay`` (both set step by step in ``begin_step``)."""
         self._first_bad = None  # a verdict of a window a recovery discarded
         self._local_bad = None
         groups = replica.optimizer.param_groups
+        self._decays = bool(phase.steps) and phase.steps[0].lr_decay is not None
         if phase.continued and getattr(self, "_phase", None) == phase.index:
             # The LR ramp goes on from the phase's start, as without the failure; after a
             # non-finite rollback, scaled down by the driver's lr_factor.
@@ -131,10 +133,10 @@ class Update(Stage):
                 self._start_lrs = [lr * factor for lr in self._start_lrs]
                 self._target_lrs = [lr * factor for lr in self._target_lrs]
                 self._lr_factor = phase.lr_factor
-                self._set_lrs(replica.optimizer, phase.steps[0].index - self._first_step)
+                self._set_lrs(replica.optimizer, phase.steps[0].index, phase.steps[0].lr_decay)
             return
         self._lr_factor = phase.lr_factor
-        self._start_lrs = [group["lr"] for group in groups]
+        self._start_lrs = self._ramp_start(groups, phase)
         if phase.lr is not None:
             self._target_lrs = [phase.lr] * len(groups)
         else:
@@ -144,7 +146,20 @@ class Update(Stage):
         self._first_step = phase.steps[0].index if phase.steps else 0
         self._phase = phase.index
         self._skipped = 0
-        self._set_lrs(replica.optimizer, 0)
+        first = phase.steps[0] if phase.steps else None
+        self._set_lrs(replica.optimizer, self._first_step, first and first.lr_decay)
+
+    def _ramp_start(self, groups: list[dict[str, Any]], phase: PhaseContext) -> list[float]:
+        """Where a new phase's ramp starts: the LR the schedule gave the step before it
+        (the previous phase's ramp at that step, undecayed: the decay applies on top),
+        or, in the first phase, the optimizer's own."""
+        if not hasattr(self, "_phase") or not phase.steps:
+            return [group["lr"] for group in groups]
+        before = phase.steps[0].index - 1 - self._first_step
+        return [
+            lr_at(start, target, before, self._warmup)
+            for start, target in zip(self._start_lrs, self._target_lrs, strict=True)
+        ]
 
     _PHASE_KEYS = ("_start_lrs", "_target_lrs", "_warmup", "_first_step", "_phase", "_lr_factor")
 
@@ -163,11 +178,13 @@ class Update(Stage):
             self._loss_scale.load_state_dict(state["loss_scale"])
         self._skipped = 0
 
-    def _set_lrs(self, optimizer: torch.optim.Optimizer, step_in_phase: int) -> None:
+    def _set_lrs(self, optimizer: torch.optim.Optimizer, index: int, decay: float | None) -> None:
+        """Step ``index``'s LR: on the phase's ramp, times the fit's decay at the step."""
         for group, start, target in zip(
             optimizer.param_groups, self._start_lrs, self._target_lrs, strict=True
         ):
-            group["lr"] = lr_at(start, target, step_in_phase, self._warmup)
+            lr = lr_at(start, target, index - self._first_step, self._warmup)
+            group["lr"] = lr if decay is None else lr * decay
 
     def begin_step(self, step: StepContext) -> None:
         """The step's LR on the ramp, set before the step runs (with asynchronous
@@ -175,8 +192,11 @@ class Update(Stage):
         copy of the model's buffers before any forward of the step (of every
         micro-batch): a skipped step puts them back (BatchNorm statistics and
         ``num_batches_tracked``), as its update leaves weights and optimizer untouched."""
-        if getattr(self, "_warmup", 0):
-            self._set_lrs(step.replica.optimizer, step.spec.index - self._first_step)
+        if getattr(self, "_warmup", 0) or getattr(self, "_decays", False):
+            self._set_lrs(step.replica.optimizer, step.spec.index, step.spec.lr_decay)
+        lr = step.replica.optimizer.param_groups[0]["lr"]
+        if type(lr) is float:  # for the history (a tensor LR would be a device read)
+            step.metrics["lr"] = lr
         if self.config.on_non_finite == "skip" or getattr(self, "_loss_scale", None):
             self._buffers = [b.detach().clone() for b in step.replica.model.buffers()]
 

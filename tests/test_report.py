@@ -60,6 +60,9 @@ def adaptive_history(*, optional: bool = True) -> History:
                     "time": phase_start + window_end,  # stamped when the window arrives
                 }
             )
+            if optional:  # a cosine decay over the 6 epochs, on the phase's LR
+                lr = 0.02 * batch / 32 * 0.5 * (1 + math.cos(math.pi * step_index / 96))
+                steps[-1]["lr"] = lr
             step_index += 1
         stages = [
             {
@@ -138,6 +141,7 @@ def test_report_from_a_hand_built_history(tmp_path):
     assert len(rows) == len(history.steps)
     assert int(rows[-1]["samples_seen"]) == sum(s["samples"] for s in history.steps)
     assert rows[-1]["global_batch"] == "128"
+    assert [float(r["lr"]) for r in rows] == [s["lr"] for s in history.steps]  # each step's
     epochs = list(csv.DictReader((out / "epochs.csv").read_text().splitlines()))
     accuracy = [float(r["eval_accuracy"]) for r in epochs]
     assert accuracy == [e["eval_accuracy"] for e in history.epochs]
@@ -312,6 +316,9 @@ def test_tensorboard_scalars_or_silently_nothing_without_it(tmp_path):
     events = EventAccumulator(str(logdir))
     events.Reload()
     assert len(events.Scalars("train/loss")) == len(history.steps)
+    assert [e.value for e in events.Scalars("train/lr")] == pytest.approx(
+        [s["lr"] for s in history.steps], rel=1e-6
+    )
     assert [e.value for e in events.Scalars("phase/global_batch")] == [32, 64, 128]
     assert len(events.Scalars("epoch/eval_accuracy")) == len(history.epochs)
 
@@ -342,3 +349,4 @@ def test_a_real_fit_writes_every_field_the_report_reads(client, tmp_path):
     assert_report(tmp_path, written)
     rows = list(csv.DictReader((tmp_path / "steps.csv").read_text().splitlines()))
     assert [int(r["step"]) for r in rows] == [s["step"] for s in history.steps]
+    assert all(s["lr"] > 0 for s in history.steps)  # each step's LR, recorded

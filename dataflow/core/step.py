@@ -91,6 +91,9 @@ class StepSpec:
     # each replica was given and had consumed; the rest of the epoch is cut anew
     # (``io.sharding.continued_streams``). Empty for an epoch run under one split.
     earlier_splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    # The fit's LRDecay (dataflow.schedule.decay) at this step: a factor on the step's LR
+    # (None: the fit has none)
+    lr_decay: float | None = None
 
     def micro_batches_of(self, rank: int) -> int:
         return self.micro_batches[rank] if self.micro_batches else 1

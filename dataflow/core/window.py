@@ -56,6 +56,9 @@ class WindowResult:
     # Local updates: how far the replicas' weights had drifted apart when this window's
     # end averaged them, sum_r w_r |θ_r − θ̄|² / |θ̄|² (the same on every replica)
     drift: float | None = None
+    # Per step of the window, the LR its update ran at (param group 0; None where the
+    # replica trained no part of the step, or the LR is a tensor)
+    lrs: list[float | None] = field(default_factory=list)
 
 
 # In an evaluation's scores (``WindowResult.evals``): they were summed over every

@@ -179,7 +179,7 @@ def build_loop(
     loop = FitLoop(
         machine=machine,
         executor=executor,
-        planner=trainer.planner(),
+        planner=trainer.planner(epochs),
         recorder=recorder,
         writer=writer,
         epochs=epochs,

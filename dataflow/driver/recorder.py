@@ -50,6 +50,17 @@ _SKIPPED = attrgetter("skipped")
 _NORM_PAIRS = attrgetter("norm_pairs")
 
 
+def step_lrs(window: list[Any], count: int) -> list[float | None]:
+    """Per step of a window, the LR its update ran at, as the first replica that trained
+    a part of it reported (every replica sets the same LR for a step)."""
+    lrs: list[float | None] = [None] * count
+    for result in window:
+        for i, lr in enumerate(getattr(result, "lrs", ())[:count]):
+            if lrs[i] is None:
+                lrs[i] = lr
+    return lrs
+
+
 class Recorder:
     """History, ledger and noise scale of one fit; ``graph``/``order``: the step's
     stages (their kinds split each replica's time), ``load``: the Load stage (a lost
@@ -264,6 +275,7 @@ class Recorder:
         step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
         step_totals = samples.sum(axis=0)
         skipped = set().union(*map(_SKIPPED, window))  # on_non_finite="skip"
+        lrs = step_lrs(window, len(specs))
         now = self.clock.now()  # since training began, earlier runs included
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
@@ -283,6 +295,7 @@ class Recorder:
                     seconds=float(seconds[i]),
                     time=now,
                     skipped=spec.index in skipped or None,
+                    lr=lrs[i],
                 )
             )
             self.samples_seen += total

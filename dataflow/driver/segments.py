@@ -21,8 +21,9 @@ from dataflow.schedule.balance import micro_batch_counts
 
 @dataclass(frozen=True, kw_only=True)
 class Planner:
-    """What a fit's plans depend on: the schedule, the balancer, the dataset's size and
-    the memory cap (one int, or one per replica)."""
+    """What a fit's plans depend on: the schedule, the balancer, the dataset's size, the
+    memory cap (one int, or one per replica), and the LR's decay over the fit's
+    ``epochs`` (:mod:`dataflow.schedule.decay`)."""
 
     schedule: Any
     balancer: Any
@@ -30,6 +31,8 @@ class Planner:
     drop_last: bool = False
     max_micro_batch: int | tuple[int, ...] | None = None
     measures_noise: bool = False
+    lr_decay: Any = None
+    epochs: int | None = None
 
     def next_phase(
         self,
@@ -77,7 +80,17 @@ class Planner:
             micro_batches=self.micro_batches(
                 replicas, memory_cap=memory_cap, measure_every=self.measure_every(count)
             ),
+            lr_decay=self.decay_at(),
         )
+
+    def decay_at(self) -> Callable[[float], float] | None:
+        """The factor on a step's LR at its progress in epochs (None: no decay)."""
+        decay = self.lr_decay
+        if decay is None:
+            return None
+        if self.epochs is None:
+            raise RuntimeError("Planner(lr_decay=...) needs the fit's epochs (a bug)")
+        return lambda progress: decay.factor(progress, self.epochs)
 
     def rest(
         self,

@@ -113,7 +113,8 @@ class StepRecord(Record):
     """One committed global step: its loss (sample-weighted mean over the replicas),
     samples, the slowest replica's seconds, and the wall time since training began;
     ``skipped``: True when its update was dropped as not finite (``on_non_finite="skip"``;
-    under local or asynchronous updates, some replica's part of it), else absent."""
+    under local or asynchronous updates, some replica's part of it), else absent;
+    ``lr``: the learning rate its update ran at (the first param group's)."""
 
     step: int
     phase: int
@@ -123,7 +124,8 @@ class StepRecord(Record):
     seconds: float
     time: float
     skipped: bool | None = None
-    optional: ClassVar[tuple[str, ...]] = ("skipped",)
+    lr: float | None = None
+    optional: ClassVar[tuple[str, ...]] = ("skipped", "lr")
     float_fields: ClassVar[tuple[str, ...]] = ("loss", "seconds", "time")
 
 

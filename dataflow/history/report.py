@@ -143,7 +143,10 @@ def write_steps_csv(history: History, path: Path) -> Path:
             seen += int(as_number(step.get("samples")) or 0)
             phase = phases.get(step.get("phase"), {})
             row = {**step, "samples_seen": seen, "wall_time": round(float(wall), 6)}
-            row.update(global_batch=phase.get("global_batch"), lr=phase.get("lr"))
+            lr = step.get("lr")  # the step's own; an older history's: its phase's
+            row.update(
+                global_batch=phase.get("global_batch"), lr=phase.get("lr") if lr is None else lr
+            )
             writer.writerow(["" if row.get(c) is None else row.get(c) for c in columns])
     return path
 
@@ -263,6 +266,8 @@ def write_tensorboard(history: History, logdir: str | Path) -> Path | None:
             seen += int(as_number(step.get("samples")) or 0)
             writer.add_scalar("train/loss", as_number(step.get("loss")), seen)
             writer.add_scalar("train/step_seconds", as_number(step.get("seconds")), seen)
+            if step.get("lr") is not None:
+                writer.add_scalar("train/lr", as_number(step.get("lr")), seen)
             epoch_seen[int(step.get("epoch", -1))] = seen
         for row in history.epochs:
             at = epoch_seen.get(int(row.get("epoch", -1)), 0)

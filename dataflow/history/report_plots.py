@@ -213,6 +213,23 @@ def _step_plot(ax: Any, history: History, values: list[float], **style: Any) -> 
     ax.stairs(values, edges, baseline=None, lw=2, **style)
 
 
+def step_lrs(history: History) -> tuple[list[float], list[float]]:
+    """Each step's LR against its progress in epochs (its epoch, plus the share of the
+    epoch's samples trained before it); empty when the steps did not record one."""
+    totals: dict[int, float] = {}
+    for step in history.steps:
+        epoch = int(as_number(step.get("epoch")))
+        totals[epoch] = totals.get(epoch, 0.0) + (as_number(step.get("samples")) or 0.0)
+    progress, lrs, seen = [], [], dict.fromkeys(totals, 0.0)
+    for step in history.steps:
+        epoch, lr = int(as_number(step.get("epoch"))), as_number(step.get("lr"))
+        if math.isfinite(lr):
+            progress.append(epoch + seen[epoch] / max(totals[epoch], 1.0))
+            lrs.append(lr)
+        seen[epoch] += as_number(step.get("samples")) or 0.0
+    return progress, lrs
+
+
 def plot_schedule(history: History, path: Path, plt: Any) -> Path:
     """Global batch and learning rate per phase (and the noise scale and gain when the
     schedule measured them), against epochs."""
@@ -254,10 +271,15 @@ def plot_schedule(history: History, path: Path, plt: Any) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
-    lr = [as_number(p.get("lr")) for p in phases]
-    _step_plot(ax, history, lr, color="#2a9d5b", label="learning rate at the end of the phase")
+    progress, step_lr = step_lrs(history)
+    if step_lr:  # each step's own (ramps and the fit's decay)
+        ax.plot(progress, step_lr, color="#2a9d5b", lw=1.5, label="learning rate of each step")
+        ax.set_title("Learning rate")
+    else:  # an older history: the phases' only
+        lr = [as_number(p.get("lr")) for p in phases]
+        _step_plot(ax, history, lr, color="#2a9d5b", label="learning rate at the end of the phase")
+        ax.set_title("Learning rate per phase")
     ax.set_ylabel("learning rate")
-    ax.set_title("Learning rate per phase")
     ax.margins(y=0.2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

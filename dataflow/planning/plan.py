@@ -31,9 +31,11 @@ def phase_steps(
     drop_last: bool = False,
     first_index: int = 0,
     micro_batches: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None,
+    lr_decay: Callable[[float], float] | None = None,
 ) -> tuple[StepSpec, ...]:
     """Every global step of ``phase``: its epoch, its slice of the epoch order, its split,
-    and (``micro_batches`` given) each replica's number of accumulation micro-batches."""
+    (``micro_batches`` given) each replica's number of accumulation micro-batches, and
+    (``lr_decay`` given) the factor on its LR at its progress in epochs."""
     if phase.global_batch > num_samples:
         raise BatchSizeError(
             f"global batch size {phase.global_batch} (phase {phase.index}) is larger than the "
@@ -60,6 +62,7 @@ def phase_steps(
                     micro_batches=()
                     if micro_batches is None
                     else tuple(micro_batches(local, first_index + len(steps))),
+                    lr_decay=None if lr_decay is None else lr_decay(epoch + start / num_samples),
                 )
             )
     return tuple(steps)

@@ -170,6 +170,7 @@ class ReplicaRuntime(StoreSide):
             retrained=tally.retrained,
             skipped=tally.skipped,
             drift=measured.get("drift"),
+            lrs=tally.lrs,
         )
 
     def _train(self, index: int, part: int | None, tally: WindowTally, stage_seconds: dict) -> None:

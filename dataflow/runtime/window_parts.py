@@ -122,6 +122,7 @@ class WindowTally:
         count = stop_step - first_step
         self.first, self.count = first_step, count
         self.samples, self.seconds, self.waits = [0] * count, [0.0] * count, [0.0] * count
+        self.lrs: list[float | None] = [None] * count
         self.losses: list[Any] = []
         self.offsets: list[int] = []
         self.sizes: list[int] = []
@@ -141,6 +142,7 @@ class WindowTally:
         self.seconds[offset] += seconds
         self.samples[offset] += step.local_batch
         self.losses.append(step.metrics.get("loss"))
+        self.lrs[offset] = step.metrics.get("lr", self.lrs[offset])
         self.offsets.append(offset)
         self.sizes.append(step.local_batch)
         if step.part is not None:
