@@ -13,6 +13,7 @@ from typing import Any
 
 from dataflow.core.errors import (
     BatchSizeError,
+    CallbackError,
     ChunkMissingError,
     ChunkReadError,
     CollectiveError,
@@ -32,6 +33,7 @@ from dataflow.core.errors import (
 # Imported on first use (PEP 562), so that the pure modules (the planner, the balancer,
 # the schedules, the driver's state machine) import without torch.distributed or Dask.
 _LAZY = {
+    "EarlyStopping": "dataflow.callbacks",
     "Graph": "dataflow.graph",
     "Layout": "dataflow.planning.layout",
     "Node": "dataflow.graph",
@@ -41,6 +43,7 @@ _LAZY = {
     "Plan": "dataflow.planning.plan",
     "NoisyNeighbour": "dataflow.runtime.throttle",
     "SlowdownSchedule": "dataflow.runtime.throttle",
+    "StopTraining": "dataflow.callbacks",
     "Trainer": "dataflow.trainer",
     "TrainerConfig": "dataflow.trainer",
 }
@@ -76,12 +79,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchSizeError",
+    "CallbackError",
     "ChunkMissingError",
     "ChunkReadError",
     "CollectiveError",
     "ConfigError",
     "DataError",
     "DataflowError",
+    "EarlyStopping",
     "FitResult",
     "Graph",
     "GraphError",
@@ -96,6 +101,7 @@ __all__ = [
     "Plan",
     "ReplicaError",
     "SlowdownSchedule",
+    "StopTraining",
     "StoreAccessError",
     "StoreUnavailableError",
     "Trainer",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataflow.core.errors import (
     BatchSizeError,
+    CallbackError,
     CheckpointError,
     ChunkMissingError,
     ChunkReadError,
@@ -28,6 +29,7 @@ from dataflow.core.errors import (
 
 __all__ = [
     "BatchSizeError",
+    "CallbackError",
     "CheckpointError",
     "ChunkMissingError",
     "ChunkReadError",

@@ -105,12 +105,16 @@ class Pipeline:
         resume: bool = False,
         keep_checkpoints: int = 3,
         checkpoint_every: int | None = None,
+        on_epoch: Any = None,
     ) -> FitResult:
         """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster).
 
         ``checkpoint_dir``: write a checkpoint at every phase boundary there, and every
         ``checkpoint_every`` windows inside a phase; ``resume=True``: continue from the
-        newest valid one (see ``Trainer.fit``).
+        newest valid one (see ``Trainer.fit``). ``on_epoch``: a function of (epoch record,
+        history), or a list of them (``dataflow.EarlyStopping(...)``), called on the driver
+        after each epoch; one that raises ``dataflow.StopTraining`` ends the fit at its next
+        phase boundary (:mod:`dataflow.callbacks`).
         """
         return self.trainer.fit(
             epochs,
@@ -119,6 +123,7 @@ class Pipeline:
             resume=resume,
             keep_checkpoints=keep_checkpoints,
             checkpoint_every=checkpoint_every,
+            on_epoch=on_epoch,
         )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
+from dataflow.callbacks import check_callbacks
 from dataflow.checkpoint import Checkpoint, CheckpointStore, fingerprint
 from dataflow.core import kinds
 from dataflow.core.errors import BatchSizeError, ConfigError
@@ -111,6 +112,15 @@ class Trainer:
             wire_scale=self.wire_scale,
         )
 
+    def epoch_keys(self) -> set[str]:
+        """The metrics every epoch record of this graph's fits has: the training loss,
+        and each evaluation metric (``eval_<name>``) when the graph evaluates."""
+        keys = {"train_loss"}
+        for stage in self.graph:
+            if stage.kind == kinds.EVALUATE:
+                keys |= {f"eval_{name}" for name in stage.config.metrics}
+        return keys
+
     def planner(self, epochs: int | None = None) -> Planner:
         """The fit's plans (schedule, balancer, split, micro-batches, the LR's decay over
         ``epochs``), pure."""
@@ -186,6 +196,7 @@ class Trainer:
         resume: bool = False,
         keep_checkpoints: int = 3,
         checkpoint_every: int | None = None,
+        on_epoch: Any = None,
     ) -> FitResult:
         """Train for ``epochs``. With ``checkpoint_dir``, a checkpoint is written
         atomically at every phase boundary, and inside a phase every
@@ -193,8 +204,11 @@ class Trainer:
         ``resume=True`` continues from the newest valid one there (refused, with the
         differences listed, if it belongs to another model, dataset, seed or schedule).
         With the same replica count the resumed fit ends bit-identical to an
-        uninterrupted one, from a phase boundary or from inside a phase."""
+        uninterrupted one, from a phase boundary or from inside a phase. ``on_epoch``: a
+        function of (epoch record, history), or a list of them, called on the driver after
+        each epoch (:mod:`dataflow.callbacks`)."""
         _check_epochs(epochs, self.lr_decay)
+        callbacks = check_callbacks(on_epoch, self.epoch_keys())
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:
@@ -226,7 +240,13 @@ class Trainer:
             self.config.layout = layout
             try:
                 result = run_fit(
-                    self, active, epochs, store=store, checkpoint=checkpoint, every=checkpoint_every
+                    self,
+                    active,
+                    epochs,
+                    store=store,
+                    checkpoint=checkpoint,
+                    every=checkpoint_every,
+                    on_epoch=callbacks,
                 )
             finally:
                 self.config.layout = requested

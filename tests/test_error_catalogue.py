@@ -190,6 +190,18 @@ CAUGHT = [
         r"^Stepwise\(warmup_steps=-1\): must be >= 0",
     ),
     Mistake(
+        "lr-decay-not-a-decay",
+        lambda _: pipe(lr_decay="cosine"),
+        dfl.ConfigError,
+        r"^lr_decay='cosine': give a dataflow\.schedule decay such as CosineDecay",
+    ),
+    Mistake(
+        "lr-decay-warmup-outlasts-the-fit",
+        lambda _: pipe(lr_decay=dfl.schedule.CosineDecay(warmup_epochs=5)).plan(3, 2),
+        dfl.ConfigError,
+        r"^CosineDecay\(warmup_epochs=5\) over 3 epochs leaves nothing to decay over",
+    ),
+    Mistake(
         "schedule-not-a-schedule",
         lambda _: pipe(schedule=64),
         dfl.ConfigError,

@@ -77,6 +77,11 @@ class IncompatibleCheckpointError(DataflowError, ValueError):
     """A checkpoint belongs to another model, dataset or configuration than this fit."""
 
 
+class CallbackError(DataflowError, RuntimeError):
+    """A callback the user gave the fit (``fit(on_epoch=...)``) raised; the fit stopped.
+    Its error is the ``__cause__``."""
+
+
 class WorkerLostError(ReplicaError):
     """Workers died and too few remain to go on (``min_workers``)."""
 

@@ -184,9 +184,19 @@ class RestartPoint:
 class CommitRefused:
     """The recorder refused a window the machine committed: ``error`` is why (a loss not
     finite where the policy skips nothing, a replica that read other samples than the
-    plan gave it). The machine decides what follows (the fit stops)."""
+    plan gave it, a user's epoch callback that raised). The machine decides what
+    follows (the fit stops)."""
 
     error: BaseException
+
+
+@dataclass(frozen=True)
+class StopAsked:
+    """A user's epoch callback raised ``StopTraining`` after ``epoch``: the fit ends at its
+    next phase boundary; ``reason`` is the callback's message."""
+
+    epoch: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -209,5 +219,6 @@ Event = (
     | WorkersJoined
     | RestartPoint
     | CommitRefused
+    | StopAsked
     | Timer
 )

@@ -28,7 +28,14 @@ from dataflow.stages.forward import build_model
 
 
 def run_fit(
-    trainer: Any, client: Client, epochs: int, *, store: Any, checkpoint: Any, every: int | None
+    trainer: Any,
+    client: Client,
+    epochs: int,
+    *,
+    store: Any,
+    checkpoint: Any,
+    every: int | None,
+    on_epoch: tuple[Any, ...] = (),
 ) -> FitResult:
     """Train ``trainer``'s graph for ``epochs`` on ``client`` (see ``Trainer.fit``)."""
     config = trainer.config
@@ -73,6 +80,7 @@ def run_fit(
         store=store,
         every=every,
         fit_plan=fit_plan,
+        on_epoch=on_epoch,
     )
     recorder = loop.recorder
     if checkpoint is not None:
@@ -132,6 +140,7 @@ def build_loop(
     store: Any = None,
     every: int | None = None,
     fit_plan: FitPlan | None = None,
+    on_epoch: tuple[Any, ...] = (),
 ) -> FitLoop:
     """The fit's machine, planner, recorder and checkpoint writer around ``executor``
     (Dask's, or :class:`~dataflow.driver.simulate.SimulatedExecutor`)."""
@@ -186,6 +195,7 @@ def build_loop(
         measures_noise=trainer.measures_noise,
         min_workers=config.min_workers,
         progress=config.progress,
+        on_epoch=on_epoch,
     )
     return loop
 

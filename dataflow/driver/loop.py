@@ -22,6 +22,7 @@ from dataflow.core.step import PhaseContext
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
+from dataflow.driver.epoch_callbacks import EpochCallbacks
 from dataflow.driver.executor import Executor
 from dataflow.driver.failure_lines import failure_line
 from dataflow.driver.group_forming import SetupRefused
@@ -53,11 +54,13 @@ class FitLoop:
         measures_noise: bool,
         min_workers: int,
         progress: bool,
+        on_epoch: tuple[Any, ...] = (),
     ) -> None:
         self.machine, self.executor, self.planner = machine, executor, planner
         self.recorder, self.writer, self.epochs = recorder, writer, epochs
         self.measures_noise, self.min_workers = measures_noise, min_workers
         self.progress = progress
+        self.epoch_callbacks = EpochCallbacks(on_epoch)
         self.start = ResumePoint()
         self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
         self.resume_in_phase: PhaseProgress | None = None
@@ -100,6 +103,8 @@ class FitLoop:
         Returns rank 0's final weights."""
         if self.checkpoint is None:
             self.measurement = None
+        epochs = self.recorder.history.epochs  # a resumed fit's are reported already
+        self.epoch_callbacks.reported = int(epochs[-1]["epoch"]) if epochs else -1
         available = self.executor.available()
         self.executor.known.update(available)
         start = self.start  # (a fresh fit: the start of it)
@@ -338,6 +343,11 @@ class FitLoop:
         if refused is not None:  # the machine decides; the rest of the list waits
             self.executor.queue.append(ev.CommitRefused(refused))
             self.refused = True
+            return
+        history = self.recorder.history
+        for event in self.epoch_callbacks.after_commit(history, c.plan.phase.end_epoch):
+            self.executor.queue.append(event)
+            self.refused = self.refused or isinstance(event, ev.CommitRefused)
 
     def _EndPhase(self, c: cmd.EndPhase) -> None:
         self.executor.end_phase(c)

@@ -236,7 +236,7 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         s = self.state
         if s.status not in (Status.PLANNING, Status.BOUNDARY):
             return []
-        if event.phase is None:
+        if event.phase is None or s.stop_asked is not None:  # (asked while it was chosen)
             s.status = Status.DONE
             return [cmd.Finish(self.members)]
         scaling = self.config.scaling
@@ -374,11 +374,20 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         s.after_group = AfterGroup.CHOOSE
         return [*out, *self._next_phase()]
 
-    def _next_phase(self) -> list[Any]:
-        """The end of training (every epoch trained: the machine's own decision), or the
-        schedule asked for the next phase."""
+    def _stop_asked(self, event: ev.StopAsked) -> list[Any]:
+        """A callback asked to stop after ``event.epoch``: the fit ends at the next phase
+        boundary (phases are whole epochs; the first request stands)."""
         s = self.state
-        if self.config.epochs is not None and s.epoch >= self.config.epochs:
+        if s.stop_asked is None:
+            s.stop_asked = event.epoch
+        return []
+
+    def _next_phase(self) -> list[Any]:
+        """The end of training (every epoch trained, or a callback asked to stop: the
+        machine's own decision), or the schedule asked for the next phase."""
+        s = self.state
+        done = self.config.epochs is not None and s.epoch >= self.config.epochs
+        if done or s.stop_asked is not None:
             s.status = Status.DONE
             return [cmd.Finish(self.members)]
         return [cmd.ChoosePhase(s.epoch, s.previous)]

@@ -102,6 +102,9 @@ class FitState:
     memory_halvings: int = 0
     stalls: int = 0  # collectives timed out on a live peer, in this phase
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
+    # the epoch after which a callback asked the fit to stop (None: not asked): the fit
+    # ends at the next phase boundary
+    stop_asked: int | None = None
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     # Workers' own setup errors so far ("Type: first line"): the same one on a second
     # worker is the fit's mistake, not a node's

@@ -50,6 +50,8 @@ MEMBERSHIP: Mapping[type, str | Ignored] = {
     ev.Timer: NOTHING_TO_DECIDE,
     # a window committed before the status moved on (a salvage, then a regroup)
     ev.CommitRefused: "_commit_refused",
+    # an epoch's callback, run as its last window committed (in any status a commit is)
+    ev.StopAsked: "_stop_asked",
 }
 
 TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {

@@ -102,8 +102,12 @@ class FitResult:
         samples = sum(s["samples"] for s in h.steps)
         seconds = info.get("train_seconds", 0.0) or float("nan")  # every run's, resumed
         runs = len(info.get("segments") or ())
+        stopped = info.get("stopped_early")
+        epochs = info.get("epochs")
+        if stopped and h.epochs:  # fewer than asked for: a callback's StopTraining
+            epochs = f"{int(h.epochs[-1]['epoch']) + 1} of {epochs}"
         lines = [
-            f"trained {info.get('epochs')} epoch(s), {len(h.steps)} steps, {samples} samples "
+            f"trained {epochs} epoch(s), {len(h.steps)} steps, {samples} samples "
             f"on {info.get('replicas')} replica(s) in {seconds:.1f} s"
             f"{f' over {runs} runs' if runs > 1 else ''} ({samples / seconds:.0f} samples/s)",
         ]
@@ -118,6 +122,9 @@ class FitResult:
             )
         if (skipped := skipped_text(h)) is not None:
             lines.append(f"  {skipped}")
+        if stopped:
+            after, reason = stopped["after_epoch"], stopped["reason"]
+            lines.append(f"  stopped early after epoch {after}: {reason}")
         for partial in info.get("partial_evaluations") or ():
             lines.append(
                 f"  epoch {partial['epoch']}: the evaluation scored {partial['scored']} of "

@@ -1,0 +1,105 @@
+"""What a fit calls after each epoch: ``fit(on_epoch=...)``.
+
+A callback is any callable ``fn(epoch, history)``, called on the driver once the
+epoch's record is complete (its training loss, and its held-out metrics when the graph
+evaluates): ``epoch`` is the record (``epoch["eval_loss"]``), ``history`` the fit's
+history so far. It runs between two commits of the driver's loop, so the replicas
+keep training meanwhile: log to W&B or MLflow there, print, write a file; keep it
+quick, and do not change ``history``.
+
+A callback that raises :class:`StopTraining` ends the fit at its next phase boundary
+(each epoch's end with ``Fixed(B, epochs_per_phase=1)`` or ``Adaptive``). A callback
+that raises anything else stops the fit with :class:`~dataflow.errors.CallbackError`:
+a mistake in it is never skipped silently.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dataflow.core.errors import ConfigError
+
+__all__ = ["EarlyStopping", "EpochCallback", "StopTraining", "check_callbacks"]
+
+EpochCallback = Callable[[Mapping[str, Any], Any], Any]
+
+
+class StopTraining(Exception):
+    """Raised by an ``on_epoch`` callback: end the fit at its next phase boundary. The
+    message is the reason, kept in ``history.info["stopped_early"]``."""
+
+
+@dataclass(kw_only=True)
+class EarlyStopping:
+    """Stop when ``metric`` has not improved by more than ``min_delta`` for ``patience``
+    epochs in a row (Prechelt 1998; Keras' and Lightning's rule). ``mode``: "min" for
+    losses, "max" for scores, "auto": "max" for names with accuracy, r2 or score in them,
+    else "min". One instance per fit: it keeps the best value seen."""
+
+    metric: str = "eval_loss"
+    patience: int = 3
+    min_delta: float = 0.0
+    mode: str = "auto"
+    best: float | None = field(default=None, init=False)
+    best_epoch: int | None = field(default=None, init=False)
+    waited: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"EarlyStopping(metric={self.metric!r}): name an epoch metric")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int):
+            raise ConfigError(f"EarlyStopping(patience={self.patience!r}): must be an int >= 1")
+        if self.patience < 1:
+            raise ConfigError(f"EarlyStopping(patience={self.patience}): must be >= 1")
+        delta = self.min_delta
+        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+            raise ConfigError(f"EarlyStopping(min_delta={delta!r}): must be a number >= 0")
+        if self.mode not in ("auto", "min", "max"):
+            raise ConfigError(f"EarlyStopping(mode={self.mode!r}): use 'min', 'max' or 'auto'")
+        if self.mode == "auto":
+            higher = ("accuracy", "acc", "r2", "score")
+            self.mode = "max" if any(word in self.metric.lower() for word in higher) else "min"
+
+    def __call__(self, epoch: Mapping[str, Any], history: Any = None) -> None:
+        value = epoch.get(self.metric)
+        if value is None:  # not evaluated this epoch (Evaluate(every_epochs=...)): the fit
+            return  # checked the name before it began (check_callbacks)
+        value = float(value)
+        sign = 1.0 if self.mode == "min" else -1.0
+        if math.isfinite(value) and (
+            self.best is None or sign * (self.best - value) > self.min_delta
+        ):
+            self.best, self.best_epoch, self.waited = value, epoch.get("epoch"), 0
+            return
+        self.waited += 1  # no better, or not finite
+        if self.waited >= self.patience:
+            best = "no finite value" if self.best is None else f"{self.best:.6g}"
+            raise StopTraining(
+                f"{self.metric} has not improved on {best} (epoch {self.best_epoch}) for "
+                f"{self.waited} epochs"
+            )
+
+
+def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCallback, ...]:
+    """``on_epoch`` as a tuple of callables, refused early: not callable, or an
+    :class:`EarlyStopping` watching a metric no epoch record will have (``epoch_keys``)."""
+    if on_epoch is None:
+        return ()
+    callbacks = tuple(on_epoch) if isinstance(on_epoch, list | tuple) else (on_epoch,)
+    keys = set(epoch_keys)
+    for callback in callbacks:
+        if not callable(callback):
+            raise ConfigError(
+                f"fit(on_epoch={callback!r}): give a function of (epoch, history), or a list "
+                "of them, e.g. on_epoch=lambda epoch, history: print(epoch)"
+            )
+        if isinstance(callback, EarlyStopping) and callback.metric not in keys:
+            raise ConfigError(
+                f"EarlyStopping(metric={callback.metric!r}): the fit's epochs will have "
+                f"{sorted(keys)}; evaluate on held-out data (Pipeline(eval_source=...)) for "
+                "eval_* metrics, or watch 'train_loss'"
+            )
+    return callbacks

@@ -1,0 +1,191 @@
+"""``fit(on_epoch=...)``: the user's functions called after each epoch, live, and
+``StopTraining`` ending the fit at the next phase boundary.
+
+The rule (``EarlyStopping``) and the machine's decision are pure (milliseconds); on a
+real LocalCluster, a fit stopped after epoch 1 ends bit-identical to a fit of 2 epochs,
+and a callback's mistake stops the fit naming the callback.
+"""
+
+import pytest
+import torch
+from conftest import make_data, tiny_pipeline
+from test_driver_machine import PHASE0, Driver, of
+
+import dataflow as dfl
+from dataflow.callbacks import check_callbacks
+from dataflow.core.phase import PhaseSpec
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.epoch_callbacks import EpochCallbacks
+from dataflow.history.result import History
+
+# -- the rule, pure ----------------------------------------------------------------------
+
+
+def test_early_stopping_waits_patience_epochs_without_improvement():
+    stop = dfl.EarlyStopping(metric="eval_loss", patience=3, min_delta=0.01)
+    for epoch, loss in enumerate([1.0, 0.8, 0.795, 0.792]):  # not better by > 0.01
+        stop({"epoch": epoch, "eval_loss": loss})
+    assert (stop.best, stop.best_epoch, stop.waited) == (0.8, 1, 2)
+    with pytest.raises(dfl.StopTraining, match=r"eval_loss has not improved on 0\.8 \(epoch 1\)"):
+        stop({"epoch": 4, "eval_loss": 0.81})
+
+
+def test_early_stopping_follows_the_metrics_direction_and_skips_unevaluated_epochs():
+    accuracy = dfl.EarlyStopping(metric="eval_accuracy", patience=1)
+    assert accuracy.mode == "max"
+    accuracy({"epoch": 0, "eval_accuracy": 0.5})
+    accuracy({"epoch": 1, "train_loss": 0.3})  # not evaluated: nothing counted
+    accuracy({"epoch": 2, "eval_accuracy": 0.6})
+    with pytest.raises(dfl.StopTraining):
+        accuracy({"epoch": 3, "eval_accuracy": 0.59})
+    nan = dfl.EarlyStopping(metric="train_loss", patience=2)
+    nan({"epoch": 0, "train_loss": float("nan")})  # not finite: never the best
+    nan({"epoch": 1, "train_loss": 2.0})
+    assert nan.best == 2.0 and nan.waited == 0
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: dfl.EarlyStopping(patience=0), "patience=0"),
+        (lambda: dfl.EarlyStopping(mode="lowest"), "mode='lowest'"),
+        (lambda: dfl.EarlyStopping(min_delta=-1), "min_delta=-1"),
+        (lambda: dfl.EarlyStopping(metric=""), "name an epoch metric"),
+    ],
+)
+def test_a_bad_early_stopping_is_named(make, says):
+    with pytest.raises(dfl.ConfigError, match=says):
+        make()
+
+
+def test_callbacks_are_checked_before_the_fit():
+    assert check_callbacks(None, {"train_loss"}) == ()
+    assert len(check_callbacks(print, {"train_loss"})) == 1
+    with pytest.raises(dfl.ConfigError, match="give a function of"):
+        check_callbacks([print, 3], {"train_loss"})
+    with pytest.raises(dfl.ConfigError, match=r"the fit's epochs will have \['train_loss'\]"):
+        check_callbacks(dfl.EarlyStopping(), {"train_loss"})
+    x, y = make_data(32)
+    with pytest.raises(dfl.ConfigError, match="eval_loss"):  # no eval_source: no eval_loss
+        tiny_pipeline(x, y).fit(2, client=object(), on_epoch=dfl.EarlyStopping())
+
+
+def test_each_epoch_is_reported_once_and_a_stop_or_a_mistake_becomes_an_event():
+    seen = []
+
+    def stop_after_one(epoch, history):
+        seen.append(epoch["epoch"])
+        if epoch["epoch"] == 1:
+            raise dfl.StopTraining("enough")
+
+    history = History(epochs=[{"epoch": 0, "train_loss": 1.0}])
+    hooks = EpochCallbacks([stop_after_one], reported=-1)
+    assert hooks.after_commit(history, phase_end_epoch=1) == []
+    assert hooks.after_commit(history, phase_end_epoch=1) == []  # reported once
+    history.epochs.append({"epoch": 1, "train_loss": 0.5})
+    assert hooks.after_commit(history, phase_end_epoch=2) == [ev.StopAsked(1, "enough")]
+    assert history.info["stopped_early"] == {"after_epoch": 1, "reason": "enough"}
+    assert seen == [0, 1]
+
+    def broken(epoch, history):
+        raise KeyError("eval_acc")
+
+    [refused] = EpochCallbacks([broken]).after_commit(history, phase_end_epoch=2)
+    assert isinstance(refused, ev.CommitRefused)
+    assert isinstance(refused.error, dfl.CallbackError)
+    assert "broken() raised KeyError" in str(refused.error)
+    assert isinstance(refused.error.__cause__, KeyError)
+
+
+def test_a_stop_in_a_longer_phase_warns_where_the_fit_will_stop():
+    def stop(epoch, history):
+        raise dfl.StopTraining
+
+    history = History(epochs=[{"epoch": 0, "train_loss": 1.0}])
+    with pytest.warns(UserWarning, match=r"stops at the end of its phase, after epoch 4"):
+        [asked] = EpochCallbacks([stop]).after_commit(history, phase_end_epoch=5)
+    assert asked == ev.StopAsked(0, "stop() raised StopTraining")
+
+
+def test_the_machine_ends_the_fit_at_the_phase_boundary_after_a_stop():
+    """Asked mid-phase: the phase trains to its end (its windows, commits, phase record
+    and checkpoint as without the request), then Finish instead of the next phase. A
+    second request changes nothing; a stop asked while the next phase is being chosen
+    ends the fit there."""
+    d = Driver(checkpoints=True, epochs=4)
+    _, submit = d.start()
+    assert d.send(ev.StopAsked(0, "enough")) == []
+    assert d.send(ev.StopAsked(1, "again")) == []
+    assert d.state.stop_asked == 0
+    out = d.finish_plan(submit)
+    [train] = of(cmd.SubmitWindows, out)  # the phase goes on
+    out = d.finish_plan(train)
+    assert isinstance(out[-1], cmd.EndPhase)
+    out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
+    assert [type(c) for c in out] == [cmd.RecordPhase, cmd.WriteCheckpoint, cmd.Finish]
+
+    d = Driver(epochs=4)
+    _, submit = d.start()
+    d.finish_plan(of(cmd.SubmitWindows, d.finish_plan(submit))[0])
+    out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
+    assert isinstance(out[-1], cmd.ChoosePhase)
+    d.send(ev.StopAsked(1, "late"))  # the callback of the phase's last epoch, run late
+    next_phase = PhaseSpec(index=1, start_epoch=2, end_epoch=4, global_batch=8)
+    assert d.send(ev.PhaseChosen(next_phase)) == [cmd.Finish(d.machine.members)]
+    assert PHASE0.end_epoch == 2
+
+
+# -- on a cluster ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, tmp_path):
+    """Fixed(16, epochs_per_phase=1): the callback sees each epoch live with its held-out
+    metrics, asks to stop after epoch 1, and the fit ends there: the same weights as a
+    fit of 2 epochs, its checkpoint the last, and resuming it trains on to the end."""
+    x, y = make_data(160)
+
+    def pipe():
+        return tiny_pipeline(
+            x[:128],
+            y[:128],
+            schedule=dfl.schedule.Fixed(16, epochs_per_phase=1),
+            eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
+        )
+
+    seen = []
+
+    def watch(epoch, history):
+        seen.append((epoch["epoch"], round(epoch["eval_loss"], 9), len(history.epochs)))
+        if epoch["epoch"] == 1:
+            raise dfl.StopTraining("seen enough")
+
+    stopped = pipe().fit(6, client=client, on_epoch=watch, checkpoint_dir=tmp_path)
+    assert [e["epoch"] for e in stopped.history.epochs] == [0, 1]
+    assert [(e, n) for e, _, n in seen] == [(0, 1), (1, 2)]
+    assert [loss for _, loss, _ in seen] == [
+        round(e["eval_loss"], 9) for e in stopped.history.epochs
+    ]
+    assert stopped.history.info["stopped_early"] == {"after_epoch": 1, "reason": "seen enough"}
+    summary = stopped.summary()
+    assert "trained 2 of 6 epoch(s)" in summary
+    assert "stopped early after epoch 1: seen enough" in summary
+    two = pipe().fit(2, client=client)
+    for name, tensor in two.model.state_dict().items():
+        assert torch.equal(stopped.model.state_dict()[name], tensor), name
+    resumed = pipe().fit(3, client=client, checkpoint_dir=tmp_path, resume=True)
+    assert [e["epoch"] for e in resumed.history.epochs] == [0, 1, 2]
+    assert "stopped_early" not in resumed.history.info
+
+
+@pytest.mark.slow
+def test_a_callbacks_mistake_stops_the_fit_naming_it(client):
+    x, y = make_data(64)
+
+    def log_accuracy(epoch, history):
+        print(epoch["eval_accuracy"])  # the fit does not evaluate: a KeyError
+
+    with pytest.raises(dfl.CallbackError, match=r"log_accuracy\(\) raised KeyError") as caught:
+        tiny_pipeline(x, y).fit(3, client=client, on_epoch=[log_accuracy])
+    assert isinstance(caught.value.__cause__, KeyError)
