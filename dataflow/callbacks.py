@@ -16,6 +16,7 @@ a mistake in it is never skipped silently.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,9 +84,12 @@ class EarlyStopping:
             )
 
 
-def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCallback, ...]:
+def check_callbacks(
+    on_epoch: Any, epoch_keys: Iterable[str], phase_epochs: int = 1
+) -> tuple[EpochCallback, ...]:
     """``on_epoch`` as a tuple of callables, refused early: not callable, or an
-    :class:`EarlyStopping` watching a metric no epoch record will have (``epoch_keys``)."""
+    :class:`EarlyStopping` watching a metric no epoch record will have (``epoch_keys``);
+    warned when the first phase is ``phase_epochs`` > 1 long (a stop waits for its end)."""
     if on_epoch is None:
         return ()
     callbacks = tuple(on_epoch) if isinstance(on_epoch, list | tuple) else (on_epoch,)
@@ -102,4 +106,11 @@ def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCall
                 f"{sorted(keys)}; evaluate on held-out data (Pipeline(eval_source=...)) for "
                 "eval_* metrics, or watch 'train_loss'"
             )
+    if phase_epochs > 1 and any(isinstance(c, EarlyStopping) for c in callbacks):
+        warnings.warn(
+            f"EarlyStopping with phases of {phase_epochs} epochs: a fit stops only at a "
+            "phase's end; for a stop at the epoch's end give the schedule phases of one "
+            "epoch, e.g. Fixed(64, epochs_per_phase=1)",
+            stacklevel=3,
+        )
     return callbacks

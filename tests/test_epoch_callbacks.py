@@ -66,6 +66,8 @@ def test_callbacks_are_checked_before_the_fit():
         check_callbacks([print, 3], {"train_loss"})
     with pytest.raises(dfl.ConfigError, match=r"the fit's epochs will have \['train_loss'\]"):
         check_callbacks(dfl.EarlyStopping(), {"train_loss"})
+    with pytest.warns(UserWarning, match="EarlyStopping with phases of 10 epochs"):
+        check_callbacks(dfl.EarlyStopping(metric="train_loss"), {"train_loss"}, 10)
     x, y = make_data(32)
     with pytest.raises(dfl.ConfigError, match="eval_loss"):  # no eval_source: no eval_loss
         tiny_pipeline(x, y).fit(2, client=object(), on_epoch=dfl.EarlyStopping())
