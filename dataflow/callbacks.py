@@ -7,8 +7,8 @@ history so far. It runs between two commits of the driver's loop, so the replica
 keep training meanwhile: log to W&B or MLflow there, print, write a file; keep it
 quick, and do not change ``history``.
 
-A callback that raises :class:`StopTraining` ends the fit at its next phase boundary
-(each epoch's end with ``Fixed(B, epochs_per_phase=1)`` or ``Adaptive``). A callback
+A callback that raises :class:`StopTraining` ends the fit at the end of that epoch: with
+callbacks, the driver plans no step past an epoch's end before they ran. A callback
 that raises anything else stops the fit with :class:`~dataflow.errors.CallbackError`:
 a mistake in it is never skipped silently.
 """
@@ -16,7 +16,6 @@ a mistake in it is never skipped silently.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ EpochCallback = Callable[[Mapping[str, Any], Any], Any]
 
 
 class StopTraining(Exception):
-    """Raised by an ``on_epoch`` callback: end the fit at its next phase boundary. The
+    """Raised by an ``on_epoch`` callback: end the fit at the end of this epoch. The
     message is the reason, kept in ``history.info["stopped_early"]``."""
 
 
@@ -84,12 +83,9 @@ class EarlyStopping:
             )
 
 
-def check_callbacks(
-    on_epoch: Any, epoch_keys: Iterable[str], phase_epochs: int = 1
-) -> tuple[EpochCallback, ...]:
+def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCallback, ...]:
     """``on_epoch`` as a tuple of callables, refused early: not callable, or an
-    :class:`EarlyStopping` watching a metric no epoch record will have (``epoch_keys``);
-    warned when the first phase is ``phase_epochs`` > 1 long (a stop waits for its end)."""
+    :class:`EarlyStopping` watching a metric no epoch record will have (``epoch_keys``)."""
     if on_epoch is None:
         return ()
     callbacks = tuple(on_epoch) if isinstance(on_epoch, list | tuple) else (on_epoch,)
@@ -106,11 +102,4 @@ def check_callbacks(
                 f"{sorted(keys)}; evaluate on held-out data (Pipeline(eval_source=...)) for "
                 "eval_* metrics, or watch 'train_loss'"
             )
-    if phase_epochs > 1 and any(isinstance(c, EarlyStopping) for c in callbacks):
-        warnings.warn(
-            f"EarlyStopping with phases of {phase_epochs} epochs: a fit stops only at a "
-            "phase's end; for a stop at the epoch's end give the schedule phases of one "
-            "epoch, e.g. Fixed(64, epochs_per_phase=1)",
-            stacklevel=3,
-        )
     return callbacks

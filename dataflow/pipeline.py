@@ -113,8 +113,8 @@ class Pipeline:
         ``checkpoint_every`` windows inside a phase; ``resume=True``: continue from the
         newest valid one (see ``Trainer.fit``). ``on_epoch``: a function of (epoch record,
         history), or a list of them (``dataflow.EarlyStopping(...)``), called on the driver
-        after each epoch; one that raises ``dataflow.StopTraining`` ends the fit at its next
-        phase boundary (:mod:`dataflow.callbacks`).
+        after each epoch; one that raises ``dataflow.StopTraining`` ends the fit at that
+        epoch's end (:mod:`dataflow.callbacks`).
         """
         return self.trainer.fit(
             epochs,

@@ -208,10 +208,7 @@ class Trainer:
         function of (epoch record, history), or a list of them, called on the driver after
         each epoch (:mod:`dataflow.callbacks`)."""
         _check_epochs(epochs, self.lr_decay)
-        first = self.planner(epochs).next_phase(0, epochs, None)
-        callbacks = check_callbacks(
-            on_epoch, self.epoch_keys(), first.end_epoch - first.start_epoch
-        )
+        callbacks = check_callbacks(on_epoch, self.epoch_keys())
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:

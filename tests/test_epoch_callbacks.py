@@ -1,5 +1,5 @@
 """``fit(on_epoch=...)``: the user's functions called after each epoch, live, and
-``StopTraining`` ending the fit at the next phase boundary.
+``StopTraining`` ending the fit at that epoch's end.
 
 The rule (``EarlyStopping``) and the machine's decision are pure (milliseconds); on a
 real LocalCluster, a fit stopped after epoch 1 ends bit-identical to a fit of 2 epochs,
@@ -66,14 +66,12 @@ def test_callbacks_are_checked_before_the_fit():
         check_callbacks([print, 3], {"train_loss"})
     with pytest.raises(dfl.ConfigError, match=r"the fit's epochs will have \['train_loss'\]"):
         check_callbacks(dfl.EarlyStopping(), {"train_loss"})
-    with pytest.warns(UserWarning, match="EarlyStopping with phases of 10 epochs"):
-        check_callbacks(dfl.EarlyStopping(metric="train_loss"), {"train_loss"}, 10)
     x, y = make_data(32)
     with pytest.raises(dfl.ConfigError, match="eval_loss"):  # no eval_source: no eval_loss
         tiny_pipeline(x, y).fit(2, client=object(), on_epoch=dfl.EarlyStopping())
 
 
-def test_each_epoch_is_reported_once_and_a_stop_or_a_mistake_becomes_an_event():
+def test_each_epoch_is_reported_once_and_its_verdict_becomes_an_event():
     seen = []
 
     def stop_after_one(epoch, history):
@@ -83,58 +81,69 @@ def test_each_epoch_is_reported_once_and_a_stop_or_a_mistake_becomes_an_event():
 
     history = History(epochs=[{"epoch": 0, "train_loss": 1.0}])
     hooks = EpochCallbacks([stop_after_one], reported=-1)
-    assert hooks.after_commit(history, phase_end_epoch=1) == []
-    assert hooks.after_commit(history, phase_end_epoch=1) == []  # reported once
+    assert hooks.after_commit(history, history.epochs) == [ev.EpochReviewed(0, None)]
     history.epochs.append({"epoch": 1, "train_loss": 0.5})
-    assert hooks.after_commit(history, phase_end_epoch=2) == [ev.StopAsked(1, "enough")]
+    assert hooks.after_commit(history, history.epochs[1:]) == [ev.EpochReviewed(1, "enough")]
     assert history.info["stopped_early"] == {"after_epoch": 1, "reason": "enough"}
+    # trained again after a restart: not called again, the same verdict sent again
+    assert hooks.after_commit(history, history.epochs) == [
+        ev.EpochReviewed(0, None),
+        ev.EpochReviewed(1, "enough"),
+    ]
     assert seen == [0, 1]
+    assert EpochCallbacks([]).after_commit(history, history.epochs) == []  # no callbacks
 
     def broken(epoch, history):
         raise KeyError("eval_acc")
 
-    [refused] = EpochCallbacks([broken]).after_commit(history, phase_end_epoch=2)
+    [refused] = EpochCallbacks([broken]).after_commit(history, history.epochs)
     assert isinstance(refused, ev.CommitRefused)
     assert isinstance(refused.error, dfl.CallbackError)
     assert "broken() raised KeyError" in str(refused.error)
     assert isinstance(refused.error.__cause__, KeyError)
 
-
-def test_a_stop_in_a_longer_phase_warns_where_the_fit_will_stop():
-    def stop(epoch, history):
+    def quiet_stop(epoch, history):
         raise dfl.StopTraining
 
-    history = History(epochs=[{"epoch": 0, "train_loss": 1.0}])
-    with pytest.warns(UserWarning, match=r"stops at the end of its phase, after epoch 4"):
-        [asked] = EpochCallbacks([stop]).after_commit(history, phase_end_epoch=5)
-    assert asked == ev.StopAsked(0, "stop() raised StopTraining")
+    [asked] = EpochCallbacks([quiet_stop]).after_commit(History(), history.epochs[:1])
+    assert asked == ev.EpochReviewed(0, "quiet_stop() raised StopTraining")
 
 
-def test_the_machine_ends_the_fit_at_the_phase_boundary_after_a_stop():
-    """Asked mid-phase: the phase trains to its end (its windows, commits, phase record
-    and checkpoint as without the request), then Finish instead of the next phase. A
-    second request changes nothing; a stop asked while the next phase is being chosen
-    ends the fit there."""
-    d = Driver(checkpoints=True, epochs=4)
-    _, submit = d.start()
-    assert d.send(ev.StopAsked(0, "enough")) == []
-    assert d.send(ev.StopAsked(1, "again")) == []
-    assert d.state.stop_asked == 0
-    out = d.finish_plan(submit)
-    [train] = of(cmd.SubmitWindows, out)  # the phase goes on
-    out = d.finish_plan(train)
-    assert isinstance(out[-1], cmd.EndPhase)
+PHASE_OF_4 = PhaseSpec(index=0, start_epoch=0, end_epoch=4, global_batch=8)  # 4 x 4 steps
+
+
+def test_with_callbacks_no_step_past_an_epoch_is_planned_before_its_review():
+    """Plans end at epoch ends and the next waits for the epoch's verdict: train on, or
+    end the phase there (the phase as trained: its epochs and steps cut at the stop),
+    record it, write its checkpoint, and finish. A verdict not awaited (the phase's last
+    epoch, a late one) changes nothing then."""
+    d = Driver(checkpoints=True, epochs=8, epoch_review=True)
+    _, submit = d.start(phase=PHASE_OF_4)
+    out = d.finish_plan(submit)  # the 2 calibration steps
+    [train] = of(cmd.SubmitWindows, out)
+    assert [s.epoch for s in train.plan.steps] == [0, 0]  # the rest of epoch 0 only
+    assert of(cmd.SubmitWindows, d.finish_plan(train)) == []  # waits for the review
+    assert d.state.reviewing == 0
+    assert d.send(ev.EpochReviewed(3, None)) == []  # not the one awaited
+    [epoch1] = d.send(ev.EpochReviewed(0, None))
+    assert {s.epoch for s in epoch1.plan.steps} == {1}
+    d.finish_plan(epoch1)
+    [ending] = d.send(ev.EpochReviewed(1, "enough"))
+    assert ending == cmd.EndPhase(0, d.machine.members)
+    assert d.state.phase.end_epoch == 2 and len(d.state.phase_steps) == 8
     out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
     assert [type(c) for c in out] == [cmd.RecordPhase, cmd.WriteCheckpoint, cmd.Finish]
+    assert out[0].phase.end_epoch == 2 and len(out[0].phase_steps) == 8
+    assert out[1].step == 8
 
-    d = Driver(epochs=4)
-    _, submit = d.start()
+    d = Driver(epochs=4, epoch_review=True)  # a phase of one epoch: its end is the boundary
+    one = PhaseSpec(index=0, start_epoch=0, end_epoch=1, global_batch=8)
+    _, submit = d.start(phase=one)
     d.finish_plan(of(cmd.SubmitWindows, d.finish_plan(submit))[0])
+    out = d.send(ev.EpochReviewed(0, "late"))  # while the phase ends: kept for the boundary
+    assert out == [] and d.state.stop_asked == 0
     out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
-    assert isinstance(out[-1], cmd.ChoosePhase)
-    d.send(ev.StopAsked(1, "late"))  # the callback of the phase's last epoch, run late
-    next_phase = PhaseSpec(index=1, start_epoch=2, end_epoch=4, global_batch=8)
-    assert d.send(ev.PhaseChosen(next_phase)) == [cmd.Finish(d.machine.members)]
+    assert [type(c) for c in out] == [cmd.RecordPhase, cmd.Finish]
     assert PHASE0.end_epoch == 2
 
 
@@ -143,16 +152,16 @@ def test_the_machine_ends_the_fit_at_the_phase_boundary_after_a_stop():
 
 @pytest.mark.slow
 def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, tmp_path):
-    """Fixed(16, epochs_per_phase=1): the callback sees each epoch live with its held-out
-    metrics, asks to stop after epoch 1, and the fit ends there: the same weights as a
-    fit of 2 epochs, its checkpoint the last, and resuming it trains on to the end."""
+    """One phase of 6 epochs: the callback sees each epoch live with its held-out metrics,
+    asks to stop after epoch 1, and the fit ends there: the same weights as a fit of 2
+    epochs, its checkpoint the last, and resuming it trains on."""
     x, y = make_data(160)
 
     def pipe():
         return tiny_pipeline(
             x[:128],
             y[:128],
-            schedule=dfl.schedule.Fixed(16, epochs_per_phase=1),
+            schedule=dfl.schedule.Fixed(16),
             eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
         )
 
@@ -165,6 +174,8 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
 
     stopped = pipe().fit(6, client=client, on_epoch=watch, checkpoint_dir=tmp_path)
     assert [e["epoch"] for e in stopped.history.epochs] == [0, 1]
+    [phase] = stopped.history.phases  # the phase as trained: cut at the stop
+    assert (phase["start_epoch"], phase["end_epoch"], phase["steps"]) == (0, 2, 16)
     assert [(e, n) for e, _, n in seen] == [(0, 1), (1, 2)]
     assert [loss for _, loss, _ in seen] == [
         round(e["eval_loss"], 9) for e in stopped.history.epochs

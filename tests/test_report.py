@@ -165,6 +165,32 @@ def test_an_evaluation_of_part_of_the_held_out_set_is_said_in_the_report_and_sum
     assert "epoch 3: the evaluation scored 200 of 300 held-out samples" in summary
 
 
+def test_a_first_step_that_took_most_of_the_time_leaves_the_layout_whole(tmp_path):
+    """One phase, its first step 20x the others (setup and the first compile in it), as
+    `dataflow demo` often trains: the phase's label, centred on the phase from the
+    training's start, stayed outside a wall-time axis that began at the first step's
+    end, and matplotlib squeezed every panel to a sliver ("Tight layout not applied",
+    an error here)."""
+    times = [0.52, 0.53, 0.55, 0.56]
+    steps = [
+        {"step": i, "phase": 0, "epoch": 0, "loss": 1.1 - 0.01 * i, "samples": 64,
+         "seconds": 0.5 if i == 0 else 0.01, "time": t}
+        for i, t in enumerate(times)
+    ]  # fmt: skip
+    phase = {
+        "phase": 0, "start_epoch": 0, "end_epoch": 1, "global_batch": 64, "lr": 0.02,
+        "local_batches": [32, 32], "samples_per_second": [4000, 4000], "steps": 4,
+        "windows": 3, "seconds": 0.6, "task_seconds": [0.6, 0.6],
+        "stage_seconds": [{"Forward": 0.3}, {"Forward": 0.3}],
+        "data_wait_fraction": [0.0, 0.0], "chunks_decoded": [1, 1],
+        "peak_buffered_samples": [64, 64],
+    }  # fmt: skip
+    epochs = [{"epoch": 0, "train_loss": 1.1, "eval_loss": 1.1, "eval_accuracy": 0.36}]
+    info = {"run_id": "fit-demo", "epochs": 1, "replicas": 2, "train_seconds": 0.6}
+    history = History(steps=steps, epochs=epochs, phases=[phase], info=info)
+    assert_report(tmp_path, write_report(history, tmp_path))
+
+
 def test_report_of_an_old_history_without_the_optional_fields(tmp_path):
     history = adaptive_history(optional=False)
     history.phases[0].pop("task_seconds")

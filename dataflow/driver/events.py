@@ -191,12 +191,13 @@ class CommitRefused:
 
 
 @dataclass(frozen=True)
-class StopAsked:
-    """A user's epoch callback raised ``StopTraining`` after ``epoch``: the fit ends at its
-    next phase boundary; ``reason`` is the callback's message."""
+class EpochReviewed:
+    """The user's epoch callbacks ran on ``epoch``'s record (``fit(on_epoch=...)``);
+    ``stop``: the reason one raised ``StopTraining`` (None: train on). The machine waits
+    for it before it plans past the epoch's end, so a stop ends the fit there."""
 
     epoch: int
-    reason: str
+    stop: str | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,6 @@ Event = (
     | WorkersJoined
     | RestartPoint
     | CommitRefused
-    | StopAsked
+    | EpochReviewed
     | Timer
 )

@@ -165,6 +165,7 @@ def build_loop(
             spatial=config.spatial,
             sync=config.sync,
             epochs=epochs,
+            epoch_review=bool(on_epoch),
             scaling=WorkerScaling.of(config, fit_plan.wire_scale)
             if config.scale_with_batch and config.elastic
             else None,

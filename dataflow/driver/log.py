@@ -136,7 +136,7 @@ def _states_taken(states: Any) -> Any:
 # decides nothing and would crowd real events out of the ring.
 LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     ev.Started: _as_is,
-    ev.StopAsked: _as_is,
+    ev.EpochReviewed: _as_is,
     ev.GroupFormed: _as_is,
     ev.GroupFailed: _error_as_info,
     ev.SetupFailed: _error_as_info,

@@ -339,13 +339,14 @@ class FitLoop:
         self.executor.submit_windows(c)
 
     def _CommitWindow(self, c: cmd.CommitWindow) -> None:
+        before = len(self.recorder.history.epochs)
         refused = self.recorder.commit_window(c.plan, c.window, c.results, c.segment)
         if refused is not None:  # the machine decides; the rest of the list waits
             self.executor.queue.append(ev.CommitRefused(refused))
             self.refused = True
             return
-        history = self.recorder.history
-        for event in self.epoch_callbacks.after_commit(history, c.plan.phase.end_epoch):
+        history = self.recorder.history  # the epochs the commit completed, to the callbacks
+        for event in self.epoch_callbacks.after_commit(history, history.epochs[before:]):
             self.executor.queue.append(event)
             self.refused = self.refused or isinstance(event, ev.CommitRefused)
 

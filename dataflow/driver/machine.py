@@ -73,6 +73,9 @@ class MachineConfig:
     max_replicas: int | None = None  # the most replicas joins may grow the fit to
     spatial: int = 1  # workers per replica (Layout.spatial): groups form from P workers
     epochs: int | None = None  # the fit's length; None: until the schedule has no phase
+    # fit(on_epoch=...): plans end at epoch ends, and the next waits for the epoch's
+    # EpochReviewed (a callback may stop the fit there)
+    epoch_review: bool = False
     # scale_with_batch: before each later phase, the workers its batch wants are asked
     # of the cluster when the fit has fewer (None: the cluster is not scaled)
     scaling: WorkerScaling | None = None
@@ -268,6 +271,7 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         if event.rollbacks is not None:
             s.rollbacks = event.rollbacks
         s.countdown = self.config.checkpoint_every or 0
+        s.reviewing = None  # (a review a recovery overtook: its verdict is kept, not awaited)
         s.windows.clear()
         s.pending.clear()
         s.commit_window = s.next_window
@@ -298,13 +302,43 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         if s.windows or s.status != Status.RUNNING:
             return out
         s.step_seconds = _step_seconds(s.last_results)
+        last = s.segment[s.planned_until - 1 - s.segment[0].index]
+        more = s.planned_until < s.segment[-1].index + 1
+        if self.config.epoch_review and more and last.last_in_epoch:
+            s.reviewing = last.epoch  # the callbacks decide before the next epoch starts
+            return out
+        return [*out, *self._go_on()]
+
+    def _go_on(self) -> list[Any]:
+        """Every planned window committed: plan the segment's next steps, or end the phase."""
+        s = self.state
         if s.planned_until < s.segment[-1].index + 1:
             cap = s.memory_cap
             if cap is not None and largest_planned(s.segment, s.planned_until) > cap:
-                return [*out, *self._plan(AfterGroup.REST)]  # a measured cap: the rest under it
-            return [*out, self._submit_next()]
+                return self._plan(AfterGroup.REST)  # a measured cap: the rest under it
+            return [self._submit_next()]
         s.status = Status.ENDING
-        return [*out, cmd.EndPhase(s.generation, self.members)]
+        return [cmd.EndPhase(s.generation, self.members)]
+
+    def _epoch_reviewed(self, event: ev.EpochReviewed) -> list[Any]:
+        """The callbacks' verdict on an epoch: awaited (running, every window committed),
+        the fit goes on, or, asked to stop, ends the phase at that epoch's end and the
+        fit at that boundary. Not awaited (the phase's last epoch, or a recovery since),
+        a stop ends the fit at the next epoch end it waits at, or the next boundary."""
+        s = self.state
+        if event.stop is not None and s.stop_asked is None:
+            s.stop_asked = event.epoch
+        if s.reviewing is None or event.epoch != s.reviewing or s.status != Status.RUNNING:
+            return []  # (a loss while it was awaited: the recovery plans anew)
+        s.reviewing = None
+        if s.stop_asked is None:
+            return self._go_on()
+        done = s.committed_step  # the epoch's end: every step before it committed
+        s.phase = dataclasses.replace(s.phase, end_epoch=event.epoch + 1)
+        s.phase_steps = tuple(spec for spec in s.phase_steps if spec.index < done)
+        s.segment = tuple(spec for spec in s.segment if spec.index < done)
+        s.status = Status.ENDING
+        return [cmd.EndPhase(s.generation, self.members)]
 
     def _commit_ready(self, lost: Iterable[int]) -> list[Any]:
         """Commit windows in order while the policy allows; with ``lost`` replicas, a
@@ -373,14 +407,6 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         # checkpoint again on the survivors.
         s.after_group = AfterGroup.CHOOSE
         return [*out, *self._next_phase()]
-
-    def _stop_asked(self, event: ev.StopAsked) -> list[Any]:
-        """A callback asked to stop after ``event.epoch``: the fit ends at the next phase
-        boundary (phases are whole epochs; the first request stands)."""
-        s = self.state
-        if s.stop_asked is None:
-            s.stop_asked = event.epoch
-        return []
 
     def _next_phase(self) -> list[Any]:
         """The end of training (every epoch trained, or a callback asked to stop: the

@@ -102,8 +102,10 @@ class FitState:
     memory_halvings: int = 0
     stalls: int = 0  # collectives timed out on a live peer, in this phase
     restarts: dict[int, int] = field(default_factory=dict)  # checkpoint step -> restarts
-    # the epoch after which a callback asked the fit to stop (None: not asked): the fit
-    # ends at the next phase boundary
+    # fit(on_epoch=...): the epoch whose callbacks' verdict the machine waits for before
+    # it plans past the epoch (None: none awaited), and the epoch after which a callback
+    # asked the fit to stop (None: not asked)
+    reviewing: int | None = None
     stop_asked: int | None = None
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     # Workers' own setup errors so far ("Type: first line"): the same one on a second
@@ -147,6 +149,8 @@ def validate_state(s: FitState, config: Any) -> None:
         problems.append(f"a replica without {config.spatial} worker(s): {s.layout.groups}")
     if s.status == Status.RUNNING and (s.phase is None or not s.segment):
         problems.append("running with no phase or segment")
+    if s.reviewing is not None and s.windows:
+        problems.append(f"awaiting epoch {s.reviewing}'s review with windows in flight")
     if s.status == Status.RUNNING and not s.committed_step <= s.planned_until:
         problems.append(f"committed step {s.committed_step} past planned {s.planned_until}")
     if not 0.0 < s.lr_factor <= 1.0:

@@ -50,8 +50,9 @@ MEMBERSHIP: Mapping[type, str | Ignored] = {
     ev.Timer: NOTHING_TO_DECIDE,
     # a window committed before the status moved on (a salvage, then a regroup)
     ev.CommitRefused: "_commit_refused",
-    # an epoch's callback, run as its last window committed (in any status a commit is)
-    ev.StopAsked: "_stop_asked",
+    # the epoch callbacks' verdict, from the commit of the epoch's last window: awaited
+    # while running; in any other status (a recovery since) a stop is kept for later
+    ev.EpochReviewed: "_epoch_reviewed",
 }
 
 TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {

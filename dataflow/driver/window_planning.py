@@ -25,6 +25,8 @@ class WindowPlanning:
         then windows of about ``window_seconds``."""
         s, config = self.state, self.config
         rest = tuple(spec for spec in s.segment if spec.index >= s.planned_until)
+        if config.epoch_review:  # on_epoch callbacks: a plan ends at the epoch's end
+            rest = tuple(spec for spec in rest if spec.epoch == rest[0].epoch)
         # Local(period_samples=...): windows of so many samples, not of seconds
         window_samples = config.sync.period_samples
         adapting = config.sync.max_drift is not None
@@ -49,7 +51,8 @@ class WindowPlanning:
             tag=tag
             + (f"-g{s.generation}" if s.generation else "")
             + (f"-r{s.rollbacks}" if s.rollbacks else "")
-            + (f"-s{steps[0].index}" if adapting else ""),  # a task key must be new
+            # a task key must be new: plans one window (adapting) or one epoch long
+            + (f"-s{steps[0].index}" if adapting or config.epoch_review else ""),
             run=config.run_id,
         )
         marks: frozenset[int] = frozenset()

@@ -178,6 +178,8 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
                 ax.set_xlabel(xlabel)
             ax.set_title(f"Held-out {name} vs {'samples seen' if col == 0 else 'wall time'}")
             ax.grid(alpha=0.3)
+        if bounds:  # from the training's start (0): the first phase's label stays in view,
+            axes[0][col].set_xlim(left=bounds[0][0])  # else layout makes room for it outside
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(
         handles,
