@@ -9,7 +9,7 @@ and a callback's mistake stops the fit naming the callback.
 import pytest
 import torch
 from conftest import make_data, tiny_pipeline
-from test_driver_machine import PHASE0, Driver, of
+from test_driver_machine import PHASE0, Driver, of, planned
 
 import dataflow as dfl
 from dataflow.callbacks import check_callbacks
@@ -147,14 +147,42 @@ def test_with_callbacks_no_step_past_an_epoch_is_planned_before_its_review():
     assert PHASE0.end_epoch == 2
 
 
+def test_a_loss_while_a_review_is_awaited_recovers_and_the_stop_waits_for_the_next_epoch():
+    """Worker b lost after epoch 0's windows committed, before their verdict: the
+    survivor regroups and plans the rest (the review is no longer awaited); the late
+    verdict's stop is kept and ends the fit at the next epoch end awaited."""
+    d = Driver(epochs=8, epoch_review=True)
+    _, submit = d.start(phase=PHASE_OF_4)
+    d.finish_plan(of(cmd.SubmitWindows, d.finish_plan(submit))[0])
+    assert d.state.reviewing == 0
+    out = d.send(ev.WorkersLost(("tcp://b",)))
+    [form] = of(cmd.FormGroup, out)
+    assert d.state.committed_step == 4  # nothing rolled back: epoch 0 committed
+    [plan_rest] = d.send(ev.GroupFormed(form.generation))
+    rest = tuple(s for s in planned(PHASE_OF_4, 1) if s.index >= 4)  # on the survivor
+    _, epoch1 = d.send(ev.SegmentPlanned(PHASE_OF_4, d.state.phase_steps, rest, continued=True))
+    assert d.state.reviewing is None and isinstance(plan_rest, cmd.PlanSegment)
+    assert d.send(ev.EpochReviewed(0, "enough")) == []  # late: kept, not acted on
+    assert {s.epoch for s in epoch1.plan.steps} == {1}
+    d.finish_plan(epoch1)
+    assert d.state.reviewing == 1
+    assert d.send(ev.EpochReviewed(1, None)) == [cmd.EndPhase(form.generation, ("tcp://a",))]
+    assert d.state.phase.end_epoch == 2
+
+
 # -- on a cluster ------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, tmp_path):
+@pytest.mark.parametrize(
+    "sync",
+    [None, dfl.sync.Local(period_steps=2), dfl.sync.Async(staleness=0)],
+    ids=["synchronous", "local", "async"],
+)
+def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, tmp_path, sync):
     """One phase of 6 epochs: the callback sees each epoch live with its held-out metrics,
     asks to stop after epoch 1, and the fit ends there: the same weights as a fit of 2
-    epochs, its checkpoint the last, and resuming it trains on."""
+    epochs, under each sync policy; its checkpoint the last, and resuming it trains on."""
     x, y = make_data(160)
 
     def pipe():
@@ -163,6 +191,7 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
             y[:128],
             schedule=dfl.schedule.Fixed(16),
             eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
+            **({} if sync is None else {"sync": sync}),
         )
 
     seen = []
@@ -187,6 +216,8 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
     two = pipe().fit(2, client=client)
     for name, tensor in two.model.state_dict().items():
         assert torch.equal(stopped.model.state_dict()[name], tensor), name
+    if sync is not None:
+        return
     resumed = pipe().fit(3, client=client, checkpoint_dir=tmp_path, resume=True)
     assert [e["epoch"] for e in resumed.history.epochs] == [0, 1, 2]
     assert "stopped_early" not in resumed.history.info
