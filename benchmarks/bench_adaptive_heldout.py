@@ -40,6 +40,9 @@ its defaults).
     python benchmarks/bench_adaptive_heldout.py --tune     # the LR sweep of Fixed(B0), 1 seed
     python benchmarks/bench_adaptive_heldout.py --seeds 5 --lr-decay cosine --versus none
                                                # both under a cosine decay, against no decay
+    python benchmarks/bench_adaptive_heldout.py --tune --lr-decay cosine   # its own sweep
+    python benchmarks/bench_adaptive_heldout.py --seeds 5 --lr-decay cosine --lr0 tuned \
+        --versus none                          # at the LR that sweep chose
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ LR0 = {
     ("gratings", "adam"): 0.001,
 }
 TUNE_LRS = {"sgd": (0.003, 0.01, 0.03, 0.1), "adam": (0.0003, 0.001, 0.003)}
+# Under a decay the mean LR is lower: the sweep reaches higher (--tune --lr-decay cosine)
+TUNE_LRS_DECAYED = {"sgd": (0.01, 0.03, 0.1, 0.3), "adam": (0.001, 0.003, 0.01)}
 
 
 # -- models and metrics (module level: pickled to the workers by value) ---------------------
@@ -334,10 +339,10 @@ def print_phases(run: dict[str, Any]) -> None:
 
 
 def earlier_runs(
-    path: str | None, key: str, epochs: int, lr: float, decay: str, label: str = "fixed"
+    path: str | None, key: str, epochs: int, lr: float | None, decay: str, label: str = "fixed"
 ) -> dict[int, Any]:
     """``{seed: run}`` of schedule ``label`` for ``key`` from the last run in ``path`` with
-    these epochs, lr0 and LR decay."""
+    these epochs, lr0 (None: any) and LR decay."""
     if not path:
         return {}
     import json
@@ -346,9 +351,32 @@ def earlier_runs(
     for record in json.loads(Path(path).read_text())["runs"]:
         entry = record.get("results", {}).get(key)
         same = record.get("epochs") == epochs and (record.get("lr_decay") or "none") == decay
-        if same and entry and entry.get("lr0") == lr:
+        if same and entry and "runs" in entry and (lr is None or entry.get("lr0") == lr):
             found = {run["seed"]: run for run in entry["runs"][label]}
     return found
+
+
+def base_lr(args: argparse.Namespace, key: str, name: str, kind: str, epochs: int) -> float:
+    """``LR0``, or with ``--lr0 tuned`` the best LR of the last ``--tune`` run in the
+    results file with these epochs and this LR decay."""
+    if args.lr0 == "table":
+        return LR0[(name, kind)]
+    import json
+
+    best = None
+    for record in json.loads((RESULTS / f"{NAME}.json").read_text())["runs"]:
+        same = record.get("epochs") == epochs and (record.get("lr_decay") or "none") == (
+            args.lr_decay
+        )
+        entry = record.get("results", {}).get(key)
+        if record.get("mode") == "tune" and same and entry:
+            best = float(entry["best"])
+    if best is None:
+        raise SystemExit(
+            f"--lr0 tuned: no --tune run for {key} at {epochs} epochs with --lr-decay "
+            f"{args.lr_decay} in {RESULTS / f'{NAME}.json'}; run --tune first"
+        )
+    return best
 
 
 def print_versus(record: dict[str, Any], path: str, decay: str) -> None:
@@ -357,7 +385,7 @@ def print_versus(record: dict[str, Any], path: str, decay: str) -> None:
     rows = []
     for key, entry in record["results"].items():
         for label, runs in entry["runs"].items():
-            theirs = earlier_runs(path, key, record["epochs"], entry["lr0"], decay, label)
+            theirs = earlier_runs(path, key, record["epochs"], None, decay, label)
             pairs = [(r["score"], theirs[r["seed"]]["score"]) for r in runs if r["seed"] in theirs]
             if pairs:
                 mine, other = (statistics.fmean(p[i] for p in pairs) for i in (0, 1))
@@ -402,6 +430,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=DECAYS,
         default="none",
         help="a decay of the LR over the fit for every schedule (cosine: to 0, no warmup)",
+    )
+    p.add_argument(
+        "--lr0",
+        choices=("table", "tuned"),
+        default="table",
+        help="the base LR: the script's LR0 table (tuned without a decay), or the best of "
+        "the last --tune run with the same --lr-decay",
     )
     p.add_argument(
         "--versus",
@@ -455,17 +490,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{name}: {dataset.info}", flush=True)
             for kind in kinds:
                 key = f"{name}/{kind}"
+                decay = lr_decay(args.lr_decay)
                 if args.tune:
                     sweep = {}
-                    for lr in TUNE_LRS[kind]:
-                        run = fit_one(dataset, Fixed(B0), Optimizer(kind, lr), epochs, 0, client)
+                    grid = TUNE_LRS if decay is None else TUNE_LRS_DECAYED
+                    for lr in grid[kind]:
+                        optimizer = Optimizer(kind, lr)
+                        run = fit_one(dataset, Fixed(B0), optimizer, epochs, 0, client, decay)
                         sweep[str(lr)] = run
                         print(f"  {key} lr0={lr}: score {run['score']:.2f}", flush=True)
                     best = max(sweep, key=lambda lr: sweep[lr]["score"])
                     print(f"  {key}: best lr0 {best}", flush=True)
                     record["results"][key] = {"info": dataset.info, "sweep": sweep, "best": best}
                     continue
-                optimizer = Optimizer(kind, LR0[(name, kind)])
+                optimizer = Optimizer(kind, base_lr(args, key, name, kind, epochs))
                 plans = {"fixed": Fixed(B0), "adaptive": adaptive_schedule(args, kind)}
                 runs: dict[str, list[dict[str, Any]]] = {label: [] for label in plans}
                 reused = earlier_runs(args.fixed_from, key, epochs, optimizer.lr, args.lr_decay)
@@ -474,7 +512,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         if label == "fixed" and seed in reused:
                             runs[label].append(reused[seed])
                             continue
-                        decay = lr_decay(args.lr_decay)
                         run = fit_one(dataset, schedule, optimizer, epochs, seed, client, decay)
                         run["seed"] = seed
                         runs[label].append(run)
