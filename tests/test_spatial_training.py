@@ -146,3 +146,26 @@ def test_spatial_fit_on_patch_windows_equals_one_process(client, tmp_path):
     assert max_abs_diff(spatial.model, single.model) <= 1e-5
     for epoch in range(2):
         assert sorted(spatial.ledger.consumed(epoch).tolist()) == list(range(20))
+
+
+def test_spatial_two_under_a_decay_stopped_by_a_callback_equals_one_process(client):
+    """Layout(spatial=2) meets the fit-level LR and the epoch callbacks: each rank of the
+    group steps at the decayed LR, and a stop after epoch 1 of 4 ends the group's fit
+    there, on the single process's weights for those 2 epochs at those LRs."""
+    x, y = make_data(160)
+    decay = dfl.schedule.CosineDecay(warmup_epochs=0.4, warmup_start=0.2, final=0.1)
+
+    def stop_after_one(epoch, history):
+        if epoch["epoch"] == 1:
+            raise dfl.StopTraining("two epochs")
+
+    options = dict(batch=32, lr_decay=decay, bucket_mb=0.0005)
+    pipe = tiny_pipeline(x, y, layout=dfl.Layout(spatial=2), **options)
+    result = pipe.fit(epochs=4, client=client, on_epoch=stop_after_one)
+    assert [e["epoch"] for e in result.history.epochs] == [0, 1]
+    specs = [s for plan in tiny_pipeline(x, y, **options).plan(4, 1) for s in plan.steps][:10]
+    lrs = [0.05 * decay.factor(s.epoch + s.start / 160, 4) for s in specs]
+    assert [s["lr"] for s in result.history.steps] == pytest.approx(lrs, rel=1e-12)
+    batches = tiny_pipeline(x, y, batch=32).sample_plan(epochs=2, replicas=1)
+    expected = reference_training(x, y, batches=batches, seed=0, lrs=lrs)
+    assert max_abs_diff(result.model, expected) <= 1e-5
