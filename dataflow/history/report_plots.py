@@ -215,7 +215,7 @@ def _step_plot(ax: Any, history: History, values: list[float], **style: Any) -> 
     ax.stairs(values, edges, baseline=None, lw=2, **style)
 
 
-def step_lrs(history: History) -> tuple[list[float], list[float]]:
+def lr_per_step(history: History) -> tuple[list[float], list[float]]:
     """Each step's LR against its progress in epochs (its epoch, plus the share of the
     epoch's samples trained before it); empty when the steps did not record one."""
     totals: dict[int, float] = {}
@@ -273,7 +273,7 @@ def plot_schedule(history: History, path: Path, plt: Any) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
-    progress, step_lr = step_lrs(history)
+    progress, step_lr = lr_per_step(history)
     if step_lr:  # each step's own (ramps and the fit's decay)
         ax.plot(progress, step_lr, color="#2a9d5b", lw=1.5, label="learning rate of each step")
         ax.set_title("Learning rate")

@@ -211,13 +211,13 @@ class Adaptive:
                 f"Adaptive(samples_per_epoch={self.samples_per_epoch}): only used to count "
                 "steps_per_phase; give steps_per_phase=... too, or leave it out"
             )
-        _finite_number("max_growth", self.max_growth)
+        _finite_number("Adaptive", "max_growth", self.max_growth)
         if self.max_growth < 1:
             raise ConfigError(
                 f"Adaptive(max_growth={self.max_growth}): must be >= 1, the largest factor "
                 "the batch may grow by in one phase (the batch never shrinks), e.g. 2.0"
             )
-        _finite_number("target", self.target)
+        _finite_number("Adaptive", "target", self.target)
         if not self.target > 0:
             raise ConfigError(
                 f"Adaptive(target={self.target}): must be > 0, the next batch as a multiple "
@@ -228,7 +228,7 @@ class Adaptive:
                 f"Adaptive(lr_rule={self.lr_rule!r}): use one of {list(ADAPTIVE_LR_RULES)}"
             )
         if self.lr is not None:
-            _finite_number("lr", self.lr)
+            _finite_number("Adaptive", "lr", self.lr)
             if not self.lr > 0:
                 raise ConfigError(f"Adaptive(lr={self.lr}): lr must be > 0 or None")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
@@ -236,7 +236,7 @@ class Adaptive:
         if self.warmup_steps < 0:
             raise ConfigError(f"Adaptive(warmup_steps={self.warmup_steps}): must be >= 0")
         if self.max_lr_scale is not None:
-            _finite_number("max_lr_scale", self.max_lr_scale)
+            _finite_number("Adaptive", "max_lr_scale", self.max_lr_scale)
             if self.max_lr_scale < 1:
                 raise ConfigError(
                     f"Adaptive(max_lr_scale={self.max_lr_scale}): must be >= 1 or None; it "
@@ -249,7 +249,7 @@ class Adaptive:
                 "steps an estimate must rest on before the batch follows it (0: any)"
             )
         if self.min_efficiency is not None:
-            _finite_number("min_efficiency", self.min_efficiency)
+            _finite_number("Adaptive", "min_efficiency", self.min_efficiency)
             if not 0 < self.min_efficiency <= 1:
                 raise ConfigError(
                     f"Adaptive(min_efficiency={self.min_efficiency}): must be in (0, 1] or "

@@ -19,14 +19,9 @@ import math
 from dataclasses import dataclass
 
 from dataflow.core.errors import ConfigError
+from dataflow.schedule.rules import _finite_number as _number
 
 __all__ = ["CosineDecay", "LRDecay", "PolynomialDecay", "StepDecay", "Warmup"]
-
-
-def _number(owner: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{owner}({name}={value!r}): must be a finite number")
-    return float(value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,9 +27,11 @@ def _positive_int(owner: str, field: str, value: object) -> int:
     return value
 
 
-def _finite_number(field: str, value: object) -> None:
+def _finite_number(owner: str, field: str, value: object) -> float:
+    """``value`` as a float, or a ``ConfigError`` naming ``owner(field=...)``."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"Adaptive({field}={value!r}): must be a finite number")
+        raise ConfigError(f"{owner}({field}={value!r}): must be a finite number")
+    return float(value)
 
 
 def _round_down(value: int, multiple: int) -> int:
