@@ -5,9 +5,10 @@ With callbacks the driver plans no step past an epoch's end before they ran on t
 epoch: the replicas wait between epochs for one round trip to the driver (the commit
 of the epoch's last window, the callbacks, the next epoch's plan). Without callbacks
 the whole phase is planned at once. Same data, model, seed and cluster (2 workers, one
-thread each, started before the fits); the modes alternate, ``--repeats`` times each;
-the figure is the training time (``history.info["train_seconds"]``), best of the
-repeats, and its ratio to the fit without callbacks.
+thread each, started before the fits): the benchmarks' shared CNN workload
+(``workloads.py``). The modes alternate, ``--repeats`` times each; the figure is the
+training time (``history.info["train_seconds"]``), best of the repeats, and its ratio
+to the fit without callbacks.
 
     python benchmarks/bench_epoch_callbacks.py                 # ~1 min on 2 cores
     python benchmarks/bench_epoch_callbacks.py --samples 1024  # shorter epochs
@@ -18,28 +19,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import numpy as np
 import torch
 from records import save_run, table
+from workloads import (
+    CNNConfig,
+    ModelFactory,
+    OptimConfig,
+    OptimizerFactory,
+    make_data,
+    ship_to_workers,
+)
 
 NAME = "epoch_callbacks"
-
-
-class SmallCNN(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 8, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.Conv2d(8, 8, 3, padding=1),
-            torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1),
-            torch.nn.Flatten(),
-            torch.nn.Linear(8, 3),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+MODEL = CNNConfig(in_channels=1, image=16, channels=(8,), hidden=16, classes=3)
 
 
 def nothing(epoch: Any, history: Any) -> None:
@@ -49,13 +41,11 @@ def nothing(epoch: Any, history: Any) -> None:
 def fit(args: argparse.Namespace, mode: str, client: Any) -> dict[str, Any]:
     import dataflow as dfl
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.samples, 1, 16, 16)).astype(np.float32)
-    y = rng.integers(0, 3, size=args.samples).astype(np.int64)
+    x, y = make_data(args.samples, MODEL)
     pipe = dfl.Pipeline(
-        model=SmallCNN,
+        model=ModelFactory(MODEL),
         loss=torch.nn.functional.cross_entropy,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.02, momentum=0.9),
+        optimizer=OptimizerFactory(OptimConfig(lr=0.02)),
         source=dfl.io.ArraySource(x, y),
         schedule=dfl.schedule.Fixed(args.batch),
         device="cpu",
@@ -89,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     from distributed import Client, LocalCluster
 
+    ship_to_workers()
     modes = ("none", "nothing", "early-stopping")
     runs: list[dict[str, Any]] = []
     with (
