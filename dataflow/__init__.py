@@ -35,6 +35,7 @@ from dataflow.core.errors import (
 _LAZY = {
     "EarlyStopping": "dataflow.callbacks",
     "Graph": "dataflow.graph",
+    "KeepBest": "dataflow.callbacks",
     "Layout": "dataflow.planning.layout",
     "Node": "dataflow.graph",
     "FitResult": "dataflow.history",
@@ -91,6 +92,7 @@ __all__ = [
     "Graph",
     "GraphError",
     "History",
+    "KeepBest",
     "Layout",
     "LossError",
     "ModelError",

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from dataflow.core.errors import ConfigError
 
-__all__ = ["EarlyStopping", "EpochCallback", "StopTraining", "check_callbacks"]
+__all__ = [
+    "EarlyStopping",
+    "EpochCallback",
+    "KeepBest",
+    "StopTraining",
+    "as_keep_best",
+    "check_callbacks",
+]
 
 EpochCallback = Callable[[Mapping[str, Any], Any], Any]
 
@@ -57,21 +64,14 @@ class EarlyStopping:
         delta = self.min_delta
         if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
             raise ConfigError(f"EarlyStopping(min_delta={delta!r}): must be a number >= 0")
-        if self.mode not in ("auto", "min", "max"):
-            raise ConfigError(f"EarlyStopping(mode={self.mode!r}): use 'min', 'max' or 'auto'")
-        if self.mode == "auto":
-            higher = ("accuracy", "acc", "r2", "score")
-            self.mode = "max" if any(word in self.metric.lower() for word in higher) else "min"
+        self.mode = metric_mode("EarlyStopping", self.metric, self.mode)
 
     def __call__(self, epoch: Mapping[str, Any], history: Any = None) -> None:
         value = epoch.get(self.metric)
         if value is None:  # not evaluated this epoch (Evaluate(every_epochs=...)): the fit
             return  # checked the name before it began (check_callbacks)
         value = float(value)
-        sign = 1.0 if self.mode == "min" else -1.0
-        if math.isfinite(value) and (
-            self.best is None or sign * (self.best - value) > self.min_delta
-        ):
+        if improves(value, self.best, self.mode, self.min_delta):
             self.best, self.best_epoch, self.waited = value, epoch.get("epoch"), 0
             return
         self.waited += 1  # no better, or not finite
@@ -81,6 +81,78 @@ class EarlyStopping:
                 f"{self.metric} has not improved on {best} (epoch {self.best_epoch}) for "
                 f"{self.waited} epochs"
             )
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Keep the weights of the epoch with the best ``metric``: ``fit(keep_best=...)``
+    (a metric's name is short for ``KeepBest(metric=name)``). The fit's result has them
+    as ``result.best_model``, and with a ``checkpoint_dir`` they are written to
+    ``best.pt`` there (:func:`dataflow.checkpoint.load_best`). ``mode`` and ``min_delta``
+    as :class:`EarlyStopping`'s: a later epoch replaces the kept one only when better by
+    more than ``min_delta``; a value that is not finite never does."""
+
+    metric: str = "eval_loss"
+    _: KW_ONLY
+    mode: str = "auto"
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"KeepBest(metric={self.metric!r}): name an epoch metric")
+        delta = self.min_delta
+        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+            raise ConfigError(f"KeepBest(min_delta={delta!r}): must be a number >= 0")
+        object.__setattr__(self, "mode", metric_mode("KeepBest", self.metric, self.mode))
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` replaces the kept epoch's ``best`` (None: nothing kept)."""
+        return improves(value, best, self.mode, self.min_delta)
+
+
+def metric_mode(owner: str, metric: str, mode: str) -> str:
+    """``mode`` checked: "min" or "max"; "auto" is "max" for names with accuracy, acc,
+    r2 or score in them, else "min"."""
+    if mode not in ("auto", "min", "max"):
+        raise ConfigError(f"{owner}(mode={mode!r}): use 'min', 'max' or 'auto'")
+    if mode != "auto":
+        return mode
+    higher = ("accuracy", "acc", "r2", "score")
+    return "max" if any(word in metric.lower() for word in higher) else "min"
+
+
+def improves(value: float, best: float | None, mode: str, min_delta: float) -> bool:
+    """Whether ``value`` is finite and better than ``best`` by more than ``min_delta``
+    (lower for ``mode="min"``, higher for "max"); any finite value beats None."""
+    if not math.isfinite(value):
+        return False
+    sign = 1.0 if mode == "min" else -1.0
+    return best is None or sign * (best - value) > min_delta
+
+
+def as_keep_best(keep_best: Any, epoch_keys: Iterable[str]) -> KeepBest | None:
+    """``fit(keep_best=...)`` as a :class:`KeepBest` (None: nothing kept), refused early
+    when no epoch record will have its metric."""
+    if keep_best is None:
+        return None
+    if isinstance(keep_best, str):
+        keep_best = KeepBest(metric=keep_best)
+    if not isinstance(keep_best, KeepBest):
+        raise ConfigError(
+            f"fit(keep_best={keep_best!r}): name an epoch metric, e.g. keep_best='eval_loss', "
+            "or give dataflow.KeepBest(metric=..., mode=...)"
+        )
+    _check_metric("KeepBest", keep_best.metric, set(epoch_keys))
+    return keep_best
+
+
+def _check_metric(owner: str, metric: str, keys: set[str]) -> None:
+    if metric not in keys:
+        raise ConfigError(
+            f"{owner}(metric={metric!r}): the fit's epochs will have {sorted(keys)}; "
+            "evaluate on held-out data (Pipeline(eval_source=...)) for eval_* metrics, or "
+            "watch 'train_loss'"
+        )
 
 
 def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCallback, ...]:
@@ -96,10 +168,6 @@ def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCall
                 f"fit(on_epoch={callback!r}): give a function of (epoch, history), or a list "
                 "of them, e.g. on_epoch=lambda epoch, history: print(epoch)"
             )
-        if isinstance(callback, EarlyStopping) and callback.metric not in keys:
-            raise ConfigError(
-                f"EarlyStopping(metric={callback.metric!r}): the fit's epochs will have "
-                f"{sorted(keys)}; evaluate on held-out data (Pipeline(eval_source=...)) for "
-                "eval_* metrics, or watch 'train_loss'"
-            )
+        if isinstance(callback, EarlyStopping):
+            _check_metric("EarlyStopping", callback.metric, keys)
     return callbacks

@@ -20,9 +20,9 @@ class Pipeline:
 
     ``model`` is a factory called once per replica (a class, or ``lambda: Net()``);
     ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
-    ``eval_source`` evaluates at the end of every epoch: the held-out loss
-    (``eval_loss``) and each of ``metrics`` (``eval_<name>``; a ``"loss"`` entry
-    replaces the training loss function there).
+    ``eval_source`` evaluates at the end of every epoch (every ``eval_every`` epochs):
+    the held-out loss (``eval_loss``) and each of ``metrics`` (``eval_<name>``; a
+    ``"loss"`` entry replaces the training loss function there).
     ``lr_decay``: a warmup and a decay of the LR over the whole fit, on top of the
     schedule's (``dataflow.schedule.CosineDecay(warmup_epochs=5)``,
     ``StepDecay({30: 0.1, 60: 0.01})``; each step's LR in ``history.steps``).
@@ -53,6 +53,7 @@ class Pipeline:
         seed: int = 0,
         eval_source: Any = None,
         metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
+        eval_every: int = 1,
         bucket_mb: float | None = None,
         allreduce_dtype: str = "fp32",
         prefetch: int = 2,
@@ -88,7 +89,8 @@ class Pipeline:
         node = graph.add(Update(optimizer, on_non_finite=on_non_finite), node)
         if eval_source is not None:
             # the held-out loss always (eval_loss), next to the metrics asked for
-            graph.add(Evaluate(eval_source, metrics={"loss": loss, **(metrics or {})}), node)
+            metrics = {"loss": loss, **(metrics or {})}
+            graph.add(Evaluate(eval_source, metrics=metrics, every_epochs=eval_every), node)
         elif metrics:
             raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
         self.graph = graph
@@ -106,6 +108,7 @@ class Pipeline:
         keep_checkpoints: int = 3,
         checkpoint_every: int | None = None,
         on_epoch: Any = None,
+        keep_best: Any = None,
     ) -> FitResult:
         """Train for ``epochs`` on ``client`` (None: an embedded LocalCluster).
 
@@ -114,7 +117,9 @@ class Pipeline:
         newest valid one (see ``Trainer.fit``). ``on_epoch``: a function of (epoch record,
         history), or a list of them (``dataflow.EarlyStopping(...)``), called on the driver
         after each epoch; one that raises ``dataflow.StopTraining`` ends the fit at that
-        epoch's end (:mod:`dataflow.callbacks`).
+        epoch's end (:mod:`dataflow.callbacks`). ``keep_best="eval_loss"`` (or
+        ``dataflow.KeepBest(...)``): keep the weights of the epoch where that metric was
+        best, as ``result.best_model`` and ``best.pt`` in ``checkpoint_dir``.
         """
         return self.trainer.fit(
             epochs,
@@ -124,6 +129,7 @@ class Pipeline:
             keep_checkpoints=keep_checkpoints,
             checkpoint_every=checkpoint_every,
             on_epoch=on_epoch,
+            keep_best=keep_best,
         )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from distributed import Client
 
-from dataflow.callbacks import check_callbacks
+from dataflow.callbacks import as_keep_best, check_callbacks
 from dataflow.checkpoint import Checkpoint, CheckpointStore, fingerprint
 from dataflow.core import kinds
 from dataflow.core.errors import BatchSizeError, ConfigError
@@ -121,6 +121,16 @@ class Trainer:
                 keys |= {f"eval_{name}" for name in stage.config.metrics}
         return keys
 
+    def metric_every(self, metric: str) -> int:
+        """Every how many epochs a record has ``metric``: an evaluation metric as often as
+        its Evaluate stage scores (``every_epochs``), the training loss every epoch."""
+        for stage in self.graph:
+            if stage.kind == kinds.EVALUATE and metric in {
+                f"eval_{name}" for name in stage.config.metrics
+            }:
+                return stage.config.every_epochs
+        return 1
+
     def planner(self, epochs: int | None = None) -> Planner:
         """The fit's plans (schedule, balancer, split, micro-batches, the LR's decay over
         ``epochs``), pure."""
@@ -197,6 +207,7 @@ class Trainer:
         keep_checkpoints: int = 3,
         checkpoint_every: int | None = None,
         on_epoch: Any = None,
+        keep_best: Any = None,
     ) -> FitResult:
         """Train for ``epochs``. With ``checkpoint_dir``, a checkpoint is written
         atomically at every phase boundary, and inside a phase every
@@ -206,9 +217,12 @@ class Trainer:
         With the same replica count the resumed fit ends bit-identical to an
         uninterrupted one, from a phase boundary or from inside a phase. ``on_epoch``: a
         function of (epoch record, history), or a list of them, called on the driver after
-        each epoch (:mod:`dataflow.callbacks`)."""
+        each epoch (:mod:`dataflow.callbacks`). ``keep_best``: an epoch metric's name (or a
+        :class:`~dataflow.callbacks.KeepBest`): the weights of the epoch where it was best
+        become ``result.best_model``, and ``best.pt`` in ``checkpoint_dir``."""
         _check_epochs(epochs, self.lr_decay)
         callbacks = check_callbacks(on_epoch, self.epoch_keys())
+        best = as_keep_best(keep_best, self.epoch_keys())
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
         if self.schedule.max_batch() > self.source.num_samples:
@@ -247,6 +261,7 @@ class Trainer:
                     checkpoint=checkpoint,
                     every=checkpoint_every,
                     on_epoch=callbacks,
+                    keep_best=best,
                 )
             finally:
                 self.config.layout = requested

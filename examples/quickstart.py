@@ -35,8 +35,11 @@ def main() -> None:
         from distributed import Client
 
         client = Client(args.scheduler)
-    result = pipe.fit(epochs=args.epochs, client=client)
+    # keep_best: result.best_model holds the weights of the most accurate epoch
+    result = pipe.fit(epochs=args.epochs, client=client, keep_best="eval_accuracy")
     result.history.to_json("runs/quickstart/history.json")
+    best = result.history.info["best"]
+    print(f"best held-out accuracy {best['value']:.1%} after epoch {best['epoch']}")
     last = result.history.epochs[-1]
     print(f"final held-out accuracy {last['eval_accuracy']:.1%}, loss {last['eval_loss']:.3f}")
 

@@ -54,6 +54,16 @@ def test_quickstart_prints_its_plan_before_the_bar_and_rounded_metrics(tmp_path)
     assert "eval_loss" in epoch_line and "eval_accuracy" in epoch_line
     final = out.strip().splitlines()[-1]
     assert re.fullmatch(r"final held-out accuracy \d{1,3}\.\d%, loss \d+\.\d{3}", final), final
+    # keep_best="eval_accuracy": the summary and the example name the kept epoch
+    best = history["info"]["best"]
+    assert (best["metric"], best["epoch"], best["value"]) == (
+        "eval_accuracy",
+        0,
+        last["eval_accuracy"],
+    )
+    assert f"best eval_accuracy {best['value']:.4g} after epoch 0 (result.best_model)" in out
+    kept_line = out.strip().splitlines()[-2]
+    assert kept_line == f"best held-out accuracy {best['value']:.1%} after epoch 0"
     assert final.startswith(f"final held-out accuracy {last['eval_accuracy']:.1%}")
 
 

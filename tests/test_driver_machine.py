@@ -83,7 +83,7 @@ class Driver:
         ranks = range(len(submit.members)) if ranks is None else ranks
         for window in submit.plan.windows[:upto]:
             for r in ranks:
-                state = {"r": r} if window.index in submit.checkpoints else None
+                state = {"r": r} if window.index in submit.checkpoints | submit.weights else None
                 out += self.send(
                     ev.WindowDone(
                         submit.generation,

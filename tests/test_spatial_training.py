@@ -169,3 +169,18 @@ def test_spatial_two_under_a_decay_stopped_by_a_callback_equals_one_process(clie
     batches = tiny_pipeline(x, y, batch=32).sample_plan(epochs=2, replicas=1)
     expected = reference_training(x, y, batches=batches, seed=0, lrs=lrs)
     assert max_abs_diff(result.model, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_spatial_two_keeps_the_best_epochs_weights_of_the_group(client):
+    """Layout(spatial=2) meets keep_best: the group's workers return their parts at each
+    epoch's end, and the kept weights are the single process's after the best epoch."""
+    x, y = make_data(160)
+    pipe = tiny_pipeline(x, y, batch=32, layout=dfl.Layout(spatial=2), bucket_mb=0.0005)
+    result = pipe.fit(epochs=3, client=client, keep_best="train_loss")
+    losses = [e["train_loss"] for e in result.history.epochs]
+    best = min(range(3), key=losses.__getitem__)
+    assert result.history.info["best"]["epoch"] == best
+    batches = tiny_pipeline(x, y, batch=32).sample_plan(epochs=best + 1, replicas=1)
+    expected = reference_training(x, y, batches=batches, seed=0)
+    assert max_abs_diff(result.best_model, expected) <= 1e-5

@@ -4,9 +4,12 @@
 :class:`CheckpointStore` (``dataflow.checkpoint.store``: atomic writes with a
 checksummed manifest, listing, ``keep``, ``load_latest``), :func:`fingerprint` and
 :func:`compare_fingerprints` (``dataflow.checkpoint.fingerprint``: what must match to resume),
-:func:`capture_rng` and :func:`restore_rng` (``dataflow.core.rng``).
+:func:`capture_rng` and :func:`restore_rng` (``dataflow.core.rng``), and
+:func:`load_best` (``dataflow.checkpoint.best``: the best epoch's weights a fit with
+``keep_best=`` wrote).
 """
 
+from dataflow.checkpoint.best import load_best
 from dataflow.checkpoint.fingerprint import compare_fingerprints, fingerprint
 from dataflow.checkpoint.format import (
     FORMAT_VERSION,
@@ -32,6 +35,7 @@ __all__ = [
     "fingerprint",
     "ledger_from_state",
     "ledger_state",
+    "load_best",
     "phase_from_dict",
     "phase_to_dict",
     "plain_state",

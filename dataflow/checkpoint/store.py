@@ -33,6 +33,7 @@ from dataflow.core.errors import CheckpointError, ConfigError, IncompatibleCheck
 
 STEPS_FILE = "history-steps.jsonl"  # the fit's history steps, one JSON line each
 STEPS_COUNT = "steps_in_file"  # Checkpoint.history key (format 3): the steps it covers
+BEST_FILE, BEST_MANIFEST = "best.pt", "best.json"  # fit(keep_best=...): dataflow.checkpoint.best
 NAME = re.compile(r"^ckpt-(\d{10})\.pt$")
 TEMP_SUFFIX = ".tmp"
 MAX_LISTED_DIFFERENCES = 25  # in an error message; compare_fingerprints returns them all
@@ -110,7 +111,7 @@ class CheckpointStore:
             # A re-save of the same step: drop the old manifest first, so until the new one
             # is in place the step has no valid checkpoint (never old manifest + new data).
             manifest.unlink(missing_ok=True)
-            digest, size = self._write(path, lambda f: torch.save(state, f))
+            digest, size = self.write_atomic(path, lambda f: torch.save(state, f))
             record = {
                 "format_version": FORMAT_VERSION,
                 "file": path.name,
@@ -123,7 +124,7 @@ class CheckpointStore:
                 "fingerprint": plain_state(state["fingerprint"], "fingerprint", json=True),
             }
             text = json.dumps(record, indent=1).encode()
-            self._write(manifest, lambda f: f.write(text))
+            self.write_atomic(manifest, lambda f: f.write(text))
         except OSError as error:
             raise CheckpointError(
                 f"could not write checkpoint {path} ({error.strerror or error}); check the "
@@ -134,7 +135,7 @@ class CheckpointStore:
         self.prune()
         return path
 
-    def _write(self, path: Path, fill: Any) -> tuple[str, int]:
+    def write_atomic(self, path: Path, fill: Any) -> tuple[str, int]:
         """Write through ``fill(file)`` to a temporary file beside ``path``, fsync it, rename
         it onto ``path``, fsync the directory. Returns the blake2b hex digest and size."""
         temp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
@@ -152,39 +153,10 @@ class CheckpointStore:
         return writer.hash.hexdigest(), writer.size
 
     # -- reading -------------------------------------------------------------------
-    def _read_verified(self, path: Path) -> bytes:
-        """The bytes of ``path`` if its manifest exists and the checksum matches; else
-        ``CheckpointError`` naming the file and what is wrong."""
-        manifest = self.manifest_path(path)
-        try:
-            record = json.loads(manifest.read_text())
-            expected = str(record["blake2b"])
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"checkpoint {path} has no manifest ({manifest.name}): its write did not "
-                "finish (the process stopped mid-write); resume from an older checkpoint"
-            ) from None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(
-                f"checkpoint {path}: its manifest {manifest.name} is unreadable ({error}); "
-                "the checkpoint cannot be verified, resume from an older one"
-            ) from error
-        try:
-            data = path.read_bytes()
-        except OSError as error:
-            raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from error
-        if hashlib.blake2b(data).hexdigest() != expected:
-            raise CheckpointError(
-                f"checkpoint {path} is corrupt: its content ({len(data)} bytes) does not match "
-                f"the checksum in {manifest.name} (truncated or overwritten); resume from an "
-                "older checkpoint"
-            )
-        return data
-
     def load(self, path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
         """The checkpoint at ``path``, verified against its manifest first."""
         path = Path(path)
-        data = self._read_verified(path)
+        data = read_verified(path)
         return self._with_steps(_deserialize(data, path, map_location))
 
     # -- the history's steps: one line each, appended once, not saved with every checkpoint
@@ -257,7 +229,7 @@ class CheckpointStore:
             stat = path.stat()
             cached = self._verified.get(path) == (stat.st_size, stat.st_mtime_ns)
             if not (cached and self.manifest_path(path).exists()):
-                self._read_verified(path)
+                read_verified(path)
         except (CheckpointError, OSError) as error:
             self._verified.pop(path, None)
             if warn:
@@ -282,7 +254,7 @@ class CheckpointStore:
         refused with ``IncompatibleCheckpointError`` listing every difference."""
         for _, path in self._candidates():
             try:
-                data = self._read_verified(path)
+                data = read_verified(path)
             except CheckpointError as error:
                 warnings.warn(f"skipping {error}", RuntimeWarning, stacklevel=2)
                 continue
@@ -342,15 +314,48 @@ class CheckpointStore:
         return removed
 
     def clear(self) -> None:
-        """Delete every checkpoint of this directory (a fresh run with resume=False)."""
+        """Delete every checkpoint of this directory, the steps file and the best weights
+        (a fresh run with resume=False)."""
         for _, path in self._candidates():
             self.manifest_path(path).unlink(missing_ok=True)
             path.unlink(missing_ok=True)
         for entry in self.directory.glob(f".ckpt-*{TEMP_SUFFIX}"):
             entry.unlink(missing_ok=True)
         self.steps_path.unlink(missing_ok=True)
+        for name in (BEST_FILE, BEST_MANIFEST):  # the best epoch's weights (keep_best)
+            (self.directory / name).unlink(missing_ok=True)
         self._step_lines = 0
         self._verified.clear()
+
+
+def read_verified(path: Path) -> bytes:
+    """The bytes of ``path`` if its manifest exists and the checksum matches; else
+    ``CheckpointError`` naming the file and what is wrong."""
+    manifest = CheckpointStore.manifest_path(path)
+    try:
+        record = json.loads(manifest.read_text())
+        expected = str(record["blake2b"])
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"checkpoint {path} has no manifest ({manifest.name}): its write did not "
+            "finish (the process stopped mid-write); resume from an older checkpoint"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"checkpoint {path}: its manifest {manifest.name} is unreadable ({error}); "
+            "the checkpoint cannot be verified, resume from an older one"
+        ) from error
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {error}") from error
+    if hashlib.blake2b(data).hexdigest() != expected:
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its content ({len(data)} bytes) does not match "
+            f"the checksum in {manifest.name} (truncated or overwritten); resume from an "
+            "older checkpoint"
+        )
+    return data
 
 
 def _deserialize(data: bytes, path: Path, map_location: Any) -> Checkpoint:

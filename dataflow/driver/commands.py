@@ -112,13 +112,15 @@ class BeginPhase:
 class SubmitWindows:
     """Queue ``plan``'s windows on every member, each behind the member's last task;
     plan window ``i`` is fit window ``first_window + i``; after the plan windows in
-    ``checkpoints`` each replica returns its state for a mid-phase checkpoint."""
+    ``checkpoints`` each replica returns its state for a mid-phase checkpoint, and after
+    those in ``weights`` (``keep_best``) its weights and buffers only."""
 
     generation: int
     members: tuple[str, ...]
     plan: Any  # dataflow.planning.plan.Plan
     first_window: int
     checkpoints: frozenset[int] = frozenset()
+    weights: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,17 @@ class WriteCheckpoint:
     members: tuple[str, ...] = ()
     states: tuple[Any, ...] | None = None
     position: PhasePosition | None = None  # where the phase stands (its checkpoint's)
+
+
+@dataclass(frozen=True)
+class KeepIfBest:
+    """Epoch ``epoch`` ended at ``step`` (its last window committed): ``states`` are
+    each replica's state there (as a mid-phase checkpoint's); keep its weights if its
+    record's watched metric is the best so far (``fit(keep_best=...)``)."""
+
+    epoch: int
+    step: int
+    states: tuple[Any, ...]
 
 
 @dataclass(frozen=True)
@@ -278,6 +291,7 @@ Command = (
     | SubmitWindows
     | CommitWindow
     | WriteCheckpoint
+    | KeepIfBest
     | StopWindows
     | ExcludeWorkers
     | ReleaseReplicas

@@ -334,11 +334,12 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
             window = task.window
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
-            checkpoint = window.index in c.checkpoints
+            checkpoint, weights = window.index in c.checkpoints, window.index in c.weights
+            run = remote.RunWindow(self.run_id, c.generation, first, stop, checkpoint, weights)
             for part in range(self.size):  # every worker of the replica's group
                 slot = task.replica * self.size + part
                 future = self.send(
-                    remote.RunWindow(self.run_id, c.generation, first, stop, checkpoint),
+                    run,
                     slot,
                     after=self.last[slot],
                     key=task.key if part == 0 else f"{task.key}-part{part}",

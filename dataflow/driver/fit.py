@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 from dataflow.core import kinds
 from dataflow.core.precision import capture_simulated, cpu_fp16_allowed
+from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.checkpoints import CheckpointWriter
 from dataflow.driver.executor import Executor
 from dataflow.driver.fit_settings import FitPlan, WorkerScaling, planned_model
@@ -36,6 +37,7 @@ def run_fit(
     checkpoint: Any,
     every: int | None,
     on_epoch: tuple[Any, ...] = (),
+    keep_best: Any = None,
 ) -> FitResult:
     """Train ``trainer``'s graph for ``epochs`` on ``client`` (see ``Trainer.fit``)."""
     config = trainer.config
@@ -81,6 +83,7 @@ def run_fit(
         every=every,
         fit_plan=fit_plan,
         on_epoch=on_epoch,
+        keep_best=keep_best,
     )
     recorder = loop.recorder
     if checkpoint is not None:
@@ -108,6 +111,8 @@ def run_fit(
     failed = True
     try:
         state = loop.run(workers)
+        if loop.best is not None and loop.best.info() is not None:  # (a resumed fit's too)
+            info["best"] = loop.best.info()
         recorder.record_segments()  # info["segments"], train_seconds: every run's
         failed = False
     except BaseException as error:
@@ -124,6 +129,7 @@ def run_fit(
         history=recorder.history,
         ledger=recorder.ledger,
         driver_log=loop.machine.log,
+        best_model=best_model(trainer, loop.best),
     )
     if config.progress:
         print(result.summary())
@@ -141,6 +147,7 @@ def build_loop(
     every: int | None = None,
     fit_plan: FitPlan | None = None,
     on_epoch: tuple[Any, ...] = (),
+    keep_best: Any = None,
 ) -> FitLoop:
     """The fit's machine, planner, recorder and checkpoint writer around ``executor``
     (Dask's, or :class:`~dataflow.driver.simulate.SimulatedExecutor`)."""
@@ -166,6 +173,7 @@ def build_loop(
             sync=config.sync,
             epochs=epochs,
             epoch_review=bool(on_epoch),
+            best_every=None if keep_best is None else trainer.metric_every(keep_best.metric),
             scaling=WorkerScaling.of(config, fit_plan.wire_scale)
             if config.scale_with_batch and config.elastic
             else None,
@@ -197,8 +205,28 @@ def build_loop(
         min_workers=config.min_workers,
         progress=config.progress,
         on_epoch=on_epoch,
+        best=None if keep_best is None else keeper(trainer, keep_best, store, held_out),
     )
     return loop
+
+
+def keeper(trainer: Any, rule: Any, store: Any, held_out: int | None) -> BestWeights:
+    """The fit's keeper of its best epoch's weights; a resumed fit's earlier runs'
+    best weights in ``store`` (a fresh fit cleared them) are the bar it must beat."""
+    fingerprint = getattr(trainer, "checkpoint_fingerprint", None) if store else None
+    best = BestWeights(rule, store, fingerprint, held_out)
+    best.resume()
+    return best
+
+
+def best_model(trainer: Any, best: BestWeights | None) -> Any:
+    """``result.best_model``: the kept epoch's weights in a fresh model, or None."""
+    weights = None if best is None else best.weights()
+    if weights is None:
+        return None
+    model = build_model(trainer.model_factory, trainer.config.seed)
+    model.load_state_dict(weights)
+    return model
 
 
 def most_replicas(config: Any) -> int | None:

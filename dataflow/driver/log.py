@@ -108,7 +108,7 @@ def _results_without_state(item: Any) -> Any:
 
 
 def _states_as_markers(item: Any) -> Any:
-    """``WriteCheckpoint``: the states it writes as markers."""
+    """``WriteCheckpoint``, ``KeepIfBest``: the states it takes as markers."""
     return (
         item
         if item.states is None
@@ -158,6 +158,7 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     cmd.SubmitWindows: _as_is,
     cmd.CommitWindow: _results_without_state,
     cmd.WriteCheckpoint: _states_as_markers,
+    cmd.KeepIfBest: _states_as_markers,
     cmd.StopWindows: _as_is,
     cmd.ExcludeWorkers: _as_is,
     cmd.ReleaseReplicas: _as_is,

@@ -21,6 +21,7 @@ from dataflow.core.rng import restore_rng
 from dataflow.core.step import PhaseContext
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
+from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.epoch_callbacks import EpochCallbacks
 from dataflow.driver.executor import Executor
@@ -55,12 +56,14 @@ class FitLoop:
         min_workers: int,
         progress: bool,
         on_epoch: tuple[Any, ...] = (),
+        best: BestWeights | None = None,
     ) -> None:
         self.machine, self.executor, self.planner = machine, executor, planner
         self.recorder, self.writer, self.epochs = recorder, writer, epochs
         self.measures_noise, self.min_workers = measures_noise, min_workers
         self.progress = progress
         self.epoch_callbacks = EpochCallbacks(on_epoch)
+        self.best = best  # fit(keep_best=...): the best epoch's weights
         self.start = ResumePoint()
         self.checkpoint: Any = None  # the checkpoint the replicas load at the next restore
         self.resume_in_phase: PhaseProgress | None = None
@@ -349,6 +352,14 @@ class FitLoop:
         for event in self.epoch_callbacks.after_commit(history, history.epochs[before:]):
             self.executor.queue.append(event)
             self.refused = self.refused or isinstance(event, ev.CommitRefused)
+
+    def _KeepIfBest(self, c: cmd.KeepIfBest) -> None:
+        if self.best is None:
+            return
+        epochs = self.recorder.history.epochs
+        record = next((e for e in reversed(epochs) if e["epoch"] == c.epoch), None)
+        if record is not None and self.best.offer(record, c.step, c.states):
+            self.recorder.history.info["best"] = self.best.info()
 
     def _EndPhase(self, c: cmd.EndPhase) -> None:
         self.executor.end_phase(c)

@@ -76,6 +76,10 @@ class MachineConfig:
     # fit(on_epoch=...): plans end at epoch ends, and the next waits for the epoch's
     # EpochReviewed (a callback may stop the fit there)
     epoch_review: bool = False
+    # fit(keep_best=...): the replicas' states come back at the end of every
+    # ``best_every``-th epoch (those whose record has the watched metric), and a window
+    # ends there, so the loop can keep the best epoch's weights (None: not kept)
+    best_every: int | None = None
     # scale_with_batch: before each later phase, the workers its batch wants are asked
     # of the cluster when the fit has fewer (None: the cluster is not scaled)
     scaling: WorkerScaling | None = None
@@ -366,19 +370,32 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
                 measured = measured_cap(results)  # on CUDA, a phase's first window
                 if measured is not None:
                     s.memory_cap = min(measured, s.memory_cap or measured)
+            last = plan.steps[window.stop - 1]
+            keeps_best = self._keeps_best(last)
+            if not (marked or keeps_best):
+                continue
+            states = tuple(getattr(r, "checkpoint", None) for r in results)
+            if not all(state is not None for state in states):
+                continue  # a replica lost after the window: no whole state to take
             if marked:
-                states = tuple(getattr(r, "checkpoint", None) for r in results)
-                if all(state is not None for state in states):
-                    out.append(
-                        cmd.WriteCheckpoint(
-                            cmd.CheckpointKind.WINDOW,
-                            s.committed_step,
-                            s.phase,
-                            states=states,
-                            position=self._position(),
-                        )
+                out.append(
+                    cmd.WriteCheckpoint(
+                        cmd.CheckpointKind.WINDOW,
+                        s.committed_step,
+                        s.phase,
+                        states=states,
+                        position=self._position(),
                     )
+                )
+            if keeps_best:
+                out.append(cmd.KeepIfBest(last.epoch, s.committed_step, states))
         return out
+
+    def _keeps_best(self, step: Any) -> bool:
+        """Whether the replicas' states at the end of ``step`` are offered as the best
+        weights: the last step of an epoch whose record has the watched metric."""
+        every = self.config.best_every
+        return every is not None and step.last_in_epoch and (step.epoch + 1) % every == 0
 
     def _commit_refused(self, event: ev.CommitRefused) -> list[Any]:
         """The recorder found a committed window wrong: the fit stops with its error."""

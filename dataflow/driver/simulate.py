@@ -191,7 +191,7 @@ class SimulatedExecutor:
                     if self.with_digests
                     else None,
                     checkpoint=ReplicaState(rng={}, buffers={})
-                    if window.index in c.checkpoints
+                    if window.index in c.checkpoints | c.weights
                     else None,
                 )
                 event = ev.WindowDone(c.generation, wid, {rank: result})

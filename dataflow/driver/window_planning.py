@@ -19,6 +19,7 @@ class WindowPlanning:
 
     state: Any
     config: Any
+    _keeps_best: Any  # (FitMachine's)
 
     def _submit_next(self) -> cmd.SubmitWindows:
         """The segment's next steps as a plan: 1-step windows until a step is timed,
@@ -44,7 +45,8 @@ class WindowPlanning:
             window_seconds=config.window_seconds,
             window_steps=config.window_steps,
             window_samples=window_samples,
-            epoch_ends_window=config.sync.ends_windows_at_epochs,
+            # keep_best: the weights at an epoch's end come back with its last window
+            epoch_ends_window=config.sync.ends_windows_at_epochs or config.best_every is not None,
             # Local(max_drift=...): one window at a time, the next one's period follows
             # the drift its average measures
             max_windows=1 if adapting else None,
@@ -65,7 +67,12 @@ class WindowPlanning:
             s.windows[first + window.index] = (plan, window, window.index in marks)
         s.next_window += len(plan.windows)
         s.planned_until = plan.steps[-1].index + 1
-        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks)
+        best = frozenset(
+            w.index
+            for w in plan.windows
+            if w.index not in marks and self._keeps_best(plan.steps[w.stop - 1])
+        )
+        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks, best)
 
     def _adapted_period(self, longest: int) -> int:
         """Local(max_drift=...): the period for the next window, from the drift the last

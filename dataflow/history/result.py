@@ -95,6 +95,9 @@ class FitResult:
     history: History
     ledger: SampleLedger | None = None
     driver_log: Any = None
+    # fit(keep_best=...): the weights of the epoch with the best watched metric (its
+    # epoch and value in history.info["best"]); None without keep_best
+    best_model: torch.nn.Module | None = None
 
     def summary(self) -> str:
         h = self.history
@@ -125,6 +128,12 @@ class FitResult:
         if stopped:
             after, reason = stopped["after_epoch"], stopped["reason"]
             lines.append(f"  stopped early after epoch {after}: {reason}")
+        if (best := info.get("best")) is not None:
+            where = f"; saved to {best['path']}" if best.get("path") else ""
+            lines.append(
+                f"  best {best['metric']} {figure(best['value'])} after epoch {best['epoch']}"
+                f" (result.best_model{where})"
+            )
         for partial in info.get("partial_evaluations") or ():
             lines.append(
                 f"  epoch {partial['epoch']}: the evaluation scored {partial['scored']} of "

@@ -103,7 +103,9 @@ class ReplicaRuntime(StoreSide):
         for name in self.order:
             self.stages[name].begin_phase(self.context, phase)
 
-    def run_window(self, first_step: int, stop_step: int, checkpoint: bool = False) -> WindowResult:
+    def run_window(
+        self, first_step: int, stop_step: int, checkpoint: bool = False, *, weights: bool = False
+    ) -> WindowResult:
         with self.lock:
             probe = MemoryProbe(self.context.device) if self.measure_memory else None
             self.measure_memory = False
@@ -113,6 +115,8 @@ class ReplicaRuntime(StoreSide):
                 result.memory = probe.finish(held)
             if checkpoint:
                 result.checkpoint = self.checkpoint_state()
+            elif weights:
+                result.checkpoint = self.weights_state()
             return result
 
     def _run_window(self, first_step: int, stop_step: int) -> WindowResult:
@@ -288,6 +292,12 @@ class ReplicaRuntime(StoreSide):
         (its first worker in a spatial layout: slot 0 of the fit's workers)."""
         leader = self.slot == 0
         return self.capture(model=leader, optimizer=leader, stages=leader, rng=True, buffers=True)
+
+    def weights_state(self) -> ReplicaState:
+        """What ``keep_best`` needs of this replica at an epoch's end: its buffers (the
+        kept weights hold their mean over the replicas, as a phase end does), and on
+        rank 0 the weights."""
+        return self.capture(model=self.slot == 0, buffers=True)
 
     def snapshot(self) -> ReplicaState:
         """What a replica joining the fit takes from rank 0."""

@@ -246,18 +246,22 @@ class BeginPhase(Request):
 @dataclass(frozen=True)
 class RunWindow(Request):
     """Steps ``[first_step, stop_step)``; ``checkpoint``: the state at the window's end
-    comes back with the result (a mid-phase checkpoint)."""
+    comes back with the result (a mid-phase checkpoint); ``weights``: the weights and
+    buffers only (the epoch's end, for ``keep_best``)."""
 
     first_step: int = 0
     stop_step: int = 0
     checkpoint: bool = False
+    weights: bool = False
 
     def run(self, runtime: ReplicaRuntime) -> WindowResult | None:
         if runtime.released_after is not None:
             generation, stop = runtime.released_after
             if generation == self.generation and self.first_step >= stop:
                 return None  # after the window in flight of a release: the driver regroups
-        return runtime.run_window(self.first_step, self.stop_step, self.checkpoint)
+        return runtime.run_window(
+            self.first_step, self.stop_step, self.checkpoint, weights=self.weights
+        )
 
 
 @dataclass(frozen=True)
