@@ -15,6 +15,7 @@ a mistake in it is never skipped silently.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass, field
@@ -147,12 +148,18 @@ def as_keep_best(keep_best: Any, epoch_keys: Iterable[str]) -> KeepBest | None:
 
 
 def _check_metric(owner: str, metric: str, keys: set[str]) -> None:
-    if metric not in keys:
-        raise ConfigError(
-            f"{owner}(metric={metric!r}): the fit's epochs will have {sorted(keys)}; "
-            "evaluate on held-out data (Pipeline(eval_source=...)) for eval_* metrics, or "
-            "watch 'train_loss'"
-        )
+    if metric in keys:
+        return
+    close = difflib.get_close_matches(metric, sorted(keys), n=1)
+    hint = (
+        f"did you mean {close[0]!r}?"
+        if close
+        else "evaluate on held-out data (Pipeline(eval_source=...)) for eval_* metrics, or "
+        "watch 'train_loss'"
+    )
+    raise ConfigError(
+        f"{owner}(metric={metric!r}): the fit's epochs will have {sorted(keys)}; {hint}"
+    )
 
 
 def check_callbacks(on_epoch: Any, epoch_keys: Iterable[str]) -> tuple[EpochCallback, ...]:

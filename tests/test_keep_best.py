@@ -52,6 +52,15 @@ def test_a_keep_best_no_epoch_can_satisfy_is_refused_before_the_fit(keep_best, s
         tiny_pipeline(x, y).fit(1, keep_best=keep_best)  # before any cluster starts
 
 
+def test_a_misspelt_metric_is_answered_with_the_closest_name():
+    with pytest.raises(dfl.ConfigError, match=r"did you mean 'eval_accuracy'\?"):
+        as_keep_best("eval_acc", {"train_loss", "eval_loss", "eval_accuracy"})
+    with pytest.raises(dfl.ConfigError, match=r"did you mean 'eval_accuracy'\?"):
+        dfl.callbacks.check_callbacks(
+            dfl.EarlyStopping(metric="eval_acuracy"), {"train_loss", "eval_accuracy"}
+        )
+
+
 def test_a_bad_keep_best_is_named_where_it_is_built():
     with pytest.raises(dfl.ConfigError, match=r"KeepBest\(mode='up'\): use 'min', 'max'"):
         KeepBest("train_loss", mode="up")
