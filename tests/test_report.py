@@ -165,6 +165,27 @@ def test_an_evaluation_of_part_of_the_held_out_set_is_said_in_the_report_and_sum
     assert "epoch 3: the evaluation scored 200 of 300 held-out samples" in summary
 
 
+def test_the_kept_weights_epoch_is_named_in_the_report_and_marked_in_the_plot(tmp_path):
+    """keep_best: report.md and the summary name the kept epoch and its value; the
+    training figure draws one more legend entry, the kept epoch's line."""
+    history = adaptive_history()
+    plain = tmp_path / "plain"
+    write_report(history, plain)
+    history.info["best"] = {
+        "metric": "eval_accuracy", "mode": "max", "epoch": 3, "step": 40,
+        "value": 0.8765, "path": "runs/ckpt/best.pt",
+    }  # fmt: skip
+    out = tmp_path / "report"
+    assert_report(out, write_report(history, out))
+    report = (out / "report.md").read_text()
+    assert "**Kept weights (keep_best): epoch 3**, eval_accuracy 0.8765 (max)" in report
+    assert "`runs/ckpt/best.pt`" in report
+    assert "Kept weights" not in (plain / "report.md").read_text()
+    summary = dfl.FitResult(model=None, history=history).summary()
+    assert "best eval_accuracy 0.8765 after epoch 3 (result.best_model; saved to " in summary
+    assert (out / "training.png").read_bytes() != (plain / "training.png").read_bytes()
+
+
 def test_a_first_step_that_took_most_of_the_time_leaves_the_layout_whole(tmp_path):
     """One phase, its first step 20x the others (setup and the first compile in it), as
     `dataflow demo` often trains: the phase's label, centred on the phase from the

@@ -239,6 +239,7 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
             for p in history.info.get("partial_evaluations") or ()
         ),
         *notes,
+        *_kept_text(history),
         *sync_table(history),
         "Tables: `steps.csv` (one row per step: loss, samples, samples_seen, seconds, "
         "wall_time, global_batch, lr, skipped), `epochs.csv` (one row per epoch), `history.json` "
@@ -283,3 +284,16 @@ def write_tensorboard(history: History, logdir: str | Path) -> Path | None:
     finally:
         writer.close()
     return logdir
+
+
+def _kept_text(history: History) -> list[str]:
+    """``keep_best``: which epoch's weights the fit kept, and by what value."""
+    best = history.info.get("best")
+    if not best:
+        return []
+    where = f" in `{best['path']}`" if best.get("path") else ""
+    return [
+        f"**Kept weights (keep_best): epoch {best['epoch']}**, {best['metric']} "
+        f"{best['value']:.4g} ({best['mode']}){where}; the dotted gold line in "
+        "`training.png`.\n"
+    ]

@@ -178,6 +178,11 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
                 ax.set_xlabel(xlabel)
             ax.set_title(f"Held-out {name} vs {'samples seen' if col == 0 else 'wall time'}")
             ax.grid(alpha=0.3)
+        kept = (history.info.get("best") or {}).get("epoch")
+        if kept in ends:  # keep_best: where the kept weights were taken
+            for r, row in enumerate(axes[:, col]):
+                label = "the kept weights (keep_best)" if r == 0 else None
+                row.axvline(ends[kept][col], color="#e9a400", ls=":", lw=1.8, label=label)
         if bounds:  # from the training's start (0): the first phase's label stays in view,
             axes[0][col].set_xlim(left=bounds[0][0])  # else layout makes room for it outside
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -195,6 +200,8 @@ def plot_training(history: History, path: Path, plt: Any) -> Path:
         "learning rate). Wall time per step is reconstructed from step durations (results "
         "arrive one window of steps at a time)."
     )
+    if (history.info.get("best") or {}).get("epoch") in ends:
+        caption += " Dotted gold line: the end of the epoch whose weights keep_best kept."
     if _resume_seams(history, seen):
         caption += (
             " Dashed purple lines: a run resumed from a checkpoint; wall time counts each run's "
