@@ -11,6 +11,11 @@ A callback that raises :class:`StopTraining` ends the fit at the end of that epo
 callbacks, the driver plans no step past an epoch's end before they ran. A callback
 that raises anything else stops the fit with :class:`~dataflow.errors.CallbackError`:
 a mistake in it is never skipped silently.
+
+The other rule a fit applies after each epoch is :class:`KeepBest`
+(``fit(keep_best=...)``): which epoch's weights to keep. It shares
+:class:`EarlyStopping`'s idea of "better" (:func:`improves`), so the two watching one
+metric agree on the best epoch.
 """
 
 from __future__ import annotations
@@ -62,9 +67,7 @@ class EarlyStopping:
             raise ConfigError(f"EarlyStopping(patience={self.patience!r}): must be an int >= 1")
         if self.patience < 1:
             raise ConfigError(f"EarlyStopping(patience={self.patience}): must be >= 1")
-        delta = self.min_delta
-        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
-            raise ConfigError(f"EarlyStopping(min_delta={delta!r}): must be a number >= 0")
+        _check_min_delta("EarlyStopping", self.min_delta)
         self.mode = metric_mode("EarlyStopping", self.metric, self.mode)
 
     def __call__(self, epoch: Mapping[str, Any], history: Any = None) -> None:
@@ -101,9 +104,7 @@ class KeepBest:
     def __post_init__(self) -> None:
         if not isinstance(self.metric, str) or not self.metric:
             raise ConfigError(f"KeepBest(metric={self.metric!r}): name an epoch metric")
-        delta = self.min_delta
-        if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
-            raise ConfigError(f"KeepBest(min_delta={delta!r}): must be a number >= 0")
+        _check_min_delta("KeepBest", self.min_delta)
         object.__setattr__(self, "mode", metric_mode("KeepBest", self.metric, self.mode))
 
     def improves(self, value: float, best: float | None) -> bool:
@@ -120,6 +121,11 @@ def metric_mode(owner: str, metric: str, mode: str) -> str:
         return mode
     higher = ("accuracy", "acc", "r2", "score")
     return "max" if any(word in metric.lower() for word in higher) else "min"
+
+
+def _check_min_delta(owner: str, delta: Any) -> None:
+    if isinstance(delta, bool) or not isinstance(delta, int | float) or not delta >= 0:
+        raise ConfigError(f"{owner}(min_delta={delta!r}): must be a number >= 0")
 
 
 def improves(value: float, best: float | None, mode: str, min_delta: float) -> bool:

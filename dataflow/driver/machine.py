@@ -391,12 +391,6 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
                 out.append(cmd.KeepIfBest(last.epoch, s.committed_step, states))
         return out
 
-    def _keeps_best(self, step: Any) -> bool:
-        """Whether the replicas' states at the end of ``step`` are offered as the best
-        weights: the last step of an epoch whose record has the watched metric."""
-        every = self.config.best_every
-        return every is not None and step.last_in_epoch and (step.epoch + 1) % every == 0
-
     def _commit_refused(self, event: ev.CommitRefused) -> list[Any]:
         """The recorder found a committed window wrong: the fit stops with its error."""
         self.state.status = Status.FAILED

@@ -1,7 +1,8 @@
 """How the fit machine cuts the running segment into windows: 1-step calibration
 windows until a step is timed, then windows of about ``window_seconds`` (or of a
 ``Local`` period of samples, adapted to the measured drift with ``max_drift``), and
-which of them return the replicas' states for a mid-phase checkpoint. A mixin of
+which of them return the replicas' states for a mid-phase checkpoint or for
+``keep_best``. A mixin of
 :class:`~dataflow.driver.machine.FitMachine` (its ``state`` and ``config``); pure,
 like the machine.
 """
@@ -19,7 +20,6 @@ class WindowPlanning:
 
     state: Any
     config: Any
-    _keeps_best: Any  # (FitMachine's)
 
     def _submit_next(self) -> cmd.SubmitWindows:
         """The segment's next steps as a plan: 1-step windows until a step is timed,
@@ -73,6 +73,13 @@ class WindowPlanning:
             if w.index not in marks and self._keeps_best(plan.steps[w.stop - 1])
         )
         return cmd.SubmitWindows(s.generation, self.members, plan, first, marks, best)
+
+    def _keeps_best(self, step: Any) -> bool:
+        """Whether the replicas' states at the end of ``step`` are offered as the best
+        weights (``keep_best``): the last step of an epoch whose record has the watched
+        metric."""
+        every = self.config.best_every
+        return every is not None and step.last_in_epoch and (step.epoch + 1) % every == 0
 
     def _adapted_period(self, longest: int) -> int:
         """Local(max_drift=...): the period for the next window, from the drift the last
