@@ -12,6 +12,7 @@ from dataflow.graph import Graph
 from dataflow.history.result import FitResult
 from dataflow.schedule import Fixed, LRDecay, Schedule
 from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
+from dataflow.stages.evaluate import graph_eval_transforms
 from dataflow.trainer import Trainer
 
 
@@ -93,6 +94,8 @@ class Pipeline:
             graph.add(Evaluate(eval_source, metrics=metrics, every_epochs=eval_every), node)
         elif metrics:
             raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
+        # what evaluate() scores a trained model by: the held-out loss and the metrics
+        self.eval_metrics = {"loss": loss, **(metrics or {})}
         self.graph = graph
         self.trainer = Trainer(
             graph, schedule=schedule, lr_decay=lr_decay, seed=seed, **trainer_options
@@ -130,6 +133,33 @@ class Pipeline:
             checkpoint_every=checkpoint_every,
             on_epoch=on_epoch,
             keep_best=keep_best,
+        )
+
+    def evaluate(
+        self,
+        source: Any,
+        model: torch.nn.Module,
+        *,
+        client: Any = None,
+        metrics: dict[str, Callable[..., torch.Tensor]] | None = None,
+        batch_size: int = 256,
+    ) -> dict[str, float]:
+        """Score a trained ``model`` (``result.best_model``, ``result.model``) on
+        ``source``, a test set: each metric's mean over every sample, and ``samples``.
+        The metrics are the fit's (``loss`` and ``Pipeline(metrics=...)``) unless given;
+        the pipeline's deterministic transforms are applied, as in its evaluation.
+        ``client``: spread over a ``distributed.Client``'s workers (None: in this
+        process). See :func:`dataflow.evaluation.evaluate`."""
+        from dataflow.evaluation import evaluate
+
+        return evaluate(
+            model,
+            source,
+            metrics=metrics or self.eval_metrics,
+            transforms=graph_eval_transforms(self.graph),
+            batch_size=batch_size,
+            client=client,
+            device=self.trainer.config.device,
         )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:

@@ -207,17 +207,22 @@ class Evaluate(Stage):
         n = self.source.num_samples
         lo = n * rank // replica.world_size
         hi = n * (rank + 1) // replica.world_size
+        return self.score_range(replica.model, replica.device, lo, hi)
+
+    def score_range(self, model: Any, device: Any, lo: int, hi: int) -> dict[str, float]:
+        """Sums of the metrics over the held-out samples ``[lo, hi)`` scored by ``model``
+        on ``device`` (in eval mode, then back in train mode), and their ``count``: one
+        replica's share in a fit, one worker's in :func:`dataflow.evaluation.evaluate`."""
         sums = dict.fromkeys(self.config.metrics, 0.0)
         batches = held_out_batches(self.source, lo, hi, self.config.batch_size)
-        reading = self._held_out_reading(batches, replica.device)
+        reading = self._held_out_reading(batches, device)
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
         if interrupted is not None:  # the abort came as this reading began
             self._abandon(reading, interrupted)
-        model = replica.model
         model.eval()
         try:
-            self._score(reading, batches, replica, sums)
+            self._score(reading, batches, model, device, sums)
         finally:
             self._reading = self._reader = None
             reading.close()
@@ -242,13 +247,12 @@ class Evaluate(Stage):
         return Prefetcher(self.source.read, batches)
 
     def _score(
-        self, reading: Prefetcher, batches: list[np.ndarray], replica: Any, sums: dict
+        self, reading: Prefetcher, batches: list[np.ndarray], model: Any, device: Any, sums: dict
     ) -> None:
         """Add each batch's metric sums to ``sums``, in ``batches`` order."""
-        model = replica.model
         with torch.no_grad():
             for indices in batches:
-                batch = self.prepare(reading.get(), replica.device)
+                batch = self.prepare(reading.get(), device)
                 output = call_model(model, batch.x)
                 y = batch.y
                 check_finite(self.source, indices, batch, output)

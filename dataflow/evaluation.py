@@ -1,0 +1,103 @@
+"""Scoring a trained model on held-out data after a fit: ``Pipeline.evaluate``.
+
+The same scoring as a fit's evaluation at an epoch's end (``stages.Evaluate``): the
+held-out set read as training reads it (a chunked store chunk by chunk, each chunk
+decoded once, its chunks checked to exist; a remote store's objects fetched ahead), the
+graph's deterministic transforms applied, each metric averaged over every sample. On a
+``distributed.Client`` the set is split into one contiguous share per worker, the model
+and the stage sent to each worker once; the shares' sums meet on the driver in share
+order, so the scores do not depend on which worker finished first (or, a worker lost,
+which one scored its share again).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dataflow.core.errors import ConfigError
+from dataflow.runtime.cluster import available_workers, check_client
+from dataflow.runtime.replica_spec import resolve_device
+from dataflow.stages.evaluate import Evaluate
+
+__all__ = ["evaluate"]
+
+
+def evaluate(
+    model: torch.nn.Module,
+    source: Any,
+    *,
+    metrics: Mapping[str, Callable[..., torch.Tensor]],
+    transforms: Any = (),
+    batch_size: int = 256,
+    client: Any = None,
+    device: str = "auto",
+) -> dict[str, float]:
+    """The mean of each of ``metrics`` over every sample of ``source`` scored by
+    ``model``, and ``samples`` (how many). ``transforms``: applied to each batch before
+    the model, as in ``Evaluate``. ``client``: a ``distributed.Client`` (or a scheduler
+    address) to spread the set over its workers; None scores it in this process.
+    ``device``: where each share is scored ("auto": a worker's GPU when it has one).
+    ``model`` itself is not changed (a copy is scored)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"evaluate(model={type(model).__name__}): give the trained torch.nn.Module, "
+            "e.g. result.best_model or result.model"
+        )
+    samples = getattr(source, "num_samples", None)
+    if not isinstance(samples, int) or samples < 1:
+        raise ConfigError(
+            f"evaluate(source={source!r}): a source with samples to score (num_samples >= 1)"
+            ", e.g. dataflow.io.ZarrSource(path, x=..., y=..., shuffle=False)"
+        )
+    stage = Evaluate(source, metrics=dict(metrics), batch_size=batch_size, transforms=transforms)
+    if client is None:
+        shares = [score_share(stage, model, device, 0, samples)]
+    else:
+        shares = _score_on(client, stage, model, device, samples)
+    count = sum(int(share["count"]) for share in shares)
+    means = {key: math.fsum(share[key] for share in shares) / count for key in metrics}
+    return {**means, "samples": count}
+
+
+def score_share(stage: Evaluate, model: torch.nn.Module, device: str, lo: int, hi: int) -> dict:
+    """Samples ``[lo, hi)`` scored by a copy of ``model`` on ``device``: the metric
+    sums and their count (run on a worker, or in the driver's process)."""
+    place = resolve_device(device, 0)
+    scored = copy.deepcopy(model).to(place)
+    return stage.score_range(scored, place, lo, hi)
+
+
+def _score_on(
+    client: Any, stage: Evaluate, model: torch.nn.Module, device: str, samples: int
+) -> list[dict]:
+    """One contiguous share per worker (no more shares than samples), in worker order."""
+    from dataflow.runtime.cluster import client_or_local_cluster
+
+    with client_or_local_cluster(client, announce=False) as active:
+        check_client(active)
+        workers = available_workers(active)
+        if not workers:
+            raise ConfigError("evaluate(client=...): the client has no workers")
+        count = min(len(workers), samples)
+        bounds = [(samples * i // count, samples * (i + 1) // count) for i in range(count)]
+        sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
+        futures = [
+            active.submit(
+                score_share,
+                sent_stage,
+                sent_model,
+                device,
+                lo,
+                hi,
+                workers=[worker],
+                allow_other_workers=True,  # a lost worker's share is scored elsewhere
+                pure=False,
+            )
+            for worker, (lo, hi) in zip(workers, bounds, strict=False)
+        ]
+        return active.gather(futures)

@@ -1,0 +1,109 @@
+"""``Pipeline.evaluate``: a trained model scored on a test set after the fit, in this
+process or spread over a cluster's workers, with the pipeline's transforms and metrics.
+Real zarr stores on disk; a real LocalCluster for the spread."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TinyCNN, sgd
+
+import dataflow as dfl
+from dataflow import stages
+
+SAMPLES = 200
+
+
+def write_test_set(tmp_path, samples: int = SAMPLES) -> str:
+    rng = np.random.default_rng(7)
+    x = rng.gamma(2.0, size=(samples, 1, 8, 8)).astype(np.float32)  # positive: Log1p
+    y = rng.integers(0, 3, size=samples).astype(np.int64)
+    return dfl.io.to_zarr(str(tmp_path / "test.zarr"), x, y, chunk_mb=0.0115)
+
+
+def pipeline(source, **options) -> dfl.Pipeline:
+    return dfl.Pipeline(
+        model=TinyCNN,
+        device="cpu",
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=source,
+        transforms=[dfl.ops.Log1p(), dfl.ops.RandomFlip(axes=(2, 3))],
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+        **options,
+    )
+
+
+def by_hand(model, path) -> dict[str, float]:
+    """The test set's mean loss and accuracy, batch by batch, Log1p applied (the flip is
+    an augmentation: training only)."""
+    source = dfl.io.ZarrSource(path, x="x", y="y", shuffle=False)
+    batch = source.read(np.arange(source.num_samples))
+    with torch.no_grad():
+        output = model(torch.log1p(torch.as_tensor(batch.x)))
+    y = torch.as_tensor(batch.y)
+    return {
+        "loss": float(F.cross_entropy(output, y)),
+        "accuracy": float(stages.accuracy(output, y)),
+        "samples": source.num_samples,
+    }
+
+
+def test_a_model_is_scored_with_the_pipelines_transforms_and_metrics(tmp_path):
+    path = write_test_set(tmp_path)
+    source = dfl.io.ZarrSource(path, x="x", y="y", shuffle=False)
+    pipe = pipeline(source, eval_source=source, metrics={"accuracy": stages.accuracy})
+    torch.manual_seed(0)
+    model = TinyCNN()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scores = pipe.evaluate(source, model)
+    expected = by_hand(model, path)
+    assert scores == pytest.approx(expected, rel=1e-6)
+    assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    only = pipe.evaluate(source, model, metrics={"loss": F.cross_entropy}, batch_size=7)
+    assert set(only) == {"loss", "samples"} and only["loss"] == pytest.approx(expected["loss"])
+    plain = pipeline(source)  # no held-out set in the fit: the loss alone
+    assert set(plain.evaluate(source, model)) == {"loss", "samples"}
+
+
+def test_a_chunk_missing_from_the_test_set_stops_the_evaluation_naming_it(tmp_path):
+    path = write_test_set(tmp_path)
+    os.remove(os.path.join(path, "x", "c", "1", "0", "0", "0"))
+    source = dfl.io.ZarrSource(path, x="x", y="y", shuffle=False)
+    with pytest.raises(dfl.ChunkMissingError, match=r"x.*c/1/0/0/0"):
+        pipeline(source).evaluate(source, TinyCNN())
+
+
+def test_what_is_not_a_model_or_a_test_set_is_named(tmp_path):
+    source = dfl.io.ArraySource(np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64))
+    pipe = pipeline(source)
+    with pytest.raises(dfl.ConfigError, match=r"evaluate\(model=OrderedDict\): give the trained"):
+        pipe.evaluate(source, TinyCNN().state_dict())
+    with pytest.raises(dfl.ConfigError, match=r"a source with samples to score"):
+        pipe.evaluate(object(), TinyCNN())
+
+
+@pytest.mark.slow
+def test_the_best_epochs_weights_scored_on_the_cluster_give_the_fits_own_score(client, tmp_path):
+    """keep_best meets evaluate: the kept weights, scored on the held-out set spread over
+    the cluster's two workers, give the held-out loss the fit recorded for that epoch;
+    the spread scores equal this process's (to float rounding: other batches)."""
+    path = write_test_set(tmp_path, samples=96)
+    held_out = dfl.io.ZarrSource(path, x="x", y="y", shuffle=False)
+    rng = np.random.default_rng(0)
+    x = rng.gamma(2.0, size=(128, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 3, size=128).astype(np.int64)
+    pipe = pipeline(dfl.io.ArraySource(x, y), eval_source=held_out)
+    result = pipe.fit(3, client=client, keep_best="eval_loss")
+    best = result.history.info["best"]
+    spread = pipe.evaluate(held_out, result.best_model, client=client)
+    assert spread["samples"] == 96
+    assert spread["loss"] == pytest.approx(best["value"], rel=1e-6)
+    here = pipe.evaluate(held_out, result.best_model)
+    # (float32 batches of 48 on each worker, one of 96 here: equal to rounding)
+    assert spread["loss"] == pytest.approx(here["loss"], rel=1e-6)
