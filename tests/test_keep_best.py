@@ -12,10 +12,12 @@ import json
 
 import pytest
 import torch
-from conftest import make_data, sgd, tiny_pipeline
+import torch.nn.functional as F
+from conftest import TinyCNN, make_data, sgd, tiny_pipeline
 from test_driver_machine import Driver, of
 
 import dataflow as dfl
+from dataflow import stages
 from dataflow.callbacks import KeepBest, as_keep_best
 from dataflow.checkpoint import CheckpointStore
 from dataflow.checkpoint.best import best_record, load_best
@@ -328,3 +330,38 @@ def test_a_resumed_fit_keeps_the_best_of_its_earlier_runs_until_it_beats_it(clie
     plain = pipe().fit(1, client=client, keep_best="train_loss")  # no folder: in memory
     assert plain.history.info["best"]["path"] is None and plain.best_model is not None
     assert pipe().fit(1, client=client).best_model is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_after_a_lost_worker_the_kept_weights_score_what_the_fit_recorded(tmp_path):
+    """A worker SIGKILLed in epoch 1 of 4: the fit recovers on the others, and the kept
+    weights are those of the epoch with the lowest held-out loss among all four;
+    scored again (``evaluate``), they give the loss the fit recorded for it."""
+    from distributed import Client, LocalCluster
+    from test_lost_worker import KillOnce
+
+    from dataflow.evaluation import evaluate
+
+    x, y = make_data(240)
+    held_out = dfl.io.ArraySource(x[192:], y[192:], shuffle=False)
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x[:192], y[:192])))
+    batch = g.add(KillOnce(str(tmp_path / "killed"), step=7, rank=1), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    update = g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
+    g.add(stages.Evaluate(held_out, metrics={"loss": torch.nn.functional.cross_entropy}), update)
+    trainer = dfl.Trainer(
+        g, schedule=dfl.schedule.Fixed(24), progress=False, window_seconds=0.3
+    )  # 8 steps an epoch: the kill at step 7 ends epoch 0's last window
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        result = trainer.fit(4, client=client, keep_best="eval_loss")
+    assert (tmp_path / "killed").exists() and result.history.info["failures"]
+    losses = [e["eval_loss"] for e in result.history.epochs]
+    best = result.history.info["best"]
+    assert best["epoch"] == min(range(4), key=losses.__getitem__)
+    scored = evaluate(result.best_model, held_out, metrics={"loss": F.cross_entropy})
+    assert scored["loss"] == pytest.approx(best["value"], rel=1e-6)
