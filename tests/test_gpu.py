@@ -270,3 +270,18 @@ def test_captured_micro_batches_equal_the_eager_accumulation(client):
     want = eager.model.state_dict()
     for name, got in captured.model.state_dict().items():
         torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_kept_weights_of_a_cuda_fit_score_on_the_gpu_what_the_fit_recorded(client):
+    """keep_best on CUDA: the weights come back to the driver's CPU at each epoch's end;
+    scored again on the GPU by Pipeline.evaluate, the kept weights give the held-out
+    loss the fit recorded for their epoch (same GPU kernels, other batches)."""
+    client.run(_no_tf32)
+    x, y = make_data(160)
+    held_out = dfl.io.ArraySource(x[128:], y[128:], shuffle=False)
+    pipe = tiny_pipeline(x[:128], y[:128], device="cuda", replicas=1, eval_source=held_out, **FP32)
+    result = pipe.fit(epochs=3, client=client, keep_best="eval_loss")
+    best = result.history.info["best"]
+    assert next(result.best_model.parameters()).device.type == "cpu"
+    scored = pipe.evaluate(held_out, result.best_model, client=client)
+    assert scored["loss"] == pytest.approx(best["value"], rel=1e-5)
