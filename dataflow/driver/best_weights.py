@@ -17,6 +17,7 @@ import torch
 
 from dataflow.callbacks import KeepBest
 from dataflow.checkpoint.best import best_record, load_best, save_best
+from dataflow.checkpoint.store import BEST_FILE
 
 
 class BestWeights:
@@ -53,7 +54,7 @@ class BestWeights:
         ):
             return
         self.value, self.epoch, self.step = record["value"], record["epoch"], record["step"]
-        self.path = self.store.directory / "best.pt"
+        self.path = self.store.directory / BEST_FILE
 
     def offer(self, record: Mapping[str, Any], step: int, states: Sequence[Any]) -> bool:
         """Keep the weights of ``states`` (each replica's, at the end of the epoch of
