@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -160,6 +161,43 @@ class Pipeline:
             batch_size=batch_size,
             client=client,
             device=self.trainer.config.device,
+        )
+
+    def predict(
+        self,
+        source: Any,
+        model: torch.nn.Module,
+        out: str | Path,
+        *,
+        client: Any = None,
+        name: str = "prediction",
+        batch_size: int = 256,
+        chunk_mb: float = 8.0,
+    ) -> str:
+        """Write a trained ``model``'s output on every sample of ``source`` to the array
+        ``name`` of a new zarr group at ``out`` (row ``i``: sample ``i``'s output; a zarr
+        store there is replaced). The pipeline's deterministic transforms are applied, as
+        in its evaluation. ``client``: each worker writes a share of whole chunks (``out``
+        must be a folder every worker can write to); None: in this process. Returns
+        ``out``; read it with ``zarr.open_group(out)[name]``. See
+        :mod:`dataflow.prediction`."""
+        from dataflow.prediction import predict
+
+        stage = Evaluate(
+            source,
+            metrics=self.eval_metrics,  # (not computed: predict keeps the outputs)
+            batch_size=batch_size,
+            transforms=graph_eval_transforms(self.graph),
+        )
+        where = str(out) if "://" in str(out) else str(Path(out).resolve())  # (workers' cwd)
+        return predict(
+            model,
+            stage,
+            where,
+            name=name,
+            client=client,
+            device=self.trainer.config.device,
+            chunk_mb=chunk_mb,
         )
 
     def sample_plan(self, epochs: int, replicas: int) -> list:

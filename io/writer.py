@@ -106,18 +106,59 @@ def to_zarr(
                     "dimension"
                 )
         splits = {x_name: _array_splits(spatial_chunks, arrays[x_name][0].shape)}
-    target = Path(path)
-    is_zarr = (target / "zarr.json").exists() or (target / ".zgroup").exists()
-    if target.is_dir() and any(target.iterdir()) and not is_zarr:
-        raise DataError(
-            f"to_zarr(path={str(path)!r}): a non-empty directory that is not a zarr store; "
-            "choose a new path (to_zarr replaces only zarr stores)"
-        )
-    group = zarr.open_group(str(path), mode="w", zarr_format=zarr_format)
+    group = _new_group(path, zarr_format, "to_zarr")
     for name, (array, axis, dims) in arrays.items():
         codecs = checksummed_codecs(compressor, zarr_format, np.dtype(array.dtype))
         _write_array(group, name, array, axis, dims, chunk_mb, codecs, splits.get(name, {}))
     return path
+
+
+def _new_group(path: str | Path, zarr_format: int, owner: str) -> zarr.Group:
+    """A new zarr group at ``path``, replacing a zarr store there; any other existing,
+    non-empty directory is refused (a wrong path never deletes unrelated files)."""
+    target = Path(path)
+    is_zarr = (target / "zarr.json").exists() or (target / ".zgroup").exists()
+    if target.is_dir() and any(target.iterdir()) and not is_zarr:
+        raise DataError(
+            f"{owner}(path={str(path)!r}): a non-empty directory that is not a zarr store; "
+            f"choose a new path ({owner} replaces only zarr stores)"
+        )
+    return zarr.open_group(str(path), mode="w", zarr_format=zarr_format)
+
+
+def create_sample_array(
+    path: str | Path,
+    name: str,
+    samples: int,
+    sample_shape: tuple[int, ...],
+    dtype: Any,
+    *,
+    chunk_mb: float = 8.0,
+    compressor: str | None = "zstd",
+    owner: str = "create_sample_array",
+) -> int:
+    """A new zarr group at ``path`` with an empty array ``name`` of ``samples`` samples of
+    ``sample_shape``, laid out as :func:`to_zarr` lays out ``x`` (whole samples per chunk of
+    about ``chunk_mb`` MB, checksummed, every chunk written even when it equals the fill
+    value), for writers that fill it in parts (``Pipeline.predict``). Returns the samples
+    per chunk: parts aligned to it never share a chunk."""
+    if not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
+        raise ConfigError(f"{owner}(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8.0")
+    dtype = np.dtype(dtype)
+    group = _new_group(path, 3, owner)
+    sample_bytes = max(1, math.prod(sample_shape) * dtype.itemsize)
+    per_chunk = int(min(samples, max(1, (chunk_mb * 1e6) // sample_bytes)))
+    filters, compressors = checksummed_codecs(compressor, 3, dtype)
+    group.create_array(
+        name,
+        shape=(samples, *sample_shape),
+        dtype=dtype,
+        chunks=(per_chunk, *(max(1, d) for d in sample_shape)),
+        filters=filters,
+        compressors=compressors,
+        config={"write_empty_chunks": True},
+    )
+    return per_chunk
 
 
 def _dataset_arrays(dataset: Any, sample_dim: str | None) -> dict[str, tuple[Any, int, Any]]:

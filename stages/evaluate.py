@@ -12,8 +12,9 @@ so an evaluation is the same whatever the step.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,23 @@ class Evaluate(Stage):
         on ``device`` (in eval mode, then back in train mode), and their ``count``: one
         replica's share in a fit, one worker's in :func:`dataflow.evaluation.evaluate`."""
         sums = dict.fromkeys(self.config.metrics, 0.0)
+        with contextlib.closing(self.outputs(model, device, lo, hi)) as outputs:
+            for indices, batch, output in outputs:
+                y = batch.y
+                for key, fn in self.config.metrics.items():
+                    value = float(fn(output) if y is None else fn(output, y))
+                    if not math.isfinite(value):
+                        raise _metric_error(self.source, key, value, indices)
+                    sums[key] += value * batch.size
+        return {"count": hi - lo, **sums}
+
+    def outputs(
+        self, model: Any, device: Any, lo: int, hi: int
+    ) -> Iterator[tuple[np.ndarray, Any, Any]]:
+        """The held-out samples ``[lo, hi)`` in batches, each prepared (on ``device``,
+        the evaluation transforms applied) and run through ``model`` in eval mode without
+        gradients: ``(indices, batch, output)``, a non-finite output refused naming its
+        samples. ``model`` is back in train mode when the iteration ends or is closed."""
         batches = held_out_batches(self.source, lo, hi, self.config.batch_size)
         reading = self._held_out_reading(batches, device)
         self._reading = reading
@@ -222,12 +240,16 @@ class Evaluate(Stage):
             self._abandon(reading, interrupted)
         model.eval()
         try:
-            self._score(reading, batches, model, device, sums)
+            for indices in batches:
+                batch = self.prepare(reading.get(), device)
+                with torch.no_grad():  # (not held across a yield: it is per thread)
+                    output = call_model(model, batch.x)
+                check_finite(self.source, indices, batch, output)
+                yield indices, batch, output
         finally:
             self._reading = self._reader = None
             reading.close()
             model.train()
-        return {"count": hi - lo, **sums}
 
     def _held_out_reading(self, batches: list[np.ndarray], device: Any) -> Prefetcher:
         """The held-out ``batches``, read on a thread ahead of the model (a remote store's
@@ -245,22 +267,6 @@ class Evaluate(Stage):
             self._reader = EpochChunkReader(self.source, batches, decode_threads=threads)
             return Prefetcher(_as_is, self._reader)
         return Prefetcher(self.source.read, batches)
-
-    def _score(
-        self, reading: Prefetcher, batches: list[np.ndarray], model: Any, device: Any, sums: dict
-    ) -> None:
-        """Add each batch's metric sums to ``sums``, in ``batches`` order."""
-        with torch.no_grad():
-            for indices in batches:
-                batch = self.prepare(reading.get(), device)
-                output = call_model(model, batch.x)
-                y = batch.y
-                check_finite(self.source, indices, batch, output)
-                for key, fn in self.config.metrics.items():
-                    value = float(fn(output) if y is None else fn(output, y))
-                    if not math.isfinite(value):
-                        raise _metric_error(self.source, key, value, indices)
-                    sums[key] += value * batch.size
 
     def interrupt(self, reason: str) -> None:
         """The window was aborted while this replica may wait for a held-out batch: the
