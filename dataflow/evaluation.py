@@ -13,6 +13,7 @@ which one scored its share again).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,7 +25,7 @@ from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica_spec import resolve_device
 from dataflow.stages.evaluate import Evaluate
 
-__all__ = ["evaluate"]
+__all__ = ["contiguous_shares", "evaluate"]
 
 
 def evaluate(
@@ -64,6 +65,16 @@ def evaluate(
     return {**means, "samples": count}
 
 
+def contiguous_shares(samples: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``[0, samples)`` cut into at most ``parts`` contiguous ``(lo, hi)`` shares as even
+    as whole blocks of ``align`` samples allow, every boundary a multiple of ``align``
+    (a writer's chunk: no two shares write one chunk); no share is empty. Pure."""
+    blocks = -(-samples // align)
+    count = max(1, min(parts, blocks))
+    edges = [min(samples, align * (blocks * i // count)) for i in range(count + 1)]
+    return list(itertools.pairwise(edges))
+
+
 def score_share(stage: Evaluate, model: torch.nn.Module, device: str, lo: int, hi: int) -> dict:
     """Samples ``[lo, hi)`` scored by a copy of ``model`` on ``device``: the metric
     sums and their count (run on a worker, or in the driver's process)."""
@@ -83,8 +94,7 @@ def _score_on(
         workers = available_workers(active)
         if not workers:
             raise ConfigError("evaluate(client=...): the client has no workers")
-        count = min(len(workers), samples)
-        bounds = [(samples * i // count, samples * (i + 1) // count) for i in range(count)]
+        bounds = contiguous_shares(samples, len(workers))
         sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
         futures = [
             active.submit(

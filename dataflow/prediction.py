@@ -22,6 +22,7 @@ import torch
 import zarr
 
 from dataflow.core.errors import ConfigError
+from dataflow.evaluation import contiguous_shares
 from dataflow.io.writer import create_sample_array
 from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica_spec import resolve_device
@@ -181,9 +182,7 @@ def _predict_on(
         workers = available_workers(active)
         if not workers:
             raise ConfigError("predict(client=...): the client has no workers")
-        chunks = -(-samples // per_chunk)
-        count = min(len(workers), chunks)
-        edges = [min(samples, per_chunk * (chunks * i // count)) for i in range(count + 1)]
+        shares = contiguous_shares(samples, len(workers), align=per_chunk)
         sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
         futures = [
             active.submit(
@@ -199,6 +198,6 @@ def _predict_on(
                 allow_other_workers=True,
                 pure=False,
             )
-            for worker, lo, hi in zip(workers, edges[:-1], edges[1:], strict=False)
+            for worker, (lo, hi) in zip(workers, shares, strict=False)
         ]
         return active.gather(futures)

@@ -4,6 +4,7 @@ Real zarr stores on disk; a real LocalCluster for the spread."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -107,3 +108,19 @@ def test_the_best_epochs_weights_scored_on_the_cluster_give_the_fits_own_score(c
     here = pipe.evaluate(held_out, result.best_model)
     # (float32 batches of 48 on each worker, one of 96 here: equal to rounding)
     assert spread["loss"] == pytest.approx(here["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("align", [1, 4, 16, 300])
+@pytest.mark.parametrize("samples", [1, 5, 64, 200, 201])
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_shares_cover_every_sample_once_on_block_boundaries(samples, parts, align):
+    from dataflow.evaluation import contiguous_shares
+
+    shares = contiguous_shares(samples, parts, align)
+    assert shares[0][0] == 0 and shares[-1][1] == samples
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))  # contiguous
+    assert all(lo < hi for lo, hi in shares)  # none empty
+    assert len(shares) == min(parts, -(-samples // align))  # as many as blocks allow
+    assert all(lo % align == 0 for lo, _ in shares)  # no two share a block
+    sizes = [-(-(hi - lo) // align) for lo, hi in shares]  # blocks per share
+    assert max(sizes) - min(sizes) <= 1 + (samples % align != 0)  # even, the last short
