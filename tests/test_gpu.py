@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_data, max_abs_diff, reference_training, sgd, tiny_pipeline
+from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow import stages
@@ -285,3 +285,22 @@ def test_the_kept_weights_of_a_cuda_fit_score_on_the_gpu_what_the_fit_recorded(c
     assert next(result.best_model.parameters()).device.type == "cpu"
     scored = pipe.evaluate(held_out, result.best_model, client=client)
     assert scored["loss"] == pytest.approx(best["value"], rel=1e-5)
+
+
+def test_predictions_written_from_the_gpu_equal_the_cpus(client, tmp_path):
+    """Pipeline.predict on a CUDA worker: the outputs come back to host rows and land in
+    the store as a CPU worker writes them (cuDNN vs CPU kernels: 1e-4)."""
+    import numpy as np
+    import zarr
+
+    client.run(_no_tf32)
+    x, y = make_data(96)
+    source = dfl.io.ArraySource(x, y, shuffle=False)
+    torch.manual_seed(0)
+    net = TinyCNN()  # (any weights will do)
+    on_gpu = tiny_pipeline(x, y, device="cuda", **FP32).predict(
+        source, net, tmp_path / "gpu.zarr", client=client
+    )
+    on_cpu = tiny_pipeline(x, y, device="cpu").predict(source, net, tmp_path / "cpu.zarr")
+    gpu_rows = zarr.open_group(on_gpu)["prediction"][:]
+    np.testing.assert_allclose(gpu_rows, zarr.open_group(on_cpu)["prediction"][:], atol=1e-4)
