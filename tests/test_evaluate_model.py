@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -124,3 +125,42 @@ def test_shares_cover_every_sample_once_on_block_boundaries(samples, parts, alig
     assert all(lo % align == 0 for lo, _ in shares)  # no two share a block
     sizes = [-(-(hi - lo) // align) for lo, hi in shares]  # blocks per share
     assert max(sizes) - min(sizes) <= 1 + (samples % align != 0)  # even, the last short
+
+
+class KillsItsWorkerOnce:
+    """A metric that SIGKILLs the worker process it first runs on (once per marker file),
+    then scores as cross entropy."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __call__(self, output, y):
+        if not os.path.exists(self.marker):
+            with open(self.marker, "w") as file:
+                file.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return F.cross_entropy(output, y)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_worker_killed_while_it_scores_its_share_leaves_the_scores_whole(tmp_path):
+    """The share of a worker SIGKILLed mid-evaluation is scored by another: every sample
+    counted once, the same scores as in this process."""
+    from distributed import Client, LocalCluster
+
+    path = write_test_set(tmp_path)
+    source = dfl.io.ZarrSource(path, x="x", y="y", shuffle=False)
+    torch.manual_seed(0)
+    model = TinyCNN()
+    marker = str(tmp_path / "killed")
+    metrics = {"loss": KillsItsWorkerOnce(marker)}
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        spread = pipeline(source).evaluate(source, model, client=client, metrics=metrics)
+    assert os.path.exists(marker)  # a worker really died
+    here = pipeline(source).evaluate(source, model, metrics={"loss": F.cross_entropy})
+    assert spread["samples"] == 200
+    assert spread["loss"] == pytest.approx(here["loss"], rel=1e-6)
