@@ -25,7 +25,7 @@ from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica_spec import resolve_device
 from dataflow.stages.evaluate import Evaluate
 
-__all__ = ["contiguous_shares", "evaluate"]
+__all__ = ["contiguous_shares", "evaluate", "run_shares"]
 
 
 def evaluate(
@@ -59,7 +59,7 @@ def evaluate(
     if client is None:
         shares = [score_share(stage, model, device, 0, samples)]
     else:
-        shares = _score_on(client, stage, model, device, samples)
+        shares = run_shares(client, "evaluate", score_share, stage, model, device, samples)
     count = sum(int(share["count"]) for share in shares)
     means = {key: math.fsum(share[key] for share in shares) / count for key in metrics}
     return {**means, "samples": count}
@@ -83,31 +83,44 @@ def score_share(stage: Evaluate, model: torch.nn.Module, device: str, lo: int, h
     return stage.score_range(scored, place, lo, hi)
 
 
-def _score_on(
-    client: Any, stage: Evaluate, model: torch.nn.Module, device: str, samples: int
-) -> list[dict]:
-    """One contiguous share per worker (no more shares than samples), in worker order."""
+def run_shares(
+    client: Any,
+    owner: str,
+    task: Callable[..., Any],
+    stage: Evaluate,
+    model: torch.nn.Module,
+    device: str,
+    samples: int,
+    *,
+    align: int = 1,
+    extra: tuple[Any, ...] = (),
+) -> list[Any]:
+    """``task(stage, model, device, lo, hi, *extra)`` for one contiguous share of the
+    samples per worker of ``client`` (:func:`contiguous_shares`, boundaries on ``align``),
+    the stage and the model sent to every worker once; the results in share order. A
+    lost worker's share runs again on another (``allow_other_workers``)."""
     from dataflow.runtime.cluster import client_or_local_cluster
 
     with client_or_local_cluster(client, announce=False) as active:
         check_client(active)
         workers = available_workers(active)
         if not workers:
-            raise ConfigError("evaluate(client=...): the client has no workers")
-        bounds = contiguous_shares(samples, len(workers))
+            raise ConfigError(f"{owner}(client=...): the client has no workers")
+        shares = contiguous_shares(samples, len(workers), align)
         sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
         futures = [
             active.submit(
-                score_share,
+                task,
                 sent_stage,
                 sent_model,
                 device,
                 lo,
                 hi,
+                *extra,
                 workers=[worker],
-                allow_other_workers=True,  # a lost worker's share is scored elsewhere
+                allow_other_workers=True,
                 pure=False,
             )
-            for worker, (lo, hi) in zip(workers, bounds, strict=False)
+            for worker, (lo, hi) in zip(workers, shares, strict=False)
         ]
         return active.gather(futures)

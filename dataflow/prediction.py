@@ -22,9 +22,8 @@ import torch
 import zarr
 
 from dataflow.core.errors import ConfigError
-from dataflow.evaluation import contiguous_shares
+from dataflow.evaluation import run_shares
 from dataflow.io.writer import create_sample_array
-from dataflow.runtime.cluster import available_workers, check_client
 from dataflow.runtime.replica_spec import resolve_device
 from dataflow.stages.evaluate import Evaluate
 
@@ -61,7 +60,17 @@ def predict(
     if client is None:
         written = [predict_share(stage, model, device, 0, samples, str(out), name)]
     else:
-        written = _predict_on(client, stage, model, device, samples, per_chunk, str(out), name)
+        written = run_shares(  # each share whole output chunks: no two write one
+            client,
+            "predict",
+            predict_share,
+            stage,
+            model,
+            device,
+            samples,
+            align=per_chunk,
+            extra=(str(out), name),
+        )
     if sum(written) != samples:  # (each share writes each of its samples once)
         raise RuntimeError(f"predict wrote {sum(written)} of {samples} samples (a bug)")
     return str(out)
@@ -161,43 +170,3 @@ class RowWriter:
             self.array[self.start : self.start + self.gathered] = run
             self.written += self.gathered
         self.start, self.parts, self.gathered = None, [], 0
-
-
-def _predict_on(
-    client: Any,
-    stage: Evaluate,
-    model: torch.nn.Module,
-    device: str,
-    samples: int,
-    per_chunk: int,
-    out: str,
-    name: str,
-) -> list[int]:
-    """One contiguous share of whole output chunks per worker (fewer when there are fewer
-    chunks); a lost worker's share is written again by another."""
-    from dataflow.runtime.cluster import client_or_local_cluster
-
-    with client_or_local_cluster(client, announce=False) as active:
-        check_client(active)
-        workers = available_workers(active)
-        if not workers:
-            raise ConfigError("predict(client=...): the client has no workers")
-        shares = contiguous_shares(samples, len(workers), align=per_chunk)
-        sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
-        futures = [
-            active.submit(
-                predict_share,
-                sent_stage,
-                sent_model,
-                device,
-                lo,
-                hi,
-                out,
-                name,
-                workers=[worker],
-                allow_other_workers=True,
-                pure=False,
-            )
-            for worker, (lo, hi) in zip(workers, shares, strict=False)
-        ]
-        return active.gather(futures)
