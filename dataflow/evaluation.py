@@ -44,17 +44,7 @@ def evaluate(
     address) to spread the set over its workers; None scores it in this process.
     ``device``: where each share is scored ("auto": a worker's GPU when it has one).
     ``model`` itself is not changed (a copy is scored)."""
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"evaluate(model={type(model).__name__}): give the trained torch.nn.Module, "
-            "e.g. result.best_model or result.model"
-        )
-    samples = getattr(source, "num_samples", None)
-    if not isinstance(samples, int) or samples < 1:
-        raise ConfigError(
-            f"evaluate(source={source!r}): a source with samples to score (num_samples >= 1)"
-            ", e.g. dataflow.io.ZarrSource(path, x=..., y=..., shuffle=False)"
-        )
+    samples = checked_samples("evaluate", model, source)
     stage = Evaluate(source, metrics=dict(metrics), batch_size=batch_size, transforms=transforms)
     if client is None:
         shares = [score_share(stage, model, device, 0, samples)]
@@ -63,6 +53,26 @@ def evaluate(
     count = sum(int(share["count"]) for share in shares)
     means = {key: math.fsum(share[key] for share in shares) / count for key in metrics}
     return {**means, "samples": count}
+
+
+_VERB = {"evaluate": "score", "predict": "predict"}
+
+
+def checked_samples(owner: str, model: Any, source: Any) -> int:
+    """The samples of ``source``, once ``model`` is a module and ``source`` has samples;
+    else a ``ConfigError`` naming ``owner``'s argument."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{owner}(model={type(model).__name__}): give the trained torch.nn.Module, "
+            "e.g. result.best_model or result.model"
+        )
+    samples = getattr(source, "num_samples", None)
+    if not isinstance(samples, int) or samples < 1:
+        raise ConfigError(
+            f"{owner}(source={source!r}): a source with samples to {_VERB[owner]} "
+            "(num_samples >= 1), e.g. dataflow.io.ZarrSource(path, x=..., shuffle=False)"
+        )
+    return samples
 
 
 def contiguous_shares(samples: int, parts: int, align: int = 1) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ import torch
 import zarr
 
 from dataflow.core.errors import ConfigError
-from dataflow.evaluation import run_shares
+from dataflow.evaluation import checked_samples, run_shares
 from dataflow.io.writer import create_sample_array
 from dataflow.runtime.replica_spec import resolve_device
 from dataflow.stages.evaluate import Evaluate
@@ -42,17 +42,7 @@ def predict(
 ) -> str:
     """Write ``model``'s output on every sample of ``stage.source`` (prepared by
     ``stage``) to array ``name`` of a new zarr group at ``out``; returns ``out``."""
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"predict(model={type(model).__name__}): give the trained torch.nn.Module, "
-            "e.g. result.best_model or result.model"
-        )
-    source = stage.source
-    samples = getattr(source, "num_samples", None)
-    if not isinstance(samples, int) or samples < 1:
-        raise ConfigError(
-            f"predict(source={source!r}): a source with samples to predict (num_samples >= 1)"
-        )
+    samples = checked_samples("predict", model, stage.source)
     first = _first_output(stage, model)
     per_chunk = create_sample_array(
         out, name, samples, first.shape[1:], first.dtype, chunk_mb=chunk_mb, owner="predict"
