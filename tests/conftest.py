@@ -132,6 +132,14 @@ def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:
     return dfl.Pipeline(**{**defaults, **options})
 
 
+def held_out_pipeline(x, y, *, train: int = 128, **options) -> dfl.Pipeline:
+    """``tiny_pipeline`` on the first ``train`` samples, ``Fixed(16)``, evaluating every
+    epoch on the rest (in order): the fits that watch a held-out metric."""
+    held_out = dfl.io.ArraySource(x[train:], y[train:], shuffle=False)
+    defaults = dict(schedule=dfl.schedule.Fixed(16), eval_source=held_out)
+    return tiny_pipeline(x[:train], y[:train], **{**defaults, **options})
+
+
 def assert_the_balancer_followed_the_throttle(
     phases, *, slow: int, factor: float, waiting=("Load", "AllReduce"), smoothing: float = 1.0
 ) -> None:

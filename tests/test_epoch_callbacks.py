@@ -8,7 +8,7 @@ and a callback's mistake stops the fit naming the callback.
 
 import pytest
 import torch
-from conftest import make_data, tiny_pipeline
+from conftest import held_out_pipeline, make_data, tiny_pipeline
 from test_driver_machine import PHASE0, Driver, of, planned
 
 import dataflow as dfl
@@ -186,13 +186,7 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
     x, y = make_data(160)
 
     def pipe():
-        return tiny_pipeline(
-            x[:128],
-            y[:128],
-            schedule=dfl.schedule.Fixed(16),
-            eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
-            **({} if sync is None else {"sync": sync}),
-        )
+        return held_out_pipeline(x, y, **({} if sync is None else {"sync": sync}))
 
     seen = []
 

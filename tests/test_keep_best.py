@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyCNN, make_data, sgd, tiny_pipeline
+from conftest import TinyCNN, held_out_pipeline, make_data, sgd, tiny_pipeline
 from test_driver_machine import Driver, of
 
 import dataflow as dfl
@@ -273,15 +273,8 @@ def test_the_kept_weights_equal_a_fit_that_ended_at_the_best_epoch(client, tmp_p
     x, y = make_data(160)
 
     def pipe():
-        return tiny_pipeline(
-            x[:128],
-            y[:128],
-            model=BatchNormCNN,
-            optimizer=sgd,
-            schedule=dfl.schedule.Fixed(16),
-            eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
-            **({} if sync is None else {"sync": sync}),
-        )
+        sync_option = {} if sync is None else {"sync": sync}
+        return held_out_pipeline(x, y, model=BatchNormCNN, optimizer=sgd, **sync_option)
 
     stop = dfl.EarlyStopping(metric="eval_loss", patience=2)
     result = pipe().fit(
@@ -312,12 +305,7 @@ def test_a_resumed_fit_keeps_the_best_of_its_earlier_runs_until_it_beats_it(clie
     x, y = make_data(160)
 
     def pipe():
-        return tiny_pipeline(
-            x[:128],
-            y[:128],
-            schedule=dfl.schedule.Fixed(16),
-            eval_source=dfl.io.ArraySource(x[128:], y[128:], shuffle=False),
-        )
+        return held_out_pipeline(x, y)
 
     rule = dfl.KeepBest("eval_loss", min_delta=100.0)
     first = pipe().fit(2, client=client, keep_best=rule, checkpoint_dir=tmp_path)
