@@ -61,9 +61,9 @@ SYNC_CALLS = (
 )
 
 
-def settings(tiny: bool) -> dict[str, Any]:
+def settings(tiny: bool, steps: int) -> dict[str, Any]:
     px, width, samples, batch = (32, 8, 32, 4) if tiny else (128, 64, 1024, 128)
-    return {"px": px, "width": width, "samples": samples, "batch": batch, "steps": 48}
+    return {"px": px, "width": width, "samples": samples, "batch": batch, "steps": steps}
 
 
 def hand_loop(
@@ -295,8 +295,10 @@ def main() -> None:
     p.add_argument("--precisions", nargs="*", default=["bf16", "fp32"])
     p.add_argument("--out", default=None)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--steps", type=int, default=48, help="steps per loop and fit (48)")
+    p.add_argument("--rows", nargs="*", default=None, help="only these rows (all)")
     args = p.parse_args()
-    size = settings(args.tiny)
+    size = settings(args.tiny, args.steps)
     rows: dict[str, Any] = {"size": size}
 
     def save() -> None:
@@ -326,8 +328,9 @@ def main() -> None:
         client.run(lambda: sys.path.insert(0, HERE))
         for precision in args.precisions:
             for name, call in probes(size, args.device, precision == "bf16", client, args.top):
-                record(f"{precision} {name}", call)
-            for entry in rows[f"{precision} fit_profiled"].get("top_self_cpu", []):
+                if args.rows is None or name in args.rows:
+                    record(f"{precision} {name}", call)
+            for entry in rows.get(f"{precision} fit_profiled", {}).get("top_self_cpu", []):
                 print(f"   {entry['self_ms']:9.2f} ms {entry['count']:7d}  {entry['op']}")
     save()
 

@@ -24,6 +24,7 @@ from dataflow.runtime.leases import WindowLeases, planned_tasks
 from dataflow.runtime.replica_spec import ReplicaSpec, ReplicaState, resolve_device
 from dataflow.runtime.replica_store import StoreSide
 from dataflow.runtime.window_parts import (
+    HostCopies,
     WindowTally,
     add_note,
     host_copy,
@@ -229,16 +230,19 @@ class ReplicaRuntime(StoreSide):
         stages: bool = False,
         rng: bool = False,
         buffers: bool = False,
+        settled: bool = True,
     ) -> ReplicaState:
         """The parts of this replica's state asked for, as host copies: the one capture
-        behind commits, rollbacks, joiners' snapshots and checkpoints."""
-        ctx, state = self.context, ReplicaState()
+        behind commits, rollbacks, joiners' snapshots and checkpoints. The device's
+        tensors are copied without a sync per tensor; unless ``settled``, the state is
+        returned before the copies end (a commit: ``restore`` settles it)."""
+        ctx, state, copies = self.context, ReplicaState(), HostCopies()
         if model and ctx.model is not None:
-            state.model = self.state_dict()
+            state.model = host_copy(ctx.model.state_dict(), copies)
             if ctx.loss_scale is not None:  # fp16: the scale goes with the weights
                 state.loss_scale = ctx.loss_scale.state_dict()
         if optimizer and ctx.optimizer is not None:
-            state.optimizer = host_copy(ctx.optimizer.state_dict())
+            state.optimizer = host_copy(ctx.optimizer.state_dict(), copies)
         if stages:
             state.stages = {name: self.stages[name].phase_state() for name in self.order}
         if rng:
@@ -247,16 +251,16 @@ class ReplicaRuntime(StoreSide):
             if dropout is not None:
                 state.rng["spatial_dropout"] = dropout.get_state()
         if buffers and ctx.model is not None:
-            state.buffers = {
-                n: b.detach().to("cpu", copy=True) for n, b in ctx.model.named_buffers()
-            }
-        return state
+            state.buffers = host_copy(dict(ctx.model.named_buffers()), copies)
+        state.pending = copies.done()
+        return state.settle() if settled else state
 
     def restore(self, state: ReplicaState) -> None:
         """Take the parts ``state`` holds: the one restore behind rollbacks, joiners and
         resumes. ``state`` is not changed (the optimizer gets a copy, so a commit can be
         rolled back to again)."""
         ctx = self.context
+        state.settle()  # a commit's copies may still run
         if state.model is not None and ctx.model is not None:
             ctx.model.load_state_dict(state.model)
         if state.loss_scale is not None and ctx.loss_scale is not None:
@@ -281,7 +285,8 @@ class ReplicaRuntime(StoreSide):
         """Keep the state before ``step`` (weights, optimizer, random state) in host
         memory; the last ``keep`` of them, since a peer may die after finishing a
         window whose result the driver never received."""
-        self.commits[step] = self.capture(model=True, optimizer=True, rng=True)
+        # not settled: the copies run on the device's stream while the window trains
+        self.commits[step] = self.capture(model=True, optimizer=True, rng=True, settled=False)
         for old in sorted(self.commits)[:-keep]:
             del self.commits[old]
 

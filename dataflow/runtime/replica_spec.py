@@ -25,6 +25,16 @@ class ReplicaState:
     rng: dict[str, Any] | None = None
     buffers: dict[str, torch.Tensor] | None = None
     loss_scale: dict[str, Any] | None = None  # fp16's LossScale.state_dict()
+    # the copies' end (a CUDA event) while they may still run (HostCopies): settle()
+    # before reading, or sending, the tensors
+    pending: Any = field(default=None, compare=False, repr=False)
+
+    def settle(self) -> ReplicaState:
+        """Wait for the copies into this state's tensors to end (at once if they have)."""
+        if self.pending is not None:
+            self.pending.synchronize()
+            self.pending = None
+        return self
 
 
 @dataclass(frozen=True)

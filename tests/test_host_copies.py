@@ -1,0 +1,100 @@
+"""A window's commit: the state copied to host memory without a sync per tensor
+(HostCopies), rolled back to exactly. On the CPU the copies are made at once; the
+CUDA path (enqueued into page-locked memory, no host sync) runs in tests/test_gpu.py
+through the same ``commit_then_train_then_roll_back``."""
+
+import dataclasses
+
+import torch
+from conftest import TinyCNN, make_data, sgd
+
+import dataflow as dfl
+from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+from dataflow.runtime.replica_spec import ReplicaState
+from dataflow.runtime.window_parts import HostCopies, host_copy
+from dataflow.stages.base import PhaseContext
+
+
+def _replica(device: str) -> tuple[ReplicaRuntime, tuple]:
+    """One replica of a TinyCNN pipeline on ``device``, in this process, its phase begun,
+    committing only when told to (the test commits by hand)."""
+    x, y = make_data(64)
+    pipe = dfl.Pipeline(
+        model=TinyCNN,
+        loss=torch.nn.functional.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ArraySource(x, y),
+        schedule=dfl.schedule.Fixed(16),
+        device=device,
+        precision="fp32",
+        channels_last=False,
+        progress=False,
+    )
+    trainer = pipe.trainer
+    order = trainer.graph.validate(replicas=1)
+    spec = ReplicaSpec(
+        run_id="test", graph=trainer.graph, order=order, seed=0, device=device, commit_windows=False
+    )
+    runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+    [plan] = trainer.plan(2, 1)
+    runtime.begin_phase(PhaseContext(index=0, steps=plan.steps, lr=None))
+    return runtime, plan.steps
+
+
+def _host_state(runtime: ReplicaRuntime) -> tuple[dict, list]:
+    """Weights and momentum buffers, copied the plain (blocking) way."""
+    ctx = runtime.context
+    weights = {k: v.detach().cpu().clone() for k, v in ctx.model.state_dict().items()}
+    momenta = [
+        ctx.optimizer.state[p]["momentum_buffer"].detach().cpu().clone()
+        for p in ctx.model.parameters()
+    ]
+    return weights, momenta
+
+
+def commit_then_train_then_roll_back(device: str, during_commit=None) -> None:
+    """Train 2 steps, commit at step 2 (``during_commit``: a context the commit runs
+    in, e.g. torch's sync check), train 2 more steps, which change the weights while
+    the commit's copies may still be running, then roll back to the commit: weights and
+    momentum are those at step 2, bit for bit."""
+    runtime, _ = _replica(device)
+    runtime.run_window(0, 2)
+    want_weights, want_momenta = _host_state(runtime)
+    if during_commit is None:
+        runtime.commit(2)
+    else:
+        with during_commit():
+            runtime.commit(2)
+    runtime.run_window(2, 4)
+    moved, _ = _host_state(runtime)
+    assert any(not torch.equal(moved[k], want_weights[k]) for k in want_weights)
+    runtime.rollback(2)
+    got_weights, got_momenta = _host_state(runtime)
+    for name, value in want_weights.items():
+        assert torch.equal(got_weights[name], value), name
+    for got, want in zip(got_momenta, want_momenta, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_rollback_restores_the_committed_weights_and_momentum_exactly():
+    commit_then_train_then_roll_back("cpu")
+
+
+def test_cpu_tensors_are_copied_at_once_and_leave_nothing_pending():
+    """Only a CUDA tensor's copy is enqueued; a CPU tensor's is made at once, so a
+    state of them needs no settling and later changes do not reach it."""
+    source = {"w": torch.ones(3), "m": [torch.zeros(2)], "step": 5}
+    copies = HostCopies()
+    copied = host_copy(source, copies)
+    source["w"].add_(1)
+    assert copies.done() is None
+    assert torch.equal(copied["w"], torch.ones(3)) and copied["step"] == 5
+    assert copied["m"][0] is not source["m"][0]
+
+
+def test_a_settled_state_compares_and_pickles_without_its_event():
+    """``pending`` is no part of the state's value: states compare by their tensors, and
+    a settled one holds no event (what leaves the worker is always settled)."""
+    state = ReplicaState(rng={"python": 1})
+    assert state.settle().pending is None
+    assert state == dataclasses.replace(state, pending=object())
