@@ -56,6 +56,17 @@ def host_copy(value: Any, copies: HostCopies | None = None) -> Any:
     return value
 
 
+def _dense(value: torch.Tensor) -> bool:
+    """Whether ``value``'s strides describe a dense tensor a page-locked buffer of the
+    same strides can mirror (contiguous, channels_last or channels_last_3d)."""
+    formats = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+    return any(
+        value.is_contiguous(memory_format=f)
+        for f in formats
+        if f == torch.contiguous_format or value.dim() == (4 if f == torch.channels_last else 5)
+    )
+
+
 class HostCopies:
     """Host copies of device tensors that the host does not wait for.
 
@@ -72,7 +83,7 @@ class HostCopies:
 
     def tensor(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach()
-        if value.device.type != "cuda" or not value.is_non_overlapping_and_dense():
+        if value.device.type != "cuda" or not _dense(value):
             return value.to("cpu", copy=True)  # (a strided view: rare; copied at once)
         try:
             host = torch.empty_strided(
