@@ -3,7 +3,10 @@
 CUDA path (enqueued into page-locked memory, no host sync) runs in tests/test_gpu.py
 through the same ``commit_then_train_then_roll_back``."""
 
+import contextlib
 import dataclasses
+import threading
+import time
 
 import torch
 from conftest import TinyCNN, make_data, sgd
@@ -29,6 +32,7 @@ def _replica(device: str) -> tuple[ReplicaRuntime, tuple]:
         precision="fp32",
         channels_last=False,
         progress=False,
+        prefetch=8,  # the loader reads the phase's 4 steps at once, then stops
     )
     trainer = pipe.trainer
     order = trainer.graph.validate(replicas=1)
@@ -36,7 +40,7 @@ def _replica(device: str) -> tuple[ReplicaRuntime, tuple]:
         run_id="test", graph=trainer.graph, order=order, seed=0, device=device, commit_windows=False
     )
     runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
-    [plan] = trainer.plan(2, 1)
+    [plan] = trainer.plan(1, 1)
     runtime.begin_phase(PhaseContext(index=0, steps=plan.steps, lr=None))
     return runtime, plan.steps
 
@@ -52,6 +56,14 @@ def _host_state(runtime: ReplicaRuntime) -> tuple[dict, list]:
     return weights, momenta
 
 
+def _loader_finished(timeout_s: float = 60.0) -> None:
+    """Wait until no Load prefetch thread runs (each read its phase's every step)."""
+    deadline = time.monotonic() + timeout_s
+    while any(t.name == "dataflow-prefetch" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the loader thread did not finish its phase"
+        time.sleep(0.01)
+
+
 def commit_then_train_then_roll_back(device: str, during_commit=None) -> None:
     """Train 2 steps, commit at step 2 (``during_commit``: a context the commit runs
     in, e.g. torch's sync check), train 2 more steps, which change the weights while
@@ -62,7 +74,8 @@ def commit_then_train_then_roll_back(device: str, during_commit=None) -> None:
     want_weights, want_momenta = _host_state(runtime)
     if during_commit is None:
         runtime.commit(2)
-    else:
+    else:  # torch's sync check is process-wide: the loader's reads must be over first
+        _loader_finished()
         with during_commit():
             runtime.commit(2)
     runtime.run_window(2, 4)
@@ -77,7 +90,8 @@ def commit_then_train_then_roll_back(device: str, during_commit=None) -> None:
 
 
 def test_a_rollback_restores_the_committed_weights_and_momentum_exactly():
-    commit_then_train_then_roll_back("cpu")
+    # (as the GPU test runs it: the commit after the loader's reads are over)
+    commit_then_train_then_roll_back("cpu", during_commit=contextlib.nullcontext)
 
 
 def test_cpu_tensors_are_copied_at_once_and_leave_nothing_pending():
