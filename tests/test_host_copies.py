@@ -12,9 +12,10 @@ import torch
 from conftest import TinyCNN, make_data, sgd
 
 import dataflow as dfl
+from dataflow.runtime import host_copies
+from dataflow.runtime.host_copies import HostArena, HostCopies, host_copy
 from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
 from dataflow.runtime.replica_spec import ReplicaState
-from dataflow.runtime.window_parts import HostCopies, host_copy
 from dataflow.stages.base import PhaseContext
 
 
@@ -112,3 +113,62 @@ def test_a_settled_state_compares_and_pickles_without_its_event():
     state = ReplicaState(rng={"python": 1})
     assert state.settle().pending is None
     assert state == dataclasses.replace(state, pending=object())
+
+
+def _mixed_tensors() -> dict[str, torch.Tensor]:
+    """A state dict's kinds of tensor: weights in channels_last, a 0-d counter, an empty
+    tensor, flags, float64 statistics."""
+    return {
+        "conv": torch.randn(8, 3, 5, 5).contiguous(memory_format=torch.channels_last),
+        "count": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.rand(33) > 0.5,
+        "stats": torch.randn(17, dtype=torch.float64),
+    }
+
+
+def test_an_arena_packs_a_state_apart_with_each_tensors_values_and_strides():
+    source = _mixed_tensors()
+    arena = HostArena(pinned=False)
+    copied = host_copy(source, HostCopies(arena))
+    for name, value in source.items():
+        assert torch.equal(copied[name], value), name
+        assert copied[name].stride() == value.stride() and copied[name].dtype == value.dtype
+    copied["stats"].fill_(0)  # the copies share no bytes with each other
+    assert all(torch.equal(copied[n], source[n]) for n in source if n != "stats")
+    assert arena.nbytes == host_copies.SEGMENT_BYTES  # one segment held all of them
+
+
+def test_a_reset_arena_reuses_its_buffers_and_a_large_tensor_gets_its_own(monkeypatch):
+    """Reused, an arena takes no new memory for a state of the same sizes; a tensor over
+    a segment has a buffer of its own, reused by the next commit's."""
+    monkeypatch.setattr(host_copies, "SEGMENT_BYTES", 4096)
+    arena = HostArena(pinned=False)
+    state = {"big": torch.randn(3000), **_mixed_tensors()}  # 12 kB: over one segment
+    first = host_copy(state, HostCopies(arena))
+    held = arena.nbytes
+    assert len(arena.large) == 1 and len(arena.large[0]) == 12000
+    arena.reset()
+    state = {k: v + 1 if v.dtype.is_floating_point else v for k, v in state.items()}
+    second = host_copy(state, HostCopies(arena))
+    assert arena.nbytes == held
+    assert torch.equal(second["big"], state["big"]) and torch.equal(second["conv"], state["conv"])
+    assert first["big"].data_ptr() == second["big"].data_ptr()  # the same buffer again
+
+
+def test_commits_reuse_the_buffers_of_the_commits_they_drop():
+    """A commit per window: the replica holds its two live commits' buffers and one
+    spare, and after the first windows takes no new ones."""
+    runtime, _ = _replica("cpu")
+    held = []
+    for window in range(4):
+        runtime.commit(window)
+        runtime.run_window(window, window + 1)
+        arenas = [*runtime.commit_arenas.values(), *runtime.spare_arenas]
+        held.append(sum(a.nbytes for a in arenas))
+        assert sorted(runtime.commits) == list(range(max(0, window - 1), window + 1))
+        assert len(runtime.spare_arenas) <= 1
+    assert held[2] == held[3]
+    runtime.rollback(2)  # the older of the two live commits, still whole
+    runtime.commit(2)  # committed again at the same step: its old buffers become spare
+    assert sorted(runtime.commits) == [2, 3]

@@ -20,14 +20,13 @@ from dataflow.core.rng import capture_rng, restore_rng
 from dataflow.core.window import WindowResult
 from dataflow.runtime.collective import Collective
 from dataflow.runtime.device_memory import MemoryProbe, largest_micro_batch
+from dataflow.runtime.host_copies import HostArena, HostCopies, host_copy
 from dataflow.runtime.leases import WindowLeases, planned_tasks
 from dataflow.runtime.replica_spec import ReplicaSpec, ReplicaState, resolve_device
 from dataflow.runtime.replica_store import StoreSide
 from dataflow.runtime.window_parts import (
-    HostCopies,
     WindowTally,
     add_note,
-    host_copy,
     host_pairs,
     micro_batch_groups,
     micro_batch_sizes,
@@ -37,6 +36,11 @@ from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext,
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
 __all__ = ["ReplicaRuntime", "ReplicaSpec", "ReplicaState", "resolve_device"]
+
+
+# dropped commits' buffers kept for reuse: the one dropped a window ago serves the next
+# commit, so a replica holds three states' bytes (two live commits, one spare)
+SPARE_ARENAS = 1
 
 
 class ReplicaRuntime(StoreSide):
@@ -82,6 +86,10 @@ class ReplicaRuntime(StoreSide):
         # After a lost worker the driver rolls every survivor back to the last step all
         # replicas finished, which is the start of a window this replica began.
         self.commits: dict[int, dict[str, Any]] = {}
+        # The host buffers each commit's copies went into, and dropped commits' buffers,
+        # reused by the next commits (page-locked on a GPU: see runtime.host_copies)
+        self.commit_arenas: dict[int, HostArena] = {}
+        self.spare_arenas: list[HostArena] = []
         self.completed_step: int | None = None  # the step after the last finished window
         self.in_window = False  # a window started and did not finish: the state is partial
         # Held while a window runs: a survivor's rollback waits for its aborted window.
@@ -231,12 +239,14 @@ class ReplicaRuntime(StoreSide):
         rng: bool = False,
         buffers: bool = False,
         settled: bool = True,
+        arena: HostArena | None = None,
     ) -> ReplicaState:
         """The parts of this replica's state asked for, as host copies: the one capture
         behind commits, rollbacks, joiners' snapshots and checkpoints. The device's
-        tensors are copied without a sync per tensor; unless ``settled``, the state is
-        returned before the copies end (a commit: ``restore`` settles it)."""
-        ctx, state, copies = self.context, ReplicaState(), HostCopies()
+        tensors are copied without a sync per tensor (into ``arena``, if given); unless
+        ``settled``, the state is returned before the copies end (a commit: ``restore``
+        settles it)."""
+        ctx, state, copies = self.context, ReplicaState(), HostCopies(arena)
         if model and ctx.model is not None:
             state.model = host_copy(ctx.model.state_dict(), copies)
             if ctx.loss_scale is not None:  # fp16: the scale goes with the weights
@@ -286,9 +296,28 @@ class ReplicaRuntime(StoreSide):
         memory; the last ``keep`` of them, since a peer may die after finishing a
         window whose result the driver never received."""
         # not settled: the copies run on the device's stream while the window trains
-        self.commits[step] = self.capture(model=True, optimizer=True, rng=True, settled=False)
+        arena = self._spare_arena()
+        state = self.capture(model=True, optimizer=True, rng=True, settled=False, arena=arena)
+        arena.pending = state.pending
+        if step in self.commits:  # committed again at this step (after a rollback)
+            self._drop_commit(step)
+        self.commits[step], self.commit_arenas[step] = state, arena
         for old in sorted(self.commits)[:-keep]:
-            del self.commits[old]
+            self._drop_commit(old)
+        del self.spare_arenas[SPARE_ARENAS:]
+
+    def _drop_commit(self, step: int) -> None:
+        del self.commits[step]
+        self.spare_arenas.append(self.commit_arenas.pop(step))
+
+    def _spare_arena(self) -> HostArena:
+        """A dropped commit's buffers whose copies have ended, emptied; else new ones."""
+        for i, arena in enumerate(self.spare_arenas):
+            if arena.ready():
+                del self.spare_arenas[i]
+                arena.reset()
+                return arena
+        return HostArena()
 
     def checkpoint_state(self) -> ReplicaState:
         """What a checkpoint needs of this replica: its random state and its buffers

@@ -25,7 +25,7 @@ class ReplicaState:
     rng: dict[str, Any] | None = None
     buffers: dict[str, torch.Tensor] | None = None
     loss_scale: dict[str, Any] | None = None  # fp16's LossScale.state_dict()
-    # the copies' end (a CUDA event) while they may still run (HostCopies): settle()
+    # the copies' end (a CUDA event) while they may still run (runtime.host_copies): settle()
     # before reading, or sending, the tensors
     pending: Any = field(default=None, compare=False, repr=False)
 

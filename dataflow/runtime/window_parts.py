@@ -1,5 +1,5 @@
 """Small pure helpers of a replica's window: micro-batch groups and sizes, per-step
-losses from the parts trained, host copies of state. Kept apart from
+losses from the parts trained. Kept apart from
 :mod:`dataflow.runtime.replica`, which runs the window."""
 
 from __future__ import annotations
@@ -40,68 +40,6 @@ def micro_batch_sizes(size: int, count: int) -> list[int]:
     count = max(1, min(count, size))
     base, extra = divmod(size, count)
     return [base + (1 if k < extra else 0) for k in range(count)]
-
-
-def host_copy(value: Any, copies: HostCopies | None = None) -> Any:
-    """A copy in host memory of nested dicts/lists of tensors (a state dict). With
-    ``copies``, a CUDA tensor's copy is enqueued and not waited for (see HostCopies)."""
-    if isinstance(value, torch.Tensor):
-        if copies is not None:
-            return copies.tensor(value)
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: host_copy(v, copies) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(host_copy(v, copies) for v in value)
-    return value
-
-
-def _dense(value: torch.Tensor) -> bool:
-    """Whether ``value``'s strides describe a dense tensor a page-locked buffer of the
-    same strides can mirror (contiguous, channels_last or channels_last_3d)."""
-    formats = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-    return any(
-        value.is_contiguous(memory_format=f)
-        for f in formats
-        if f == torch.contiguous_format or value.dim() == (4 if f == torch.channels_last else 5)
-    )
-
-
-class HostCopies:
-    """Host copies of device tensors that the host does not wait for.
-
-    A CUDA tensor is copied into page-locked memory on its device's current stream:
-    the stream's order keeps the copy before any later kernel that changes the tensor
-    (the next step's update), and :meth:`done` returns an event marking the end of
-    every copy, which a reader waits for (``ReplicaState.settle``). A window's commit
-    copied ~1,000 tensors of ResNet-50 one blocking copy at a time (each a device
-    sync, ~70 ms a window on an H200); enqueued, they cost the host a few
-    microseconds each. Other tensors (the CPU's) are copied at once."""
-
-    def __init__(self) -> None:
-        self.stream: torch.cuda.Stream | None = None
-
-    def tensor(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.detach()
-        if value.device.type != "cuda" or not _dense(value):
-            return value.to("cpu", copy=True)  # (a strided view: rare; copied at once)
-        try:
-            host = torch.empty_strided(
-                value.size(), value.stride(), dtype=value.dtype, device="cpu", pin_memory=True
-            )
-        except RuntimeError:  # page-locked memory refused: a blocking copy, as before
-            return value.to("cpu", copy=True)
-        host.copy_(value, non_blocking=True)
-        self.stream = torch.cuda.current_stream(value.device)
-        return host
-
-    def done(self) -> torch.cuda.Event | None:
-        """An event after every enqueued copy (None: none was enqueued)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
 
 
 def step_losses(
