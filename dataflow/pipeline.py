@@ -173,6 +173,8 @@ class Pipeline:
         name: str = "prediction",
         batch_size: int = 256,
         chunk_mb: float = 8.0,
+        stitch: bool = False,
+        memory_mb: float = 1024.0,
     ) -> str:
         """Write a trained ``model``'s output on every sample of ``source`` to the array
         ``name`` of a new zarr group at ``out`` (row ``i``: sample ``i``'s output; a zarr
@@ -180,8 +182,14 @@ class Pipeline:
         in its evaluation. ``client``: each worker writes a share of whole chunks (``out``
         must be a folder every worker can write to); None: in this process. Returns
         ``out``; read it with ``zarr.open_group(out)[name]``. See
-        :mod:`dataflow.prediction`."""
+        :mod:`dataflow.prediction`.
+
+        ``stitch=True`` (a ``PatchSource``, a model whose output has the window's shape
+        after its channels): the windows' outputs are put back into the field, each cell
+        the mean over the windows covering it, NaN where none does; ``memory_mb`` bounds
+        the sums a worker holds at once. See :mod:`dataflow.stitching`."""
         from dataflow.prediction import predict
+        from dataflow.stitching import predict_field
 
         stage = Evaluate(
             source,
@@ -190,15 +198,12 @@ class Pipeline:
             transforms=graph_eval_transforms(self.graph),
         )
         where = str(out) if "://" in str(out) else str(Path(out).resolve())  # (workers' cwd)
-        return predict(
-            model,
-            stage,
-            where,
-            name=name,
-            client=client,
-            device=self.trainer.config.device,
-            chunk_mb=chunk_mb,
-        )
+        common = dict(name=name, client=client, device=self.trainer.config.device)
+        if stitch:
+            return predict_field(
+                model, stage, where, chunk_mb=chunk_mb, memory_mb=memory_mb, **common
+            )
+        return predict(model, stage, where, chunk_mb=chunk_mb, **common)
 
     def sample_plan(self, epochs: int, replicas: int) -> list:
         """Per global step, each replica's sample indices (see ``Trainer.sample_plan``)."""

@@ -161,6 +161,44 @@ def create_sample_array(
     return per_chunk
 
 
+def create_field_array(
+    path: str | Path,
+    name: str,
+    shape: tuple[int, ...],
+    rows_dim: int,
+    *,
+    dimension_names: tuple[str, ...] | None = None,
+    chunk_mb: float = 8.0,
+    compressor: str | None = "zstd",
+    owner: str = "create_field_array",
+) -> int:
+    """A new zarr group at ``path`` with an empty float32 array ``name`` of ``shape`` (a
+    field: channels first), chunked along dimension ``rows_dim`` only (about ``chunk_mb``
+    MB a chunk, whole along the others), NaN where nothing is written, checksummed, every
+    chunk written. Returns the rows per chunk: parts aligned to it never share a chunk
+    (``Pipeline.predict(stitch=True)``)."""
+    if not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
+        raise ConfigError(f"{owner}(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8.0")
+    dtype = np.dtype(np.float32)
+    group = _new_group(path, 3, owner)
+    row_bytes = max(1, math.prod(shape) // max(1, shape[rows_dim]) * dtype.itemsize)
+    rows = int(min(shape[rows_dim], max(1, (chunk_mb * 1e6) // row_bytes)))
+    filters, compressors = checksummed_codecs(compressor, 3, dtype)
+    chunks = tuple(rows if d == rows_dim else max(1, n) for d, n in enumerate(shape))
+    group.create_array(
+        name,
+        shape=shape,
+        dtype=dtype,
+        chunks=chunks,
+        filters=filters,
+        compressors=compressors,
+        fill_value=np.nan,
+        dimension_names=dimension_names,
+        config={"write_empty_chunks": True},
+    )
+    return rows
+
+
 def _dataset_arrays(dataset: Any, sample_dim: str | None) -> dict[str, tuple[Any, int, Any]]:
     """The data variables of an xarray Dataset that have ``sample_dim``, validated."""
     dims = sorted(map(str, dataset.dims))

@@ -1,0 +1,284 @@
+"""``Pipeline.predict(source, model, out, stitch=True)``: a window source's outputs put
+back into the field they were cut from.
+
+A model that segments or regresses per cell returns, for each window of a
+``PatchSource``, an output of the window's shape (its channels first). Stitched, cell
+``c`` of the written field is the mean of the outputs of every window that covers ``c``
+(overlapping windows averaged); a cell no window covers (a stride longer than the patch,
+or the field's edge past the last window) is NaN, and counted.
+
+The field is written chunked along its first patch axis (the "rows"). On a
+``distributed.Client`` each worker takes a contiguous share of whole row chunks and
+computes every window that touches its rows, so no two workers write one chunk and no
+sum crosses the network: a window over a share's edge is computed by both neighbours,
+each keeping its own rows of it. A share is worked in parts of at most ``memory_mb`` of
+sums, each part again with the windows that touch it. Decisions (which windows touch
+which rows, where each output lands) are pure functions of the source's geometry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from dataflow.core.errors import ConfigError
+from dataflow.evaluation import checked_samples, run_shares
+from dataflow.io.writer import create_field_array
+from dataflow.runtime.replica_spec import resolve_device
+from dataflow.stages.evaluate import Evaluate
+
+__all__ = ["FieldLayout", "field_layout", "predict_field"]
+
+DEFAULT_MEMORY_MB = 1024.0  # a share's sums held at once, per worker
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Where each window's output lands in the field: the field's dims after the
+    channels (x's axes not folded into the channels, whole), the position of each patch
+    axis among them, the patch, and every window's corner (C order, as the samples)."""
+
+    field: tuple[int, ...]
+    patch_dims: tuple[int, ...]
+    patch: tuple[int, ...]
+    corners: np.ndarray
+    dimension_names: tuple[str, ...] | None = None
+
+    @property
+    def rows_dim(self) -> int:
+        """The field dim the writes and shares are cut along: the first patch axis."""
+        return self.patch_dims[0]
+
+    @property
+    def rows(self) -> int:
+        return self.field[self.rows_dim]
+
+    def windows_touching(self, lo: int, hi: int) -> tuple[int, int]:
+        """The windows ``[first, stop)`` whose rows meet ``[lo, hi)``: the corners are in
+        C order, so their first coordinate never decreases."""
+        starts = self.corners[:, 0]
+        first = int(np.searchsorted(starts, lo - self.patch[0] + 1, side="left"))
+        return first, int(np.searchsorted(starts, hi, side="left"))
+
+    def place(self, corner: np.ndarray, lo: int, hi: int) -> tuple[tuple, tuple] | None:
+        """(field index, output index) of the window at ``corner`` within rows
+        ``[lo, hi)`` (the field index relative to ``lo``), or None if it misses them."""
+        field, out = [slice(None)] * len(self.field), [slice(None)] * len(self.field)
+        for j, (dim, length) in enumerate(zip(self.patch_dims, self.patch, strict=True)):
+            start, stop = int(corner[j]), int(corner[j]) + length
+            if j == 0:
+                start, stop = max(start, lo), min(stop, hi)
+                if start >= stop:
+                    return None
+                field[dim] = slice(start - lo, stop - lo)
+                out[dim] = slice(start - int(corner[0]), stop - int(corner[0]))
+            else:
+                field[dim] = slice(start, stop)
+        return tuple(field), tuple(out)
+
+
+def field_layout(source: Any) -> FieldLayout:
+    """The layout of ``source``'s field, or a ConfigError saying why its windows'
+    outputs cannot be put back into one."""
+    geometry = getattr(source, "geometry", None)
+    if geometry is None or not hasattr(source, "corners"):
+        raise ConfigError(
+            f"predict(stitch=True): {type(source).__name__} has no windows to put back; "
+            "stitching needs a dataflow.io.PatchSource (leave stitch=False to write one "
+            "row per sample)"
+        )
+    if getattr(source, "_region", None) is not None:  # (RegionView: None when whole)
+        raise ConfigError(
+            "predict(stitch=True): the PatchSource is a region view (spatial decomposition); "
+            "stitch the whole source"
+        )
+    folded = [a for a in geometry.axes if a in geometry.fold_axes]
+    if folded:
+        raise ConfigError(
+            f"predict(stitch=True): patch axis {folded[0]} of x is folded into the channels "
+            "(PatchSource(channels=...)), so the output has no such axis to put windows "
+            "back along; stitch over axes the output keeps, or leave stitch=False"
+        )
+    if geometry.y_full is not None and (
+        bool(np.any(geometry.y_shift)) or tuple(geometry.y_extent) != tuple(geometry.patch)
+    ):
+        raise ConfigError(
+            "predict(stitch=True): the PatchSource's y window is not its x window (y_shift= "
+            "or y_patch=, a forecast): stitching puts each output where its input window "
+            "lies; predict rows (stitch=False) and place them by source.corners"
+        )
+    unfolded = [a for a in range(len(geometry.shape)) if a not in geometry.fold_axes]
+    dims = geometry.dims
+    return FieldLayout(
+        field=tuple(int(geometry.shape[a]) for a in unfolded),
+        patch_dims=tuple(unfolded.index(a) for a in geometry.axes),
+        patch=tuple(int(p) for p in geometry.patch),
+        corners=np.asarray(source.corners, dtype=np.int64),
+        dimension_names=None if dims is None else ("channel", *(str(dims[a]) for a in unfolded)),
+    )
+
+
+def add_window(
+    sums: np.ndarray,
+    counts: np.ndarray,
+    layout: FieldLayout,
+    corner: np.ndarray,
+    output: np.ndarray,
+    lo: int,
+    hi: int,
+) -> None:
+    """Add one window's ``output`` (channels first) to the sums of rows ``[lo, hi)``."""
+    placed = layout.place(corner, lo, hi)
+    if placed is None:
+        return
+    field, out = placed
+    sums[(slice(None), *field)] += output[(slice(None), *out)]
+    counts[field] += 1
+
+
+def averaged(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
+    """The mean output per cell (NaN where no window reached) and the uncovered cells."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = (sums / counts[None]).astype(np.float32)
+    uncovered = counts == 0
+    values[:, uncovered] = np.nan
+    return values, int(uncovered.sum())
+
+
+def _check_output(layout: FieldLayout, sample_shape: tuple[int, ...], output: Any) -> int:
+    """The output's channels, once it is checked to be a window-shaped tensor."""
+    if not isinstance(output, torch.Tensor):
+        raise ConfigError(
+            f"predict(stitch=True): the model returned {type(output).__name__}, not a "
+            "tensor; return the one output to put back into the field"
+        )
+    window = tuple(sample_shape[1:])
+    if output.dim() != len(window) + 2 or tuple(output.shape[2:]) != window:
+        raise ConfigError(
+            f"predict(stitch=True): the model's output per window is "
+            f"{tuple(output.shape[1:])}, but stitching needs (channels, *{window}): one "
+            "value per cell of the window (a segmentation or per-cell regression); a model "
+            "with another output (a class per window) predicts rows: leave stitch=False"
+        )
+    return int(output.shape[1])
+
+
+def predict_field(
+    model: torch.nn.Module,
+    stage: Evaluate,
+    out: str,
+    *,
+    name: str = "prediction",
+    client: Any = None,
+    device: str = "auto",
+    chunk_mb: float = 8.0,
+    memory_mb: float = DEFAULT_MEMORY_MB,
+) -> str:
+    """Write the field of ``model``'s averaged window outputs on ``stage.source`` to array
+    ``name`` of a new zarr group at ``out``; returns ``out``."""
+    if not isinstance(memory_mb, (int, float)) or not memory_mb > 0:
+        raise ConfigError(f"predict(memory_mb={memory_mb!r}): a positive number of MB")
+    checked_samples("predict", model, stage.source)
+    layout = field_layout(stage.source)
+    channels = _first_channels(stage, model, layout)
+    shape = (channels, *layout.field)
+    per_chunk = create_field_array(
+        out,
+        name,
+        shape,
+        1 + layout.rows_dim,
+        dimension_names=layout.dimension_names,
+        chunk_mb=chunk_mb,
+        owner="predict",
+    )
+    cells_per_row = math.prod(layout.field) // max(1, layout.rows)
+    row_bytes = cells_per_row * (8 * channels + 4)  # float64 sums and int32 counts
+    part_rows = max(per_chunk, int(memory_mb * 1e6 // row_bytes) // per_chunk * per_chunk)
+    args = (str(out), name, layout, part_rows)
+    if client is None:
+        found = [stitch_share(stage, model, device, 0, layout.rows, *args)]
+    else:
+        found = run_shares(  # shares of whole row chunks: no two workers write one
+            client,
+            "predict",
+            stitch_share,
+            stage,
+            model,
+            device,
+            layout.rows,
+            align=per_chunk,
+            extra=args,
+        )
+    uncovered = sum(found)
+    if uncovered:
+        warnings.warn(
+            f"predict(stitch=True): {uncovered} of {math.prod(layout.field)} cells of the "
+            "field are covered by no window (a stride longer than the patch, or the edge "
+            "past the last window) and hold NaN",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return str(out)
+
+
+def _first_channels(stage: Evaluate, model: torch.nn.Module, layout: FieldLayout) -> int:
+    """The output channels, from window 0 in this process (its shape checked)."""
+    scored = copy.deepcopy(model).cpu()
+    with contextlib.closing(stage.outputs(scored, torch.device("cpu"), 0, 1)) as outputs:
+        _, _, output = next(outputs)
+    return _check_output(layout, tuple(stage.source.sample_shape), output)
+
+
+def stitch_share(
+    stage: Evaluate,
+    model: torch.nn.Module,
+    device: str,
+    lo: int,
+    hi: int,
+    out: str,
+    name: str,
+    layout: FieldLayout,
+    part_rows: int,
+) -> int:
+    """Rows ``[lo, hi)`` of the field, part by part: every window touching a part run
+    through a copy of ``model`` on ``device``, its rows of the output added, the part's
+    mean written. Returns the cells no window covered."""
+    place_on = resolve_device(device, 0)
+    scored = copy.deepcopy(model).to(place_on)
+    array = zarr.open_group(out, mode="r+")[name]
+    sample_shape = tuple(stage.source.sample_shape)
+    uncovered = 0
+    for start in range(lo, hi, part_rows):
+        stop = min(hi, start + part_rows)
+        rows = list(layout.field)
+        rows[layout.rows_dim] = stop - start
+        sums = None
+        counts = np.zeros(rows, dtype=np.int32)
+        first, last = layout.windows_touching(start, stop)
+        if last > first:
+            with contextlib.closing(stage.outputs(scored, place_on, first, last)) as outputs:
+                for indices, _, output in outputs:
+                    channels = _check_output(layout, sample_shape, output)
+                    if sums is None:
+                        sums = np.zeros((channels, *rows), dtype=np.float64)
+                    values = output.detach().float().cpu().numpy()
+                    for k, index in enumerate(np.asarray(indices)):
+                        corner = layout.corners[index]
+                        add_window(sums, counts, layout, corner, values[k], start, stop)
+        if sums is None:  # no window reaches these rows: they stay NaN (the fill value)
+            uncovered += int(counts.size)
+            continue
+        values, missed = averaged(sums, counts)
+        uncovered += missed
+        where = [slice(None)] * (1 + len(layout.field))
+        where[1 + layout.rows_dim] = slice(start, stop)
+        array[tuple(where)] = values
+    return uncovered

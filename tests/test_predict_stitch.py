@@ -1,0 +1,159 @@
+"""``Pipeline.predict(source, model, out, stitch=True)``: a PatchSource's window outputs
+put back into the field, each cell the mean over the windows covering it.
+
+The exact check: a per-cell model (1x1 convolution) gives every window the field's own
+values, so the stitched field must equal the model applied to the whole field, cell for
+cell, and be NaN exactly where no window reaches. The pure parts (which windows touch
+which rows, where an output lands, the averages) are checked against brute force."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from test_patch_source import SegNet, seg_pipeline, tiles, write_2d, write_3d
+
+import dataflow as dfl
+from dataflow.core.errors import ConfigError
+from dataflow.stitching import FieldLayout, add_window, averaged, field_layout
+
+
+def _covered(shape, corners, patch) -> np.ndarray:
+    """Cells any window covers, by hand."""
+    mask = np.zeros(shape, dtype=bool)
+    for corner in corners:
+        mask[tuple(slice(c, c + p) for c, p in zip(corner, patch, strict=True))] = True
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_windows_touching_a_row_range_are_those_brute_force_finds(seed):
+    rng = np.random.default_rng(seed)
+    rows, patch = int(rng.integers(5, 40)), int(rng.integers(1, 8))
+    starts = np.sort(rng.choice(max(1, rows - patch + 1), size=int(rng.integers(1, 10))))
+    layout = FieldLayout((rows,), (0,), (patch,), starts[:, None].astype(np.int64))
+    lo = int(rng.integers(0, rows))
+    hi = int(rng.integers(lo + 1, rows + 1))
+    first, stop = layout.windows_touching(lo, hi)
+    touching = [i for i, c in enumerate(starts) if c < hi and c + patch > lo]
+    assert list(range(first, stop)) == touching
+
+
+def test_overlapping_windows_average_and_parts_of_rows_join_to_the_whole():
+    """Windows of 4 cells at 0, 3 and 6 over 11 cells, each output its own constant:
+    overlaps hold the mean, cell 10 none (NaN); summed in two parts of rows or at once."""
+    layout = FieldLayout((11,), (0,), (4,), np.array([[0], [3], [6]]))
+    outputs = [np.full((1, 4), k + 1.0) for k in range(3)]
+
+    def part(lo, hi):
+        sums, counts = np.zeros((1, hi - lo)), np.zeros(hi - lo, dtype=np.int32)
+        for index in range(*layout.windows_touching(lo, hi)):
+            add_window(sums, counts, layout, layout.corners[index], outputs[index], lo, hi)
+        return averaged(sums, counts)
+
+    whole, uncovered = part(0, 11)
+    want = [1, 1, 1, 1.5, 2, 2, 2.5, 3, 3, 3, np.nan]
+    np.testing.assert_array_equal(whole[0], np.array(want, dtype=np.float32))
+    assert uncovered == 1
+    (left, _), (right, _) = part(0, 5), part(5, 11)
+    np.testing.assert_array_equal(np.concatenate([left, right], axis=1), whole)
+
+
+def _pointwise(c_in: int, c_out: int, dims: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return (torch.nn.Conv2d if dims == 2 else torch.nn.Conv3d)(c_in, c_out, 1)
+
+
+def _stitched(source, model, out, *, uncovered: bool = True, **options):
+    """The stitched array; a RuntimeWarning names the uncovered cells, if there are any."""
+    pipe = seg_pipeline(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.predict(source, model, out, stitch=True, batch_size=7, **options)
+    named = [w for w in caught if "covered by no window" in str(w.message)]
+    assert len(named) == (1 if uncovered else 0), [str(w.message) for w in caught]
+    return zarr.open_group(str(out))["prediction"]
+
+
+def test_a_per_cell_model_stitched_over_overlapping_tiles_is_the_model_on_the_field(tmp_path):
+    """8 x 8 tiles every 5 x 6 cells of a 64 x 48 field (row 63 and columns 44-47 in no
+    tile); sums held 3 rows at a time (memory_mb), so each part takes its windows again."""
+    path, data = write_2d(tmp_path)
+    source = tiles(path, shuffle=True)
+    model = _pointwise(2, 3, 2)
+    array = _stitched(source, model, tmp_path / "out.zarr", memory_mb=3 * 48 * 28 / 1e6)
+    assert array.shape == (3, 64, 48)
+    assert tuple(array.metadata.dimension_names) == ("channel", "lat", "lon")
+    with torch.no_grad():
+        want = model(torch.from_numpy(np.stack([data["a"], data["b"]]))[None])[0].numpy()
+    got = array[...]
+    covered = _covered((64, 48), source.corners, (8, 8))
+    assert not covered[63].any() and not covered[:, 44:].any() and covered[:63, :44].all()
+    np.testing.assert_allclose(got[:, covered], want[:, covered], rtol=1e-5, atol=1e-6)
+    assert np.isnan(got[:, ~covered]).all()
+
+
+def test_a_volume_with_a_folded_level_axis_and_3d_windows(tmp_path):
+    """Channels folded from x's own axis (``channels=['level']``) stay out of the field;
+    a 3-D volume's windows go back along three axes."""
+    path, data = write_2d(tmp_path)
+    folded = dfl.io.PatchSource(
+        path, "ab", patch={"lat": 16, "lon": 16}, stride={"lat": 12, "lon": 16}, channels=["level"]
+    )
+    model = _pointwise(2, 1, 2)
+    got = _stitched(folded, model, tmp_path / "folded.zarr", uncovered=False)[...]
+    with torch.no_grad():
+        want = model(torch.from_numpy(data["ab"])[None])[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # (every cell covered)
+
+    vol_path, vol = write_3d(tmp_path)
+    volume = dfl.io.PatchSource(vol_path, patch={0: 16, 1: 16, 2: 16}, stride={0: 12, 1: 10, 2: 16})
+    model = _pointwise(1, 2, 3)
+    got = _stitched(volume, model, tmp_path / "vol_out.zarr")[...]
+    with torch.no_grad():
+        want = model(torch.from_numpy(vol)[None, None])[0].numpy()
+    covered = _covered(vol.shape, volume.corners, (16, 16, 16))
+    assert got.shape == (2, 40, 36, 28) and (~covered).any()
+    np.testing.assert_allclose(got[:, covered], want[:, covered], rtol=1e-5, atol=1e-6)
+    assert np.isnan(got[:, ~covered]).all()
+
+
+def test_what_cannot_be_stitched_is_named(tmp_path):
+    path, _ = write_2d(tmp_path)
+    source = tiles(path)
+    pipe = seg_pipeline(source)
+    classifier = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(128, 3))
+    with pytest.raises(ConfigError, match=r"output per window is \(3,\).*one value per cell"):
+        pipe.predict(source, classifier, tmp_path / "a.zarr", stitch=True)
+    rows = dfl.io.ArraySource(np.zeros((4, 2, 8, 8), np.float32))
+    with pytest.raises(ConfigError, match=r"needs a dataflow\.io\.PatchSource"):
+        pipe.predict(rows, SegNet(), tmp_path / "b.zarr", stitch=True)
+    forecast = tiles(path, y_shift={"lat": 1}, stride={"lat": 5, "lon": 6})
+    with pytest.raises(ConfigError, match="y window is not its x window"):
+        field_layout(forecast)
+
+
+@pytest.mark.slow  # real worker processes
+def test_workers_stitch_their_own_rows_as_one_process_does(client, tmp_path):
+    """On the cluster each worker takes whole row chunks and computes every window that
+    touches them (windows over a share's edge twice): the field equals the one written
+    in this process, for a model with padded 3x3 convolutions (a window's edge cells
+    differ from its neighbour's, so the averages are real)."""
+    path, _ = write_2d(tmp_path)
+    source = tiles(path)
+    torch.manual_seed(0)
+    model = SegNet()
+    pipe = seg_pipeline(source)
+    options = dict(stitch=True, chunk_mb=16 * 48 * 3 * 4 / 1e6)  # 16-row chunks: 4 of them
+    with pytest.warns(RuntimeWarning):
+        pipe.predict(source, model, tmp_path / "here.zarr", **options)
+    with pytest.warns(RuntimeWarning):
+        pipe.predict(source, model, tmp_path / "there.zarr", client=client, **options)
+    here = zarr.open_group(str(tmp_path / "here.zarr"))["prediction"]
+    there = zarr.open_group(str(tmp_path / "there.zarr"))["prediction"]
+    assert there.chunks == (3, 16, 48)
+    np.testing.assert_allclose(there[...], here[...], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert np.isfinite(here[:, :63, :44]).all()
