@@ -175,6 +175,7 @@ class Pipeline:
         chunk_mb: float = 8.0,
         stitch: bool = False,
         memory_mb: float = 1024.0,
+        blend: str = "mean",
     ) -> str:
         """Write a trained ``model``'s output on every sample of ``source`` to the array
         ``name`` of a new zarr group at ``out`` (row ``i``: sample ``i``'s output; a zarr
@@ -186,8 +187,9 @@ class Pipeline:
 
         ``stitch=True`` (a ``PatchSource``, a model whose output has the window's shape
         after its channels): the windows' outputs are put back into the field, each cell
-        the mean over the windows covering it, NaN where none does; ``memory_mb`` bounds
-        the sums a worker holds at once. See :mod:`dataflow.stitching`."""
+        the mean over the windows covering it (``blend="gaussian"``: weighted towards
+        each window's centre), NaN where none does; ``memory_mb`` bounds the sums a
+        worker holds at once. See :mod:`dataflow.stitching`."""
         from dataflow.prediction import predict
         from dataflow.stitching import predict_field
 
@@ -198,10 +200,21 @@ class Pipeline:
             transforms=graph_eval_transforms(self.graph),
         )
         where = str(out) if "://" in str(out) else str(Path(out).resolve())  # (workers' cwd)
+        if blend != "mean" and not stitch:
+            raise ConfigError(
+                f"predict(blend={blend!r}) weighs overlapping windows when they are put "
+                "back into the field: pass stitch=True too (rows need no blending)"
+            )
         common = dict(name=name, client=client, device=self.trainer.config.device)
         if stitch:
             return predict_field(
-                model, stage, where, chunk_mb=chunk_mb, memory_mb=memory_mb, **common
+                model,
+                stage,
+                where,
+                chunk_mb=chunk_mb,
+                memory_mb=memory_mb,
+                blend=blend,
+                **common,
             )
         return predict(model, stage, where, chunk_mb=chunk_mb, **common)
 

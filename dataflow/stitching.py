@@ -4,8 +4,11 @@ back into the field they were cut from.
 A model that segments or regresses per cell returns, for each window of a
 ``PatchSource``, an output of the window's shape (its channels first). Stitched, cell
 ``c`` of the written field is the mean of the outputs of every window that covers ``c``
-(overlapping windows averaged); a cell no window covers (a stride longer than the patch,
-or the field's edge past the last window) is NaN, and counted.
+(overlapping windows averaged), or with ``blend="gaussian"`` their mean weighted by a
+Gaussian over each window (sigma 1/8 of the patch per axis, as MONAI's sliding-window
+inference weighs them): a window's centre counts more than its edges, where a padded
+convolution sees least. A cell no window covers (a stride longer than the patch, or the
+field's edge past the last window) is NaN, and counted.
 
 The field is written chunked along its first patch axis (the "rows"). On a
 ``distributed.Client`` each worker takes a contiguous share of whole row chunks and
@@ -38,6 +41,9 @@ from dataflow.stages.evaluate import Evaluate
 __all__ = ["FieldLayout", "field_layout", "predict_field"]
 
 DEFAULT_MEMORY_MB = 1024.0  # a share's sums held at once, per worker
+BLENDS = ("mean", "gaussian")
+GAUSSIAN_SIGMA = 0.125  # of the patch length, per patch axis
+GAUSSIAN_FLOOR = 1e-3  # the smallest weight: an edge cell still counts where it is alone
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class FieldLayout:
     patch: tuple[int, ...]
     corners: np.ndarray
     dimension_names: tuple[str, ...] | None = None
+    # per cell of a window's output (its spatial dims), the weight of its value (None:
+    # every cell 1, a plain mean)
+    weights: np.ndarray | None = None
 
     @property
     def rows_dim(self) -> int:
@@ -85,9 +94,28 @@ class FieldLayout:
         return tuple(field), tuple(out)
 
 
-def field_layout(source: Any) -> FieldLayout:
+def gaussian_weights(window: tuple[int, ...], patch_dims: tuple[int, ...]) -> np.ndarray:
+    """A window's cell weights for ``blend="gaussian"``: along each patch dim a Gaussian
+    centred on the window (sigma ``GAUSSIAN_SIGMA`` of its length, 1 at the centre, at
+    least ``GAUSSIAN_FLOOR``), constant along the whole dims."""
+    weights = np.ones((), dtype=np.float64)
+    for dim, length in enumerate(window):
+        axis = np.ones(length)
+        if dim in patch_dims:
+            offset = np.arange(length) - (length - 1) / 2
+            axis = np.exp(-0.5 * (offset / (GAUSSIAN_SIGMA * length)) ** 2)
+        weights = np.multiply.outer(weights, axis)
+    return np.maximum(weights / weights.max(), GAUSSIAN_FLOOR)
+
+
+def field_layout(source: Any, blend: str = "mean") -> FieldLayout:
     """The layout of ``source``'s field, or a ConfigError saying why its windows'
     outputs cannot be put back into one."""
+    if blend not in BLENDS:
+        raise ConfigError(
+            f"predict(blend={blend!r}): 'mean' (every window's cells alike) or 'gaussian' "
+            "(a window's centre weighs more than its edges)"
+        )
     geometry = getattr(source, "geometry", None)
     if geometry is None or not hasattr(source, "corners"):
         raise ConfigError(
@@ -117,12 +145,19 @@ def field_layout(source: Any) -> FieldLayout:
         )
     unfolded = [a for a in range(len(geometry.shape)) if a not in geometry.fold_axes]
     dims = geometry.dims
+    field = tuple(int(geometry.shape[a]) for a in unfolded)
+    patch_dims = tuple(unfolded.index(a) for a in geometry.axes)
+    patch = tuple(int(p) for p in geometry.patch)
+    window = tuple(
+        patch[patch_dims.index(d)] if d in patch_dims else n for d, n in enumerate(field)
+    )
     return FieldLayout(
-        field=tuple(int(geometry.shape[a]) for a in unfolded),
-        patch_dims=tuple(unfolded.index(a) for a in geometry.axes),
-        patch=tuple(int(p) for p in geometry.patch),
+        field=field,
+        patch_dims=patch_dims,
+        patch=patch,
         corners=np.asarray(source.corners, dtype=np.int64),
         dimension_names=None if dims is None else ("channel", *(str(dims[a]) for a in unfolded)),
+        weights=gaussian_weights(window, patch_dims) if blend == "gaussian" else None,
     )
 
 
@@ -135,17 +170,24 @@ def add_window(
     lo: int,
     hi: int,
 ) -> None:
-    """Add one window's ``output`` (channels first) to the sums of rows ``[lo, hi)``."""
+    """Add one window's ``output`` (channels first) to the sums of rows ``[lo, hi)``,
+    and its cells' weights to ``counts`` (1 each without blend weights)."""
     placed = layout.place(corner, lo, hi)
     if placed is None:
         return
     field, out = placed
-    sums[(slice(None), *field)] += output[(slice(None), *out)]
-    counts[field] += 1
+    if layout.weights is None:
+        sums[(slice(None), *field)] += output[(slice(None), *out)]
+        counts[field] += 1
+        return
+    weights = layout.weights[out]
+    sums[(slice(None), *field)] += output[(slice(None), *out)] * weights
+    counts[field] += weights
 
 
 def averaged(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
-    """The mean output per cell (NaN where no window reached) and the uncovered cells."""
+    """The (weighted) mean output per cell (NaN where no window reached) and the
+    uncovered cells."""
     with np.errstate(invalid="ignore", divide="ignore"):
         values = (sums / counts[None]).astype(np.float32)
     uncovered = counts == 0
@@ -181,13 +223,14 @@ def predict_field(
     device: str = "auto",
     chunk_mb: float = 8.0,
     memory_mb: float = DEFAULT_MEMORY_MB,
+    blend: str = "mean",
 ) -> str:
     """Write the field of ``model``'s averaged window outputs on ``stage.source`` to array
     ``name`` of a new zarr group at ``out``; returns ``out``."""
     if not isinstance(memory_mb, (int, float)) or not memory_mb > 0:
         raise ConfigError(f"predict(memory_mb={memory_mb!r}): a positive number of MB")
+    layout = field_layout(stage.source, blend)
     checked_samples("predict", model, stage.source)
-    layout = field_layout(stage.source)
     channels = _first_channels(stage, model, layout)
     shape = (channels, *layout.field)
     per_chunk = create_field_array(
@@ -200,7 +243,7 @@ def predict_field(
         owner="predict",
     )
     cells_per_row = math.prod(layout.field) // max(1, layout.rows)
-    row_bytes = cells_per_row * (8 * channels + 4)  # float64 sums and int32 counts
+    row_bytes = cells_per_row * 8 * (channels + 1)  # float64 sums and weights
     part_rows = max(per_chunk, int(memory_mb * 1e6 // row_bytes) // per_chunk * per_chunk)
     args = (str(out), name, layout, part_rows)
     if client is None:
@@ -261,7 +304,7 @@ def stitch_share(
         rows = list(layout.field)
         rows[layout.rows_dim] = stop - start
         sums = None
-        counts = np.zeros(rows, dtype=np.int32)
+        counts = np.zeros(rows, dtype=np.float64)  # (the weights summed per cell)
         first, last = layout.windows_touching(start, stop)
         if last > first:
             with contextlib.closing(stage.outputs(scored, place_on, first, last)) as outputs:

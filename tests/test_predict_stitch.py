@@ -18,7 +18,14 @@ from test_patch_source import SegNet, seg_pipeline, tiles, write_2d, write_3d
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
-from dataflow.stitching import FieldLayout, add_window, averaged, field_layout
+from dataflow.stitching import (
+    GAUSSIAN_FLOOR,
+    FieldLayout,
+    add_window,
+    averaged,
+    field_layout,
+    gaussian_weights,
+)
 
 
 def _covered(shape, corners, patch) -> np.ndarray:
@@ -62,6 +69,30 @@ def test_overlapping_windows_average_and_parts_of_rows_join_to_the_whole():
     np.testing.assert_array_equal(np.concatenate([left, right], axis=1), whole)
 
 
+def test_gaussian_weights_favour_each_windows_centre():
+    """Two windows of 8 cells at 0 and 4, outputs 1 and 3: with ``blend="gaussian"`` a
+    shared cell leans to the window whose centre is nearer, symmetrically; "mean" gives
+    2 everywhere they overlap."""
+    weights = gaussian_weights((8, 5), (0,))
+    assert weights.shape == (8, 5) and (weights[:, 0] == weights[:, 4]).all()
+    assert weights[3, 0] == weights[4, 0] == 1.0 and weights.min() >= GAUSSIAN_FLOOR
+    np.testing.assert_allclose(weights[:, 0], weights[::-1, 0])
+    corners = np.array([[0], [4]])
+    stitched = {}
+    for blend in ("mean", "gaussian"):
+        w = gaussian_weights((8,), (0,)) if blend == "gaussian" else None
+        layout = FieldLayout((12,), (0,), (8,), corners, weights=w)
+        sums, counts = np.zeros((1, 12)), np.zeros(12)
+        for k, corner in enumerate(corners):
+            add_window(sums, counts, layout, corner, np.full((1, 8), 1.0 + 2 * k), 0, 12)
+        stitched[blend] = averaged(sums, counts)[0][0]
+    np.testing.assert_array_equal(stitched["mean"][4:8], 2.0)
+    shared = stitched["gaussian"][4:8]
+    assert shared[0] < 2.0 < shared[3] and shared[1] < 2.0 < shared[2]
+    np.testing.assert_allclose(shared + shared[::-1], 4.0, rtol=1e-6)
+    assert (stitched["gaussian"][:4] == 1.0).all() and (stitched["gaussian"][8:] == 3.0).all()
+
+
 def _pointwise(c_in: int, c_out: int, dims: int) -> torch.nn.Module:
     torch.manual_seed(0)
     return (torch.nn.Conv2d if dims == 2 else torch.nn.Conv3d)(c_in, c_out, 1)
@@ -78,14 +109,19 @@ def _stitched(source, model, out, *, uncovered: bool = True, **options):
     return zarr.open_group(str(out))["prediction"]
 
 
-def test_a_per_cell_model_stitched_over_overlapping_tiles_is_the_model_on_the_field(tmp_path):
+@pytest.mark.parametrize("blend", ["mean", "gaussian"])
+def test_a_per_cell_model_stitched_over_overlapping_tiles_is_the_model_on_the_field(
+    tmp_path, blend
+):
     """8 x 8 tiles every 5 x 6 cells of a 64 x 48 field (row 63 and columns 44-47 in no
-    tile); sums held 3 rows at a time (memory_mb), so each part takes its windows again."""
+    tile); sums held 3 rows at a time (memory_mb), so each part takes its windows again.
+    Every window gives a cell the same value, so any weighting averages to it."""
     path, data = write_2d(tmp_path)
     source = tiles(path, shuffle=True)
     model = _pointwise(2, 3, 2)
-    array = _stitched(source, model, tmp_path / "out.zarr", memory_mb=3 * 48 * 28 / 1e6)
-    assert array.shape == (3, 64, 48)
+    rows = dict(chunk_mb=3 * 48 * 3 * 4 / 1e6, memory_mb=3 * 48 * 4 * 8 / 1e6)  # 3 rows
+    array = _stitched(source, model, tmp_path / "out.zarr", blend=blend, **rows)
+    assert array.shape == (3, 64, 48) and array.chunks == (3, 3, 48)
     assert tuple(array.metadata.dimension_names) == ("channel", "lat", "lon")
     with torch.no_grad():
         want = model(torch.from_numpy(np.stack([data["a"], data["b"]]))[None])[0].numpy()
@@ -125,6 +161,10 @@ def test_what_cannot_be_stitched_is_named(tmp_path):
     path, _ = write_2d(tmp_path)
     source = tiles(path)
     pipe = seg_pipeline(source)
+    with pytest.raises(ConfigError, match=r"'mean' .* or 'gaussian'"):
+        pipe.predict(source, SegNet(), tmp_path / "c.zarr", stitch=True, blend="cosine")
+    with pytest.raises(ConfigError, match="pass stitch=True too"):
+        pipe.predict(source, SegNet(), tmp_path / "d.zarr", blend="gaussian")
     classifier = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(128, 3))
     with pytest.raises(ConfigError, match=r"output per window is \(3,\).*one value per cell"):
         pipe.predict(source, classifier, tmp_path / "a.zarr", stitch=True)
