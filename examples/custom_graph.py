@@ -13,6 +13,7 @@ and some steps were clipped; and the held-out accuracy is >= --bar.
 
     python examples/custom_graph.py                      # about 30 s on 2 cores
     python examples/custom_graph.py --epochs 6 --samples 8000 --max-norm 0.25
+    python examples/custom_graph.py --scheduler tcp://head-node:8786
 
 Writes OUT/history.json and OUT/result.json (the figures).
 """
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-norm", type=float, default=0.5, help="clip the gradient norm to (0.5)")
     p.add_argument("--workers", type=int, default=2, help="LocalCluster workers = replicas (2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (instead)")
     p.add_argument("--out", default="runs/custom_graph", help="output folder")
     p.add_argument("--bar", type=float, default=0.9, help="pass if test accuracy >= BAR (0.9)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for plan in trainer.plan(epochs=args.epochs, replicas=args.workers, step_seconds=0.05):
         print(plan)
-    with client_or_local_cluster(None, n_workers=args.workers) as client:
+    with client_or_local_cluster(args.scheduler, n_workers=args.workers) as client:
         result = trainer.fit(epochs=args.epochs, client=client)
     history = result.history
     history.to_json(out / "history.json")

@@ -24,6 +24,7 @@ pushes by staleness.
     python examples/heterogeneous.py --factor 3 --epochs 8 --samples 8192
     python examples/heterogeneous.py --balancer even   # the same fit without balancing
     python examples/heterogeneous.py --balancer even --sync local   # leases instead
+    python examples/heterogeneous.py --scheduler tcp://head-node:8786   # 2 workers there
 
 Writes OUT/history.json and OUT/result.json (the figures).
 """
@@ -70,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoothing", type=float, default=0.7, help="Throughput(smoothing=) (0.7)")
     p.add_argument("--width", type=int, default=16, help="FieldNet's first conv width (16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler", help="address of a running Dask scheduler (instead)")
     p.add_argument("--out", default="runs/heterogeneous", help="output folder")
     p.add_argument(
         "--bar", type=float, default=0.42, help="pass if the slow replica's last share < BAR"
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    with client_or_local_cluster(None, n_workers=2) as client:
+    with client_or_local_cluster(args.scheduler, n_workers=2) as client:
         result = pipe.fit(epochs=args.epochs, client=client)
     history = result.history
     history.to_json(out / "history.json")

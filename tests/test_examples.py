@@ -1,9 +1,13 @@
 """Every example runs as a user runs it (``python examples/NAME.py``) and meets its bar.
 
 Each example writes ``result.json`` (its figures) and ``history.json`` to ``--out``; the
-tests read those numbers, not the printed text. The example runs start a real
-LocalCluster in a fresh interpreter (marked slow; CI runs them). The generators of
-``dataflow.tools.datasets`` are checked here too: the examples' data must mean what they say.
+tests read those numbers, not the printed text. Each example runs in a fresh interpreter
+on one real 2-worker LocalCluster the module starts, through the examples' own
+``--scheduler`` (as on a cluster already running: it saved each run its own cluster's
+start, ~4 s on 2 cores); the embedded LocalCluster of a run without ``--scheduler`` is
+``examples/quickstart.py``'s, in ``test_console_output.py``. Marked slow; CI runs them.
+The generators of ``dataflow.tools.datasets`` are checked here too: the examples' data
+must mean what they say.
 """
 
 from __future__ import annotations
@@ -31,13 +35,29 @@ NAMES = (
 )
 
 
+@pytest.fixture(scope="module")
+def scheduler():
+    """The address of a 2-worker LocalCluster the examples run on, as the embedded one
+    an example starts (``start_local_cluster``): one single-threaded process a worker."""
+    from dataflow.runtime.cluster import start_local_cluster
+
+    with start_local_cluster(2) as cluster:
+        yield cluster.scheduler_address
+
+
 def run_example(
-    name: str, out: Path, *flags: str, timeout: float = 280, must_pass: bool = True
+    name: str,
+    out: Path,
+    *flags: str,
+    scheduler: str,
+    timeout: float = 280,
+    must_pass: bool = True,
 ) -> dict:
-    """``python examples/NAME.py --out OUT --no-progress FLAGS``; its result.json (its
-    last line gives its figure, and ``PASS`` unless ``must_pass=False``)."""
+    """``python examples/NAME.py --out OUT --no-progress --scheduler ADDRESS FLAGS``; its
+    result.json (its last line gives its figure, and ``PASS`` unless ``must_pass=False``)."""
+    command = [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--no-progress"]
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--out", str(out), "--no-progress", *flags],
+        [*command, "--scheduler", scheduler, *flags],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -87,11 +107,13 @@ def test_every_example_has_help():
 
 
 @pytest.mark.slow
-def test_cosmoflow_beats_predict_the_mean(tmp_path):
+def test_cosmoflow_beats_predict_the_mean(tmp_path, scheduler):
     """A shorter run (6 epochs, 128 held-out fields): both parameters' held-out MSE at
     most 0.3 x the predict-the-mean baseline (seeds 0-2 reached A 0.06-0.20, n 0.05-0.09;
     the default run 0.04-0.09), with a batch that grew 16 -> 32 -> 64."""
-    result = run_example("cosmoflow", tmp_path, "--epochs", "6", "--test", "128")
+    result = run_example(
+        "cosmoflow", tmp_path, "--epochs", "6", "--test", "128", scheduler=scheduler
+    )
     for name in ("A", "n"):
         figures = result["params"][name]
         assert figures["baseline_mse"] > 0.5  # standardised targets: about 1
@@ -102,14 +124,16 @@ def test_cosmoflow_beats_predict_the_mean(tmp_path):
 
 
 @pytest.mark.slow
-def test_cosmoflow_spatial_splits_each_sample_over_two_workers(tmp_path):
+def test_cosmoflow_spatial_splits_each_sample_over_two_workers(tmp_path, scheduler):
     """A tiny run (16^3 fields, 2 epochs; its bar is for the default size, 3-4 min): the
     default budget lies between one sample on one worker and one split over two, the
     fit runs spatial=2 in micro-batches of one sample, each worker reading its half of
     every field from a store chunked in depth, and result.json has the figures."""
     zarr = pytest.importorskip("zarr")
     flags = ("--side", "16", "--train", "64", "--test", "32", "--epochs", "2")
-    result = run_example("cosmoflow_spatial", tmp_path, *flags, must_pass=False)
+    result = run_example(
+        "cosmoflow_spatial", tmp_path, *flags, scheduler=scheduler, must_pass=False
+    )
     assert result["layout"].startswith("spatial=2")
     memory = result["memory"]
     assert memory["spatial2_bytes"] <= memory["budget_bytes"] < memory["spatial1_bytes"]
@@ -130,11 +154,11 @@ def test_cosmoflow_spatial_splits_each_sample_over_two_workers(tmp_path):
 
 
 @pytest.mark.slow
-def test_digits_reaches_95_percent_with_adaptive(tmp_path):
+def test_digits_reaches_95_percent_with_adaptive(tmp_path, scheduler):
     """12 epochs (the default 20): held-out accuracy at least 95 % (seeds 0-2 reached
     98.6, 98.3 and 97.2 %; the default run 99.2 %), Adaptive growing the batch from 16."""
     pytest.importorskip("sklearn")
-    result = run_example("digits", tmp_path, "--epochs", "12")
+    result = run_example("digits", tmp_path, "--epochs", "12", scheduler=scheduler)
     assert result["test_accuracy"] >= 0.95, result["accuracy_per_epoch"]
     batches = [p["global_batch"] for p in result["phases"]]
     assert batches[0] == 16 and max(batches) > 16, batches  # Adaptive grew the batch
@@ -143,14 +167,16 @@ def test_digits_reaches_95_percent_with_adaptive(tmp_path):
 
 
 @pytest.mark.slow
-def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path):
+def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path, scheduler):
     """Phase 0 is split evenly (nothing measured yet); each later phase by
     ``Throughput(smoothing=0.7)`` from the speeds measured before it, the 2x throttle's
     pause counted in the slow replica's. The decisions are checked, not the share they
     come to (the example's own bar, < 0.42, is a measurement of a shared machine: its
     PASS or FAIL is printed, not required here). 512 samples an epoch (4 steps a phase):
     the decisions need measured phases, not a trained net."""
-    result = run_example("heterogeneous", tmp_path, "--samples", "512", must_pass=False)
+    result = run_example(
+        "heterogeneous", tmp_path, "--samples", "512", scheduler=scheduler, must_pass=False
+    )
     phases = result["phases"]
     assert len(phases) == 5
     assert phases[0]["slow_share"] == 0.5
@@ -162,8 +188,8 @@ def test_heterogeneous_moves_the_batch_off_the_slow_replica(tmp_path):
 
 
 @pytest.mark.slow
-def test_custom_graph_clips_the_reduced_gradient(tmp_path):
-    result = run_example("custom_graph", tmp_path)
+def test_custom_graph_clips_the_reduced_gradient(tmp_path, scheduler):
+    result = run_example("custom_graph", tmp_path, scheduler=scheduler)
     clip = result["clip"]
     assert clip["ok"], clip["checks"]
     assert clip["steps_logged"] == [result["steps"], result["steps"]]
@@ -173,14 +199,16 @@ def test_custom_graph_clips_the_reduced_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_segment_volume_beats_the_majority_class_on_a_slab_it_never_trained_on(tmp_path):
+def test_segment_volume_beats_the_majority_class_on_a_slab_it_never_trained_on(tmp_path, scheduler):
     """A small run (a 64^3 volume chunked 16^3, 384 random 12^3 crops, 2 epochs): on the
     held-out slab the net closes at least 40 % of the majority class's error (seeds 0-2
     closed 58-70 %, 73-78 % in 3 epochs; the default run 82-84 %) and beats thresholding
     each voxel (seeds 0-2: 75-82 % of voxels against its 57 %), and its
     mean IoU is at least twice the majority class's."""
     flags = ("--side", "64", "--chunk", "16", "--patch", "12", "--crops", "384")
-    result = run_example("segment_volume", tmp_path, *flags, "--epochs", "2", "--bar", "0.4")
+    result = run_example(
+        "segment_volume", tmp_path, *flags, "--epochs", "2", "--bar", "0.4", scheduler=scheduler
+    )
     net, trivial = result["scores"]["net"], result["scores"]["majority"]
     assert result["error_closed"] >= 0.4 and result["passed"], result["scores"]
     assert net["accuracy"] > result["scores"]["threshold"]["accuracy"], result["scores"]
@@ -190,12 +218,20 @@ def test_segment_volume_beats_the_majority_class_on_a_slab_it_never_trained_on(t
 
 
 @pytest.mark.slow
-def test_forecast_fields_beats_persistence_on_a_later_year(tmp_path):
+def test_forecast_fields_beats_persistence_on_a_later_year(tmp_path, scheduler):
     """A small run (3 years, the last held out, 2 epochs): the held-out RMSE is at most
     0.85 x persistence's (seeds 0-2: 0.68 each, 0.66-0.71 in 3 epochs; the default run
     0.63-0.66)."""
     result = run_example(
-        "forecast_fields", tmp_path, "--years", "3", "--epochs", "2", "--bar", "0.85"
+        "forecast_fields",
+        tmp_path,
+        "--years",
+        "3",
+        "--epochs",
+        "2",
+        "--bar",
+        "0.85",
+        scheduler=scheduler,
     )
     assert result["rmse"]["net"] <= 0.85 * result["rmse"]["persistence"], result["rmse"]
     assert result["held_out_year"] == 2002 and result["train_years"] == [2000, 2001]
@@ -270,14 +306,14 @@ def test_digits_arrays_is_the_real_dataset_split_80_20():
 
 
 @pytest.mark.slow
-def test_heterogeneous_with_local_updates_moves_samples_without_a_balancer(tmp_path):
+def test_heterogeneous_with_local_updates_moves_samples_without_a_balancer(tmp_path, scheduler):
     """``--balancer even --sync local``: every phase splits the batch evenly, with sample
     leases on, and every sample of a phase is trained by one replica or the other. How
     many the fast one takes over depends on the machine's speed (the example's bar,
     < 0.47, is printed, not required); ``test_leases.py`` checks the takeover itself."""
     flags = ("--balancer", "even", "--sync", "local", "--epochs", "3", "--bar", "0.47")
     flags += ("--samples", "512")  # 4 steps a phase: the split and the ledger, not accuracy
-    result = run_example("heterogeneous", tmp_path, *flags, must_pass=False)
+    result = run_example("heterogeneous", tmp_path, *flags, scheduler=scheduler, must_pass=False)
     phases = result["phases"]
     assert all(p["slow_share"] == 0.5 for p in phases)  # the split stayed even
     history = json.loads((tmp_path / "history.json").read_text())
