@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+from typing import Any
 
 import dask.config
 import numpy as np
@@ -115,6 +117,28 @@ def reference_training(
             after_backward(model)
         opt.step()
     return model
+
+
+def in_process(
+    trainer: dfl.Trainer, epochs: int, micro_batches: int = 1, device: str = "cpu", **spec: Any
+):
+    """One replica of ``trainer``'s graph in this process (as the dry run builds it) on
+    ``device``, its phase begun: the runtime and the phase's steps. ``spec``: more
+    ``ReplicaSpec`` fields (``commit_windows=False``: commits only when a test makes them)."""
+    from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+    from dataflow.stages.base import PhaseContext
+
+    order = trainer.graph.validate(replicas=1)
+    spec = ReplicaSpec(
+        run_id="test", graph=trainer.graph, order=order, seed=0, device=device, **spec
+    )
+    runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
+    [plan] = trainer.plan(epochs, 1)
+    steps = plan.steps
+    if micro_batches > 1:
+        steps = tuple(dataclasses.replace(s, micro_batches=(micro_batches,)) for s in steps)
+    runtime.begin_phase(PhaseContext(index=0, steps=steps, lr=None))
+    return runtime, steps
 
 
 def tiny_pipeline(x, y, *, batch: int = 16, **options) -> dfl.Pipeline:

@@ -9,41 +9,23 @@ import threading
 import time
 
 import torch
-from conftest import TinyCNN, make_data, sgd
+from conftest import in_process, make_data, tiny_pipeline
 
-import dataflow as dfl
 from dataflow.runtime import host_copies
 from dataflow.runtime.host_copies import HostArena, HostCopies, host_copy
-from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+from dataflow.runtime.replica import ReplicaRuntime
 from dataflow.runtime.replica_spec import ReplicaState
-from dataflow.stages.base import PhaseContext
 
 
-def _replica(device: str) -> tuple[ReplicaRuntime, tuple]:
+def _replica(device: str) -> ReplicaRuntime:
     """One replica of a TinyCNN pipeline on ``device``, in this process, its phase begun,
     committing only when told to (the test commits by hand)."""
     x, y = make_data(64)
-    pipe = dfl.Pipeline(
-        model=TinyCNN,
-        loss=torch.nn.functional.cross_entropy,
-        optimizer=sgd,
-        source=dfl.io.ArraySource(x, y),
-        schedule=dfl.schedule.Fixed(16),
-        device=device,
-        precision="fp32",
-        channels_last=False,
-        progress=False,
-        prefetch=8,  # the loader reads the phase's 4 steps at once, then stops
-    )
-    trainer = pipe.trainer
-    order = trainer.graph.validate(replicas=1)
-    spec = ReplicaSpec(
-        run_id="test", graph=trainer.graph, order=order, seed=0, device=device, commit_windows=False
-    )
-    runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
-    [plan] = trainer.plan(1, 1)
-    runtime.begin_phase(PhaseContext(index=0, steps=plan.steps, lr=None))
-    return runtime, plan.steps
+    options = dict(device=device, precision="fp32", channels_last=False)
+    # prefetch 8: the loader reads the phase's 4 steps at once, then stops
+    pipe = tiny_pipeline(x, y, prefetch=8, **options)
+    runtime, _ = in_process(pipe.trainer, epochs=1, device=device, commit_windows=False)
+    return runtime
 
 
 def _host_state(runtime: ReplicaRuntime) -> tuple[dict, list]:
@@ -70,7 +52,7 @@ def commit_then_train_then_roll_back(device: str, during_commit=None) -> None:
     in, e.g. torch's sync check), train 2 more steps, which change the weights while
     the commit's copies may still be running, then roll back to the commit: weights and
     momentum are those at step 2, bit for bit."""
-    runtime, _ = _replica(device)
+    runtime = _replica(device)
     runtime.run_window(0, 2)
     want_weights, want_momenta = _host_state(runtime)
     if during_commit is None:
@@ -159,7 +141,7 @@ def test_a_reset_arena_reuses_its_buffers_and_a_large_tensor_gets_its_own(monkey
 def test_commits_reuse_the_buffers_of_the_commits_they_drop():
     """A commit per window: the replica holds its two live commits' buffers and one
     spare, and after the first windows takes no new ones."""
-    runtime, _ = _replica("cpu")
+    runtime = _replica("cpu")
     held = []
     for window in range(4):
         runtime.commit(window)

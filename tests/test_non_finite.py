@@ -7,20 +7,18 @@ process, as the dry run does; the ``slow`` ones fit on the session's LocalCluste
 
 import copy
 import csv
-import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, sgd, tiny_pipeline
+from conftest import in_process, make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.errors import ConfigError, NonFiniteError
 from dataflow.history.records import StepRecord
 from dataflow.history.report import write_report
 from dataflow.history.result import FitResult, History, skipped_text
-from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
-from dataflow.stages.base import PhaseContext
+from dataflow.runtime.replica import ReplicaRuntime
 
 
 def data_with_a_nan(n=64, bad=37):
@@ -59,20 +57,6 @@ def accuracy(model: torch.nn.Module, x, y) -> float:
     model.eval()
     with torch.no_grad():
         return float((model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).float().mean())
-
-
-def in_process(trainer: dfl.Trainer, epochs: int, micro_batches: int = 1):
-    """One replica of ``trainer``'s graph in this process (as the dry run builds it), its
-    phase begun: the runtime and the phase's steps."""
-    order = trainer.graph.validate(replicas=1)
-    spec = ReplicaSpec(run_id="test", graph=trainer.graph, order=order, seed=0, device="cpu")
-    runtime = ReplicaRuntime(spec, rank=0, world_size=1, collective=None)
-    [plan] = trainer.plan(epochs, 1)
-    steps = plan.steps
-    if micro_batches > 1:
-        steps = tuple(dataclasses.replace(s, micro_batches=(micro_batches,)) for s in steps)
-    runtime.begin_phase(PhaseContext(index=0, steps=steps, lr=None))
-    return runtime, steps
 
 
 class PoisonSteps(dfl.stages.Stage):
