@@ -15,6 +15,7 @@ hundred samples/s, so batch 16 x 48 steps is ~2-4 s.
 from __future__ import annotations
 
 import functools
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,9 +315,36 @@ def side_order(workloads: dict[str, Workload]) -> list[tuple[Workload, str]]:
     return list(order.values())
 
 
+def in_first(w: Workload, side: str) -> bool:
+    """Whether ``side`` runs in one of ``w``'s first rounds (see :func:`side_order`)."""
+    return any(side in sides for sides in w.first)
+
+
 def rate(out: dict[str, Any], side: str) -> float | None:
-    value = out.get(side, {}).get("samples_per_s")
-    return float(value) if value else None
+    """The side's steady samples/s: the median of its runs (the first and any repeats)."""
+    first = out.get(side, {}).get("samples_per_s")
+    if not first:
+        return None
+    return float(statistics.median([first, *out[side].get("repeats", [])]))
+
+
+# A target's first value this close to its bar (as a fraction of the bar) is confirmed by
+# more runs of its two sides (gpu_training.confirm): the spread of one run on a step
+# bound by the host
+UNCERTAIN_WITHIN = 0.2
+
+
+def uncertain(w: Workload, out: dict[str, Any]) -> list[Target]:
+    """The targets whose value (so far) lies within ``UNCERTAIN_WITHIN`` of their bar,
+    the nearest first."""
+    near = []
+    for target in w.targets.values():
+        a, b = rate(out, target.numerator), rate(out, target.denominator)
+        if a is not None and b is not None:
+            distance = abs(a / b / target.at_least - 1)
+            if distance <= UNCERTAIN_WITHIN:
+                near.append((distance, target))
+    return [target for _, target in sorted(near, key=lambda pair: pair[0])]
 
 
 def ratios(workload: Workload, out: dict[str, Any]) -> dict[str, float]:
@@ -328,6 +356,16 @@ def ratios(workload: Workload, out: dict[str, Any]) -> dict[str, float]:
         if a is not None and b is not None:
             found[f"{numerator} / {denominator}"] = a / b
     return found
+
+
+def spread(out: dict[str, Any], target: Target) -> list[float]:
+    """The lowest and highest ratio of any numerator run over any denominator run."""
+
+    def runs(side: str) -> list[float]:
+        return [out[side]["samples_per_s"], *out[side].get("repeats", [])]
+
+    values = [a / b for a in runs(target.numerator) for b in runs(target.denominator)]
+    return [min(values), max(values)]
 
 
 def targets(workload: Workload, out: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -342,6 +380,13 @@ def targets(workload: Workload, out: dict[str, Any]) -> dict[str, dict[str, Any]
             "value": None if a is None or b is None else a / b,
         }
         entry["met"] = None if entry["value"] is None else entry["value"] >= target.at_least
+        runs = [
+            len(out.get(side, {}).get("repeats", [])) + 1
+            for side in (target.numerator, target.denominator)
+        ]
+        if entry["value"] is not None and max(runs) > 1:  # medians of repeated runs
+            entry["runs"] = dict(zip((target.numerator, target.denominator), runs, strict=True))
+            entry["spread"] = spread(out, target)
         if entry["value"] is None:
             entry["missing"] = [
                 side for side, r in ((target.numerator, a), (target.denominator, b)) if r is None
