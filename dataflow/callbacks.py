@@ -50,7 +50,14 @@ class EarlyStopping:
     """Stop when ``metric`` has not improved by more than ``min_delta`` for ``patience``
     epochs in a row (Prechelt 1998; Keras' and Lightning's rule). ``mode``: "min" for
     losses, "max" for scores, "auto": "max" for names with accuracy, r2 or score in them,
-    else "min". One instance per fit: it keeps the best value seen."""
+    else "min".
+
+    Its state (the best value, its epoch, the epochs waited since) is read from the fit's
+    history each time it is called, as Lightning restores its own from a checkpoint: a
+    resumed fit (``resume=True``, a new process and a new instance) stops at the epoch
+    the uninterrupted fit stops at, and one instance passed to several fits (a sweep)
+    judges each on its own epochs. Called without a history (by hand), it counts the
+    values it is given."""
 
     metric: str = "eval_loss"
     patience: int = 3
@@ -71,20 +78,28 @@ class EarlyStopping:
         self.mode = metric_mode("EarlyStopping", self.metric, self.mode)
 
     def __call__(self, epoch: Mapping[str, Any], history: Any = None) -> None:
-        value = epoch.get(self.metric)
-        if value is None:  # not evaluated this epoch (Evaluate(every_epochs=...)): the fit
-            return  # checked the name before it began (check_callbacks)
-        value = float(value)
-        if improves(value, self.best, self.mode, self.min_delta):
-            self.best, self.best_epoch, self.waited = value, epoch.get("epoch"), 0
-            return
-        self.waited += 1  # no better, or not finite
+        if epoch.get(self.metric) is None:  # not evaluated this epoch (Evaluate(every_
+            return  # epochs=...)): the fit checked the name before it began (check_callbacks)
+        records = epochs_until(history, epoch)
+        if records is not None:  # the fit's epochs so far, this one last: counted afresh
+            self.best, self.best_epoch, self.waited = None, None, 0
+        for record in [epoch] if records is None else records:
+            self._count(record)
         if self.waited >= self.patience:
             best = "no finite value" if self.best is None else f"{self.best:.6g}"
             raise StopTraining(
                 f"{self.metric} has not improved on {best} (epoch {self.best_epoch}) for "
                 f"{self.waited} epochs"
             )
+
+    def _count(self, record: Mapping[str, Any]) -> None:
+        value = record.get(self.metric)
+        if value is None:
+            return
+        if improves(float(value), self.best, self.mode, self.min_delta):
+            self.best, self.best_epoch, self.waited = float(value), record.get("epoch"), 0
+        else:
+            self.waited += 1  # no better, or not finite
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,17 @@ class KeepBest:
     def improves(self, value: float, best: float | None) -> bool:
         """Whether ``value`` replaces the kept epoch's ``best`` (None: nothing kept)."""
         return improves(value, best, self.mode, self.min_delta)
+
+
+def epochs_until(history: Any, epoch: Mapping[str, Any]) -> list[Mapping[str, Any]] | None:
+    """The epoch records of ``history`` before ``epoch`` (by number), then ``epoch``
+    itself; None when there is no history to read (a callback called by hand)."""
+    records = getattr(history, "epochs", None)
+    number = epoch.get("epoch")
+    if records is None or number is None:
+        return None
+    earlier = {int(r["epoch"]): r for r in records if int(r["epoch"]) < int(number)}
+    return [earlier[k] for k in sorted(earlier)] + [epoch]
 
 
 def metric_mode(owner: str, metric: str, mode: str) -> str:

@@ -45,6 +45,41 @@ def test_early_stopping_follows_the_metrics_direction_and_skips_unevaluated_epoc
     assert nan.best == 2.0 and nan.waited == 0
 
 
+def _history(losses) -> History:
+    return History(epochs=[{"epoch": k, "eval_loss": v} for k, v in enumerate(losses)])
+
+
+def _verdicts(stop, losses) -> list[bool]:
+    """Whether ``stop`` asked to stop after each epoch of a fit with these losses."""
+    verdicts = []
+    for k in range(len(losses)):
+        history = _history(losses[: k + 1])
+        try:
+            stop(history.epochs[k], history)
+            verdicts.append(False)
+        except dfl.StopTraining:
+            verdicts.append(True)
+    return verdicts
+
+
+def test_early_stopping_reads_its_state_from_the_fits_history():
+    """A resumed fit's new instance stops where the uninterrupted fit's stops (its
+    earlier epochs are in the history it is given), and one instance passed to two fits
+    judges the second on its own epochs, not on the first fit's best."""
+    losses = [1.0, 0.9, 0.95, 0.97, 0.5]
+    assert _verdicts(dfl.EarlyStopping(patience=2), losses) == [False, False, False, True, False]
+    resumed = dfl.EarlyStopping(patience=2)  # a new process: epochs 0-2 ran before it
+    with pytest.raises(dfl.StopTraining, match=r"0\.9 \(epoch 1\) for 2 epochs"):
+        resumed({"epoch": 3, "eval_loss": 0.97}, _history(losses[:4]))
+    swept = dfl.EarlyStopping(patience=2)
+    assert _verdicts(swept, [0.1, 0.2, 0.3]) == [False, False, True]
+    assert _verdicts(swept, losses) == [False, False, False, True, False]  # 0.1 forgotten
+    by_hand = dfl.EarlyStopping(patience=2)  # no history: it counts what it is given
+    by_hand({"epoch": 7, "eval_loss": 0.9})
+    by_hand({"epoch": 8, "eval_loss": 0.95})
+    assert (by_hand.best, by_hand.best_epoch, by_hand.waited) == (0.9, 7, 1)
+
+
 @pytest.mark.parametrize(
     "make, says",
     [
@@ -215,6 +250,36 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
     resumed = pipe().fit(3, client=client, checkpoint_dir=tmp_path, resume=True)
     assert [e["epoch"] for e in resumed.history.epochs] == [0, 1, 2]
     assert "stopped_early" not in resumed.history.info
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_with_a_new_early_stopping_stops_where_the_uninterrupted_one_does(
+    client, tmp_path
+):
+    """Random labels: the held-out loss is lowest after epoch 0 and rises, so patience 2
+    stops the uninterrupted fit after epoch 2. A fit of 1 epoch, then resumed in a new
+    instance (as a new process after a preemption), stops there too: its EarlyStopping
+    counts epoch 0 from the history, where it used to start afresh at epoch 1 and stop
+    after epoch 3."""
+    from test_keep_best import BatchNormCNN
+
+    x, y = make_data(160)
+
+    def pipe():
+        return held_out_pipeline(x, y, model=BatchNormCNN)
+
+    def patience_2():
+        return dfl.EarlyStopping(metric="eval_loss", patience=2)
+
+    whole = pipe().fit(8, client=client, on_epoch=patience_2())
+    stop = whole.history.info["stopped_early"]
+    assert stop["after_epoch"] == 2 and "(epoch 0)" in stop["reason"], stop
+    pipe().fit(1, client=client, on_epoch=patience_2(), checkpoint_dir=tmp_path)
+    resumed = pipe().fit(
+        8, client=client, on_epoch=patience_2(), checkpoint_dir=tmp_path, resume=True
+    )
+    assert [e["epoch"] for e in resumed.history.epochs] == [0, 1, 2]
+    assert resumed.history.info["stopped_early"]["after_epoch"] == 2
 
 
 @pytest.mark.slow
