@@ -355,6 +355,13 @@ def ratios(workload: Workload, out: dict[str, Any]) -> dict[str, float]:
         a, b = rate(out, numerator), rate(out, denominator)
         if a is not None and b is not None:
             found[f"{numerator} / {denominator}"] = a / b
+    for target in workload.targets.values():  # can the zarr fit's loader keep up at all?
+        alone = out.get(target.numerator, {}).get("loader_alone")
+        memory = rate(out, target.denominator)
+        if alone and memory:
+            found[f"{target.numerator} loader alone / {target.denominator}"] = (
+                alone["samples_per_s"] / memory
+            )
     return found
 
 

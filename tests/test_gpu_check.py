@@ -82,6 +82,7 @@ SEED_RATIOS = {
     "fit_memory_bf16_cl / loop_resident_bf16_cl",
     "fit_zarr_bf16_cl / loop_resident_bf16_cl",
     "fit_zarr_bf16_cl / fit_memory_bf16_cl",
+    "fit_zarr_bf16_cl loader alone / fit_memory_bf16_cl",  # can the loader keep up at all
     "fit_memory_bf16_cl / fit_memory_fp32",
     "loop_resident_bf16_cl / loop_resident_fp32",
 }
@@ -173,6 +174,9 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     small = run["training"]["small"]
     assert "dataflow_memory_adaptive / dataflow_memory" in small["ratios"]
     assert "dataflow_zarr / dataflow_memory" in small["ratios"]
+    assert "dataflow_zarr loader alone / dataflow_memory" in small["ratios"]
+    alone = small["dataflow_zarr"]["loader_alone"]  # one epoch, read on the worker
+    assert alone["samples"] == 8 and alone["samples_per_s"] > 0 and alone["decode_threads"] >= 1
     assert set(small["targets"]) == {*TARGETS, "Adaptive / Fixed", *CAPTURED_TARGETS}
     assert len(run["targets"]) == 20
     for label, target in run["targets"].items():
