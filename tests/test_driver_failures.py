@@ -6,10 +6,13 @@ tests/test_emulated_nodes.py's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from test_driver_machine import Driver, of
+from test_driver_machine import PHASE0, Driver, of, planned
 
 from dataflow.core.errors import CollectiveError, NonFiniteError
+from dataflow.core.phase import PhaseSpec
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.log import ErrorInfo, loggable
@@ -136,9 +139,71 @@ def test_members_silent_to_the_probe_are_lost_and_excluded(where):
     the loss gives in that status (a twin machine fed WorkersLost)."""
     silent, twin = where(checkpoints=True), where(checkpoints=True)
     out = silent.send(ev.WorkersSilent(("tcp://b",), 5.0))
-    assert out[0] == cmd.ExcludeWorkers(("tcp://b",))
+    assert out[0] == cmd.ExcludeWorkers(("tcp://b",))  # not for good: it may come back
     assert out[1:] == twin.send(ev.WorkersLost(("tcp://b",)))
-    assert silent.state == twin.state
+    assert silent.state.readmittable == ("tcp://b",)
+    assert dataclasses.replace(silent.state, readmittable=()) == twin.state
+
+
+def silent_b_then_phase_1() -> tuple[Driver, list]:
+    """b silent mid-phase 0: excluded, a trains the phase's rest alone; at phase 1's
+    choice b is back and idle (the executor's WorkersRecovered, before PhaseChosen)."""
+    d = Driver()
+    _, calibration = d.start()
+    of(cmd.SubmitWindows, d.finish_plan(calibration))
+    [form] = of(cmd.FormGroup, d.send(ev.WorkersSilent(("tcp://b",), 5.0)))
+    [rest] = d.send(ev.GroupFormed(form.generation))
+    steps = planned(PHASE0, 1)
+    [submit] = of(
+        cmd.SubmitWindows, d.send(ev.SegmentPlanned(PHASE0, steps[rest.commit_step :], steps))
+    )
+    d.finish_plan(submit)
+    d.send(ev.PhaseEnded(form.generation, ({"weights_digest": "x"},)))
+    # c was never excluded: the executor would not report it; the machine ignores it
+    back = d.send(ev.WorkersRecovered(("tcp://b", "tcp://c")))
+    return d, back
+
+
+PHASE1 = PhaseSpec(index=1, start_epoch=2, end_epoch=3, global_batch=16)
+
+
+def test_a_member_excluded_as_silent_that_is_back_and_idle_joins_the_next_phase():
+    """A hang that ended (or a link back up) no longer costs the worker for the rest of
+    the fit: back in the pool, it joins at the next phase as a joiner does."""
+    d, back = silent_b_then_phase_1()
+    assert back == [cmd.ReadmitWorkers(("tcp://b",), epoch=2)]
+    assert d.state.available == ("tcp://b",) and d.state.readmittable == ()
+    [form] = d.send(ev.PhaseChosen(PHASE1))
+    assert form.members == ("tcp://a", "tcp://b") and form.joining == ("tcp://b",)
+    assert d.send(ev.WorkersRecovered(("tcp://b",))) == []  # once back, not again
+
+
+def test_a_worker_readmitted_once_and_silent_again_is_excluded_for_good():
+    d, _ = silent_b_then_phase_1()
+    [form] = d.send(ev.PhaseChosen(PHASE1))
+    d.send(ev.GroupFormed(form.generation))
+    out = d.send(ev.WorkersSilent(("tcp://b",), 5.0))
+    assert out[0] == cmd.ExcludeWorkers(("tcp://b",), for_good=True)
+    assert d.state.readmittable == () and d.state.readmitted == ("tcp://b",)
+    assert d.send(ev.WorkersRecovered(("tcp://b",))) == []
+    assert "tcp://b" not in d.state.available
+
+
+def test_a_worker_whose_setup_failed_is_never_readmitted():
+    d = Driver()
+    d.send(ev.Started(("tcp://a", "tcp://b", "tcp://c")))
+    out = d.send(ev.SetupFailed(0, ("tcp://c",), ModuleNotFoundError("No module named 'x'")))
+    assert out[0] == cmd.ExcludeWorkers(("tcp://c",), for_good=True)
+    assert d.send(ev.WorkersRecovered(("tcp://c",))) == []
+    assert "tcp://c" not in d.state.available
+
+
+def test_a_readmission_is_logged_and_replays():
+    d, _ = silent_b_then_phase_1()
+    d.send(ev.PhaseChosen(PHASE1))
+    assert ev.WorkersRecovered(("tcp://b", "tcp://c")) in d.machine.log.events
+    _, replayed = replay(d.machine.config, d.machine.log.events)
+    assert [loggable(c) for out in replayed for c in out] == d.machine.log.commands
 
 
 def test_a_silent_member_is_logged_and_replays():

@@ -442,7 +442,7 @@ def test_a_joiner_whose_own_setup_fails_is_excluded_and_the_group_forms_without_
     assert form.joining == ("tcp://c",)
     error = ModuleNotFoundError("No module named 'libfoo'")
     exclude, record, again = d.send(ev.SetupFailed(form.generation, ("tcp://c",), error))
-    assert exclude == cmd.ExcludeWorkers(("tcp://c",))
+    assert exclude == cmd.ExcludeWorkers(("tcp://c",), for_good=True)
     assert record.record["reason"] == "a worker failed to set up"
     assert record.record["error"] == "ModuleNotFoundError: No module named 'libfoo'"
     assert record.record["lost"] == ["tcp://c"] and record.record["window_steps_lost"] == 0

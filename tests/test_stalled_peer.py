@@ -28,11 +28,16 @@ TIMEOUT_S = 2.0
 class StallOnce(stages.Stage):
     """Test stage: at step ``step`` on replica ``rank``, sleeps ``seconds`` (once per
     ``marker`` file), before the step's allreduce; a file ``marker + ".release"`` ends
-    the sleep early (a hang ended once its test has seen what it needs)."""
+    the sleep early (a hang ended once its test has seen what it needs); then, with
+    ``fail_on_release``, the step raises (the hang ends in an error, as a read that gave
+    up would)."""
 
-    def __init__(self, marker: str, *, step: int, rank: int, seconds: float) -> None:
+    def __init__(
+        self, marker: str, *, step: int, rank: int, seconds: float, fail_on_release: bool = False
+    ) -> None:
         super().__init__("StallOnce")
         self.marker, self.step, self.rank, self.seconds = marker, step, rank, seconds
+        self.fail_on_release = fail_on_release
 
     def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
         replica = step.replica
@@ -46,6 +51,8 @@ class StallOnce(stages.Stage):
             end = time.monotonic() + self.seconds
             while time.monotonic() < end and not os.path.exists(self.marker + ".release"):
                 time.sleep(0.05)
+            if self.fail_on_release:
+                raise RuntimeError("the hang ended in an error")
         return batch
 
 
@@ -56,7 +63,13 @@ SYNC = {
 }
 
 
-def _trainer(source: Any, *, stall: stages.Stage | None = None, sync: str = "sync") -> dfl.Trainer:
+def _trainer(
+    source: Any,
+    *,
+    stall: stages.Stage | None = None,
+    sync: str = "sync",
+    schedule: Any = None,
+) -> dfl.Trainer:
     """Two replicas of TinyCNN on ``source``, 4-step windows, the tests' short timeout;
     ``stall`` (a test stage) between Load and Forward."""
     g = dfl.Graph()
@@ -67,7 +80,7 @@ def _trainer(source: Any, *, stall: stages.Stage | None = None, sync: str = "syn
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
     return dfl.Trainer(
         g,
-        schedule=dfl.schedule.Fixed(24),
+        schedule=dfl.schedule.Fixed(24) if schedule is None else schedule,
         seed=0,
         progress=False,
         replicas=2,
@@ -164,20 +177,39 @@ def test_a_replica_waiting_minutes_for_its_data_is_not_hung_the_phase_is_redone(
     assert all(torch.equal(v, want[k]) for k, v in result.model.state_dict().items())
 
 
-def test_a_peer_still_in_its_step_long_after_the_timeout_is_hung_and_dropped(tmp_path):
-    """Its window still runs once the driver has waited the failure grace and another
-    timeout: it counts as lost, and the other replica goes on alone (its own cluster:
-    the hung worker is excluded from it). The hang lasts until the fit is over."""
+def test_a_hung_peer_is_dropped_and_back_idle_rejoins_at_the_next_phase(tmp_path):
+    """Replica 1 is still in its step once the driver has waited the failure grace and
+    another timeout: it counts as lost, and the other replica goes on alone while the
+    hang lasts (its own cluster: the hung worker is excluded from it). Once the fit has
+    finished epoch 0 without it, the hang ends (in an error, at once). At the next
+    phase's choice the driver finds the worker idle and takes it again: the later phases
+    train on 2 replicas, where it used to stay out for the rest of the fit. Every sample
+    of every epoch is trained once."""
     from dataflow.runtime.cluster import client_or_local_cluster
 
     marker = tmp_path / "hung"
+    release = tmp_path / "hung.release"
+    stall = StallOnce(str(marker), step=5, rank=1, seconds=120.0, fail_on_release=True)
+    schedule = dfl.schedule.Stepwise({0: 24, 2: 48, 4: 80}, lr_scaling="none")
+    trainer = _trainer(dfl.io.ArraySource(*make_data(240)), stall=stall, schedule=schedule)
+
+    def end_the_hang(epoch, history):
+        if epoch["epoch"] == 0:  # the hung replica was dropped before this epoch ended
+            assert history.info["failures"][0]["reason"] == "lost workers"
+            release.touch()
+
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:
         try:
-            result = _stalled(marker, seconds=120.0).fit(epochs=2, client=client)
+            result = trainer.fit(epochs=6, client=client, on_epoch=end_the_hang)
         finally:
-            (tmp_path / "hung.release").touch()
+            release.touch()
     [failure] = result.history.info["failures"]
     assert failure["reason"] == "lost workers" and len(failure["lost"]) == 1
     assert failure["replicas_before"] == 2 and failure["replicas_after"] == 1
-    for epoch in range(2):
+    [readmitted] = result.history.info["readmitted"]
+    assert readmitted["workers"] == failure["lost"]
+    assert readmitted["epoch"] in (2, 4)  # the first phase choice that found it idle
+    replicas = {p["start_epoch"]: p["replicas"] for p in result.history.phases}
+    assert replicas[4] == 2 and replicas[readmitted["epoch"]] == 2
+    for epoch in range(6):
         assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}

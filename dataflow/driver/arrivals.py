@@ -1,5 +1,6 @@
 """The executor's side of workers arriving: the client's workers the fit may use (not
 the ones the machine excluded), the new ones since it last looked (``WorkersJoined``),
+excluded ones back and idle (``WorkersRecovered``),
 waiting for restarted workers when every replica was lost (``AwaitRestart``), and
 asking the cluster for more (``ScaleCluster``). Which of them the fit takes is the
 machine's decision; this only looks and waits.
@@ -13,6 +14,7 @@ import contextlib
 from typing import Any
 
 from dataflow.driver import events as ev
+from dataflow.driver.membership import idle_workers
 from dataflow.runtime.cluster import available_workers
 
 
@@ -21,10 +23,30 @@ class WorkerArrivals:
     client: Any
     known: set[str]
     unreachable: set[str]
+    may_return: set[str]
 
     def available(self) -> list[str]:
         """The client's workers, in a stable order, but those the machine excluded."""
         return [a for a in available_workers(self.client) if a not in self.unreachable]
+
+    def arrivals(self) -> list[ev.WorkersRecovered | ev.WorkersJoined]:
+        """At a phase's choice: excluded workers back and idle, then new workers."""
+        return [e for e in (self.recovered_event(), self.joined_event()) if e is not None]
+
+    def recovered_event(self) -> ev.WorkersRecovered | None:
+        """Workers excluded as silent or hung (not for good) that the scheduler still
+        lists and that answer now with no task running: their hang ended (the task that
+        hung returned, or failed on its broken group), or their link is back."""
+        listed = set(available_workers(self.client))
+        asked = sorted(w for w in self.may_return if w in listed)
+        back = idle_workers(self.client, asked)
+        return ev.WorkersRecovered(tuple(back)) if back else None
+
+    def readmit(self, workers: tuple[str, ...]) -> None:
+        """``cmd.ReadmitWorkers``: ``workers`` may be taken again (they stay known: the
+        machine put them in its pool, they are not reported as joined)."""
+        self.unreachable.difference_update(workers)
+        self.may_return.difference_update(workers)
 
     def joined_event(self) -> ev.WorkersJoined | None:
         new = [a for a in self.available() if a not in self.known]

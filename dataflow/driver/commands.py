@@ -176,9 +176,21 @@ class StopWindows:
 class ExcludeWorkers:
     """Treat ``workers`` as gone from now on, whatever the scheduler says (members that
     stayed silent to the driver's probe after a failed collective): none of them is
-    taken again as a member, a joiner or a restart's worker, nor sent the fit's clean-up."""
+    taken again as a member, a joiner or a restart's worker, nor sent the fit's clean-up.
+    ``for_good``: never asked after again (a setup error, or a second hang); else the
+    executor reports them if they come back idle (``WorkersRecovered``)."""
 
     workers: tuple[str, ...]
+    for_good: bool = False
+
+
+@dataclass(frozen=True)
+class ReadmitWorkers:
+    """Workers excluded as silent or hung are back, idle: they may be taken again, as
+    joiners are (at the next phase, or as a spare), from ``epoch`` on."""
+
+    workers: tuple[str, ...]
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -294,6 +306,7 @@ Command = (
     | KeepIfBest
     | StopWindows
     | ExcludeWorkers
+    | ReadmitWorkers
     | ReleaseReplicas
     | RollBack
     | EndPhase

@@ -169,6 +169,15 @@ class WorkersJoined:
 
 
 @dataclass(frozen=True)
+class WorkersRecovered:
+    """Workers the fit excluded as silent or hung (not as failed) that the scheduler
+    still lists and that now answer with no task running: a hang that ended, a link
+    back up. Whether they may join again is the machine's rule (``_workers_recovered``)."""
+
+    workers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RestartPoint:
     """Every replica was lost: the newest checkpoint's step (``None``: there is none: the
     fit starts again from step 0) and the workers there are now (none came back: empty)."""
@@ -218,6 +227,7 @@ Event = (
     | WorkersLost
     | WorkersSilent
     | WorkersJoined
+    | WorkersRecovered
     | RestartPoint
     | CommitRefused
     | EpochReviewed

@@ -68,8 +68,10 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
         self.removals = RemovalWatch(client)  # the scheduler's word of a lost member
         self.reader = ResultReader(client)  # finished windows' results, read in one go
         # members the driver could not reach after a failed collective (a cut link, a
-        # hung node): lost, whatever the scheduler still says
+        # hung node): lost, whatever the scheduler still says; those of them not excluded
+        # for good are asked at each phase's choice whether they are back (``arrivals``)
         self.unreachable: set[str] = set()
+        self.may_return: set[str] = set()
 
     # -- liveness -----------------------------------------------------------------------
     def lost(self) -> list[str]:
@@ -101,9 +103,14 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
             if silent:
                 raise Lost(silent, silent_s=PROBE_S)
 
-    def exclude(self, workers: tuple[str, ...]) -> None:
-        """``cmd.ExcludeWorkers``: ``workers`` count as gone from now on."""
+    def exclude(self, workers: tuple[str, ...], for_good: bool = False) -> None:
+        """``cmd.ExcludeWorkers``: ``workers`` count as gone from now on; unless
+        ``for_good``, :meth:`arrivals` asks whether they are back."""
         self.unreachable.update(workers)
+        if not for_good:
+            self.may_return.update(workers)
+        else:
+            self.may_return.difference_update(workers)
 
     def is_loss(self, error: BaseException) -> bool:
         """Whether ``error`` is this layer's signal of a lost member (``carry_out`` turns

@@ -251,9 +251,7 @@ class FitLoop:
     # -- phases ---------------------------------------------------------------------------
     def _ChoosePhase(self, c: cmd.ChoosePhase) -> None:
         phase = self.planner.next_phase(c.epoch, self.epochs, c.previous, self.measurement)
-        joined = self.executor.joined_event()
-        if joined is not None:
-            self.executor.queue.append(joined)
+        self.executor.queue.extend(self.executor.arrivals())
         self.executor.queue.append(ev.PhaseChosen(phase))
 
     def _ScaleCluster(self, c: cmd.ScaleCluster) -> None:
@@ -263,9 +261,7 @@ class FitLoop:
             scaling["error"] = error
         scaling["workers"] = len(self.executor.available())
         self.recorder.history.info.setdefault("scaling", []).append(scaling)
-        joined = self.executor.joined_event()
-        if joined is not None:
-            self.executor.queue.append(joined)
+        self.executor.queue.extend(self.executor.arrivals())
         self.executor.queue.append(ev.PhaseChosen(c.phase))
 
     def _PlanSegment(self, c: cmd.PlanSegment) -> None:
@@ -395,7 +391,12 @@ class FitLoop:
         self.executor.stop(c)
 
     def _ExcludeWorkers(self, c: cmd.ExcludeWorkers) -> None:
-        self.executor.exclude(c.workers)
+        self.executor.exclude(c.workers, c.for_good)
+
+    def _ReadmitWorkers(self, c: cmd.ReadmitWorkers) -> None:
+        self.executor.readmit(c.workers)
+        readmitted = {"workers": list(c.workers), "epoch": c.epoch}
+        self.recorder.history.info.setdefault("readmitted", []).append(readmitted)
 
     def _RollBack(self, c: cmd.RollBack) -> None:
         self.executor.roll_back(c)

@@ -238,6 +238,20 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         s.available = (*s.available, *new)
         return []
 
+    def _workers_recovered(self, event: ev.WorkersRecovered) -> list[Any]:
+        """Workers excluded as silent or hung that are back and idle go back to the pool,
+        taken at the next phase as joiners are (torchft readmits a replica that answers
+        again): a node's transient stall (a file system, a network blip) does not cost it
+        for the rest of the fit. Once only: a second hang excludes a worker for good."""
+        s = self.state
+        back = tuple(w for w in event.workers if w in s.readmittable)
+        if not back:
+            return []
+        s.readmittable = tuple(w for w in s.readmittable if w not in back)
+        s.readmitted = (*s.readmitted, *back)
+        s.available = (*s.available, *back)
+        return [cmd.ReadmitWorkers(back, s.epoch)]
+
     # -- phases -----------------------------------------------------------------------
     def _phase_chosen(self, event: ev.PhaseChosen) -> list[Any]:
         s = self.state

@@ -25,6 +25,9 @@ FAILURE_GRACE_S = 5.0  # how long to wait for the other replicas' errors after t
 # the scheduler names no loss, is lost (a cut link sends no reset; Dask's own verdict
 # waits for the worker's time to live and a connect timeout: minutes by default)
 PROBE_S = 5.0
+# how long an excluded worker has to answer whether it is idle again, at a phase's
+# choice: one still unreachable costs the fit this much per phase
+IDLE_PROBE_S = 1.0
 WAKE_POLL_S = 0.05  # how soon a wait notices the scheduler's report of a removed member
 
 
@@ -134,6 +137,33 @@ def unreachable(client: Any, workers: list[str], timeout_s: float = PROBE_S) -> 
         return [a for a in answers if a is not None]
 
     return client.sync(probe_all) if workers else []
+
+
+def idle_workers(client: Any, workers: list[str], timeout_s: float = IDLE_PROBE_S) -> list[str]:
+    """The ``workers`` that answer within ``timeout_s`` with no task running on them (a
+    task the driver let go of still counts while its thread runs): asked each on its own,
+    on the worker's event loop, which answers even while a task thread is stuck."""
+
+    async def idle(address: str) -> str | None:
+        try:
+            answer = await asyncio.wait_for(
+                client.run(_running_tasks, workers=[address], asynchronous=True), timeout_s
+            )
+        except Exception:  # timed out, refused, reset: not back
+            return None
+        return address if answer.get(address) == 0 else None
+
+    async def ask_all() -> list[str]:
+        answers = await asyncio.gather(*(idle(a) for a in workers))
+        return [a for a in answers if a is not None]
+
+    return client.sync(ask_all) if workers else []
+
+
+def _running_tasks(dask_worker: Any) -> int:
+    """On a worker: the tasks whose threads run now, cancelled ones included."""
+    state = dask_worker.state
+    return state.executing_count + len(state.long_running)
 
 
 def tell(client: Any, function: Any, *args: Any, workers: list[str]) -> None:

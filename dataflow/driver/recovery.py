@@ -82,17 +82,24 @@ class LostWorkers:
         for command in out:
             if isinstance(command, cmd.RecordFailure):
                 command.record.update(reason="a worker failed to set up", error=signature)
-        return [cmd.ExcludeWorkers(event.workers), *out]
+        return [cmd.ExcludeWorkers(event.workers, for_good=True), *out]
 
     def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
         """Members silent to the driver's probe for ``waited_s`` after a collective failed
         (the scheduler named no loss: a cut link or a hung node sends no reset) are lost:
         the executor treats them as gone from now on, and the loss is decided as the
         scheduler's report of it would be, by the status's rule for WorkersLost."""
+        s = self.state
         lost = ev.WorkersLost(event.workers)
-        entry = rule(self.state, lost)
+        entry = rule(s, lost)
         out = [] if isinstance(entry, Ignored) else getattr(self, entry)(lost)
-        return [cmd.ExcludeWorkers(event.workers), *out]
+        again = tuple(w for w in event.workers if w in s.readmitted)  # a second hang
+        once = tuple(w for w in event.workers if w not in again)
+        s.readmittable = (*s.readmittable, *(w for w in once if w not in s.readmittable))
+        excluded = [cmd.ExcludeWorkers(once)] if once else []
+        if again:
+            excluded.append(cmd.ExcludeWorkers(again, for_good=True))
+        return [*excluded, *out]
 
     def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
         s, config = self.state, self.config

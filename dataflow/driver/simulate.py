@@ -67,6 +67,13 @@ class SimulatedExecutor:
     def available(self) -> list[str]:
         return list(self.workers)
 
+    def arrivals(self) -> list[ev.WorkersJoined]:
+        joined = self.joined_event()  # (a simulated hang never ends: none comes back)
+        return [] if joined is None else [joined]
+
+    def readmit(self, workers: tuple[str, ...]) -> None:
+        self.workers.extend(w for w in workers if w not in self.workers)
+
     def joined_event(self) -> ev.WorkersJoined | None:
         new = [w for w in self.workers if w not in self.known]
         self.known.update(new)
@@ -75,7 +82,7 @@ class SimulatedExecutor:
     def queue_lost(self, lost: list[str]) -> None:
         self.queue.append(ev.WorkersLost(tuple(lost)))
 
-    def exclude(self, workers: tuple[str, ...]) -> None:
+    def exclude(self, workers: tuple[str, ...], for_good: bool = False) -> None:
         self.workers = [w for w in self.workers if w not in workers]
 
     def scale_cluster(self, wanted: int, timeout_s: float) -> str | None:

@@ -111,6 +111,10 @@ class FitState:
     # Workers' own setup errors so far ("Type: first line"): the same one on a second
     # worker is the fit's mistake, not a node's
     setup_errors: frozenset[str] = frozenset()
+    # Workers excluded as silent or hung that may be taken again once back and idle, and
+    # those taken again once already (a second hang excludes them for good)
+    readmittable: tuple[str, ...] = ()
+    readmitted: tuple[str, ...] = ()
     lost_everything: Any = None  # the FailureRecord of a restart (every replica lost)
     # Asynchronous updates: replicas lost while the survivors finish the window in
     # flight (fit-wide number ``release_window``) without them, and their workers
@@ -143,6 +147,9 @@ def validate_state(s: FitState, config: Any) -> None:
     both = s.layout.worker_set.intersection(s.available)
     if both:
         problems.append(f"workers both members and available: {sorted(both)}")
+    excluded = set(s.readmittable).intersection(s.available)
+    if excluded:
+        problems.append(f"excluded workers {sorted(excluded)} available")
     if not set(s.joining) <= s.layout.worker_set:
         problems.append(f"joining {s.joining} not in the layout")
     if any(len(group) != config.spatial for group in s.layout.groups):

@@ -47,6 +47,8 @@ MEMBERSHIP: Mapping[type, str | Ignored] = {
     # looked up again for it)
     ev.WorkersSilent: "_workers_silent",
     ev.WorkersJoined: "_workers_joined",
+    # excluded as silent or hung, back and idle: once, as joiners
+    ev.WorkersRecovered: "_workers_recovered",
     ev.Timer: NOTHING_TO_DECIDE,
     # a window committed before the status moved on (a salvage, then a regroup)
     ev.CommitRefused: "_commit_refused",
