@@ -188,8 +188,9 @@ class Pipeline:
         ``stitch=True`` (a ``PatchSource``, a model whose output has the window's shape
         after its channels): the windows' outputs are put back into the field, each cell
         the mean over the windows covering it (``blend="gaussian"``: weighted towards
-        each window's centre), NaN where none does; ``memory_mb`` bounds the sums a
-        worker holds at once. See :mod:`dataflow.stitching`."""
+        each window's centre), NaN where none does; a forecast (``y_shift=``,
+        ``y_patch=``) into y's field, each output where its y window lies; ``memory_mb``
+        bounds the sums a worker holds at once. See :mod:`dataflow.stitching`."""
         from dataflow.prediction import predict
         from dataflow.stitching import predict_field
 

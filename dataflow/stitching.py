@@ -10,6 +10,11 @@ inference weighs them): a window's centre counts more than its edges, where a pa
 convolution sees least. A cell no window covers (a stride longer than the patch, or the
 field's edge past the last window) is NaN, and counted.
 
+A forecast source (``y_shift=``, ``y_patch=``: x at times ``t, t+1``, y at ``t+2``) is
+stitched into y's field instead: each output goes where its window's y lies, so a tile
+model's forecasts make one map per predicted time, whatever x folds into its channels.
+An output of the window's own shape (a per-cell regression against y) is one channel.
+
 The field is written chunked along its first patch axis (the "rows"). On a
 ``distributed.Client`` each worker takes a contiguous share of whole row chunks and
 computes every window that touches its rows, so no two workers write one chunk and no
@@ -56,6 +61,7 @@ class FieldLayout:
     patch_dims: tuple[int, ...]
     patch: tuple[int, ...]
     corners: np.ndarray
+    window: tuple[int, ...] = ()  # a window's output cells: the field with the patch cut
     dimension_names: tuple[str, ...] | None = None
     # per cell of a window's output (its spatial dims), the weight of its value (None:
     # every cell 1, a plain mean)
@@ -128,20 +134,16 @@ def field_layout(source: Any, blend: str = "mean") -> FieldLayout:
             "predict(stitch=True): the PatchSource is a region view (spatial decomposition); "
             "stitch the whole source"
         )
+    if geometry.y_full is not None and (
+        bool(np.any(geometry.y_shift)) or tuple(geometry.y_extent) != tuple(geometry.patch)
+    ):
+        return _forecast_layout(source, geometry, blend)
     folded = [a for a in geometry.axes if a in geometry.fold_axes]
     if folded:
         raise ConfigError(
             f"predict(stitch=True): patch axis {folded[0]} of x is folded into the channels "
             "(PatchSource(channels=...)), so the output has no such axis to put windows "
             "back along; stitch over axes the output keeps, or leave stitch=False"
-        )
-    if geometry.y_full is not None and (
-        bool(np.any(geometry.y_shift)) or tuple(geometry.y_extent) != tuple(geometry.patch)
-    ):
-        raise ConfigError(
-            "predict(stitch=True): the PatchSource's y window is not its x window (y_shift= "
-            "or y_patch=, a forecast): stitching puts each output where its input window "
-            "lies; predict rows (stitch=False) and place them by source.corners"
         )
     unfolded = [a for a in range(len(geometry.shape)) if a not in geometry.fold_axes]
     dims = geometry.dims
@@ -156,8 +158,35 @@ def field_layout(source: Any, blend: str = "mean") -> FieldLayout:
         patch_dims=patch_dims,
         patch=patch,
         corners=np.asarray(source.corners, dtype=np.int64),
+        window=window,
         dimension_names=None if dims is None else ("channel", *(str(dims[a]) for a in unfolded)),
         weights=gaussian_weights(window, patch_dims) if blend == "gaussian" else None,
+    )
+
+
+def _forecast_layout(source: Any, geometry: Any, blend: str) -> FieldLayout:
+    """A forecast (``y_shift=``, ``y_patch=``): each output goes back where its window's
+    y lies, so the field is y's array (a forecast of the next step over the whole map,
+    for every time a window predicts), whatever x folds into its channels."""
+    axes = tuple(int(a) for a in geometry.y_axes)
+    if list(axes) != sorted(axes):
+        raise ConfigError(
+            "predict(stitch=True): y's dims are not in x's order along the patch, so its "
+            "windows cannot be put back in x's window order; predict rows (stitch=False)"
+        )
+    field = tuple(int(n) for n in geometry.y_full)
+    window = tuple(int(n) for n in geometry.y_shape)
+    shift = np.asarray(geometry.y_shift, dtype=np.int64)
+    dims = geometry.dims  # y's names are x's where y has x's dims (a forecast of x's own)
+    same = dims is not None and len(dims) == len(field) and axes == tuple(geometry.axes)
+    return FieldLayout(
+        field=field,
+        patch_dims=axes,
+        patch=tuple(int(n) for n in geometry.y_extent),
+        corners=np.asarray(source.corners, dtype=np.int64) + shift[None],
+        window=window,
+        dimension_names=("channel", *map(str, dims)) if same else None,
+        weights=gaussian_weights(window, axes) if blend == "gaussian" else None,
     )
 
 
@@ -195,22 +224,27 @@ def averaged(sums: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, int]:
     return values, int(uncovered.sum())
 
 
-def _check_output(layout: FieldLayout, sample_shape: tuple[int, ...], output: Any) -> int:
-    """The output's channels, once it is checked to be a window-shaped tensor."""
+def _with_channels(layout: FieldLayout, output: Any) -> torch.Tensor:
+    """The batch's outputs as ``(n, channels, *window)``, once checked to be window-shaped
+    (an output of the window's own shape, as a per-cell regression against y returns,
+    is one channel)."""
     if not isinstance(output, torch.Tensor):
         raise ConfigError(
             f"predict(stitch=True): the model returned {type(output).__name__}, not a "
             "tensor; return the one output to put back into the field"
         )
-    window = tuple(sample_shape[1:])
+    window = layout.window
+    if output.dim() == len(window) + 1 and tuple(output.shape[1:]) == window:
+        return output.unsqueeze(1)
     if output.dim() != len(window) + 2 or tuple(output.shape[2:]) != window:
         raise ConfigError(
             f"predict(stitch=True): the model's output per window is "
-            f"{tuple(output.shape[1:])}, but stitching needs (channels, *{window}): one "
-            "value per cell of the window (a segmentation or per-cell regression); a model "
-            "with another output (a class per window) predicts rows: leave stitch=False"
+            f"{tuple(output.shape[1:])}, but stitching needs (channels, *{window}) or "
+            f"{window}: one value per cell of the window (a segmentation or per-cell "
+            "regression); a model with another output (a class per window) predicts rows: "
+            "leave stitch=False"
         )
-    return int(output.shape[1])
+    return output
 
 
 def predict_field(
@@ -277,7 +311,7 @@ def _first_channels(stage: Evaluate, model: torch.nn.Module, layout: FieldLayout
     scored = copy.deepcopy(model).cpu()
     with contextlib.closing(stage.outputs(scored, torch.device("cpu"), 0, 1)) as outputs:
         _, _, output = next(outputs)
-    return _check_output(layout, tuple(stage.source.sample_shape), output)
+    return int(_with_channels(layout, output).shape[1])
 
 
 def stitch_share(
@@ -297,7 +331,6 @@ def stitch_share(
     place_on = resolve_device(device, 0)
     scored = copy.deepcopy(model).to(place_on)
     array = zarr.open_group(out, mode="r+")[name]
-    sample_shape = tuple(stage.source.sample_shape)
     uncovered = 0
     for start in range(lo, hi, part_rows):
         stop = min(hi, start + part_rows)
@@ -309,9 +342,9 @@ def stitch_share(
         if last > first:
             with contextlib.closing(stage.outputs(scored, place_on, first, last)) as outputs:
                 for indices, _, output in outputs:
-                    channels = _check_output(layout, sample_shape, output)
+                    output = _with_channels(layout, output)
                     if sums is None:
-                        sums = np.zeros((channels, *rows), dtype=np.float64)
+                        sums = np.zeros((int(output.shape[1]), *rows), dtype=np.float64)
                     values = output.detach().float().cpu().numpy()
                     for k, index in enumerate(np.asarray(indices)):
                         corner = layout.corners[index]

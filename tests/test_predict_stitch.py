@@ -23,7 +23,6 @@ from dataflow.stitching import (
     FieldLayout,
     add_window,
     averaged,
-    field_layout,
     gaussian_weights,
 )
 
@@ -171,9 +170,59 @@ def test_what_cannot_be_stitched_is_named(tmp_path):
     rows = dfl.io.ArraySource(np.zeros((4, 2, 8, 8), np.float32))
     with pytest.raises(ConfigError, match=r"needs a dataflow\.io\.PatchSource"):
         pipe.predict(rows, SegNet(), tmp_path / "b.zarr", stitch=True)
-    forecast = tiles(path, y_shift={"lat": 1}, stride={"lat": 5, "lon": 6})
-    with pytest.raises(ConfigError, match="y window is not its x window"):
-        field_layout(forecast)
+    flat = torch.nn.Flatten(2, 3)  # (2, 8, 8) -> (2, 64): per cell, but not window-shaped
+    with pytest.raises(ConfigError, match=r"is \(2, 64\), but stitching needs \(channels"):
+        pipe.predict(source, flat, tmp_path / "e.zarr", stitch=True)
+
+
+def write_weather(tmp_path, steps: int = 10):
+    """Two variables on a (time, lat, lon) grid of 10 x 16 x 12, chunked (2, 8, 8)."""
+    rng = np.random.default_rng(1)
+    group = zarr.open_group(str(tmp_path / "weather.zarr"), mode="w")
+    data = {}
+    for name in ("t2m", "u10"):
+        data[name] = rng.normal(size=(steps, 16, 12)).astype(np.float32)
+        array = group.create_array(
+            name,
+            shape=data[name].shape,
+            chunks=(2, 8, 8),
+            dtype=np.float32,
+            dimension_names=("time", "lat", "lon"),
+        )
+        array[...] = data[name]
+    return str(tmp_path / "weather.zarr"), data
+
+
+@pytest.mark.parametrize("blend", ["mean", "gaussian"])
+def test_a_forecast_is_stitched_where_its_y_windows_lie(tmp_path, blend):
+    """x: both variables at t and t+1 (time folded into 4 channels), y: t2m at t+2, on
+    8 x 8 tiles every 4 x 4 cells. A per-cell model's stitched forecast, a field of y's
+    shape, is the model on the whole map at every t + 2 a window predicts (times 0 and
+    1, which none does, NaN), with outputs of y's own window shape (1, 8, 8)."""
+    path, data = write_weather(tmp_path)
+    window = dict(patch={"time": 2, "lat": 8, "lon": 8}, stride={"time": 1, "lat": 4, "lon": 4})
+    source = dfl.io.PatchSource(
+        path,
+        ["t2m", "u10"],
+        "t2m",
+        y_shift={"time": 2},
+        y_patch={"time": 1},
+        channels=("time",),
+        **window,
+    )
+    assert source.sample_shape == (4, 8, 8)
+    model = _pointwise(4, 1, 2)  # (4, 8, 8) -> (1, 8, 8): y's window, time first
+    rows = dict(chunk_mb=3 * 16 * 12 * 4 / 1e6, memory_mb=3 * 16 * 12 * 2 * 8 / 1e6)
+    array = _stitched(source, model, tmp_path / "forecast.zarr", blend=blend, **rows)
+    assert array.shape == (1, 10, 16, 12) and array.chunks == (1, 3, 16, 12)
+    assert tuple(array.metadata.dimension_names) == ("channel", "time", "lat", "lon")
+    got = array[...]
+    assert np.isnan(got[:, :2]).all()  # no window predicts times 0 and 1
+    for t in range(8):
+        inputs = np.stack([data["t2m"][t], data["t2m"][t + 1], data["u10"][t], data["u10"][t + 1]])
+        with torch.no_grad():
+            want = model(torch.from_numpy(inputs)[None])[0].numpy()
+        np.testing.assert_allclose(got[:, t + 2], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # real worker processes
