@@ -298,8 +298,9 @@ def predict_field(
     if uncovered:
         warnings.warn(
             f"predict(stitch=True): {uncovered} of {math.prod(layout.field)} cells of the "
-            "field are covered by no window (a stride longer than the patch, or the edge "
-            "past the last window) and hold NaN",
+            "field are covered by no window (a stride longer than the patch, the edge past "
+            "the last window, windows= or a mask that leave them out, a forecast's first "
+            "times) and hold NaN",
             RuntimeWarning,
             stacklevel=3,
         )
