@@ -237,6 +237,11 @@ def test_forecast_fields_beats_persistence_on_a_later_year(tmp_path, scheduler):
     assert result["held_out_year"] == 2002 and result["train_years"] == [2000, 2001]
     assert result["passed"]
     assert (tmp_path / "data" / "fields.zarr" / "tracer").is_dir()  # written with xarray
+    # the held-out year's maps, stitched from its tiles: every predicted time whole (48
+    # steps, the first two predicted by no window), and better than persistence there too
+    stitched = result["stitched"]
+    assert stitched["times"] == 46 and stitched["path"] == str(tmp_path / "forecast.zarr")
+    assert stitched["net"] <= 0.85 * stitched["persistence"], stitched
 
 
 # -- dataflow.tools.datasets ----------------------------------------------------------------
