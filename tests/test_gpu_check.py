@@ -136,6 +136,9 @@ def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first():
     assert len(order) == len(set(order)) == 28  # every side once
 
 
+NO_CONFIRM = ("--confirm-rounds", "0")
+
+
 @pytest.mark.slow
 def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     """`--device cpu --tiny`: the code a GPU session runs (each workload's fits through
@@ -145,8 +148,16 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     done = subprocess.run(
         # (no confirm rounds: which tiny targets land near their bar is chance, and the
         # rounds are checked on their own above)
-        [sys.executable, "bench_gpu.py", "--device", "cpu", "--tiny", "--confirm-rounds", "0",
-         "--out", str(out)],  # fmt: skip
+        [
+            sys.executable,
+            "bench_gpu.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            *NO_CONFIRM,
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
