@@ -125,13 +125,14 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
         try:
             effects()
         except Lost as lost:
-            self.queue_lost(lost.workers, lost.silent_s)
+            self.queue_lost(lost.workers, lost.silent_s, then=lost.then)
             return False
         return True
 
-    def queue_lost(self, lost: list[str], silent_s: float | None = None) -> None:
+    def queue_lost(self, lost: list[str], silent_s: float | None = None, then: Any = None) -> None:
         """A WorkersLost event, or WorkersSilent for members silent ``silent_s`` to the
-        probe, after what the survivors finished and the workers that joined."""
+        probe, after what the survivors finished and the workers that joined; then
+        ``then`` (a survivor's window that failed on the loss)."""
         self._harvest(lost)  # what the survivors finished commits before the loss is handled
         joined = self.joined_event()  # a nanny's replacement may already be there
         if joined is not None:
@@ -139,6 +140,8 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
         gone = tuple(lost)
         event = ev.WorkersLost(gone) if silent_s is None else ev.WorkersSilent(gone, silent_s)
         self.queue.append(event)
+        if then is not None:
+            self.queue.append(then)
 
     # -- waiting --------------------------------------------------------------------------
     def gather(self, futures: list[Any]) -> list[Any]:
@@ -187,7 +190,7 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
             try:
                 self._poll_windows()
             except Lost as lost:
-                self.queue_lost(lost.workers, lost.silent_s)
+                self.queue_lost(lost.workers, lost.silent_s, then=lost.then)
 
     def _poll_windows(self) -> None:
         # A finished window may wait here for its group's other workers (spatial layouts):

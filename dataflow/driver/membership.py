@@ -196,6 +196,7 @@ class Lost(Exception):
     def __init__(self, workers: list[str], silent_s: float | None = None) -> None:
         super().__init__(f"lost workers {workers}")
         self.workers, self.silent_s = workers, silent_s
+        self.then: Any = None  # an event to queue after the loss's (the executor's)
 
 
 def exception_now(future: Any) -> BaseException | None:

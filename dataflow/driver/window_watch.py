@@ -44,6 +44,23 @@ class WindowFailureWatch:
         every failure the round saw (or ``Lost`` when a member turns out gone)."""
         generation, rank, window = self.windows.pop(future)
         first = None if future.status == "cancelled" else self._exception(future)
+        try:
+            self._window_failure(future, generation, rank, window, first)
+        except Lost as lost:
+            if self._worker(rank) not in lost.workers:
+                # A survivor's window failed (its collective, or the store's barrier, timed
+                # out on the silent or hung member): after the loss, the machine hears of
+                # it, so that under Async or Local it does not wait for a survivor to
+                # finish that window without the lost replica (a release): it rolls back
+                error = as_replica_error(first, rank, self._worker(rank)) if first else None
+                lost.then = ev.WindowFailed(
+                    generation, rank, window, error or ReplicaError(f"window {window} failed")
+                )
+            raise
+
+    def _window_failure(
+        self, future: Any, generation: int, rank: int, window: int, first: Any
+    ) -> None:
         # A peer's death is the usual cause of a collective's error; an error of the
         # replica's own (out of memory, a non-finite step, bad data, a model's mistake)
         # is reported without waiting FAILURE_GRACE_S for the scheduler's word of a loss.
