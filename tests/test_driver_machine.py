@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+import dataflow as dfl
 from dataflow.core.phase import PhaseSpec
 from dataflow.core.window import WindowResult
 from dataflow.driver import commands as cmd
@@ -554,6 +555,26 @@ def test_a_collective_timed_out_on_a_live_peer_is_redone_from_the_commit_then_fa
     closed = CollectiveError("allreduce failed on replica 0: Connection closed by peer")
     [fail] = d.send(ev.WindowFailed(0, 0, submit.first_window, closed))
     assert fail == cmd.Fail(error=closed)
+
+
+@pytest.mark.parametrize(
+    "sync", [dfl.sync.Local(period_steps=2), dfl.sync.Async(staleness=2)], ids=["local", "async"]
+)
+def test_a_slow_replica_dropped_under_local_or_async_is_not_released_but_rolled_back(sync):
+    """Under Async and Local a lost replica's peers may finish the window in flight
+    without it (a release). A slow one is dropped after the others' wait timed out:
+    their window failed, nothing is left to finish, so the survivors roll back and
+    regroup (a release used to wait for a window that no longer ran)."""
+    from dataflow.core.errors import CollectiveError
+
+    timeout = CollectiveError("allreduce failed on replica 0: Timed out waiting 3000ms")
+    d = Driver(max_stalls=0, checkpoints=False, sync=sync)
+    _, submit = d.start()
+    out = d.send(ev.WindowFailed(0, 0, submit.first_window, timeout, slow=(1,)))
+    assert not of(cmd.ReleaseReplicas, out) and d.state.releasing == ()
+    [rollback] = of(cmd.RollBack, out)
+    [form] = of(cmd.FormGroup, out)
+    assert form.members == (W[0],) and rollback.step == 0
 
 
 def test_a_replica_that_stalls_the_phase_past_max_stalls_is_dropped_as_a_slow_one():

@@ -84,7 +84,7 @@ class LostWorkers:
                 command.record.update(reason="a worker failed to set up", error=signature)
         return [cmd.ExcludeWorkers(event.workers, for_good=True), *out]
 
-    def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
+    def _workers_silent(self, event: ev.WorkersSilent, release: bool = True) -> list[Any]:
         """Members silent to the driver's probe for ``waited_s`` after a collective failed
         (the scheduler named no loss: a cut link or a hung node sends no reset) are lost:
         the executor treats them as gone from now on, and the loss is decided as the
@@ -92,7 +92,12 @@ class LostWorkers:
         s = self.state
         lost = ev.WorkersLost(event.workers)
         entry = rule(s, lost)
-        out = [] if isinstance(entry, Ignored) else getattr(self, entry)(lost)
+        if isinstance(entry, Ignored):
+            out = []
+        elif entry == "_workers_lost":
+            out = self._workers_lost(lost, release=release)
+        else:
+            out = getattr(self, entry)(lost)
         again = tuple(w for w in event.workers if w in s.readmitted)  # a second hang
         once = tuple(w for w in event.workers if w not in again)
         s.readmittable = (*s.readmittable, *(w for w in once if w not in s.readmittable))
@@ -101,7 +106,9 @@ class LostWorkers:
             excluded.append(cmd.ExcludeWorkers(again, for_good=True))
         return [*excluded, *out]
 
-    def _workers_lost(self, event: ev.WorkersLost) -> list[Any]:
+    def _workers_lost(self, event: ev.WorkersLost, release: bool = True) -> list[Any]:
+        """``release=False``: the survivors' window failed (a slow replica dropped after
+        their wait timed out), so none is left for them to finish without it."""
         s, config = self.state, self.config
         gone = set(event.workers)
         s.available = tuple(w for w in s.available if w not in gone)
@@ -138,7 +145,7 @@ class LostWorkers:
             return self._lost_while_starting(event, lost_ranks)
         if s.releasing:  # lost again while the survivors finish a window: roll back
             return self._abandon_release(event.workers)
-        if s.status == Status.RUNNING and self._may_release(lost_ranks):
+        if release and s.status == Status.RUNNING and self._may_release(lost_ranks):
             return self._release(event, lost_ranks)
         # What to do again once the survivors are regrouped.
         resume = {

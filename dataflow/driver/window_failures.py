@@ -123,7 +123,8 @@ class WindowFailures:
         ``min_workers``, as for any loss), where a fit would stop for one bad node."""
         s = self.state
         workers = tuple(w for r in event.slow for w in s.layout.groups[r])
-        out = self._workers_silent(ev.WorkersSilent(workers, waited_s=0.0))
+        # (no release: the survivors' window failed, there is nothing left to finish)
+        out = self._workers_silent(ev.WorkersSilent(workers, waited_s=0.0), release=False)
         for command in out:
             if isinstance(command, cmd.RecordFailure):
                 command.record.update(
