@@ -222,5 +222,8 @@ def test_a_hung_peer_is_dropped_and_back_idle_rejoins_at_the_next_phase(
     assert readmitted["epoch"] in (2, 4)  # the first phase choice that found it idle
     replicas = {p["start_epoch"]: p["replicas"] for p in result.history.phases}
     assert replicas[4] == 2 and replicas[readmitted["epoch"]] == 2
+    summary = result.summary()  # what a user reads: the drop, and the return
+    assert "recovered from 1 failure(s): lost workers (on from step" in summary, summary
+    assert f"{failure['lost'][0]} taken back from epoch {readmitted['epoch']}" in summary
     for epoch in range(6):
         assert result.ledger.summary()[epoch] == {"consumed": 240, "unused": 0}

@@ -134,6 +134,7 @@ class FitResult:
                 f"  best {best['metric']} {figure(best['value'])} after epoch {best['epoch']}"
                 f" (result.best_model{where})"
             )
+        lines.extend(_failures_text(info))
         for partial in info.get("partial_evaluations") or ():
             lines.append(
                 f"  epoch {partial['epoch']}: the evaluation scored {partial['scored']} of "
@@ -147,6 +148,28 @@ class FitResult:
             )
             lines.append(f"  epoch {last['epoch']}: {metrics}")
         return "\n".join(lines)
+
+
+def _failures_text(info: dict[str, Any], shown: int = 4) -> list[str]:
+    """What the fit recovered from, one line (``history.info["failures"]`` has each
+    record), and each worker taken back after it was dropped as hung or silent."""
+    failures = info.get("failures") or ()
+    lines = []
+    if failures:
+        told = [
+            f"{f.get('reason')} (on from step {f.get('commit_step')})" for f in failures[:shown]
+        ]
+        more = f" and {len(failures) - shown} more" if len(failures) > shown else ""
+        lines.append(
+            f"  recovered from {len(failures)} failure(s): {'; '.join(told)}{more} "
+            "(history.info['failures'])"
+        )
+    for back in info.get("readmitted") or ():
+        lines.append(
+            f"  {', '.join(back['workers'])} taken back from epoch {back['epoch']}, idle again "
+            "after being dropped as hung or silent"
+        )
+    return lines
 
 
 def _captured_text(phase: Any) -> str:
