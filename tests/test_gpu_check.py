@@ -104,23 +104,10 @@ CAPTURED = {
 }
 
 
-def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first():
+def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first(bench):
     """A spent --budget-s skips the last sides: the first are what issue 37 asks next."""
-    code = (
-        "import argparse, bench_gpu, gpu_workloads as g\n"
-        "a = argparse.Namespace(tiny=False, fits=list(g.SMALL_FITS), loops=list(g.SMALL_LOOPS),"
-        " models=list(g.MODELS), image=64, samples=8192, epochs=12, batch=256, warmup=16)\n"
-        "print(' '.join(f'{w.name}:{s}' for w, s in g.side_order(g.workloads(a))))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT / "benchmarks",
-    )
-    assert done.returncode == 0, done.stderr
-    order = done.stdout.split()
+    _, g = bench
+    order = [f"{w.name}:{side}" for w, side in g.side_order(full_size(g, g.MODELS))]
     assert order[:6] == [
         "small:dataflow_memory_captured",
         "small:torch_loop_resident_bf16_cl",
@@ -203,43 +190,51 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     assert not out.with_suffix(".partial.json").exists()
 
 
-CONFIRM_PROBE = """
-import argparse, json, gpu_training as t, gpu_workloads as g
-a = argparse.Namespace(tiny=False, fits=list(g.SMALL_FITS), loops=list(g.SMALL_LOOPS),
-                       models=["small"], image=64, samples=8192, epochs=12, batch=256, warmup=16)
-w = g.workloads(a)["small"]
-def side(rate):
-    return {"samples_per_s": rate, "wall_s": 1.0}
-out = {"torch_loop_resident_bf16_cl": side(100.0), "dataflow_memory": side(93.0),
-       "dataflow_zarr": side(50.0), "dataflow_memory_adaptive": side(94.0),
-       "torch_loop_resident": side(100.0), "dataflow_memory_fp32": side(60.0)}
-near = [f"{x.numerator} / {x.denominator}" for x in g.uncertain(w, out)]
-order, rates = [], iter([110.0, 95.0, 98.0, 90.0, 105.0, 97.0, 99.0, 91.0, 100.0, 101.0])
-def timed(*args):
-    order.append(args[1] if len(args) == 4 else args[1]["name"])
-    return {"samples_per_s": next(rates)}
-t.run_fit = lambda sides, name, options, client: timed(sides, name, options, client)
-t.run_loop = lambda sides, options: timed(sides, {"name": [k for k, v in w.loops.items()
-                                                        if v is options][0]})
-sides = t.Sides(w, None, "", out)
-t.confirm({"small": sides}, None, t.Budget(None), 2, lambda: None)
-found = g.targets(w, out)
-print(json.dumps({"near": near, "order": order, "targets": found}))
-"""
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/gpu_training and gpu_workloads, imported in this process (the
+    benchmarks folder on sys.path for the test)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_training
+    import gpu_workloads
+
+    return gpu_training, gpu_workloads
 
 
-def test_bench_gpu_confirms_targets_near_their_bar_with_interleaved_runs():
+def full_size(g, models):
+    """The workloads ``models`` at the bench's full sizes (its defaults)."""
+    import argparse
+
+    args = argparse.Namespace(tiny=False, fits=list(g.SMALL_FITS), loops=list(g.SMALL_LOOPS),
+                              models=list(models), image=64, samples=8192, epochs=12,
+                              batch=256, warmup=16)  # fmt: skip
+    return g.workloads(args)
+
+
+def test_bench_gpu_confirms_targets_near_their_bar_with_interleaved_runs(bench, monkeypatch):
     """A target within 20% of its bar has its sides run again, denominator then
     numerator, round by round, and reads each side's median; one far from it does not."""
-    done = subprocess.run(
-        [sys.executable, "-c", CONFIRM_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT / "benchmarks",
-    )
-    assert done.returncode == 0, done.stderr
-    probe = json.loads(done.stdout.splitlines()[-1])  # after confirm's own lines
+    t, g = bench
+    w = full_size(g, ["small"])["small"]
+
+    def side(rate):
+        return {"samples_per_s": rate, "wall_s": 1.0}
+
+    out = {"torch_loop_resident_bf16_cl": side(100.0), "dataflow_memory": side(93.0),
+           "dataflow_zarr": side(50.0), "dataflow_memory_adaptive": side(94.0),
+           "torch_loop_resident": side(100.0), "dataflow_memory_fp32": side(60.0)}  # fmt: skip
+    near = [f"{x.numerator} / {x.denominator}" for x in g.uncertain(w, out)]
+    order, rates = [], iter([110.0, 95.0, 98.0, 90.0, 105.0, 97.0, 99.0, 91.0, 100.0, 101.0])
+
+    def timed(name):
+        order.append(name)
+        return {"samples_per_s": next(rates)}
+
+    monkeypatch.setattr(t, "run_fit", lambda sides, name, options, client: timed(name))
+    loop_names = {id(v): k for k, v in w.loops.items()}
+    monkeypatch.setattr(t, "run_loop", lambda sides, options: timed(loop_names[id(options)]))
+    t.confirm({"small": t.Sides(w, None, "", out)}, None, t.Budget(None), 2, lambda: None)
+    probe = {"near": near, "order": order, "targets": g.targets(w, out)}
     # bf16: 0.93 against 0.95 (2% off) and Adaptive: 94 / 93 against 0.95 (6% off) are
     # near, the nearest first; zarr 0.538 against 0.9 and fp32 0.6 against 0.95 are not
     assert probe["near"] == [
