@@ -37,6 +37,8 @@ class WorkerArrivals:
         """Workers excluded as silent or hung (not for good) that the scheduler still
         lists and that answer now with no task running: their hang ended (the task that
         hung returned, or failed on its broken group), or their link is back."""
+        if not self.may_return:  # (the usual case: nothing asked, no round trip)
+            return None
         listed = set(available_workers(self.client))
         asked = sorted(w for w in self.may_return if w in listed)
         back = idle_workers(self.client, asked)
