@@ -16,6 +16,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError
 from typing import Any
 
 import torch
@@ -56,6 +57,8 @@ def evaluate(
 
 
 _VERB = {"evaluate": "score", "predict": "predict"}
+# how often a run of shares is submitted again after losing its scattered inputs
+LOST_INPUT_RETRIES = 3
 
 
 def checked_samples(owner: str, model: Any, source: Any) -> int:
@@ -108,7 +111,13 @@ def run_shares(
     """``task(stage, model, device, lo, hi, *extra)`` for one contiguous share of the
     samples per worker of ``client`` (:func:`contiguous_shares`, boundaries on ``align``),
     the stage and the model sent to every worker once; the results in share order. A
-    lost worker's share runs again on another (``allow_other_workers``)."""
+    lost worker's share runs again on another (``allow_other_workers``).
+
+    Once a worker's share is done, Dask's active memory manager may drop its copy of the
+    scattered stage and model (no task there needs them), so a worker lost later can take
+    the only copy with it, and the shares still to run are cancelled. Those are then
+    submitted again, the stage and model scattered anew (``LOST_INPUT_RETRIES`` times);
+    the shares done or running stay as they are."""
     from dataflow.runtime.cluster import client_or_local_cluster
 
     with client_or_local_cluster(client, announce=False) as active:
@@ -117,20 +126,26 @@ def run_shares(
         if not workers:
             raise ConfigError(f"{owner}(client=...): the client has no workers")
         shares = contiguous_shares(samples, len(workers), align)
-        sent_stage, sent_model = active.scatter([stage, model], broadcast=True, hash=False)
-        futures = [
-            active.submit(
-                task,
-                sent_stage,
-                sent_model,
-                device,
-                lo,
-                hi,
-                *extra,
-                workers=[worker],
-                allow_other_workers=True,
-                pure=False,
-            )
-            for worker, (lo, hi) in zip(workers, shares, strict=False)
-        ]
-        return active.gather(futures)
+        placed = list(zip(workers, shares, strict=False))
+        futures: list[Any] = [None] * len(placed)
+        for attempt in range(LOST_INPUT_RETRIES + 1):
+            sent = active.scatter([stage, model], broadcast=True, hash=False)
+            for k, (worker, (lo, hi)) in enumerate(placed):
+                if futures[k] is None or futures[k].status == "cancelled":
+                    futures[k] = active.submit(
+                        task,
+                        *sent,
+                        device,
+                        lo,
+                        hi,
+                        *extra,
+                        workers=[worker],
+                        allow_other_workers=True,
+                        pure=False,
+                    )
+            try:
+                return active.gather(futures)
+            except CancelledError:  # the scattered inputs were lost with a worker
+                if attempt == LOST_INPUT_RETRIES:
+                    raise
+        raise AssertionError("unreachable")

@@ -164,3 +164,40 @@ def test_a_worker_killed_while_it_scores_its_share_leaves_the_scores_whole(tmp_p
     here = pipeline(source).evaluate(source, model, metrics={"loss": F.cross_entropy})
     assert spread["samples"] == 200
     assert spread["loss"] == pytest.approx(here["loss"], rel=1e-6)
+
+
+def _share_of(stage, model, device, lo, hi):
+    return (lo, hi)
+
+
+@pytest.mark.slow  # real worker processes
+def test_shares_whose_scattered_inputs_were_lost_are_submitted_again(client, monkeypatch):
+    """Dask's active memory manager keeps one copy of the scattered stage and model once
+    no task on a worker needs them, so a worker lost later can take it: the shares
+    still to run are cancelled. The first gather here meets that (the second share's
+    future cancelled, as the scheduler does then): that share alone is submitted again,
+    with its inputs scattered anew, and every share's result comes back in order."""
+    from concurrent.futures import CancelledError
+
+    from dataflow.evaluation import run_shares
+
+    submit, gather = client.submit, client.gather
+    submitted, gathers = [], []
+
+    def submit_and_note(*args, **kwargs):
+        submitted.append(args[4:6])  # (lo, hi)
+        return submit(*args, **kwargs)
+
+    def gather_losing_the_inputs_once(futures):
+        gathers.append(len(futures))
+        if len(gathers) == 1:
+            futures[0].result()  # the first share done; the second one's inputs lost
+            client.cancel([futures[1]])
+            raise CancelledError("scattered data lost with a worker")
+        return gather(futures)
+
+    monkeypatch.setattr(client, "submit", submit_and_note)
+    monkeypatch.setattr(client, "gather", gather_losing_the_inputs_once)
+    got = run_shares(client, "evaluate", _share_of, object(), torch.nn.Linear(2, 2), "cpu", 10)
+    assert got == [(0, 5), (5, 10)] and len(gathers) == 2
+    assert submitted == [(0, 5), (5, 10), (5, 10)]  # the second share twice
