@@ -287,6 +287,14 @@ def run_loop(sides: Sides, options: dict[str, Any]) -> dict[str, Any]:
     return {"samples_per_s": samples / (ends[-1] - ends[first - 1]), "first_step_s": first_step_s}
 
 
+def time_side(sides: Sides, name: str, client: Any) -> dict[str, Any]:
+    """Side ``name`` timed once: a fit through the engine, or a hand loop."""
+    w = sides.w
+    if name in w.fits:
+        return run_fit(sides, name, w.fits[name], client)
+    return run_loop(sides, w.loops[name])
+
+
 def run_side(sides: Sides, name: str, client: Any, budget: Budget) -> None:
     """One side into ``sides.out[name]``: its figures, its error (one broken side must
     not cost the others' figures), or why it was skipped."""
@@ -306,7 +314,7 @@ def run_side(sides: Sides, name: str, client: Any, budget: Budget) -> None:
         return
     started = time.perf_counter()
     try:
-        out[name] = run_fit(sides, name, options, client) if is_fit else run_loop(sides, options)
+        out[name] = time_side(sides, name, client)
     except Exception as error:
         print(f"{w.name} {name}: failed: {type(error).__name__}: {error}")
         out[name] = {"error": f"{type(error).__name__}: {error}"}
@@ -319,11 +327,8 @@ def repeat_side(sides: Sides, name: str, client: Any, budget: Budget) -> bool:
     w, first = sides.w, sides.out.get(name, {})
     if "samples_per_s" not in first or budget.spent(needing=first["wall_s"]):
         return False
-    options = w.fits[name] if name in w.fits else w.loops[name]
     try:
-        figures = (
-            run_fit(sides, name, options, client) if name in w.fits else run_loop(sides, options)
-        )
+        figures = time_side(sides, name, client)
     except Exception as error:
         print(f"{w.name} {name}: repeat failed: {type(error).__name__}: {error}")
         return False

@@ -84,27 +84,27 @@ class LostWorkers:
                 command.record.update(reason="a worker failed to set up", error=signature)
         return [cmd.ExcludeWorkers(event.workers, for_good=True), *out]
 
-    def _workers_silent(self, event: ev.WorkersSilent, release: bool = True) -> list[Any]:
+    def _workers_silent(self, event: ev.WorkersSilent) -> list[Any]:
         """Members silent to the driver's probe for ``waited_s`` after a collective failed
         (the scheduler named no loss: a cut link or a hung node sends no reset) are lost:
         the executor treats them as gone from now on, and the loss is decided as the
         scheduler's report of it would be, by the status's rule for WorkersLost."""
-        s = self.state
         lost = ev.WorkersLost(event.workers)
-        entry = rule(s, lost)
-        if isinstance(entry, Ignored):
-            out = []
-        elif entry == "_workers_lost":
-            out = self._workers_lost(lost, release=release)
-        else:
-            out = getattr(self, entry)(lost)
-        again = tuple(w for w in event.workers if w in s.readmitted)  # a second hang
-        once = tuple(w for w in event.workers if w not in again)
+        entry = rule(self.state, lost)
+        out = [] if isinstance(entry, Ignored) else getattr(self, entry)(lost)
+        return [*self._exclude(event.workers), *out]
+
+    def _exclude(self, workers: tuple[str, ...]) -> list[Any]:
+        """Workers dropped alive (silent, hung or slow): excluded, and taken back once if
+        they are idle again later (``_workers_recovered``); a second time, for good."""
+        s = self.state
+        again = tuple(w for w in workers if w in s.readmitted)
+        once = tuple(w for w in workers if w not in again)
         s.readmittable = (*s.readmittable, *(w for w in once if w not in s.readmittable))
         excluded = [cmd.ExcludeWorkers(once)] if once else []
         if again:
             excluded.append(cmd.ExcludeWorkers(again, for_good=True))
-        return [*excluded, *out]
+        return excluded
 
     def _workers_lost(self, event: ev.WorkersLost, release: bool = True) -> list[Any]:
         """``release=False``: the survivors' window failed (a slow replica dropped after

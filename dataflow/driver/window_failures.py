@@ -27,7 +27,8 @@ class WindowFailures:
     _form: Any  # FitMachine's: form a group over a layout
     _plan: Any  # WindowPlanning's
     _abandon_release: Any  # LostWorkers'
-    _workers_silent: Any  # LostWorkers'
+    _exclude: Any  # LostWorkers'
+    _workers_lost: Any  # LostWorkers'
     _phase_index: Any
 
     def _window_failed(self, event: ev.WindowFailed) -> list[Any]:
@@ -123,8 +124,10 @@ class WindowFailures:
         ``min_workers``, as for any loss), where a fit would stop for one bad node."""
         s = self.state
         workers = tuple(w for r in event.slow for w in s.layout.groups[r])
-        # (no release: the survivors' window failed, there is nothing left to finish)
-        out = self._workers_silent(ev.WorkersSilent(workers, waited_s=0.0), release=False)
+        # (no release: the survivors' window failed, there is nothing left to finish; the
+        # fit is running, where the rule for a loss is _workers_lost)
+        lost = self._workers_lost(ev.WorkersLost(workers), release=False)
+        out = [*self._exclude(workers), *lost]
         for command in out:
             if isinstance(command, cmd.RecordFailure):
                 command.record.update(
