@@ -31,6 +31,10 @@ class Pipeline:
     ``on_non_finite``: a NaN/inf loss or gradient stops the fit before the update
     (``"raise"``, :class:`~dataflow.errors.NonFiniteError`) or drops that step (``"skip"``:
     weights, optimizer state and buffers stay as before it; ``history.steps`` flags it).
+    ``clip_grad_norm``: scale each update's gradient to a norm of at most this (the
+    global batch's gradient, as ``torch.nn.utils.clip_grad_norm_`` in a one-process
+    loop); each step's norm before clipping is in ``history.steps`` (``grad_norm``);
+    ``float("inf")`` records it without clipping.
     ``allreduce_dtype``: "fp32" (exact), or "bf16" to halve the bytes each gradient
     allreduce moves (synchronous updates; parameters and optimizer stay fp32).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
@@ -64,6 +68,7 @@ class Pipeline:
         data_on_device: bool | str = "auto",
         decode_threads: int | str = "auto",
         on_non_finite: str = "raise",
+        clip_grad_norm: float | None = None,
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -88,7 +93,9 @@ class Pipeline:
         node = graph.add(Forward(model, loss), node)
         node = graph.add(Backward(), node)
         node = graph.add(AllReduce(bucket_mb=bucket_mb, dtype=allreduce_dtype), node)
-        node = graph.add(Update(optimizer, on_non_finite=on_non_finite), node)
+        node = graph.add(
+            Update(optimizer, on_non_finite=on_non_finite, clip_grad_norm=clip_grad_norm), node
+        )
         if eval_source is not None:
             # the held-out loss always (eval_loss), next to the metrics asked for
             metrics = {"loss": loss, **(metrics or {})}

@@ -5,7 +5,9 @@ of the global batch, exactly as single-process training would: every replica cli
 the same gradient by the same factor and the replicas stay identical. The stage
 writes the norm before and after clipping of every step to a log per replica
 (OUT/clip-rank<R>.jsonl, appended at the end of each phase: on a cluster, give --out a
-folder every worker can write to).
+folder every worker can write to). To clip without a stage of your own, pass
+``clip_grad_norm=`` to ``Pipeline`` or ``stages.Update``; this stage shows how one of
+yours sits in the graph, with a per-replica log of its own.
 
 The example checks, from those logs: each replica logged every step, every replica
 saw the same norms (the reduced gradient), the norm after clipping is <= --max-norm,

@@ -15,6 +15,7 @@ from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
+from dataflow.stages.clipping import GRAD_NORM, clip_gradients_
 from dataflow.stages.reducer import BucketReducer
 
 # what each bucket travels as, and its bytes on the wire per fp32 gradient byte
@@ -167,6 +168,9 @@ class AllReduce(Stage):
             # The store applies the weighted gradient (at most `staleness` versions late)
             # and returns the weights it produced: Update has nothing left to do.
             # (the store client notes each staleness; the part names what was applied)
+            if (max_norm := step.replica.clip_grad_norm) is not None:
+                params = list(step.replica.model.parameters())
+                step.metrics[GRAD_NORM] = clip_gradients_(params, max_norm)
             reply = store.push(step.weight, part=(step.spec.index, step.owner))
             step.metrics["store_wait_s"] = reply["waited_s"]
             # the store refuses exactly the pushes that are not finite: known here at once

@@ -14,6 +14,7 @@ from dataflow.core.phase import lr_at
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.allreduce import GRAD_SQ
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
+from dataflow.stages.clipping import GRAD_NORM, check_max_norm, clip_gradients_
 
 NON_FINITE_POLICIES = ("raise", "skip", "rollback")
 CHECKS = ("auto", "step", "window")
@@ -28,8 +29,12 @@ class UpdateConfig:
     # until then (updates of a bad window are applied, then discarded by the rollback or
     # the stopped fit); "auto": "window" on a GPU with "raise"/"rollback", else "step".
     check: str = "auto"
+    # The largest gradient norm an update applies (None: no clipping; inf: the norm is
+    # recorded in the history, nothing clipped); see dataflow.stages.clipping
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "clip_grad_norm", check_max_norm(self.clip_grad_norm, "Update"))
         if self.on_non_finite not in NON_FINITE_POLICIES:
             raise ConfigError(
                 f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
@@ -80,6 +85,11 @@ class Update(Stage):
     step, phase and replica before any weight changes; ``"skip"`` drops the step's
     update (counted in the history as ``skipped_steps``) and trains on.
 
+    ``clip_grad_norm=c`` scales the gradient to a norm of at most ``c`` before the
+    optimizer applies it (the reduced gradient's, or under local and asynchronous
+    updates each replica's own), and records its norm before clipping in each step of
+    the history (``grad_norm``); ``float("inf")`` records it without clipping.
+
     The check reads the squared norm AllReduce left in ``step.metrics["grad_sq"]`` (one
     launch over its buckets, computed anyway); without one (a single replica) it reads
     the gradients' largest magnitude in one ``_foreach_norm`` (finite exactly when their
@@ -94,10 +104,16 @@ class Update(Stage):
         *,
         on_non_finite: str = "raise",
         check: str = "auto",
+        clip_grad_norm: float | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__(name)
-        self.config = UpdateConfig(optimizer=optimizer, on_non_finite=on_non_finite, check=check)
+        self.config = UpdateConfig(
+            optimizer=optimizer,
+            on_non_finite=on_non_finite,
+            check=check,
+            clip_grad_norm=clip_grad_norm,
+        )
 
     def setup(self, replica: ReplicaContext) -> None:
         if replica.model is None:
@@ -116,6 +132,9 @@ class Update(Stage):
         self._local_bad: int | None = None  # local updates: the window's first bad step
         self._overflows = 0
         replica.window_verdict = self._window_verdict
+        # asynchronous updates: the parameter store applies the gradient, so AllReduce
+        # clips each one before it is pushed
+        replica.clip_grad_norm = self.config.clip_grad_norm
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
@@ -218,6 +237,7 @@ class Update(Stage):
             # the step's index as a Python scalar: a tensor made from it on the device
             # would be a blocking copy, a host sync every step
             self._first_bad = torch.where(~ok & (first < 0), step.spec.index, first)
+            self._clip(step)
             optimizer.step()
         elif not _finite(loss, step.metrics.get(GRAD_SQ), self._parameters(step)):
             scale = getattr(self, "_loss_scale", None)
@@ -226,11 +246,22 @@ class Update(Stage):
             else:  # no loss scale, or no room left to lower it: not an fp16 overflow
                 self._non_finite(step, "no update was applied")
         else:
+            self._clip(step)
             optimizer.step()
             if getattr(self, "_loss_scale", None) is not None:
                 self._loss_scale.update(overflowed=False)
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def _clip(self, step: StepContext) -> None:
+        """``clip_grad_norm``: the (reduced, unscaled) gradient scaled to the bound, its
+        norm before in ``step.metrics`` (from AllReduce's squared norm when it left one:
+        the same on every replica, so all scale alike)."""
+        max_norm = self.config.clip_grad_norm
+        if max_norm is not None:
+            step.metrics[GRAD_NORM] = clip_gradients_(
+                self._parameters(step), max_norm, step.metrics.get(GRAD_SQ)
+            )
 
     def _parameters(self, step: StepContext) -> list[torch.Tensor]:
         """The model's parameters, listed once per model object (not walked every step)."""

@@ -230,7 +230,7 @@ def _sync_checked_fit(client, device="cuda", start=4, epochs=3):
     out = g.add(stages.Forward(BatchNormCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(stages.Backward(), out)
     reduced = g.add(stages.AllReduce(), grads)
-    updated = g.add(stages.Update(sgd), reduced)
+    updated = g.add(stages.Update(sgd, clip_grad_norm=0.05), reduced)  # on the device too
     g.add(SyncErrors(start), updated)
     trainer = dfl.Trainer(
         g,

@@ -81,7 +81,9 @@ def counted_fit(client, path: Path, **options) -> tuple[dfl.FitResult, list[dict
     batch = g.add(OpenCount(), g.add(stages.Load(dfl.io.ArraySource(x, y))))
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    g.add(CloseCount(str(path)), g.add(stages.Update(sgd, check="window"), reduced))
+    # clipping too: its norm and factor stay on the device, read with the window's losses
+    update = stages.Update(sgd, check="window", clip_grad_norm=0.05)
+    g.add(CloseCount(str(path)), g.add(update, reduced))
     trainer = dfl.Trainer(g, device="cpu", progress=False, **options)
     result = trainer.fit(epochs=2, client=client)
     return result, [json.loads(line) for line in path.read_text().splitlines()]
@@ -121,6 +123,7 @@ def test_no_steady_step_reads_its_result_on_the_host(client, tmp_path, monkeypat
     if options.get("capture"):
         assert sum(sum(p.captured_steps) for p in result.history.phases) > 0
     steps = result.history.steps
+    assert all(s["grad_norm"] > 0.05 for s in steps)  # every step clipped
     counted = {(r["step"], r["rank"]) for r in records}  # (and the driver's dry run)
     assert counted == {(s["step"], rank) for s in steps for rank in (0, 1)}
     first_of_phase = {

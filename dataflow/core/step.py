@@ -57,6 +57,9 @@ class ReplicaContext:
     # the allreduce bucket the fit planned (MiB; None: the default), for AllReduce
     # stages that leave bucket_mb to the engine (the user's stage objects stay as given)
     planned_bucket_mb: float | None = None
+    # Update's clip_grad_norm (dataflow.stages.clipping), for AllReduce to clip each
+    # gradient pushed to a parameter store (asynchronous updates) before it goes
+    clip_grad_norm: float | None = None
 
     @property
     def local_updates(self) -> bool:

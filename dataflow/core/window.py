@@ -7,7 +7,7 @@ each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 __all__ = ["WindowResult"]
@@ -59,6 +59,19 @@ class WindowResult:
     # Per step of the window, the LR its update ran at (param group 0; None where the
     # replica trained no part of the step, or the LR is a tensor)
     lrs: list[float | None] = field(default_factory=list)
+    # ``clip_grad_norm``: per step of the window, the norm of the gradient before
+    # clipping (sample-weighted over the parts this replica trained; [] without clipping)
+    grad_norms: list[float | None] = field(default_factory=list)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A result pickled before a field existed (in a driver log saved for a bug
+        report, a checkpoint) loads with that field's default."""
+        for f in fields(self):
+            if f.name not in state and f.default_factory is not MISSING:
+                state[f.name] = f.default_factory()
+            elif f.name not in state and f.default is not MISSING:
+                state[f.name] = f.default
+        self.__dict__.update(state)
 
 
 # In an evaluation's scores (``WindowResult.evals``): they were summed over every

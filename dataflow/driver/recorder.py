@@ -26,6 +26,7 @@ from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.salvage import salvage_leased, salvaged_result
 from dataflow.driver.sample_check import SampleCheck
 from dataflow.driver.step_times import lockstep_wait, plausible_step_seconds, steady_step_seconds
+from dataflow.driver.step_values import mean_losses, step_grad_norms, step_lrs
 from dataflow.history.records import (
     CheckpointRecord,
     EpochRecord,
@@ -48,17 +49,6 @@ _LOSSES = attrgetter("losses")
 _STEP_SECONDS = attrgetter("step_seconds")
 _SKIPPED = attrgetter("skipped")
 _NORM_PAIRS = attrgetter("norm_pairs")
-
-
-def step_lrs(window: list[Any], count: int) -> list[float | None]:
-    """Per step of a window, the LR its update ran at, as the first replica that trained
-    a part of it reported (every replica sets the same LR for a step)."""
-    lrs: list[float | None] = [None] * count
-    for result in window:
-        for i, lr in enumerate(getattr(result, "lrs", ())[:count]):
-            if lrs[i] is None:
-                lrs[i] = lr
-    return lrs
 
 
 class Recorder:
@@ -267,15 +257,14 @@ class Recorder:
     def _record_steps(
         self, specs: tuple, phase: int, window: list[Any], samples: np.ndarray, salvaged: list
     ) -> None:
-        losses = np.array(list(map(_LOSSES, window)), dtype=float)  # None: nan
         seconds = np.array(list(map(_STEP_SECONDS, window)), dtype=float).max(axis=0)
         known = samples > 0
         known[salvaged] = False  # a lost replica's losses are unknown: the others' mean
-        weighted = np.where(known, losses * samples, 0.0).sum(axis=0)
-        step_losses = weighted / np.maximum(np.where(known, samples, 0).sum(axis=0), 1)
+        step_losses = mean_losses(list(map(_LOSSES, window)), samples, known)
         step_totals = samples.sum(axis=0)
         skipped = set().union(*map(_SKIPPED, window))  # on_non_finite="skip"
         lrs = step_lrs(window, len(specs))
+        grad_norms = step_grad_norms(window, samples, known)
         now = self.clock.now()  # since training began, earlier runs included
         for i, spec in enumerate(specs):
             loss, total = float(step_losses[i]), int(step_totals[i])
@@ -296,6 +285,7 @@ class Recorder:
                     time=now,
                     skipped=spec.index in skipped or None,
                     lr=lrs[i],
+                    grad_norm=grad_norms[i],
                 )
             )
             self.samples_seen += total

@@ -114,7 +114,10 @@ class StepRecord(Record):
     samples, the slowest replica's seconds, and the wall time since training began;
     ``skipped``: True when its update was dropped as not finite (``on_non_finite="skip"``;
     under local or asynchronous updates, some replica's part of it), else absent;
-    ``lr``: the learning rate its update ran at (the first param group's)."""
+    ``lr``: the learning rate its update ran at (the first param group's);
+    ``grad_norm`` (with ``clip_grad_norm=``): the norm of the gradient before clipping,
+    of the global batch's under synchronous updates (under local or asynchronous ones,
+    the replicas' own, weighted by their samples), else absent."""
 
     step: int
     phase: int
@@ -125,7 +128,8 @@ class StepRecord(Record):
     time: float
     skipped: bool | None = None
     lr: float | None = None
-    optional: ClassVar[tuple[str, ...]] = ("skipped", "lr")
+    grad_norm: float | None = None
+    optional: ClassVar[tuple[str, ...]] = ("skipped", "lr", "grad_norm")
     float_fields: ClassVar[tuple[str, ...]] = ("loss", "seconds", "time")
 
 

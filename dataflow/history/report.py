@@ -130,12 +130,13 @@ def _matplotlib() -> Any:
 
 def write_steps_csv(history: History, path: Path) -> Path:
     """One row per step, with the samples seen, reconstructed wall time, batch and LR,
-    and ``skipped`` (True where the update was dropped as not finite)."""
+    the gradient norm before clipping (``clip_grad_norm``), and ``skipped`` (True where
+    the update was dropped as not finite)."""
     phases = {p.get("phase"): p for p in history.phases}
     times = step_wall_times(history.steps)
     seen = 0
     columns = ["step", "phase", "epoch", "loss", "samples", "samples_seen", "seconds"]
-    columns += ["time", "wall_time", "global_batch", "lr", "skipped"]
+    columns += ["time", "wall_time", "global_batch", "lr", "grad_norm", "skipped"]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)
@@ -267,8 +268,9 @@ def write_tensorboard(history: History, logdir: str | Path) -> Path | None:
             seen += int(as_number(step.get("samples")) or 0)
             writer.add_scalar("train/loss", as_number(step.get("loss")), seen)
             writer.add_scalar("train/step_seconds", as_number(step.get("seconds")), seen)
-            if step.get("lr") is not None:
-                writer.add_scalar("train/lr", as_number(step.get("lr")), seen)
+            for key in ("lr", "grad_norm"):
+                if step.get(key) is not None:
+                    writer.add_scalar(f"train/{key}", as_number(step.get(key)), seen)
             epoch_seen[int(step.get("epoch", -1))] = seen
         for row in history.epochs:
             at = epoch_seen.get(int(row.get("epoch", -1)), 0)

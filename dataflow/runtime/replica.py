@@ -184,6 +184,7 @@ class ReplicaRuntime(StoreSide):
             skipped=tally.skipped,
             drift=measured.get("drift"),
             lrs=tally.lrs,
+            grad_norms=tally.step_grad_norms(),
         )
 
     def _train(self, index: int, part: int | None, tally: WindowTally, stage_seconds: dict) -> None:

@@ -113,6 +113,7 @@ class WindowTally:
         self.samples, self.seconds, self.waits = [0] * count, [0.0] * count, [0.0] * count
         self.lrs: list[float | None] = [None] * count
         self.losses: list[Any] = []
+        self.grad_norms: list[Any] = []  # per task, with clip_grad_norm (0-d tensors)
         self.offsets: list[int] = []
         self.sizes: list[int] = []
         self.taken: list[tuple[int, int]] = []
@@ -131,6 +132,7 @@ class WindowTally:
         self.seconds[offset] += seconds
         self.samples[offset] += step.local_batch
         self.losses.append(step.metrics.get("loss"))
+        self.grad_norms.append(step.metrics.get("grad_norm"))
         self.lrs[offset] = step.metrics.get("lr", self.lrs[offset])
         self.offsets.append(offset)
         self.sizes.append(step.local_batch)
@@ -160,3 +162,11 @@ class WindowTally:
 
     def step_losses(self) -> list[float | None]:
         return step_losses(to_floats(self.losses), self.offsets, self.sizes, self.count)
+
+    def step_grad_norms(self) -> list[float | None]:
+        """Per step, the gradient norm before clipping (one read per window; the
+        sample-weighted mean of the parts' norms where a replica trained several); [] when
+        nothing clips."""
+        if all(norm is None for norm in self.grad_norms):
+            return []
+        return step_losses(to_floats(self.grad_norms), self.offsets, self.sizes, self.count)
