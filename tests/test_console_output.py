@@ -132,3 +132,24 @@ def test_the_summary_rounds_its_floats():
     line = next(line for line in text.splitlines() if line.startswith("  phase 1:"))
     assert ", lr 0.02828, split" in line, line
     assert "0.028284" not in text
+
+
+def test_the_summary_names_the_workers_that_joined():
+    """Joins (a scaled cluster, a worker readmitted) were in ``history.info`` only."""
+    from test_report import adaptive_history
+
+    from dataflow.history.result import FitResult
+
+    history = adaptive_history()
+    history.info["regroups"] = [
+        {"phase": 1, "replicas": 3, "joined": ["tcp://a:1"]},
+        {"phase": 2, "replicas": 5, "joined": ["tcp://b:1", "tcp://c:1"]},
+    ]
+    text = FitResult(model=None, history=history).summary()  # type: ignore[arg-type]
+    expected = (
+        "  workers joined: 1 at phase 1 (3 replicas on); 2 at phase 2 (5 replicas on) "
+        "(history.info['regroups'])"
+    )
+    assert expected in text.splitlines(), text
+    del history.info["regroups"]
+    assert "joined" not in FitResult(model=None, history=history).summary()  # type: ignore[arg-type]

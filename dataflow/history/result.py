@@ -152,7 +152,8 @@ class FitResult:
 
 def _failures_text(info: dict[str, Any], shown: int = 4) -> list[str]:
     """What the fit recovered from, one line (``history.info["failures"]`` has each
-    record), and each worker taken back after it was dropped as hung or silent."""
+    record), each worker taken back after it was dropped as hung or silent, and the
+    workers that joined, one line (``history.info["regroups"]``)."""
     failures = info.get("failures") or ()
     lines = []
     if failures:
@@ -169,6 +170,14 @@ def _failures_text(info: dict[str, Any], shown: int = 4) -> list[str]:
             f"  {', '.join(back['workers'])} taken back from epoch {back['epoch']}, idle again "
             "after being dropped as hung or silent"
         )
+    regroups = info.get("regroups") or ()
+    if regroups:  # joiners: new workers, a scaled cluster, the readmitted above
+        told = [
+            f"{len(r['joined'])} at phase {r['phase']} ({r['replicas']} replicas on)"
+            for r in regroups[:shown]
+        ]
+        more = f" and {len(regroups) - shown} more" if len(regroups) > shown else ""
+        lines.append(f"  workers joined: {'; '.join(told)}{more} (history.info['regroups'])")
     return lines
 
 
