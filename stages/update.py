@@ -137,7 +137,8 @@ class Update(Stage):
         replica.clip_grad_norm = self.config.clip_grad_norm
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
-        """The phase's LR per param group: ``phase.lr``, else the factory's × ``lr_scale``;
+        """The phase's LR per param group: the factory's × ``lr_scale``, or ``phase.lr``
+        (the first group's; each other group keeps its ratio to the first);
         ramped from the previous phase's LR over ``warmup_steps``, and times each step's
         ``lr_decay`` (both set step by step in ``begin_step``)."""
         self._first_bad = None  # a verdict of a window a recovery discarded
@@ -157,7 +158,12 @@ class Update(Stage):
         self._lr_factor = phase.lr_factor
         self._start_lrs = self._ramp_start(groups, phase)
         if phase.lr is not None:
-            self._target_lrs = [phase.lr] * len(groups)
+            # the schedule's LR is the first param group's; the others keep their ratio
+            # to it (a head at a tenth of the backbone's LR stays at a tenth)
+            first = self._base_lrs[0]
+            self._target_lrs = [phase.lr] + [
+                phase.lr * (base / first) if first else phase.lr for base in self._base_lrs[1:]
+            ]
         else:
             self._target_lrs = [base * phase.lr_scale for base in self._base_lrs]
         self._target_lrs = [lr * phase.lr_factor for lr in self._target_lrs]

@@ -74,7 +74,8 @@ class Adaptive:
     ``samples_per_epoch`` when given, else the engine's (``num_samples`` and
     ``drop_last`` passed to :meth:`next_phase`, see ``needs_epoch_size``).
 
-    The LR is ``lr_scale`` times the base LR (``lr``, or the optimizer factory's),
+    The LR is ``lr_scale`` times the base LR (``lr``, or the optimizer factory's; ``lr``
+    is the first param group's, and each other group keeps its ratio to the first),
     which belongs to ``initial_batch``:
 
     - ``"adascale"``: AdaScale's gain ``(1 + B_noise/B0)/(1 + B_noise/B)``

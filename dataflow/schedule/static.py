@@ -18,7 +18,9 @@ class Fixed:
     """One global batch size for the whole fit.
 
     ``epochs_per_phase`` cuts the fit into phases of that many epochs, so a
-    speed-aware balancer (``balance.Throughput``) can re-split between them.
+    speed-aware balancer (``balance.Throughput``) can re-split between them. ``lr``
+    (default: the optimizer factory's) is the first param group's; each other group
+    keeps its ratio to the first.
     """
 
     measures_noise: ClassVar[bool] = False
@@ -67,8 +69,9 @@ class Stepwise:
 
     The LR follows the batch by ``lr_scaling`` relative to the first batch:
     "linear" (``lr × B/B0``, Goyal et al.), "sqrt" (``lr × sqrt(B/B0)``, for Adam-like
-    optimizers) or "none"; ``lr`` is the base LR (default: the optimizer factory's).
-    Each phase after the first ramps to its new LR over ``warmup_steps`` steps.
+    optimizers) or "none"; ``lr`` is the base LR (default: the optimizer factory's), the
+    first param group's: each other group keeps its ratio to the first. Each phase
+    after the first ramps to its new LR over ``warmup_steps`` steps.
     """
 
     measures_noise: ClassVar[bool] = False
