@@ -87,6 +87,11 @@ class TrainerConfig:
     capture: bool = False
     progress: bool = True
     dry_run: bool = True  # one tiny step on the driver first, for early clear errors
+    # Signals to the driver process that stop the fit cleanly: what every replica
+    # committed is saved as a checkpoint (with checkpoint_dir) and the fit raises
+    # FitStopped, so the same command with resume=True goes on (a batch system's notice
+    # before a wall-clock limit or a preemption: SLURM's --signal=USR1@120). () : none.
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
 
     @property
     def spatial(self) -> int:
@@ -217,6 +222,7 @@ class TrainerConfig:
             )
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        self.stop_signals = _stop_signals(self.stop_signals)
         if (
             isinstance(self.min_workers, bool)
             or not isinstance(self.min_workers, int)
@@ -326,3 +332,32 @@ def _slows(value: Any) -> bool:
     except (ConfigError, TypeError, ValueError):
         return False
     return True
+
+
+# Signals a fit may not take as its stop: SIGKILL and SIGSTOP cannot be caught, and
+# Ctrl-C (SIGINT) has its own prompt stop (dataflow.runtime.interrupt)
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP", "SIGINT")
+
+
+def _stop_signals(names: Any) -> tuple[str, ...]:
+    """``stop_signals`` as given: names of catchable signals (``"SIGTERM"``, ``"USR1"``)."""
+    import signal
+
+    if isinstance(names, str):
+        names = (names,)
+    given = tuple(names) if isinstance(names, list | tuple) else None
+    out = []
+    for name in given or ():
+        full = name if isinstance(name, str) and name.startswith("SIG") else f"SIG{name}"
+        if not isinstance(name, str) or not hasattr(signal, full) or full in _UNCATCHABLE:
+            given = None
+            break
+        out.append(full)
+    if given is None:
+        raise ConfigError(
+            f"stop_signals={names!r}: give the names of signals that stop the fit after "
+            "saving its commit, e.g. ('SIGTERM', 'SIGUSR1') (the default), or () for none; "
+            "not SIGKILL or SIGSTOP (they cannot be caught) nor SIGINT (Ctrl-C stops a "
+            "fit at once)"
+        )
+    return tuple(out)

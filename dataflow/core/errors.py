@@ -86,6 +86,19 @@ class WorkerLostError(ReplicaError):
     """Workers died and too few remain to go on (``min_workers``)."""
 
 
+class FitStopped(DataflowError, RuntimeError):
+    """The driver got a stop signal (``TrainerConfig.stop_signals``: SIGTERM, SIGUSR1, a
+    batch system's notice before it ends the job): the fit saved what it had committed
+    and stopped. ``signal``: its name; ``step``: the first step not kept; ``checkpoint``:
+    the checkpoint to resume from (None: none was written, or no ``checkpoint_dir``)."""
+
+    def __init__(
+        self, message: str, *, signal: str = "", step: int = 0, checkpoint: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.signal, self.step, self.checkpoint = signal, step, checkpoint
+
+
 def as_replica_error(exc: BaseException, rank: int, worker: str) -> BaseException:
     """dataflow's own errors as they are; anything else as a ReplicaError naming where."""
     if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):

@@ -274,7 +274,8 @@ class Fail:
     ``WorkerLostError`` about ``lost`` (``remain`` left, ``restarts`` from one
     checkpoint used up if not None) naming where the work done so far is kept, and,
     in a spatial layout, the layout the ``workers_left`` could run; ``not_recovering``:
-    the fit was told not to recover (``recover_lost_workers=False``)."""
+    the fit was told not to recover (``recover_lost_workers=False``); ``stopped_by``: a
+    stop signal ended it (``FitStopped``), after the commit was saved."""
 
     error: BaseException | None = None
     lost: tuple[str, ...] = ()
@@ -285,6 +286,7 @@ class Fail:
     restarts_from: int | None = None
     workers_left: int | None = None  # live workers the fit could still use (spatial)
     not_recovering: bool = False
+    stopped_by: str | None = None  # a stop signal's name: no failure, the fit was told to
 
 
 @dataclass(frozen=True)

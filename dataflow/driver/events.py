@@ -190,6 +190,14 @@ class RestartPoint:
 
 
 @dataclass(frozen=True)
+class StopRequested:
+    """The driver process got a stop signal (``signal``, by name): save what is
+    committed and stop (``dataflow.driver.stopping``)."""
+
+    signal: str
+
+
+@dataclass(frozen=True)
 class CommitRefused:
     """The recorder refused a window the machine committed: ``error`` is why (a loss not
     finite where the policy skips nothing, a replica that read other samples than the
@@ -231,5 +239,6 @@ Event = (
     | RestartPoint
     | CommitRefused
     | EpochReviewed
+    | StopRequested
     | Timer
 )

@@ -20,6 +20,7 @@ from dataflow.driver.fit_settings import FitPlan, WorkerScaling, planned_model
 from dataflow.driver.loop import FitLoop
 from dataflow.driver.machine import FitMachine, MachineConfig
 from dataflow.driver.recorder import Recorder
+from dataflow.driver.stop_signals import StopSignals
 from dataflow.history.result import FitResult
 from dataflow.planning.layout import starting_workers, whole_replicas
 from dataflow.runtime.cluster import available_workers, check_client
@@ -109,8 +110,10 @@ def run_fit(
         }
     started = time.perf_counter()
     failed = True
+    loop.stop_signals = StopSignals(config.stop_signals)
     try:
-        state = loop.run(workers)
+        with loop.stop_signals:  # SIGTERM, SIGUSR1: save the commit, stop (FitStopped)
+            state = loop.run(workers)
         if loop.best is not None and loop.best.info() is not None:  # (a resumed fit's too)
             info["best"] = loop.best.info()
         recorder.record_segments()  # info["segments"], train_seconds: every run's

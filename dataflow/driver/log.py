@@ -151,6 +151,7 @@ LOGGED_AS: dict[type, Callable[[Any], Any]] = {
     ev.WorkersRecovered: _as_is,
     ev.RestartPoint: _as_is,
     ev.CommitRefused: _error_as_info,
+    ev.StopRequested: _as_is,
     cmd.FormGroup: _as_is,
     cmd.ChoosePhase: _as_is,
     cmd.ScaleCluster: _as_is,

@@ -30,6 +30,7 @@ from dataflow.driver.group_forming import SetupRefused
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
 from dataflow.driver.segments import Planner
+from dataflow.driver.stop_signals import StopSignals, stopped_error
 from dataflow.driver.worker_notes import record_workers
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
@@ -73,6 +74,7 @@ class FitLoop:
         self.members: tuple[str, ...] = ()  # whose totals the recorder holds, in rank order
         self.final_state: Any = None
         self.training = False  # set once the first group is formed
+        self.stop_signals = StopSignals(())  # run_fit's, with the fit's stop_signals
 
     # -- where a fit starts -----------------------------------------------------------
     def restore_driver(self, checkpoint: Any) -> None:
@@ -122,10 +124,14 @@ class FitLoop:
             spares=tuple(w for w in available if w not in workers),
         )
         self._decide(started)
+        told: str | None = None
         for event in self.executor.events():
             self._decide(event)
             if self.final_state is not None:
                 return self.final_state
+            if self.stop_signals.received != told:  # a stop signal came since: once
+                told = self.stop_signals.received
+                self._decide(ev.StopRequested(told))
         raise AssertionError("unreachable: events() ends only by raising")
 
     def _decide(self, event: ev.Event) -> None:
@@ -422,6 +428,9 @@ class FitLoop:
     def _Fail(self, c: cmd.Fail) -> None:
         if c.error is not None:
             raise c.error
+        if c.stopped_by is not None:
+            store = None if self.writer is None else self.writer.store
+            raise stopped_error(c.stopped_by, c.commit_step, self.saved_path, store)
         spatial = self.machine.config.spatial
         remain = f"{c.remain} remain but min_workers={self.min_workers}"
         if spatial > 1 and c.workers_left is not None:  # name the layout they could run

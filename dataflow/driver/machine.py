@@ -40,6 +40,7 @@ from dataflow.driver.state import (
     Status,
     validate_state,
 )
+from dataflow.driver.stopping import StopOnSignal
 from dataflow.driver.transitions import Ignored, rule
 from dataflow.driver.window_failures import WindowFailures
 from dataflow.driver.window_planning import WindowPlanning
@@ -89,7 +90,7 @@ class MachineConfig:
     held_out_samples: int | None = None
 
 
-class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
+class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
     """One fit's decisions. See the module docstring; ``state`` is its typed state."""
 
     def __init__(self, config: MachineConfig, *, validate: bool | None = None) -> None:
@@ -438,6 +439,8 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning):
         machine's own decision), or the schedule asked for the next phase."""
         s = self.state
         done = self.config.epochs is not None and s.epoch >= self.config.epochs
+        if s.stop_signal is not None and not done:  # the phase's checkpoint is written
+            return [self._stopped()]
         if done or s.stop_asked is not None:
             s.status = Status.DONE
             return [cmd.Finish(self.members)]

@@ -107,6 +107,7 @@ class FitState:
     # asked the fit to stop (None: not asked)
     reviewing: int | None = None
     stop_asked: int | None = None
+    stop_signal: str | None = None  # a stop signal's name, once the driver got one
     group_retries: int = 0  # of the group being formed (no member lost, it failed anyway)
     # Workers' own setup errors so far ("Type: first line"): the same one on a second
     # worker is the fit's mistake, not a node's

@@ -55,6 +55,9 @@ MEMBERSHIP: Mapping[type, str | Ignored] = {
     # the epoch callbacks' verdict, from the commit of the epoch's last window: awaited
     # while running; in any other status (a recovery since) a stop is kept for later
     ev.EpochReviewed: "_epoch_reviewed",
+    # a stop signal: the commit saved (running), the phase's end first (ending), or the
+    # newest checkpoint stands (between windows: it holds everything committed)
+    ev.StopRequested: "_stop_requested",
 }
 
 TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {

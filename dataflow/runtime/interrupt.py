@@ -32,6 +32,10 @@ def dask_setup(worker: Any) -> None:
     worker too) in the worker process's main thread, where signal handlers are set."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # a batch system's notice (SLURM --signal=USR1@120) reaches every process of
+        # the job; the driver saves the fit and stops it (driver/stop_signals.py), and
+        # the workers, in the driver's process group, must not die of it first
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def say_interrupted(what: str) -> None:

@@ -1,0 +1,71 @@
+"""A stop signal: save what is committed, then stop.
+
+A batch system ends a job at its wall-clock limit, and on preemption, with a signal
+first (SLURM: SIGTERM, then SIGKILL after ``KillWait``; ``--signal=USR1@120`` sends
+SIGUSR1 two minutes ahead). The driver turns the first stop signal into a
+``StopRequested`` event; this mixin of :class:`~dataflow.driver.machine.FitMachine`
+decides it:
+
+- **running windows**: they stop, the replicas roll back to the last window every one
+  of them finished, and that commit is saved as a checkpoint inside the phase (the
+  same command with ``resume=True`` goes on from it: at most the windows in flight
+  are trained again);
+- **ending a phase** (every window committed): the phase ends, its checkpoint is
+  written, then the fit stops;
+- **anywhere else** (a group forming, the next phase being chosen, a restart awaited):
+  nothing runs that is not on disk already, so the fit stops at once and the newest
+  checkpoint stands.
+
+Pure, like the machine: the loop raises ``FitStopped`` from the ``Fail`` it gets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataflow.driver import commands as cmd
+from dataflow.driver import events as ev
+from dataflow.driver.state import Status
+
+
+class StopOnSignal:
+    """The machine's stop on a signal (see the module docstring)."""
+
+    state: Any
+    config: Any
+    members: tuple[str, ...]
+
+    def _stop_requested(self, event: ev.StopRequested) -> list[Any]:
+        s = self.state
+        if s.stop_signal is not None:  # told once already
+            return []
+        s.stop_signal = event.signal
+        if s.status == Status.ENDING:  # the phase's end and its checkpoint come first
+            return []
+        out: list[Any] = []
+        if s.status == Status.RUNNING:
+            s.windows.clear()
+            s.pending.clear()
+            members = s.layout.leaders
+            out += [cmd.StopWindows(members), cmd.RollBack(members, s.committed_step)]
+            if self.config.checkpoints:
+                out.append(
+                    cmd.WriteCheckpoint(
+                        cmd.CheckpointKind.SURVIVORS,
+                        s.committed_step,
+                        s.phase,
+                        members=members,
+                        position=self._position(),
+                    )
+                )
+        return [*out, self._stopped()]
+
+    def _stopped(self) -> cmd.Fail:
+        """The fit's end on the stop signal, where it stands."""
+        s = self.state
+        s.status = Status.FAILED
+        return cmd.Fail(
+            phase=None if s.phase is None else s.phase.index,
+            commit_step=s.committed_step,
+            stopped_by=s.stop_signal,
+        )
