@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=25, help="functions in the profile table")
     p.add_argument("--max-wait", type=float, default=30.0, help="seconds to wait for quiet")
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="both sides clip the gradient to this norm (the engine's clip_grad_norm=)",
+    )
     p.add_argument("--label", default="", help="a note saved with the run (e.g. 'before')")
     p.add_argument("--out", help="JSON file (default benchmarks/results/step_host.json)")
     p.add_argument("--overwrite", action="store_true")
@@ -131,7 +137,7 @@ def engine_fit(args: argparse.Namespace, client: Any, timer: WindowTimer) -> dic
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     out = g.add(stages.Forward(TinyCNN, F.cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    g.add(stages.Update(sgd), reduced)
+    g.add(stages.Update(sgd, clip_grad_norm=args.clip), reduced)
     trainer = dfl.Trainer(
         g,
         schedule=dfl.schedule.Fixed(args.batch),
@@ -179,6 +185,8 @@ def hand_loop(args: argparse.Namespace) -> dict[str, Any]:
         xb, yb = x.index_select(0, index), y.index_select(0, index)
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())

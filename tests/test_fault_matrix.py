@@ -104,13 +104,14 @@ def _cross_entropy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _trainer(source, held_out, fault: stages.Stage, *, policy: str = "raise", **options):
     """TinyCNN on ``source`` with the test stage ``fault`` after Load, an Update under
-    ``on_non_finite=policy``, an evaluation on ``held_out`` unless None; ``options``: the
+    ``on_non_finite=policy`` that clips the gradient (``clip_grad_norm``: recoveries
+    keep every step's norm), an evaluation on ``held_out`` unless None; ``options``: the
     Trainer's (the sync policy or layout, ``elastic``)."""
     g = dfl.Graph()
     batch = g.add(fault, g.add(stages.Load(source)))
     out = g.add(stages.Forward(TinyCNN, _cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    node = g.add(stages.Update(sgd, on_non_finite=policy), reduced)
+    node = g.add(stages.Update(sgd, on_non_finite=policy, clip_grad_norm=1.0), reduced)
     if held_out is not None:
         g.add(stages.Evaluate(held_out, metrics={"loss": _cross_entropy}), node)
     return dfl.Trainer(
@@ -137,7 +138,7 @@ def _fit(client, folder, *, sync: str, evaluate: bool, data: str, **options) -> 
     return result, held_out, marker
 
 
-def _assert_recovered(result, marker, sync: str, commits=(2 * WINDOW,)) -> None:
+def _assert_recovered(result, marker, sync: str, commits=(2 * WINDOW,), clipped=True) -> None:
     """One worker really died mid-window and the fit went on without it; every sample
     of every epoch was trained exactly once; the weights are finite. ``commits``: the
     steps a released window may end at."""
@@ -157,6 +158,8 @@ def _assert_recovered(result, marker, sync: str, commits=(2 * WINDOW,)) -> None:
     steps = [s["step"] for s in result.history.steps]
     assert steps == list(range(EPOCHS * N_TRAIN // BATCH)), "each step committed once, in order"
     assert all(math.isfinite(s["loss"]) for s in result.history.steps)
+    if clipped:  # (_trainer's Update clips: every step's norm, whatever was lost)
+        assert all(math.isfinite(s["grad_norm"]) for s in result.history.steps)
     for phase in result.history.phases:  # the lost replica's samples up to its loss too
         trained = sum(s["samples"] for s in result.history.steps if s["phase"] == phase["phase"])
         assert sum(phase["samples_trained"]) == trained, phase
@@ -322,7 +325,7 @@ def test_a_replica_lost_after_it_scored_its_held_out_share_takes_no_share_with_i
     )
     result = trainer.fit(epochs=EPOCHS, client=client)
     # released in that window's end or, noticed later, in the next window
-    _assert_recovered(result, marker, sync, commits=(2 * WINDOW, 3 * WINDOW))
+    _assert_recovered(result, marker, sync, commits=(2 * WINDOW, 3 * WINDOW), clipped=False)
     _assert_evaluated(result, held_out)
     assert "partial_evaluations" not in result.history.info
 
