@@ -9,6 +9,12 @@ the scheduler and the workers down, so the MPI job ends with it.
   mpirun -np 4 python examples/mpi_train.py               # 2 workers on this machine
   srun -n 6 --gpus-per-task=1 python examples/mpi_train.py --epochs 20   # 4 GPU workers
   mpirun -np 6 python examples/mpi_train.py --gpus-per-node 4   # one node with 4 GPUs
+  mpirun -np 4 python examples/mpi_train.py --checkpoint-dir runs/mpi-ckpt   # resumable
+
+With --checkpoint-dir the fit resumes from the newest checkpoint there, and a SIGUSR1
+to the job (SLURM's --signal=USR1@120 before the time limit; mpirun forwards it to
+every rank) saves the fit's last commit and ends the job; run the same command again
+to go on. The scheduler and worker ranks ignore that signal: only the client acts on it.
 
 See docs/hpc.md for SLURM batch scripts, dask-jobqueue and troubleshooting.
 """
@@ -19,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -75,6 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-level", default="warning", help="Dask's log level on every rank (default warning)"
     )
     parser.add_argument("--out", default="runs/mpi", help="folder for history.json and run.json")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="checkpoint there (every 100 windows and at phase ends) and resume from it",
+    )
     return parser.parse_args(argv)
 
 
@@ -145,7 +157,15 @@ def train(args: argparse.Namespace, world_size: int) -> dict:
             progress=sys.stderr.isatty(),
         )
         started = time.perf_counter()
-        result = pipe.fit(epochs=args.epochs, client=client)
+        saving = dict(checkpoint_dir=args.checkpoint_dir, resume=True, checkpoint_every=100)
+        try:
+            result = pipe.fit(
+                epochs=args.epochs, client=client, **(saving if args.checkpoint_dir else {})
+            )
+        except dfl.errors.FitStopped as stopped:  # SIGUSR1: the commit is saved
+            print(f"mpi_train: {stopped}", flush=True)
+            client.retire_workers(close_workers=True)
+            raise SystemExit(3) from None
         seconds = time.perf_counter() - started
         print(result.summary(), flush=True)
 
@@ -219,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.getLogger("distributed").setLevel(args.log_level.upper())  # after its import
 
+    # A batch system's notice before it ends the job reaches every rank: the scheduler
+    # and the workers must live on while the client's fit saves its commit (the fit sets
+    # its own handler on rank 1 while it runs)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Ranks 0 and 2+ block in here as the scheduler and the workers, and exit when the
     # client (rank 1) is done; rank 1 returns and trains. nthreads=1: one replica per worker.
     dask_mpi.initialize(

@@ -153,3 +153,42 @@ def test_the_summary_names_the_workers_that_joined():
     assert expected in text.splitlines(), text
     del history.info["regroups"]
     assert "joined" not in FitResult(model=None, history=history).summary()  # type: ignore[arg-type]
+
+
+def test_a_replica_error_is_not_logged_again_by_the_worker_of_any_cluster():
+    """The fit raises a replica's error on the driver; the worker that ran the replica
+    drops distributed's "Compute Failed" record of it (the engine's tasks only), on a
+    cluster the user started too (dask-mpi, dask-jobqueue), not only the embedded one:
+    the worker plugin every fit installs adds the filter."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    from dataflow.runtime.plugin import plugin_of
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    logger = logging.getLogger("distributed.worker")
+    seen = Seen()
+    logger.addHandler(seen)
+    try:
+        with (
+            LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+            Client(cluster) as client,
+        ):
+            client.run(lambda dask_worker: plugin_of(dask_worker) and None)
+            engine = "Load+Forward@replica1-train-fit0123456789ab-p0w3"
+            logger.error("Compute Failed\nKey:       %s\n", engine)
+            logger.error("Compute Failed\nKey:       %s\n", "my-own-task-123")
+    finally:
+        logger.removeHandler(seen)
+        for quiet in [f for f in logger.filters if type(f).__name__ == "QuietEngineFailures"]:
+            logger.removeFilter(quiet)
+    failed = [m for m in seen.messages if m.startswith("Compute Failed")]
+    assert failed == ["Compute Failed\nKey:       my-own-task-123\n"]

@@ -7,12 +7,14 @@ worker process without stepping on each other.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from distributed import WorkerPlugin, get_worker
 
 from dataflow.ps.service import HANDLER, ShardRegistry
+from dataflow.runtime.cluster import QuietEngineFailures
 
 PLUGIN_NAME = "dataflow"
 _INSTALLING = threading.Lock()  # guards installing the plugin only; its state is per worker
@@ -23,6 +25,12 @@ class DataflowWorkerPlugin(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         self.worker = worker
+        # A replica's error is raised by the fit on the driver, with this worker's
+        # traceback: not logged here too as "Compute Failed" (nor the windows a stop or a
+        # recovery aborts), on any cluster, not only the embedded one
+        logger = logging.getLogger("distributed.worker")
+        if not any(isinstance(f, QuietEngineFailures) for f in logger.filters):
+            logger.addFilter(QuietEngineFailures())
         self.replicas: dict[str, Any] = {}  # run id -> ReplicaRuntime
         self.stores: dict[str, Any] = {}  # run id -> rank 0's TCPStore until the group forms
         # Process groups (by group key) the driver gave up forming: a rank waiting for
