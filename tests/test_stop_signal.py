@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyCNN, make_data, sgd
-from test_driver_machine import Driver, of
+from test_driver_machine import Driver, W, of
 
 import dataflow as dfl
 from dataflow import stages
@@ -31,41 +32,74 @@ from dataflow.trainer_config import TrainerConfig
 STOP = ev.StopRequested("SIGUSR1")
 
 
-def test_running_windows_stop_roll_back_and_the_commit_is_saved():
+def test_running_windows_are_held_what_finished_is_committed_and_saved():
+    """The replicas start no more windows; the windows that finished by then come in
+    and commit (nothing new is submitted after them); then the rollback to that commit,
+    its checkpoint and the stop."""
     d = Driver(checkpoints=True, epochs=4)
     _, calibration = d.start()
-    d.finish_plan(calibration)  # steps 0 and 1 committed; the next windows run
-    out = d.send(STOP)
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))  # steps 0, 1 committed
+    assert d.send(STOP) == [cmd.HoldWindows(("tcp://a", "tcp://b"))]
+    out = d.finish_plan(train, upto=1)  # the first training window had finished
+    assert [type(c) for c in out] == [cmd.CommitWindow]
+    commit = d.state.committed_step
+    assert commit > 2
+    out = d.send(ev.WindowsHeld())
     assert [type(c) for c in out] == [cmd.StopWindows, cmd.RollBack, cmd.WriteCheckpoint, cmd.Fail]
     stop, back, save, fail = out
     assert stop.members == back.members == save.members == ("tcp://a", "tcp://b")
-    assert back.step == save.step == fail.commit_step == 2
+    assert back.step == save.step == fail.commit_step == commit
     assert save.kind == cmd.CheckpointKind.SURVIVORS  # inside the phase, from the commit
     assert fail.stopped_by == "SIGUSR1" and fail.lost == ()
     assert d.send(ev.Timer()) == [] and d.send(STOP) == []  # stopped: nothing more
 
 
+def test_held_windows_that_end_a_plan_submit_no_next_one():
+    d = Driver(checkpoints=True, epochs=4)
+    _, calibration = d.start()
+    d.send(STOP)
+    out = d.finish_plan(calibration)  # the calibration plan ends: its next is not sent
+    assert of(cmd.SubmitWindows, out) == [] and len(of(cmd.CommitWindow, out)) == 2
+    assert [type(c) for c in d.send(ev.WindowsHeld())][-1] is cmd.Fail
+
+
 def test_without_a_checkpoint_folder_the_fit_stops_saving_nothing():
     d = Driver(epochs=4)
     d.start()
-    out = d.send(STOP)
+    d.send(STOP)
+    out = d.send(ev.WindowsHeld())
     assert [type(c) for c in out] == [cmd.StopWindows, cmd.RollBack, cmd.Fail]
 
 
 def test_a_phase_ending_ends_and_is_saved_first_and_the_last_phase_finishes():
     """Every window committed: the phase ends and writes its own checkpoint, then the
-    fit stops; at the end of the fit's last phase there is nothing left to stop."""
+    fit stops; at the end of the fit's last phase there is nothing left to stop. The
+    same when the held windows were the phase's last ones."""
     for epochs, last in ((4, cmd.Fail), (2, cmd.Finish)):
-        d = Driver(checkpoints=True, epochs=epochs)
-        _, calibration = d.start()
-        out = d.finish_plan(calibration)
-        d.finish_plan(of(cmd.SubmitWindows, out)[0])
-        assert d.send(STOP) == []  # ending: the phase's end comes first
-        out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
-        assert [type(c) for c in out] == [cmd.RecordPhase, cmd.WriteCheckpoint, last]
-        assert out[1].kind == cmd.CheckpointKind.PHASE
-        if last is cmd.Fail:
-            assert out[2].stopped_by == "SIGUSR1" and out[2].commit_step == 8
+        for held in (False, True):
+            d = Driver(checkpoints=True, epochs=epochs)
+            _, calibration = d.start()
+            [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+            if held:
+                d.send(STOP)
+            out = d.finish_plan(train)
+            assert isinstance(out[-1], cmd.EndPhase)
+            assert d.send(ev.WindowsHeld() if held else STOP) == []
+            out = d.send(ev.PhaseEnded(0, ({"weights_digest": "x"}, {"weights_digest": "x"})))
+            assert [type(c) for c in out] == [cmd.RecordPhase, cmd.WriteCheckpoint, last]
+            assert out[1].kind == cmd.CheckpointKind.PHASE
+            if last is cmd.Fail:
+                assert out[2].stopped_by == "SIGUSR1" and out[2].commit_step == 8
+
+
+def test_a_loss_while_held_stops_on_the_newest_checkpoint():
+    d = Driver(checkpoints=True, epochs=4, min_workers=1)
+    _, calibration = d.start(workers=W)
+    d.finish_plan(calibration)
+    d.send(STOP)
+    d.send(ev.WorkersLost(("tcp://c",)))  # the survivors regroup
+    [fail] = d.send(ev.WindowsHeld())
+    assert isinstance(fail, cmd.Fail) and fail.stopped_by == "SIGUSR1"
 
 
 def test_between_windows_the_fit_stops_at_once_on_its_newest_checkpoint():
@@ -81,7 +115,8 @@ def test_a_stopped_fits_log_replays_to_its_commands():
     _, calibration = d.start()
     d.finish_plan(calibration)
     d.send(STOP)
-    assert isinstance(d.machine.log.events[-1], ev.StopRequested)
+    d.send(ev.WindowsHeld())
+    assert isinstance(d.machine.log.events[-2], ev.StopRequested)
     _, replayed = replay(d.machine.config, d.machine.log.events)
     assert [loggable(c) for out in replayed for c in out] == [loggable(c) for c in d.out]
 
@@ -117,17 +152,22 @@ def test_stop_signals_are_names_of_signals_a_process_can_catch(given, names):
 
 class SignalTheDriver(stages.Stage):
     """After replica 0's update of step ``at``: SIGUSR1 to the driver's process, once
-    (a marker file says it was sent: the resumed fit trains that step again)."""
+    (a marker file says it was sent: the resumed fit trains that step again). Each step
+    after it sleeps ``pause_s`` until the fit stopped (``stopped`` exists), so the fit
+    cannot end before the driver, however loaded, acts on the signal."""
 
-    def __init__(self, driver_pid: int, at: int, marker: str) -> None:
+    def __init__(self, driver_pid: int, at: int, marker: str, pause_s: float = 0.25) -> None:
         super().__init__("SignalTheDriver")
         self.driver_pid, self.at, self.marker = driver_pid, at, marker
+        self.stopped, self.pause_s = marker + ".stopped", pause_s
 
     def run(self, step, grads):
         mine = step.replica.rank == 0 and step.part is None
         if mine and step.spec.index == self.at and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             os.kill(self.driver_pid, signal.SIGUSR1)
+        elif os.path.exists(self.marker) and not os.path.exists(self.stopped):
+            time.sleep(self.pause_s)
         return grads
 
 
@@ -143,7 +183,7 @@ def signalled_trainer(at: int, marker, **options) -> dfl.Trainer:
         g,
         schedule=dfl.schedule.Fixed(16),
         device="cpu",
-        window_steps=2,
+        window_steps=1,  # windows of a step: many finish between a poll and the next
         progress=False,
         **options,
     )
@@ -160,10 +200,11 @@ def test_a_signalled_fit_saves_its_commit_and_resumes_bit_identical(client, tmp_
     folder = tmp_path / "ckpt"
     with pytest.raises(FitStopped, match=r"stopped on SIGUSR1: a checkpoint of step \d+") as e:
         trainer.fit(3, client=client, checkpoint_dir=folder)
+    (tmp_path / "sent.stopped").touch()
     assert (tmp_path / "sent").exists()
     saved = CheckpointStore(folder).load_latest()
     assert e.value.signal == "SIGUSR1" and e.value.step == saved.step
-    assert 12 <= saved.step <= 18 and saved.in_phase is not None  # a window or two after 15
+    assert 15 <= saved.step < 36 and saved.in_phase is not None  # stopped after step 15
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are gone
     # the embedded cluster's workers ignore it (a job's notice reaches them too)
     assert set(client.run(signal.getsignal, signal.SIGUSR1).values()) == {signal.SIG_IGN}

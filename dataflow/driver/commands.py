@@ -163,6 +163,14 @@ class KeepIfBest:
 
 
 @dataclass(frozen=True)
+class HoldWindows:
+    """A stop signal: ``members`` start no more windows (the running ones go on); the
+    executor then queues every finished window's result and ``WindowsHeld``."""
+
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class StopWindows:
     """Stop what runs and drop what is queued on ``members`` (their group lost a peer,
     or a window failed): leave the broken group, wait for running windows to end."""
@@ -306,6 +314,7 @@ Command = (
     | CommitWindow
     | WriteCheckpoint
     | KeepIfBest
+    | HoldWindows
     | StopWindows
     | ExcludeWorkers
     | ReadmitWorkers

@@ -198,6 +198,12 @@ class StopRequested:
 
 
 @dataclass(frozen=True)
+class WindowsHeld:
+    """After ``HoldWindows``: the replicas start no more windows, and every window
+    that had finished was queued before this."""
+
+
+@dataclass(frozen=True)
 class CommitRefused:
     """The recorder refused a window the machine committed: ``error`` is why (a loss not
     finite where the policy skips nothing, a replica that read other samples than the
@@ -240,5 +246,6 @@ Event = (
     | CommitRefused
     | EpochReviewed
     | StopRequested
+    | WindowsHeld
     | Timer
 )

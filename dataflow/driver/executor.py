@@ -32,6 +32,7 @@ from dataflow.driver.membership import (
     Lost,
     RemovalWatch,
     ResultReader,
+    ask,
     exception_now,
     tell,
     unreachable,
@@ -382,6 +383,25 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
             gone = [a for a in self.lost() if a in addressed] if running else []
             if gone:
                 raise Lost(gone)
+
+    def hold(self, c: cmd.HoldWindows) -> None:
+        """A stop: the addressed replicas start no more windows (the running ones go
+        on); every window finished by then is queued, then ``WindowsHeld``, so the
+        machine commits them before it rolls back. A replica that does not answer is
+        looked for among the lost."""
+        addressed = list(self._workers_of(c.members))  # (a spatial group's every worker)
+        held = ask(
+            self.client,
+            remote.hold_run,
+            self.run_id,
+            self.generation,
+            workers=addressed,
+            timeout_s=PROBE_S,
+        )
+        if len(held) < len(addressed):
+            self.raise_if_lost()
+        self._harvest()
+        self.queue.append(ev.WindowsHeld())
 
     def release(self, c: cmd.ReleaseReplicas) -> None:
         """The survivors finish window ``c.window`` without the lost replicas: their

@@ -393,6 +393,9 @@ class FitLoop:
                 f"the window in flight without them (up to step {c.stop_step})"
             )
 
+    def _HoldWindows(self, c: cmd.HoldWindows) -> None:
+        self.executor.hold(c)
+
     def _StopWindows(self, c: cmd.StopWindows) -> None:
         self.executor.stop(c)
 

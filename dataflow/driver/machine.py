@@ -320,6 +320,8 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
         out = self._commit_ready(lost=())
         if s.windows or s.status != Status.RUNNING:
             return out
+        if s.stop_signal is not None and s.planned_until <= s.segment[-1].index:
+            return out  # held for a stop: nothing new starts (the phase's end may)
         s.step_seconds = _step_seconds(s.last_results)
         last = s.segment[s.planned_until - 1 - s.segment[0].index]
         more = s.planned_until < s.segment[-1].index + 1

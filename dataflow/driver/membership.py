@@ -206,3 +206,21 @@ def exception_now(future: Any) -> BaseException | None:
         return future.exception(timeout=LIVENESS_POLL_S)
     except (TimeoutError, CancelledError):
         return None
+
+
+def ask(client: Any, function: Any, *args: Any, workers: list[str], timeout_s: float) -> list[str]:
+    """Run ``function`` on each of ``workers``' event loops and wait for it there (each
+    at most ``timeout_s``); returns those that answered."""
+
+    async def one(address: str) -> str | None:
+        try:
+            call = client.run(function, *args, workers=[address], asynchronous=True)
+            await asyncio.wait_for(call, timeout_s)
+        except Exception:  # timed out, refused, reset
+            return None
+        return address
+
+    async def every() -> list[str]:
+        return [a for a in await asyncio.gather(*(one(a) for a in workers)) if a is not None]
+
+    return client.sync(every) if workers else []

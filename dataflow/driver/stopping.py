@@ -6,10 +6,13 @@ SIGUSR1 two minutes ahead). The driver turns the first stop signal into a
 ``StopRequested`` event; this mixin of :class:`~dataflow.driver.machine.FitMachine`
 decides it:
 
-- **running windows**: they stop, the replicas roll back to the last window every one
-  of them finished, and that commit is saved as a checkpoint inside the phase (the
-  same command with ``resume=True`` goes on from it: at most the windows in flight
-  are trained again);
+- **running windows**: the replicas start no more windows (``HoldWindows``), every
+  window that finished by then is committed (the executor queues them before
+  ``WindowsHeld``), then the running ones stop, the replicas roll back to that commit
+  and it is saved as a checkpoint inside the phase (the same command with
+  ``resume=True`` goes on from it: at most the windows in flight are trained again).
+  Held first, no replica gets more than one window past the commit: each still holds
+  it (a replica keeps its last two);
 - **ending a phase** (every window committed): the phase ends, its checkpoint is
   written, then the fit stops;
 - **anywhere else** (a group forming, the next phase being chosen, a restart awaited):
@@ -42,22 +45,33 @@ class StopOnSignal:
         s.stop_signal = event.signal
         if s.status == Status.ENDING:  # the phase's end and its checkpoint come first
             return []
-        out: list[Any] = []
-        if s.status == Status.RUNNING:
-            s.windows.clear()
-            s.pending.clear()
-            members = s.layout.leaders
-            out += [cmd.StopWindows(members), cmd.RollBack(members, s.committed_step)]
-            if self.config.checkpoints:
-                out.append(
-                    cmd.WriteCheckpoint(
-                        cmd.CheckpointKind.SURVIVORS,
-                        s.committed_step,
-                        s.phase,
-                        members=members,
-                        position=self._position(),
-                    )
+        if s.status == Status.RUNNING:  # no window starts; what finished is committed
+            return [cmd.HoldWindows(s.layout.leaders)]
+        return [self._stopped()]
+
+    def _windows_held(self, event: ev.WindowsHeld) -> list[Any]:
+        """Every window that finished before the hold is committed: the running ones
+        stop, the replicas roll back to the commit (none is more than one window past
+        it, so each holds it), which is saved inside the phase."""
+        s = self.state
+        if s.status == Status.ENDING:  # the held windows completed the phase
+            return []
+        if s.status != Status.RUNNING:  # a loss since: the newest checkpoint stands
+            return [self._stopped()]
+        s.windows.clear()
+        s.pending.clear()
+        members = s.layout.leaders
+        out: list[Any] = [cmd.StopWindows(members), cmd.RollBack(members, s.committed_step)]
+        if self.config.checkpoints:
+            out.append(
+                cmd.WriteCheckpoint(
+                    cmd.CheckpointKind.SURVIVORS,
+                    s.committed_step,
+                    s.phase,
+                    members=members,
+                    position=self._position(),
                 )
+            )
         return [*out, self._stopped()]
 
     def _stopped(self) -> cmd.Fail:

@@ -58,6 +58,9 @@ MEMBERSHIP: Mapping[type, str | Ignored] = {
     # a stop signal: the commit saved (running), the phase's end first (ending), or the
     # newest checkpoint stands (between windows: it holds everything committed)
     ev.StopRequested: "_stop_requested",
+    # the held replicas' finished windows are in: roll back to the commit and save it
+    # (running), the phase's end first (ending), or stop now (a loss since: regrouping)
+    ev.WindowsHeld: "_windows_held",
 }
 
 TRANSITIONS: Mapping[Status, Mapping[type, str | Ignored]] = {

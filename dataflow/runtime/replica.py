@@ -102,6 +102,7 @@ class ReplicaRuntime(StoreSide):
         # (generation, step): the driver released a lost replica; windows from ``step`` on
         # are not run (the survivors finish the window in flight, then regroup)
         self.released_after: tuple[int, int] | None = None
+        self.held: int | None = None  # a stop: the generation that starts no more windows
         self.measure_memory = False  # on CUDA: the phase's first window measures its memory
         for name in self.order:
             self.stages[name].setup(self.context)

@@ -255,6 +255,8 @@ class RunWindow(Request):
     weights: bool = False
 
     def run(self, runtime: ReplicaRuntime) -> WindowResult | None:
+        if runtime.held == self.generation:  # a stop: no window starts from now on
+            raise WindowHeld(f"window [{self.first_step}, {self.stop_step}) not started")
         if runtime.released_after is not None:
             generation, stop = runtime.released_after
             if generation == self.generation and self.first_step >= stop:
@@ -376,6 +378,20 @@ async def abort_run_soon(run_id: str, generation: int, dask_worker: Any = None) 
 def _runtime_of(run_id: str, dask_worker: Any) -> Any:
     plugin = dask_worker.plugins.get("dataflow") if dask_worker is not None else None
     return None if plugin is None else plugin.replicas.get(run_id)
+
+
+class WindowHeld(RuntimeError):
+    """A window the driver's stop kept from starting (never reported: the fit stops)."""
+
+
+async def hold_run(run_id: str, generation: int, dask_worker: Any = None) -> bool:
+    """Via the driver (a stop signal): this replica starts no window of ``generation``
+    from now on; the one running goes on. No replica then gets more than one window past
+    what the driver saw finished, so the commit it rolls back to is one each holds."""
+    runtime = _runtime_of(run_id, dask_worker)
+    if runtime is not None and runtime.generation == generation:
+        runtime.held = generation
+    return True
 
 
 async def release_replicas(
