@@ -169,8 +169,7 @@ class AllReduce(Stage):
             # and returns the weights it produced: Update has nothing left to do.
             # (the store client notes each staleness; the part names what was applied)
             if (max_norm := step.replica.clip_grad_norm) is not None:
-                params = list(step.replica.model.parameters())
-                step.metrics[GRAD_NORM] = clip_gradients_(params, max_norm)
+                step.metrics[GRAD_NORM] = clip_gradients_(step.replica.parameters(), max_norm)
             reply = store.push(step.weight, part=(step.spec.index, step.owner))
             step.metrics["store_wait_s"] = reply["waited_s"]
             # the store refuses exactly the pushes that are not finite: known here at once

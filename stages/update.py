@@ -236,7 +236,7 @@ class Update(Stage):
         # the local loss counts too when there is no peer to disagree with.
         loss = step.metrics.get("loss") if step.replica.world_size == 1 else None
         if getattr(self, "_deferred", False):  # the verdict stays on the device
-            ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), self._parameters(step))
+            ok = _finite_flag(loss, step.metrics.get(GRAD_SQ), step.replica.parameters())
             if self._first_bad is None:
                 self._first_bad = torch.full((), -1, dtype=torch.int64, device=ok.device)
             first = self._first_bad
@@ -245,7 +245,7 @@ class Update(Stage):
             self._first_bad = torch.where(~ok & (first < 0), step.spec.index, first)
             self._clip(step)
             optimizer.step()
-        elif not _finite(loss, step.metrics.get(GRAD_SQ), self._parameters(step)):
+        elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.parameters()):
             scale = getattr(self, "_loss_scale", None)
             if scale is not None and scale.scale > scale.min_scale:
                 self._overflowed(step, scale)
@@ -266,21 +266,8 @@ class Update(Stage):
         max_norm = self.config.clip_grad_norm
         if max_norm is not None:
             step.metrics[GRAD_NORM] = clip_gradients_(
-                self._parameters(step), max_norm, step.metrics.get(GRAD_SQ)
+                step.replica.parameters(), max_norm, step.metrics.get(GRAD_SQ)
             )
-
-    def _parameters(self, step: StepContext) -> list[torch.Tensor]:
-        """The model's parameters, listed once per model object (not walked every step)."""
-        model = step.replica.model
-        if getattr(self, "_listed_model", None) is not model:
-            self._listed, self._listed_model = list(model.parameters()), model
-        return self._listed
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.pop("_listed", None)  # a model's own parameters never travel with the stage
-        state.pop("_listed_model", None)
-        return state
 
     def _overflowed(self, step: StepContext, scale: Any) -> None:
         """fp16: the scaled gradient overflowed. Not a failure: the step is dropped as

@@ -395,15 +395,7 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
             if not all(state is not None for state in states):
                 continue  # a replica lost after the window: no whole state to take
             if marked:
-                out.append(
-                    cmd.WriteCheckpoint(
-                        cmd.CheckpointKind.WINDOW,
-                        s.committed_step,
-                        s.phase,
-                        states=states,
-                        position=self._position(),
-                    )
-                )
+                out.append(self._checkpoint_here(cmd.CheckpointKind.WINDOW, states=states))
             if keeps_best:
                 out.append(cmd.KeepIfBest(last.epoch, s.committed_step, states))
         return out
@@ -449,13 +441,14 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
         return [cmd.ChoosePhase(s.epoch, s.previous)]
 
     def _phase_checkpoint(self) -> cmd.WriteCheckpoint:
+        return self._checkpoint_here(cmd.CheckpointKind.PHASE, members=self.members)
+
+    def _checkpoint_here(self, kind: cmd.CheckpointKind, **taken: Any) -> cmd.WriteCheckpoint:
+        """A checkpoint of the commit, where the running phase stands; ``taken``: whose
+        states (``members``) or the states themselves (``states``)."""
         s = self.state
         return cmd.WriteCheckpoint(
-            cmd.CheckpointKind.PHASE,
-            s.committed_step,
-            s.phase,
-            members=self.members,
-            position=self._position(),
+            kind, s.committed_step, s.phase, position=self._position(), **taken
         )
 
     def _phase_index(self) -> int | None:

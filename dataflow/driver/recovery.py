@@ -28,6 +28,7 @@ class LostWorkers:
     state: Any
     config: Any
     _position: Any  # FitMachine's: where the running phase stands
+    _checkpoint_here: Any  # FitMachine's: a WriteCheckpoint of the commit
 
     def _failure(self, reason: str, lost: tuple[str, ...], **extra: Any) -> FailureRecord:
         """A ``history.info["failures"]`` entry; at most the window in progress is lost."""
@@ -290,13 +291,7 @@ class LostWorkers:
             s.status = Status.FAILED
             if in_segment and config.checkpoints:
                 out.append(
-                    cmd.WriteCheckpoint(
-                        cmd.CheckpointKind.SURVIVORS,
-                        s.committed_step,
-                        s.phase,
-                        members=survivors.leaders,
-                        position=self._position(),
-                    )
+                    self._checkpoint_here(cmd.CheckpointKind.SURVIVORS, members=survivors.leaders)
                 )
             fail = cmd.Fail(
                 lost=lost,
@@ -348,9 +343,7 @@ class LostWorkers:
             AfterGroup.CHECKPOINT: cmd.CheckpointKind.PHASE,
         }.get(after)
         if config.checkpoints and kind is not None:
-            out.append(
-                cmd.WriteCheckpoint(kind, s.committed_step, s.phase, position=self._position())
-            )
+            out.append(self._checkpoint_here(kind))
         groups = len(s.available) // config.spatial
         if config.max_replicas is not None:
             groups = min(groups, config.max_replicas)

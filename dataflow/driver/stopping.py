@@ -36,7 +36,7 @@ class StopOnSignal:
 
     state: Any
     config: Any
-    members: tuple[str, ...]
+    _checkpoint_here: Any  # FitMachine's: a WriteCheckpoint of the commit
 
     def _stop_requested(self, event: ev.StopRequested) -> list[Any]:
         s = self.state
@@ -63,15 +63,7 @@ class StopOnSignal:
         members = s.layout.leaders
         out: list[Any] = [cmd.StopWindows(members), cmd.RollBack(members, s.committed_step)]
         if self.config.checkpoints:
-            out.append(
-                cmd.WriteCheckpoint(
-                    cmd.CheckpointKind.SURVIVORS,
-                    s.committed_step,
-                    s.phase,
-                    members=members,
-                    position=self._position(),
-                )
-            )
+            out.append(self._checkpoint_here(cmd.CheckpointKind.SURVIVORS, members=members))
         return [*out, self._stopped()]
 
     def _stopped(self) -> cmd.Fail:
