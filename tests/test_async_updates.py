@@ -421,7 +421,8 @@ class Lag(stages.Stage):
     machine's speed (a throttle's outcome depends on it). Placed at the start of a part
     (``at="start"``) and after its push (``at="pushed"``). Replica 0 notes in ``folder``
     each part of a window it begins (``begun-FIRST-N``), each it pushed
-    (``pushed-FIRST-N``) and its window's last part (``last-FIRST``). Replica 1 waits
+    (``pushed-FIRST-N``, and ``part-STEP-OWNER``: which one) and its window's last part
+    (``last-FIRST``). Replica 1 waits
     before its first part of a window, and (``until="bound"``) after each push, before
     it claims its next part, until replica 0 can take nothing more before it:
     ``"bound"`` (Async): replica 0 finished, or its push is held by the staleness bound
@@ -430,9 +431,9 @@ class Lag(stages.Stage):
 
     kind = kinds.LOAD  # waiting on a peer, not compute
 
-    def __init__(self, folder: str, *, at: str, until: str) -> None:
+    def __init__(self, folder: str, *, at: str, until: str, overlap: bool = False) -> None:
         super().__init__(f"Lag-{at}")
-        self.folder, self.at, self.until = Path(folder), at, until
+        self.folder, self.at, self.until, self.overlap = Path(folder), at, until, overlap
         self.window: tuple[int, int] | None = None
         self.count = 0  # parts of this window that passed here
 
@@ -446,9 +447,10 @@ class Lag(stages.Stage):
         self.count += 1
         last = step.spec.index == stop - 1 and step.part is None
         if replica.rank == 0:
-            (
-                self.folder / f"{'begun' if self.at == 'start' else 'pushed'}-{first}-{self.count}"
-            ).touch()
+            marker = "begun" if self.at == "start" else "pushed"
+            (self.folder / f"{marker}-{first}-{self.count}").touch()
+            if self.at == "pushed":
+                (self.folder / f"part-{step.spec.index}-{step.owner}").touch()
             if last and self.at == "start":
                 (self.folder / f"last-{first}").touch()
         elif (self.at == "start" and self.count == 1) or (self.until == "bound" and not last):
@@ -469,20 +471,28 @@ class Lag(stages.Stage):
         states = [state for shards in found.values() for state in shards]
         if len(states) < len(store.ranges):  # a shard does not serve this window yet
             return False
-        if all(state == "finished" for state in states):
+        if all(state[0] == "finished" for state in states):
             return True
-        # held, and (overlap: its push returned at once) its next part claimed: a claim
-        # racing replica 1's for the last part left would change who trains it
+        if not all(state[0] == "held" for state in states):
+            return False
+        if not self.overlap:  # held inside its push: it claims nothing before the reply
+            return True
+        # Overlap: its push returns at once, so held is not enough: its next part must be
+        # claimed too, or a claim racing replica 1's for the last part left would change
+        # who trains it. Past the held push (it reaches the store before the marker after
+        # it is written: counting markers alone was a flake), a part begun since
+        (held,) = {state[1] for state in states}
+        if not (self.folder / f"part-{held[0]}-{held[1]}").exists():
+            return False
         begun = len(list(self.folder.glob(f"begun-{first}-*")))
         pushed = len(list(self.folder.glob(f"pushed-{first}-*")))
-        claimed = begun > pushed or (self.folder / f"last-{first}").exists()
-        return claimed and all(state == "held" for state in states)
+        return begun > pushed or (self.folder / f"last-{first}").exists()
 
 
-async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> list[str]:
-    """Replica 0 at each of this worker's shards serving ``window``: "finished", "held"
-    (pushed, and the staleness bound keeps the push from applying) or "free". Read on
-    the store loop, which alone changes a shard."""
+async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> list[tuple]:
+    """Replica 0 at each of this worker's shards serving ``window``: ("finished",),
+    ("held", (step, owner)) (pushed that part, and the staleness bound keeps the push
+    from applying) or ("free",). Read on the store loop, which alone changes a shard."""
     plugin = dask_worker.plugins.get("dataflow")
     if plugin is None or not plugin.ps.shards:
         return []
@@ -492,8 +502,12 @@ async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> lis
         for (run, _), shard in list(plugin.ps.shards.items()):
             if run == run_id and shard.window == window:
                 gate = shard.gate
-                held = 0 in gate.pending and not gate.may_apply()
-                states.append("finished" if 0 in gate.finished else "held" if held else "free")
+                if 0 in gate.finished:
+                    states.append(("finished",))
+                elif 0 in gate.pending and not gate.may_apply():
+                    states.append(("held", tuple(shard.pushes[0].part)))
+                else:
+                    states.append(("free",))
         return states
 
     return await plugin.ps.store.run(read())
@@ -502,12 +516,13 @@ async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> lis
 def _lagging_trainer(x, y, folder, *, until: str, **options) -> dfl.Trainer:
     """TinyCNN on batches of 16 (8 steps an epoch of 128 samples), replica 1 lagging as
     ``Lag`` says."""
+    lag = dict(until=until, overlap=getattr(options.get("sync"), "overlap", False))
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
-    batch = g.add(Lag(str(folder), at="start", until=until), batch)
+    batch = g.add(Lag(str(folder), at="start", **lag), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(
-        Lag(str(folder), at="pushed", until=until),
+        Lag(str(folder), at="pushed", **lag),
         g.add(stages.AllReduce(), g.add(stages.Backward(), out)),
     )
     g.add(stages.Update(options.pop("optimizer", sgd)), grads)
