@@ -213,7 +213,9 @@ class Trainer:
         atomically at every phase boundary, and inside a phase every
         ``checkpoint_every`` windows (a window is about ``window_seconds`` of work);
         ``resume=True`` continues from the newest valid one there (refused, with the
-        differences listed, if it belongs to another model, dataset, seed or schedule).
+        differences listed, if it belongs to another model, dataset, seed or schedule;
+        one at the end of this fit's last epoch is returned as the result, nothing
+        trained).
         With the same replica count the resumed fit ends bit-identical to an
         uninterrupted one, from a phase boundary or from inside a phase. ``on_epoch``: a
         function of (epoch record, history), or a list of them, called on the driver after
@@ -225,6 +227,10 @@ class Trainer:
         best = as_keep_best(keep_best, self.epoch_keys())
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
+        if checkpoint is not None and checkpoint.epoch == epochs:  # a requeued finished job
+            from dataflow.driver.finished import finished_result
+
+            return finished_result(self, checkpoint, store, best)
         if self.schedule.max_batch() > self.source.num_samples:
             raise BatchSizeError(
                 f"schedule asks for a global batch of {self.schedule.max_batch()} but the "
@@ -321,10 +327,12 @@ class Trainer:
         if not resume:  # a new run: an old run's later steps must not count as the latest
             store.clear()
         checkpoint = store.load_latest(self.checkpoint_fingerprint) if resume else None
-        if checkpoint is not None and checkpoint.epoch >= epochs:
+        if checkpoint is not None and checkpoint.epoch > epochs:
             raise ConfigError(
                 f"fit(epochs={epochs}, resume=True): the checkpoint in {directory} is already "
-                f"at epoch {checkpoint.epoch}; ask for more epochs to continue training"
+                f"at epoch {checkpoint.epoch}, past the {epochs} asked for; ask for at least "
+                f"{checkpoint.epoch} epochs (that many: its result, nothing trained; more: "
+                "training goes on)"
             )
         return store, checkpoint
 

@@ -25,6 +25,7 @@ from dataflow.core.phase import PhaseSpec
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
 from dataflow.driver.best_weights import BestWeights, synchronized_weights
+from dataflow.errors import ConfigError
 from dataflow.runtime.replica_spec import ReplicaState
 
 # -- the rule ------------------------------------------------------------------------
@@ -315,6 +316,16 @@ def test_a_resumed_fit_keeps_the_best_of_its_earlier_runs_until_it_beats_it(clie
     assert resumed.history.info["best"] == first.history.info["best"]
     for name, tensor in first.best_model.state_dict().items():
         assert torch.equal(resumed.best_model.state_dict()[name], tensor), name
+    # run again once finished (a requeued job): its result, the kept best model with it
+    again = pipe().fit(4, client=client, keep_best=rule, checkpoint_dir=tmp_path, resume=True)
+    assert again.history.info["already_finished"]["epoch"] == 4
+    assert again.history.info["best"] == first.history.info["best"]
+    for name, tensor in first.best_model.state_dict().items():
+        assert torch.equal(again.best_model.state_dict()[name], tensor), name
+    for name, tensor in resumed.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+    with pytest.raises(ConfigError, match="already at epoch 4, past the 3 asked for"):
+        pipe().fit(3, client=client, keep_best=rule, checkpoint_dir=tmp_path, resume=True)
     plain = pipe().fit(1, client=client, keep_best="train_loss")  # no folder: in memory
     assert plain.history.info["best"]["path"] is None and plain.best_model is not None
     assert pipe().fit(1, client=client).best_model is None

@@ -92,14 +92,24 @@ def test_a_resumed_fit_counts_time_and_throughput_over_its_runs(client, tmp_path
 
 def test_resume_refuses_another_model_and_needs_a_folder(client, tmp_path):
     x, y = data()
-    pipeline(x, y).fit(1, client=client, checkpoint_dir=tmp_path)
+    finished = pipeline(x, y).fit(1, client=client, checkpoint_dir=tmp_path)
     other = pipeline(x[:512], y[:512])
     with pytest.raises(IncompatibleCheckpointError, match="samples"):
         other.fit(2, client=client, checkpoint_dir=tmp_path, resume=True)
     with pytest.raises(ConfigError, match="checkpoint_dir"):
         pipeline(x, y).fit(2, client=client, resume=True)
-    with pytest.raises(ConfigError, match="already at epoch 1"):
-        pipeline(x, y).fit(1, client=client, checkpoint_dir=tmp_path, resume=True)
+    # the same command again (a job requeued after its fit ended): the finished result,
+    # from the last checkpoint, with no cluster started (client=None) and nothing trained
+    again = pipeline(x, y).fit(1, checkpoint_dir=tmp_path, resume=True)
+    assert again.history.info["already_finished"]["epoch"] == 1
+    assert "already finished: returned from" in again.summary()
+    for name, tensor in finished.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+    assert again.history.steps == finished.history.steps
+    assert again.history.epochs == finished.history.epochs
+    assert sorted(again.ledger.consumed(0).tolist()) == list(range(len(x)))
+    runs = [(r["run_id"], r["end_step"]) for r in finished.history.info["segments"]]
+    assert [(r["run_id"], r["end_step"]) for r in again.history.info["segments"]] == runs
 
 
 def test_a_resumed_history_holds_one_record_type_per_section(client, tmp_path):

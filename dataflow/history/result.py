@@ -114,6 +114,11 @@ class FitResult:
             f"on {info.get('replicas')} replica(s) in {seconds:.1f} s"
             f"{f' over {runs} runs' if runs > 1 else ''} ({samples / seconds:.0f} samples/s)",
         ]
+        if (finished := info.get("already_finished")) is not None:
+            lines.append(
+                f"  already finished: returned from {finished['checkpoint']} (epoch "
+                f"{finished['epoch']}); nothing trained by this call"
+            )
         for phase in h.phases:
             lines.append(
                 f"  phase {phase['phase']}: epochs {phase['start_epoch']}-{phase['end_epoch'] - 1}"

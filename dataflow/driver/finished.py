@@ -1,0 +1,46 @@
+"""``fit(resume=True)`` when the newest checkpoint is the end of the very fit asked for.
+
+A batch job that is requeued after its fit finished (preempted while it evaluated or
+saved, or requeued by a loop that cannot tell) runs the same command again. Training
+on is wrong and failing breaks the job script: the fit's result is in its last
+checkpoint already (the weights, the whole history, the sample ledger; the kept best
+weights in ``best.pt``), so it is returned as it was, without starting a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dataflow.checkpoint import ledger_from_state
+from dataflow.driver.best_weights import BestWeights
+from dataflow.driver.fit import best_model
+from dataflow.history.result import FitResult, History
+from dataflow.stages.forward import build_model
+
+
+def finished_result(trainer: Any, checkpoint: Any, store: Any, keep_best: Any = None) -> FitResult:
+    """The result of the fit ``checkpoint`` ended (its epoch is the fit's last): the
+    trained weights in a fresh model, the history and ledger as written, the best
+    epoch's weights when ``keep_best`` asks for the rule that kept them."""
+    model = build_model(trainer.model_factory, trainer.config.seed)
+    model.load_state_dict(checkpoint.model_state)
+    history = History.from_dict(checkpoint.history)
+    history.info["sync"] = trainer.config.sync.describe()
+    history.info["already_finished"] = {
+        "epoch": checkpoint.epoch,
+        "step": checkpoint.step,
+        "checkpoint": str(store.path(checkpoint.step)),
+    }
+    best = None
+    if keep_best is not None:
+        best = BestWeights(keep_best, store, trainer.checkpoint_fingerprint)
+        best.resume()  # best.pt, if the finished fit kept it under this rule
+        if best.info() is not None:
+            history.info["best"] = best.info()
+    ledger = ledger_from_state(checkpoint.ledger) if checkpoint.ledger else None
+    result = FitResult(
+        model=model, history=history, ledger=ledger, best_model=best_model(trainer, best)
+    )
+    if trainer.config.progress:
+        print(result.summary())
+    return result
