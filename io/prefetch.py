@@ -5,17 +5,42 @@ the loader thread is re-raised in the consumer at the batch it belongs to. The
 loader thread keeps no reference to a batch once it is queued, so a batch's output
 buffer (``io.chunk_reader.BatchBuffers``) is free again as soon as the consumer
 drops it.
+
+A loader closed while interrupted is not waited for (its item may be a read stuck for
+minutes), but it must end before the interpreter does: a daemon thread still inside a
+torch call when the interpreter finalizes is ended with ``pthread_exit`` through C++
+frames, and the whole process aborts ("terminate called without an active exception",
+SIGABRT; a worker process of dask-mpi exits that way). Such loaders are joined at
+exit, for at most ``EXIT_JOIN_S``, the way ``concurrent.futures`` joins its workers.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 _DONE = object()
 INTERRUPT_POLL_S = 0.1  # how soon a waiting ``get`` sees an interrupt
+EXIT_JOIN_S = 30.0  # the longest the interpreter's exit waits for loaders left running
+# Loader threads a close left running (process-wide, as the threads are): joined at exit
+_left_running: set[threading.Thread] = set()
+_left_running_lock = threading.Lock()
+
+
+def _join_left_running() -> None:
+    """At interpreter exit: wait for the loaders closed while busy to end their item."""
+    deadline = time.monotonic() + EXIT_JOIN_S
+    with _left_running_lock:
+        threads = list(_left_running)
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_join_left_running)
 
 
 class Prefetcher:
@@ -42,6 +67,13 @@ class Prefetcher:
         return False
 
     def _work(self, load: Callable[[Any], Any], items: Any) -> None:
+        try:
+            self._load_all(load, items)
+        finally:
+            with _left_running_lock:
+                _left_running.discard(threading.current_thread())
+
+    def _load_all(self, load: Callable[[Any], Any], items: Any) -> None:
         try:
             for item in items:
                 if self._stop.is_set():
@@ -95,6 +127,10 @@ class Prefetcher:
         """Stop the loader thread after its current item. Waits for it (5 s at most),
         unless interrupted: then its item may be a read stuck for minutes, and the
         replica must go on without it (batch buffers are reused only once unreferenced,
-        so a late item harms nothing)."""
+        so a late item harms nothing). One left running is joined at the interpreter's
+        exit."""
         self._stop.set()
         self._thread.join(timeout=0 if self._interrupted is not None else 5)
+        if self._thread.is_alive():
+            with _left_running_lock:
+                _left_running.add(self._thread)

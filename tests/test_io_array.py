@@ -92,6 +92,44 @@ def test_an_interrupt_ends_a_wait_for_a_load_that_never_comes():
     assert not fetch._thread.is_alive()  # it stopped after its item
 
 
+LEFT_RUNNING_AT_EXIT = """
+import sys, threading, time
+import torch
+from dataflow.io import Prefetcher
+
+busy = threading.Event()
+
+def load(i):  # an item that is all torch calls (each releases the GIL), for 1.5 s
+    busy.set()
+    a, until = torch.randn(256, 256), time.monotonic() + 1.5
+    while time.monotonic() < until:
+        a = torch.mm(a, a).clamp_(-1, 1)
+    return i
+
+fetch = Prefetcher(load, range(5))
+busy.wait()
+fetch.interrupt(RuntimeError("the window was aborted"))
+fetch.close()  # does not wait: the loader is inside its item
+assert fetch._thread.is_alive()
+sys.exit(0)  # the interpreter ends while the loader is inside torch
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch: seconds
+def test_a_loader_left_running_ends_before_the_interpreter_does():
+    """A loader closed while busy (an aborted window) is joined at exit: a daemon thread
+    inside a torch call as the interpreter finalizes aborts the process ("terminate
+    called without an active exception", SIGABRT), as a dask-mpi worker did at exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", LEFT_RUNNING_AT_EXIT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr
+
+
 def test_an_interrupt_ends_the_reading_even_with_items_loaded_ahead():
     """An abort that came as an evaluation began (or any time): its ``get`` raises the
     interrupt's error, though the next items were loaded already (read from memory, a
