@@ -35,6 +35,8 @@ class Pipeline:
     global batch's gradient, as ``torch.nn.utils.clip_grad_norm_`` in a one-process
     loop); each step's norm before clipping is in ``history.steps`` (``grad_norm``);
     ``float("inf")`` records it without clipping.
+    ``ema_decay``: keep a moving average of the weights, updated after every step
+    (``0.999``: about the last 1,000 steps), returned as ``result.ema_model``.
     ``allreduce_dtype``: "fp32" (exact), or "bf16" to halve the bytes each gradient
     allreduce moves (synchronous updates; parameters and optimizer stay fp32).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
@@ -69,6 +71,7 @@ class Pipeline:
         decode_threads: int | str = "auto",
         on_non_finite: str = "raise",
         clip_grad_norm: float | None = None,
+        ema_decay: float | None = None,
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -93,9 +96,13 @@ class Pipeline:
         node = graph.add(Forward(model, loss), node)
         node = graph.add(Backward(), node)
         node = graph.add(AllReduce(bucket_mb=bucket_mb, dtype=allreduce_dtype), node)
-        node = graph.add(
-            Update(optimizer, on_non_finite=on_non_finite, clip_grad_norm=clip_grad_norm), node
+        update = Update(
+            optimizer,
+            on_non_finite=on_non_finite,
+            clip_grad_norm=clip_grad_norm,
+            ema_decay=ema_decay,
         )
+        node = graph.add(update, node)
         if eval_source is not None:
             # the held-out loss always (eval_loss), next to the metrics asked for
             metrics = {"loss": loss, **(metrics or {})}

@@ -99,6 +99,16 @@ class Trainer:
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
+        # ema_decay: a moving average of the weights, kept in the optimizer's state
+        self.averages_weights = any(
+            s.config.ema_decay is not None for s in graph if isinstance(s, Update)
+        )
+        if self.averages_weights and self.config.asynchronous:
+            raise ConfigError(
+                "ema_decay with sync=Async: the parameter store applies the updates, and "
+                "keeps no moving average of its weights; use the default synchronous sync "
+                "or sync.Local(...), or average the weights yourself after the fit"
+            )
 
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``

@@ -14,6 +14,7 @@ import torch
 from dataflow.core import kinds
 from dataflow.core.errors import ConfigError
 from dataflow.ops.flat import grad_squared_norm
+from dataflow.stages.averaging import EMA_KEY
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.clipping import GRAD_NORM, clip_gradients_
 from dataflow.stages.reducer import BucketReducer
@@ -345,15 +346,18 @@ def _window_shares(
 def _local_state(replica: ReplicaContext) -> list[Any]:
     """What local updates average: parameters, floating buffers (BatchNorm's running
     statistics) and, unless ``average_optimizer_state=False``, each parameter's
-    optimizer tensors of its shape (momentum, Adam's moments)."""
+    optimizer tensors of its shape (momentum, Adam's moments); the weights' moving
+    average (``ema_decay``) always, so it stays the average of the averaged weights."""
     model, optimizer = replica.model, replica.optimizer
     tensors = [p.data for p in model.parameters()]
     tensors += [b.data for b in model.buffers() if b.is_floating_point()]
-    if replica.local.average_optimizer_state and optimizer is not None:
+    everything = replica.local.average_optimizer_state
+    if optimizer is not None:
         for param in model.parameters():
             for key, value in optimizer.state.get(param, {}).items():
                 if (
-                    key != OUTER_MOMENTUM
+                    (everything or key == EMA_KEY)  # the weights' average: always
+                    and key != OUTER_MOMENTUM
                     and isinstance(value, torch.Tensor)
                     and value.is_floating_point()
                     and value.shape == param.shape

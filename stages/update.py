@@ -13,6 +13,7 @@ from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.core.phase import lr_at
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.allreduce import GRAD_SQ
+from dataflow.stages.averaging import check_decay, update_average_
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.clipping import GRAD_NORM, check_max_norm, clip_gradients_
 
@@ -32,9 +33,13 @@ class UpdateConfig:
     # The largest gradient norm an update applies (None: no clipping; inf: the norm is
     # recorded in the history, nothing clipped); see dataflow.stages.clipping
     clip_grad_norm: float | None = None
+    # A moving average of the weights, updated after every applied step (None: none);
+    # see dataflow.stages.averaging
+    ema_decay: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_grad_norm", check_max_norm(self.clip_grad_norm, "Update"))
+        object.__setattr__(self, "ema_decay", check_decay(self.ema_decay, "Update"))
         if self.on_non_finite not in NON_FINITE_POLICIES:
             raise ConfigError(
                 f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
@@ -90,6 +95,10 @@ class Update(Stage):
     updates each replica's own), and records its norm before clipping in each step of
     the history (``grad_norm``); ``float("inf")`` records it without clipping.
 
+    ``ema_decay=d`` keeps a moving average of the weights, updated after every applied
+    step, in the optimizer's state (``result.ema_model``; see
+    :mod:`dataflow.stages.averaging`).
+
     The check reads the squared norm AllReduce left in ``step.metrics["grad_sq"]`` (one
     launch over its buckets, computed anyway); without one (a single replica) it reads
     the gradients' largest magnitude in one ``_foreach_norm`` (finite exactly when their
@@ -105,6 +114,7 @@ class Update(Stage):
         on_non_finite: str = "raise",
         check: str = "auto",
         clip_grad_norm: float | None = None,
+        ema_decay: float | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__(name)
@@ -113,6 +123,7 @@ class Update(Stage):
             on_non_finite=on_non_finite,
             check=check,
             clip_grad_norm=clip_grad_norm,
+            ema_decay=ema_decay,
         )
 
     def setup(self, replica: ReplicaContext) -> None:
@@ -244,7 +255,7 @@ class Update(Stage):
             # would be a blocking copy, a host sync every step
             self._first_bad = torch.where(~ok & (first < 0), step.spec.index, first)
             self._clip(step)
-            optimizer.step()
+            self._step(optimizer)
         elif not _finite(loss, step.metrics.get(GRAD_SQ), step.replica.parameters()):
             scale = getattr(self, "_loss_scale", None)
             if scale is not None and scale.scale > scale.min_scale:
@@ -253,11 +264,17 @@ class Update(Stage):
                 self._non_finite(step, "no update was applied")
         else:
             self._clip(step)
-            optimizer.step()
+            self._step(optimizer)
             if getattr(self, "_loss_scale", None) is not None:
                 self._loss_scale.update(overflowed=False)
         optimizer.zero_grad()  # the optimizer's default: fused ones keep their flat grads
         return grads
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step, then the weights' moving average (``ema_decay``)."""
+        optimizer.step()
+        if self.config.ema_decay is not None:
+            update_average_(optimizer, self.config.ema_decay)
 
     def _clip(self, step: StepContext) -> None:
         """``clip_grad_norm``: the (reduced, unscaled) gradient scaled to the bound, its

@@ -448,9 +448,10 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
         request = remote.Capture(self.run_id, self.generation, "checkpoint")
         return self.gather(self._each(lambda r: request, f"checkpoint-{tag}"))
 
-    def final_weights(self) -> dict[str, Any]:
-        request = remote.Capture(self.run_id, self.generation, "weights")
-        key = f"weights@replica0-{self.run_id}{self.tag()}-{self.serial()}"
+    def final_weights(self, what: str = "weights") -> dict[str, Any] | None:
+        """Rank 0's final weights, or (``what="averaged"``) their moving average."""
+        request = remote.Capture(self.run_id, self.generation, what)
+        key = f"{what}@replica0-{self.run_id}{self.tag()}-{self.serial()}"
         [state] = self.gather([self.send(request, 0, key=key)])
         return state
 

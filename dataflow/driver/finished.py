@@ -13,9 +13,11 @@ from typing import Any
 
 from dataflow.checkpoint import ledger_from_state
 from dataflow.driver.best_weights import BestWeights
-from dataflow.driver.fit import best_model
+from dataflow.driver.fit import averaged_model, best_model
 from dataflow.history.result import FitResult, History
+from dataflow.stages.averaging import averaged_state_dict
 from dataflow.stages.forward import build_model
+from dataflow.stages.update import Update, build_optimizer
 
 
 def finished_result(trainer: Any, checkpoint: Any, store: Any, keep_best: Any = None) -> FitResult:
@@ -39,8 +41,23 @@ def finished_result(trainer: Any, checkpoint: Any, store: Any, keep_best: Any = 
             history.info["best"] = best.info()
     ledger = ledger_from_state(checkpoint.ledger) if checkpoint.ledger else None
     result = FitResult(
-        model=model, history=history, ledger=ledger, best_model=best_model(trainer, best)
+        model=model,
+        history=history,
+        ledger=ledger,
+        best_model=best_model(trainer, best),
+        ema_model=averaged_model(trainer, _checkpoint_average(trainer, model, checkpoint)),
     )
     if trainer.config.progress:
         print(result.summary())
     return result
+
+
+def _checkpoint_average(trainer: Any, model: Any, checkpoint: Any) -> dict[str, Any] | None:
+    """The weights' moving average (``ema_decay``) in the checkpoint's optimizer state:
+    the optimizer the fit builds, on ``model`` (the checkpoint's weights), given it."""
+    if not trainer.averages_weights:
+        return None
+    update = next(s for s in trainer.graph if isinstance(s, Update))
+    optimizer = build_optimizer(update.config.optimizer, model)
+    optimizer.load_state_dict(checkpoint.optimizer_state)
+    return averaged_state_dict(model, optimizer)

@@ -114,6 +114,8 @@ def run_fit(
     try:
         with loop.stop_signals:  # SIGTERM, SIGUSR1: save the commit, stop (FitStopped)
             state = loop.run(workers)
+        # ema_decay: the weights' moving average, from rank 0 as its final weights
+        average = executor.final_weights("averaged") if trainer.averages_weights else None
         if loop.best is not None and loop.best.info() is not None:  # (a resumed fit's too)
             info["best"] = loop.best.info()
         recorder.record_segments()  # info["segments"], train_seconds: every run's
@@ -133,6 +135,7 @@ def run_fit(
         ledger=recorder.ledger,
         driver_log=loop.machine.log,
         best_model=best_model(trainer, loop.best),
+        ema_model=averaged_model(trainer, average),
     )
     if config.progress:
         print(result.summary())
@@ -220,6 +223,15 @@ def keeper(trainer: Any, rule: Any, store: Any, held_out: int | None) -> BestWei
     best = BestWeights(rule, store, fingerprint, held_out)
     best.resume()
     return best
+
+
+def averaged_model(trainer: Any, state: dict[str, Any] | None) -> Any:
+    """``result.ema_model``: the weights' moving average in a fresh model, or None."""
+    if state is None:
+        return None
+    model = build_model(trainer.model_factory, trainer.config.seed)
+    model.load_state_dict(state)
+    return model
 
 
 def best_model(trainer: Any, best: BestWeights | None) -> Any:

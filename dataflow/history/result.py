@@ -98,6 +98,9 @@ class FitResult:
     # fit(keep_best=...): the weights of the epoch with the best watched metric (its
     # epoch and value in history.info["best"]); None without keep_best
     best_model: torch.nn.Module | None = None
+    # ema_decay=...: the moving average of the weights at the fit's end (the trained
+    # model's buffers, BatchNorm's statistics); None without ema_decay
+    ema_model: torch.nn.Module | None = None
 
     def summary(self) -> str:
         h = self.history

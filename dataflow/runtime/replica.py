@@ -31,6 +31,7 @@ from dataflow.runtime.window_parts import (
     micro_batch_groups,
     micro_batch_sizes,
 )
+from dataflow.stages.averaging import averaged_state_dict
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
 
 THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
@@ -459,6 +460,10 @@ class ReplicaRuntime(StoreSide):
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.context.model.state_dict().items()}
+
+    def averaged_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights' moving average as a state dict (``ema_decay``), or None."""
+        return averaged_state_dict(self.context.model, self.context.optimizer)
 
     def abort(self) -> None:
         """Leave the fit's process group and, under a spatial layout, the sample group

@@ -221,7 +221,8 @@ class Restore(Request):
 @dataclass(frozen=True)
 class Capture(Request):
     """This replica's state: ``"checkpoint"`` (its part of a checkpoint), ``"snapshot"``
-    (what a joiner takes from rank 0) or ``"weights"`` (the final weights)."""
+    (what a joiner takes from rank 0), ``"weights"`` (the final weights) or
+    ``"averaged"`` (the final weights' moving average, ``ema_decay``)."""
 
     what: str = "checkpoint"
     # Sent with the newest group the driver formed or tried to: a replica that a failed
@@ -231,6 +232,8 @@ class Capture(Request):
     def run(self, runtime: ReplicaRuntime) -> Any:
         if self.what == "weights":
             return runtime.state_dict()
+        if self.what == "averaged":
+            return runtime.averaged_state_dict()
         return runtime.snapshot() if self.what == "snapshot" else runtime.checkpoint_state()
 
 

@@ -1,0 +1,85 @@
+"""An exponential moving average of the weights (``ema_decay=``), kept as training goes.
+
+The average of the weights over the last few thousand steps generalizes better than
+the last weights, and is what many recipes evaluate and ship (timm's ``ModelEma``,
+``torch.optim.swa_utils.AveragedModel``). It follows torch's convention: after every
+update the optimizer applies, the first copies the weights, each later one is
+``ema <- decay * ema + (1 - decay) * w`` (one ``_foreach_lerp_``); a skipped step
+(non-finite, an fp16 overflow) leaves it as it is.
+
+It lives in the optimizer's per-parameter state, under :data:`EMA_KEY`, so it goes
+wherever the optimizer's state goes: commits and rollbacks, checkpoints and resumes, a
+joining replica's snapshot, and local updates' average (as ``Local``'s outer momentum
+does). A parameter's average starts at its first update: once the optimizer holds
+state for it, or it had a gradient (an optimizer without state, plain SGD). One with
+neither was never updated and gets none yet, so no state is made before the
+optimizer's own (Adam sets a parameter up when its state is empty).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dataflow.core.errors import ConfigError
+
+EMA_KEY = "ema"  # optimizer state key: the parameter's moving average
+
+
+def check_decay(decay: Any, owner: str) -> float | None:
+    """``ema_decay`` as given, or a :class:`ConfigError` naming ``owner`` and the fix."""
+    if decay is None:
+        return None
+    if (
+        isinstance(decay, bool)
+        or not isinstance(decay, (int, float))
+        or not math.isfinite(decay)
+        or not 0.0 < decay < 1.0
+    ):
+        raise ConfigError(
+            f"{owner}(ema_decay={decay!r}): give the moving average's decay per step, a "
+            "number strictly between 0 and 1 (e.g. 0.999: about the last 1,000 steps), or "
+            "None for no average"
+        )
+    return float(decay)
+
+
+@torch.no_grad()
+def update_average_(optimizer: torch.optim.Optimizer, decay: float) -> None:
+    """Move each parameter's average towards its weights, after ``optimizer.step()``."""
+    averages, weights = [], []
+    for param in (p for group in optimizer.param_groups for p in group["params"]):
+        if not optimizer.state.get(param) and param.grad is None:
+            continue  # never updated: its state is the optimizer's to set up first
+        state = optimizer.state[param]
+        average = state.get(EMA_KEY)
+        if average is None:
+            state[EMA_KEY] = param.detach().clone()
+        else:
+            averages.append(average)
+            weights.append(param.detach())
+    if averages:
+        torch._foreach_lerp_(averages, weights, 1.0 - decay)
+
+
+def averaged_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor] | None:
+    """The model's state dict with each averaged parameter's average in place of its
+    weights (buffers, and parameters without an average, as the model holds them), as
+    host copies; None when no parameter has an average."""
+    if optimizer is None:
+        return None
+    averages = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        state = optimizer.state.get(param)
+        if state and state.get(EMA_KEY) is not None:
+            averages[name] = state[EMA_KEY]
+    if not averages:
+        return None
+    return {
+        name: averages.get(name, value).detach().to("cpu", copy=True)
+        for name, value in model.state_dict().items()
+    }

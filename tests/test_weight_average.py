@@ -1,0 +1,162 @@
+"""``ema_decay=``: a moving average of the weights, kept as training goes, equal to
+``torch.optim.swa_utils.AveragedModel`` with an EMA updated after every step of a
+one-process loop, under synchronous and local updates, through commits and rollbacks,
+checkpoints and resumes; ``result.ema_model``.
+
+The one-replica tests run the replica in this process (milliseconds); the ones marked
+slow train on a real LocalCluster with real gloo collectives."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import TinyCNN, in_process, make_data, max_abs_diff, sgd, tiny_pipeline
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import dataflow as dfl
+from dataflow.checkpoint import CheckpointStore
+from dataflow.core.errors import ConfigError
+
+DECAY = 0.8  # short enough that every step's weights still count at the end
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def plain_sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY):
+    """The one-process loop with torch's own EMA, updated after each ``opt.step()``:
+    the trained model and the average's state dict."""
+    torch.manual_seed(0)
+    model = TinyCNN()
+    opt = optimizer(model.parameters())
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for parts in batches:
+        index = torch.from_numpy(np.concatenate(parts))
+        loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        average.update_parameters(model)
+    return model, average.module.state_dict()
+
+
+def assert_close_states(got, expected, tolerance):
+    assert got is not None and set(got) == set(expected)
+    worst = max(float((got[k].double() - expected[k].double()).abs().max()) for k in expected)
+    assert worst <= tolerance, worst
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, float("nan"), True, "0.9"], ids=str)
+def test_a_decay_outside_zero_to_one_is_refused_naming_the_option(bad):
+    x, y = make_data(16)
+    with pytest.raises(ConfigError, match=r"Update\(ema_decay=.*strictly between 0 and 1"):
+        tiny_pipeline(x, y, ema_decay=bad)
+
+
+def test_an_average_under_asynchronous_updates_is_refused_with_the_way_out():
+    x, y = make_data(16)
+    with pytest.raises(ConfigError, match=r"ema_decay with sync=Async.*sync.Local"):
+        tiny_pipeline(x, y, ema_decay=0.99, sync=dfl.sync.Async())
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [sgd, plain_sgd, adam, lambda p: dfl.ops.FusedAdam(p, lr=0.01)],
+    ids=["momentum", "plain", "adam", "fused-adam"],
+)
+def test_one_replica_averages_as_torchs_averaged_model(optimizer):
+    """After every step, the first copying the weights: torch's EMA, for optimizers that
+    keep state (momentum, Adam's moments, set up when a parameter's state is empty) and
+    one that keeps none; the trained weights are the loop's, untouched by the average."""
+    x, y = make_data(96)
+    pipe = tiny_pipeline(x, y, batch=16, optimizer=optimizer, ema_decay=DECAY)
+    runtime, steps = in_process(pipe.trainer, epochs=2)
+    try:
+        runtime.run_window(0, len(steps))
+        batches = pipe.sample_plan(epochs=2, replicas=1)
+        model, average = averaged_reference(x, y, batches, optimizer=optimizer)
+        assert max_abs_diff(runtime.context.model, model) <= 1e-6
+        assert_close_states(runtime.averaged_state_dict(), average, 1e-6)
+        weights = model.state_dict()  # (and the average is not the weights)
+        assert max(float((average[k] - weights[k]).abs().max()) for k in weights) > 1e-3
+    finally:
+        runtime.close()
+    plain = tiny_pipeline(x, y, batch=16)  # without the option: no average
+    runtime, steps = in_process(plain.trainer, epochs=1)
+    try:
+        runtime.run_window(0, len(steps))
+        assert runtime.averaged_state_dict() is None
+    finally:
+        runtime.close()
+
+
+def test_a_rollback_takes_the_average_back_to_the_commit():
+    """The average is in the optimizer's state, so a commit holds it and a rollback
+    restores it, bit for bit."""
+    x, y = make_data(96)
+    pipe = tiny_pipeline(x, y, batch=16, ema_decay=DECAY)
+    runtime, _ = in_process(pipe.trainer, epochs=1, commit_windows=False)
+    try:
+        runtime.run_window(0, 2)
+        runtime.commit(2)
+        at_commit = runtime.averaged_state_dict()
+        runtime.run_window(2, 4)
+        once = runtime.averaged_state_dict()
+        assert max(float((once[k] - at_commit[k]).abs().max()) for k in once) > 0
+        runtime.rollback(2)
+        assert_close_states(runtime.averaged_state_dict(), at_commit, 0.0)
+    finally:
+        runtime.close()
+
+
+@pytest.mark.slow
+def test_two_replicas_average_as_one_process_and_local_updates_average_the_averages(client):
+    """Synchronous, an uneven 1:2 split: ``result.ema_model`` is the one-process loop's
+    average. ``Local(period_steps=1)`` with plain SGD equals synchronous training, and
+    each replica's average is averaged with the weights at every period's end (an
+    average is linear), so its ``ema_model`` is the same, also when the optimizer's
+    state is not averaged."""
+    x, y = make_data(96)
+    options = dict(batch=24, ema_decay=DECAY, balancer=dfl.balance.Proportional((1, 2)))
+    sync = tiny_pipeline(x, y, optimizer=plain_sgd, **options)
+    result = sync.fit(epochs=2, client=client)
+    batches = sync.sample_plan(epochs=2, replicas=2)
+    model, average = averaged_reference(x, y, batches, optimizer=plain_sgd)
+    assert max_abs_diff(result.model, model) <= 1e-5
+    assert_close_states(result.ema_model.state_dict(), average, 1e-5)
+    local = dfl.sync.Local(period_steps=1, average_optimizer_state=False)
+    pipe = tiny_pipeline(x, y, optimizer=plain_sgd, sync=local, **options)
+    averaged = pipe.fit(epochs=2, client=client)
+    assert_close_states(averaged.ema_model.state_dict(), average, 1e-5)
+    assert tiny_pipeline(x, y, batch=24).fit(1, client=client).ema_model is None
+
+
+@pytest.mark.slow
+def test_a_resumed_fit_ends_on_the_uninterrupted_fits_average(client, tmp_path):
+    """BatchNorm, dropout, two phases with a warmup: resumed from inside a phase, the
+    fit's average is the uninterrupted fit's, bit for bit (its buffers the model's);
+    run again once finished, the same command returns it from the last checkpoint."""
+    from test_mid_phase_checkpoints import _assert_same_weights, _keep_up_to, _pipeline
+
+    x, y = make_data(160)
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = _pipeline(x, y, ema_decay=0.9).fit(3, client=client, checkpoint_every=1, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    _keep_up_to(
+        CheckpointStore(tmp_path, keep=1000), CheckpointStore(tmp_path).path(mid[1]["step"])
+    )
+    resumed = _pipeline(x, y, ema_decay=0.9).fit(3, client=client, resume=True, **folder)
+    assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
+    _assert_same_weights(full.model, resumed.model)
+    _assert_same_weights(full.ema_model, resumed.ema_model)
+    buffers = dict(full.model.named_buffers())
+    for name, value in full.ema_model.named_buffers():  # BatchNorm's: the trained model's
+        assert torch.equal(value, buffers[name]), name
+    again = _pipeline(x, y, ema_decay=0.9).fit(3, resume=True, **folder)
+    assert again.history.info["already_finished"]["epoch"] == 3
+    _assert_same_weights(full.ema_model, again.ema_model)
