@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="both sides clip the gradient to this norm (the engine's clip_grad_norm=)",
     )
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=None,
+        help="both sides keep a moving average of the weights with this decay (the "
+        "engine's ema_decay=; the hand loop: torch's AveragedModel EMA)",
+    )
     p.add_argument("--label", default="", help="a note saved with the run (e.g. 'before')")
     p.add_argument("--out", help="JSON file (default benchmarks/results/step_host.json)")
     p.add_argument("--overwrite", action="store_true")
@@ -137,7 +144,7 @@ def engine_fit(args: argparse.Namespace, client: Any, timer: WindowTimer) -> dic
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     out = g.add(stages.Forward(TinyCNN, F.cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
-    g.add(stages.Update(sgd, clip_grad_norm=args.clip), reduced)
+    g.add(stages.Update(sgd, clip_grad_norm=args.clip, ema_decay=args.ema), reduced)
     trainer = dfl.Trainer(
         g,
         schedule=dfl.schedule.Fixed(args.batch),
@@ -176,6 +183,11 @@ def hand_loop(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)  # as the engine's build_model
     model = TinyCNN().train()
     optimizer = sgd(model.parameters())
+    average = None
+    if args.ema is not None:
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(args.ema))
     batches = hand_batches(args)
     first = args.skip * args.window_steps  # the steps the fit's steady windows start at
     losses = []
@@ -188,6 +200,8 @@ def hand_loop(args: argparse.Namespace) -> dict[str, Any]:
         if args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
+        if average is not None:
+            average.update_parameters(model)
         optimizer.zero_grad()
         losses.append(loss.detach())
     seconds = time.perf_counter() - t

@@ -46,22 +46,49 @@ def check_decay(decay: Any, owner: str) -> float | None:
     return float(decay)
 
 
-@torch.no_grad()
-def update_average_(optimizer: torch.optim.Optimizer, decay: float) -> None:
-    """Move each parameter's average towards its weights, after ``optimizer.step()``."""
-    averages, weights = [], []
-    for param in (p for group in optimizer.param_groups for p in group["params"]):
-        if not optimizer.state.get(param) and param.grad is None:
-            continue  # never updated: its state is the optimizer's to set up first
-        state = optimizer.state[param]
-        average = state.get(EMA_KEY)
-        if average is None:
-            state[EMA_KEY] = param.detach().clone()
-        else:
-            averages.append(average)
-            weights.append(param.detach())
-    if averages:
-        torch._foreach_lerp_(averages, weights, 1.0 - decay)
+class WeightAverage:
+    """Moves each parameter's average towards its weights, after ``optimizer.step()``.
+
+    Once every parameter has its average, the pairs are kept, so a step costs one
+    ``_foreach_lerp_`` and no walk over the parameters' states (a ResNet has ~160); they
+    are found again when the optimizer's state is replaced (a rollback, a resume: its
+    ``load_state_dict`` makes a new one)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._pairs: tuple[Any, list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def update_(self, optimizer: torch.optim.Optimizer) -> None:
+        pairs = self._pairs
+        if pairs is None or pairs[0] is not optimizer.state:
+            pairs = self._pairs = self._find(optimizer)
+        if pairs is not None:
+            torch._foreach_lerp_(pairs[1], pairs[2], 1.0 - self.decay)
+
+    def _find(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Start the averages a parameter lacks (a copy of its weights, torch's first
+        update); the (state, averages, parameters) to move by the lerp, to be kept once
+        every parameter has one, or None when none has one to move yet."""
+        averages, params, complete = [], [], True
+        for param in (p for group in optimizer.param_groups for p in group["params"]):
+            if not optimizer.state.get(param) and param.grad is None:
+                complete = False  # never updated: its state is the optimizer's to set up
+                continue
+            state = optimizer.state[param]
+            if state.get(EMA_KEY) is None:
+                state[EMA_KEY] = param.detach().clone()
+                complete = False
+            else:
+                averages.append(state[EMA_KEY])
+                params.append(param)  # the parameter itself: its data may be rebound
+        if complete:
+            self._pairs = (optimizer.state, averages, params)
+            return self._pairs
+        if averages:  # moved this once; looked for again next step
+            torch._foreach_lerp_(averages, params, 1.0 - self.decay)
+        self._pairs = None
+        return None
 
 
 def averaged_state_dict(

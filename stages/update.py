@@ -13,7 +13,7 @@ from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.core.phase import lr_at
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.allreduce import GRAD_SQ
-from dataflow.stages.averaging import check_decay, update_average_
+from dataflow.stages.averaging import WeightAverage, check_decay
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.clipping import GRAD_NORM, check_max_norm, clip_gradients_
 
@@ -146,6 +146,8 @@ class Update(Stage):
         # asynchronous updates: the parameter store applies the gradient, so AllReduce
         # clips each one before it is pushed
         replica.clip_grad_norm = self.config.clip_grad_norm
+        decay = self.config.ema_decay
+        self._average = None if decay is None else WeightAverage(decay)
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: the factory's × ``lr_scale``, or ``phase.lr``
@@ -273,8 +275,8 @@ class Update(Stage):
     def _step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's step, then the weights' moving average (``ema_decay``)."""
         optimizer.step()
-        if self.config.ema_decay is not None:
-            update_average_(optimizer, self.config.ema_decay)
+        if self._average is not None:
+            self._average.update_(optimizer)
 
     def _clip(self, step: StepContext) -> None:
         """``clip_grad_norm``: the (reduced, unscaled) gradient scaled to the bound, its

@@ -15,6 +15,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import dataflow as dfl
 from dataflow.checkpoint import CheckpointStore
 from dataflow.core.errors import ConfigError
+from dataflow.stages.capture import WARMUP
 
 DECAY = 0.8  # short enough that every step's weights still count at the end
 
@@ -38,6 +39,8 @@ def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY):
     for parts in batches:
         index = torch.from_numpy(np.concatenate(parts))
         loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        if not torch.isfinite(loss):  # on_non_finite="skip": no update, no average
+            continue
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -91,6 +94,34 @@ def test_one_replica_averages_as_torchs_averaged_model(optimizer):
     try:
         runtime.run_window(0, len(steps))
         assert runtime.averaged_state_dict() is None
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("case", ["micro-batches", "captured", "skipped"])
+def test_the_average_of_steps_made_any_way_and_of_none_skipped(case):
+    """Each step's gradient accumulated over 2 micro-batches, or written by a captured
+    step's replays (simulated on the CPU): the same average. A step skipped for a NaN
+    (``on_non_finite="skip"``) is no update, so the average does not move either."""
+    from test_non_finite import data_with_a_nan
+
+    x, y = data_with_a_nan(96) if case == "skipped" else make_data(96)
+    options = {"on_non_finite": "skip"} if case == "skipped" else {}
+    pipe = tiny_pipeline(x, y, batch=16, ema_decay=DECAY, **options)
+    spec = {
+        "micro-batches": {"micro_batches": 2},
+        "captured": {"capture": True, "simulate_capture": True},
+        "skipped": {},
+    }[case]
+    runtime, steps = in_process(pipe.trainer, epochs=2, **spec)
+    try:
+        result = runtime.run_window(0, len(steps))
+        if case == "skipped":
+            assert len(result.skipped) == 2  # the NaN sample's step, each epoch
+        if case == "captured":
+            assert runtime.end_phase()["captured_steps"] == len(steps) - WARMUP
+        _, average = averaged_reference(x, y, pipe.sample_plan(epochs=2, replicas=1))
+        assert_close_states(runtime.averaged_state_dict(), average, 1e-6)
     finally:
         runtime.close()
 
