@@ -129,6 +129,8 @@ class Trainer:
         for stage in self.graph:
             if stage.kind == kinds.EVALUATE:
                 keys |= {f"eval_{name}" for name in stage.config.metrics}
+                if self.averages_weights:  # ema_decay: the average's too
+                    keys |= {f"eval_ema_{name}" for name in stage.config.metrics}
         return keys
 
     def metric_every(self, metric: str) -> int:
@@ -136,7 +138,7 @@ class Trainer:
         its Evaluate stage scores (``every_epochs``), the training loss every epoch."""
         for stage in self.graph:
             if stage.kind == kinds.EVALUATE and metric in {
-                f"eval_{name}" for name in stage.config.metrics
+                f"eval_{prefix}{name}" for name in stage.config.metrics for prefix in ("", "ema_")
             }:
                 return stage.config.every_epochs
         return 1

@@ -91,6 +91,35 @@ class WeightAverage:
         return None
 
 
+class SwappedIn:
+    """Scoring the average with the model itself (a spatial layout's model exchanges
+    halos with its peers: it cannot be copied): ``with swapped:`` the parameters hold
+    their averages, and after it their weights again. Two copies of the parameters, a
+    small cost beside a batch's forward pass."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        pairs = []
+        for param in model.parameters():
+            state = optimizer.state.get(param)
+            if state and state.get(EMA_KEY) is not None:
+                pairs.append((param, state[EMA_KEY]))
+        self.params = [p for p, _ in pairs]
+        self.averages = [a for _, a in pairs]
+        self.weights = [p.detach().clone() for p in self.params]  # (refreshed each time)
+
+    @torch.no_grad()
+    def __enter__(self) -> SwappedIn:
+        if self.params:
+            torch._foreach_copy_(self.weights, self.params)
+            torch._foreach_copy_(self.params, self.averages)
+        return self
+
+    @torch.no_grad()
+    def __exit__(self, *exc: Any) -> None:
+        if self.params:
+            torch._foreach_copy_(self.params, self.weights)
+
+
 def averaged_state_dict(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, torch.Tensor] | None:

@@ -28,6 +28,7 @@ from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import EpochChunkReader, auto_decode_threads
 from dataflow.io.prefetch import Prefetcher
 from dataflow.io.sharding import source_chunk_members
+from dataflow.stages.averaging import SwappedIn
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
 from dataflow.stages.transform import Transform
@@ -115,6 +116,9 @@ def graph_eval_transforms(graph: Any, evaluate_name: str | None = None) -> tuple
     names = _in_run_order(graph, _upstream(graph, forwards[0]))
     stages = [graph[n] for n in names if isinstance(graph[n], Transform)]
     return tuple(t for t in stages if not is_random(t.config.fn))
+
+
+AVERAGE_PREFIX = "ema_"  # the weights' moving average's metrics: eval_ema_loss, ...
 
 
 class Evaluate(Stage):
@@ -208,22 +212,40 @@ class Evaluate(Stage):
         n = self.source.num_samples
         lo = n * rank // replica.world_size
         hi = n * (rank + 1) // replica.world_size
-        return self.score_range(replica.model, replica.device, lo, hi)
+        average = None
+        if replica.averages_weights:  # ema_decay: the average is scored too (ema_<name>)
+            average = SwappedIn(replica.model, replica.optimizer)
+        return self.score_range(replica.model, replica.device, lo, hi, average=average)
 
-    def score_range(self, model: Any, device: Any, lo: int, hi: int) -> dict[str, float]:
+    def score_range(
+        self, model: Any, device: Any, lo: int, hi: int, *, average: Any = None
+    ) -> dict[str, float]:
         """Sums of the metrics over the held-out samples ``[lo, hi)`` scored by ``model``
         on ``device`` (in eval mode, then back in train mode), and their ``count``: one
-        replica's share in a fit, one worker's in :func:`dataflow.evaluation.evaluate`."""
+        replica's share in a fit, one worker's in :func:`dataflow.evaluation.evaluate`.
+        ``average`` (a :class:`~dataflow.stages.averaging.SwappedIn`): each batch is
+        scored by the weights' moving average too, as ``ema_<name>``."""
         sums = dict.fromkeys(self.config.metrics, 0.0)
+        if average is not None:
+            sums |= {f"{AVERAGE_PREFIX}{key}": 0.0 for key in self.config.metrics}
         with contextlib.closing(self.outputs(model, device, lo, hi)) as outputs:
             for indices, batch, output in outputs:
-                y = batch.y
-                for key, fn in self.config.metrics.items():
-                    value = float(fn(output) if y is None else fn(output, y))
-                    if not math.isfinite(value):
-                        raise _metric_error(self.source, key, value, indices)
-                    sums[key] += value * batch.size
+                self._add(sums, "", output, batch, indices)
+                if average is not None:
+                    with average, torch.no_grad():
+                        averaged = call_model(model, batch.x)
+                    check_finite(self.source, indices, batch, averaged)
+                    self._add(sums, AVERAGE_PREFIX, averaged, batch, indices)
         return {"count": hi - lo, **sums}
+
+    def _add(self, sums: dict, prefix: str, output: Any, batch: Any, indices: Any) -> None:
+        """The batch's metrics of ``output`` added to ``sums`` (as ``prefix<name>``)."""
+        y = batch.y
+        for key, fn in self.config.metrics.items():
+            value = float(fn(output) if y is None else fn(output, y))
+            if not math.isfinite(value):
+                raise _metric_error(self.source, prefix + key, value, indices)
+            sums[prefix + key] += value * batch.size
 
     def outputs(
         self, model: Any, device: Any, lo: int, hi: int

@@ -148,6 +148,7 @@ class Update(Stage):
         replica.clip_grad_norm = self.config.clip_grad_norm
         decay = self.config.ema_decay
         self._average = None if decay is None else WeightAverage(decay)
+        replica.averages_weights = decay is not None
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:
         """The phase's LR per param group: the factory's × ``lr_scale``, or ``phase.lr``

@@ -191,3 +191,48 @@ def test_a_resumed_fit_ends_on_the_uninterrupted_fits_average(client, tmp_path):
     again = _pipeline(x, y, ema_decay=0.9).fit(3, resume=True, **folder)
     assert again.history.info["already_finished"]["epoch"] == 3
     _assert_same_weights(full.ema_model, again.ema_model)
+
+
+def test_the_average_is_scored_beside_the_weights_and_keep_best_may_watch_it():
+    """Pure: a graph that averages and evaluates records ``eval_ema_<metric>`` each
+    evaluated epoch (keep_best and callbacks may name it); without ``ema_decay`` the
+    name is refused with the closest one."""
+    from conftest import held_out_pipeline
+
+    from dataflow.callbacks import as_keep_best
+
+    x, y = make_data(160)
+    trainer = held_out_pipeline(x, y, ema_decay=0.9, eval_every=2).trainer
+    assert {"eval_loss", "eval_ema_loss"} <= trainer.epoch_keys()
+    assert trainer.metric_every("eval_ema_loss") == 2
+    assert as_keep_best("eval_ema_loss", trainer.epoch_keys()).metric == "eval_ema_loss"
+    plain = held_out_pipeline(x, y).trainer
+    with pytest.raises(ConfigError, match="eval_ema_loss"):
+        as_keep_best("eval_ema_loss", plain.epoch_keys())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["sync", "local"])
+def test_each_evaluation_scores_the_average_and_keep_best_keeps_the_averages_weights(client, sync):
+    """2 replicas, a held-out set every epoch: each epoch's ``eval_ema_loss`` is the
+    average's score, the last one ``pipe.evaluate`` of ``result.ema_model``; with
+    ``keep_best="eval_ema_loss"`` the kept model is the average at its best epoch
+    (scored again, its record's ``eval_ema_loss``, not its ``eval_loss``). Under local
+    updates the evaluation scores the averaged weights' average, at the period's end."""
+    from conftest import held_out_pipeline
+
+    x, y = make_data(256)
+    options = dict(ema_decay=0.9, train=192)
+    if sync == "local":
+        options["sync"] = dfl.sync.Local(period_steps=4)
+    pipe = held_out_pipeline(x, y, **options)
+    result = pipe.fit(4, client=client, keep_best="eval_ema_loss")
+    epochs = result.history.epochs
+    assert all(e["eval_ema_loss"] != e["eval_loss"] for e in epochs)
+    held_out = dfl.io.ArraySource(x[192:], y[192:], shuffle=False)
+    last = pipe.evaluate(held_out, result.ema_model)
+    assert last["loss"] == pytest.approx(epochs[-1]["eval_ema_loss"], rel=1e-5)
+    best = result.history.info["best"]
+    kept = pipe.evaluate(held_out, result.best_model)
+    assert kept["loss"] == pytest.approx(epochs[best["epoch"]]["eval_ema_loss"], rel=1e-5)
+    assert best["value"] == min(e["eval_ema_loss"] for e in epochs)

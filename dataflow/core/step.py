@@ -60,6 +60,9 @@ class ReplicaContext:
     # Update's clip_grad_norm (dataflow.stages.clipping), for AllReduce to clip each
     # gradient pushed to a parameter store (asynchronous updates) before it goes
     clip_grad_norm: float | None = None
+    # Update's ema_decay: True when the optimizer's state keeps a moving average of the
+    # weights (dataflow.stages.averaging), which evaluations then score too
+    averages_weights: bool = False
 
     def parameters(self) -> list[Any]:
         """The model's parameters, listed once per model object: stages that need them

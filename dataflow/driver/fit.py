@@ -72,6 +72,7 @@ def run_fit(
         capture=config.capture,
         simulate_capture=capture_simulated(),
         bucket_mb=fit_plan.bucket_mb,
+        keep_average=keep_best is not None and keep_best.metric.startswith("eval_ema_"),
     )
     executor = Executor(client, spec)
     loop = build_loop(

@@ -333,8 +333,12 @@ class ReplicaRuntime(StoreSide):
     def weights_state(self) -> ReplicaState:
         """What ``keep_best`` needs of this replica at an epoch's end: its buffers (the
         kept weights hold their mean over the replicas, as a phase end does), and on
-        rank 0 the weights."""
-        return self.capture(model=self.slot == 0, buffers=True)
+        rank 0 the weights (``keep_average``: their moving average, an ``eval_ema_``
+        metric watched)."""
+        state = self.capture(model=self.slot == 0, buffers=True)
+        if state.model is not None and self.spec.keep_average:
+            state.model = self.averaged_state_dict()
+        return state
 
     def snapshot(self) -> ReplicaState:
         """What a replica joining the fit takes from rank 0."""

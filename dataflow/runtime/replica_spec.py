@@ -68,6 +68,9 @@ class ReplicaSpec:
     simulate_capture: bool = False  # DATAFLOW_SIMULATE_CAPTURE=1 on the driver (tests only)
     # the allreduce bucket the fit planned (driver/fit_settings); a stage's own wins
     bucket_mb: float | None = None
+    # keep_best watches the weights' moving average (an eval_ema_ metric): the weights
+    # kept at an epoch's end are the average's
+    keep_average: bool = False
 
     @property
     def requested_step_options(self) -> tuple[Any, ...]:
