@@ -236,3 +236,23 @@ def test_each_evaluation_scores_the_average_and_keep_best_keeps_the_averages_wei
     kept = pipe.evaluate(held_out, result.best_model)
     assert kept["loss"] == pytest.approx(epochs[best["epoch"]]["eval_ema_loss"], rel=1e-5)
     assert best["value"] == min(e["eval_ema_loss"] for e in epochs)
+
+
+@pytest.mark.slow
+def test_a_spatial_group_averages_and_scores_the_whole_models_weights(client):
+    """Two workers each hold half of every sample and the whole model: the average is
+    the one-process loop's, and the group's evaluation scores it (the average swapped
+    into the partitioned model on both workers alike) as ``pipe.evaluate`` does."""
+    from conftest import held_out_pipeline
+
+    x, y = make_data(96)
+    options = dict(schedule=dfl.schedule.Fixed(32), ema_decay=DECAY, train=64)
+    pipe = held_out_pipeline(x, y, layout=dfl.Layout(spatial=2), **options)
+    result = pipe.fit(epochs=2, client=client)
+    batches = held_out_pipeline(x, y, **options).sample_plan(epochs=2, replicas=1)
+    model, average = averaged_reference(x[:64], y[:64], batches)
+    assert max_abs_diff(result.model, model) <= 1e-5
+    assert_close_states(result.ema_model.state_dict(), average, 1e-5)
+    held_out = dfl.io.ArraySource(x[64:], y[64:], shuffle=False)
+    scored = pipe.evaluate(held_out, result.ema_model)["loss"]
+    assert scored == pytest.approx(result.history.epochs[-1]["eval_ema_loss"], rel=1e-5)
