@@ -1,0 +1,143 @@
+"""What the weights' moving average (``ema_decay=``) is worth on a test set.
+
+The four datasets of ``bench_adaptive_heldout.py`` (digits, cosmo, signals, gratings:
+2D, 3D and 1D data, classification and regression), SGD and Adam at that script's tuned
+``LR0``, ``Fixed(16)`` on 2 replicas, ``--epochs`` (15: the horizon ``LR0`` was tuned
+for). One fit per seed keeps the average; its held-out set is split in two, the
+*validation* half scored every epoch (``eval_loss`` and ``eval_ema_loss``, by the fit),
+the *test* half once after the fit, by ``Pipeline.evaluate``, for:
+
+* ``final``: the last weights (``result.model``);
+* ``ema``: their moving average (``result.ema_model``).
+
+The score is test accuracy (%) or mean R^2 (%), as in ``bench_adaptive_heldout.py``.
+Means over seeds (model init and data order), paired differences seed for seed.
+
+    python benchmarks/bench_ema.py                 # 3 seeds, decay 0.99, ~5 min on 2 cores
+    python benchmarks/bench_ema.py --decay 0.999   # a longer average
+    python benchmarks/bench_ema.py --quick         # 1 seed, 4 epochs, less data
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare
+from bench_keep_best import halves, paired, test_score
+from records import save_run, table
+from workloads import Optimizer, ship_to_workers
+
+NAME = "ema"
+B0 = 16
+
+
+def fit_once(
+    dataset: Dataset, kind: str, seed: int, epochs: int, decay: float, client: Any
+) -> dict[str, Any]:
+    import dataflow as dfl
+
+    validation, test = halves(dataset.test)
+    pipe = dfl.Pipeline(
+        model=dataset.model,
+        loss=dataset.loss,
+        optimizer=Optimizer(kind, LR0[(dataset.name, kind)]),
+        source=dataset.train,
+        eval_source=validation,
+        metrics={k: v for k, v in dataset.metrics.items() if k != "loss"},
+        schedule=dfl.schedule.Fixed(B0),
+        ema_decay=decay,
+        seed=seed,
+        replicas=2,
+        progress=False,
+        device="cpu",
+    )
+    started = time.perf_counter()
+    result = pipe.fit(epochs, client=client)
+
+    def scored(model: Any) -> float:
+        return test_score(dataset, test, pipe.evaluate(test, model, client=client))
+
+    last = result.history.epochs[-1]
+    return {
+        "final": scored(result.model),
+        "ema": scored(result.ema_model),
+        "eval_loss": float(last["eval_loss"]),
+        "eval_ema_loss": float(last["eval_ema_loss"]),
+        "steps": len(result.history.steps),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="1 seed, 4 epochs, less data")
+    p.add_argument("--seeds", type=int, default=None, help="seeds (3; quick: 1)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs (15; quick: 4)")
+    p.add_argument("--decay", type=float, default=0.99, help="ema_decay (0.99)")
+    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="sgd, adam or both")
+    p.add_argument("--out", help=f"JSON file (default benchmarks/results/{NAME}.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace the file, not append")
+    args = p.parse_args(argv)
+    from dataflow.runtime.cluster import client_or_local_cluster
+
+    if __name__ != "__main__":  # imported (a smoke test): ship this module by value too
+        import cloudpickle
+
+        cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ship_to_workers()
+    seeds = args.seeds or (1 if args.quick else 3)
+    epochs = args.epochs or (4 if args.quick else 15)
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    kinds = [k.strip() for k in args.optimizers.split(",") if k.strip()]
+    load = os.getloadavg()[0]
+    print(f"{NAME}: decay {args.decay}, {epochs} epochs, {seeds} seed(s), load {load:.1f}")
+    results: dict[str, list[dict[str, Any]]] = {}
+    rows = []
+    with client_or_local_cluster(None, n_workers=2, announce=False) as client:
+        for name in names:
+            dataset = prepare(name, args.quick)
+            for kind in kinds:
+                runs = []
+                for seed in range(seeds):
+                    run = fit_once(dataset, kind, seed, epochs, args.decay, client)
+                    runs.append(run)
+                    print(
+                        f"  {name:<9} {kind:<5} seed {seed}: final {run['final']:6.2f}  "
+                        f"ema {run['ema']:6.2f}  (validation loss {run['eval_loss']:.4f} "
+                        f"-> {run['eval_ema_loss']:.4f}; {run['steps']} steps) "
+                        f"{run['seconds']:.0f} s",
+                        flush=True,
+                    )
+                results[f"{name}/{kind}"] = runs
+                rows.append(
+                    [
+                        name,
+                        kind,
+                        f"{statistics.fmean(r['final'] for r in runs):.2f}",
+                        f"{statistics.fmean(r['ema'] for r in runs):.2f}",
+                        paired(runs, "ema", "final"),
+                        f"{statistics.fmean(r['steps'] for r in runs):.0f}",
+                    ]
+                )
+    header = ["dataset", "opt", "final", "ema", "ema - final", "steps"]
+    print(
+        f"test scores (%), mean over {seeds} seed(s); {epochs} epochs; decay {args.decay}; "
+        "differences paired"
+    )
+    print(table(rows, header))
+    record = {"config": vars(args) | {"epochs": epochs, "seeds": seeds}, "runs": results}
+    path = save_run(NAME, record, args.out, overwrite=args.overwrite)
+    print(f"saved {path}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
