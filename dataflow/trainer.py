@@ -239,10 +239,11 @@ class Trainer:
         best = as_keep_best(keep_best, self.epoch_keys())
         _check_checkpoint_every(checkpoint_every, checkpoint_dir)
         store, checkpoint = self._open_checkpoints(checkpoint_dir, resume, keep_checkpoints, epochs)
-        if checkpoint is not None and checkpoint.epoch == epochs:  # a requeued finished job
-            from dataflow.driver.finished import finished_result
+        if checkpoint is not None:  # a job requeued after its fit ended: its result
+            from dataflow.driver.finished import finished_result, is_finished
 
-            return finished_result(self, checkpoint, store, best)
+            if is_finished(checkpoint, epochs):
+                return finished_result(self, checkpoint, store, best)
         if self.schedule.max_batch() > self.source.num_samples:
             raise BatchSizeError(
                 f"schedule asks for a global batch of {self.schedule.max_batch()} but the "

@@ -247,6 +247,13 @@ def test_a_fit_stopped_after_an_epoch_equals_a_fit_of_that_many_epochs(client, t
         assert torch.equal(stopped.model.state_dict()[name], tensor), name
     if sync is not None:
         return
+    # the same command again (a requeued job): that fit has ended, nothing trains
+    again = pipe().fit(6, on_epoch=watch, checkpoint_dir=tmp_path, resume=True)
+    assert again.history.info["already_finished"]["epoch"] == 2
+    assert "stopped early after epoch 1: seen enough" in again.summary()
+    assert len(seen) == 2  # no callback called again
+    for name, tensor in stopped.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
     resumed = pipe().fit(3, client=client, checkpoint_dir=tmp_path, resume=True)
     assert [e["epoch"] for e in resumed.history.epochs] == [0, 1, 2]
     assert "stopped_early" not in resumed.history.info

@@ -20,6 +20,23 @@ from dataflow.stages.forward import build_model
 from dataflow.stages.update import Update, build_optimizer
 
 
+def is_finished(checkpoint: Any, epochs: int) -> bool:
+    """Whether ``checkpoint`` ends the fit of ``epochs`` asked for: it is at that epoch,
+    or an ``on_epoch`` callback stopped that same fit there (``StopTraining``; the
+    checkpoint written at the stop). A fit asked for another number of epochs trains on
+    from a stop, as ``fit(more, resume=True)`` does."""
+    if checkpoint.epoch == epochs:
+        return True
+    info = checkpoint.history.get("info") or {}
+    stop = info.get("stopped_early")
+    return (
+        stop is not None
+        and info.get("epochs") == epochs
+        and checkpoint.in_phase is None
+        and checkpoint.epoch == stop["after_epoch"] + 1
+    )
+
+
 def finished_result(trainer: Any, checkpoint: Any, store: Any, keep_best: Any = None) -> FitResult:
     """The result of the fit ``checkpoint`` ended (its epoch is the fit's last): the
     trained weights in a fresh model, the history and ledger as written, the best
