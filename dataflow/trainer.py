@@ -103,12 +103,6 @@ class Trainer:
         self.averages_weights = any(
             s.config.ema_decay is not None for s in graph if isinstance(s, Update)
         )
-        if self.averages_weights and self.config.asynchronous:
-            raise ConfigError(
-                "ema_decay with sync=Async: the parameter store applies the updates, and "
-                "keeps no moving average of its weights; use the default synchronous sync "
-                "or sync.Local(...), or average the weights yourself after the fit"
-            )
 
     def fit_plan(self, replicas: int, global_batch: int) -> FitPlan:
         """The window length and bucket size a fit on ``replicas`` at ``global_batch``

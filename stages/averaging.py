@@ -9,11 +9,14 @@ update the optimizer applies, the first copies the weights, each later one is
 
 It lives in the optimizer's per-parameter state, under :data:`EMA_KEY`, so it goes
 wherever the optimizer's state goes: commits and rollbacks, checkpoints and resumes, a
-joining replica's snapshot, and local updates' average (as ``Local``'s outer momentum
-does). A parameter's average starts at its first update: once the optimizer holds
-state for it, or it had a gradient (an optimizer without state, plain SGD). One with
-neither was never updated and gets none yet, so no state is made before the
-optimizer's own (Adam sets a parameter up when its state is empty).
+joining replica's snapshot, local updates' average (as ``Local``'s outer momentum
+does), and asynchronous updates' parameter store, which moves it at each version it
+applies (the replicas take its optimizer state back at each window's end).
+
+A parameter's average starts at its first update: once the optimizer holds state for
+it, or it had a gradient (an optimizer without state, plain SGD). One with neither was
+never updated and gets none yet, so no state is made before the optimizer's own (Adam
+sets a parameter up when its state is empty).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dataflow.ps.gate import StalenessGate
+from dataflow.stages.averaging import WeightAverage
 
 
 @dataclass
@@ -125,6 +126,7 @@ class ParameterShard(WaitingShard):
         policy: Any,
         replicas: int,
         timeout_s: float,
+        ema_decay: float | None = None,
     ) -> None:
         self.index, self.indices, self.window = index, indices, window
         self.incarnation = incarnation  # the fit's rollbacks when it was built
@@ -136,6 +138,9 @@ class ParameterShard(WaitingShard):
             if k in optimizer_state:
                 self.optimizer.state[param] = _clone(optimizer_state[k])
         self.initial_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        # ema_decay: the weights' moving average, moved at each applied version (in the
+        # optimizer's state, which the replicas take back at the window's end)
+        self.average = None if ema_decay is None else WeightAverage(ema_decay)
         self.gate = StalenessGate(replicas, policy.staleness, overlap=policy.overlap)
         self.start = self.flat_weights()  # θ at the window's start: what everyone pulled
         self.pulled_weights = dict.fromkeys(range(replicas), self.start)  # for DC-ASGD
@@ -281,6 +286,8 @@ class ParameterShard(WaitingShard):
             for param, part in zip(self.params, total.split(self.sizes), strict=True):
                 param.grad = part.view_as(param)
             self.optimizer.step()
+            if self.average is not None:
+                self.average.update_(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         version = self.gate.version
         weights = self.flat_weights()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflow.runtime.window_parts import WindowTally, optimizer_factory
+from dataflow.runtime.window_parts import WindowTally, average_decay, optimizer_factory
 
 
 class StoreSide:
@@ -48,6 +48,7 @@ class StoreSide:
             model=ctx.model,
             optimizer=ctx.optimizer,
             optimizer_factory=optimizer_factory(self.stages.values()),
+            ema_decay=average_decay(self.stages.values()),
             worker=worker,
             registry=registry,
             store=ctx.collective.store,

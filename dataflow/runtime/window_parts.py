@@ -23,6 +23,16 @@ def optimizer_factory(stages: Any) -> Any:
     raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
 
 
+def average_decay(stages: Any) -> float | None:
+    """The Update stage's ``ema_decay`` (a parameter store keeps the weights' moving
+    average where it applies the updates), or None."""
+    for stage in stages:
+        factory = getattr(getattr(stage, "config", None), "optimizer", None)
+        if callable(factory):
+            return getattr(stage.config, "ema_decay", None)
+    return None
+
+
 def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
     """The stage order cut into groups: each run of consecutive ``per_micro_batch`` stages
     (Forward, Backward) is one group, run once per micro-batch; every other stage alone."""
