@@ -230,7 +230,8 @@ def _sync_checked_fit(client, device="cuda", start=4, epochs=3):
     out = g.add(stages.Forward(BatchNormCNN, torch.nn.functional.cross_entropy), batch)
     grads = g.add(stages.Backward(), out)
     reduced = g.add(stages.AllReduce(), grads)
-    updated = g.add(stages.Update(sgd, clip_grad_norm=0.05), reduced)  # on the device too
+    # clipping and the weights' moving average: on the device too
+    updated = g.add(stages.Update(sgd, clip_grad_norm=0.05, ema_decay=0.9), reduced)
     g.add(SyncErrors(start), updated)
     trainer = dfl.Trainer(
         g,
@@ -254,6 +255,7 @@ def test_steady_captured_steps_make_no_host_sync(client):
     result = _sync_checked_fit(client)
     assert _captured_steps(result) > 0
     assert len(result.history.steps) == 12
+    assert result.ema_model is not None
 
 
 def test_captured_micro_batches_equal_the_eager_accumulation(client):
