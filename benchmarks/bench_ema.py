@@ -16,6 +16,7 @@ Means over seeds (model init and data order), paired differences seed for seed.
     python benchmarks/bench_ema.py                 # 3 seeds, decay 0.99, ~5 min on 2 cores
     python benchmarks/bench_ema.py --decay 0.999   # a longer average
     python benchmarks/bench_ema.py --quick         # 1 seed, 4 epochs, less data
+    python benchmarks/bench_ema.py --warmup        # ema_warmup=True
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ B0 = 16
 
 
 def fit_once(
-    dataset: Dataset, kind: str, seed: int, epochs: int, decay: float, client: Any
+    dataset: Dataset,
+    kind: str,
+    seed: int,
+    epochs: int,
+    decay: float,
+    client: Any,
+    warmup: bool = False,
 ) -> dict[str, Any]:
     import dataflow as dfl
 
@@ -51,6 +58,7 @@ def fit_once(
         metrics={k: v for k, v in dataset.metrics.items() if k != "loss"},
         schedule=dfl.schedule.Fixed(B0),
         ema_decay=decay,
+        ema_warmup=warmup,
         seed=seed,
         replicas=2,
         progress=False,
@@ -81,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", type=int, default=None, help="seeds (3; quick: 1)")
     p.add_argument("--epochs", type=int, default=None, help="epochs (15; quick: 4)")
     p.add_argument("--decay", type=float, default=0.99, help="ema_decay (0.99)")
+    p.add_argument("--warmup", action="store_true", help="ema_warmup=True")
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="sgd, adam or both")
     p.add_argument("--out", help=f"JSON file (default benchmarks/results/{NAME}.json)")
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     kinds = [k.strip() for k in args.optimizers.split(",") if k.strip()]
     load = os.getloadavg()[0]
-    print(f"{NAME}: decay {args.decay}, {epochs} epochs, {seeds} seed(s), load {load:.1f}")
+    warmed = ", warmup" if args.warmup else ""
+    print(f"{NAME}: decay {args.decay}{warmed}, {epochs} epochs, {seeds} seed(s), load {load:.1f}")
     results: dict[str, list[dict[str, Any]]] = {}
     rows = []
     with client_or_local_cluster(None, n_workers=2, announce=False) as client:
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for kind in kinds:
                 runs = []
                 for seed in range(seeds):
-                    run = fit_once(dataset, kind, seed, epochs, args.decay, client)
+                    run = fit_once(dataset, kind, seed, epochs, args.decay, client, args.warmup)
                     runs.append(run)
                     print(
                         f"  {name:<9} {kind:<5} seed {seed}: final {run['final']:6.2f}  "

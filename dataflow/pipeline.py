@@ -36,7 +36,9 @@ class Pipeline:
     loop); each step's norm before clipping is in ``history.steps`` (``grad_norm``);
     ``float("inf")`` records it without clipping.
     ``ema_decay``: keep a moving average of the weights, updated after every step
-    (``0.999``: about the last 1,000 steps), returned as ``result.ema_model``.
+    (``0.999``: about the last 1,000 steps), returned as ``result.ema_model``;
+    ``ema_warmup=True``: its decay grows with its updates, ``min(ema_decay, (1 + n) /
+    (10 + n))``, for fits too short for the decay.
     ``allreduce_dtype``: "fp32" (exact), or "bf16" to halve the bytes each gradient
     allreduce moves (synchronous updates; parameters and optimizer stay fp32).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
@@ -72,6 +74,7 @@ class Pipeline:
         on_non_finite: str = "raise",
         clip_grad_norm: float | None = None,
         ema_decay: float | None = None,
+        ema_warmup: bool = False,
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -101,6 +104,7 @@ class Pipeline:
             on_non_finite=on_non_finite,
             clip_grad_norm=clip_grad_norm,
             ema_decay=ema_decay,
+            ema_warmup=ema_warmup,
         )
         node = graph.add(update, node)
         if eval_source is not None:

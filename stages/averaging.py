@@ -29,6 +29,27 @@ import torch
 from dataflow.core.errors import ConfigError
 
 EMA_KEY = "ema"  # optimizer state key: the parameter's moving average
+UPDATES_KEY = "ema_updates"  # with warmup: the updates the average has had (an int)
+
+
+def warmed_decay(decay: float, updates: int) -> float:
+    """``ema_warmup``: the decay of the update after ``updates`` (the first, a copy, is
+    update 1): ``min(decay, (1 + updates) / (10 + updates))``, TensorFlow's
+    ``ExponentialMovingAverage(num_updates=...)`` rule, so early on the average follows
+    the weights closely and only a long fit averages over ``1 / (1 - decay)`` steps."""
+    return min(decay, (1 + updates) / (10 + updates))
+
+
+def check_warmup(warmup: Any, decay: float | None, owner: str) -> bool:
+    """``ema_warmup`` as given, or a :class:`ConfigError` naming ``owner`` and the fix."""
+    if not isinstance(warmup, bool):
+        raise ConfigError(f"{owner}(ema_warmup={warmup!r}): give True or False")
+    if warmup and decay is None:
+        raise ConfigError(
+            f"{owner}(ema_warmup=True) warms up the weights' moving average: give "
+            "ema_decay=... too (e.g. 0.999)"
+        )
+    return warmup
 
 
 def check_decay(decay: Any, owner: str) -> float | None:
@@ -57,9 +78,9 @@ class WeightAverage:
     are found again when the optimizer's state is replaced (a rollback, a resume: its
     ``load_state_dict`` makes a new one)."""
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self._pairs: tuple[Any, list[torch.Tensor], list[torch.Tensor]] | None = None
+    def __init__(self, decay: float, warmup: bool = False) -> None:
+        self.decay, self.warmup = decay, warmup
+        self._pairs: tuple[Any, list[torch.Tensor], list[torch.Tensor], list[dict]] | None = None
 
     @torch.no_grad()
     def update_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -67,13 +88,24 @@ class WeightAverage:
         if pairs is None or pairs[0] is not optimizer.state:
             pairs = self._pairs = self._find(optimizer)
         if pairs is not None:
-            torch._foreach_lerp_(pairs[1], pairs[2], 1.0 - self.decay)
+            self._lerp(*pairs[1:])
+
+    def _lerp(self, averages: list, params: list, states: list[dict]) -> None:
+        """One update of the averages towards ``params``; with warmup, by the decay of
+        the update count kept in their states (a Python int: no device read)."""
+        decay = self.decay
+        if self.warmup:
+            updates = states[0].get(UPDATES_KEY, 1)
+            decay = warmed_decay(decay, updates)
+            for state in states:
+                state[UPDATES_KEY] = updates + 1
+        torch._foreach_lerp_(averages, params, 1.0 - decay)
 
     def _find(self, optimizer: torch.optim.Optimizer) -> Any:
         """Start the averages a parameter lacks (a copy of its weights, torch's first
-        update); the (state, averages, parameters) to move by the lerp, to be kept once
-        every parameter has one, or None when none has one to move yet."""
-        averages, params, complete = [], [], True
+        update); the (state, averages, parameters, their states) to move by the lerp,
+        kept once every parameter has one, or None when none has one to move yet."""
+        averages, params, states, complete = [], [], [], True
         for param in (p for group in optimizer.param_groups for p in group["params"]):
             if not optimizer.state.get(param) and param.grad is None:
                 complete = False  # never updated: its state is the optimizer's to set up
@@ -81,15 +113,18 @@ class WeightAverage:
             state = optimizer.state[param]
             if state.get(EMA_KEY) is None:
                 state[EMA_KEY] = param.detach().clone()
+                if self.warmup:
+                    state[UPDATES_KEY] = 1
                 complete = False
             else:
                 averages.append(state[EMA_KEY])
                 params.append(param)  # the parameter itself: its data may be rebound
+                states.append(state)
         if complete:
-            self._pairs = (optimizer.state, averages, params)
+            self._pairs = (optimizer.state, averages, params, states)
             return self._pairs
         if averages:  # moved this once; looked for again next step
-            torch._foreach_lerp_(averages, params, 1.0 - self.decay)
+            self._lerp(averages, params, states)
         self._pairs = None
         return None
 

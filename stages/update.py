@@ -13,7 +13,7 @@ from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.core.phase import lr_at
 from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.allreduce import GRAD_SQ
-from dataflow.stages.averaging import WeightAverage, check_decay
+from dataflow.stages.averaging import WeightAverage, check_decay, check_warmup
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
 from dataflow.stages.clipping import GRAD_NORM, check_max_norm, clip_gradients_
 
@@ -36,10 +36,13 @@ class UpdateConfig:
     # A moving average of the weights, updated after every applied step (None: none);
     # see dataflow.stages.averaging
     ema_decay: float | None = None
+    # the average's decay grows with its updates, min(decay, (1 + n) / (10 + n))
+    ema_warmup: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "clip_grad_norm", check_max_norm(self.clip_grad_norm, "Update"))
         object.__setattr__(self, "ema_decay", check_decay(self.ema_decay, "Update"))
+        check_warmup(self.ema_warmup, self.ema_decay, "Update")
         if self.on_non_finite not in NON_FINITE_POLICIES:
             raise ConfigError(
                 f"on_non_finite={self.on_non_finite!r}: use 'raise' (stop with NonFiniteError "
@@ -115,6 +118,7 @@ class Update(Stage):
         check: str = "auto",
         clip_grad_norm: float | None = None,
         ema_decay: float | None = None,
+        ema_warmup: bool = False,
         name: str | None = None,
     ) -> None:
         super().__init__(name)
@@ -124,6 +128,7 @@ class Update(Stage):
             check=check,
             clip_grad_norm=clip_grad_norm,
             ema_decay=ema_decay,
+            ema_warmup=ema_warmup,
         )
 
     def setup(self, replica: ReplicaContext) -> None:
@@ -147,7 +152,8 @@ class Update(Stage):
         # clips each one before it is pushed
         replica.clip_grad_norm = self.config.clip_grad_norm
         decay = self.config.ema_decay
-        self._average = None if decay is None else WeightAverage(decay)
+        warmup = self.config.ema_warmup
+        self._average = None if decay is None else WeightAverage(decay, warmup)
         replica.averages_weights = decay is not None
 
     def begin_phase(self, replica: ReplicaContext, phase: PhaseContext) -> None:

@@ -28,13 +28,22 @@ def plain_sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY):
+def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY, warmup=False):
     """The one-process loop with torch's own EMA, updated after each ``opt.step()``:
-    the trained model and the average's state dict."""
+    the trained model and the average's state dict. ``warmup``: the decay after ``n``
+    updates ``min(decay, (1 + n) / (10 + n))``, through ``AveragedModel``'s ``avg_fn``."""
     torch.manual_seed(0)
     model = TinyCNN()
     opt = optimizer(model.parameters())
-    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    if warmup:
+
+        def warmed(average, weights, n):
+            d = min(decay, (1 + int(n)) / (10 + int(n)))
+            return d * average + (1 - d) * weights
+
+        average = AveragedModel(model, avg_fn=warmed)
+    else:
+        average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for parts in batches:
         index = torch.from_numpy(np.concatenate(parts))
@@ -88,6 +97,40 @@ def test_one_replica_averages_as_torchs_averaged_model(optimizer):
     try:
         runtime.run_window(0, len(steps))
         assert runtime.averaged_state_dict() is None
+    finally:
+        runtime.close()
+
+
+def test_a_warmup_without_a_decay_or_not_a_bool_is_refused():
+    x, y = make_data(16)
+    with pytest.raises(ConfigError, match=r"ema_warmup=True.*give ema_decay"):
+        tiny_pipeline(x, y, ema_warmup=True)
+    with pytest.raises(ConfigError, match=r"ema_warmup='yes'.*True or False"):
+        tiny_pipeline(x, y, ema_decay=0.9, ema_warmup="yes")
+
+
+def test_a_warmed_up_average_follows_its_decay_rule():
+    """``ema_warmup=True``: the decay after n updates is min(decay, (1 + n) / (10 + n)),
+    torch's ``AveragedModel`` with that ``avg_fn``; the count lives in the optimizer
+    state, so a rollback takes it back too."""
+    x, y = make_data(96)
+    pipe = tiny_pipeline(x, y, batch=16, ema_decay=0.99, ema_warmup=True)
+    runtime, steps = in_process(pipe.trainer, epochs=2, commit_windows=False)
+    try:
+        runtime.run_window(0, 4)
+        runtime.commit(4)
+        runtime.run_window(4, len(steps))
+        batches = pipe.sample_plan(epochs=2, replicas=1)
+        _, average = averaged_reference(x, y, batches, decay=0.99, warmup=True)
+        assert_close_states(runtime.averaged_state_dict(), average, 1e-6)
+        _, plain = averaged_reference(x, y, batches, decay=0.99)
+        worst = max(float((plain[k] - average[k]).abs().max()) for k in average)
+        assert worst > 1e-3  # (12 updates: the warmed decay is far below 0.99)
+        runtime.rollback(4)
+        _, at_commit = averaged_reference(x, y, batches[:4], decay=0.99, warmup=True)
+        assert_close_states(runtime.averaged_state_dict(), at_commit, 1e-6)
+        [state] = [runtime.context.optimizer.state_dict()["state"][0]]
+        assert state["ema_updates"] == 4
     finally:
         runtime.close()
 
@@ -170,7 +213,8 @@ def test_the_parameter_store_keeps_the_average_of_the_versions_it_applies(client
     from conftest import held_out_pipeline
 
     x, y = make_data(192)
-    options = dict(ema_decay=DECAY, balancer=dfl.balance.Proportional((3, 1)))
+    balancer = dfl.balance.Proportional((3, 1))
+    options = dict(ema_decay=0.99, ema_warmup=True, balancer=balancer)  # the store counts
     synchronous = held_out_pipeline(x, y, **options).fit(2, client=client)
     zero = held_out_pipeline(x, y, sync=dfl.sync.Async(staleness=0), **options)
     stale = zero.fit(2, client=client)
@@ -194,19 +238,20 @@ def test_a_resumed_fit_ends_on_the_uninterrupted_fits_average(client, tmp_path):
 
     x, y = make_data(160)
     folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
-    full = _pipeline(x, y, ema_decay=0.9).fit(3, client=client, checkpoint_every=1, **folder)
+    warmed = dict(ema_decay=0.9, ema_warmup=True)  # (its update count checkpointed too)
+    full = _pipeline(x, y, **warmed).fit(3, client=client, checkpoint_every=1, **folder)
     mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
     _keep_up_to(
         CheckpointStore(tmp_path, keep=1000), CheckpointStore(tmp_path).path(mid[1]["step"])
     )
-    resumed = _pipeline(x, y, ema_decay=0.9).fit(3, client=client, resume=True, **folder)
+    resumed = _pipeline(x, y, **warmed).fit(3, client=client, resume=True, **folder)
     assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
     _assert_same_weights(full.model, resumed.model)
     _assert_same_weights(full.ema_model, resumed.ema_model)
     buffers = dict(full.model.named_buffers())
     for name, value in full.ema_model.named_buffers():  # BatchNorm's: the trained model's
         assert torch.equal(value, buffers[name]), name
-    again = _pipeline(x, y, ema_decay=0.9).fit(3, resume=True, **folder)
+    again = _pipeline(x, y, **warmed).fit(3, resume=True, **folder)
     assert again.history.info["already_finished"]["epoch"] == 3
     _assert_same_weights(full.ema_model, again.ema_model)
 

@@ -45,10 +45,10 @@ class StoreClient:
         prefix: str,
         timeout_s: float,
         averaging: bool = False,
-        ema_decay: float | None = None,
+        ema: tuple[float | None, bool] = (None, False),
     ) -> None:
         self.run_id, self.policy, self.rank, self.replicas = run_id, policy, rank, replicas
-        self.averaging, self.ema_decay = averaging, ema_decay
+        self.averaging, self.ema = averaging, ema
         self.model, self.optimizer, self.factory = model, optimizer, optimizer_factory
         self.worker, self.registry, self.timeout_s = worker, registry, timeout_s
         self.params = list(model.parameters())
@@ -118,7 +118,7 @@ class StoreClient:
                 weights=[self.params[k] for k in indices],
                 optimizer_factory=self.factory,
                 optimizer_state=state,
-                ema_decay=self.ema_decay,
+                ema=self.ema,
                 policy=self.policy,
                 replicas=self.replicas,
                 timeout_s=self.timeout_s,

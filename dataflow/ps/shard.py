@@ -126,7 +126,7 @@ class ParameterShard(WaitingShard):
         policy: Any,
         replicas: int,
         timeout_s: float,
-        ema_decay: float | None = None,
+        ema: tuple[float | None, bool] = (None, False),
     ) -> None:
         self.index, self.indices, self.window = index, indices, window
         self.incarnation = incarnation  # the fit's rollbacks when it was built
@@ -140,7 +140,8 @@ class ParameterShard(WaitingShard):
         self.initial_lrs = [group["lr"] for group in self.optimizer.param_groups]
         # ema_decay: the weights' moving average, moved at each applied version (in the
         # optimizer's state, which the replicas take back at the window's end)
-        self.average = None if ema_decay is None else WeightAverage(ema_decay)
+        decay, warmup = ema  # (ema_decay, ema_warmup)
+        self.average = None if decay is None else WeightAverage(decay, warmup)
         self.gate = StalenessGate(replicas, policy.staleness, overlap=policy.overlap)
         self.start = self.flat_weights()  # θ at the window's start: what everyone pulled
         self.pulled_weights = dict.fromkeys(range(replicas), self.start)  # for DC-ASGD

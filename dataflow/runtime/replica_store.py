@@ -48,7 +48,7 @@ class StoreSide:
             model=ctx.model,
             optimizer=ctx.optimizer,
             optimizer_factory=optimizer_factory(self.stages.values()),
-            ema_decay=average_decay(self.stages.values()),
+            ema=average_decay(self.stages.values()),
             worker=worker,
             registry=registry,
             store=ctx.collective.store,

@@ -23,14 +23,15 @@ def optimizer_factory(stages: Any) -> Any:
     raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
 
 
-def average_decay(stages: Any) -> float | None:
-    """The Update stage's ``ema_decay`` (a parameter store keeps the weights' moving
-    average where it applies the updates), or None."""
+def average_decay(stages: Any) -> tuple[float | None, bool]:
+    """The Update stage's ``ema_decay`` and ``ema_warmup`` (a parameter store keeps the
+    weights' moving average where it applies the updates); (None, False) without."""
     for stage in stages:
         factory = getattr(getattr(stage, "config", None), "optimizer", None)
         if callable(factory):
-            return getattr(stage.config, "ema_decay", None)
-    return None
+            config = stage.config
+            return getattr(config, "ema_decay", None), getattr(config, "ema_warmup", False)
+    return None, False
 
 
 def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
