@@ -21,17 +21,14 @@ Means over seeds (model init and data order), paired differences seed for seed.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
-from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare
-from bench_keep_best import halves, paired, test_score
+from bench_adaptive_heldout import LR0, Dataset
+from heldout_grid import grid_parser, grid_size, halves, paired, run_grid, test_score
 from records import save_run, table
-from workloads import Optimizer, ship_to_workers
+from workloads import Optimizer
 
 NAME = "ema"
 B0 = 16
@@ -82,65 +79,39 @@ def fit_once(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--quick", action="store_true", help="1 seed, 4 epochs, less data")
-    p.add_argument("--seeds", type=int, default=None, help="seeds (3; quick: 1)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs (15; quick: 4)")
+    p = grid_parser(__doc__, NAME, epochs=15)
     p.add_argument("--decay", type=float, default=0.99, help="ema_decay (0.99)")
     p.add_argument("--warmup", action="store_true", help="ema_warmup=True")
-    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="sgd, adam or both")
-    p.add_argument("--out", help=f"JSON file (default benchmarks/results/{NAME}.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace the file, not append")
     args = p.parse_args(argv)
-    from dataflow.runtime.cluster import client_or_local_cluster
-
-    if __name__ != "__main__":  # imported (a smoke test): ship this module by value too
-        import cloudpickle
-
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ship_to_workers()
-    seeds = args.seeds or (1 if args.quick else 3)
-    epochs = args.epochs or (4 if args.quick else 15)
-    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-    kinds = [k.strip() for k in args.optimizers.split(",") if k.strip()]
-    load = os.getloadavg()[0]
+    seeds, epochs = grid_size(args, 15)
     warmed = ", warmup" if args.warmup else ""
-    print(f"{NAME}: decay {args.decay}{warmed}, {epochs} epochs, {seeds} seed(s), load {load:.1f}")
-    results: dict[str, list[dict[str, Any]]] = {}
-    rows = []
-    with client_or_local_cluster(None, n_workers=2, announce=False) as client:
-        for name in names:
-            dataset = prepare(name, args.quick)
-            for kind in kinds:
-                runs = []
-                for seed in range(seeds):
-                    run = fit_once(dataset, kind, seed, epochs, args.decay, client, args.warmup)
-                    runs.append(run)
-                    print(
-                        f"  {name:<9} {kind:<5} seed {seed}: final {run['final']:6.2f}  "
-                        f"ema {run['ema']:6.2f}  (validation loss {run['eval_loss']:.4f} "
-                        f"-> {run['eval_ema_loss']:.4f}; {run['steps']} steps) "
-                        f"{run['seconds']:.0f} s",
-                        flush=True,
-                    )
-                results[f"{name}/{kind}"] = runs
-                rows.append(
-                    [
-                        name,
-                        kind,
-                        f"{statistics.fmean(r['final'] for r in runs):.2f}",
-                        f"{statistics.fmean(r['ema'] for r in runs):.2f}",
-                        paired(runs, "ema", "final"),
-                        f"{statistics.fmean(r['steps'] for r in runs):.0f}",
-                    ]
-                )
+    print(f"{NAME}: decay {args.decay}{warmed}, {epochs} epochs, {seeds} seed(s)")
+
+    def fit(dataset: Dataset, kind: str, seed: int, client: Any) -> dict[str, Any]:
+        return fit_once(dataset, kind, seed, epochs, args.decay, client, args.warmup)
+
+    def report(run: dict[str, Any]) -> str:
+        return (
+            f"final {run['final']:6.2f}  ema {run['ema']:6.2f}  (validation loss "
+            f"{run['eval_loss']:.4f} -> {run['eval_ema_loss']:.4f}; {run['steps']} steps) "
+            f"{run['seconds']:.0f} s"
+        )
+
+    results = run_grid(args, seeds, __name__, fit, report)
+    rows = [
+        [
+            *key.split("/"),
+            f"{statistics.fmean(r['final'] for r in runs):.2f}",
+            f"{statistics.fmean(r['ema'] for r in runs):.2f}",
+            paired(runs, "ema", "final"),
+            f"{statistics.fmean(r['steps'] for r in runs):.0f}",
+        ]
+        for key, runs in results.items()
+    ]
     header = ["dataset", "opt", "final", "ema", "ema - final", "steps"]
     print(
-        f"test scores (%), mean over {seeds} seed(s); {epochs} epochs; decay {args.decay}; "
-        "differences paired"
+        f"test scores (%), mean over {seeds} seed(s); {epochs} epochs; decay {args.decay}"
+        f"{warmed}; differences paired"
     )
     print(table(rows, header))
     record = {"config": vars(args) | {"epochs": epochs, "seeds": seeds}, "runs": results}

@@ -23,41 +23,17 @@ differences seed for seed.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
-from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare
+from bench_adaptive_heldout import LR0, Dataset
+from heldout_grid import grid_parser, grid_size, halves, paired, run_grid, test_score
 from records import save_run, table
-from workloads import Optimizer, ship_to_workers
+from workloads import Optimizer
 
 NAME = "keep_best"
 B0 = 16
-
-
-def halves(source: Any) -> tuple[Any, Any]:
-    """The held-out set split in two, in its order: validation, test."""
-    from dataflow.io import ArraySource
-
-    half = source.num_samples // 2
-    x, y = source.x.numpy(), source.y.numpy()
-    return (
-        ArraySource(x[:half], y[:half], shuffle=False),
-        ArraySource(x[half:], y[half:], shuffle=False),
-    )
-
-
-def test_score(dataset: Dataset, test: Any, scores: dict[str, float]) -> float:
-    """Test accuracy (%) or mean R^2 (%) against predicting the training mean (0: the
-    targets are standardised) on the test half."""
-    if dataset.baseline_mse is None:
-        return 100 * scores["accuracy"]
-    y = test.y.numpy()
-    baseline = [float((y[:, j] ** 2).mean()) for j in range(y.shape[1])]
-    return 100 * statistics.fmean(1 - scores[f"mse_{j}"] / b for j, b in enumerate(baseline))
 
 
 def fit_pair(
@@ -98,73 +74,41 @@ def fit_pair(
     }
 
 
-def paired(runs: list[dict[str, Any]], a: str, b: str) -> str:
-    diffs = [r[a] - r[b] for r in runs]
-    spread = f" ± {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else ""
-    return f"{statistics.fmean(diffs):+.2f}{spread}"
-
-
 def epoch_range(epochs: list[int]) -> str:
     return f"{min(epochs)}-{max(epochs)}" if min(epochs) != max(epochs) else str(epochs[0])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--quick", action="store_true", help="1 seed, 4 epochs, less data")
-    p.add_argument("--seeds", type=int, default=None, help="seeds (3; quick: 1)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs (30; quick: 4)")
+    p = grid_parser(__doc__, NAME, epochs=30)
     p.add_argument("--patience", type=int, default=5, help="EarlyStopping's patience")
-    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated subset")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="sgd, adam or both")
-    p.add_argument("--out", help=f"JSON file (default benchmarks/results/{NAME}.json)")
-    p.add_argument("--overwrite", action="store_true", help="replace the file, not append")
     args = p.parse_args(argv)
-    from dataflow.runtime.cluster import client_or_local_cluster
+    seeds, epochs = grid_size(args, 30)
+    print(f"{NAME}: {epochs} epochs, {seeds} seed(s), patience {args.patience}")
 
-    if __name__ != "__main__":  # imported (a smoke test): ship this module by value too
-        import cloudpickle
+    def fit(dataset: Dataset, kind: str, seed: int, client: Any) -> dict[str, Any]:
+        return fit_pair(dataset, kind, seed, epochs, args.patience, client)
 
-        cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ship_to_workers()
-    seeds = args.seeds or (1 if args.quick else 3)
-    epochs = args.epochs or (4 if args.quick else 30)
-    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-    kinds = [k.strip() for k in args.optimizers.split(",") if k.strip()]
-    load = os.getloadavg()[0]
-    print(f"{NAME}: {epochs} epochs, {seeds} seed(s), patience {args.patience}, load {load:.1f}")
-    results: dict[str, list[dict[str, Any]]] = {}
+    def report(run: dict[str, Any]) -> str:
+        return (
+            f"final {run['final']:6.2f}  best {run['best']:6.2f} (epoch {run['best_epoch']})  "
+            f"early {run['early']:6.2f} ({run['early_epochs']} epochs)  {run['seconds']:.0f} s"
+        )
+
+    results = run_grid(args, seeds, __name__, fit, report)
     rows = []
-    with client_or_local_cluster(None, n_workers=2, announce=False) as client:
-        for name in names:
-            dataset = prepare(name, args.quick)
-            for kind in kinds:
-                runs = []
-                for seed in range(seeds):
-                    run = fit_pair(dataset, kind, seed, epochs, args.patience, client)
-                    runs.append(run)
-                    print(
-                        f"  {name:<9} {kind:<5} seed {seed}: final {run['final']:6.2f}  "
-                        f"best {run['best']:6.2f} (epoch {run['best_epoch']})  early "
-                        f"{run['early']:6.2f} ({run['early_epochs']} epochs)  "
-                        f"{run['seconds']:.0f} s",
-                        flush=True,
-                    )
-                results[f"{name}/{kind}"] = runs
-                rows.append(
-                    [
-                        name,
-                        kind,
-                        f"{statistics.fmean(r['final'] for r in runs):.2f}",
-                        f"{statistics.fmean(r['best'] for r in runs):.2f}",
-                        paired(runs, "best", "final"),
-                        epoch_range([r["best_epoch"] for r in runs]),
-                        f"{statistics.fmean(r['early'] for r in runs):.2f}",
-                        paired(runs, "early", "final"),
-                        f"{statistics.fmean(r['early_epochs'] for r in runs):.1f}",
-                    ]
-                )
+    for key, runs in results.items():
+        rows.append(
+            [
+                *key.split("/"),
+                f"{statistics.fmean(r['final'] for r in runs):.2f}",
+                f"{statistics.fmean(r['best'] for r in runs):.2f}",
+                paired(runs, "best", "final"),
+                epoch_range([r["best_epoch"] for r in runs]),
+                f"{statistics.fmean(r['early'] for r in runs):.2f}",
+                paired(runs, "early", "final"),
+                f"{statistics.fmean(r['early_epochs'] for r in runs):.1f}",
+            ]
+        )
     header = [
         "dataset", "opt", "final", "best", "best - final", "best epoch",
         "early", "early - final", "early epochs",

@@ -15,9 +15,10 @@ from dataflow.checkpoint import ledger_from_state
 from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.fit import averaged_model, best_model
 from dataflow.history.result import FitResult, History
+from dataflow.runtime.window_parts import optimizer_factory
 from dataflow.stages.averaging import averaged_state_dict
 from dataflow.stages.forward import build_model
-from dataflow.stages.update import Update, build_optimizer
+from dataflow.stages.update import build_optimizer
 
 
 def is_finished(checkpoint: Any, epochs: int) -> bool:
@@ -74,7 +75,6 @@ def _checkpoint_average(trainer: Any, model: Any, checkpoint: Any) -> dict[str, 
     the optimizer the fit builds, on ``model`` (the checkpoint's weights), given it."""
     if not trainer.averages_weights:
         return None
-    update = next(s for s in trainer.graph if isinstance(s, Update))
-    optimizer = build_optimizer(update.config.optimizer, model)
+    optimizer = build_optimizer(optimizer_factory(trainer.graph), model)
     optimizer.load_state_dict(checkpoint.optimizer_state)
     return averaged_state_dict(model, optimizer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflow.runtime.window_parts import WindowTally, average_decay, optimizer_factory
+from dataflow.runtime.window_parts import WindowTally, update_config
 
 
 class StoreSide:
@@ -40,6 +40,7 @@ class StoreSide:
             return
         from dataflow.ps.client import StoreClient
 
+        update = update_config(self.stages.values())
         ctx.parameter_store = StoreClient(
             run_id=f"{self.spec.run_id}/g{self.generation}",
             policy=policy,
@@ -47,8 +48,8 @@ class StoreSide:
             replicas=ctx.world_size,
             model=ctx.model,
             optimizer=ctx.optimizer,
-            optimizer_factory=optimizer_factory(self.stages.values()),
-            ema=average_decay(self.stages.values()),
+            optimizer_factory=update.optimizer,
+            ema=(getattr(update, "ema_decay", None), getattr(update, "ema_warmup", False)),
             worker=worker,
             registry=registry,
             store=ctx.collective.store,

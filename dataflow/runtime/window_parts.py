@@ -13,25 +13,20 @@ import torch
 from dataflow.core.digest import sample_digest
 
 
-def optimizer_factory(stages: Any) -> Any:
-    """The optimizer factory of the graph's Update stage (a parameter store builds the
-    same optimizer over its shard of the parameters)."""
+def update_config(stages: Any) -> Any:
+    """The config of the graph's Update stage: the first with an optimizer factory (a
+    parameter store builds the same optimizer, and keeps the same moving average, over
+    its shard of the parameters)."""
     for stage in stages:
-        factory = getattr(getattr(stage, "config", None), "optimizer", None)
-        if callable(factory):
-            return factory
+        config = getattr(stage, "config", None)
+        if callable(getattr(config, "optimizer", None)):
+            return config
     raise RuntimeError("sync.Async needs an Update stage with an optimizer factory")
 
 
-def average_decay(stages: Any) -> tuple[float | None, bool]:
-    """The Update stage's ``ema_decay`` and ``ema_warmup`` (a parameter store keeps the
-    weights' moving average where it applies the updates); (None, False) without."""
-    for stage in stages:
-        factory = getattr(getattr(stage, "config", None), "optimizer", None)
-        if callable(factory):
-            config = stage.config
-            return getattr(config, "ema_decay", None), getattr(config, "ema_warmup", False)
-    return None, False
+def optimizer_factory(stages: Any) -> Any:
+    """The optimizer factory of the graph's Update stage."""
+    return update_config(stages).optimizer
 
 
 def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[tuple[str, ...]]:
