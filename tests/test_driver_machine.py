@@ -305,6 +305,35 @@ def test_every_replica_lost_before_the_first_checkpoint_starts_again_from_step_0
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
 
+def test_a_group_lost_whole_is_over_its_answers_that_come_after_are_stale():
+    """Every replica lost while the phase ends (or while a group forms): the fit waits
+    for workers, and what the lost group sent before it died, arriving after the loss
+    (its phase's end, its forming's outcome), is stale: it neither moves the machine nor
+    breaks it (found by test_driver_simulated's random faults: a PhaseEnded while
+    restarting had no rule and stopped the fit with InvalidTransition)."""
+    d = Driver()
+    _, calibration = d.start()
+    [train] = of(cmd.SubmitWindows, d.finish_plan(calibration))
+    [end] = of(cmd.EndPhase, d.finish_plan(train))
+    assert d.send(ev.WorkersLost(W[:2])) == [cmd.AwaitRestart(1, 2, 60.0, 10.0)]
+    assert d.send(ev.PhaseEnded(end.generation, ({"weights_digest": "x"},) * 2)) == []
+    assert d.state.status == Status.RESTARTING
+    _, restart, form = d.send(ev.RestartPoint(step=None, workers=W[2:]))
+    assert restart.from_start and form.generation > end.generation
+    assert d.send(ev.GroupFormed(form.generation)) == [cmd.ChoosePhase(0, None)]
+
+    for late in (
+        lambda g: ev.GroupFormed(g),
+        lambda g: ev.GroupFailed(g, RuntimeError("rendezvous timed out")),
+        lambda g: ev.SetupFailed(g, (W[0],), ImportError("no module named netCDF4")),
+    ):
+        d = Driver(checkpoints=True)
+        [form] = d.send(ev.Started(W[:2]))
+        d.send(ev.WorkersLost(W[:2]))
+        assert d.send(late(form.generation)) == []
+        assert d.state.status == Status.RESTARTING
+
+
 def test_the_steps_a_restart_from_step_0_redoes_are_recorded():
     d = Driver(checkpoints=True)
     _, calibration = d.start()

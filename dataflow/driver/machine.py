@@ -466,7 +466,11 @@ def _step_seconds(results: tuple[Any, ...]) -> float | None:
 
 
 def _diverged(phase: int, digests: set[Any]) -> BaseException:
-    return ReplicaError(f"replica weights diverged after phase {phase}: digests {digests}")
+    return ReplicaError(
+        f"replica weights diverged after phase {phase}: the replicas' parameters, buffers "
+        f"or moving averages differ (digests {digests}); this is a bug in the engine or "
+        "in a custom stage: please report it with this error's driver_log"
+    )
 
 
 def _validating() -> bool:

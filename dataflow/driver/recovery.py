@@ -273,7 +273,7 @@ class LostWorkers:
             s.pending.clear()
             # Wait for workers: start again from the newest checkpoint or, with none (or
             # no checkpoint folder), from step 0, rather than fail a fit they could finish
-            s.status, s.lost_everything = Status.RESTARTING, record
+            self._restarting(record)
             return [*out, self._await_restart(s.layout.replicas)]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         record.update(kept or {})
@@ -348,7 +348,7 @@ class LostWorkers:
         if config.max_replicas is not None:
             groups = min(groups, config.max_replicas)
         if config.checkpoints and config.may_join and groups >= max(1, config.min_workers):
-            s.status, s.lost_everything = Status.RESTARTING, record
+            self._restarting(record)
             return [*out, self._await_restart(groups)]
         s.status = Status.FAILED
         fail = cmd.Fail(
@@ -368,10 +368,7 @@ class LostWorkers:
         if not survivors.replicas:
             # every worker lost before any step: wait for workers, start again from the
             # newest checkpoint (a resumed fit's, a restart's) or, with none, from step 0
-            s.status, s.lost_everything = (
-                Status.RESTARTING,
-                self._failure("every replica lost", lost),
-            )
+            self._restarting(self._failure("every replica lost", lost))
             return [self._await_restart(s.layout.replicas)]
         before, s.layout = s.layout, survivors
         joiners = self._joinable()  # spares the fit may take (elastic, up to its cap)
@@ -401,6 +398,15 @@ class LostWorkers:
                 groups=layout.groups,
             ),
         ]
+
+    def _restarting(self, record: FailureRecord) -> None:
+        """Every replica is lost: wait for workers to start again. The lost group's
+        generation ends here, so an answer it sent before it died (its phase's end, its
+        forming) is stale when it arrives, as any older group's is; the restart forms the
+        next one."""
+        s = self.state
+        s.status, s.lost_everything = Status.RESTARTING, record
+        s.generation += 1
 
     def _await_restart(self, had: int) -> cmd.AwaitRestart:
         """Wait for at least ``min_workers`` replicas' workers, then a little for the
