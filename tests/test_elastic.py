@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
 from distributed import Client, LocalCluster
+from test_weight_average import assert_close_states, averaged_reference
 
 import dataflow as dfl
 from dataflow.driver import group_forming
@@ -27,6 +28,7 @@ def test_scale_with_batch_grows_the_cluster_and_keeps_training_exact():
         max_micro_batch=32,
         scale_with_batch=True,
         max_workers=2,
+        ema_decay=0.9,
     )
     with (
         LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
@@ -42,11 +44,13 @@ def test_scale_with_batch_grows_the_cluster_and_keeps_training_exact():
     for epoch in range(3):  # every sample once per epoch, before and after the join
         assert result.ledger.consumed(epoch).tolist() == list(range(96))
     assert result.ledger.replicas(2) == [0, 1]
-    # The joined replica got the weights and the momentum: the fit equals one process.
+    # The joined replica got the weights, the momentum and the weights' moving average
+    # (all in the optimizer state it is sent): the fit equals one process.
     batches = pipe.sample_plan(epochs=3, replicas=[1, 2])
     lrs = [0.02] * 6 + [0.08] * 4
-    expected = reference_training(x, y, batches=batches, seed=0, optimizer=plain_sgd, lrs=lrs)
+    expected, average = averaged_reference(x, y, batches, optimizer=plain_sgd, decay=0.9, lrs=lrs)
     assert max_abs_diff(result.model, expected) <= 1e-5
+    assert_close_states(result.ema_model.state_dict(), average, 1e-5)
 
 
 def test_scale_with_batch_needs_a_cap_and_a_maximum():

@@ -28,10 +28,11 @@ def plain_sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY, warmup=False):
+def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY, warmup=False, lrs=None):
     """The one-process loop with torch's own EMA, updated after each ``opt.step()``:
     the trained model and the average's state dict. ``warmup``: the decay after ``n``
-    updates ``min(decay, (1 + n) / (10 + n))``, through ``AveragedModel``'s ``avg_fn``."""
+    updates ``min(decay, (1 + n) / (10 + n))``, through ``AveragedModel``'s ``avg_fn``;
+    ``lrs``: each step's LR, when a schedule changes it."""
     torch.manual_seed(0)
     model = TinyCNN()
     opt = optimizer(model.parameters())
@@ -45,7 +46,10 @@ def averaged_reference(x, y, batches, *, optimizer=sgd, decay=DECAY, warmup=Fals
     else:
         average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    for parts in batches:
+    for step, parts in enumerate(batches):
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[step]
         index = torch.from_numpy(np.concatenate(parts))
         loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
         if not torch.isfinite(loss):  # on_non_finite="skip": no update, no average

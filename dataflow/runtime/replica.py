@@ -455,11 +455,14 @@ class ReplicaRuntime(StoreSide):
             self.retired.append(old)
 
     def weights_digest(self) -> str:
-        """A hash of every parameter's bytes: replicas must agree bit for bit."""
+        """A hash of the parameters, buffers and moving average (``ema_decay``: it never
+        feeds back into the weights, so only this sees it go astray): replicas agree."""
         digest = hashlib.blake2b(digest_size=16)
-        if self.context.model is not None:
-            for tensor in self.context.model.state_dict().values():
-                digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        model = self.context.model
+        if model is not None:
+            averaged = averaged_state_dict(model, self.context.optimizer) or {}
+            for t in (*model.state_dict().values(), *averaged.values()):
+                digest.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         return digest.hexdigest()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
