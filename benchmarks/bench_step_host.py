@@ -58,13 +58,29 @@ class TinyCNN(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
+def narrow_resnet50() -> torch.nn.Module:
+    """ResNet-50's 161 parameter tensors and 53 BatchNorms at width 2 on 3x16x16 images:
+    the per-tensor host work of a real ResNet-50 step (the optimizer's, the engine's
+    per-parameter checks and hooks) with almost no arithmetic, as on a GPU whose step
+    is bound by launching ~1,000 kernels."""
+    from gpu_models import ResNet50
+
+    return ResNet50(width=2, classes=3)
+
+
+MODELS = {  # name: (factory, one sample's shape)
+    "tiny": (TinyCNN, (1, 8, 8)),
+    "resnet50": (narrow_resnet50, (3, 16, 16)),
+}
+
+
 def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def make_data(n: int, shape: tuple[int, ...], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
+    x = rng.normal(size=(n, *shape)).astype(np.float32)
     y = rng.integers(0, 3, size=n).astype(np.int64)
     return x, y
 
@@ -72,6 +88,12 @@ def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="tiny: 2 convs and a head (6 tensors); resnet50: ResNet-50 at width 2 (161)",
     )
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--batch", type=int, default=8)
@@ -139,10 +161,11 @@ def engine_fit(args: argparse.Namespace, client: Any, timer: WindowTimer) -> dic
     import dataflow as dfl
     from dataflow import stages
 
-    x, y = make_data(args.samples)
+    factory, shape = MODELS[args.model]
+    x, y = make_data(args.samples, shape)
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
-    out = g.add(stages.Forward(TinyCNN, F.cross_entropy), batch)
+    out = g.add(stages.Forward(factory, F.cross_entropy), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
     g.add(stages.Update(sgd, clip_grad_norm=args.clip, ema_decay=args.ema), reduced)
     trainer = dfl.Trainer(
@@ -178,10 +201,11 @@ def hand_batches(args: argparse.Namespace) -> list[torch.Tensor]:
 
 def hand_loop(args: argparse.Namespace) -> dict[str, Any]:
     """The plain loop over the same batches; timed over the fit's steady steps."""
-    x_np, y_np = make_data(args.samples)
+    factory, shape = MODELS[args.model]
+    x_np, y_np = make_data(args.samples, shape)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     torch.manual_seed(0)  # as the engine's build_model
-    model = TinyCNN().train()
+    model = factory().train()
     optimizer = sgd(model.parameters())
     average = None
     if args.ema is not None:

@@ -11,7 +11,6 @@ import torch
 
 from dataflow.core.errors import ConfigError, ModelError, NonFiniteError
 from dataflow.core.phase import lr_at
-from dataflow.ops.flat import grad_squared_norm
 from dataflow.stages.allreduce import GRAD_SQ
 from dataflow.stages.averaging import WeightAverage, check_decay, check_warmup
 from dataflow.stages.base import Gradients, PhaseContext, ReplicaContext, Stage, StepContext
@@ -412,60 +411,37 @@ class Update(Stage):
         return stats
 
 
-# Gradient dtypes whose squares, summed in float64 over any real model's elements, cannot
-# overflow (at most 3.4e38 squared: 1.2e77 each): their float64 squared norm is finite
-# exactly when every element is, which their largest magnitude tells in one call.
-_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _gradient_bound(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d float64 tensor on the gradients' device, finite exactly when the squared
-    gradient norm of ``params`` is: for bounded dtypes the largest magnitude
-    (``_foreach_norm`` with ord inf, NaN-propagating), a few microseconds a step where
-    the squared norm's plan is rebuilt for each step's new gradient buffers; else the
-    squared norm itself. ``params`` is a list kept by the caller: walking the module
-    tree (``model.parameters()``) each step cost 0.24 ms of host time on ResNet-50."""
-    grads = [g for p in params if (g := p.grad) is not None and g.numel()]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    first = grads[0]
-    if first.dtype in _BOUNDED and all(
-        g.dtype == first.dtype and g.device == first.device and g.layout == torch.strided
-        for g in grads
-    ):
-        return torch.stack(torch._foreach_norm(grads, math.inf)).amax().double()
-    return grad_squared_norm(grads)
-
-
-def _largest_magnitude(loss: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-d tensor on the device, finite exactly when the loss and every gradient are:
-    one ``_foreach_norm`` (ord inf) over the gradients and the loss together, where they
-    share a bounded dtype and a device (the loss's magnitude is its own bound; 34 against
-    27 us a step on TinyCNN's 6 tensors on the CPU, ``timeit``: no float64 casts and sum
-    of the two); else the gradients' bound plus the loss."""
-    members = [g for p in params if (g := p.grad) is not None and g.numel()]
+def _all_finite(loss: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor on the gradients' device, not read: True exactly when the loss
+    and every gradient hold no NaN or inf. One call of torch's own check, GradScaler's
+    ``_amp_foreach_non_finite_check_and_unscale_``, over the gradients and the loss, with
+    a scale of 1 (each value multiplied by 1.0 in place: unchanged, bit for bit). On the
+    CPU, 45 against 291 us a step for ResNet-50's 161 tensors at width 2, and 0.23
+    against 4.3 ms at width 16, against ``_foreach_norm`` with ord inf before (``timeit``,
+    one thread); on a GPU no list of per-tensor norms to stack. A gradient it does not
+    take (a sparse one, devices mixed) is checked tensor by tensor instead."""
+    members = [g for p in params if (g := p.grad) is not None]
     if isinstance(loss, torch.Tensor):
         members.append(loss.detach().reshape(1))
-    first = members[0] if members else None
-    if (
-        first is not None
-        and first.dtype in _BOUNDED
-        and all(
-            g.dtype == first.dtype and g.device == first.device and g.layout == torch.strided
-            for g in members
+    if not members:
+        return torch.ones((), dtype=torch.bool)
+    device = members[0].device
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            members, found, torch.ones(1, dtype=torch.float32, device=device)
         )
-    ):
-        return torch.stack(torch._foreach_norm(members, math.inf)).amax()
-    total = _gradient_bound(params)
-    if isinstance(loss, torch.Tensor):
-        total = total + loss.detach().reshape(()).double().to(total.device)
-    return total
+    except (RuntimeError, NotImplementedError):  # a sparse gradient, devices mixed
+        return torch.stack(
+            [torch.isfinite(m._values() if m.is_sparse else m).all().to(device) for m in members]
+        ).all()
+    return found.reshape(()) == 0
 
 
 def _finite_flag(loss: Any, grad_sq: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """:func:`_finite` as a 0-d bool tensor on the device, not read (no sync)."""
     if grad_sq is None:
-        return torch.isfinite(_largest_magnitude(loss, params))
+        return _all_finite(loss, params)
     grad_sq = torch.as_tensor(grad_sq, dtype=torch.float64)
     total = grad_sq.reshape(())
     if isinstance(loss, torch.Tensor):
@@ -477,11 +453,11 @@ def _finite(loss: Any, grad_sq: Any, params: Sequence[torch.Tensor]) -> bool:
     """The local loss and the (reduced) gradient hold no NaN or inf.
 
     ``grad_sq``: the gradient's squared norm if already known (a float, or a 0-d tensor
-    on the device), else :func:`_gradient_bound`, finite exactly when it would be. Loss
-    and norm are summed on the device, so one scalar read decides both.
+    on the device), else the gradients themselves are checked (:func:`_all_finite`).
+    Loss and norm are summed on the device, so one scalar read decides both.
     """
     if grad_sq is None:
-        return bool(torch.isfinite(_largest_magnitude(loss, params)))
+        return bool(_all_finite(loss, params))
     if not isinstance(grad_sq, torch.Tensor):
         if not math.isfinite(grad_sq):
             return False

@@ -131,6 +131,47 @@ def test_a_skipped_step_leaves_buffers_weights_and_optimizer_state_bit_identical
         runtime.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(dtype):
+    """Update's check without a reduced norm (one replica, Local, Async): torch's
+    GradScaler check with a scale of 1 over the gradients and the loss. Finite extremes
+    (the largest float, a subnormal, -0) pass and stay bit for bit; a NaN or inf in any
+    gradient or the loss fails; a sparse gradient (which that check does not take) is
+    judged by the norms instead."""
+    from stages.update import _all_finite
+
+    def params(*grads):
+        out = []
+        for g in grads:
+            p = torch.nn.Parameter(torch.zeros_like(g))
+            p.grad = g
+            out.append(p)
+        return out
+
+    big = torch.finfo(dtype).max
+    finite = [
+        torch.tensor([big, -big, 1e-40, -0.0], dtype=dtype),
+        torch.randn(3, 4).to(dtype).t(),  # not contiguous
+        torch.empty(0, dtype=dtype),
+    ]
+    before = [g.clone() for g in finite]
+    assert bool(_all_finite(torch.tensor(2.5), params(*finite)))
+    for g, b in zip(finite, before, strict=True):
+        bits = g.contiguous().view(-1).view(torch.uint8)
+        assert torch.equal(bits, b.contiguous().view(-1).view(torch.uint8))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads = [g.clone() for g in finite] + [torch.tensor([1.0, bad], dtype=dtype)]
+        assert not bool(_all_finite(torch.tensor(2.5), params(*grads)))
+        assert not bool(_all_finite(torch.tensor(bad), params(*finite)))
+    assert bool(_all_finite(None, []))
+    embedding = torch.nn.Embedding(5, 2, sparse=True)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    assert bool(_all_finite(torch.tensor(1.0), list(embedding.parameters())))
+    embedding.weight.grad = embedding.weight.grad * float("nan")
+    assert not bool(_all_finite(torch.tensor(1.0), list(embedding.parameters())))
+
+
 def test_raise_still_stops_at_the_step_before_anything_changes():
     runtime, _ = in_process(poisoned_graph(steps={1}, on_non_finite="raise"), epochs=1)
     try:
