@@ -425,12 +425,15 @@ def _all_finite(loss: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
         members.append(loss.detach().reshape(1))
     if not members:
         return torch.ones((), dtype=torch.bool)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for m in members:  # one list per dtype, as GradScaler's: on CUDA the check reads
+        by_dtype.setdefault(m.dtype, []).append(m)  # a list as its first tensor's dtype
     device = members[0].device
     found = torch.zeros(1, dtype=torch.float32, device=device)
+    unit = torch.ones(1, dtype=torch.float32, device=device)
     try:
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            members, found, torch.ones(1, dtype=torch.float32, device=device)
-        )
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, unit)
     except (RuntimeError, NotImplementedError):  # a sparse gradient, devices mixed
         return torch.stack(
             [torch.isfinite(m._values() if m.is_sparse else m).all().to(device) for m in members]

@@ -131,13 +131,24 @@ def test_a_skipped_step_leaves_buffers_weights_and_optimizer_state_bit_identical
         runtime.close()
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(dtype):
+def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(dtype, device):
     """Update's check without a reduced norm (one replica, Local, Async): torch's
     GradScaler check with a scale of 1 over the gradients and the loss. Finite extremes
     (the largest float, a subnormal, -0) pass and stay bit for bit; a NaN or inf in any
-    gradient or the loss fails; a sparse gradient (which that check does not take) is
-    judged by the norms instead."""
+    gradient or the loss fails, also among gradients of other dtypes (on CUDA the check
+    reads a list as its first tensor's dtype: one list per dtype); a sparse gradient
+    (which that check does not take) is checked tensor by tensor."""
     from stages.update import _all_finite
 
     def params(*grads):
@@ -148,28 +159,35 @@ def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(
             out.append(p)
         return out
 
+    def loss(value):
+        return torch.tensor(value, device=device)
+
     big = torch.finfo(dtype).max
     finite = [
         torch.tensor([big, -big, 1e-40, -0.0], dtype=dtype),
         torch.randn(3, 4).to(dtype).t(),  # not contiguous
         torch.empty(0, dtype=dtype),
+        torch.randn(5, dtype=torch.float16),  # another dtype among them
     ]
+    finite = [g.to(device) for g in finite]
     before = [g.clone() for g in finite]
-    assert bool(_all_finite(torch.tensor(2.5), params(*finite)))
+    assert bool(_all_finite(loss(2.5), params(*finite)))
     for g, b in zip(finite, before, strict=True):
         bits = g.contiguous().view(-1).view(torch.uint8)
         assert torch.equal(bits, b.contiguous().view(-1).view(torch.uint8))
     for bad in (float("nan"), float("inf"), -float("inf")):
-        grads = [g.clone() for g in finite] + [torch.tensor([1.0, bad], dtype=dtype)]
-        assert not bool(_all_finite(torch.tensor(2.5), params(*grads)))
-        assert not bool(_all_finite(torch.tensor(bad), params(*finite)))
+        for where in (dtype, torch.float16):
+            poisoned = torch.tensor([1.0, bad], dtype=where, device=device)
+            grads = [g.clone() for g in finite] + [poisoned]
+            assert not bool(_all_finite(loss(2.5), params(*grads)))
+        assert not bool(_all_finite(loss(bad), params(*finite)))
     assert bool(_all_finite(None, []))
-    embedding = torch.nn.Embedding(5, 2, sparse=True)
-    embedding(torch.tensor([1, 3])).sum().backward()
+    embedding = torch.nn.Embedding(5, 2, sparse=True).to(device)
+    embedding(torch.tensor([1, 3], device=device)).sum().backward()
     assert embedding.weight.grad.is_sparse
-    assert bool(_all_finite(torch.tensor(1.0), list(embedding.parameters())))
+    assert bool(_all_finite(loss(1.0), list(embedding.parameters())))
     embedding.weight.grad = embedding.weight.grad * float("nan")
-    assert not bool(_all_finite(torch.tensor(1.0), list(embedding.parameters())))
+    assert not bool(_all_finite(loss(1.0), list(embedding.parameters())))
 
 
 def test_raise_still_stops_at_the_step_before_anything_changes():
