@@ -9,7 +9,9 @@ each way of training (synchronous, ``Async``, ``Local``, a spatial layout), with
 without a held-out evaluation, on zarr sources. For every kill the fit must complete
 within ``RECOVERY_BOUND_S`` of the kill, the loss must be in
 ``history.info["failures"]``, every sample of every epoch trained once, the
-per-replica counts must add up, and every epoch must score the whole held-out set.
+per-replica counts must add up, and every epoch must score the whole held-out set. The
+fits keep a moving average of the weights (``ema_decay``): it comes through every
+recovery (the replicas' averages agree at each phase's end, or the fit fails).
 A kill that lands when the fit needs nothing more of that worker (after the training,
 or unnoticed after the last step's commit: see ``_landed_after_the_training``) is not
 counted, and another fit is drawn.
@@ -112,7 +114,10 @@ def _trainer(sources, kill: stages.Stage, evaluate: bool, policy: str) -> dfl.Tr
     g = dfl.Graph()
     batch = g.add(kill, g.add(stages.Load(dfl.io.ZarrSource(train, x="x", y="y"))))
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
-    node = g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
+    # with a moving average of the weights, which every recovery must carry along (the
+    # phase-end digests compare the replicas' averages too)
+    update = stages.Update(sgd, ema_decay=0.9)
+    node = g.add(update, g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
     if evaluate:
         source = dfl.io.ZarrSource(held_out, x="x", y="y", shuffle=False)
         g.add(stages.Evaluate(source, metrics={"loss": torch.nn.functional.cross_entropy}), node)
@@ -137,11 +142,13 @@ def _check(result, killed: dict, evaluate: bool) -> None:
     for phase in history.phases:
         trained = sum(s["samples"] for s in history.steps if s["phase"] == phase["phase"])
         assert sum(phase["samples_trained"]) == trained, phase
-    for name, tensor in result.model.state_dict().items():
-        assert torch.isfinite(tensor).all(), name
+    for model in (result.model, result.ema_model):
+        for name, tensor in model.state_dict().items():
+            assert torch.isfinite(tensor).all(), name
     if evaluate:
         assert [e["held_out_samples"] for e in history.epochs] == [N_HELD_OUT] * EPOCHS
         assert all(math.isfinite(e["eval_loss"]) for e in history.epochs)
+        assert all(math.isfinite(e["eval_ema_loss"]) for e in history.epochs)
 
 
 @pytest.mark.timeout(KILLS * 240)
