@@ -39,6 +39,9 @@ class Pipeline:
     (``0.999``: about the last 1,000 steps), returned as ``result.ema_model``;
     ``ema_warmup=True``: its decay grows with its updates, ``min(ema_decay, (1 + n) /
     (10 + n))``, for fits too short for the decay.
+    ``sync_batchnorm``: BatchNorm layers normalise with the global batch's statistics,
+    reduced over the replicas every forward (torch's SyncBatchNorm), so W replicas on
+    any split equal one process; False: each replica its own local batch's, as DDP.
     ``allreduce_dtype``: "fp32" (exact), or "bf16" to halve the bytes each gradient
     allreduce moves (synchronous updates; parameters and optimizer stay fp32).
     ``data_on_device``: on a GPU, an in-memory source is uploaded once and each batch
@@ -75,6 +78,7 @@ class Pipeline:
         clip_grad_norm: float | None = None,
         ema_decay: float | None = None,
         ema_warmup: bool = False,
+        sync_batchnorm: bool = False,
         **trainer_options: Any,
     ) -> None:
         if schedule is None:
@@ -96,7 +100,7 @@ class Pipeline:
         )
         for fn in transforms:
             node = graph.add(Transform(fn), node)
-        node = graph.add(Forward(model, loss), node)
+        node = graph.add(Forward(model, loss, sync_batchnorm=sync_batchnorm), node)
         node = graph.add(Backward(), node)
         node = graph.add(AllReduce(bucket_mb=bucket_mb, dtype=allreduce_dtype), node)
         update = Update(

@@ -44,6 +44,30 @@ from dataflow.trainer_config import TrainerConfig, check_options
 __all__ = ["Trainer", "TrainerConfig"]
 
 
+def check_sync_batchnorm(graph: Graph, config: TrainerConfig) -> None:
+    """``sync_batchnorm=True`` only where every replica runs every step's forward at once:
+    synchronous sample-parallel training, eager (a ConfigError naming the clash)."""
+    if not any(getattr(s.config, "sync_batchnorm", False) for s in graph if isinstance(s, Forward)):
+        return
+    clash = None
+    if config.settles_at_window_end:
+        clash = (
+            f"sync={type(config.sync).__name__}: its replicas run their steps apart, "
+            "while the statistics are reduced over every replica at once"
+        )
+    elif config.spatial > 1:
+        clash = (
+            "a spatial layout: its BatchNorm already reduces over the group's ranks, not "
+            "yet over the sample groups too"
+        )
+    elif config.capture:
+        clash = "capture=True: a CUDA graph replay would run no reduction"
+    elif config.compile:
+        clash = f"compile={config.compile!r}: torch.compile would break its graph at each layer"
+    if clash is not None:
+        raise ConfigError(f"sync_batchnorm=True with {clash}; use sync_batchnorm=False")
+
+
 class Trainer:
     """Runs ``graph`` under ``schedule``; see :class:`dataflow.Pipeline` for the usual graph."""
 
@@ -99,6 +123,7 @@ class Trainer:
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
+        check_sync_batchnorm(graph, self.config)
         # ema_decay: a moving average of the weights, kept in the optimizer's state
         self.averages_weights = any(
             s.config.ema_decay is not None for s in graph if isinstance(s, Update)

@@ -321,6 +321,7 @@ class AllReduce(Stage):
             buffers = [b for b in replica.model.buffers() if b.is_floating_point()]
             for buffer in buffers:
                 replica.collective.allreduce(buffer.data).div_(replica.collective.world_size)
+            _agree_on_counts(replica)
         return {}
 
     def teardown(self, replica: ReplicaContext) -> None:
@@ -330,6 +331,23 @@ class AllReduce(Stage):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+def _agree_on_counts(replica: ReplicaContext) -> None:
+    """Integer buffers (BatchNorm's ``num_batches_tracked``) set to the largest any replica
+    holds, in one allreduce: a replica with no samples in a step runs no forward and
+    counts one batch fewer, so the replicas' counts (and their weights' digests) would
+    differ, and the fullest replica's count is the one-process loop's."""
+    counts = [b for b in replica.model.buffers() if not b.is_floating_point() and b.numel() == 1]
+    if not counts:
+        return
+    world, rank = replica.collective.world_size, replica.rank
+    rows = torch.zeros(world, len(counts), dtype=torch.float64, device=counts[0].device)
+    rows[rank] = torch.stack([c.reshape(()).to(torch.float64) for c in counts])
+    largest = replica.collective.allreduce(rows).amax(0)
+    with torch.no_grad():
+        for count, value in zip(counts, largest.unbind(), strict=True):
+            count.fill_(value.to(count.dtype))
 
 
 def _window_shares(

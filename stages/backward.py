@@ -16,4 +16,6 @@ class Backward(Stage):
         if out.loss is not None and not out.captured:  # (a replay computed them already)
             scale = step.replica.loss_scale  # fp16: AllReduce divides it out again
             (out.loss if scale is None else out.loss * scale.scale).backward()
+        elif out.participation is not None and out.participation.requires_grad:
+            out.participation.backward()  # sync_batchnorm, no samples: the peers' reductions
         return Gradients(samples=out.batch.size)

@@ -31,6 +31,18 @@ from dataflow.stages.base import (
 )
 from dataflow.stages.capture import StepCapture
 from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
+from dataflow.stages.group_batchnorm import ReplicaGroup, replica_batchnorm
+
+
+def _tensors_in(output: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output: itself, or those of its tuple, list or dict."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for part in output for t in _tensors_in(part)]
+    return []
 
 
 def call_model(model: torch.nn.Module, x: Any, device: torch.device | None = None) -> Any:
@@ -238,8 +250,17 @@ def compute_loss(loss_fn: Callable[..., Any], output: Any, y: Any) -> torch.Tens
 class ForwardConfig:
     model: Callable[[], torch.nn.Module]
     loss: Callable[..., torch.Tensor]
+    # BatchNorm statistics over the global batch, reduced over the replicas
+    # (stages.group_batchnorm); False: each replica's own local batch, as DDP without
+    # SyncBatchNorm
+    sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ConfigError(
+                f"sync_batchnorm={self.sync_batchnorm!r}: True (BatchNorm statistics over "
+                "the global batch, reduced over the replicas) or False (each replica's own)"
+            )
         if not callable(self.model):
             raise ConfigError(
                 f"Forward(model=...): expected a model class or factory, got "
@@ -256,7 +277,9 @@ class Forward(Stage):
     """Runs ``loss(model(x), y)``; the model is built from the factory on each replica.
 
     ``model`` may be a factory (called with no arguments) or a module instance,
-    which is deep-copied into each replica as the initial weights.
+    which is deep-copied into each replica as the initial weights. ``sync_batchnorm``:
+    every BatchNorm layer normalises with the global batch's statistics, reduced over
+    the replicas each forward (and its adjoint each backward), exact for any split.
     """
 
     def __init__(
@@ -265,17 +288,28 @@ class Forward(Stage):
         loss: Callable[..., torch.Tensor],
         *,
         name: str | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(name)
         if isinstance(model, torch.nn.Module):
             template = model
             model = lambda: copy.deepcopy(template)  # noqa: E731
-        self.config = ForwardConfig(model=model, loss=loss)
+        self.config = ForwardConfig(model=model, loss=loss, sync_batchnorm=sync_batchnorm)
 
     per_micro_batch = True
 
     def setup(self, replica: ReplicaContext) -> None:
         model = build_model(self.config.model, replica.seed)
+        self._replicas = None
+        if self.config.sync_batchnorm:
+            self._replicas = ReplicaGroup()
+            if not replica_batchnorm(model, self._replicas):
+                warnings.warn(
+                    "sync_batchnorm=True, but the model has no BatchNorm layer: nothing to "
+                    "synchronise",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if replica.spatial is not None:  # this worker computes its region of each sample
             model = replica.spatial.wrap_model(model)
         precision, channels_last, compile_mode, allow_fp16, capture, simulate = (
@@ -309,12 +343,53 @@ class Forward(Stage):
                 simulate=options.capture == "simulated",
             )
 
+    def _sync_statistics(self, step: StepContext, replicas: ReplicaGroup) -> bool:
+        """``sync_batchnorm``: the step's group for the model's BatchNorm layers; whether
+        they reduce over other replicas in it."""
+        replica = step.replica
+        size = replica.world_size if replica.collective is not None else 1
+        replicas.collective, replicas.rank, replicas.size = replica.collective, replica.rank, size
+        replicas.share, replicas.global_batch = step.weight, step.global_batch
+        if size > 1 and any(n > 1 for n in step.spec.micro_batches):
+            raise ConfigError(
+                f"sync_batchnorm=True with micro-batches in step {step.spec.index} "
+                f"({list(step.spec.micro_batches)} per replica): the replicas' BatchNorm "
+                "statistics are reduced once per forward, so every replica must run its "
+                "step in one; raise max_micro_batch (or the memory for it), or use "
+                "sync_batchnorm=False"
+            )
+        return size > 1
+
+    def _take_part(self, step: StepContext, batch: Batch) -> ForwardOutput:
+        """A replica without samples in this step still takes part in its peers'
+        BatchNorm reductions: its model runs on the empty batch (zero rows in each
+        reduction), and Backward runs the adjoint's reductions from a zero it holds."""
+        options: StepOptions = step.replica.step_options or EAGER_FP32
+        x = to_memory_format(batch.x, options.torch_memory_format())
+        try:
+            with autocast(step.replica.device, options):
+                output = call_model(step.replica.model, x)
+        except RuntimeError as exc:
+            raise ModelError(
+                f"sync_batchnorm=True: replica {step.replica.rank} has no samples in step "
+                f"{step.spec.index}, and the model cannot run an empty batch, which it "
+                "must to take part in the other replicas' BatchNorm statistics: "
+                f"{str(exc).splitlines()[0]}. Let it take a batch of 0 samples, or use "
+                "sync_batchnorm=False"
+            ) from exc
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        zero = sum((t.sum() * 0.0 for t in tensors), torch.zeros((), device=x.device))
+        return ForwardOutput(loss=None, output=None, batch=batch, participation=zero)
+
     def _loss_of(self, model: torch.nn.Module, x: Any, y: Any) -> tuple[torch.Tensor, Any]:
         """The captured step's forward and loss (the eager steps before it checked them)."""
         output = call_model(model, x)
         return compute_loss(self.config.loss, output, y), output
 
     def run(self, step: StepContext, batch: Batch) -> ForwardOutput:
+        replicas = getattr(self, "_replicas", None)
+        if replicas is not None and self._sync_statistics(step, replicas) and batch.size == 0:
+            return self._take_part(step, batch)
         if batch.size == 0:  # this replica has no samples in this step
             return ForwardOutput(loss=None, output=None, batch=batch)
         capture = getattr(self, "_capture", None)

@@ -47,6 +47,21 @@ def test_two_replicas_on_one_gpu_reduce_through_gloo_and_warn(client):
     assert max_abs_diff(result.model, expected) <= 1e-4
 
 
+def test_sync_batchnorm_on_one_gpu_equals_the_cpu_loop_on_an_uneven_split(client):
+    """sync_batchnorm's reductions on CUDA tensors (gloo through the host: two replicas
+    share the GPU), a replica with no samples in the last step taking part."""
+    from test_sync_batchnorm import BatchNormCNN, distance, one_process
+
+    client.run(_no_tf32)
+    x, y = make_data(36)
+    options = dict(model=BatchNormCNN, batch=32, balancer=dfl.balance.Proportional((3, 29)))
+    pipe = tiny_pipeline(x, y, device="cuda", replicas=2, sync_batchnorm=True, **options, **FP32)
+    with pytest.warns(RuntimeWarning, match="share a GPU"):
+        result = pipe.fit(epochs=3, client=client)
+    expected = one_process(x, y, tiny_pipeline(x, y, **options).sample_plan(3, 2))
+    assert distance(result.model, expected) <= 1e-4  # cuDNN vs CPU kernels
+
+
 def test_spatial_two_on_one_gpu_equals_single_process_training(client):
     """The partitioned model's CUDA path in a real fit: halo slabs packed on the GPU,
     sent through host memory (gloo point to point), BatchNorm-free TinyCNN."""

@@ -57,6 +57,9 @@ class ForwardOutput:
     output: Any
     batch: Batch
     captured: bool = False
+    # a replica without samples under sync_batchnorm: a zero on its model's (empty)
+    # output, whose backward takes part in the peers' BatchNorm reductions
+    participation: torch.Tensor | None = None
 
 
 @dataclass

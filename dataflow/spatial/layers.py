@@ -26,6 +26,7 @@ from dataflow.spatial.comm import (
     halo_receive,
 )
 from dataflow.spatial.geometry import Interval, Window
+from dataflow.stages.group_batchnorm import BatchNormState, GroupBatchNormFunction
 
 
 @dataclass(frozen=True)
@@ -295,17 +296,12 @@ class SpatialAvgPool(WindowedLayer):
         return out
 
 
-class SpatialBatchNorm(nn.Module):
-    """BatchNorm whose batch statistics are reduced over the spatial group (two passes:
-    the mean, then the centred sum of squares)."""
+class SpatialBatchNorm(BatchNormState):
+    """BatchNorm whose batch statistics are reduced over the spatial group (one
+    allreduce of each rank's moments, ``stages.group_batchnorm``)."""
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm) -> None:
-        super().__init__()
-        self.weight, self.bias = bn.weight, bn.bias
-        self.eps, self.momentum = bn.eps, bn.momentum
-        self.track_running_stats = bn.track_running_stats
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            self.register_buffer(name, getattr(bn, name))
+        super().__init__(bn)
         self.group: SpatialGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,7 +311,9 @@ class SpatialBatchNorm(nn.Module):
                 x, self.running_mean, self.running_var, self.weight, self.bias,
                 use_batch, self.momentum or 0.0, self.eps,
             )  # fmt: skip
-        y, mean, var, count = _GroupBatchNorm.apply(x, self.weight, self.bias, self.group, self.eps)
+        y, mean, var, count = GroupBatchNormFunction.apply(
+            x, self.weight, self.bias, self.group, self.eps, None, 1.0
+        )
         if self.training and self.track_running_stats:
             self._update_running(mean, var, count)
         return y
@@ -327,76 +325,6 @@ class SpatialBatchNorm(nn.Module):
         unbiased = var * (count / max(count - 1.0, 1.0))
         self.running_mean.mul_(1 - m).add_(mean, alpha=m)
         self.running_var.mul_(1 - m).add_(unbiased, alpha=m)
-
-
-def _group_moments(
-    x: torch.Tensor, group: SpatialGroup, dims: list[int], shape: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
-    """Per-channel mean and biased variance over the group's whole batch in ONE
-    collective, and ``x - mean`` (to be normalised in place).
-
-    Each rank puts its count, per-channel sum and sum of squared deviations from its
-    own mean in its row of a zero ``[P, 1 + 2C]`` buffer; one allreduce gives every rank
-    all rows, merged with Chan et al.'s formula ``M2 = sum(M2_i + n_i (mean_i -
-    mean)^2)``. It is as stable as a second pass over centred values, and it saves the
-    second synchronisation point, where each rank waits for the slowest.
-    """
-    channels = x.shape[1]
-    n = x.numel() / max(1, channels)
-    local_mean = x.mean(dims) if n else x.new_zeros(channels)
-    y = x - local_mean.view(shape)
-    rows = x.new_zeros(group.size, 1 + 2 * channels)
-    rows[group.rank, 0] = n
-    rows[group.rank, 1 : 1 + channels] = local_mean * n
-    rows[group.rank, 1 + channels :] = (y * y).sum(dims)
-    rows = group.allreduce_(rows)
-    counts = rows[:, :1]
-    count = float(counts.sum())
-    mean = rows[:, 1 : 1 + channels].sum(0) / count
-    means = rows[:, 1 : 1 + channels] / counts.clamp(min=1)
-    spread = (counts * (means - mean) ** 2).masked_fill(counts == 0, 0.0)
-    var = (rows[:, 1 + channels :].sum(0) + spread.sum(0)) / count
-    y.sub_((mean - local_mean).view(shape))
-    return mean, var, count, y
-
-
-class _GroupBatchNorm(torch.autograd.Function):
-    """Batch normalisation with statistics over the whole group's batch. Like torch's
-    kernel it keeps only its input (and per-channel statistics) for the backward, which
-    reduces the two per-channel gradient sums over the group (SyncBatchNorm's
-    adjoint); the weight and bias gradients stay per rank (the fit's allreduce sums
-    them)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, eps):  # type: ignore[no-untyped-def]
-        dims = [d for d in range(x.dim()) if d != 1]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        mean, var, count, y = _group_moments(x, group, dims, shape)
-        invstd = torch.rsqrt(var + eps)
-        y.mul_(invstd.view(shape))
-        if weight is not None:
-            y.mul_(weight.view(shape)).add_(bias.view(shape))
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.group, ctx.count = group, count
-        ctx.mark_non_differentiable(mean, var)
-        return y, mean, var, count
-
-    @staticmethod
-    def backward(ctx, grad, _mean, _var, _count):  # type: ignore[no-untyped-def]
-        x, weight, mean, invstd = ctx.saved_tensors
-        dims = [d for d in range(x.dim()) if d != 1]
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
-        sum_g, sum_gx = grad.sum(dims), (grad * xhat).sum(dims)
-        totals = ctx.group.allreduce_(torch.cat([sum_g, sum_gx]))
-        channels = sum_g.numel()
-        mean_g = (totals[:channels] / ctx.count).view(shape)
-        mean_gx = (totals[channels:] / ctx.count).view(shape)
-        scale = invstd.view(shape) if weight is None else (weight * invstd).view(shape)
-        grad_x = (grad - mean_g - xhat * mean_gx) * scale
-        grad_w = sum_gx if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = sum_g if weight is not None and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
 
 
 class Gather(nn.Module):

@@ -1,0 +1,209 @@
+"""BatchNorm whose batch statistics are those of a batch spread over a group of ranks.
+
+Two groups use it: the fit's replicas, each holding its local batch of the global one
+(``Forward(sync_batchnorm=True)``: torch's SyncBatchNorm, exact for any split), and a
+spatial group's ranks, each holding a region of the same samples
+(``dataflow.spatial``). The statistics are one allreduce per layer forward (counts,
+sums, centred sums of squares), the adjoint one per layer backward (the per-channel
+sums of the gradient and of the gradient times the normalised input).
+
+Replicas split a global batch unevenly (``b_r`` samples of ``B``), and each one's
+gradient is of its own local mean loss, weighted by its share ``b_r / B`` only in the
+gradient allreduce. The backward's sums must add gradients of one loss, so each rank
+puts in its gradient times its ``share`` (the global mean's), and takes back its
+input gradient divided by it again (the allreduce weights it then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BatchGroup(Protocol):
+    """The ranks a batch is spread over: ``allreduce_`` sums a tensor over them in place."""
+
+    rank: int
+    size: int
+
+    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def group_moments(
+    x: torch.Tensor,
+    group: BatchGroup,
+    dims: list[int],
+    shape: list[int],
+    count: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """Per-channel mean and biased variance over the group's whole batch in ONE
+    collective, and ``x - mean`` (to be normalised in place).
+
+    Each rank puts its count, per-channel sum and sum of squared deviations from its
+    own mean in its row of a zero ``[P, 1 + 2C]`` buffer; one allreduce gives every rank
+    all rows, merged with Chan et al.'s formula ``M2 = sum(M2_i + n_i (mean_i -
+    mean)^2)``. It is as stable as a second pass over centred values, and it saves the
+    second synchronisation point, where each rank waits for the slowest. ``count``: the
+    group's elements per channel when the caller knows it (no read of the device's
+    rows: no host sync), else read from the rows.
+    """
+    channels = x.shape[1]
+    n = x.numel() / max(1, channels)
+    local_mean = x.mean(dims) if n else x.new_zeros(channels)
+    y = x - local_mean.view(shape)
+    rows = x.new_zeros(group.size, 1 + 2 * channels)
+    rows[group.rank, 0] = n
+    rows[group.rank, 1 : 1 + channels] = local_mean * n
+    rows[group.rank, 1 + channels :] = (y * y).sum(dims)
+    rows = group.allreduce_(rows)
+    counts = rows[:, :1]
+    if count is None:
+        count = float(counts.sum())
+    mean = rows[:, 1 : 1 + channels].sum(0) / count
+    means = rows[:, 1 : 1 + channels] / counts.clamp(min=1)
+    spread = (counts * (means - mean) ** 2).masked_fill(counts == 0, 0.0)
+    var = (rows[:, 1 + channels :].sum(0) + spread.sum(0)) / count
+    y.sub_((mean - local_mean).view(shape))
+    return mean, var, count, y
+
+
+class GroupBatchNormFunction(torch.autograd.Function):
+    """Batch normalisation with statistics over the whole group's batch. Like torch's
+    kernel it keeps only its input (and per-channel statistics) for the backward, which
+    reduces the two per-channel gradient sums over the group (SyncBatchNorm's
+    adjoint), each rank's scaled by its ``share`` of the loss (1: every rank's gradient
+    is of the same loss, as a spatial group's); the weight and bias gradients stay per
+    rank (the fit's allreduce sums them, weighted)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, eps, count=None, share=1.0):  # type: ignore[no-untyped-def]
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean, var, count, y = group_moments(x, group, dims, shape, count)
+        invstd = torch.rsqrt(var + eps)
+        y.mul_(invstd.view(shape))
+        if weight is not None:
+            y.mul_(weight.view(shape)).add_(bias.view(shape))
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.group, ctx.count, ctx.share = group, count, share
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var, count
+
+    @staticmethod
+    def backward(ctx, grad, _mean, _var, _count):  # type: ignore[no-untyped-def]
+        x, weight, mean, invstd = ctx.saved_tensors
+        dims = [d for d in range(x.dim()) if d != 1]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        sum_g, sum_gx = grad.sum(dims), (grad * xhat).sum(dims)
+        share = ctx.share
+        totals = torch.cat([sum_g, sum_gx])
+        totals = ctx.group.allreduce_(totals if share == 1.0 else totals * share)
+        channels = sum_g.numel()
+        # the group's means, in this rank's own scale (a rank without samples has no
+        # input gradient to scale: its share is 0)
+        own = ctx.count * (share if share > 0 else 1.0)
+        mean_g = (totals[:channels] / own).view(shape)
+        mean_gx = (totals[channels:] / own).view(shape)
+        scale = invstd.view(shape) if weight is None else (weight * invstd).view(shape)
+        grad_x = (grad - mean_g - xhat * mean_gx) * scale
+        grad_w = sum_gx if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = sum_g if weight is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+@dataclass
+class ReplicaGroup:
+    """The fit's replicas as the layers of one replica's model see them in the running
+    step: set by ``Forward`` before each forward (one object shared by every layer)."""
+
+    collective: Any = None
+    rank: int = 0
+    size: int = 1
+    share: float = 1.0  # this replica's b_r / B
+    global_batch: int = 0  # B
+
+    def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.collective.allreduce(tensor) if self.size > 1 else tensor
+
+
+class BatchNormState(nn.Module):
+    """A BatchNorm layer's parameters and buffers, the same tensors under the same names
+    (so a model whose layers are replaced keeps its ``state_dict``), and its settings."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm) -> None:
+        super().__init__()
+        self.weight, self.bias = bn.weight, bn.bias
+        self.eps, self.momentum = bn.eps, bn.momentum
+        self.track_running_stats = bn.track_running_stats
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(name, getattr(bn, name))
+
+
+class ReplicaBatchNorm(BatchNormState):
+    """A BatchNorm layer (any of 1-3 d) whose batch statistics are the global batch's:
+    reduced over the fit's replicas, exactly for any split, also for a replica with no
+    samples in a step (it takes part with none). It holds the original layer's
+    parameters and buffers under the same names, so the model's ``state_dict`` is the
+    plain model's. One replica, or evaluation (running statistics): the layer's own
+    arithmetic, as torch's."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, group: ReplicaGroup) -> None:
+        super().__init__(bn)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.group
+        factor = self._running_factor()
+        if not self.training or group.size <= 1:  # (an evaluation: each replica its own)
+            return F.batch_norm(
+                x, self.running_mean, self.running_var, self.weight, self.bias,
+                self.training or self.running_mean is None, factor, self.eps,
+            )  # fmt: skip
+        count = float(group.global_batch * _cells(x))  # known: no read of the device's
+        dtype = x.dtype
+        wide = x if dtype in (torch.float32, torch.float64) else x.float()
+        y, mean, var, count = GroupBatchNormFunction.apply(
+            wide, self.weight, self.bias, group, self.eps, count, group.share
+        )
+        if self.running_mean is not None:
+            with torch.no_grad():
+                unbiased = var * (count / max(count - 1.0, 1.0))
+                self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+                self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        return y.to(dtype)
+
+    def _running_factor(self) -> float:
+        """torch's ``_BatchNorm``: count the batch, and the running statistics' weight
+        (``momentum``, or the cumulative average's ``1 / batches`` when it is None)."""
+        counted = self.track_running_stats and self.num_batches_tracked is not None
+        if not (self.training and counted):
+            return 0.0 if self.momentum is None else self.momentum
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+
+def _cells(x: torch.Tensor) -> int:
+    """Elements per sample and channel of ``x`` (batch first, channels second)."""
+    cells = 1
+    for n in x.shape[2:]:
+        cells *= int(n)
+    return cells
+
+
+def replica_batchnorm(model: nn.Module, group: ReplicaGroup) -> int:
+    """Every BatchNorm layer of ``model`` replaced, in place, by a
+    :class:`ReplicaBatchNorm` over ``group``; returns how many."""
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                setattr(parent, name, ReplicaBatchNorm(child, group))
+                replaced += 1
+    return replaced

@@ -1,0 +1,198 @@
+"""``sync_batchnorm=True``: BatchNorm statistics of the global batch, reduced over the
+replicas, so W replicas on any split equal one process (which a model with BatchNorm
+does not otherwise: each replica would normalise by its own local batch)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_data, sgd, tiny_pipeline
+
+import dataflow as dfl
+from dataflow.errors import ConfigError
+from stages.group_batchnorm import ReplicaBatchNorm, ReplicaGroup, replica_batchnorm
+
+
+class BatchNormCNN(torch.nn.Module):
+    """TinyCNN with a BatchNorm after each convolution (1 x 8 x 8 inputs, 3 classes)."""
+
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4, momentum=momentum)
+        self.conv2 = torch.nn.Conv2d(4, 4, 3)
+        self.bn2 = torch.nn.BatchNorm2d(4, momentum=momentum)
+        self.head = torch.nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        return self.head(x.flatten(1))
+
+
+def one_process(x, y, batches, optimizer=sgd) -> torch.nn.Module:
+    """The single-process loop over the same global batches: BatchNorm over each."""
+    torch.manual_seed(0)
+    model = BatchNormCNN().train()
+    opt = optimizer(model.parameters())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for parts in batches:
+        index = torch.from_numpy(np.concatenate(parts))
+        loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+def distance(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    return max(float((sa[k].double() - sb[k].double()).abs().max()) for k in sa)
+
+
+class ThreadGroup:
+    """Ranks as threads of this process: ``allreduce_`` sums over them (a barrier each),
+    to check the arithmetic without processes; the fits below use the real collectives."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.barrier = size, threading.Barrier(size)
+        self.slots: list = [None] * size
+
+    def member(self, rank: int, share: float, global_batch: int) -> ReplicaGroup:
+        group = self
+
+        class Member(ReplicaGroup):
+            def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+                group.slots[rank] = tensor.clone()
+                group.barrier.wait()
+                total = sum(group.slots)
+                group.barrier.wait()
+                tensor.copy_(total)
+                return tensor
+
+        return Member(rank=rank, size=self.size, share=share, global_batch=global_batch)
+
+
+def test_a_model_made_of_replica_layers_keeps_its_state_dict_and_alone_is_torchs():
+    """The replaced layers hold the model's own parameters and buffers under the same
+    names; on one replica (and in evaluation) they are torch's BatchNorm bit for bit,
+    running statistics and the cumulative average (momentum=None) included."""
+    for momentum in (0.1, None):
+        torch.manual_seed(0)
+        plain = BatchNormCNN(momentum)
+        synced = BatchNormCNN(momentum)
+        synced.load_state_dict(plain.state_dict())
+        assert replica_batchnorm(synced, ReplicaGroup()) == 2
+        assert isinstance(synced.bn, ReplicaBatchNorm)
+        assert list(synced.state_dict()) == list(plain.state_dict())
+        x = torch.randn(6, 1, 8, 8)
+        for _ in range(3):
+            assert torch.equal(synced(x), plain(x))
+        assert distance(synced, plain) == 0.0
+        assert int(synced.bn.num_batches_tracked) == 3
+        synced.eval(), plain.eval()
+        assert torch.equal(synced(x), plain(x))
+
+
+@pytest.mark.parametrize("split", [(2, 4), (1, 5), (0, 6)])
+def test_replicas_normalise_by_the_global_batch_and_their_gradients_add_up(split):
+    """Two ranks holding 2:4, 1:5 or 0:6 of a batch of 6, each the gradient of its own
+    local mean loss: weighted by their shares, the gradients (and the running
+    statistics) are those of one process on the whole batch."""
+    torch.manual_seed(0)
+    reference = BatchNormCNN()
+    initial = copy.deepcopy(reference.state_dict())
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 3, (6,))
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    group = ThreadGroup(2)
+    models, errors = [], []
+
+    def rank(r: int, lo: int, hi: int) -> None:
+        try:
+            model = BatchNormCNN()
+            model.load_state_dict(initial)
+            replica_batchnorm(model, group.member(r, (hi - lo) / 6, 6))
+            out = model(x[lo:hi])
+            if hi > lo:
+                torch.nn.functional.cross_entropy(out, y[lo:hi]).backward()
+            else:  # no samples: it takes part, with a zero
+                (out.sum() * 0.0).backward()
+            models.append((r, model, (hi - lo) / 6))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            group.barrier.abort()
+
+    cut = split[0]
+    threads = [threading.Thread(target=rank, args=a) for a in ((0, 0, cut), (1, cut, 6))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for name, param in reference.named_parameters():
+        combined = sum(
+            dict(m.named_parameters())[name].grad * share
+            for _, m, share in models
+            if dict(m.named_parameters())[name].grad is not None
+        )
+        assert torch.allclose(combined, param.grad, atol=1e-6), name
+    for _, model, _ in models:  # every rank's running statistics: the whole batch's
+        for name in ("bn.running_mean", "bn.running_var", "bn2.running_var"):
+            got, want = model.state_dict()[name], reference.state_dict()[name]
+            assert torch.allclose(got, want, atol=1e-6), name
+
+
+@pytest.mark.parametrize(
+    "options, clash",
+    [
+        (dict(sync=dfl.sync.Local(period_steps=2)), "sync=Local"),
+        (dict(sync=dfl.sync.Async(staleness=1)), "sync=Async"),
+        (dict(layout=dfl.Layout(spatial=2)), "a spatial layout"),
+        (dict(compile=True), "compile=True"),
+    ],
+)
+def test_where_replicas_do_not_run_each_forward_together_it_is_refused(options, clash):
+    x, y = make_data(32)
+    with pytest.raises(ConfigError, match=f"sync_batchnorm=True with {clash}"):
+        tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm=True, **options)
+    with pytest.raises(ConfigError, match="sync_batchnorm='yes'"):
+        tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm="yes")
+
+
+@pytest.mark.slow
+def test_two_replicas_on_any_split_equal_one_process_with_batchnorm(client):
+    """36 samples at B=32 split 3:29: steps of (3, 29), then a short step of (0, 4) in
+    which replica 0 has no sample and takes part anyway. With sync_batchnorm the fit
+    is the one-process loop's, weights and running statistics; without, it is not (and
+    it ends: before, replica 0 counted one batch fewer in BatchNorm's
+    num_batches_tracked, and the phase's end called the replicas' weights diverged)."""
+    x, y = make_data(36)
+    options = dict(
+        model=BatchNormCNN,
+        batch=32,
+        balancer=dfl.balance.Proportional((3, 29)),
+        window_seconds=1e-4,  # one step a window: many windows, still exact
+    )
+    pipe = tiny_pipeline(x, y, sync_batchnorm=True, **options)
+    steps = pipe.plan(epochs=1, replicas=2)[0].steps
+    assert [s.local_batches for s in steps] == [(3, 29), (0, 4)]
+    result = pipe.fit(epochs=4, client=client)
+    assert result.history.info["replicas"] == 2
+    batches = pipe.sample_plan(epochs=4, replicas=2)
+    expected = one_process(x, y, batches)
+    assert distance(result.model, expected) <= 1e-5
+    apart = tiny_pipeline(x, y, **options).fit(epochs=4, client=client)
+    assert distance(apart.model, expected) > 1e-3  # each replica's own statistics
+
+
+@pytest.mark.slow
+def test_micro_batches_are_refused_naming_the_step(client):
+    x, y = make_data(64)
+    pipe = tiny_pipeline(x, y, model=BatchNormCNN, batch=32, sync_batchnorm=True, max_micro_batch=8)
+    with pytest.raises(ConfigError, match="sync_batchnorm=True with micro-batches in step 0"):
+        pipe.fit(epochs=1, client=client)
