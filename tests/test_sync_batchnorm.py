@@ -196,3 +196,50 @@ def test_micro_batches_are_refused_naming_the_step(client):
     pipe = tiny_pipeline(x, y, model=BatchNormCNN, batch=32, sync_batchnorm=True, max_micro_batch=8)
     with pytest.raises(ConfigError, match="sync_batchnorm=True with micro-batches in step 0"):
         pipe.fit(epochs=1, client=client)
+
+
+@pytest.mark.slow
+def test_with_phases_evaluation_and_an_average_it_is_still_one_process(client):
+    """Two phases (the global batch, and so each step's count, changes), a 1:2 split,
+    a held-out evaluation each epoch (running statistics: each replica its own shard,
+    no reduction) and a moving average: the weights are the one-process loop's, and
+    the last epoch's eval_loss is the returned model's score on the held-out set."""
+    x, y = make_data(120)
+    held_out = dfl.io.ArraySource(*make_data(40, seed=1))
+    pipe = tiny_pipeline(
+        x,
+        y,
+        model=BatchNormCNN,
+        schedule=dfl.schedule.Stepwise({0: 12, 1: 24}, lr_scaling="none"),
+        balancer=dfl.balance.Proportional((1, 2)),
+        eval_source=held_out,
+        ema_decay=0.9,
+        sync_batchnorm=True,
+    )
+    result = pipe.fit(epochs=2, client=client)
+    assert [p["local_batches"] for p in result.history.phases] == [[4, 8], [8, 16]]
+    expected = one_process(x, y, pipe.sample_plan(epochs=2, replicas=2))
+    assert distance(result.model, expected) <= 1e-5
+    score = pipe.evaluate(held_out, result.model)["loss"]
+    assert result.history.epochs[-1]["eval_loss"] == pytest.approx(score, abs=1e-6)
+    assert all(np.isfinite(e["eval_ema_loss"]) for e in result.history.epochs)
+
+
+@pytest.mark.slow
+def test_a_fit_resumed_inside_a_phase_equals_the_uninterrupted_one(client, tmp_path):
+    """BatchNorm (reduced over the replicas) and dropout, two phases, a 1:2 split:
+    resumed from a checkpoint inside a phase, bit for bit the uninterrupted fit."""
+    from test_mid_phase_checkpoints import _assert_same_weights, _keep_up_to, _pipeline
+
+    from dataflow.checkpoint.store import CheckpointStore
+
+    x, y = make_data(160)
+    options = dict(sync_batchnorm=True, balancer=dfl.balance.Proportional((1, 2)))
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = _pipeline(x, y, **options).fit(3, client=client, checkpoint_every=1, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    last = CheckpointStore(tmp_path).path(mid[1]["step"])
+    _keep_up_to(CheckpointStore(tmp_path, keep=1000), last)
+    resumed = _pipeline(x, y, **options).fit(3, client=client, resume=True, **folder)
+    assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
+    _assert_same_weights(full.model, resumed.model)
