@@ -243,3 +243,25 @@ def test_a_fit_resumed_inside_a_phase_equals_the_uninterrupted_one(client, tmp_p
     resumed = _pipeline(x, y, **options).fit(3, client=client, resume=True, **folder)
     assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
     _assert_same_weights(full.model, resumed.model)
+
+
+class NoEmptyBatches(BatchNormCNN):
+    """A model that cannot run a batch of 0 samples (a reduction over the batch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 0.0 * x.amax()
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_run_an_empty_batch_is_named_when_a_replica_has_none(client):
+    x, y = make_data(36)
+    pipe = tiny_pipeline(
+        x,
+        y,
+        model=NoEmptyBatches,
+        batch=32,
+        balancer=dfl.balance.Proportional((3, 29)),  # step 1: (0, 4)
+        sync_batchnorm=True,
+    )
+    with pytest.raises(dfl.ModelError, match="replica 0 has no samples in step 1"):
+        pipe.fit(epochs=1, client=client)
