@@ -102,14 +102,18 @@ def _cross_entropy(output: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(output, y.reshape(-1))
 
 
-def _trainer(source, held_out, fault: stages.Stage, *, policy: str = "raise", **options):
-    """TinyCNN on ``source`` with the test stage ``fault`` after Load, an Update under
-    ``on_non_finite=policy`` that clips the gradient (``clip_grad_norm``: recoveries
-    keep every step's norm), an evaluation on ``held_out`` unless None; ``options``: the
-    Trainer's (the sync policy or layout, ``elastic``)."""
+def _trainer(
+    source, held_out, fault: stages.Stage, *, policy: str = "raise", model=TinyCNN, **options
+):
+    """``model`` (TinyCNN) on ``source`` with the test stage ``fault`` after Load, an
+    Update under ``on_non_finite=policy`` that clips the gradient (``clip_grad_norm``:
+    recoveries keep every step's norm), an evaluation on ``held_out`` unless None;
+    ``options``: the Trainer's (the sync policy or layout, ``elastic``), and
+    ``sync_batchnorm`` (Forward's)."""
+    synced = options.pop("sync_batchnorm", False)
     g = dfl.Graph()
     batch = g.add(fault, g.add(stages.Load(source)))
-    out = g.add(stages.Forward(TinyCNN, _cross_entropy), batch)
+    out = g.add(stages.Forward(model, _cross_entropy, sync_batchnorm=synced), batch)
     reduced = g.add(stages.AllReduce(), g.add(stages.Backward(), out))
     node = g.add(stages.Update(sgd, on_non_finite=policy, clip_grad_norm=1.0), reduced)
     if held_out is not None:
@@ -267,6 +271,27 @@ def test_a_worker_killed_mid_window_recovers_in_every_configuration(
         for epoch in result.history.epochs:
             assert "held_out_samples" not in epoch
             assert not any(key.startswith("eval_") for key in epoch), epoch
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_while_its_peer_waits_in_a_batchnorm_reduction_recovers(client, tmp_path):
+    """sync_batchnorm: the survivor is inside a BatchNorm layer's reduction (in its
+    forward) when its peer dies before its own; the wait ends with the group's abort,
+    the survivor rolls back and trains on alone (statistics of its own batch, a group
+    of one), evaluation and ledger exact."""
+    from test_sync_batchnorm import BatchNormCNN
+
+    result, held_out, marker = _fit(
+        client,
+        tmp_path,
+        sync="sync",
+        evaluate=True,
+        data="memory",
+        model=BatchNormCNN,
+        sync_batchnorm=True,
+    )
+    _assert_recovered(result, marker, "sync")
+    _assert_evaluated(result, held_out)
 
 
 class KillAfterItsEvaluation(stages.Stage):
