@@ -149,7 +149,7 @@ def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(
     gradient or the loss fails, also among gradients of other dtypes (on CUDA the check
     reads a list as its first tensor's dtype: one list per dtype); a sparse gradient
     (which that check does not take) is checked tensor by tensor."""
-    from stages.update import _all_finite
+    from dataflow.stages.update import _all_finite
 
     def params(*grads):
         out = []

@@ -14,7 +14,7 @@ from conftest import make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.errors import ConfigError
-from stages.group_batchnorm import ReplicaBatchNorm, ReplicaGroup, replica_batchnorm
+from dataflow.stages.group_batchnorm import ReplicaBatchNorm, ReplicaGroup, replica_batchnorm
 
 
 class BatchNormCNN(torch.nn.Module):
