@@ -9,6 +9,7 @@ nothing outside the repository.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,40 @@ def test_no_relative_imports_hide_a_layer():
                 if isinstance(node, ast.ImportFrom) and node.level:
                     relative.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert relative == []
+
+
+BARE_IMPORT = re.compile(r"^\s*(from|import)\s+(stages|ops|io)\b", re.MULTILINE)
+
+
+def _bare_folder_imports(path: Path) -> list[str]:
+    """Imports of the code folders by their bare names (``from stages.update import``,
+    ``import ops.flat``; ``io`` only with a submodule of ours: plain ``io`` is Python's)."""
+    if not BARE_IMPORT.search(path.read_text()):  # (most files: no need to parse them)
+        return []
+    ours = {p.stem for p in (ROOT / "io").glob("*.py")}
+    bad = []
+    for node in ast.walk(_parse(path)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            head, _, rest = name.partition(".")
+            if head in ("stages", "ops") or (head == "io" and rest.split(".")[0] in ours):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    return bad
+
+
+def test_no_code_imports_a_folder_by_its_bare_name():
+    """setup.cfg maps io/, ops/ and stages/ into ``dataflow``; imported by their bare
+    names (a test run from the checkout can) they would be second copies of the
+    modules, with their own classes and state."""
+    bad = []
+    for folder in ("dataflow", "io", "ops", "stages", "tests", "examples", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            bad += _bare_folder_imports(path)
+    assert bad == []
 
 
 def test_the_checker_sees_a_break(tmp_path):
