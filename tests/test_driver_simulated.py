@@ -164,15 +164,12 @@ def test_too_few_workers_raise_worker_lost_error():
         simulate(t, epochs=2, faults=lambda n: ("lose", 0) if n == 8 else None)
 
 
-faults = st.dictionaries(
-    st.integers(min_value=3, max_value=120),
-    st.one_of(
-        st.tuples(st.just("lose"), st.integers(0, 3)),
-        st.tuples(st.just("join"), st.sampled_from([f"tcp://new{i}" for i in range(3)])),
-        st.tuples(st.just("nan"), st.none()),
-    ),
-    max_size=4,
+fault_kinds = st.one_of(
+    st.tuples(st.just("lose"), st.integers(0, 3)),
+    st.tuples(st.just("join"), st.sampled_from([f"tcp://new{i}" for i in range(3)])),
+    st.tuples(st.just("nan"), st.none()),
 )
+faults = st.dictionaries(st.integers(min_value=3, max_value=120), fault_kinds, max_size=4)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -235,6 +232,42 @@ def test_random_faults_keep_the_invariants(faults, replicas, seconds):
     assert finished
     for epoch in range(3):
         assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48))
+    assert_counts_add_up(loop.recorder.history)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    faults=st.dictionaries(st.integers(min_value=3, max_value=120), fault_kinds, max_size=8),
+    replicas=st.integers(1, 4),
+    every=st.sampled_from([None, 1, 3]),
+)
+def test_random_faults_with_checkpoints_end_with_every_sample_once(
+    tmp_path_factory, faults, replicas, every
+):
+    """As above, with a checkpoint folder (phase checkpoints, and every ``every`` windows
+    inside a phase): losing every replica restarts from the newest checkpoint when
+    workers join, so the restart paths meet the random losses, joins and NaNs too.
+    Every fit that ends ends with every sample trained once per epoch."""
+    from dataflow.checkpoint.store import CheckpointStore
+
+    t = trainer(on_non_finite="rollback", min_workers=1)
+    t.checkpoint_fingerprint = t.fingerprint()
+    executor = SimulatedExecutor(
+        list(WORKERS[:replicas]),
+        load=t.load,
+        seed=t.config.seed,
+        step_seconds=lambda w: 0.2,
+        faults=faults.get,
+    )
+    store = CheckpointStore(tmp_path_factory.mktemp("checkpoints"))
+    order = t.graph.validate(replicas=replicas)
+    loop = build_loop(t, executor, epochs=3, order=order, store=store, every=every)
+    try:
+        loop.run(list(WORKERS[:replicas]))
+    except (WorkerLostError, NonFiniteError, FloatingPointError):
+        return  # every worker lost for good, or NaNs beyond the budget
+    for epoch in range(3):
+        assert sorted(loop.recorder.ledger.consumed(epoch)) == list(range(48)), epoch
     assert_counts_add_up(loop.recorder.history)
 
 
