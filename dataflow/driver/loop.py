@@ -297,7 +297,14 @@ class FitLoop:
         if progress is None:
             raise RuntimeError("the machine resumed inside a phase with no checkpoint (a bug)")
         todo = self.planner.resumed(progress.segment, self.start.step, replicas)
-        carried = progress.totals if len(progress.totals) == replicas else None
+        carried, earlier = progress.totals, tuple(progress.lost)
+        if len(carried) != replicas:  # on another count: the saved replicas' work stays
+            earlier += tuple(  # in the phase's record, as a lost replica's does
+                (f"replica {rank} before step {self.start.step}", totals)
+                for rank, totals in enumerate(carried)
+                if totals.samples or totals.windows
+            )
+            carried = None
         self._announce(progress.phase, progress.steps, todo)
         self.recorder.begin_phase(
             progress.phase,
@@ -305,7 +312,7 @@ class FitLoop:
             todo,
             carried=carried,
             elapsed=progress.seconds,
-            lost=tuple(progress.lost),
+            lost=earlier,
         )
         self.recorder.phase_pairs = list(progress.norm_pairs)  # committed before the save
         planned = ev.SegmentPlanned(
