@@ -334,6 +334,18 @@ def test_a_group_lost_whole_is_over_its_answers_that_come_after_are_stale():
         assert d.state.status == Status.RESTARTING
 
 
+def test_a_restart_counts_a_worker_named_twice_once():
+    """An executor that names an address twice among the workers back (found with a
+    simulated one whose worker joined twice) still forms one replica per worker."""
+    d = Driver(checkpoints=True)
+    d.start()
+    d.send(ev.WorkersLost(W[:2]))
+    out = d.send(ev.RestartPoint(step=0, workers=("tcp://c", "tcp://c")))
+    [form] = of(cmd.FormGroup, out)
+    assert form.members == ("tcp://c",)
+    assert d.state.available == ()
+
+
 def test_the_steps_a_restart_from_step_0_redoes_are_recorded():
     d = Driver(checkpoints=True)
     _, calibration = d.start()

@@ -178,6 +178,13 @@ faults = st.dictionaries(st.integers(min_value=3, max_value=120), fault_kinds, m
     replicas=st.integers(1, 4),
     seconds=st.lists(st.floats(0.05, 0.5), min_size=4, max_size=4),
 )
+# found by a longer search (faults among the first 40 events): a worker joining twice,
+# then every replica lost: the restart formed a group of that worker twice
+@example(
+    faults={3: ("join", "tcp://new0"), 4: ("join", "tcp://new0"), 5: ("lose", 0)},
+    replicas=1,
+    seconds=[0.5, 0.5, 0.5, 0.5],
+)
 # found in a CI run: both replicas lost while the phase ended, then the lost group's
 # phase end arrived while the fit waited to restart (InvalidTransition before the fix)
 @example(

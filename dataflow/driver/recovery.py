@@ -448,16 +448,17 @@ class LostWorkers:
         # the fit starts again on as many as it may have (max_replicas); the rest wait
         # in the pool, as spares and joiners do
         most = config.max_replicas
-        workers = event.workers[: most * config.spatial] if most else event.workers
+        back = tuple(dict.fromkeys(event.workers))  # (an address counted once)
+        workers = back[: most * config.spatial] if most else back
         record.update(
             restarted_from_step=step,
             window_steps_lost=s.committed_step + (record.window_steps_lost or 0) - step,
             replicas_after=len(workers) // config.spatial,
         )
-        arrived = set(event.workers)
+        arrived = set(back)
         s.available = tuple(w for w in s.available if w not in arrived)
         s.layout = self._groups(tuple(workers))
-        s.available = (*s.available, *event.workers[len(workers) :])
+        s.available = (*s.available, *back[len(workers) :])
         if not s.layout.replicas:  # too few workers for one group (a spatial layout)
             s.status = Status.FAILED
             return [

@@ -125,6 +125,8 @@ class SimulatedExecutor:
 
     def _inject(self, kind: str, arg: Any) -> None:
         if kind == "join":
+            if arg in self.workers:  # (an address is one worker at a time, as in Dask)
+                return
             self.workers.append(arg)
             joined = self.joined_event()
             if joined is not None:
