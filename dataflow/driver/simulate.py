@@ -144,6 +144,13 @@ class SimulatedExecutor:
                     )
             self.finishing = failed
             heapq.heapify(self.finishing)
+        elif kind == "lose_all" and self.members:  # every member at once (a job's end)
+            gone = tuple(w for w in self.members if w in self.workers)
+            if not gone:
+                return
+            self.workers = [w for w in self.workers if w not in gone]
+            self.finishing = []
+            self.queue.append(ev.WorkersLost(gone))
         elif kind == "lose" and self.members:
             worker = self.members[arg % len(self.members)]
             if worker not in self.workers:  # lost already; the driver has not regrouped yet
