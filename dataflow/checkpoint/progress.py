@@ -90,6 +90,21 @@ class PhaseProgress:
     # replicas lost earlier in the phase: (worker, its work up to its loss)
     lost: list[tuple[str, ReplicaTotals]] = field(default_factory=list)
 
+    def carried_to(self, replicas: int, step: int) -> tuple[list | None, tuple]:
+        """The per-replica totals a run of the phase on ``replicas`` goes on from, and
+        the work of replicas no longer in it: on the same count, the totals as saved;
+        on another (a restart, a resume elsewhere), none, the saved replicas' work kept
+        with the lost ones' ("replica r before step s"), so the counts still add up."""
+        earlier = tuple(self.lost)
+        if len(self.totals) == replicas:
+            return self.totals, earlier
+        saved = tuple(
+            (f"replica {rank} before step {step}", totals)
+            for rank, totals in enumerate(self.totals)
+            if totals.samples or totals.windows
+        )
+        return None, earlier + saved
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "phase": phase_to_dict(self.phase),

@@ -297,14 +297,7 @@ class FitLoop:
         if progress is None:
             raise RuntimeError("the machine resumed inside a phase with no checkpoint (a bug)")
         todo = self.planner.resumed(progress.segment, self.start.step, replicas)
-        carried, earlier = progress.totals, tuple(progress.lost)
-        if len(carried) != replicas:  # on another count: the saved replicas' work stays
-            earlier += tuple(  # in the phase's record, as a lost replica's does
-                (f"replica {rank} before step {self.start.step}", totals)
-                for rank, totals in enumerate(carried)
-                if totals.samples or totals.windows
-            )
-            carried = None
+        carried, earlier = progress.carried_to(replicas, self.start.step)
         self._announce(progress.phase, progress.steps, todo)
         self.recorder.begin_phase(
             progress.phase,
