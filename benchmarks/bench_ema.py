@@ -25,10 +25,9 @@ import statistics
 import time
 from typing import Any
 
-from bench_adaptive_heldout import LR0, Dataset
-from heldout_grid import grid_parser, grid_size, halves, paired, run_grid, test_score
+from bench_adaptive_heldout import Dataset
+from heldout_grid import grid_parser, grid_size, paired, run_grid, test_score, validated_pipeline
 from records import save_run, table
-from workloads import Optimizer
 
 NAME = "ema"
 B0 = 16
@@ -43,24 +42,7 @@ def fit_once(
     client: Any,
     warmup: bool = False,
 ) -> dict[str, Any]:
-    import dataflow as dfl
-
-    validation, test = halves(dataset.test)
-    pipe = dfl.Pipeline(
-        model=dataset.model,
-        loss=dataset.loss,
-        optimizer=Optimizer(kind, LR0[(dataset.name, kind)]),
-        source=dataset.train,
-        eval_source=validation,
-        metrics={k: v for k, v in dataset.metrics.items() if k != "loss"},
-        schedule=dfl.schedule.Fixed(B0),
-        ema_decay=decay,
-        ema_warmup=warmup,
-        seed=seed,
-        replicas=2,
-        progress=False,
-        device="cpu",
-    )
+    pipe, test = validated_pipeline(dataset, kind, seed, B0, ema_decay=decay, ema_warmup=warmup)
     started = time.perf_counter()
     result = pipe.fit(epochs, client=client)
 

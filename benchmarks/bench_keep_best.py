@@ -27,10 +27,9 @@ import statistics
 import time
 from typing import Any
 
-from bench_adaptive_heldout import LR0, Dataset
-from heldout_grid import grid_parser, grid_size, halves, paired, run_grid, test_score
+from bench_adaptive_heldout import Dataset
+from heldout_grid import grid_parser, grid_size, paired, run_grid, test_score, validated_pipeline
 from records import save_run, table
-from workloads import Optimizer
 
 NAME = "keep_best"
 B0 = 16
@@ -41,20 +40,7 @@ def fit_pair(
 ) -> dict[str, Any]:
     import dataflow as dfl
 
-    validation, test = halves(dataset.test)
-    pipe = dfl.Pipeline(
-        model=dataset.model,
-        loss=dataset.loss,
-        optimizer=Optimizer(kind, LR0[(dataset.name, kind)]),
-        source=dataset.train,
-        eval_source=validation,
-        metrics={k: v for k, v in dataset.metrics.items() if k != "loss"},
-        schedule=dfl.schedule.Fixed(B0),
-        seed=seed,
-        replicas=2,
-        progress=False,
-        device="cpu",
-    )
+    pipe, test = validated_pipeline(dataset, kind, seed, B0)
     started = time.perf_counter()
     full = pipe.fit(epochs, client=client, keep_best="eval_loss")
     stop = dfl.EarlyStopping(metric="eval_loss", patience=patience)

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench_adaptive_heldout import DATASETS, OPTIMIZERS, Dataset, prepare
-from workloads import ship_to_workers
+from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare
+from workloads import Optimizer, ship_to_workers
 
 
 def halves(source: Any) -> tuple[Any, Any]:
@@ -25,6 +25,32 @@ def halves(source: Any) -> tuple[Any, Any]:
         ArraySource(x[:half], y[:half], shuffle=False),
         ArraySource(x[half:], y[half:], shuffle=False),
     )
+
+
+def validated_pipeline(
+    dataset: Dataset, kind: str, seed: int, batch: int, **options: Any
+) -> tuple[Any, Any]:
+    """The grid's fit of ``dataset`` with optimizer ``kind``: 2 CPU replicas at
+    ``Fixed(batch)``, evaluated on the validation half of the held-out set each epoch;
+    ``options``: more of the Pipeline's. Returns the pipeline and the test half."""
+    import dataflow as dfl
+
+    validation, test = halves(dataset.test)
+    pipe = dfl.Pipeline(
+        model=dataset.model,
+        loss=dataset.loss,
+        optimizer=Optimizer(kind, LR0[(dataset.name, kind)]),
+        source=dataset.train,
+        eval_source=validation,
+        metrics={k: v for k, v in dataset.metrics.items() if k != "loss"},
+        schedule=dfl.schedule.Fixed(batch),
+        seed=seed,
+        replicas=2,
+        progress=False,
+        device="cpu",
+        **options,
+    )
+    return pipe, test
 
 
 def test_score(dataset: Dataset, test: Any, scores: dict[str, float]) -> float:
