@@ -130,8 +130,8 @@ def await_arrivals(
 # Waiting on a gloo collective: check for its completion (or an abort) every SHORT_NAP_S
 # for the first SHORT_WAIT_S (the usual wait), then every LONG_NAP_S (a slower peer).
 # No spinning: gloo's own thread in this process, and the peer's, need the cores a spin
-# would hold; a 264-byte allreduce between 2 processes on 2 cores took 1.8-2.0 ms with a
-# 1 ms spin before 0.2 ms naps, 0.5-0.75 ms with 50 us naps and no spin, 1.0-1.8 ms in
+# would hold; a 264-byte allreduce between 2 processes on 2 cores took 1.77-2.0 ms with a
+# 1 ms spin before 0.2 ms naps, 0.5-0.75 ms with 50 us naps and no spin, 0.42-1.8 ms in
 # gloo's own blocking wait (500 each, after 50 to warm up)
 SHORT_NAP_S = 50e-6
 SHORT_WAIT_S = 0.005
