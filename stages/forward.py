@@ -350,6 +350,7 @@ class Forward(Stage):
         size = replica.world_size if replica.collective is not None else 1
         replicas.collective, replicas.rank, replicas.size = replica.collective, replica.rank, size
         replicas.share, replicas.global_batch = step.weight, step.global_batch
+        replicas.replica = replica
         if size > 1 and any(n > 1 for n in step.spec.micro_batches):
             raise ConfigError(
                 f"sync_batchnorm=True with micro-batches in step {step.spec.index} "

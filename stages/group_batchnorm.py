@@ -16,6 +16,7 @@ input gradient divided by it again (the allreduce weights it then).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -126,9 +127,17 @@ class ReplicaGroup:
     size: int = 1
     share: float = 1.0  # this replica's b_r / B
     global_batch: int = 0  # B
+    # the replica's context: each reduction's wait on the peers adds to its peer_wait_s
+    replica: Any = None
 
     def allreduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.collective.allreduce(tensor) if self.size > 1 else tensor
+        if self.size <= 1:
+            return tensor
+        started = time.perf_counter()
+        reduced = self.collective.allreduce(tensor)
+        if self.replica is not None:
+            self.replica.peer_wait_s += time.perf_counter() - started
+        return reduced
 
 
 class BatchNormState(nn.Module):

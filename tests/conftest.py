@@ -188,7 +188,8 @@ def assert_the_balancer_followed_the_throttle(
 
     for phase in phases:
         for rank, seconds in enumerate(phase["stage_seconds"]):
-            compute = sum(v for name, v in seconds.items() if name not in (*waiting, "throttle"))
+            waits = (*waiting, "throttle", "peer_wait")  # (the pause: apart, added below)
+            compute = sum(v for name, v in seconds.items() if name not in waits)
             paused = seconds.get("throttle", 0.0)
             assert paused == pytest.approx((factor - 1) * compute if rank == slow else 0.0)
             rate = phase["samples_trained"][rank] / (compute + paused)
@@ -198,6 +199,34 @@ def assert_the_balancer_followed_the_throttle(
         speeds = [p["samples_per_second"] for p in phases[:k]]
         chosen = balancer.split(phase["global_batch"], len(phase["local_batches"]), speeds)
         assert phase["local_batches"] == list(chosen), (k, phase["local_batches"], speeds)
+
+
+def gloo_pair(store: Any, prefix: str, timeout_s: float = 3600.0) -> list[Any]:
+    """Ranks 0 and 1 of one real gloo group in this process, formed in two threads (each
+    waits for the other); the default timeout is far beyond any test's patience."""
+    import threading
+
+    from dataflow.runtime.collective import Collective
+
+    made: dict[int, Collective] = {}
+
+    def join(rank: int) -> None:
+        made[rank] = Collective(
+            store,
+            rank=rank,
+            world_size=2,
+            device=torch.device("cpu"),
+            host="127.0.0.1",
+            timeout_s=timeout_s,
+            prefix=prefix,
+        )
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return [made[0], made[1]]
 
 
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

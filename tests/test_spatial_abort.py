@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import gloo_pair
 
 from dataflow import stages
 from dataflow.core.errors import CollectiveError
@@ -25,31 +26,6 @@ from dataflow.runtime.collective import Collective
 from dataflow.runtime.replica import ReplicaRuntime
 from dataflow.runtime.replica_spec import ReplicaSpec
 from dataflow.runtime.spatial_rank import spatial_rank
-
-HOUR = 3600.0  # the collective timeout: far beyond the test's patience
-
-
-def _pair(store: dist.Store, prefix: str) -> list[Collective]:
-    """Ranks 0 and 1 of one gloo group (formed together: each waits for the other)."""
-    made: dict[int, Collective] = {}
-
-    def join(rank: int) -> None:
-        made[rank] = Collective(
-            store,
-            rank=rank,
-            world_size=2,
-            device=torch.device("cpu"),
-            host="127.0.0.1",
-            timeout_s=HOUR,
-            prefix=prefix,
-        )
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    return [made[0], made[1]]
 
 
 def _runtime(world: Collective, sample_group: Collective) -> ReplicaRuntime:
@@ -64,8 +40,8 @@ def _runtime(world: Collective, sample_group: Collective) -> ReplicaRuntime:
 @pytest.mark.timeout(120)
 def test_an_abort_ends_a_wait_in_the_sample_groups_collective_at_once():
     store = dist.HashStore()
-    world, _ = _pair(store, "fit/g0")
-    sample_group, _partner = _pair(store, "fit/g0/sample-group0")
+    world, _ = gloo_pair(store, "fit/g0")
+    sample_group, _partner = gloo_pair(store, "fit/g0/sample-group0")
     runtime = _runtime(world, sample_group)
     errors: list[BaseException] = []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from conftest import make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
+from dataflow.core.window import PEER_WAIT, compute_seconds
 from dataflow.errors import ConfigError
 from dataflow.stages.group_batchnorm import ReplicaBatchNorm, ReplicaGroup, replica_batchnorm
 
@@ -147,6 +149,67 @@ def test_replicas_normalise_by_the_global_batch_and_their_gradients_add_up(split
             assert torch.allclose(got, want, atol=1e-6), name
 
 
+def test_a_replica_waiting_on_a_slow_peer_in_batchnorm_counts_the_wait_apart():
+    """Two replicas on real gloo groups, one window of a step: replica 1 is slow (its
+    first layer holds it ``HOLD`` s after replica 0 reached its first BatchNorm
+    reduction). Replica 0 waits there at least that long, and the wait is recorded
+    apart from its Forward (``stage_seconds["peer_wait"]``), so the balancer's compute
+    (``compute_seconds``) leaves it out: inside Forward, it made the fast replica look as
+    slow as the one it waited for, and ``Throughput()`` split them nearly evenly."""
+    import cloudpickle
+    import torch.distributed as dist
+    from conftest import gloo_pair
+
+    from dataflow.runtime.replica import ReplicaRuntime, ReplicaSpec
+    from dataflow.stages.base import PhaseContext
+
+    hold = 0.4
+    x, y = make_data(16)
+    pipe = tiny_pipeline(x, y, model=BatchNormCNN, batch=16, sync_batchnorm=True)
+    trainer = pipe.trainer
+    trainer._dry_run()
+    [plan] = trainer.plan(1, 2)
+    collectives = gloo_pair(dist.HashStore(), "peer-wait")
+    entered, results, errors = threading.Event(), {}, []
+
+    def replica(rank: int) -> None:
+        try:
+            graph = cloudpickle.loads(cloudpickle.dumps(trainer.graph))  # a worker's copy
+            spec = ReplicaSpec(
+                run_id="wait", graph=graph, order=graph.validate(replicas=2), seed=0, device="cpu"
+            )
+            runtime = ReplicaRuntime(spec, rank=rank, world_size=2, collective=collectives[rank])
+            model = runtime.context.model
+            if rank == 0:  # it reached its first reduction
+                model.bn.register_forward_pre_hook(lambda *_: entered.set())
+            else:  # a slow node: its first layer takes ``hold`` seconds more than its peer's
+
+                def slow(*_):
+                    entered.wait(timeout=60)
+                    time.sleep(hold)
+
+                model.conv.register_forward_pre_hook(slow)
+            runtime.begin_phase(PhaseContext(index=0, steps=plan.steps[:1], lr=None))
+            results[rank] = runtime.run_window(0, 1)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            entered.set()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    fast, slow = results[0].stage_seconds, results[1].stage_seconds
+    assert fast[PEER_WAIT] >= hold / 2  # held at least ``hold`` less the moments' arithmetic
+    waiting = {"Load", "AllReduce"}
+    assert compute_seconds(fast, waiting) == pytest.approx(
+        sum(v for name, v in fast.items() if name not in (*waiting, PEER_WAIT))
+    )
+    assert slow["Forward"] >= hold  # its slowness is its own compute
+
+
 @pytest.mark.parametrize(
     "options, clash",
     [
@@ -183,6 +246,11 @@ def test_two_replicas_on_any_split_equal_one_process_with_batchnorm(client):
     assert [s.local_batches for s in steps] == [(3, 29), (0, 4)]
     result = pipe.fit(epochs=4, client=client)
     assert result.history.info["replicas"] == 2
+    [phase] = result.history.phases  # the waits in the reductions: apart from compute
+    for rank, seconds in enumerate(phase["stage_seconds"]):
+        assert seconds[PEER_WAIT] > 0.0
+        rate = phase["samples_trained"][rank] / compute_seconds(seconds, {"Load", "AllReduce"})
+        assert phase["samples_per_second"][rank] == pytest.approx(rate)
     batches = pipe.sample_plan(epochs=4, replicas=2)
     expected = one_process(x, y, batches)
     assert distance(result.model, expected) <= 1e-5

@@ -63,6 +63,9 @@ class ReplicaContext:
     # Update's ema_decay: True when the optimizer's state keeps a moving average of the
     # weights (dataflow.stages.averaging), which evaluations then score too
     averages_weights: bool = False
+    # Seconds this replica waited on its peers inside compute stages so far (the
+    # reductions of sync_batchnorm's layers add to it): the runtime counts them as waits
+    peer_wait_s: float = 0.0
 
     def parameters(self) -> list[Any]:
         """The model's parameters, listed once per model object: stages that need them

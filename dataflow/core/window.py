@@ -10,7 +10,19 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-__all__ = ["WindowResult"]
+__all__ = ["PEER_WAIT", "THROTTLE", "WindowResult", "compute_seconds"]
+
+# The ``stage_seconds`` key of the time a replica waited on its peers inside a compute
+# stage (``sync_batchnorm``'s reductions in Forward and Backward): kept apart from the
+# stage's own time, so a fast replica waiting for a slow one is not counted as slow.
+PEER_WAIT = "peer_wait"
+THROTTLE = "throttle"  # a simulated slow node's extra time (compute: runtime.throttle)
+
+
+def compute_seconds(stage_seconds: dict[str, float], waiting: set[str] | frozenset[str]) -> float:
+    """A replica's compute among its ``stage_seconds``: all but the ``waiting`` stages
+    (those that wait on peers or data) and the waits on peers inside other stages."""
+    return sum(v for name, v in stage_seconds.items() if name not in waiting and name != PEER_WAIT)
 
 
 @dataclass

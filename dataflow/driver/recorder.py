@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from dataflow.checkpoint.progress import ReplicaTotals
 from dataflow.core import kinds
 from dataflow.core.errors import DataError, LossError
-from dataflow.core.window import WHOLE, scored_samples
+from dataflow.core.window import WHOLE, compute_seconds, scored_samples
 from dataflow.driver.clock import RunClock, train_seconds
 from dataflow.driver.salvage import salvage_leased, salvaged_result
 from dataflow.driver.sample_check import SampleCheck
@@ -335,13 +335,10 @@ class Recorder:
         rates, data_wait = [], []
         loads = {n for n in self.order if self.graph[n].kind == kinds.LOAD}
         totals = self.totals
+        waiting = {n for n in self.order if self.graph[n].waits_on_peers_or_data}
         for replica in totals:
             stages = replica.stage_seconds
-            compute = sum(
-                v
-                for name, v in stages.items()
-                if name not in self.graph or not self.graph[name].waits_on_peers_or_data
-            )
+            compute = compute_seconds(stages, waiting)
             rates.append(replica.samples / compute if compute > 0 else 0.0)
             total = sum(stages.values())
             data_wait.append(sum(stages.get(n, 0.0) for n in loads) / total if total > 0 else 0.0)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from dataflow.core.window import PEER_WAIT
 from dataflow.history.records import EpochRecord, PhaseRecord, StepRecord
 from dataflow.history.result import History
 
@@ -123,8 +124,8 @@ def stage_kind(name: str, info: dict[str, Any]) -> str:
     kind = str(info.get("stage_kinds", {}).get(name, name)).lower()
     if kind.startswith("load"):
         return "data wait"
-    if kind.startswith("allreduce") or kind.startswith("all_reduce"):
-        return "exposed allreduce"
+    if kind.startswith("allreduce") or kind.startswith("all_reduce") or kind == PEER_WAIT:
+        return "exposed allreduce"  # (PEER_WAIT: sync_batchnorm's reductions' waits)
     if kind.startswith("evaluate"):
         return "evaluation"
     return "compute"

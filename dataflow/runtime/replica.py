@@ -17,7 +17,7 @@ import torch
 
 from dataflow.core.errors import NonFiniteError
 from dataflow.core.rng import capture_rng, restore_rng
-from dataflow.core.window import WindowResult
+from dataflow.core.window import PEER_WAIT, THROTTLE, WindowResult
 from dataflow.runtime.collective import Collective
 from dataflow.runtime.device_memory import MemoryProbe, largest_micro_batch
 from dataflow.runtime.host_copies import HostArena, HostCopies, host_copy
@@ -33,8 +33,6 @@ from dataflow.runtime.window_parts import (
 )
 from dataflow.stages.averaging import averaged_state_dict
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
-
-THROTTLE = "throttle"  # the stage_seconds key of a simulated slow node's extra time
 
 __all__ = ["ReplicaRuntime", "ReplicaSpec", "ReplicaState", "resolve_device"]
 
@@ -373,6 +371,7 @@ class ReplicaRuntime(StoreSide):
     ) -> float:
         """Run one stage on its parents' values; returns its compute seconds (0 if waiting)."""
         args = [values[parent] for parent in self.inputs[name]]
+        waited = step.replica.peer_wait_s
         t = time.perf_counter()
         try:
             values[name] = self.stages[name].run(step, *args)
@@ -388,6 +387,9 @@ class ReplicaRuntime(StoreSide):
                 self.abort()
             raise
         elapsed = time.perf_counter() - t
+        if (waited := step.replica.peer_wait_s - waited) > 0.0:  # on peers, inside the stage
+            elapsed -= waited
+            stage_seconds[PEER_WAIT] = stage_seconds.get(PEER_WAIT, 0.0) + waited
         stage_seconds[name] += elapsed
         return 0.0 if name in self.waiting else elapsed
 
