@@ -174,6 +174,7 @@ class Trainer:
             measures_noise=self.measures_noise,
             lr_decay=self.lr_decay,
             epochs=epochs,
+            paired_micro_batches=any(s.pairs_micro_batches for s in self.graph),
         )
 
     # -- inspection, no cluster ---------------------------------------------------------

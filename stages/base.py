@@ -75,6 +75,10 @@ class Stage:
     #: Runs once per micro-batch when a replica accumulates gradients (Forward, Backward):
     #: the runtime slices the batch and runs each contiguous run of such stages per slice.
     per_micro_batch: bool = False
+    #: Its forward reduces over the replicas (``sync_batchnorm``): every replica runs a
+    #: step in as many micro-batches as the others, empty ones included, so the k-th
+    #: micro-batches' reductions pair up.
+    pairs_micro_batches: bool = False
 
     def begin_micro_batch(self, step: StepContext) -> None:
         """Before each micro-batch of a step that accumulates gradients (e.g. only the

@@ -298,6 +298,10 @@ class Forward(Stage):
 
     per_micro_batch = True
 
+    @property
+    def pairs_micro_batches(self) -> bool:  # (its BatchNorm reductions, see Stage)
+        return self.config.sync_batchnorm
+
     def setup(self, replica: ReplicaContext) -> None:
         model = build_model(self.config.model, replica.seed)
         self._replicas = None
@@ -351,14 +355,13 @@ class Forward(Stage):
         replicas.collective, replicas.rank, replicas.size = replica.collective, replica.rank, size
         replicas.share, replicas.global_batch = step.weight, step.global_batch
         replicas.replica = replica
-        if size > 1 and any(n > 1 for n in step.spec.micro_batches):
-            raise ConfigError(
-                f"sync_batchnorm=True with micro-batches in step {step.spec.index} "
-                f"({list(step.spec.micro_batches)} per replica): the replicas' BatchNorm "
-                "statistics are reduced once per forward, so every replica must run its "
-                "step in one; raise max_micro_batch (or the memory for it), or use "
-                "sync_batchnorm=False"
+        if size > 1 and len(set(step.spec.micro_batches)) > 1:  # (Planner pairs them)
+            raise RuntimeError(
+                f"sync_batchnorm: step {step.spec.index} runs {list(step.spec.micro_batches)} "
+                "micro-batches per replica; paired reductions need the same count (a bug)"
             )
+        if size > 1 and step.micro_count > 1:  # the k-th micro-batch of every replica
+            replicas.global_batch = step.spec.paired_micro_batch(step.micro_index)
         return size > 1
 
     def _take_part(self, step: StepContext, batch: Batch) -> ForwardOutput:

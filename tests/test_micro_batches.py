@@ -5,8 +5,9 @@ import pytest
 import torch
 from conftest import make_data, max_abs_diff, reference_training, tiny_pipeline
 
+from dataflow.core.step import micro_batch_sizes
 from dataflow.errors import ConfigError
-from dataflow.runtime.replica import micro_batch_groups, micro_batch_sizes
+from dataflow.runtime.replica import micro_batch_groups
 from dataflow.schedule.balance import micro_batch_counts
 from dataflow.stages import AllReduce, Backward, Forward, Load, Transform, Update
 from dataflow.stages.base import Batch

@@ -14,6 +14,7 @@ import torch
 from conftest import make_data, sgd, tiny_pipeline
 
 import dataflow as dfl
+from dataflow.core.step import micro_batch_sizes
 from dataflow.core.window import PEER_WAIT, compute_seconds
 from dataflow.errors import ConfigError
 from dataflow.stages.group_batchnorm import ReplicaBatchNorm, ReplicaGroup, replica_batchnorm
@@ -258,12 +259,66 @@ def test_two_replicas_on_any_split_equal_one_process_with_batchnorm(client):
     assert distance(apart.model, expected) > 1e-3  # each replica's own statistics
 
 
+def one_process_in_micro_batches(x, y, batches, steps) -> torch.nn.Module:
+    """The single-process loop accumulating gradients over the global micro-batches of
+    each step: the k-th one the k-th micro-batches of every replica, BatchNorm over it,
+    its loss weighted by its share of the step's samples."""
+    torch.manual_seed(0)
+    model = BatchNormCNN().train()
+    opt = sgd(model.parameters())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for parts, spec in zip(batches, steps, strict=True):
+        count = spec.micro_batches[0]
+        cuts = [
+            np.split(p, np.cumsum(micro_batch_sizes(len(p), count, paired=True))) for p in parts
+        ]
+        opt.zero_grad()
+        for k in range(count):
+            index = torch.from_numpy(np.concatenate([c[k] for c in cuts]))
+            loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+            (loss * len(index) / spec.global_batch).backward()
+        opt.step()
+    return model
+
+
+def test_the_planner_gives_every_replica_the_most_split_ones_micro_batches():
+    """Under sync_batchnorm the k-th micro-batches of the replicas reduce together, so
+    each replica runs a step in as many (empty ones included) as the most split one."""
+    x, y = make_data(76)
+    options = dict(model=BatchNormCNN, batch=32, max_micro_batch=4)
+    split = dict(balancer=dfl.balance.Proportional((1, 7)), **options)
+    paired = tiny_pipeline(x, y, sync_batchnorm=True, **split).plan(epochs=1, replicas=2)
+    apart = tiny_pipeline(x, y, **split).plan(epochs=1, replicas=2)
+    assert [s.micro_batches for s in apart[0].steps] == [(1, 7), (1, 7), (1, 3)]
+    assert [s.micro_batches for s in paired[0].steps] == [(7, 7), (7, 7), (3, 3)]
+    last = paired[0].steps[-1]
+    assert last.local_batches == (2, 10)
+    assert [last.paired_micro_batch(k) for k in range(3)] == [5, 4, 3]  # (1, 1, 0) + (4, 3, 3)
+    alone = tiny_pipeline(x, y, sync_batchnorm=True, **options).plan(epochs=1, replicas=1)
+    assert [s.micro_batches for s in alone[0].steps] == [(8,), (8,), (3,)]
+
+
 @pytest.mark.slow
-def test_micro_batches_are_refused_naming_the_step(client):
-    x, y = make_data(64)
-    pipe = tiny_pipeline(x, y, model=BatchNormCNN, batch=32, sync_batchnorm=True, max_micro_batch=8)
-    with pytest.raises(ConfigError, match="sync_batchnorm=True with micro-batches in step 0"):
-        pipe.fit(epochs=1, client=client)
+def test_with_micro_batches_the_replicas_reduce_each_micro_batch_together(client):
+    """76 samples at B=32 split 1:7 under max_micro_batch=4: every replica runs each step
+    in 7 micro-batches (3 in the short last step), replica 0's mostly empty; each global
+    micro-batch's BatchNorm statistics are reduced over both. The fit equals one
+    process accumulating over the same global micro-batches."""
+    x, y = make_data(76)
+    pipe = tiny_pipeline(
+        x,
+        y,
+        model=BatchNormCNN,
+        batch=32,
+        max_micro_batch=4,
+        balancer=dfl.balance.Proportional((1, 7)),
+        sync_batchnorm=True,
+    )
+    result = pipe.fit(epochs=2, client=client)
+    assert [p["micro_batches"] for p in result.history.phases] == [[7, 7]]
+    steps = [s for plan in pipe.plan(epochs=2, replicas=2) for s in plan.steps]
+    expected = one_process_in_micro_batches(x, y, pipe.sample_plan(epochs=2, replicas=2), steps)
+    assert distance(result.model, expected) <= 1e-5
 
 
 @pytest.mark.slow

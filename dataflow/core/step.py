@@ -90,6 +90,15 @@ class ReplicaContext:
     state: dict[str, Any] = field(default_factory=dict)  # free space for custom stages
 
 
+def micro_batch_sizes(size: int, count: int, *, paired: bool = False) -> list[int]:
+    """``size`` samples in ``count`` near-equal parts, larger parts first: non-empty ones
+    (fewer parts when ``size < count``), or, ``paired``, exactly ``count`` with empty
+    parts where the samples run out (replicas whose BatchNorm reductions pair up)."""
+    count = max(1, count if paired else min(count, size))
+    base, extra = divmod(size, count)
+    return [base + (1 if k < extra else 0) for k in range(count)]
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """One global training step, identical on every replica (pure data).
@@ -120,6 +129,15 @@ class StepSpec:
     def micro_batch_size_of(self, rank: int) -> int:
         """The most samples replica ``rank`` holds in one forward/backward of this step."""
         return -(-self.local_batches[rank] // max(1, self.micro_batches_of(rank)))
+
+    def paired_micro_batch(self, index: int) -> int:
+        """The samples of every replica's ``index``-th micro-batch of this step, run
+        paired (``sync_batchnorm``: one reduction over them, each replica the same count
+        of micro-batches, empty ones included)."""
+        return sum(
+            micro_batch_sizes(batch, self.micro_batches_of(r), paired=True)[index]
+            for r, batch in enumerate(self.local_batches)
+        )
 
 
 @dataclass

@@ -33,6 +33,9 @@ class Planner:
     measures_noise: bool = False
     lr_decay: Any = None
     epochs: int | None = None
+    # sync_batchnorm: every replica runs a step in as many micro-batches as the most
+    # split one (its k-th micro-batch then reduces with the others' k-th)
+    paired_micro_batches: bool = False
 
     def next_phase(
         self,
@@ -141,7 +144,10 @@ class Planner:
                 caps = min(caps)  # after a lost worker: the tightest cap for every replica
             measured = splits_to_measure and index % max(1, measure_every) == 0
             minimum = 2 if measured else 1
-            return micro_batch_counts(local, tighter(caps, memory_cap), minimum=minimum)
+            counts = micro_batch_counts(local, tighter(caps, memory_cap), minimum=minimum)
+            if self.paired_micro_batches and len(counts) > 1:
+                return (max(counts),) * len(counts)
+            return counts
 
         return count
 

@@ -41,13 +41,6 @@ def micro_batch_groups(order: tuple[str, ...], stages: dict[str, Any]) -> list[t
     return groups
 
 
-def micro_batch_sizes(size: int, count: int) -> list[int]:
-    """``size`` samples in ``count`` near-equal non-empty parts, larger parts first."""
-    count = max(1, min(count, size))
-    base, extra = divmod(size, count)
-    return [base + (1 if k < extra else 0) for k in range(count)]
-
-
 def step_losses(
     losses: list[float | None], offsets: list[int], sizes: list[int], count: int
 ) -> list[float | None]:
