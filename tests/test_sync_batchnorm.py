@@ -294,6 +294,9 @@ def test_the_planner_gives_every_replica_the_most_split_ones_micro_batches():
     last = paired[0].steps[-1]
     assert last.local_batches == (2, 10)
     assert [last.paired_micro_batch(k) for k in range(3)] == [5, 4, 3]  # (1, 1, 0) + (4, 3, 3)
+    planner = tiny_pipeline(x, y, sync_batchnorm=True, **split).trainer.planner(epochs=1)
+    learned = planner.rest(paired[0].steps, 0, 2, memory_cap=2)  # out of memory on a GPU
+    assert [s.micro_batches for s in learned] == [(14, 14), (14, 14), (5, 5)]
     alone = tiny_pipeline(x, y, sync_batchnorm=True, **options).plan(epochs=1, replicas=1)
     assert [s.micro_batches for s in alone[0].steps] == [(8,), (8,), (3,)]
 
