@@ -55,11 +55,6 @@ def check_sync_batchnorm(graph: Graph, config: TrainerConfig) -> None:
             f"sync={type(config.sync).__name__}: its replicas run their steps apart, "
             "while the statistics are reduced over every replica at once"
         )
-    elif config.spatial > 1:
-        clash = (
-            "a spatial layout: its BatchNorm already reduces over the group's ranks, not "
-            "yet over the sample groups too"
-        )
     elif config.capture:
         clash = "capture=True: a CUDA graph replay would run no reduction"
     elif config.compile:

@@ -341,7 +341,8 @@ def _agree_on_counts(replica: ReplicaContext) -> None:
     counts = [b for b in replica.model.buffers() if not b.is_floating_point() and b.numel() == 1]
     if not counts:
         return
-    world, rank = replica.collective.world_size, replica.rank
+    # a row per worker (a spatial layout's replica is several): replica.rank would be shared
+    world, rank = replica.collective.world_size, replica.collective.rank
     rows = torch.zeros(world, len(counts), dtype=torch.float64, device=counts[0].device)
     rows[rank] = torch.stack([c.reshape(()).to(torch.float64) for c in counts])
     largest = replica.collective.allreduce(rows).amax(0)

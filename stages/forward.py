@@ -31,7 +31,7 @@ from dataflow.stages.base import (
 )
 from dataflow.stages.capture import StepCapture
 from dataflow.stages.compiled import EAGER_FP32, CompiledModel, autocast, to_memory_format
-from dataflow.stages.group_batchnorm import ReplicaGroup, replica_batchnorm
+from dataflow.stages.group_batchnorm import ReplicaGroup, join_batchnorm, replica_batchnorm
 
 
 def _tensors_in(output: Any) -> list[torch.Tensor]:
@@ -305,17 +305,14 @@ class Forward(Stage):
     def setup(self, replica: ReplicaContext) -> None:
         model = build_model(self.config.model, replica.seed)
         self._replicas = None
-        if self.config.sync_batchnorm:
+        if self.config.sync_batchnorm and replica.spatial is None:
             self._replicas = ReplicaGroup()
-            if not replica_batchnorm(model, self._replicas):
-                warnings.warn(
-                    "sync_batchnorm=True, but the model has no BatchNorm layer: nothing to "
-                    "synchronise",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            self._warn_without_batchnorm(replica_batchnorm(model, self._replicas))
         if replica.spatial is not None:  # this worker computes its region of each sample
             model = replica.spatial.wrap_model(model)
+            if self.config.sync_batchnorm:  # its BatchNorm layers reduce over the fit too
+                self._replicas = ReplicaGroup()
+                self._warn_without_batchnorm(join_batchnorm(model, self._replicas))
         precision, channels_last, compile_mode, allow_fp16, capture, simulate = (
             replica.requested_step_options
         )
@@ -347,12 +344,23 @@ class Forward(Stage):
                 simulate=options.capture == "simulated",
             )
 
+    @staticmethod
+    def _warn_without_batchnorm(layers: int) -> None:
+        if not layers:
+            warnings.warn(
+                "sync_batchnorm=True, but the model has no BatchNorm layer: nothing to synchronise",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def _sync_statistics(self, step: StepContext, replicas: ReplicaGroup) -> bool:
         """``sync_batchnorm``: the step's group for the model's BatchNorm layers; whether
         they reduce over other replicas in it."""
         replica = step.replica
-        size = replica.world_size if replica.collective is not None else 1
-        replicas.collective, replicas.rank, replicas.size = replica.collective, replica.rank, size
+        collective = replica.collective  # (every worker: a spatial layout's too)
+        size = collective.world_size if collective is not None else 1
+        replicas.collective, replicas.rank = collective, collective.rank if size > 1 else 0
+        replicas.size = size
         replicas.share, replicas.global_batch = step.weight, step.global_batch
         replicas.replica = replica
         if size > 1 and len(set(step.spec.micro_batches)) > 1:  # (Planner pairs them)

@@ -119,8 +119,10 @@ class GroupBatchNormFunction(torch.autograd.Function):
 
 @dataclass
 class ReplicaGroup:
-    """The fit's replicas as the layers of one replica's model see them in the running
-    step: set by ``Forward`` before each forward (one object shared by every layer)."""
+    """The fit's workers as the layers of one replica's model see them in the running
+    step (``rank`` and ``size`` of the fit's process group: under a spatial layout every
+    rank of every sample group, ``share`` the group's): set by ``Forward`` before each
+    forward (one object shared by every layer)."""
 
     collective: Any = None
     rank: int = 0
@@ -204,6 +206,17 @@ def _cells(x: torch.Tensor) -> int:
     for n in x.shape[2:]:
         cells *= int(n)
     return cells
+
+
+def join_batchnorm(model: nn.Module, group: ReplicaGroup) -> int:
+    """Every BatchNorm layer of ``model`` that another group already reduces over (a
+    spatial layout's) reduces over ``group`` instead; returns how many."""
+    joined = 0
+    for layer in model.modules():
+        if hasattr(layer, "replicas") and isinstance(layer, BatchNormState):
+            layer.replicas = group
+            joined += 1
+    return joined
 
 
 def replica_batchnorm(model: nn.Module, group: ReplicaGroup) -> int:

@@ -2,8 +2,8 @@
 
 Checkpoints and exact resume (also on another layout), a worker SIGKILLed in the
 middle of a window (its sample group is lost; the survivors go on, or the fit saves
-the commit and stops naming the smallest layout that would run), and the balancer
-splitting the batch over sample groups.
+the commit and stops naming the smallest layout that would run), the balancer
+splitting the batch over sample groups, and BatchNorm over them (``sync_batchnorm``).
 """
 
 from __future__ import annotations
@@ -456,3 +456,33 @@ def test_the_balancer_gives_a_throttled_sample_group_a_smaller_share(cluster):
     print(f"\nthrottled group: split {[p['local_batches'] for p in phases]}")
     assert_the_balancer_followed_the_throttle(phases, slow=1, factor=3.0)
     _every_sample_once(result, 3, len(x))
+
+
+@pytest.mark.timeout(180)
+def test_sync_batchnorm_reduces_over_every_sample_group_as_one_process(cluster):
+    """4 workers, 2 sample groups of 2 spatial ranks, 36 samples at B=32 split 3:29 and
+    then (0, 4) (group 0 has no sample and takes part): with ``sync_batchnorm`` each
+    BatchNorm layer reduces every group's regions of its samples, each group's part
+    scaled by its share, and the fit is the one-process loop's (weights, running
+    statistics, and the batch counts, which the phase's end once summed over the two
+    ranks of a group)."""
+    from test_sync_batchnorm import BatchNormCNN, distance, one_process
+
+    _, client = cluster
+    client.wait_for_workers(4)
+    x, y = make_data(36)
+    pipe = tiny_pipeline(
+        x,
+        y,
+        model=BatchNormCNN,
+        batch=32,
+        balancer=dfl.balance.Proportional((3, 29)),
+        layout=dfl.Layout(spatial=2),
+        sync_batchnorm=True,
+        replicas=2,
+    )
+    assert [s.local_batches for s in pipe.plan(epochs=1, replicas=2)[0].steps] == [(3, 29), (0, 4)]
+    result = pipe.fit(epochs=2, client=client)
+    assert result.history.info["replicas"] == 2
+    expected = one_process(x, y, pipe.sample_plan(epochs=2, replicas=2))
+    assert distance(result.model, expected) <= 1e-5

@@ -216,7 +216,6 @@ def test_a_replica_waiting_on_a_slow_peer_in_batchnorm_counts_the_wait_apart():
     [
         (dict(sync=dfl.sync.Local(period_steps=2)), "sync=Local"),
         (dict(sync=dfl.sync.Async(staleness=1)), "sync=Async"),
-        (dict(layout=dfl.Layout(spatial=2)), "a spatial layout"),
         (dict(compile=True), "compile=True"),
     ],
 )

@@ -26,7 +26,7 @@ from dataflow.spatial.comm import (
     halo_receive,
 )
 from dataflow.spatial.geometry import Interval, Window
-from dataflow.stages.group_batchnorm import BatchNormState, GroupBatchNormFunction
+from dataflow.stages.group_batchnorm import BatchNormState, GroupBatchNormFunction, ReplicaGroup
 
 
 @dataclass(frozen=True)
@@ -298,11 +298,14 @@ class SpatialAvgPool(WindowedLayer):
 
 class SpatialBatchNorm(BatchNormState):
     """BatchNorm whose batch statistics are reduced over the spatial group (one
-    allreduce of each rank's moments, ``stages.group_batchnorm``)."""
+    allreduce of each rank's moments, ``stages.group_batchnorm``); with
+    ``sync_batchnorm``, over every worker of the fit (``replicas``: each sample group's
+    regions of its samples, each rank's part scaled by its group's share)."""
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm) -> None:
         super().__init__(bn)
         self.group: SpatialGroup | None = None
+        self.replicas: ReplicaGroup | None = None  # Forward(sync_batchnorm=True) sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         use_batch = self.training or not self.track_running_stats
@@ -311,8 +314,11 @@ class SpatialBatchNorm(BatchNormState):
                 x, self.running_mean, self.running_var, self.weight, self.bias,
                 use_batch, self.momentum or 0.0, self.eps,
             )  # fmt: skip
+        group, share = self.group, 1.0
+        if self.replicas is not None and self.replicas.size > 1:  # every worker of the fit
+            group, share = self.replicas, self.replicas.share
         y, mean, var, count = GroupBatchNormFunction.apply(
-            x, self.weight, self.bias, self.group, self.eps, None, 1.0
+            x, self.weight, self.bias, group, self.eps, None, share
         )
         if self.training and self.track_running_stats:
             self._update_running(mean, var, count)
