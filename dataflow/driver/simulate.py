@@ -28,8 +28,9 @@ class SimulatedExecutor:
     """Plays the executor for a :class:`~dataflow.driver.loop.FitLoop`. ``workers``: the
     cluster's; ``step_seconds(worker)``: a replica's simulated step time; ``load``: the
     Load stage; ``faults(n)``: the fault to inject before the n-th event, or None
-    (``("lose", i)``, ``("join", name)``, ``("nan", None)``); ``misread``: a worker whose
-    loader reads other samples than the plan gave it."""
+    (``("lose", i)``, ``("join", name)``, ``("nan", None)``, every member at once:
+    ``("lose_all", None)``, and with a worker back, ``("requeue", None)``); ``misread``: a
+    worker whose loader reads other samples than the plan gave it."""
 
     def __init__(
         self,
@@ -144,13 +145,15 @@ class SimulatedExecutor:
                     )
             self.finishing = failed
             heapq.heapify(self.finishing)
-        elif kind == "lose_all" and self.members:  # every member at once (a job's end)
+        elif kind in ("lose_all", "requeue") and self.members:  # every member (a job's end)
             gone = tuple(w for w in self.members if w in self.workers)
             if not gone:
                 return
             self.workers = [w for w in self.workers if w not in gone]
             self.finishing = []
             self.queue.append(ev.WorkersLost(gone))
+            if kind == "requeue":  # ... and the job back on a new node: a restart
+                self.workers.append(f"tcp://requeued{self.events_seen}")
         elif kind == "lose" and self.members:
             worker = self.members[arg % len(self.members)]
             if worker not in self.workers:  # lost already; the driver has not regrouped yet
