@@ -204,6 +204,11 @@ def test_breakdown_adds_up_to_the_step(replicas):
     assert step.step_s == pytest.approx(
         step.compute_s + step.data_wait_s + step.allreduce_exposed_s + step.overhead_s
     )
+    synced = model(batchnorm_channels=(8,)).breakdown(replicas=replicas, global_batch=64)
+    assert synced.step_s == pytest.approx(
+        synced.compute_s + synced.data_wait_s + synced.allreduce_exposed_s
+        + synced.batchnorm_s + synced.overhead_s
+    )  # fmt: skip
     assert step.samples_per_second == pytest.approx(64 * replicas / step.step_s)
     assert 0 <= step.allreduce_exposed_s <= step.allreduce_s
     as_dict = step.to_dict()
@@ -264,9 +269,30 @@ def test_bad_counts_are_named():
         model().step_seconds(replicas=1, global_batch=1.5)
 
 
+def test_sync_batchnorm_adds_two_reductions_per_layer_and_micro_batch_on_the_step():
+    """Per BatchNorm layer and micro-batch: the moments (a row of 1 + 2C floats per
+    replica) and the adjoint's sums (2C), both on the compute path; none alone."""
+    synced = model(batchnorm_channels=(16, 64), max_micro_batch=32)
+    assert synced.breakdown(replicas=1, global_batch=64).batchnorm_s == 0.0
+    step = synced.breakdown(replicas=8, global_batch=8 * 64)  # 2 micro-batches of 32
+    layers = [
+        allreduce_seconds(4 * 8 * (1 + 2 * c), 8, NODE8) + allreduce_seconds(8 * c, 8, NODE8)
+        for c in (16, 64)
+    ]
+    assert step.micro_batches == 2
+    assert step.batchnorm_s == pytest.approx(2 * sum(layers)) and step.batchnorm_s > 0
+    plain = model(max_micro_batch=32).breakdown(replicas=8, global_batch=8 * 64)
+    assert plain.batchnorm_s == 0.0
+    assert step.step_s == pytest.approx(plain.step_s + step.batchnorm_s, rel=1e-3)  # (windows)
+    with pytest.raises(ConfigError, match="batchnorm_channels"):
+        model(batchnorm_channels=(0,))
+
+
 def test_a_model_saves_and_loads(tmp_path):
     m = model(
-        memory=MemoryModel(parameter_bytes=8, activation_bytes_per_sample=4), notes={"a": "b"}
+        memory=MemoryModel(parameter_bytes=8, activation_bytes_per_sample=4),
+        notes={"a": "b"},
+        batchnorm_channels=(4, 8),
     )
     back = CostModel.load(m.save(tmp_path / "model.json"))
     assert back == m

@@ -54,6 +54,7 @@ def test_calibrate_measures_every_term(calibrated):
     assert model.gradient_bytes == params and model.memory.parameter_bytes == params
     assert model.memory.optimizer_states == 1  # SGD's momentum buffer
     assert model.memory.activation_bytes_per_sample > 0
+    assert model.batchnorm_channels == ()  # no sync_batchnorm
     terms = ("compute", "topology", "load_samples_per_s", "window_overhead_s", "memory", "shared")
     for term in terms:
         assert model.notes[term]
@@ -85,6 +86,19 @@ def test_a_fit_records_its_prediction_next_to_its_step_time(client, data, calibr
     plain = tiny_pipeline(x, y, replicas=1).fit(epochs=1, client=client)
     assert plain.history.phases[0]["measured_step_seconds"] > 0
     assert "predicted" not in plain.history.phases[0]
+
+
+def test_with_sync_batchnorm_the_model_lists_each_batchnorm_layers_channels():
+    """What the batchnorm term needs, from the model built on the driver; the
+    synchronous steps' fitted offset is what they take beyond both reductions."""
+    from test_sync_batchnorm import BatchNormCNN
+
+    from dataflow.costmodel.calibration import _parameters
+
+    x, y = make_data(32)
+    synced = tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm=True)
+    assert _parameters(synced.trainer)[2] == (4, 4)
+    assert _parameters(tiny_pipeline(x, y, model=BatchNormCNN).trainer)[2] == ()
 
 
 def test_the_steady_step_time_leaves_out_the_first_windows():

@@ -55,7 +55,8 @@ def calibrate(
       ``t(n) = a + b n`` (Theil-Sen) and inverted through the ring closed form for
       ``W`` ranks: ``α = a / 2(W-1)``, ``β = 2(W-1)/W / b``;
     - a synchronous step: the pipe run as a fit of those ``W`` replicas at the same
-      batches; what its step takes beyond the α-β allreduce, fitted (Theil-Sen) as
+      batches; what its step takes beyond the α-β allreduce (and ``sync_batchnorm``'s
+      α-β reductions, ``batchnorm_channels``), fitted (Theil-Sen) as
       ``s × t_compute(b) + c``, gives ``compute.shared`` (``s``: replicas sharing a
       node slow each other) and ``sync_overhead_s`` (``c``: waiting for the slowest,
       the gradient hooks, the collective's wait loop);
@@ -85,7 +86,7 @@ def calibrate(
     world = len(workers)
     config = trainer.config
     batches = _batch_sizes(trainer, batch_sizes, world)
-    gradient_bytes, parameter_bytes = _parameters(trainer)
+    gradient_bytes, parameter_bytes, batchnorm = _parameters(trainer)
     source = trainer.source
     notes: dict[str, str] = {}
 
@@ -174,6 +175,7 @@ def calibrate(
         name=name or _model_name(trainer),
         notes={**notes, "samples_per_epoch": str(source.num_samples)},
         discarded=screened.discarded,
+        batchnorm_channels=batchnorm,
     )
     model = _synchronous(client, workers, request, model, source.num_samples)
     model = model.replace(notes={**model.notes, "discarded": discarded_note(model.discarded)})
@@ -237,9 +239,12 @@ def _batch_sizes(trainer: Any, given: Sequence[int] | None, world: int) -> tuple
     return tuple(sizes)
 
 
-def _parameters(trainer: Any) -> tuple[int, int]:
-    """(trainable bytes, all parameter bytes) of the model, built on the driver."""
-    from dataflow.stages.forward import build_model
+def _parameters(trainer: Any) -> tuple[int, int, tuple[int, ...]]:
+    """(trainable bytes, all parameter bytes, and with ``sync_batchnorm`` the channels of
+    each BatchNorm layer) of the model, built on the driver."""
+    from torch import nn
+
+    from dataflow.stages.forward import Forward, build_model
 
     if trainer.model_factory is None:
         raise ConfigError("calibrate: the graph has no Forward stage, so no model to time")
@@ -253,9 +258,12 @@ def _parameters(trainer: Any) -> tuple[int, int]:
             "no training step to time; unfreeze some (p.requires_grad_(True)) or give a "
             "model with parameters"
         )
+    synced = any(s.config.sync_batchnorm for s in trainer.graph if isinstance(s, Forward))
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     return (
         sum(p.numel() * p.element_size() for p in trainable),
         sum(p.numel() * p.element_size() for p in params),
+        tuple(m.num_features for m in norms) if synced else (),
     )
 
 
@@ -276,10 +284,10 @@ def _synchronous(
 ) -> CostModel:
     """``compute.shared`` and ``sync_overhead_s`` from real synchronous steps: the pipe
     run as a fit of ``W`` replicas (its process group, gradient hooks and allreduce) at
-    the calibration's local batches. What a step takes beyond the α-β allreduce is
-    fitted as ``s × t_compute(b) + c``: ``s`` the slowdown of replicas sharing a node,
-    ``c`` a synchronous step's own cost (waiting for the slowest replica, the hooks'
-    copies into buckets, the collective's wait loop)."""
+    the calibration's local batches. What a step takes beyond the α-β allreduce (and
+    ``sync_batchnorm``'s reductions) is fitted as ``s × t_compute(b) + c``: ``s`` the
+    slowdown of replicas sharing a node, ``c`` a synchronous step's own cost (waiting for
+    the slowest replica, the hooks' copies into buckets, the collective's wait loop)."""
     import dataclasses
 
     from dataflow.runtime import probe
@@ -328,9 +336,9 @@ def _synchronous(
     alone, rest = [], []
     for b in sizes:
         step = max(p[b] for p in steps)
-        exposed = model.breakdown(replicas=world, global_batch=b * world).allreduce_exposed_s
+        predicted = model.breakdown(replicas=world, global_batch=b * world)
         alone.append(model.compute.seconds(b))
-        rest.append(step - exposed)
+        rest.append(step - predicted.allreduce_exposed_s - predicted.batchnorm_s)
     slope, extra = _scale_and_offset(alone, rest)
     local = model.topology.local(world)
     compute = dataclasses.replace(model.compute, shared=((local, slope),))

@@ -1,7 +1,8 @@
 """The cost model: the performance model of docs/costmodel.md ("The formula") made
 executable.
 
-Per step: ``t = max(t_load, t_compute(b)) + t_allreduce_exposed + t_overhead``, where
+Per step: ``t = max(t_load, t_compute(b)) + t_allreduce_exposed + t_batchnorm + t_overhead``
+(``t_batchnorm``: ``sync_batchnorm``'s reductions, 0 without it), where
 ``b`` is the largest replica's local batch, the allreduce runs bucket by bucket behind
 backward (:func:`~dataflow.costmodel.collective.exposed_allreduce_seconds`) and the
 engine's per-window cost is shared by the steps a window fuses. Every prediction comes
@@ -24,6 +25,7 @@ from dataflow.core.errors import ConfigError
 from dataflow.costmodel.collective import (
     Link,
     Topology,
+    allreduce_seconds,
     bucket_sizes,
     exposed_allreduce_seconds,
 )
@@ -36,7 +38,7 @@ FIRST_BUCKET_BYTES = MIB  # as stages/buckets.py and DDP
 @dataclass(frozen=True)
 class StepBreakdown:
     """One predicted step and its terms (seconds). ``step_s`` is
-    ``compute_s + data_wait_s + allreduce_exposed_s + sync_s + overhead_s``."""
+    ``compute_s + data_wait_s + allreduce_exposed_s + batchnorm_s + sync_s + overhead_s``."""
 
     replicas: int
     global_batch: int
@@ -49,6 +51,7 @@ class StepBreakdown:
     overhead_s: float  # the engine's per-window cost, per step
     steps_per_window: int
     sync_s: float = 0.0  # a synchronous step's own cost with several replicas (measured)
+    batchnorm_s: float = 0.0  # sync_batchnorm: its layers' reductions, on the compute path
 
     @property
     def step_s(self) -> float:
@@ -56,6 +59,7 @@ class StepBreakdown:
             self.compute_s
             + self.data_wait_s
             + self.allreduce_exposed_s
+            + self.batchnorm_s
             + self.sync_s
             + self.overhead_s
         )
@@ -84,7 +88,11 @@ class CostModel:
     calibrated: :func:`dataflow.costmodel.calibrate` measures it from real steps).
     ``discarded``: the timing samples a calibration found implausible and left out (or
     adjusted), each a dict with its ``term``, ``batch``, ``seconds``, ``action`` and
-    ``reason`` (:func:`dataflow.costmodel.screening.screen`).
+    ``reason`` (:func:`dataflow.costmodel.screening.screen`). ``batchnorm_channels``: with
+    ``sync_batchnorm=True``, the channels of each BatchNorm layer, whose statistics are
+    reduced over the replicas on the compute path: per layer and micro-batch one
+    allreduce of ``W × (1 + 2C)`` floats forward and one of ``2C`` backward (``()``:
+    none).
     """
 
     compute: ComputeFit
@@ -103,9 +111,18 @@ class CostModel:
     name: str = ""
     notes: dict[str, str] = field(default_factory=dict)  # where each term came from
     discarded: tuple[dict[str, Any], ...] = ()
+    batchnorm_channels: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "discarded", tuple(dict(d) for d in self.discarded))
+        object.__setattr__(self, "batchnorm_channels", tuple(self.batchnorm_channels))
+        if any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.batchnorm_channels
+        ):
+            raise ConfigError(
+                f"CostModel(batchnorm_channels={self.batchnorm_channels!r}): each BatchNorm "
+                "layer's channels, ints >= 1"
+            )
         if isinstance(self.gradient_bytes, bool) or not isinstance(self.gradient_bytes, int):
             raise ConfigError(f"CostModel(gradient_bytes={self.gradient_bytes!r}): an int")
         if self.gradient_bytes < 0:
@@ -174,7 +191,8 @@ class CostModel:
             buckets, replicas, self.topology, backward_s, self.overlap
         )
         sync = self.sync_overhead_s if replicas > 1 else 0.0
-        inner = max(compute_s, load_s) + exposed + sync
+        batchnorm = micro * self.batchnorm_seconds(replicas)
+        inner = max(compute_s, load_s) + exposed + batchnorm + sync
         if self.window_steps is not None:
             per_window = self.window_steps
         else:
@@ -191,6 +209,19 @@ class CostModel:
             overhead_s=self.window_overhead_s / per_window,
             steps_per_window=per_window,
             sync_s=sync,
+            batchnorm_s=batchnorm,
+        )
+
+    def batchnorm_seconds(self, replicas: int) -> float:
+        """``sync_batchnorm``'s reductions in one forward and backward on ``replicas``: per
+        BatchNorm layer, the moments' allreduce (a row of ``1 + 2C`` floats per replica)
+        and the adjoint's (``2C``), float32; α-dominated for any real layer."""
+        if replicas <= 1:
+            return 0.0
+        return sum(
+            allreduce_seconds(4 * replicas * (1 + 2 * c), replicas, self.topology)
+            + allreduce_seconds(4 * 2 * c, replicas, self.topology)
+            for c in self.batchnorm_channels
         )
 
     def step_seconds(self, *, replicas: int, global_batch: int) -> float:
