@@ -133,12 +133,13 @@ class SimulatedExecutor:
             if joined is not None:
                 self.queue.append(joined)
         elif kind == "nan" and self.finishing:
-            # The next window to finish sees a NaN on every replica (the same reduced
-            # gradient); nothing after it runs.
+            # The group's next window to finish sees a NaN on every replica (the same
+            # reduced gradient); nothing of the group after it runs.
             window = min(item[1] for item in self.finishing)
-            failed = []
+            generation = next(e.generation for _, w, _, e in self.finishing if w == window)
+            failed = [item for item in self.finishing if item[3].generation != generation]
             for t, w, rank, event in self.finishing:
-                if w == window:
+                if w == window and event.generation == generation:
                     error = FloatingPointError(f"non-finite gradient in window {w}")
                     failed.append(
                         (t, w, rank, ev.WindowFailed(event.generation, rank, w, error, True))
@@ -187,6 +188,8 @@ class SimulatedExecutor:
 
     def submit_windows(self, c: cmd.SubmitWindows) -> None:
         started = time.process_time()
+        if any(worker not in self.workers for worker in c.members):
+            return  # sent to a lost worker (its loss is queued): no member finishes a window
         plan = c.plan
         for window in plan.windows:
             specs = plan.steps[window.first : window.stop]
