@@ -383,18 +383,13 @@ class Update(Stage):
         step) of each that did. All then raise, so none is left waiting in a later
         collective of the window (an evaluation's) for a peer that stopped: the group
         stays whole for the rollback."""
-        collective = replica.collective  # None: left alone after a regroup
-        if collective is None:
-            return [] if bad is None else [(replica.rank, bad)]
-        # a row per worker: a spatial layout's replica (sample group) is several
-        workers = collective.world_size // replica.world_size
-        first_bad = torch.zeros(collective.world_size, dtype=torch.float64)
+        first_bad = torch.zeros(replica.world_size, dtype=torch.float64)
         if bad is not None:
-            first_bad[collective.rank] = bad + 1
-        device = next(replica.model.parameters()).device
-        first_bad = collective.allreduce(first_bad.to(device)).cpu()
-        found = {(w // workers, int(v) - 1) for w, v in enumerate(first_bad.tolist()) if v > 0}
-        return sorted(found)
+            first_bad[replica.rank] = bad + 1
+        if replica.collective is not None:  # None: left alone after a regroup
+            device = next(replica.model.parameters()).device
+            first_bad = replica.collective.allreduce(first_bad.to(device)).cpu()
+        return [(rank, int(v) - 1) for rank, v in enumerate(first_bad.tolist()) if v > 0]
 
     def _raise_bad(self, found: list[tuple[int, int]]) -> None:
         """Every replica raises the same error when any found a non-finite step."""
