@@ -290,6 +290,7 @@ def test_the_planner_gives_every_replica_the_most_split_ones_micro_batches():
     apart = tiny_pipeline(x, y, **split).plan(epochs=1, replicas=2)
     assert [s.micro_batches for s in apart[0].steps] == [(1, 7), (1, 7), (1, 3)]
     assert [s.micro_batches for s in paired[0].steps] == [(7, 7), (7, 7), (3, 3)]
+    assert "micro-batches per replica: (7, 7), (3, 3)\n" in str(paired[0])
     last = paired[0].steps[-1]
     assert last.local_batches == (2, 10)
     assert [last.paired_micro_batch(k) for k in range(3)] == [5, 4, 3]  # (1, 1, 0) + (4, 3, 3)

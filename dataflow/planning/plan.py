@@ -268,6 +268,10 @@ class Plan:
             lines.append(f"  sync: {self.sync}")
         more = f" and {len(splits) - 4} more" if len(splits) > 4 else ""
         lines.append(f"  local batches per replica: {', '.join(map(str, splits[:4]))}{more}")
+        micro = list(dict.fromkeys(s.micro_batches for s in self.steps if s.micro_batches))
+        if any(n > 1 for counts in micro for n in counts):  # accumulating: in how many
+            more = f" and {len(micro) - 4} more" if len(micro) > 4 else ""
+            lines.append(f"  micro-batches per replica: {', '.join(map(str, micro[:4]))}{more}")
         for window in self.windows[:3]:
             first, last = self.steps[window.first], self.steps[window.stop - 1]
             lines.append(
