@@ -62,6 +62,24 @@ def test_sync_batchnorm_on_one_gpu_equals_the_cpu_loop_on_an_uneven_split(client
     assert distance(result.model, expected) <= 1e-4  # cuDNN vs CPU kernels
 
 
+def test_sync_batchnorm_in_paired_micro_batches_on_one_gpu_equals_the_cpu_loop(client):
+    """The same on CUDA in micro-batches (max_micro_batch, as the memory cap a GPU fit
+    learns adds them): each replica's k-th micro-batch reduced with the other's."""
+    from test_sync_batchnorm import BatchNormCNN, distance, one_process_in_micro_batches
+
+    client.run(_no_tf32)
+    x, y = make_data(76)
+    options = dict(batch=32, max_micro_batch=4, balancer=dfl.balance.Proportional((1, 7)))
+    pipe = tiny_pipeline(
+        x, y, model=BatchNormCNN, device="cuda", replicas=2, sync_batchnorm=True, **options, **FP32
+    )
+    with pytest.warns(RuntimeWarning, match="share a GPU"):
+        result = pipe.fit(epochs=2, client=client)
+    steps = [s for plan in pipe.plan(epochs=2, replicas=2) for s in plan.steps]
+    expected = one_process_in_micro_batches(x, y, pipe.sample_plan(epochs=2, replicas=2), steps)
+    assert distance(result.model, expected) <= 1e-4
+
+
 def test_spatial_two_on_one_gpu_equals_single_process_training(client):
     """The partitioned model's CUDA path in a real fit: halo slabs packed on the GPU,
     sent through host memory (gloo point to point), BatchNorm-free TinyCNN."""
