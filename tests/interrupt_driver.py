@@ -2,6 +2,8 @@
 that runs until it is interrupted. A worker's first loss call writes the file named by
 ``argv[1]``: the replicas are training."""
 
+import faulthandler
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test's: where it hangs
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1024, 1, 8, 8)).astype(np.float32)
     pipe = dfl.Pipeline(

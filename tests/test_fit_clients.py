@@ -104,6 +104,7 @@ def test_ctrl_c_stops_a_fit_on_the_embedded_cluster_promptly_and_quietly(tmp_pat
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a process group of its own, as a terminal's job
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # all of it in the log, if it hangs
         )
     try:
         deadline = time.monotonic() + 240
@@ -116,7 +117,9 @@ def test_ctrl_c_stops_a_fit_on_the_embedded_cluster_promptly_and_quietly(tmp_pat
         os.killpg(driver.pid, signal.SIGINT)
         try:
             driver.wait(timeout=20)  # a bound, not a speed target: it took 32-34 s before
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # where each of its threads is, in the log
+            os.kill(driver.pid, signal.SIGUSR2)
+            time.sleep(2)
             pytest.fail(f"the driver still ran 20 s after Ctrl-C:\n{log.read_text()}")
     finally:
         if driver.poll() is None:
