@@ -30,6 +30,9 @@ def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test's: where it hangs
+    # Ctrl-C as in a terminal, whatever started the suite: a job started in the
+    # background of a script ignores SIGINT, and so would this driver, never stopping
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1024, 1, 8, 8)).astype(np.float32)
     pipe = dfl.Pipeline(
