@@ -37,15 +37,19 @@ class BatchNormCNN(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
-def one_process(x, y, batches, optimizer=sgd) -> torch.nn.Module:
-    """The single-process loop over the same global batches: BatchNorm over each."""
+def one_process(x, y, batches, optimizer=sgd, autocast_dtype=None) -> torch.nn.Module:
+    """The single-process loop over the same global batches: BatchNorm over each (under
+    CPU autocast to ``autocast_dtype``, when given)."""
     torch.manual_seed(0)
     model = BatchNormCNN().train()
     opt = optimizer(model.parameters())
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     for parts in batches:
         index = torch.from_numpy(np.concatenate(parts))
-        loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
+        with torch.autocast(
+            "cpu", dtype=autocast_dtype or torch.bfloat16, enabled=bool(autocast_dtype)
+        ):
+            loss = torch.nn.functional.cross_entropy(model(xt[index]), yt[index])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -322,6 +326,27 @@ def test_with_micro_batches_the_replicas_reduce_each_micro_batch_together(client
     steps = [s for plan in pipe.plan(epochs=2, replicas=2) for s in plan.steps]
     expected = one_process_in_micro_batches(x, y, pipe.sample_plan(epochs=2, replicas=2), steps)
     assert distance(result.model, expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_in_bf16_the_replicas_reduce_in_fp32_as_one_process(client):
+    """precision="bf16" (CPU autocast): the layers' statistics reduced in fp32 from the
+    bf16 activations, the fit the torch autocast loop's to bf16's tolerance (0.009 here;
+    each replica over its own batch: 0.10)."""
+    x, y = make_data(36)
+    pipe = tiny_pipeline(
+        x,
+        y,
+        model=BatchNormCNN,
+        batch=32,
+        balancer=dfl.balance.Proportional((3, 29)),
+        sync_batchnorm=True,
+        precision="bf16",
+    )
+    result = pipe.fit(epochs=4, client=client)
+    assert result.history.info["workers"][0]["precision"] == "bf16"
+    batches = pipe.sample_plan(epochs=4, replicas=2)
+    assert distance(result.model, one_process(x, y, batches, autocast_dtype=torch.bfloat16)) < 0.03
 
 
 @pytest.mark.slow
