@@ -186,3 +186,9 @@ def test_the_efficiency_losses_add_up_to_the_model_schedule_efficiency(tmp_path)
     assert step.step_s - alone == pytest.approx(sum(lost.values()))
     assert lost["node sharing"] == pytest.approx(0.6 * model.compute.seconds(128))
     assert lost["sync"] == pytest.approx(0.003)
+    assert lost["batchnorm"] == 0.0  # no sync_batchnorm
+    synced = model.replace(batchnorm_channels=(64, 128, 256))  # its reductions: a cause too
+    lost = losses(synced, replicas=2, global_batch=256)
+    step = synced.breakdown(replicas=2, global_batch=256)
+    assert lost["batchnorm"] == pytest.approx(step.batchnorm_s) and step.batchnorm_s > 0
+    assert step.step_s - alone == pytest.approx(sum(lost.values()))

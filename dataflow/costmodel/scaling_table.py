@@ -36,6 +36,7 @@ def losses(model: CostModel, *, replicas: int, global_batch: int) -> dict[str, f
         "node sharing": step.compute_s - one.compute_s,
         "allreduce": step.allreduce_exposed_s - one.allreduce_exposed_s,
         "sync": step.sync_s - one.sync_s,
+        "batchnorm": step.batchnorm_s - one.batchnorm_s,
         "overhead": step.overhead_s - one.overhead_s,
         "data": step.data_wait_s - one.data_wait_s,
         "uneven split": one.step_s - ideal,
@@ -295,6 +296,12 @@ def _cause(model: CostModel, cause: str, row: TrainRow, phase: PhaseRow) -> str:
             f"a synchronous step's own cost, {model.sync_overhead_s * 1e3:.2f} ms a step with "
             "more than one worker (sync_overhead_s: waiting for the slowest, the gradient "
             "hooks, the collective's wait loop)"
+        )
+    if cause == "batchnorm":
+        return (
+            f"sync_batchnorm's reductions, 2 per BatchNorm layer ({len(model.batchnorm_channels)}) "
+            f"and micro-batch, {step.batchnorm_s * 1e3:.2f} ms a step over "
+            f"{topo.nodes(replicas)} node(s) (batchnorm_channels)"
         )
     if cause == "overhead":
         return "the engine's per-window cost, shared by fewer steps per window"
