@@ -165,6 +165,7 @@ class Stage(Protocol):
     name: str
     kind: str
     per_micro_batch: bool
+    pairs_micro_batches: bool  # its forward reduces over the replicas (sync_batchnorm)
 
     @property
     def waits_on_peers_or_data(self) -> bool: ...
