@@ -6,8 +6,8 @@ A 4-block conv + BatchNorm + ReLU network (16 channels) on 1 x 32 x 32 inputs, S
 ``Fixed(--batch)``, split 1:1 and 1:3 (``Proportional``): each side runs ``--repeats``
 fits, interleaved, on one LocalCluster of 2 single-threaded workers; the steady
 samples/s of each fit (driver wall time after the first ``--warmup`` steps) and the
-median ratio synced / apart. Each BatchNorm layer adds one allreduce of ``2 x (1 + 2C)``
-floats forward and one of ``2C`` backward, on the compute thread: their latency, not
+median ratio synced / apart. Each BatchNorm layer adds one allreduce of ``2C`` float64
+sums forward and one of ``2C`` floats backward, on the compute thread: their latency, not
 their bytes, is the cost (8 small collectives a step here).
 
     python benchmarks/bench_sync_batchnorm.py          # ~2 minutes on 2 cores

@@ -270,14 +270,13 @@ def test_bad_counts_are_named():
 
 
 def test_sync_batchnorm_adds_two_reductions_per_layer_and_micro_batch_on_the_step():
-    """Per BatchNorm layer and micro-batch: the moments (a row of 1 + 2C floats per
-    replica) and the adjoint's sums (2C), both on the compute path; none alone."""
+    """Per BatchNorm layer and micro-batch: the moments' sums (2C float64) and the
+    adjoint's (2C float32), both on the compute path; none alone."""
     synced = model(batchnorm_channels=(16, 64), max_micro_batch=32)
     assert synced.breakdown(replicas=1, global_batch=64).batchnorm_s == 0.0
     step = synced.breakdown(replicas=8, global_batch=8 * 64)  # 2 micro-batches of 32
     layers = [
-        allreduce_seconds(4 * 8 * (1 + 2 * c), 8, NODE8) + allreduce_seconds(8 * c, 8, NODE8)
-        for c in (16, 64)
+        allreduce_seconds(16 * c, 8, NODE8) + allreduce_seconds(8 * c, 8, NODE8) for c in (16, 64)
     ]
     assert step.micro_batches == 2
     assert step.batchnorm_s == pytest.approx(2 * sum(layers)) and step.batchnorm_s > 0

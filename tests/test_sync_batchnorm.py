@@ -154,6 +154,51 @@ def test_replicas_normalise_by_the_global_batch_and_their_gradients_add_up(split
             assert torch.allclose(got, want, atol=1e-6), name
 
 
+def test_each_reduction_holds_2c_values_whatever_the_group_size_and_stays_accurate():
+    """Three ranks, a batch of 9 with a large offset (mean 1e4, std 1): every collective
+    a layer makes is 2C values (the moments' sums in float64, the adjoint's), not a row
+    per rank, and the statistics are the whole batch's to float32's precision."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(4)
+    x = torch.randn(9, 4, 5, 5) + 1e4
+    group, sizes, errors, outputs = ThreadGroup(3), [], [], {}
+
+    def rank(r: int) -> None:
+        try:
+            member = group.member(r, 1 / 3, 9)
+            reduce = member.allreduce_
+
+            def recording(tensor):
+                sizes.append((r, tensor.numel(), tensor.dtype))
+                return reduce(tensor)
+
+            member.allreduce_ = recording
+            layer = ReplicaBatchNorm(copy.deepcopy(bn), member)
+            part = x[3 * r : 3 * r + 3].clone().requires_grad_()
+            layer(part).pow(2).sum().backward()
+            outputs[r] = (layer.running_mean.clone(), layer.running_var.clone())
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert {(n, dtype) for _, n, dtype in sizes} == {
+        (8, torch.float32),  # the adjoint's two sums
+        (8, torch.float64),  # the moments' two sums
+    }
+    reference = copy.deepcopy(bn).double().train()
+    reference(x.double())
+    for mean, var in outputs.values():
+        assert torch.allclose(mean.double(), reference.running_mean, rtol=1e-6)
+        assert torch.allclose(var.double(), reference.running_var, rtol=1e-4)
+
+
+@pytest.mark.slow  # (two runtimes on real gloo groups: about 3 s)
 def test_a_replica_waiting_on_a_slow_peer_in_batchnorm_counts_the_wait_apart():
     """Two replicas on real gloo groups, one window of a step: replica 1 is slow (its
     first layer holds it ``HOLD`` s after replica 0 reached its first BatchNorm

@@ -91,7 +91,7 @@ class CostModel:
     ``reason`` (:func:`dataflow.costmodel.screening.screen`). ``batchnorm_channels``: with
     ``sync_batchnorm=True``, the channels of each BatchNorm layer, whose statistics are
     reduced over the replicas on the compute path: per layer and micro-batch one
-    allreduce of ``W × (1 + 2C)`` floats forward and one of ``2C`` backward (``()``:
+    allreduce of ``2C`` float64 sums forward and one of ``2C`` floats backward (``()``:
     none).
     """
 
@@ -214,12 +214,12 @@ class CostModel:
 
     def batchnorm_seconds(self, replicas: int) -> float:
         """``sync_batchnorm``'s reductions in one forward and backward on ``replicas``: per
-        BatchNorm layer, the moments' allreduce (a row of ``1 + 2C`` floats per replica)
-        and the adjoint's (``2C``), float32; α-dominated for any real layer."""
+        BatchNorm layer, the moments' allreduce (``2C`` float64 sums) and the adjoint's
+        (``2C`` float32); α-dominated for any real layer."""
         if replicas <= 1:
             return 0.0
         return sum(
-            allreduce_seconds(4 * replicas * (1 + 2 * c), replicas, self.topology)
+            allreduce_seconds(8 * 2 * c, replicas, self.topology)
             + allreduce_seconds(4 * 2 * c, replicas, self.topology)
             for c in self.batchnorm_channels
         )
