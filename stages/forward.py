@@ -363,13 +363,10 @@ class Forward(Stage):
         replicas.size = size
         replicas.share, replicas.global_batch = step.weight, step.global_batch
         replicas.replica = replica
-        if size > 1 and len(set(step.spec.micro_batches)) > 1:  # (Planner pairs them)
-            raise RuntimeError(
-                f"sync_batchnorm: step {step.spec.index} runs {list(step.spec.micro_batches)} "
-                "micro-batches per replica; paired reductions need the same count (a bug)"
-            )
-        if size > 1 and step.micro_count > 1:  # the k-th micro-batch of every replica
-            replicas.global_batch = step.spec.paired_micro_batch(step.micro_index)
+        if size > 1:  # (paired: the k-th micro-batch of every replica; checked once a step)
+            paired = step.spec.paired_micro_batches
+            if step.micro_count > 1:
+                replicas.global_batch = paired[step.micro_index]
         return size > 1
 
     def _take_part(self, step: StepContext, batch: Batch) -> ForwardOutput:

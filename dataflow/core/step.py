@@ -7,6 +7,7 @@ engine for it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,14 +131,31 @@ class StepSpec:
         """The most samples replica ``rank`` holds in one forward/backward of this step."""
         return -(-self.local_batches[rank] // max(1, self.micro_batches_of(rank)))
 
-    def paired_micro_batch(self, index: int) -> int:
-        """The samples of every replica's ``index``-th micro-batch of this step, run
-        paired (``sync_batchnorm``: one reduction over them, each replica the same count
-        of micro-batches, empty ones included)."""
-        return sum(
-            micro_batch_sizes(batch, self.micro_batches_of(r), paired=True)[index]
-            for r, batch in enumerate(self.local_batches)
-        )
+    @functools.cached_property
+    def paired_micro_batches(self) -> tuple[int, ...]:
+        """Per k, the samples of every replica's k-th micro-batch of this step, run paired
+        (``sync_batchnorm``: one reduction over them; every replica runs the same count
+        of micro-batches, empty ones included, which the planner ensures and this
+        checks). Once per step, in ``O(W + M)``: replica ``r``'s part ``k`` is ``b_r // M``
+        plus one where ``k < b_r % M`` (``micro_batch_sizes``)."""
+        counts = set(self.micro_batches) or {1}
+        if len(counts) > 1:
+            raise RuntimeError(
+                f"sync_batchnorm: step {self.index} runs {list(self.micro_batches)} "
+                "micro-batches per replica; paired reductions need the same count (a bug)"
+            )
+        (parts,) = counts
+        longer = [0] * (parts + 1)  # replicas whose first k parts hold one sample more
+        bases = 0
+        for batch in self.local_batches:
+            base, extra = divmod(batch, parts)
+            bases += base
+            longer[extra] += 1
+        totals, more = [], sum(longer[1:])
+        for k in range(parts):
+            totals.append(bases + more)
+            more -= longer[k + 1]
+        return tuple(totals)
 
 
 @dataclass
