@@ -158,10 +158,12 @@ class _FlatOptimizer(torch.optim.Optimizer):
     """What FusedSGD and FusedAdam share: flat buffers per group, grads, state loading."""
 
     op: ClassVar[Op]
+    # options a subclass adds to its base's (set on the instance before __init__)
+    _more_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self._flats: list[list[FlatParams]] = []
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, **self._more_defaults})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from dataflow.ops import flat, halo
+from dataflow.ops.layerwise import FusedLAMB, FusedLARS
 from dataflow.ops.optim import FusedAdam, FusedSGD
 from dataflow.ops.optim_kernels import ADAMW_STEP
 
@@ -114,6 +115,46 @@ def simulated_optimizer_kernels() -> None:
         print(f"optimizer kernels ok: {np.dtype(dtype).name}")
 
 
+def simulated_layerwise_kernels() -> None:
+    """The LARS and LAMB CUDA kernels vs their per-tensor references (simulator): tensors
+    of several chunks, an empty one, one of zeros (ratio 1), one that does not adapt."""
+    from numba import config, cuda
+
+    from dataflow.ops.layerwise_kernels import LAMB_STEP, LARS_STEP
+
+    assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
+    rng = np.random.default_rng(2)
+    sizes, adapt = [9, 0, 5, 6, 3], np.array([1, 1, 1, 0, 1], dtype=np.int8)
+    starts = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(np.int64)
+    table, bounds = flat.chunk_table(sizes, starts, starts, 4)
+    table = np.ascontiguousarray(table[:, [0, 1, 3]])
+
+    def split(a):
+        return [torch.from_numpy(a[s : s + n].copy()) for s, n in zip(starts, sizes, strict=True)]
+
+    for dtype in (np.float32, np.float64):
+        p, g, m = (rng.normal(size=sum(sizes)).astype(dtype) for _ in range(3))
+        v = rng.uniform(0, 1, size=sum(sizes)).astype(dtype)
+        p[9:14] = 0  # the third tensor's weights are zero
+        for first in (True, False):
+            kw = dict(lr=0.5, momentum=0.9, dampening=0.1, weight_decay=1e-2, nesterov=False,
+                      trust_coefficient=0.02, eps=1e-8, first=first)  # fmt: skip
+            arrays = [cuda.to_device(a) for a in (p, g, m)]
+            LARS_STEP.cuda(*arrays, table, bounds, adapt, stream=0, **kw)
+            want = LARS_STEP.reference(split(p), split(g), split(m), adapt.astype(bool), **kw)
+            for got, expected in zip((arrays[0], arrays[2]), want, strict=True):
+                _close(got.copy_to_host(), torch.cat(expected), dtype)
+        for step in (1, 5):
+            kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, step=step)
+            arrays = [cuda.to_device(a) for a in (p, g, m, v)]
+            LAMB_STEP.cuda(*arrays, table, bounds, adapt, stream=0, **kw)
+            tensors = (split(a) for a in (p, g, m, v))
+            want = LAMB_STEP.reference(*tensors, adapt.astype(bool), **kw)
+            for got, expected in zip((arrays[0], arrays[2], arrays[3]), want, strict=True):
+                _close(got.copy_to_host(), torch.cat(expected), dtype)
+        print(f"layerwise kernels ok: {np.dtype(dtype).name}")
+
+
 def _run_simulated(function: str) -> subprocess.CompletedProcess:
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
@@ -133,6 +174,10 @@ def _run_simulated(function: str) -> subprocess.CompletedProcess:
         (
             "simulated_optimizer_kernels",
             ["optimizer kernels ok: float32", "optimizer kernels ok: float64"],
+        ),
+        (
+            "simulated_layerwise_kernels",
+            ["layerwise kernels ok: float32", "layerwise kernels ok: float64"],
         ),
     ],
 )
@@ -240,3 +285,35 @@ def test_fused_sgd_on_cuda_is_torchs_fused_sgd_bit_for_bit(dtype):
     for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert all(s["momentum_buffer"].is_cuda for s in opt.state.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: FusedLARS(p, lr=0.5, momentum=0.9, weight_decay=1e-3, trust_coefficient=0.02),
+        lambda p: FusedLAMB(p, lr=1e-2, weight_decay=1e-2),
+    ],
+    ids=["lars", "lamb"],
+)
+def test_layerwise_optimizers_on_cuda_match_the_cpu(make):
+    """The Numba CUDA kernels (three launches a step) train as the CPU ones do."""
+    torch.backends.cudnn.deterministic = True
+
+    def train(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 3)
+        ).to(device=device, dtype=torch.float64)
+        opt = make(model.parameters())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(8, 1, 8, 8, dtype=torch.float64, generator=g).to(device)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return model
+
+    for a, b in zip(train("cuda").parameters(), train("cpu").parameters(), strict=True):
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-7, atol=1e-10)
