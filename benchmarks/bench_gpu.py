@@ -101,8 +101,11 @@ def cuda_params(shapes: list[tuple[int, ...]], seed: int = 0) -> list[torch.nn.P
 
 def kernel_groups() -> dict[str, dict[str, Callable[[], Any]]]:
     """{op: {variant: call}}; the first variant of each is dataflow's."""
+    from layerwise_torch import TorchLAMB, TorchLARS
+
     from dataflow.ops import flat, halo
     from dataflow.ops import transforms as T
+    from dataflow.ops.layerwise import FusedLAMB, FusedLARS
     from dataflow.ops.optim import FusedAdam, FusedSGD
 
     shapes = resnet50_shapes()
@@ -144,9 +147,26 @@ def kernel_groups() -> dict[str, dict[str, Callable[[], Any]]]:
             },
         ),
     }
+    lars = dict(lr=1.0, momentum=0.9, weight_decay=1e-4)
+    optimizers["LARS (ResNet-50)"] = (
+        lambda ps: FusedLARS(ps, **lars),
+        {
+            "torch foreach": lambda ps: TorchLARS(ps, **lars, foreach=True),
+            "torch per-tensor loop": lambda ps: TorchLARS(ps, **lars, foreach=False),
+        },
+    )
+    optimizers["LAMB (ResNet-50)"] = (
+        lambda ps: FusedLAMB(ps, lr=1e-3),
+        {
+            "torch foreach": lambda ps: TorchLAMB(ps, lr=1e-3, foreach=True),
+            "torch per-tensor loop": lambda ps: TorchLAMB(ps, lr=1e-3, foreach=False),
+        },
+    )
     ours_names = {
         "SGD momentum (ResNet-50)": "dataflow (torch _fused_sgd_ on the flat buffer)",
         "AdamW (ResNet-50)": "dataflow",
+        "LARS (ResNet-50)": "dataflow (3 Numba launches)",
+        "LAMB (ResNet-50)": "dataflow (3 Numba launches)",
     }
     for label, (ours, theirs) in optimizers.items():
         groups[label] = {ours_names[label]: ours(cuda_params(shapes)).step}

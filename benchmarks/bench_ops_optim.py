@@ -6,6 +6,8 @@ from the architecture), with random gradients. One ``step()`` is timed for:
 * FusedSGD (momentum 0.9, weight decay 1e-4) vs torch.optim.SGD with ``foreach=True``,
   ``foreach=False`` (the per-tensor loop) and ``fused=True`` where torch has it on CPU;
 * FusedAdam vs torch.optim.AdamW, the same three variants;
+* FusedLARS and FusedLAMB vs the same optimizers written in torch (``layerwise_torch``:
+  ``_foreach`` ops, and the per-tensor loop of most ports; torch has neither);
 
 and one call of the gradient-path ops:
 
@@ -36,10 +38,12 @@ from typing import Any
 
 import numba
 import torch
+from layerwise_torch import TorchLAMB, TorchLARS
 from quiet import wait_quiet
 from records import save_run, table
 
 from dataflow.ops import flat
+from dataflow.ops.layerwise import FusedLAMB, FusedLARS
 from dataflow.ops.optim import FusedAdam, FusedSGD
 from dataflow.tools.cpu_meter import CpuMeter
 
@@ -150,6 +154,22 @@ def op_calls(shapes, seed) -> dict[str, dict[str, Callable[[], Any]]]:
     }
 
 
+def check_same_steps(shapes, ours, theirs, kw) -> None:
+    """The torch forms train as ours does (3 steps on a slice of the shapes), so the
+    comparison is between equal work."""
+    results = []
+    for make in (ours, lambda ps, **k: theirs(ps, **k, foreach=True),
+                 lambda ps, **k: theirs(ps, **k, foreach=False)):  # fmt: skip
+        params = make_params(shapes[:12], seed=7)
+        opt = make(params, **kw)
+        for _ in range(3):
+            opt.step()
+        results.append(params)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def copy_calls(elements: int) -> dict[str, Callable[[], Any]]:
     source, target = torch.randn(elements), torch.empty(elements)
     return {"torch copy_": lambda: target.copy_(source)}
@@ -181,6 +201,8 @@ def offsets(tensors: list[torch.Tensor]) -> list[int]:
 BYTES_PER_ELEMENT = {  # what one fused pass reads + writes, float32
     "FusedSGD step (momentum, weight decay)": 5 * 4,
     "FusedAdam step (AdamW)": 7 * 4,
+    "FusedLARS step (momentum, weight decay)": 7 * 4,  # norms: p, g; update: p, g, m -> p, m
+    "FusedLAMB step": 10 * 4,  # moments: p, g, m, v -> m, v; update: p, m, v -> p
     "pack_scaled_": 2 * 4,
     "sum_of_squares": 4,
     "copy (bandwidth reference)": 2 * 4,
@@ -259,6 +281,22 @@ def main() -> None:
     group = "FusedAdam step (AdamW)"
     rows += rows_for(group, measure(group, calls, args), elements)
     del calls
+
+    lars = dict(lr=1.0, momentum=0.9, weight_decay=1e-4, trust_coefficient=0.001)
+    lamb = dict(lr=1e-3, weight_decay=1e-2)
+    layerwise = {
+        "FusedLARS step (momentum, weight decay)": (FusedLARS, TorchLARS, lars),
+        "FusedLAMB step": (FusedLAMB, TorchLAMB, lamb),
+    }
+    for group, (ours, theirs, kw) in layerwise.items():
+        check_same_steps(shapes, ours, theirs, kw)
+        variants = {
+            "torch foreach": lambda ps, t=theirs, kw=kw: t(ps, **kw, foreach=True),
+            "torch for-loop": lambda ps, t=theirs, kw=kw: t(ps, **kw, foreach=False),
+        }
+        calls = optimizer_calls(shapes, args.seed, lambda ps, o=ours, kw=kw: o(ps, **kw), variants)
+        rows += rows_for(group, measure(group, calls, args), elements)
+        del calls
 
     for group, calls in op_calls(shapes, args.seed).items():
         rows += rows_for(group, measure(group, calls, args), elements)

@@ -32,11 +32,12 @@ def validated_pipeline(
 ) -> tuple[Any, Any]:
     """The grid's fit of ``dataset`` with optimizer ``kind``: 2 CPU replicas at
     ``Fixed(batch)``, evaluated on the validation half of the held-out set each epoch;
-    ``options``: more of the Pipeline's. Returns the pipeline and the test half."""
+    ``options``: more of the Pipeline's (or others: ``schedule=``, ``optimizer=``).
+    Returns the pipeline and the test half."""
     import dataflow as dfl
 
     validation, test = halves(dataset.test)
-    pipe = dfl.Pipeline(
+    defaults = dict(
         model=dataset.model,
         loss=dataset.loss,
         optimizer=Optimizer(kind, LR0[(dataset.name, kind)]),
@@ -48,9 +49,8 @@ def validated_pipeline(
         replicas=2,
         progress=False,
         device="cpu",
-        **options,
     )
-    return pipe, test
+    return dfl.Pipeline(**{**defaults, **options}), test
 
 
 def test_score(dataset: Dataset, test: Any, scores: dict[str, float]) -> float:

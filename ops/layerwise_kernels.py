@@ -18,7 +18,10 @@ for a flat buffer, so the optimizer builds them once.
 The arithmetic of the update is torch's, in the same order as the references below
 (``add(.., alpha=)`` as one FMA on the CPU, as in ``optim_kernels``); the norms are
 summed in another order than ``torch.linalg.vector_norm``, so a ratio can differ from
-the reference's in its last bit, and results agree to rounding, not bit for bit.
+the reference's in its last bit, and results agree to rounding, not bit for bit. LAMB's
+CPU moments pass may be reassociated by LLVM (``fastmath={"reassoc"}``): without it its
+float64 sums keep the loop from vectorising, and the step took 65 ms on ResNet-50's
+parameters on 2 cores against 21 ms with it (torch's per-tensor LAMB: 60 ms).
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ def _lamb_cpu_kernels(lerp_from_end: bool) -> Any:
         u = (mi / bc1) / (math.sqrt(vi) / bc2_sqrt + eps)
         return fma(x, wd, u) if decay else u  # .add(param, alpha=wd)
 
-    @njit(parallel=True, cache=True)
+    @njit(parallel=True, cache=True, fastmath={"reassoc"})
     def moments(p, g, m, v, table, bounds, adapt, lerp_w, beta2, w2, bc1, bc2_sqrt, eps, wd, out):
         partial = np.empty((table.shape[0], 2), dtype=np.float64)
         for c in prange(table.shape[0]):

@@ -322,11 +322,55 @@ def test_a_growing_batch_fit_on_two_replicas_equals_the_one_process_loop(client,
     trust ratios are the one-process loop's."""
     x, y = make_data(96)
     schedule = dfl.schedule.Stepwise({0: 8, 1: 32}, lr_scaling="linear", warmup_steps=2)
-    pipe = tiny_pipeline(x, y, optimizer=make, schedule=schedule)
+    # and in micro-batches: the 32-sample phase's shares of 16 run as 4 of 4
+    pipe = tiny_pipeline(x, y, optimizer=make, schedule=schedule, max_micro_batch=4)
     result = pipe.fit(epochs=3, client=client)
+    assert result.history.phases[1]["micro_batches"] == [4, 4]
     assert [p["global_batch"] for p in result.history.phases] == [8, 32]
     batches_ = pipe.sample_plan(epochs=3, replicas=2)
     base = make(TinyCNN().parameters()).param_groups[0]["lr"]
     lrs = [base] * 12 + [lr_at(base, base * 4, k, 2) for k in range(6)]
     expected = reference_training(x, y, batches=batches_, seed=0, optimizer=make, lrs=lrs)
     assert max_abs_diff(result.model, expected) <= 1e-5
+
+
+@pytest.mark.slow  # two fits on the cluster
+def test_async_staleness_zero_applies_lars_on_whole_tensors(client):
+    """The parameter store shards whole tensors, so its LARS ratios are the tensors':
+    ``Async(staleness=0)`` with FusedLARS is the synchronous FusedLARS fit (3:1 split)."""
+    x, y = make_data(96)
+    options = dict(optimizer=lars, balancer=dfl.balance.Proportional((3, 1)))
+    async_ = tiny_pipeline(x, y, sync=dfl.sync.Async(staleness=0), **options)
+    synchronous = tiny_pipeline(x, y, **options)
+    a = async_.fit(epochs=2, client=client)
+    b = synchronous.fit(epochs=2, client=client)
+    assert a.history.info["sync"].startswith("asynchronous")
+    assert max_abs_diff(a.model, b.model) <= 1e-6
+
+
+@pytest.mark.slow  # four fits on the cluster
+@pytest.mark.parametrize("sync", [None, dfl.sync.Local(period_steps=2)], ids=["sync", "local"])
+def test_a_fit_resumed_inside_a_phase_with_lamb_is_bit_identical(client, tmp_path, sync):
+    """LAMB's state (moments and per-tensor step counts in flat buffers) survives a
+    checkpoint and, under local updates, the replicas' averages: the resumed fit ends
+    with the uninterrupted one's bits."""
+    from test_mid_phase_checkpoints import _assert_same_weights, _keep_up_to
+
+    from dataflow.checkpoint import CheckpointStore
+
+    x, y = make_data(160)
+    options = dict(
+        optimizer=lamb,
+        schedule=dfl.schedule.Stepwise({0: 16, 2: 32}, lr_scaling="sqrt", warmup_steps=4),
+        window_steps=2,  # pinned: checkpoint points in every phase, however fast the machine
+        **({"sync": sync} if sync is not None else {}),
+    )
+    folder = dict(checkpoint_dir=tmp_path, keep_checkpoints=1000)
+    full = tiny_pipeline(x, y, **options).fit(3, client=client, checkpoint_every=1, **folder)
+    mid = [c for c in full.history.info["checkpoints"] if c["mid_phase"]]
+    store = CheckpointStore(tmp_path, keep=1000)
+    _keep_up_to(store, store.path(mid[1]["step"]))
+    resumed = tiny_pipeline(x, y, **options).fit(3, client=client, resume=True, **folder)
+    assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
+    _assert_same_weights(full.model, resumed.model)
+    assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
