@@ -32,9 +32,20 @@ import torch
 
 from dataflow.core.errors import ConfigError
 from dataflow.ops.flat import CPU_CHUNK, CUDA_CHUNK, chunk_table
-from dataflow.ops.layerwise_kernels import LAMB_STEP, LARS_STEP
+from dataflow.ops.layerwise_cuda import lamb_cuda, lars_cuda
+from dataflow.ops.layerwise_kernels import lamb_cpu, lamb_reference, lars_cpu, lars_reference
 from dataflow.ops.optim import FlatParams, FusedAdam, FusedSGD, _real, runs
-from dataflow.ops.registry import Op, as_arrays, check, match_torch_threads, torch_stream
+from dataflow.ops.registry import (
+    Op,
+    as_arrays,
+    check,
+    match_torch_threads,
+    register,
+    torch_stream,
+)
+
+LARS_STEP = register(Op("lars_step", lars_cpu, lars_cuda, lars_reference))
+LAMB_STEP = register(Op("lamb_step", lamb_cpu, lamb_cuda, lamb_reference))
 
 
 class _Layout:

@@ -120,7 +120,7 @@ def simulated_layerwise_kernels() -> None:
     of several chunks, an empty one, one of zeros (ratio 1), one that does not adapt."""
     from numba import config, cuda
 
-    from dataflow.ops.layerwise_kernels import LAMB_STEP, LARS_STEP
+    from dataflow.ops.layerwise import LAMB_STEP, LARS_STEP
 
     assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
     rng = np.random.default_rng(2)
