@@ -529,3 +529,31 @@ def test_history_steps_are_appended_once_and_read_back(tmp_path: Path) -> None:
     again = CheckpointStore(tmp_path, keep=10)  # a resumed fit: back to step 4
     assert again.append_steps(4, [{"step": 4, "loss": 9.0}]) == 5
     assert [s["loss"] for s in again._read_steps(5)][-1] == 9.0
+
+
+def test_a_restored_optimizer_keeps_the_factorys_options_and_the_checkpoints_state():
+    """Resuming with an edited optimizer factory (another weight decay, or SGD's state
+    into FusedLARS) trains with the factory's options, not silently with the saved ones;
+    the state (momentum) and the LR (the schedule's) come from the checkpoint."""
+    from dataflow.ops import FusedLARS
+    from dataflow.runtime.replica_state import load_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    saved_opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9, weight_decay=0.0)
+    model(torch.randn(4, 3)).sum().backward()
+    saved_opt.step()
+    saved = saved_opt.state_dict()
+    for make in (
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, weight_decay=1e-3),
+        lambda p: FusedLARS(p, lr=0.1, momentum=0.5, weight_decay=1e-3, trust_coefficient=0.02),
+    ):
+        live = make(model.parameters())
+        load_optimizer_state(live, saved)
+        (group,) = live.param_groups
+        assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.3, 0.5, 1e-3)
+        for i, p in enumerate(model.parameters()):
+            expected = saved["state"][i]["momentum_buffer"]
+            assert torch.equal(live.state[p]["momentum_buffer"], expected)
+        if isinstance(live, FusedLARS):
+            assert group["trust_coefficient"] == 0.02

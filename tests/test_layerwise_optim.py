@@ -4,6 +4,7 @@ references) to float rounding, the trust ratio's behaviour, torch-optimizer mann
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
@@ -374,3 +375,35 @@ def test_a_fit_resumed_inside_a_phase_with_lamb_is_bit_identical(client, tmp_pat
     assert resumed.history.info["resumed_from"]["step"] == mid[1]["step"]
     _assert_same_weights(full.model, resumed.model)
     assert [s["loss"] for s in resumed.history.steps] == [s["loss"] for s in full.history.steps]
+
+
+@pytest.mark.slow  # two fits on the cluster
+def test_a_sgd_fit_resumed_with_lars_carries_its_momentum_over(client, tmp_path):
+    """Switching to LARS when the batch has grown, as a user does it: resume the SGD
+    fit's checkpoint with a FusedLARS factory. The momentum buffers load (torch's
+    names) and the options are the new factory's (its weight decay, not SGD's 0), so
+    the fit equals the one-process loop that switches at the same step."""
+    x, y = make_data(96)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    first = tiny_pipeline(x, y, optimizer=sgd).fit(2, client=client, checkpoint_dir=tmp_path)
+    then = tiny_pipeline(x, y, optimizer=lars)
+    result = then.fit(3, client=client, checkpoint_dir=tmp_path, resume=True)
+    assert result.history.info["resumed_from"]["epoch"] == 2
+
+    batches_ = then.sample_plan(epochs=3, replicas=2)
+    torch.manual_seed(0)
+    model = TinyCNN()
+    opt = sgd(model.parameters())
+    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+    for step, parts in enumerate(batches_):
+        if step == len(first.history.steps):  # the switch, with the state carried over
+            switched = lars(model.parameters())
+            # the factory's options (lr, weight decay), the checkpoint's momentum
+            options = switched.state_dict()["param_groups"]
+            switched.load_state_dict(opt.state_dict() | {"param_groups": options})
+            opt = switched
+        index = torch.from_numpy(np.concatenate(parts))
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xt[index]), yt[index]).backward()
+        opt.step()
+    assert max_abs_diff(result.model, model) <= 1e-5

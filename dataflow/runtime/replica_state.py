@@ -22,6 +22,23 @@ from dataflow.stages.averaging import averaged_state_dict
 SPARE_ARENAS = 1
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(saved)``, but each param group keeps the live
+    optimizer's options (weight decay, momentum, betas, ...) other than the LR.
+
+    The live optimizer was built by the fit's factory: within a fit the engine changes
+    only the LR (which comes from ``saved``, as the schedule left it), so a rollback or
+    a joiner loads the same options either way; a fit resumed with an edited factory
+    (another weight decay, or ``SGD`` -> ``FusedLARS``, whose state has torch's names)
+    trains with what the factory now says, not silently with the checkpoint's."""
+    kept = [
+        {k: v for k, v in g.items() if k not in ("params", "lr")} for g in optimizer.param_groups
+    ]
+    optimizer.load_state_dict(saved)
+    for group, options in zip(optimizer.param_groups, kept, strict=True):
+        group.update(options)
+
+
 class StateSide:
     """The replica's state captured and restored."""
 
@@ -83,7 +100,7 @@ class StateSide:
         if state.loss_scale is not None and ctx.loss_scale is not None:
             ctx.loss_scale.load_state_dict(state.loss_scale)
         if state.optimizer is not None and ctx.optimizer is not None:
-            ctx.optimizer.load_state_dict(host_copy(state.optimizer))
+            load_optimizer_state(ctx.optimizer, host_copy(state.optimizer))
         for name, settings in (state.stages or {}).items():
             if settings is not None and name in self.stages:
                 self.stages[name].load_phase_state(settings)
