@@ -311,6 +311,16 @@ class Evaluate(Stage):
     def begin_phase(self, replica: Any, phase: Any) -> None:
         self._interrupted = None  # an abort of a window the recovery replaced
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the reading in progress (its prefetch thread and locks): Dask may copy
+        the stage from a worker scoring a share with it to another that lost its own
+        copy (``Pipeline.evaluate`` scatters it once; a stolen share fetches it), and a
+        stage that could not be pickled then left ``evaluate`` waiting for good."""
+        state = self.__dict__.copy()
+        for transient in ("_reading", "_reader", "_interrupted"):
+            state.pop(transient, None)
+        return state
+
 
 def _as_is(batch: Any) -> Any:
     return batch

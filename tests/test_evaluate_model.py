@@ -201,3 +201,30 @@ def test_shares_whose_scattered_inputs_were_lost_are_submitted_again(client, mon
     got = run_shares(client, "evaluate", _share_of, object(), torch.nn.Linear(2, 2), "cpu", 10)
     assert got == [(0, 5), (5, 10)] and len(gathers) == 2
     assert submitted == [(0, 5), (5, 10), (5, 10)]  # the second share twice
+
+
+def test_the_stage_can_be_copied_to_another_worker_while_a_share_reads_with_it(tmp_path):
+    """``Pipeline.evaluate`` scatters the stage once; a worker that lost its copy (Dask's
+    memory manager drops it once its share is done) and then runs a stolen share fetches
+    the copy of a worker still scoring with it. That copy holds the reading in progress
+    (a prefetch thread, locks): it could not be pickled, and ``evaluate`` waited for
+    good (seen in ``bench_layerwise_accuracy.py``). Now the reading stays behind."""
+    import pickle
+
+    from dataflow.stages.evaluate import Evaluate
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 1, 8, 8)).astype(np.float32), rng.integers(0, 3, 40)
+    for source in (
+        dfl.io.ArraySource(x, y, shuffle=False),
+        dfl.io.ZarrSource(
+            dfl.io.to_zarr(tmp_path / "held.zarr", x, y), x="x", y="y", shuffle=False
+        ),
+    ):
+        stage = Evaluate(source, metrics={"loss": F.cross_entropy}, batch_size=8)
+        outputs = stage.outputs(TinyCNN(), torch.device("cpu"), 0, 40)
+        next(outputs)  # a share part-way through its batches
+        copy = pickle.loads(pickle.dumps(stage))
+        outputs.close()
+        scores = copy.score_range(TinyCNN(), torch.device("cpu"), 0, 40)
+        assert scores["count"] == 40 and np.isfinite(scores["loss"])
