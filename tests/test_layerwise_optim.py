@@ -131,7 +131,9 @@ def test_lars_steps_do_not_depend_on_the_gradients_scale():
             (p.detach() - b).norm().item() for p, b in zip(model.parameters(), before, strict=True)
         ]
 
-    lars = lambda p: FusedLARS(p, lr=1.0, momentum=0.0, trust_coefficient=0.01, eps=0)  # noqa: E731
+    lars = lambda p: FusedLARS(  # noqa: E731
+        p, lr=1.0, momentum=0.0, trust_coefficient=0.01, eps=0, exclude_1d=True
+    )
     sgd = lambda p: FusedSGD(p, lr=1.0)  # noqa: E731
     small, large = first_step(lars, 1.0), first_step(lars, 1000.0)
     dims = [p.dim() for p in new_model().parameters()]
@@ -164,7 +166,7 @@ def test_a_tensor_with_zero_weights_takes_the_plain_step():
 
 def test_exclude_1d_gives_biases_the_plain_step_without_decay():
     model, plain = new_model(torch.float64), new_model(torch.float64)
-    opt = FusedLARS(model.parameters(), lr=0.3, momentum=0.9, weight_decay=0.1)
+    opt = FusedLARS(model.parameters(), lr=0.3, momentum=0.9, weight_decay=0.1, exclude_1d=True)
     ref = torch.optim.SGD(plain.parameters(), lr=0.3, momentum=0.9)  # no decay
     train_fused(model, opt, batches(1, torch.float64))
     train_fused(plain, ref, batches(1, torch.float64))
@@ -179,8 +181,8 @@ def test_param_groups_keep_their_own_options():
     model = new_model(torch.float64)
     params = list(model.parameters())
     groups = [
-        {"params": params[:2], "trust_coefficient": 0.05, "exclude_1d": False},
-        {"params": params[2:], "lr": 0.05},
+        {"params": params[:2], "trust_coefficient": 0.05},
+        {"params": params[2:], "lr": 0.05, "exclude_1d": True},
     ]
     opt = FusedLARS(groups, lr=0.5, momentum=0.9, weight_decay=1e-3)
     assert [g["trust_coefficient"] for g in opt.param_groups] == [0.05, 0.001]
