@@ -12,7 +12,10 @@ Per dataset, optimizer kind and seed, three fits:
 * ``layerwise``: the same schedule with ``FusedLARS`` (for SGD; momentum 0.9, weight
   decay 0, trust coefficient 0.001) or ``FusedLAMB`` (for Adam; weight decay 0), at one
   base LR for every dataset (``--lars-lr``, ``--lamb-lr``: the best of ``--tune`` on
-  digits alone, so three of the four datasets are data nobody tuned it to).
+  digits alone, so three of the four datasets are data nobody tuned it to);
+* ``layerwise_all``: the same with ``exclude_1d=False``: biases (and BatchNorm's scales
+  and shifts, where a model has them) take the trust ratio too, instead of the plain
+  step at the layer-wise optimizer's global LR.
 
 Each fit is scored once on the test half of its held-out set (the validation half is
 scored each epoch), as in ``bench_sync_batchnorm_accuracy.py``: test accuracy (%) or
@@ -20,7 +23,7 @@ mean R^2 (%). A fit that diverges (its loss or a held-out metric not finite) sco
 a constant predictor would (0 % R^2; the most frequent class's share) and is listed in
 its run's ``diverged``. Means over seeds, paired differences seed for seed.
 
-    python benchmarks/bench_layerwise_accuracy.py --seeds 5          # ~10 min on 2 cores
+    python benchmarks/bench_layerwise_accuracy.py --seeds 5          # ~15 min on 2 cores
     python benchmarks/bench_layerwise_accuracy.py --tune --datasets digits --seeds 1
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,15 +50,15 @@ TUNE_LRS = {"sgd": (0.3, 1.0, 3.0, 10.0), "adam": (0.003, 0.01, 0.03, 0.1)}
 class Layerwise:
     """Picklable ``params -> FusedLARS(lr)`` (kind "sgd") or ``FusedLAMB(lr)`` ("adam")."""
 
-    def __init__(self, kind: str, lr: float) -> None:
-        self.kind, self.lr = kind, lr
+    def __init__(self, kind: str, lr: float, exclude_1d: bool = True) -> None:
+        self.kind, self.lr, self.exclude_1d = kind, lr, exclude_1d
 
     def __call__(self, params: Any) -> torch.optim.Optimizer:
         from dataflow.ops import FusedLAMB, FusedLARS
 
         if self.kind == "sgd":
-            return FusedLARS(params, lr=self.lr, momentum=0.9)
-        return FusedLAMB(params, lr=self.lr, weight_decay=0.0)
+            return FusedLARS(params, lr=self.lr, momentum=0.9, exclude_1d=self.exclude_1d)
+        return FusedLAMB(params, lr=self.lr, weight_decay=0.0, exclude_1d=self.exclude_1d)
 
 
 def grown_schedule(kind: str, epochs: int, max_batch: int, warmup: int) -> Any:
@@ -89,6 +93,8 @@ def fit_variants(
     for lr in lrs[kind]:
         name = "layerwise" if not args.tune else f"layerwise@{lr:g}"
         variants[name] = {"schedule": grown, "optimizer": Layerwise(kind, lr)}
+        if not args.tune:  # the same with biases and norms adapted too
+            variants["layerwise_all"] = {"schedule": grown, "optimizer": Layerwise(kind, lr, False)}
     for name, options in variants.items():
         pipe, test = validated_pipeline(dataset, kind, seed, 32, **options)
         try:
@@ -103,8 +109,59 @@ def fit_variants(
         if name == "grown":
             run["batches"] = [p["global_batch"] for p in result.history.phases]
             run["lrs"] = [round(p["lr"], 6) for p in result.history.phases]
+    run["floor"] = constant_score(dataset, validated_pipeline(dataset, kind, seed, 32)[1])
     run["seconds"] = time.perf_counter() - started
     return run
+
+
+SCORES = ("small", "grown", "layerwise", "layerwise_all")
+PAIRS = (("grown", "small"), ("layerwise", "grown"), ("layerwise_all", "grown"))
+
+
+def floored(run: dict[str, Any]) -> dict[str, float]:
+    """The run's scores, each at least a constant predictor's (``run["floor"]``): a
+    regression worse than predicting the mean counts as the mean (R^2 0 %), so one
+    blown-up fit (R^2 of -1e37) does not decide a mean over seeds."""
+    floor = run.get("floor", float("-inf"))
+    return {
+        k: max(v, floor)
+        for k, v in run.items()
+        if isinstance(v, float) and k not in ("seconds", "floor")
+    }
+
+
+def summarize(
+    results: dict[str, list[dict[str, Any]]], *, tune: bool, seeds: int, epochs: int
+) -> None:
+    """The table of mean (floored) scores and paired differences, and the totals."""
+    rows = []
+    for key, raw in results.items():
+        dataset, kind = key.split("/")
+        runs = [floored(r) for r in raw]
+        names = list(runs[0])
+        means = [f"{statistics.fmean(r[v] for r in runs):.2f}" for v in names]
+        diverged = sum(len(r.get("diverged", ())) for r in raw)
+        if tune:
+            means = ["  ".join(f"{n} {m}" for n, m in zip(names, means, strict=True))]
+            rows.append([dataset, kind, f"{LR0[(dataset, kind)]:g}", *means])
+            continue
+        diffs = [paired(runs, a, b) for a, b in PAIRS]
+        rows.append([dataset, kind, f"{LR0[(dataset, kind)]:g}", *means, *diffs, diverged])
+    header = ["dataset", "opt", "LR0"]
+    header += (
+        ["layerwise@LR: score"]
+        if tune
+        else [*SCORES, *(f"{a} - {b}" for a, b in PAIRS), "diverged"]
+    )
+    print(f"test scores (%; floored at a constant predictor's), mean over {seeds} seed(s); "
+          f"{epochs} epochs; differences paired")  # fmt: skip
+    print(table(rows, header))
+    if tune:
+        return
+    for kind in ("sgd", "adam"):
+        runs = [floored(r) for key, rs in results.items() if key.endswith(kind) for r in rs]
+        for a, b in PAIRS:
+            print(f"  {kind}, all datasets, {a} - {b}: {paired(runs, a, b)}") if runs else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -114,7 +171,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lars-lr", type=float, default=1.0, help="FusedLARS's base LR at 32")
     p.add_argument("--lamb-lr", type=float, default=0.01, help="FusedLAMB's base LR at 32")
     p.add_argument("--tune", action="store_true", help="sweep the layerwise LRs instead")
+    p.add_argument("--summarize", metavar="JSON", help="print the last run saved there, only")
     args = p.parse_args(argv)
+    if args.summarize:
+        import json
+
+        last = json.loads(Path(args.summarize).read_text())["runs"][-1]
+        config = last["config"]
+        summarize(last["runs"], tune=config["tune"], seeds=config["seeds"], epochs=config["epochs"])
+        return last
     seeds, epochs = grid_size(args, 15)
     lrs = TUNE_LRS if args.tune else {"sgd": (args.lars_lr,), "adam": (args.lamb_lr,)}
     print(f"{NAME}: 32 -> {args.max_batch}, {epochs} epochs, {seeds} seed(s), layerwise LRs {lrs}")
@@ -130,26 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return f"{scores}  {run['seconds']:.0f} s{diverged}"
 
     results = run_grid(args, seeds, __name__, fit, report)
-    rows = []
-    for key, runs in results.items():
-        dataset, kind = key.split("/")
-        names = [k for k, v in runs[0].items() if isinstance(v, float) and k != "seconds"]
-        means = [f"{statistics.fmean(r[v] for r in runs):.2f}" for v in names]
-        pairs = (("grown", "small"), ("layerwise", "grown"), ("layerwise", "small"))
-        diffs = [] if args.tune else [paired(runs, a, b) for a, b in pairs]
-        if args.tune:
-            means = ["  ".join(f"{n} {m}" for n, m in zip(names, means, strict=True))]
-        rows.append([dataset, kind, f"{LR0[(dataset, kind)]:g}", *means, *diffs])
-    header = ["dataset", "opt", "LR0", *(names if not args.tune else ["layerwise@LR: score"])]
-    if not args.tune:
-        header += ["grown - small", "layerwise - grown", "layerwise - small"]
-    print(f"test scores (%), mean over {seeds} seed(s); {epochs} epochs; differences paired")
-    print(table(rows, header))
-    if not args.tune:
-        for kind in ("sgd", "adam"):
-            runs = [r for key, rs in results.items() if key.endswith(kind) for r in rs]
-            for a, b in (("grown", "small"), ("layerwise", "grown"), ("layerwise", "small")):
-                print(f"  {kind}, all datasets, {a} - {b}: {paired(runs, a, b)}") if runs else None
+    summarize(results, tune=args.tune, seeds=seeds, epochs=epochs)
     config = vars(args) | {"epochs": epochs, "seeds": seeds, "layerwise_lrs": lrs}
     record = {"config": config, "runs": results}
     path = save_run(NAME, record, args.out, overwrite=args.overwrite)

@@ -22,7 +22,7 @@ def _split(params: list[torch.Tensor], exclude_1d: bool) -> tuple[list, list]:
 
 class TorchLARS(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_1d: bool = True,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8, exclude_1d: bool = False,
                  foreach: bool = True) -> None:  # fmt: skip
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       trust_coefficient=trust_coefficient, eps=eps))  # fmt: skip
@@ -71,7 +71,7 @@ class TorchLARS(torch.optim.Optimizer):
 
 class TorchLAMB(torch.optim.Optimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = True,
+                 eps: float = 1e-6, weight_decay: float = 0.01, exclude_1d: bool = False,
                  foreach: bool = True) -> None:  # fmt: skip
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.exclude_1d, self.foreach, self.steps = exclude_1d, foreach, 0
