@@ -12,7 +12,8 @@ Per dataset, optimizer kind and seed, three fits:
 * ``layerwise``: the same schedule with ``FusedLARS`` (for SGD; momentum 0.9, weight
   decay 0, trust coefficient 0.001) or ``FusedLAMB`` (for Adam; weight decay 0), at one
   base LR for every dataset (``--lars-lr``, ``--lamb-lr``: the best of ``--tune`` on
-  digits alone, so three of the four datasets are data nobody tuned it to);
+  digits alone with ``exclude_1d=True``, so three of the four datasets are data nobody
+  tuned it to; ``--tune`` sweeps both forms);
 * ``layerwise_all``: the same with ``exclude_1d=False``: biases (and BatchNorm's scales
   and shifts, where a model has them) take the trust ratio too, instead of the plain
   step at the layer-wise optimizer's global LR.
@@ -91,10 +92,13 @@ def fit_variants(
         {} if args.tune else {"small": {}, "grown": {"schedule": grown}}
     )
     for lr in lrs[kind]:
-        name = "layerwise" if not args.tune else f"layerwise@{lr:g}"
-        variants[name] = {"schedule": grown, "optimizer": Layerwise(kind, lr)}
-        if not args.tune:  # the same with biases and norms adapted too
-            variants["layerwise_all"] = {"schedule": grown, "optimizer": Layerwise(kind, lr, False)}
+        at = "" if not args.tune else f"@{lr:g}"
+        variants[f"layerwise{at}"] = {"schedule": grown, "optimizer": Layerwise(kind, lr)}
+        # the same with biases and norms adapted too (the optimizers' default)
+        variants[f"layerwise_all{at}"] = {
+            "schedule": grown,
+            "optimizer": Layerwise(kind, lr, exclude_1d=False),
+        }
     for name, options in variants.items():
         pipe, test = validated_pipeline(dataset, kind, seed, 32, **options)
         try:
