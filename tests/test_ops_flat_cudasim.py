@@ -317,3 +317,28 @@ def test_layerwise_optimizers_on_cuda_match_the_cpu(make):
 
     for a, b in zip(train("cuda").parameters(), train("cpu").parameters(), strict=True):
         torch.testing.assert_close(a.cpu(), b, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "make",
+    [lambda p: FusedLARS(p, lr=0.5, momentum=0.9), lambda p: FusedLAMB(p, lr=1e-2)],
+    ids=["lars", "lamb"],
+)
+def test_layerwise_steps_on_cuda_make_no_host_sync(make):
+    """Issue 37 item 1 for the layer-wise optimizers: the norms, ratios and update stay
+    on the device (three launches on torch's stream), so a step never waits for it."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten()).cuda()
+    opt = make(model.parameters())
+    x = torch.randn(8, 1, 8, 8, device="cuda")
+    for step in range(3):  # the first compiles the kernels and builds the tables
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
