@@ -162,7 +162,7 @@ def _segments_grid(segments: int, stream: Any) -> tuple[int, int, Any]:
 def _lamb_cuda_kernels(threads: int, lerp_from_end: bool) -> Any:
     _import_cuda()
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True)
     def direction(x, mi, vi, decay, bc1, bc2_sqrt, eps, wd):
         u = (mi / bc1) / (math.sqrt(vi) / bc2_sqrt + eps)
         return x * wd + u if decay else u
