@@ -18,6 +18,9 @@ Per dataset, optimizer kind and seed, three fits:
   and shifts, where a model has them) take the trust ratio too, instead of the plain
   step at the layer-wise optimizer's global LR.
 
+``--batchnorm``: each model with a BatchNorm after every convolution (as in
+``bench_sync_batchnorm_accuracy.py``), the networks the ``exclude_1d`` recipe is for.
+
 Each fit is scored once on the test half of its held-out set (the validation half is
 scored each epoch), as in ``bench_sync_batchnorm_accuracy.py``: test accuracy (%) or
 mean R^2 (%). A fit that diverges (its loss or a held-out metric not finite) scores as
@@ -175,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lars-lr", type=float, default=1.0, help="FusedLARS's base LR at 32")
     p.add_argument("--lamb-lr", type=float, default=0.01, help="FusedLAMB's base LR at 32")
     p.add_argument("--tune", action="store_true", help="sweep the layerwise LRs instead")
+    p.add_argument(
+        "--batchnorm", action="store_true", help="each model with a BatchNorm after every conv"
+    )
     p.add_argument("--summarize", metavar="JSON", help="print the last run saved there, only")
     args = p.parse_args(argv)
     if args.summarize:
@@ -189,6 +195,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{NAME}: 32 -> {args.max_batch}, {epochs} epochs, {seeds} seed(s), layerwise LRs {lrs}")
 
     def fit(dataset: Dataset, kind: str, seed: int, client: Any) -> dict[str, Any]:
+        if args.batchnorm:
+            import dataclasses
+
+            from bench_sync_batchnorm_accuracy import WithBatchNorm
+
+            dataset = dataclasses.replace(dataset, model=WithBatchNorm(dataset.model))
         return fit_variants(dataset, kind, seed, args, epochs, client, lrs)
 
     def report(run: dict[str, Any]) -> str:
