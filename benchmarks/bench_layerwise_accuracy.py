@@ -41,7 +41,15 @@ from typing import Any
 import numpy as np
 import torch
 from bench_adaptive_heldout import LR0, Dataset
-from heldout_grid import grid_parser, grid_size, paired, run_grid, test_score, validated_pipeline
+from heldout_grid import (
+    grid_parser,
+    grid_size,
+    halves,
+    paired,
+    run_grid,
+    test_score,
+    validated_pipeline,
+)
 from records import save_run, table
 
 from dataflow.errors import DataError, NonFiniteError
@@ -116,7 +124,7 @@ def fit_variants(
         if name == "grown":
             run["batches"] = [p["global_batch"] for p in result.history.phases]
             run["lrs"] = [round(p["lr"], 6) for p in result.history.phases]
-    run["floor"] = constant_score(dataset, validated_pipeline(dataset, kind, seed, 32)[1])
+    run["floor"] = constant_score(dataset, halves(dataset.test)[1])
     run["seconds"] = time.perf_counter() - started
     return run
 

@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 from numba import float64
 
+from dataflow.ops.flat import _device
 from dataflow.ops.layerwise_kernels import lamb_scalars
-from dataflow.ops.registry import MAX_BLOCKS, THREADS
+from dataflow.ops.registry import MAX_BLOCKS, THREADS, grid_stride
 
 cuda: Any = None  # numba.cuda, bound on first CUDA use (the simulator swaps globals only)
 
@@ -36,8 +37,44 @@ def _threads(table: Any) -> int:
 
 
 @functools.cache
-def _lars_cuda_kernels(threads: int, momentum: bool, nesterov: bool) -> Any:
+def _reductions(threads: int) -> Any:
+    """The device functions both optimizers' kernels share: a block's two float64 sums
+    reduced in shared memory into its chunk's row of ``partial``, and a tensor's sums
+    over its chunks' rows."""
     _import_cuda()
+
+    @cuda.jit(device=True)
+    def block_pair_sums(a, b, sx, sy, tid, partial, c):
+        sx[tid] = a
+        sy[tid] = b
+        cuda.syncthreads()
+        half = threads // 2
+        while half > 0:
+            if tid < half:
+                sx[tid] += sx[tid + half]
+                sy[tid] += sy[tid + half]
+            cuda.syncthreads()
+            half //= 2
+        if tid == 0:
+            partial[c, 0] = sx[0]
+            partial[c, 1] = sy[0]
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def segment_pair_sums(partial, bounds, s):
+        a = 0.0
+        b = 0.0
+        for c in range(bounds[s], bounds[s + 1]):
+            a += partial[c, 0]
+            b += partial[c, 1]
+        return a, b
+
+    return block_pair_sums, segment_pair_sums
+
+
+@functools.cache
+def _lars_cuda_kernels(threads: int, momentum: bool, nesterov: bool) -> Any:
+    block_pair_sums, segment_pair_sums = _reductions(threads)
 
     @cuda.jit
     def sums(p, g, table, partial):
@@ -52,29 +89,12 @@ def _lars_cuda_kernels(threads: int, momentum: bool, nesterov: bool) -> Any:
                 u, w = float64(p[start + k]), float64(g[start + k])
                 a += u * u
                 b += w * w
-            sx[tid] = a
-            sy[tid] = b
-            cuda.syncthreads()
-            half = threads // 2
-            while half > 0:
-                if tid < half:
-                    sx[tid] += sx[tid + half]
-                    sy[tid] += sy[tid + half]
-                cuda.syncthreads()
-                half //= 2
-            if tid == 0:
-                partial[c, 0] = sx[0]
-                partial[c, 1] = sy[0]
-            cuda.syncthreads()
+            block_pair_sums(a, b, sx, sy, tid, partial, c)
 
     @cuda.jit
     def factors(partial, bounds, adapt, coefficient, weight_decay, eps, factor):
         for s in range(cuda.grid(1), factor.size, cuda.gridsize(1)):
-            a = 0.0
-            b = 0.0
-            for c in range(bounds[s], bounds[s + 1]):
-                a += partial[c, 0]
-                b += partial[c, 1]
+            a, b = segment_pair_sums(partial, bounds, s)
             r = 1.0
             if adapt[s] != 0:
                 w, gn = math.sqrt(a), math.sqrt(b)
@@ -109,10 +129,6 @@ def _scratch(partial: Any, factor: Any, chunks: int, segments: int, dtype: Any, 
     return partial, factor
 
 
-def _device(array: Any, stream: Any) -> Any:
-    return cuda.to_device(array, stream=stream) if isinstance(array, np.ndarray) else array
-
-
 def lars_cuda(
     p: Any,
     g: Any,
@@ -144,7 +160,7 @@ def lars_cuda(
     sums, factors, update = _lars_cuda_kernels(threads, momentum != 0, nesterov)
     grid = (min(max(chunks, 1), MAX_BLOCKS), threads, stream)
     sums[grid](p, g, table, partial)
-    factors[_segments_grid(segments, stream)](
+    factors[grid_stride(max(segments, 1), stream)](
         partial, bounds, adapt, trust_coefficient, weight_decay, eps, factor
     )
     t = p.dtype.type
@@ -153,14 +169,9 @@ def lars_cuda(
     )
 
 
-def _segments_grid(segments: int, stream: Any) -> tuple[int, int, Any]:
-    threads = min(THREADS, max(32, -(-segments // 32) * 32))
-    return max(1, -(-segments // threads)), threads, stream
-
-
 @functools.cache
 def _lamb_cuda_kernels(threads: int, lerp_from_end: bool) -> Any:
-    _import_cuda()
+    block_pair_sums, segment_pair_sums = _reductions(threads)
 
     @cuda.jit(device=True)
     def direction(x, mi, vi, decay, bc1, bc2_sqrt, eps, wd):
@@ -187,29 +198,12 @@ def _lamb_cuda_kernels(threads: int, lerp_from_end: bool) -> Any:
                 u = direction(p[i], mi, vi, decay, bc1, bc2_sqrt, eps, wd)
                 a += float64(p[i]) * float64(p[i])
                 b += float64(u) * float64(u)
-            sx[tid] = a
-            su[tid] = b
-            cuda.syncthreads()
-            half = threads // 2
-            while half > 0:
-                if tid < half:
-                    sx[tid] += sx[tid + half]
-                    su[tid] += su[tid + half]
-                cuda.syncthreads()
-                half //= 2
-            if tid == 0:
-                partial[c, 0] = sx[0]
-                partial[c, 1] = su[0]
-            cuda.syncthreads()
+            block_pair_sums(a, b, sx, su, tid, partial, c)
 
     @cuda.jit
     def factors(partial, bounds, adapt, neg_lr, factor):
         for s in range(cuda.grid(1), factor.size, cuda.gridsize(1)):
-            a = 0.0
-            b = 0.0
-            for c in range(bounds[s], bounds[s + 1]):
-                a += partial[c, 0]
-                b += partial[c, 1]
+            a, b = segment_pair_sums(partial, bounds, s)
             r = 1.0
             if adapt[s] != 0:
                 w, u = math.sqrt(a), math.sqrt(b)
@@ -262,5 +256,5 @@ def lamb_cuda(
     moments, factors, update = _lamb_cuda_kernels(threads, s.pop("lerp_from_end"))
     grid = (min(max(chunks, 1), MAX_BLOCKS), threads, stream)
     moments[grid](p, g, m, v, table, adapt, *s.values(), partial)
-    factors[_segments_grid(segments, stream)](partial, bounds, adapt, -float(lr), factor)
+    factors[grid_stride(max(segments, 1), stream)](partial, bounds, adapt, -float(lr), factor)
     update[grid](p, m, v, table, adapt, factor, s["bc1"], s["bc2_sqrt"], s["eps"], s["wd"])

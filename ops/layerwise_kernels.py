@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from numba import float64, njit, prange
 
-from dataflow.ops.optim_kernels import fma
+from dataflow.ops.optim_kernels import adamw_scalars, fma
 
 # -- the ratios (shared by the CPU kernels; the CUDA ones compute them in a kernel) ----
 
@@ -64,25 +64,40 @@ _lamb_ratio_jit = njit(cache=True)(lamb_ratio)
 def lamb_scalars(
     dtype: Any, *, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
 ) -> dict[str, Any]:
-    """LAMB's per-step constants at ``step`` (1-based), computed in float64 and cast to
-    ``dtype`` as torch casts Python scalars; ``lerp_w`` as AdamW's (torch's two-sided
-    ``lerp``)."""
+    """LAMB's per-step constants at ``step`` (1-based), in the order its kernels take
+    them: AdamW's (``optim_kernels.adamw_scalars``: torch's two-sided ``lerp``, scalars
+    cast to ``dtype`` as torch casts them) and the first moment's bias correction
+    ``bc1`` and the weight decay ``wd``, which LAMB applies apart from the LR."""
     t = np.dtype(dtype).type
-    w1 = 1 - beta1
-    from_end = w1 >= 0.5
+    adamw = adamw_scalars(
+        dtype, lr=0.0, beta1=beta1, beta2=beta2, eps=eps, weight_decay=0.0, step=step
+    )
     return {
-        "lerp_w": t(w1) - t(1) if from_end else t(w1),
-        "lerp_from_end": from_end,
-        "beta2": t(beta2),
-        "w2": t(1 - beta2),
+        "lerp_w": adamw["lerp_w"],
+        "lerp_from_end": adamw["lerp_from_end"],
+        "beta2": adamw["beta2"],
+        "w2": adamw["w2"],
         "bc1": t(1 - beta1**step),
-        "bc2_sqrt": t((1 - beta2**step) ** 0.5),
-        "eps": t(eps),
+        "bc2_sqrt": adamw["bc2_sqrt"],
+        "eps": adamw["eps"],
         "wd": t(weight_decay),
     }
 
 
 # -- CPU kernels ---------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _segment_sums(partial, bounds, out):
+    """``out[s] = partial[c]`` summed over tensor ``s``'s chunks ``c`` (two columns)."""
+    for s in range(bounds.size - 1):
+        sx = 0.0
+        sy = 0.0
+        for c in range(bounds[s], bounds[s + 1]):
+            sx += partial[c, 0]
+            sy += partial[c, 1]
+        out[s, 0] = sx
+        out[s, 1] = sy
 
 
 @njit(parallel=True, cache=True, fastmath={"reassoc"})
@@ -100,14 +115,7 @@ def _pair_sums(a, b, table, bounds, out):
             sy += w * w
         partial[c, 0] = sx
         partial[c, 1] = sy
-    for s in range(bounds.size - 1):
-        sx = 0.0
-        sy = 0.0
-        for c in range(bounds[s], bounds[s + 1]):
-            sx += partial[c, 0]
-            sy += partial[c, 1]
-        out[s, 0] = sx
-        out[s, 1] = sy
+    _segment_sums(partial, bounds, out)
 
 
 @njit(cache=True)
@@ -200,14 +208,7 @@ def _lamb_cpu_kernels(lerp_from_end: bool) -> Any:
                 su += float64(u) * float64(u)
             partial[c, 0] = sx
             partial[c, 1] = su
-        for s in range(bounds.size - 1):
-            sx = 0.0
-            su = 0.0
-            for c in range(bounds[s], bounds[s + 1]):
-                sx += partial[c, 0]
-                su += partial[c, 1]
-            out[s, 0] = sx
-            out[s, 1] = su
+        _segment_sums(partial, bounds, out)
 
     @njit(parallel=True, cache=True)
     def update(p, m, v, table, adapt, factor, bc1, bc2_sqrt, eps, wd):

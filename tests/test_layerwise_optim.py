@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
+from test_fused_optim import batches, new_model
 
 import dataflow as dfl
 from dataflow.errors import ConfigError
@@ -16,20 +17,6 @@ from dataflow.ops.layerwise_kernels import lamb_reference, lars_reference
 from dataflow.schedule import lr_at
 
 STEPS = 30
-
-
-def batches(n: int, dtype: torch.dtype, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
-        yield (
-            torch.randn(16, 1, 8, 8, generator=g, dtype=dtype),
-            torch.randint(3, (16,), generator=g),
-        )
-
-
-def new_model(dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return TinyCNN().to(dtype)
 
 
 def grads_of(model, x, y, scale=1.0):
@@ -81,9 +68,7 @@ LAMB_CONFIGS = {
 
 
 def _lars(params, cfg, **more):
-    kw = {**LARS_DEFAULTS, **cfg}
-    kw.pop("dampening") if kw["dampening"] == 0 else None
-    return FusedLARS(params, **kw, **more)
+    return FusedLARS(params, **{**LARS_DEFAULTS, **cfg}, **more)
 
 
 def _lamb(params, cfg, **more):
