@@ -14,6 +14,7 @@ from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.driver.recorder import Recorder
+from dataflow.schedule.noise_scale import adascale_gain
 from dataflow.stages.allreduce import loss_scale_of
 
 pytestmark = pytest.mark.slow
@@ -91,6 +92,38 @@ def test_adaptive_grows_the_batch_under_asynchronous_updates(client):
     # (4 windows a phase are few: a phase's estimate of |G|^2 may not be positive yet)
     assert measured[0] is not None and all(m is None or m > 0 for m in measured)
     assert phases[-1]["global_batch"] > phases[0]["global_batch"]
+    for epoch in range(4):
+        assert result.ledger.consumed(epoch).tolist() == list(range(192))
+
+
+@pytest.mark.parametrize("sync", ["synchronous", "local"])
+def test_stepwise_adascale_sets_each_phase_lr_from_the_noise_measured_before_it(client, sync):
+    """The user's batches, the LR from the engine's measured noise scale (AdaScale's
+    gain): each phase's gain is the one of the estimate measured up to the phase
+    before. Under local updates the noise is measured once per window, as for
+    Adaptive."""
+    x, y = learnable_data()
+    schedule = dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32, 3: 64}, lr_scaling="adascale")
+    options = dict(sync=dfl.sync.Local(period_steps=1)) if sync == "local" else {}
+    pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, replicas=2, **options)
+    result = pipe.fit(epochs=4, client=client)
+    phases = result.history.phases
+    assert [p["global_batch"] for p in phases] == [8, 16, 32, 64]
+    assert phases[0]["gain"] == 1.0 and phases[0]["lr"] == pytest.approx(0.02)
+    gains = []
+    for before, after in itertools.pairwise(phases):
+        measured = before["measured_noise_scale"]
+        assert measured is None or (math.isfinite(measured) and measured > 0)
+        assert after["noise_scale"] == (None if measured is None else pytest.approx(measured))
+        expected = (
+            before["gain"]
+            if measured is None
+            else adascale_gain(measured, 8, after["global_batch"])
+        )
+        assert after["gain"] == pytest.approx(expected)
+        assert after["lr"] == pytest.approx(0.02 * after["gain"])
+        gains.append(after["gain"])
+    assert any(g > 1.0 for g in gains)  # some estimate was trusted and raised the LR
     for epoch in range(4):
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
 

@@ -121,9 +121,11 @@ def test_resume_mid_phase_on_fewer_replicas_keeps_every_sample_once(client, tmp_
 
 
 @pytest.mark.slow
-def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, tmp_path):
+@pytest.mark.parametrize("schedule", ["adaptive", "stepwise-adascale"])
+def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, tmp_path, schedule):
     """The gradient-noise pairs of the steps before a mid-phase checkpoint are in it: the
-    resumed fit measures the same noise scale, so it grows the batch the same way."""
+    resumed fit measures the same noise scale, so it grows the batch (Adaptive) or sets
+    the LR (Stepwise's AdaScale rule) the same way."""
     x, _ = make_data(192)
     y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
 
@@ -132,7 +134,9 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
             x,
             y,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.02),
-            schedule=dfl.schedule.Adaptive(8, max_batch=64),
+            schedule=dfl.schedule.Adaptive(8, max_batch=64)
+            if schedule == "adaptive"
+            else dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32, 3: 64}, lr_scaling="adascale"),
             window_steps=2,  # pinned: every phase has mid-phase checkpoints, on any machine
         )
 
@@ -144,7 +148,9 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
     resumed = pipe().fit(4, client=client, resume=True, **folder)
 
     def measured(result) -> list:
-        return [(p["global_batch"], p["measured_noise_scale"]) for p in result.history.phases]
+        return [
+            (p["global_batch"], p["measured_noise_scale"], p["lr"]) for p in result.history.phases
+        ]
 
     assert measured(resumed) == measured(full)
     assert full.history.phases[-1]["global_batch"] > 8

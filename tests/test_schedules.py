@@ -41,10 +41,79 @@ def test_stepwise_validates_its_table():
         Stepwise({0: 8, "3": 64})
     with pytest.raises(dfl.BatchSizeError, match="the batch at epoch 2 must be a positive int"):
         Stepwise({0: 8, 2: 0})
-    with pytest.raises(dfl.ConfigError, match=r"lr_scaling='cubic'.*\['linear', 'none', 'sqrt'\]"):
+    every_rule = r"\['linear', 'none', 'sqrt', 'adascale', 'adascale-sqrt'\]"
+    with pytest.raises(dfl.ConfigError, match=rf"lr_scaling='cubic'.*{every_rule}"):
         Stepwise({0: 8}, lr_scaling="cubic")
     with pytest.raises(dfl.BatchSizeError, match="epochs_per_phase must be a positive int"):
         Fixed(8, epochs_per_phase=0)
+
+
+def measured_after(steps: int, noise_scale: float | None) -> PhaseMeasurement:
+    return PhaseMeasurement(noise_scale=noise_scale, steps=steps, measured_steps=steps)
+
+
+def test_stepwise_adascale_takes_each_phase_lr_from_the_noise_measured_before_it():
+    """The user's batches; each LR scale is AdaScale's gain at the estimate the phase
+    began with: linear in B/B0 when the noise dominates, near 1 when B >> B_noise, and
+    it may fall from one phase to the next as the noise scale does."""
+    table = {0: 16, 2: 64, 4: 256}
+    schedule = Stepwise(table, lr_scaling="adascale", warmup_steps=2, lr=0.1)
+    assert schedule.measures_noise
+    first = schedule.next_phase(start_epoch=0, total_epochs=6, previous=None)
+    assert (first.global_batch, first.lr_scale, first.gain, first.noise_scale) == (16, 1, 1, None)
+    second = schedule.next_phase(
+        start_epoch=2, total_epochs=6, previous=first, measured=measured_after(40, 48.0)
+    )
+    gain = (1 + 48 / 16) / (1 + 48 / 64)  # 2.29, between 1 and the linear rule's 4
+    assert second.global_batch == 64 and second.warmup_steps == 2
+    assert (second.lr_scale, second.gain, second.noise_scale) == pytest.approx((gain, gain, 48.0))
+    assert second.lr == pytest.approx(0.1 * gain)
+    third = schedule.next_phase(
+        start_epoch=4, total_epochs=6, previous=second, measured=measured_after(60, 4.0)
+    )
+    assert third.global_batch == 256
+    assert third.lr_scale == pytest.approx((1 + 4 / 16) / (1 + 4 / 256))
+    assert third.lr_scale < second.lr_scale
+    # the bounds: no noise, the same LR; all noise, the linear rule
+    for noise, scale in ((0.0, 1.0), (1e12, 4.0)):
+        phase = schedule.next_phase(
+            start_epoch=2, total_epochs=6, previous=first, measured=measured_after(40, noise)
+        )
+        assert phase.lr_scale == pytest.approx(scale)
+    root = Stepwise(table, lr_scaling="adascale-sqrt").next_phase(
+        start_epoch=2, total_epochs=6, previous=first, measured=measured_after(40, 48.0)
+    )
+    assert root.lr_scale == pytest.approx(gain**0.5) and root.gain == root.lr_scale
+
+
+def test_stepwise_adascale_keeps_the_last_lr_scale_until_an_estimate_is_trusted():
+    schedule = Stepwise({0: 16, 1: 64, 2: 256}, lr_scaling="adascale", min_measured_steps=30)
+    first = schedule.next_phase(start_epoch=0, total_epochs=3, previous=None)
+    for measured in (None, measured_after(29, 48.0), measured_after(40, None)):
+        second = schedule.next_phase(
+            start_epoch=1, total_epochs=3, previous=first, measured=measured
+        )
+        assert (second.global_batch, second.lr_scale, second.noise_scale) == (64, 1.0, None)
+    trusted = schedule.next_phase(
+        start_epoch=1, total_epochs=3, previous=first, measured=measured_after(30, 48.0)
+    )
+    assert trusted.lr_scale > 1
+    third = schedule.next_phase(start_epoch=2, total_epochs=3, previous=trusted, measured=None)
+    assert third.lr_scale == trusted.lr_scale and third.global_batch == 256
+
+
+def test_stepwise_measures_the_noise_only_for_the_adascale_rules():
+    assert Stepwise({0: 8}, lr_scaling="adascale").measure_interval(600) == 10  # 60 a phase
+    assert Stepwise({0: 8}, lr_scaling="adascale").measure_interval(30) == 1
+    assert Stepwise({0: 8}, lr_scaling="adascale", measure_every=4).measure_interval(600) == 4
+    for rule in ("linear", "sqrt", "none"):
+        assert not Stepwise({0: 8}, lr_scaling=rule).measures_noise
+    with pytest.raises(dfl.ConfigError, match=r"measure_every=0\): must be 'auto' or an int"):
+        Stepwise({0: 8}, lr_scaling="adascale", measure_every=0)
+    with pytest.raises(dfl.ConfigError, match=r"min_measured_steps=-1\): must be an int >= 0"):
+        Stepwise({0: 8}, lr_scaling="adascale", min_measured_steps=-1)
+    with pytest.raises(dfl.ConfigError, match="only for lr_scaling='adascale'"):
+        Stepwise({0: 8}, lr_scaling="linear", measure_every=4)
 
 
 def test_fixed_cuts_phases_when_asked():

@@ -119,9 +119,11 @@ class Schedule(Protocol):
     """Chooses each phase; ``previous`` is None for the first one.
 
     ``measured`` is what the driver measured during ``previous`` (None for the first
-    phase, or when nothing was measured). A class attribute ``measures_noise = True``
-    asks the driver to pay for the gradient-norm measurement that feeds
-    ``measured.noise_scale``; it is optional (absent means False), so a schedule
+    phase, or when nothing was measured). An attribute ``measures_noise`` that is True
+    (a class attribute, or a property: ``Stepwise`` measures only for its AdaScale LR
+    rules) asks the driver to pay for the gradient-norm measurement that feeds
+    ``measured.noise_scale``, on every ``measure_interval(phase_steps)``-th step when the
+    schedule has that method; both are optional (absent: False), so a schedule
     written with only ``next_phase`` and ``max_batch`` still fits the protocol.
     """
 

@@ -185,7 +185,7 @@ class EpochRecord(Record):
 @dataclasses.dataclass(eq=False)
 class PhaseRecord(Record):
     """One phase: its batch, LR and split, what each replica measured (samples/s, time
-    per stage, data wait), for Adaptive the noise scale it was chosen from, and its
+    per stage, data wait), the noise scale a measuring schedule chose it from, and its
     steady step time next to the cost model's prediction."""
 
     phase: int
@@ -201,7 +201,7 @@ class PhaseRecord(Record):
     replicas: int = 1
     micro_batches: list[int] | None = None
     noise_scale: float | None = None  # the estimate this phase was chosen from
-    gain: float | None = None  # the LR gain the schedule applied (Adaptive)
+    gain: float | None = None  # the LR gain applied (Adaptive, Stepwise's AdaScale rules)
     measured_noise_scale: float | None = None  # after this phase's steps
     windows: int = 0
     task_seconds: list[float] | None = None

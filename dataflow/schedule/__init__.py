@@ -21,11 +21,12 @@ from dataflow.schedule import balance
 from dataflow.schedule.adaptive import ADAPTIVE_LR_RULES, Adaptive
 from dataflow.schedule.decay import CosineDecay, LRDecay, PolynomialDecay, StepDecay, Warmup
 from dataflow.schedule.rules import LR_RULES
-from dataflow.schedule.static import Fixed, Stepwise
+from dataflow.schedule.static import STEPWISE_LR_RULES, Fixed, Stepwise
 
 __all__ = [
     "ADAPTIVE_LR_RULES",
     "LR_RULES",
+    "STEPWISE_LR_RULES",
     "Adaptive",
     "CosineDecay",
     "Fixed",

@@ -12,17 +12,18 @@ from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.costmodel.best_settings import statistical_efficiency
 from dataflow.io.sampler import steps_per_epoch
-from dataflow.schedule.noise_scale import adascale_gain
+from dataflow.schedule.measured_lr import (
+    ADASCALE_RULES,
+    DEFAULT_MIN_MEASURED_STEPS,
+    adascale_scale,
+    check_measuring,
+    measure_interval,
+    measured_steps,
+    trusted_noise_scale,
+)
 from dataflow.schedule.rules import LR_RULES, _finite_number, _positive_int, _round_down
 
-ADAPTIVE_LR_RULES = ("adascale", "adascale-sqrt", *sorted(LR_RULES))
-
-# measure_every="auto": the measured steps a phase keeps at least. The driver's tracker
-# (NoiseScaleTracker, smoothing a = 0.05) is an EMA; after n measured steps its variance is
-# a/(2 - a) (1 + (1 - a)^n)/(1 - (1 - a)^n) times one step's, within 10 % of its floor
-# a/(2 - a) ~ 1/39 from n = 60 on (0.95^60 = 0.046). More pairs per phase only shorten the
-# stretch of training the estimate covers; fewer raise its variance (x1.8 at 24, x3.3 at 12).
-AUTO_MEASURED_PER_PHASE = 60
+ADAPTIVE_LR_RULES = (*ADASCALE_RULES, *sorted(LR_RULES))
 
 
 @dataclass(frozen=True, init=False, repr=False)
@@ -98,7 +99,7 @@ class Adaptive:
     (by step index). ``"auto"`` (default) picks ``k`` per phase from its steps ``S``:
     ``max(1, S // 60)``, every step of a phase under 120 steps and at least 60 measured
     steps in a longer one, where the tracker's estimate is within 10 % of the variance of
-    measuring every step (see ``AUTO_MEASURED_PER_PHASE``). An int measures every
+    measuring every step (see ``measured_lr.AUTO_MEASURED_PER_PHASE``). An int measures every
     ``k``-th step whatever the phase; ``min_measured_steps`` counts measured steps, so
     phases shorter than ``k × min_measured_steps`` then wait for later phases' steps.
     """
@@ -138,7 +139,7 @@ class Adaptive:
         warmup_steps: int = 0,
         batch_multiple: int = 1,
         max_lr_scale: float | None = None,
-        min_measured_steps: int = 20,
+        min_measured_steps: int = DEFAULT_MIN_MEASURED_STEPS,
         confirm_growth: bool = False,
         min_efficiency: float | None = 0.8,
         may_shrink: bool = True,
@@ -243,12 +244,7 @@ class Adaptive:
                     f"Adaptive(max_lr_scale={self.max_lr_scale}): must be >= 1 or None; it "
                     "caps the LR relative to the base LR at initial_batch"
                 )
-        steps = self.min_measured_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigError(
-                f"Adaptive(min_measured_steps={steps!r}): must be an int >= 0, the measured "
-                "steps an estimate must rest on before the batch follows it (0: any)"
-            )
+        check_measuring("Adaptive", self.measure_every, self.min_measured_steps)
         if self.min_efficiency is not None:
             _finite_number("Adaptive", "min_efficiency", self.min_efficiency)
             if not 0 < self.min_efficiency <= 1:
@@ -256,12 +252,6 @@ class Adaptive:
                     f"Adaptive(min_efficiency={self.min_efficiency}): must be in (0, 1] or "
                     "None, the least progress per sample kept relative to initial_batch"
                 )
-        every = self.measure_every
-        if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ConfigError(
-                f"Adaptive(measure_every={every!r}): must be 'auto' or an int >= 1, measure "
-                "the gradient noise on every k-th step ('auto': k from the phase's steps)"
-            )
         for flag in ("confirm_growth", "may_shrink"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(
@@ -288,9 +278,7 @@ class Adaptive:
     def measure_interval(self, phase_steps: int) -> int:
         """Measure the noise on every k-th step of a phase of ``phase_steps`` steps: the
         int ``measure_every``, or with ``"auto"`` ``max(1, phase_steps // 60)``."""
-        if self.measure_every != "auto":
-            return self.measure_every
-        return max(1, phase_steps // AUTO_MEASURED_PER_PHASE)
+        return measure_interval(self.measure_every, phase_steps)
 
     def next_batch(self, previous: int, noise_scale: float | None) -> int:
         """The batch after a phase at ``previous`` that measured ``noise_scale``."""
@@ -331,13 +319,8 @@ class Adaptive:
         """The LR scale at ``batch`` (relative to the base LR at ``initial_batch``);
         ``previous`` is kept by "adascale" when there is no estimate."""
         rule = self.lr_rule
-        if rule in ("adascale", "adascale-sqrt"):
-            if noise_scale is None:
-                scale = previous
-            else:
-                scale = adascale_gain(noise_scale, self.initial_batch, batch)
-                if rule == "adascale-sqrt":
-                    scale = scale**0.5
+        if rule in ADASCALE_RULES:
+            scale = adascale_scale(rule, noise_scale, self.initial_batch, batch, previous)
         else:
             scale = LR_RULES[rule](batch / self.initial_batch)
         if self.max_lr_scale is not None:
@@ -346,24 +329,16 @@ class Adaptive:
 
     @staticmethod
     def measured_steps(measured: PhaseMeasurement, previous: PhaseSpec) -> int | None:
-        """The steps ``measured``'s estimate rests on: ``measured.measured_steps`` when the
-        driver reports it; else, after the first phase, that phase's ``steps`` (the
-        tracker has seen exactly those); else None (unknown: the estimate is trusted)."""
-        if measured.measured_steps is not None:
-            return measured.measured_steps
-        return measured.steps if previous.index == 0 else None
+        """The steps ``measured``'s estimate rests on
+        (:func:`dataflow.schedule.measured_lr.measured_steps`)."""
+        return measured_steps(measured, previous)
 
     def trusted_noise_scale(
         self, measured: PhaseMeasurement | None, previous: PhaseSpec
     ) -> float | None:
         """The estimate the next phase is chosen from: None without one, or while it rests
         on fewer than ``min_measured_steps`` measured steps."""
-        if measured is None or measured.noise_scale is None:
-            return None
-        steps = self.measured_steps(measured, previous)
-        if steps is not None and steps < self.min_measured_steps:
-            return None
-        return measured.noise_scale
+        return trusted_noise_scale(measured, previous, self.min_measured_steps)
 
     def growth_estimate(self, noise_scale: float | None, previous: PhaseSpec) -> float | None:
         """The estimate the batch grows toward: ``noise_scale`` (the latest trusted one),

@@ -10,7 +10,17 @@ from typing import ClassVar
 
 from dataflow.core.errors import BatchSizeError, ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
+from dataflow.schedule.measured_lr import (
+    ADASCALE_RULES,
+    DEFAULT_MIN_MEASURED_STEPS,
+    adascale_scale,
+    check_measuring,
+    measure_interval,
+    trusted_noise_scale,
+)
 from dataflow.schedule.rules import LR_RULES, _check_lr, _positive_int
+
+STEPWISE_LR_RULES = (*sorted(LR_RULES), *ADASCALE_RULES)
 
 
 @dataclass(frozen=True)
@@ -67,19 +77,33 @@ class Fixed:
 class Stepwise:
     """The user's table ``{epoch: global batch}``: a new phase at each listed epoch.
 
-    The LR follows the batch by ``lr_scaling`` relative to the first batch:
+    The LR follows the batch by ``lr_scaling`` relative to the first batch ``B0``:
     "linear" (``lr × B/B0``, Goyal et al.), "sqrt" (``lr × sqrt(B/B0)``, for Adam-like
-    optimizers) or "none"; ``lr`` is the base LR (default: the optimizer factory's), the
-    first param group's: each other group keeps its ratio to the first. Each phase
-    after the first ramps to its new LR over ``warmup_steps`` steps.
-    """
+    optimizers), "none", or from the measured gradient noise scale ``B_noise``:
+    "adascale" (AdaScale's gain ``(1 + B_noise/B0)/(1 + B_noise/B)``: linear while the
+    noise dominates, flat once ``B`` is well above ``B_noise``, where linear scaling
+    overshoots) or "adascale-sqrt" (its square root, for Adam-like optimizers). With
+    those the engine measures the noise as it does for ``Adaptive`` (every k-th step,
+    ``measure_every``; "auto": at least 60 measured steps a phase) and each phase's gain
+    comes from the estimate at its start, once that rests on ``min_measured_steps``
+    measured steps; until then the previous phase's LR scale is kept.
 
-    measures_noise: ClassVar[bool] = False
+    ``lr`` is the base LR (default: the optimizer factory's), the first param group's:
+    each other group keeps its ratio to the first. Each phase after the first ramps to
+    its new LR over ``warmup_steps`` steps.
+    """
 
     batches: dict[int, int]
     lr_scaling: str = "linear"
     warmup_steps: int = 0
     lr: float | None = None
+    min_measured_steps: int = DEFAULT_MIN_MEASURED_STEPS
+    measure_every: int | str = "auto"
+
+    @property
+    def measures_noise(self) -> bool:
+        """Whether the engine must measure the gradient noise scale (the AdaScale rules)."""
+        return self.lr_scaling in ADASCALE_RULES
 
     def __post_init__(self) -> None:
         if not isinstance(self.batches, dict) or not self.batches:
@@ -98,9 +122,19 @@ class Stepwise:
                 f"Stepwise(batches={self.batches}): needs the batch for epoch 0, e.g. "
                 f"{{0: {min(self.batches.values())}, ...}}"
             )
-        if self.lr_scaling not in LR_RULES:
+        if self.lr_scaling not in STEPWISE_LR_RULES:
             raise ConfigError(
-                f"Stepwise(lr_scaling={self.lr_scaling!r}): use one of {sorted(LR_RULES)}"
+                f"Stepwise(lr_scaling={self.lr_scaling!r}): use one of {list(STEPWISE_LR_RULES)}"
+            )
+        check_measuring("Stepwise", self.measure_every, self.min_measured_steps)
+        if not self.measures_noise and (
+            self.measure_every != "auto" or self.min_measured_steps != DEFAULT_MIN_MEASURED_STEPS
+        ):
+            raise ConfigError(
+                f"Stepwise(lr_scaling={self.lr_scaling!r}, measure_every="
+                f"{self.measure_every!r}, min_measured_steps={self.min_measured_steps}): "
+                "measuring the gradient noise is only for lr_scaling='adascale' or "
+                "'adascale-sqrt'; leave measure_every and min_measured_steps out"
             )
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps!r}): must be an int >= 0")
@@ -120,7 +154,16 @@ class Stepwise:
         current = max(e for e in starts if e <= start_epoch)
         later = [e for e in starts if e > start_epoch and e < total_epochs]
         batch = self.batches[current]
-        scale = LR_RULES[self.lr_scaling](batch / self.batches[0])
+        noise = None
+        if not self.measures_noise:
+            scale = LR_RULES[self.lr_scaling](batch / self.batches[0])
+        elif previous is None:
+            scale = 1.0  # the base LR belongs to the first batch
+        else:
+            noise = trusted_noise_scale(measured, previous, self.min_measured_steps)
+            scale = adascale_scale(
+                self.lr_scaling, noise, self.batches[0], batch, previous.lr_scale
+            )
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
             start_epoch=start_epoch,
@@ -129,7 +172,14 @@ class Stepwise:
             lr=None if self.lr is None else self.lr * scale,
             lr_scale=scale,
             warmup_steps=0 if previous is None else self.warmup_steps,
+            noise_scale=noise,
+            gain=scale if self.measures_noise else None,
         )
+
+    def measure_interval(self, phase_steps: int) -> int:
+        """Measure the noise on every k-th step of a phase of ``phase_steps`` steps (with
+        the AdaScale rules; see :func:`dataflow.schedule.measured_lr.measure_interval`)."""
+        return measure_interval(self.measure_every, phase_steps)
 
     def max_batch(self) -> int:
         return max(self.batches.values())
