@@ -247,8 +247,8 @@ def test_warmup_applies_after_the_first_phase():
 def test_measures_noise_flags_and_protocol():
     adaptive = Adaptive(8, max_batch=64)
     assert Adaptive.measures_noise and adaptive.measures_noise
-    assert not Fixed.measures_noise and not Stepwise({0: 8}).measures_noise
-    assert Stepwise({0: 8}, lr_scaling="adascale").measures_noise  # its LR from the noise
+    assert not Fixed.measures_noise and not Stepwise({0: 8}, lr_scaling="linear").measures_noise
+    assert Stepwise({0: 8, 1: 16}).measures_noise  # the default rule: its LR from the noise
     for schedule in (adaptive, Fixed(8), Stepwise({0: 8})):
         assert isinstance(schedule, Schedule)
 

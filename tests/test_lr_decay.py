@@ -132,7 +132,7 @@ def test_a_decayed_fit_equals_the_single_process_loop_at_the_same_lrs(client, sy
     decay = CosineDecay(warmup_epochs=0.5, warmup_start=0.1, final=0.05)
     options = dict(
         optimizer=plain_sgd,
-        schedule=dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32}, warmup_steps=2),
+        schedule=dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32}, lr_scaling="linear", warmup_steps=2),
         lr_decay=decay,
         eval_source=dfl.io.ArraySource(x[:32], y[:32], shuffle=False),
     )

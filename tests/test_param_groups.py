@@ -51,8 +51,11 @@ def group_lrs_per_phase(schedule) -> list[list[float]]:
     [
         (dfl.schedule.Fixed(16), [[0.05, 0.01]]),
         (dfl.schedule.Fixed(16, lr=0.1), [[0.1, 0.02]]),
-        (dfl.schedule.Stepwise({0: 16, 1: 32}), [[0.05, 0.01], [0.1, 0.02]]),
-        (dfl.schedule.Stepwise({0: 16, 1: 32}, lr=0.2), [[0.2, 0.04], [0.4, 0.08]]),
+        (dfl.schedule.Stepwise({0: 16, 1: 32}, lr_scaling="linear"), [[0.05, 0.01], [0.1, 0.02]]),
+        (
+            dfl.schedule.Stepwise({0: 16, 1: 32}, lr_scaling="linear", lr=0.2),
+            [[0.2, 0.04], [0.4, 0.08]],
+        ),
     ],
     ids=["factory", "fixed-lr", "stepwise-linear", "stepwise-lr"],
 )

@@ -30,7 +30,7 @@ def test_stepwise_phases_batches_and_lr_rules():
     assert [p.warmup_steps for p in linear] == [0, 3, 3]  # no ramp into the first phase
     assert [p.lr_scale for p in phases(Stepwise(table, lr_scaling="sqrt"), 7)] == [1.0, 2.0, 8**0.5]
     assert {p.lr_scale for p in phases(Stepwise(table, lr_scaling="none"), 7)} == {1.0}
-    assert [p.lr for p in phases(Stepwise(table, lr=0.1), 3)] == [0.1, 0.4]
+    assert [p.lr for p in phases(Stepwise(table, lr_scaling="linear", lr=0.1), 3)] == [0.1, 0.4]
     assert Stepwise(table).max_batch() == 256
 
 
@@ -157,9 +157,10 @@ def test_throughput_balancer_cases():
 
 
 def test_fixed_and_stepwise_ignore_measurements():
-    """The driver passes what it measured to every schedule; only Adaptive uses it."""
+    """The driver passes what it measured to every schedule; only Adaptive and Stepwise's
+    AdaScale rules (its default) use it."""
     measured = PhaseMeasurement(noise_scale=1e6, samples_per_second=100.0, steps=3)
-    for schedule in (Fixed(8, epochs_per_phase=1), Stepwise({0: 8, 1: 16})):
+    for schedule in (Fixed(8, epochs_per_phase=1), Stepwise({0: 8, 1: 16}, lr_scaling="sqrt")):
         assert not schedule.measures_noise
         first = schedule.next_phase(start_epoch=0, total_epochs=3, previous=None)
         plain = schedule.next_phase(start_epoch=1, total_epochs=3, previous=first)

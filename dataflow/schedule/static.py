@@ -94,7 +94,7 @@ class Stepwise:
     """
 
     batches: dict[int, int]
-    lr_scaling: str = "linear"
+    lr_scaling: str = "adascale"
     warmup_steps: int = 0
     lr: float | None = None
     min_measured_steps: int = DEFAULT_MIN_MEASURED_STEPS
