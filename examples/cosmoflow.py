@@ -121,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lr-scaling",
         default="sqrt",
-        choices=("sqrt", "linear", "none"),
-        help="how the LR follows the batch (sqrt; linear diverges on this task at B=256)",
+        choices=dfl.schedule.STEPWISE_LR_RULES,
+        help="how the LR follows the batch (sqrt; adascale: from the measured noise; linear "
+        "diverges on this task at B=256)",
     )
     p.add_argument("--warmup-steps", type=int, default=5, help="LR ramp at each new batch (5)")
     p.add_argument("--width", type=int, default=8, help="channels of the first conv (8)")

@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lr-scaling",
         default="none",
-        choices=("sqrt", "linear", "none"),
+        choices=dfl.schedule.STEPWISE_LR_RULES,
         help="how the LR follows the batch (none: the larger batch only lowers the noise)",
     )
     p.add_argument("--warmup-steps", type=int, default=5, help="LR ramp at each new batch (5)")
