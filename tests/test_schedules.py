@@ -94,6 +94,14 @@ def test_stepwise_adascale_keeps_the_last_lr_scale_until_an_estimate_is_trusted(
             start_epoch=1, total_epochs=3, previous=first, measured=measured
         )
         assert (second.global_batch, second.lr_scale, second.noise_scale) == (64, 1.0, None)
+    # a trusted estimate of |G|^2 that is not positive: the noise dominates, so the gain
+    # is the linear rule's (and the history records no noise scale, as the tracker has none)
+    drowned = PhaseMeasurement(gradient_sq=-0.2, trace_cov=5.0, steps=40, measured_steps=40)
+    linear = schedule.next_phase(start_epoch=1, total_epochs=3, previous=first, measured=drowned)
+    assert (linear.lr_scale, linear.gain, linear.noise_scale) == (4.0, 4.0, None)
+    early = PhaseMeasurement(gradient_sq=-0.2, trace_cov=5.0, steps=29, measured_steps=29)
+    kept = schedule.next_phase(start_epoch=1, total_epochs=3, previous=first, measured=early)
+    assert kept.lr_scale == 1.0
     trusted = schedule.next_phase(
         start_epoch=1, total_epochs=3, previous=first, measured=measured_after(30, 48.0)
     )

@@ -11,6 +11,8 @@ larger LR no longer buys progress and linear scaling overshoots.
 
 from __future__ import annotations
 
+import math
+
 from dataflow.core.errors import ConfigError
 from dataflow.core.phase import PhaseMeasurement, PhaseSpec
 from dataflow.schedule.noise_scale import adascale_gain
@@ -72,6 +74,26 @@ def trusted_noise_scale(
     if steps is not None and steps < min_measured_steps:
         return None
     return measured.noise_scale
+
+
+def noise_for_gain(
+    measured: PhaseMeasurement | None, previous: PhaseSpec, min_measured_steps: int
+) -> float | None:
+    """The noise scale an LR gain is computed at: the trusted estimate; ``math.inf`` when
+    the trusted estimate of ``|G|²`` is not positive while that of ``tr(Σ)`` is (the
+    noise dominates so much that ``|G|²`` is not resolved: AdaScale's gain is then the
+    linear rule's ``B/B0``); None without a trusted estimate."""
+    if measured is None:
+        return None
+    steps = measured_steps(measured, previous)
+    if steps is not None and steps < min_measured_steps:
+        return None
+    if measured.noise_scale is not None:
+        return measured.noise_scale
+    gradient_sq, trace_cov = measured.gradient_sq, measured.trace_cov
+    if gradient_sq is not None and gradient_sq <= 0 and trace_cov is not None and trace_cov > 0:
+        return math.inf
+    return None
 
 
 def adascale_scale(

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -16,7 +17,7 @@ from dataflow.schedule.measured_lr import (
     adascale_scale,
     check_measuring,
     measure_interval,
-    trusted_noise_scale,
+    noise_for_gain,
 )
 from dataflow.schedule.rules import LR_RULES, _check_lr, _positive_int
 
@@ -86,7 +87,8 @@ class Stepwise:
     those the engine measures the noise as it does for ``Adaptive`` (every k-th step,
     ``measure_every``; "auto": at least 60 measured steps a phase) and each phase's gain
     comes from the estimate at its start, once that rests on ``min_measured_steps``
-    measured steps; until then the previous phase's LR scale is kept.
+    measured steps; until then the previous phase's LR scale is kept. An estimate of
+    ``|G|²`` that is not positive means the noise dominates: the gain is then ``B/B0``.
 
     ``lr`` is the base LR (default: the optimizer factory's), the first param group's:
     each other group keeps its ratio to the first. Each phase after the first ramps to
@@ -160,10 +162,11 @@ class Stepwise:
         elif previous is None:
             scale = 1.0  # the base LR belongs to the first batch
         else:
-            noise = trusted_noise_scale(measured, previous, self.min_measured_steps)
+            noise = noise_for_gain(measured, previous, self.min_measured_steps)
             scale = adascale_scale(
                 self.lr_scaling, noise, self.batches[0], batch, previous.lr_scale
             )
+            noise = None if noise == math.inf else noise  # (the history keeps plain JSON)
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
             start_epoch=start_epoch,
