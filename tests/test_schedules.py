@@ -115,7 +115,12 @@ def test_stepwise_measures_the_noise_only_for_the_adascale_rules():
     assert Stepwise({0: 8}, lr_scaling="adascale").measure_interval(30) == 1
     assert Stepwise({0: 8}, lr_scaling="adascale", measure_every=4).measure_interval(600) == 4
     for rule in ("linear", "sqrt", "none"):
-        assert not Stepwise({0: 8}, lr_scaling=rule).measures_noise
+        assert not Stepwise({0: 8, 1: 16}, lr_scaling=rule).measures_noise
+    # a table of one batch never changes its LR: nothing to measure (one replica would
+    # split every step in two to measure)
+    constant = Stepwise({0: 8, 3: 8})
+    assert not constant.measures_noise
+    assert {p.lr_scale for p in phases(constant, 5)} == {1.0}
     with pytest.raises(dfl.ConfigError, match=r"measure_every=0\): must be 'auto' or an int"):
         Stepwise({0: 8}, lr_scaling="adascale", measure_every=0)
     with pytest.raises(dfl.ConfigError, match=r"min_measured_steps=-1\): must be an int >= 0"):

@@ -104,8 +104,11 @@ class Stepwise:
 
     @property
     def measures_noise(self) -> bool:
-        """Whether the engine must measure the gradient noise scale (the AdaScale rules)."""
-        return self.lr_scaling in ADASCALE_RULES
+        """Whether the engine must measure the gradient noise scale: for the AdaScale
+        rules, when the table has a batch other than its first (else the LR never
+        changes, and one replica would split its steps to measure for nothing)."""
+        first = self.batches[0]
+        return self.lr_scaling in ADASCALE_RULES and any(b != first for b in self.batches.values())
 
     def __post_init__(self) -> None:
         if not isinstance(self.batches, dict) or not self.batches:
@@ -129,7 +132,7 @@ class Stepwise:
                 f"Stepwise(lr_scaling={self.lr_scaling!r}): use one of {list(STEPWISE_LR_RULES)}"
             )
         check_measuring("Stepwise", self.measure_every, self.min_measured_steps)
-        if not self.measures_noise and (
+        if self.lr_scaling not in ADASCALE_RULES and (
             self.measure_every != "auto" or self.min_measured_steps != DEFAULT_MIN_MEASURED_STEPS
         ):
             raise ConfigError(
@@ -157,10 +160,10 @@ class Stepwise:
         later = [e for e in starts if e > start_epoch and e < total_epochs]
         batch = self.batches[current]
         noise = None
-        if not self.measures_noise:
+        if self.lr_scaling not in ADASCALE_RULES:
             scale = LR_RULES[self.lr_scaling](batch / self.batches[0])
-        elif previous is None:
-            scale = 1.0  # the base LR belongs to the first batch
+        elif previous is None or not self.measures_noise:
+            scale = 1.0  # the base LR belongs to the first batch (the only one)
         else:
             noise = noise_for_gain(measured, previous, self.min_measured_steps)
             scale = adascale_scale(
@@ -176,7 +179,7 @@ class Stepwise:
             lr_scale=scale,
             warmup_steps=0 if previous is None else self.warmup_steps,
             noise_scale=noise,
-            gain=scale if self.measures_noise else None,
+            gain=scale if self.lr_scaling in ADASCALE_RULES else None,
         )
 
     def measure_interval(self, phase_steps: int) -> int:
