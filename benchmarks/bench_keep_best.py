@@ -28,8 +28,16 @@ import time
 from typing import Any
 
 from bench_adaptive_heldout import Dataset
-from heldout_grid import grid_parser, grid_size, paired, run_grid, test_score, validated_pipeline
-from records import save_run, table
+from heldout_grid import (
+    grid_parser,
+    grid_size,
+    paired,
+    run_grid,
+    save_grid,
+    test_score,
+    validated_pipeline,
+)
+from records import table
 
 NAME = "keep_best"
 B0 = 16
@@ -101,10 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]  # fmt: skip
     print(f"test scores (%), mean over {seeds} seed(s); {epochs} epochs; differences paired")
     print(table(rows, header))
-    record = {"config": vars(args) | {"epochs": epochs, "seeds": seeds}, "runs": results}
-    path = save_run(NAME, record, args.out, overwrite=args.overwrite)
-    print(f"saved {path}")
-    return record
+    return save_grid(NAME, args, results, seeds, epochs)
 
 
 if __name__ == "__main__":

@@ -35,24 +35,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from bench_adaptive_heldout import LR0, Dataset
 from heldout_grid import (
+    floored,
     grid_parser,
     grid_size,
-    halves,
+    last_saved,
     paired,
+    report_scores,
     run_grid,
-    test_score,
-    validated_pipeline,
+    save_grid,
+    scored_variants,
 )
-from records import save_run, table
-
-from dataflow.errors import DataError, NonFiniteError
+from records import table
 
 NAME = "layerwise_accuracy"
 VARIANTS = ("small", "grown", "layerwise")
@@ -73,24 +71,21 @@ class Layerwise:
         return FusedLAMB(params, lr=self.lr, weight_decay=0.0, exclude_1d=self.exclude_1d)
 
 
+def grown_table(epochs: int, max_batch: int) -> dict[int, int]:
+    """32, then sqrt(32 x ``max_batch``), then ``max_batch``, at a third and two thirds
+    of the epochs (``bench_stepwise_heldout.py`` grows the same table)."""
+    middle = round((32 * max_batch) ** 0.5)
+    return {0: 32, epochs // 3: middle, 2 * epochs // 3: max_batch}
+
+
 def grown_schedule(kind: str, epochs: int, max_batch: int, warmup: int) -> Any:
-    """32, then sqrt(max / 32) x 32, then ``max_batch``, at a third and two thirds of
-    the epochs; the LR follows (linear for SGD, square root for Adam)."""
+    """:func:`grown_table`, the LR following the batch (linear for SGD, square root for
+    Adam)."""
     import dataflow as dfl
 
-    middle = round((32 * max_batch) ** 0.5)
-    steps = {0: 32, epochs // 3: middle, 2 * epochs // 3: max_batch}
     scaling = "linear" if kind == "sgd" else "sqrt"
-    return dfl.schedule.Stepwise(steps, lr_scaling=scaling, warmup_steps=warmup)
-
-
-def constant_score(dataset: Dataset, test: Any) -> float:
-    """What a fit that diverged scores: a constant predictor's test score (0 % R^2, the
-    training mean; or the most frequent test class's share, %)."""
-    if dataset.baseline_mse is not None:
-        return 0.0
-    counts = np.bincount(test.y.numpy())
-    return 100.0 * float(counts.max()) / float(counts.sum())
+    table = grown_table(epochs, max_batch)
+    return dfl.schedule.Stepwise(table, lr_scaling=scaling, warmup_steps=warmup)
 
 
 def fit_variants(
@@ -110,39 +105,17 @@ def fit_variants(
             "schedule": grown,
             "optimizer": Layerwise(kind, lr, exclude_1d=False),
         }
-    for name, options in variants.items():
-        pipe, test = validated_pipeline(dataset, kind, seed, 32, **options)
-        try:
-            result = pipe.fit(epochs, client=client)
-            scores = pipe.evaluate(test, result.model, client=client)
-        except (NonFiniteError, DataError) as exc:  # the loss or a metric overflowed
-            run[name] = constant_score(dataset, test)
-            run.setdefault("diverged", []).append(name)
-            print(f"    {name} diverged ({type(exc).__name__}): scored as a constant predictor")
-            continue
-        run[name] = test_score(dataset, test, scores)
-        if name == "grown":
-            run["batches"] = [p["global_batch"] for p in result.history.phases]
-            run["lrs"] = [round(p["lr"], 6) for p in result.history.phases]
-    run["floor"] = constant_score(dataset, halves(dataset.test)[1])
+    results = scored_variants(dataset, kind, seed, epochs, client, variants, run)
+    if "grown" in results:
+        phases = results["grown"].history.phases
+        run["batches"] = [p["global_batch"] for p in phases]
+        run["lrs"] = [round(p["lr"], 6) for p in phases]
     run["seconds"] = time.perf_counter() - started
     return run
 
 
 SCORES = ("small", "grown", "layerwise", "layerwise_all")
 PAIRS = (("grown", "small"), ("layerwise", "grown"), ("layerwise_all", "grown"))
-
-
-def floored(run: dict[str, Any]) -> dict[str, float]:
-    """The run's scores, each at least a constant predictor's (``run["floor"]``): a
-    regression worse than predicting the mean counts as the mean (R^2 0 %), so one
-    blown-up fit (R^2 of -1e37) does not decide a mean over seeds."""
-    floor = run.get("floor", float("-inf"))
-    return {
-        k: max(v, floor)
-        for k, v in run.items()
-        if isinstance(v, float) and k not in ("seconds", "floor")
-    }
 
 
 def summarize(
@@ -192,9 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--summarize", metavar="JSON", help="print the last run saved there, only")
     args = p.parse_args(argv)
     if args.summarize:
-        import json
-
-        last = json.loads(Path(args.summarize).read_text())["runs"][-1]
+        last = last_saved(args.summarize)
         config = last["config"]
         summarize(last["runs"], tune=config["tune"], seeds=config["seeds"], epochs=config["epochs"])
         return last
@@ -211,20 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dataset = dataclasses.replace(dataset, model=WithBatchNorm(dataset.model))
         return fit_variants(dataset, kind, seed, args, epochs, client, lrs)
 
-    def report(run: dict[str, Any]) -> str:
-        diverged = f"  diverged: {', '.join(run['diverged'])}" if "diverged" in run else ""
-        scores = "  ".join(
-            f"{k} {v:6.2f}" for k, v in run.items() if isinstance(v, float) and k != "seconds"
-        )
-        return f"{scores}  {run['seconds']:.0f} s{diverged}"
-
-    results = run_grid(args, seeds, __name__, fit, report)
+    results = run_grid(args, seeds, __name__, fit, report_scores)
     summarize(results, tune=args.tune, seeds=seeds, epochs=epochs)
-    config = vars(args) | {"epochs": epochs, "seeds": seeds, "layerwise_lrs": lrs}
-    record = {"config": config, "runs": results}
-    path = save_run(NAME, record, args.out, overwrite=args.overwrite)
-    print(f"saved {path}")
-    return record
+    return save_grid(NAME, args, results, seeds, epochs, layerwise_lrs=lrs)
 
 
 if __name__ == "__main__":

@@ -30,36 +30,33 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from bench_adaptive_heldout import LR0, Dataset
-from bench_layerwise_accuracy import constant_score, floored
+from bench_layerwise_accuracy import grown_table
 from heldout_grid import (
+    floored,
     grid_parser,
     grid_size,
-    halves,
+    last_saved,
     paired,
+    report_scores,
     run_grid,
-    test_score,
-    validated_pipeline,
+    save_grid,
+    scored_variants,
 )
-from records import save_run, table
-
-from dataflow.errors import DataError, NonFiniteError
+from records import table
 
 NAME = "stepwise_heldout"
 RULES = ("linear", "sqrt", "none", "adascale", "adascale-sqrt")
 
 
 def stepwise(epochs: int, max_batch: int, warmup: int, rule: str) -> Any:
-    """32, then sqrt(32 x ``max_batch``), then ``max_batch``, at a third and two thirds
-    of the epochs; the LR scaled by ``rule``."""
+    """``bench_layerwise_accuracy.grown_table``, the LR scaled by ``rule``."""
     import dataflow as dfl
 
-    middle = round((32 * max_batch) ** 0.5)
-    steps = {0: 32, epochs // 3: middle, 2 * epochs // 3: max_batch}
-    return dfl.schedule.Stepwise(steps, lr_scaling=rule, warmup_steps=warmup)
+    table = grown_table(epochs, max_batch)
+    return dfl.schedule.Stepwise(table, lr_scaling=rule, warmup_steps=warmup)
 
 
 def fit_variants(
@@ -72,17 +69,8 @@ def fit_variants(
     variants: dict[str, dict[str, Any]] = {"small": {}}
     for rule in args.rules.split(","):
         variants[rule] = {"schedule": stepwise(epochs, args.max_batch, args.warmup, rule)}
-    for name, options in variants.items():
-        pipe, test = validated_pipeline(dataset, kind, seed, 32, **options)
-        try:
-            result = pipe.fit(epochs, client=client)
-            scores = pipe.evaluate(test, result.model, client=client)
-        except (NonFiniteError, DataError) as exc:  # the loss or a metric overflowed
-            run[name] = constant_score(dataset, test)
-            run.setdefault("diverged", []).append(name)
-            print(f"    {name} diverged ({type(exc).__name__}): scored as a constant predictor")
-            continue
-        run[name] = test_score(dataset, test, scores)
+    results = scored_variants(dataset, kind, seed, epochs, client, variants, run)
+    for name, result in results.items():
         if name != "small":
             run["phases"][name] = [
                 {
@@ -92,7 +80,6 @@ def fit_variants(
                 }
                 for p in result.history.phases
             ]
-    run["floor"] = constant_score(dataset, halves(dataset.test)[1])
     run["seconds"] = time.perf_counter() - started
     return run
 
@@ -129,11 +116,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--summarize", metavar="JSON", help="print the last run saved there, only")
     args = p.parse_args(argv)
     if args.summarize:
-        import json
-
-        last = json.loads(Path(args.summarize).read_text())["runs"][-1]
-        config = last["config"]
-        summarize(last["runs"], seeds=config["seeds"], epochs=config["epochs"])
+        last = last_saved(args.summarize)
+        summarize(last["runs"], seeds=last["config"]["seeds"], epochs=last["config"]["epochs"])
         return last
     seeds, epochs = grid_size(args, 15)
     print(f"{NAME}: 32 -> {args.max_batch}, {epochs} epochs, {seeds} seed(s), {args.rules}")
@@ -141,19 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def fit(dataset: Dataset, kind: str, seed: int, client: Any) -> dict[str, Any]:
         return fit_variants(dataset, kind, seed, args, epochs, client)
 
-    def report(run: dict[str, Any]) -> str:
-        diverged = f"  diverged: {', '.join(run['diverged'])}" if "diverged" in run else ""
-        scores = "  ".join(
-            f"{k} {v:6.2f}" for k, v in run.items() if isinstance(v, float) and k != "seconds"
-        )
-        return f"{scores}  {run['seconds']:.0f} s{diverged}"
-
-    results = run_grid(args, seeds, __name__, fit, report)
+    results = run_grid(args, seeds, __name__, fit, report_scores)
     summarize(results, seeds=seeds, epochs=epochs)
-    record = {"config": vars(args) | {"epochs": epochs, "seeds": seeds}, "runs": results}
-    path = save_run(NAME, record, args.out, overwrite=args.overwrite)
-    print(f"saved {path}")
-    return record
+    return save_grid(NAME, args, results, seeds, epochs)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,16 @@ from typing import Any
 
 import torch
 from bench_adaptive_heldout import Dataset
-from heldout_grid import grid_parser, grid_size, paired, run_grid, test_score, validated_pipeline
-from records import save_run, table
+from heldout_grid import (
+    grid_parser,
+    grid_size,
+    paired,
+    run_grid,
+    save_grid,
+    test_score,
+    validated_pipeline,
+)
+from records import table
 
 NAME = "sync_batchnorm_accuracy"
 VARIANTS = ("even", "uneven", "synced")
@@ -118,11 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     everything = [r for runs in results.values() for r in runs]
     for a, b in (("uneven", "even"), ("synced", "uneven"), ("synced", "even")):
         print(f"  all datasets and optimizers, {a} - {b}: {paired(everything, a, b)}")
-    config = vars(args) | {"epochs": epochs, "seeds": seeds, "split": list(split)}
-    record = {"config": config, "runs": results}
-    path = save_run(NAME, record, args.out, overwrite=args.overwrite)
-    print(f"saved {path}")
-    return record
+    return save_grid(NAME, args, results, seeds, epochs, split=list(split))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,24 @@
-"""What ``bench_keep_best.py`` and ``bench_ema.py`` share: the grid of datasets (those
-of ``bench_adaptive_heldout.py``), optimizers and seeds, each fit scored on a test half
-of the held-out set that nothing was chosen by, and the paired differences."""
+"""What the held-out grids share (``bench_keep_best.py``, ``bench_ema.py``,
+``bench_sync_batchnorm_accuracy.py``, ``bench_layerwise_accuracy.py``,
+``bench_stepwise_heldout.py``): the grid of datasets (those of
+``bench_adaptive_heldout.py``), optimizers and seeds, each fit scored on a test half of
+the held-out set that nothing was chosen by, a diverged fit scored as a constant
+predictor, the paired differences, and the saved record."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 from bench_adaptive_heldout import DATASETS, LR0, OPTIMIZERS, Dataset, prepare
+from records import save_run
 from workloads import Optimizer, ship_to_workers
 
 
@@ -61,6 +68,90 @@ def test_score(dataset: Dataset, test: Any, scores: dict[str, float]) -> float:
     y = test.y.numpy()
     baseline = [float((y[:, j] ** 2).mean()) for j in range(y.shape[1])]
     return 100 * statistics.fmean(1 - scores[f"mse_{j}"] / b for j, b in enumerate(baseline))
+
+
+def constant_score(dataset: Dataset, test: Any) -> float:
+    """What a fit that diverged scores: a constant predictor's test score (0 % R^2, the
+    training mean; or the most frequent test class's share, %)."""
+    if dataset.baseline_mse is not None:
+        return 0.0
+    counts = np.bincount(test.y.numpy())
+    return 100.0 * float(counts.max()) / float(counts.sum())
+
+
+def floored(run: dict[str, Any]) -> dict[str, float]:
+    """The run's scores, each at least a constant predictor's (``run["floor"]``): a
+    regression worse than predicting the mean counts as the mean (R^2 0 %), so one
+    blown-up fit (R^2 of -1e37) does not decide a mean over seeds."""
+    floor = run.get("floor", float("-inf"))
+    return {
+        k: max(v, floor)
+        for k, v in run.items()
+        if isinstance(v, float) and k not in ("seconds", "floor")
+    }
+
+
+def scored_variants(
+    dataset: Dataset,
+    kind: str,
+    seed: int,
+    epochs: int,
+    client: Any,
+    variants: dict[str, dict[str, Any]],
+    run: dict[str, Any],
+) -> dict[str, Any]:
+    """Each variant (name -> ``validated_pipeline`` options, a global batch of 32) fitted
+    and scored on the test half into ``run[name]``; a fit whose loss or held-out metric
+    overflowed scores as a constant predictor and is listed in ``run["diverged"]``. Also
+    ``run["floor"]``. Returns each fitted variant's result (the diverged left out)."""
+    from dataflow.errors import DataError, NonFiniteError
+
+    results = {}
+    for name, options in variants.items():
+        pipe, test = validated_pipeline(dataset, kind, seed, 32, **options)
+        try:
+            result = pipe.fit(epochs, client=client)
+            scores = pipe.evaluate(test, result.model, client=client)
+        except (NonFiniteError, DataError) as exc:  # the loss or a metric overflowed
+            run[name] = constant_score(dataset, test)
+            run.setdefault("diverged", []).append(name)
+            print(f"    {name} diverged ({type(exc).__name__}): scored as a constant predictor")
+            continue
+        run[name] = test_score(dataset, test, scores)
+        results[name] = result
+    run["floor"] = constant_score(dataset, halves(dataset.test)[1])
+    return results
+
+
+def report_scores(run: dict[str, Any]) -> str:
+    """One run's line: every score, its seconds, the variants that diverged."""
+    diverged = f"  diverged: {', '.join(run['diverged'])}" if "diverged" in run else ""
+    scores = "  ".join(
+        f"{k} {v:6.2f}" for k, v in run.items() if isinstance(v, float) and k != "seconds"
+    )
+    return f"{scores}  {run['seconds']:.0f} s{diverged}"
+
+
+def last_saved(path: str) -> dict[str, Any]:
+    """The last run a grid saved at ``path`` (for ``--summarize``)."""
+    return json.loads(Path(path).read_text())["runs"][-1]
+
+
+def save_grid(
+    name: str,
+    args: argparse.Namespace,
+    results: dict[str, list[dict[str, Any]]],
+    seeds: int,
+    epochs: int,
+    **config: Any,
+) -> dict[str, Any]:
+    """The grid's record (its arguments, seeds, epochs and ``config``; every run) appended
+    to ``results/<name>.json`` (or ``--out``); returns it."""
+    record = {"config": vars(args) | {"epochs": epochs, "seeds": seeds, **config}}
+    record["runs"] = results
+    path = save_run(name, record, args.out, overwrite=args.overwrite)
+    print(f"saved {path}")
+    return record
 
 
 def paired(runs: list[dict[str, Any]], a: str, b: str) -> str:

@@ -62,16 +62,21 @@ def measured_steps(measured: PhaseMeasurement, previous: PhaseSpec) -> int | Non
     return measured.steps if previous.index == 0 else None
 
 
+def rests_on_enough(
+    measured: PhaseMeasurement, previous: PhaseSpec, min_measured_steps: int
+) -> bool:
+    """Whether ``measured`` rests on at least ``min_measured_steps`` measured steps (an
+    estimate from a few steps can be off by orders of magnitude); unknown counts: yes."""
+    steps = measured_steps(measured, previous)
+    return steps is None or steps >= min_measured_steps
+
+
 def trusted_noise_scale(
     measured: PhaseMeasurement | None, previous: PhaseSpec, min_measured_steps: int
 ) -> float | None:
     """The estimate the next phase is chosen from: None without one, or while it rests on
-    fewer than ``min_measured_steps`` measured steps (an estimate from a few steps can be
-    off by orders of magnitude)."""
-    if measured is None or measured.noise_scale is None:
-        return None
-    steps = measured_steps(measured, previous)
-    if steps is not None and steps < min_measured_steps:
+    fewer than ``min_measured_steps`` measured steps."""
+    if measured is None or not rests_on_enough(measured, previous, min_measured_steps):
         return None
     return measured.noise_scale
 
@@ -83,10 +88,7 @@ def noise_for_gain(
     the trusted estimate of ``|G|²`` is not positive while that of ``tr(Σ)`` is (the
     noise dominates so much that ``|G|²`` is not resolved: AdaScale's gain is then the
     linear rule's ``B/B0``); None without a trusted estimate."""
-    if measured is None:
-        return None
-    steps = measured_steps(measured, previous)
-    if steps is not None and steps < min_measured_steps:
+    if measured is None or not rests_on_enough(measured, previous, min_measured_steps):
         return None
     if measured.noise_scale is not None:
         return measured.noise_scale
