@@ -6,6 +6,8 @@ finished, the phase's remaining steps are split over them, and the restarted wor
 joins at the next phase. Every sample is still trained on once per epoch.
 """
 
+import itertools
+import json
 import math
 import os
 import random
@@ -24,8 +26,10 @@ from test_driver_replay import assert_log_replays
 import dataflow as dfl
 from dataflow import stages
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
+from dataflow.driver.recorder import Recorder
 from dataflow.planning.plan import resplit_steps
 from dataflow.schedule.balance import Even
+from dataflow.schedule.noise_scale import adascale_gain
 
 pytestmark = pytest.mark.slow  # real worker processes, really killed
 
@@ -480,3 +484,120 @@ def test_the_driver_hears_of_a_removed_member_without_polling():
         assert watch.removed.wait(timeout=60.0)
         watch.close()
         assert not watch.watched
+
+
+class WitnessPairs(stages.AllReduce):
+    """AllReduce that also writes each step's gradient-norm pair as read inside the step
+    (a host sync; the engine's own pairs stay on the device until the window ends):
+    step, local batch, |g_r|^2, global batch, |G|^2, and the wall time, one JSON line
+    per step and replica, every attempt of a step included."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def run(self, step, grads):
+        model = step.replica.model
+        local_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+        out = super().run(step, grads)
+        reduced_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+        line = [step.spec.index, step.local_batch, local_sq, step.global_batch, reduced_sq]
+        with open(Path(self.folder) / f"pairs.{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps([*line, time.time()]) + "\n")
+        return out
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(tmp_path, monkeypatch):
+    """``Stepwise``'s default LR rule takes each phase's gain from the noise measured
+    before it. A worker killed mid-window: the steps of the aborted window are run
+    again on the survivors, and the estimate must rest on the pairs of the runs that
+    were committed, each step once, never on the aborted run's (a step counted twice, or
+    with a dead replica's norms, would bias the next phase's LR without a trace)."""
+    fed: list[tuple] = []
+    track = Recorder._track_noise
+
+    def spy(recorder, pairs):
+        fed.extend(pairs)
+        return track(recorder, pairs)
+
+    monkeypatch.setattr(Recorder, "_track_noise", spy)
+    x = make_data(N_SAMPLES)[0]
+    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # a signal: |G|^2 > 0
+    pairs_dir = tmp_path / "pairs"
+    pairs_dir.mkdir()
+    marker = tmp_path / "killed"
+    g = dfl.Graph()
+    batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
+    batch = g.add(KillOnce(str(marker), step=27, rank=1), batch)
+    out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
+    reduced = g.add(WitnessPairs(str(pairs_dir)), g.add(stages.Backward(), out))
+    g.add(stages.Update(sgd), reduced)
+    schedule = dfl.schedule.Stepwise({0: 24, 2: 48, 3: 96}, min_measured_steps=4)
+    assert schedule.lr_scaling == "adascale"  # the default
+    trainer = dfl.Trainer(
+        g,
+        schedule=schedule,
+        seed=0,
+        progress=False,
+        window_seconds=0.3,
+        collective_timeout_s=20.0,
+        dry_run=False,  # (its steps would be witnessed too)
+    )
+    with (
+        LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        result = trainer.fit(epochs=4, client=client)
+        alive = set(client.run(os.getpid).values())
+    [failure] = result.history.info["failures"]
+    commit, resumed_at = failure["commit_step"], failure["resumed_at"]
+    assert failure["phase"] == 0 and commit <= 27
+    _assert_exact_ledger(result, 4)
+
+    # What each committed step's replicas measured: a step before the commit from its
+    # first run, a step from the commit on from its run after the recovery
+    committed: dict[int, list] = {}
+    lost: dict[int, list] = {}  # the killed replica's, before it died
+    aborted: set[int] = set()
+    for file in pairs_dir.glob("pairs.*.jsonl"):
+        killed = int(file.name.split(".")[1]) not in alive
+        for line in file.read_text().splitlines():
+            index, *pair, at = json.loads(line)
+            if index < commit or at > resumed_at:
+                committed.setdefault(index, []).append(pair)
+                if killed:
+                    lost.setdefault(index, []).append(pair)
+            else:
+                aborted.add(index)
+    print(f"\ncommit {commit}; steps run twice (aborted, then committed): {sorted(aborted)}")
+    # steps commit..26 had every replica's allreduce before the kill
+    assert aborted == set(range(commit, 27))
+    got: dict[int, list] = {}
+    for index, *pair in fed:
+        got.setdefault(index, []).append(pair)
+    steps = [s["step"] for s in result.history.steps]
+    assert set(got) <= set(steps) and len(got) >= len(steps) // 2
+    for index, pairs in got.items():
+        # once per replica of the committed run; a window the killed replica finished
+        # but whose result died with it is salvaged without its pairs (the estimate
+        # stays unbiased on the others', as the step's loss is their mean)
+        expected = sorted(committed[index])
+        if len(pairs) < len(expected):
+            assert index < commit and index in lost, (index, pairs, expected)
+            expected = [p for p in expected if p not in lost[index]]
+        assert len(pairs) == len(expected), (index, pairs, expected)
+        for mine, theirs in zip(sorted(pairs), expected, strict=True):
+            assert mine[0] == theirs[0] and mine[2] == theirs[2]  # batches
+            assert mine[1] == pytest.approx(theirs[1], rel=1e-5)  # |g_r|^2
+            assert mine[3] == pytest.approx(theirs[3], rel=1e-5)  # |G|^2
+
+    # and each later phase's gain is the one of the estimate from those pairs
+    phases = result.history.phases
+    for before, after in itertools.pairwise(phases):
+        measured = before["measured_noise_scale"]
+        assert after["noise_scale"] == (None if measured is None else pytest.approx(measured))
+        if measured is not None:
+            expected = adascale_gain(measured, 24, after["global_batch"])
+            assert after["gain"] == pytest.approx(expected)
+    assert any(p["gain"] > 1.0 for p in phases[1:]), "an estimate was trusted"
