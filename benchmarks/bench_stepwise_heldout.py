@@ -49,14 +49,25 @@ from records import table
 
 NAME = "stepwise_heldout"
 RULES = ("linear", "sqrt", "none", "adascale", "adascale-sqrt")
+# "<AdaScale rule>-progress": the same rule counting scale-invariant progress
+# (Stepwise(scale_invariant=True)): the table and the fit's epochs are epochs at batch
+# 32, a grown phase runs as many epochs of data as its measured gain needs
+PROGRESS = "-progress"
 
 
 def stepwise(epochs: int, max_batch: int, warmup: int, rule: str) -> Any:
-    """``bench_layerwise_accuracy.grown_table``, the LR scaled by ``rule``."""
+    """``bench_layerwise_accuracy.grown_table``, the LR scaled by ``rule`` (counting
+    progress for a rule ending in ``-progress``)."""
     import dataflow as dfl
 
     table = grown_table(epochs, max_batch)
-    return dfl.schedule.Stepwise(table, lr_scaling=rule, warmup_steps=warmup)
+    counts = rule.endswith(PROGRESS)
+    return dfl.schedule.Stepwise(
+        table,
+        lr_scaling=rule.removesuffix(PROGRESS),
+        warmup_steps=warmup,
+        scale_invariant=counts,
+    )
 
 
 def fit_variants(
@@ -77,6 +88,7 @@ def fit_variants(
                     "batch": p["global_batch"],
                     "lr_scale": round(p["lr"] / LR0[(dataset.name, kind)], 3),
                     "noise_scale": p.get("noise_scale"),
+                    "epochs": p["end_epoch"] - p["start_epoch"],
                 }
                 for p in result.history.phases
             ]

@@ -191,10 +191,12 @@ class Trainer:
             layout, size = self._layout_table(counts[0] * self.config.spatial, epochs)
             if self.config.layout == "auto":
                 counts = [max(1, c // size) for c in counts]
-        while epoch < epochs:
+        while planner.counts_progress or epoch < epochs:  # (progress: until no phase)
             world = counts[min(len(plans), len(counts) - 1)]
             order = self.graph.validate(replicas=world)
             phase = planner.next_phase(epoch, epochs, previous)
+            if phase is None:
+                break
             steps = planner.phase_steps(phase, world, index)
             plans.append(
                 Plan.build(
@@ -257,7 +259,7 @@ class Trainer:
         if checkpoint is not None:  # a job requeued after its fit ended: its result
             from dataflow.driver.finished import finished_result, is_finished
 
-            if is_finished(checkpoint, epochs):
+            if is_finished(checkpoint, epochs, self.planner(epochs)):
                 return finished_result(self, checkpoint, store, best)
         if self.schedule.max_batch() > self.source.num_samples:
             raise BatchSizeError(
@@ -355,7 +357,8 @@ class Trainer:
         if not resume:  # a new run: an old run's later steps must not count as the latest
             store.clear()
         checkpoint = store.load_latest(self.checkpoint_fingerprint) if resume else None
-        if checkpoint is not None and checkpoint.epoch > epochs:
+        progress = getattr(self.schedule, "counts_progress", False)  # epochs count that
+        if checkpoint is not None and not progress and checkpoint.epoch > epochs:
             raise ConfigError(
                 f"fit(epochs={epochs}, resume=True): the checkpoint in {directory} is already "
                 f"at epoch {checkpoint.epoch}, past the {epochs} asked for; ask for at least "

@@ -127,6 +127,35 @@ def test_stepwise_adascale_sets_each_phase_lr_from_the_noise_measured_before_it(
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
 
 
+def test_stepwise_counting_progress_runs_each_phase_as_long_as_its_gain_needs(client):
+    """Stepwise(scale_invariant=True): the fit's 3 epochs are of progress at the first
+    batch. A phase at batch B with gain r makes r*B0/B of it per epoch of data, so it
+    runs the whole epochs of data that reach the table's next entry; the ledger holds
+    every epoch of data trained, each sample once."""
+    x, y = learnable_data()
+    schedule = dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32}, scale_invariant=True)
+    pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, replicas=2)
+    result = pipe.fit(epochs=3, client=client)
+    phases = result.history.phases
+    assert [p["global_batch"] for p in phases] == [8, 16, 32]
+    progress = 0.0
+    for phase, target in zip(phases, (1, 2, 3), strict=True):
+        assert phase["progress_start"] == pytest.approx(progress)
+        per_epoch = phase["gain"] * 8 / phase["global_batch"]  # gain: AdaScale's r
+        epochs = phase["end_epoch"] - phase["start_epoch"]
+        assert epochs == math.ceil((target - progress) / per_epoch - 1e-9)
+        progress = phase["progress_end"]
+        assert progress == pytest.approx(phase["progress_start"] + epochs * per_epoch)
+    assert progress >= 3
+    trained = phases[-1]["end_epoch"]
+    assert [e["epoch"] for e in result.history.epochs] == list(range(trained))
+    assert result.summary().startswith(
+        f"trained {trained} epoch(s) of data ({progress:.2f} epochs of progress, 3 asked)"
+    )
+    for epoch in range(trained):
+        assert result.ledger.consumed(epoch).tolist() == list(range(192))
+
+
 def squared_norm(model: torch.nn.Module) -> float:
     return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
 

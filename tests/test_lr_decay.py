@@ -97,6 +97,29 @@ def test_each_planned_step_carries_the_factor_at_its_progress_in_epochs():
     assert all(s.lr_decay is None for plan in plain for s in plan.steps)
 
 
+def test_counting_progress_the_decay_follows_the_progress_not_the_data():
+    """Stepwise(scale_invariant=True): the fit's epochs are epochs of progress and the
+    decay runs over them; with no measurement (a plan) each grown phase is credited a
+    gain of 1, the longest it can run: B/B0 epochs of data per epoch of progress."""
+    x, y = make_data(64)
+    decay = CosineDecay(final=0.0)
+    schedule = dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32}, scale_invariant=True)
+    pipe = tiny_pipeline(x, y, schedule=schedule, lr_decay=decay)
+    plans = pipe.plan(epochs=3, replicas=2)
+    assert [(p.phase.start_epoch, p.phase.end_epoch) for p in plans] == [(0, 1), (1, 3), (3, 7)]
+    assert [p.phase.progress_end for p in plans] == [1.0, 2.0, 3.0]
+    steps = [s for plan in plans for s in plan.steps]
+    assert len(steps) == 8 + 2 * 4 + 4 * 2
+    for plan in plans:
+        for spec in plan.steps:
+            progress = plan.phase.progress_at(spec.epoch + spec.start / 64)
+            assert spec.lr_decay == decay.factor(progress, 3)
+    # half way through the progress: the second epoch of data at batch 16 (step 12), 0.5;
+    # the last phase (4 epochs of data for the last one of progress) starts at 0.25
+    assert steps[12].lr_decay == pytest.approx(0.5)
+    assert steps[16].lr_decay == pytest.approx(0.25)
+
+
 # -- on a cluster ------------------------------------------------------------------------
 
 

@@ -121,11 +121,12 @@ def test_resume_mid_phase_on_fewer_replicas_keeps_every_sample_once(client, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["adaptive", "stepwise-adascale"])
+@pytest.mark.parametrize("schedule", ["adaptive", "stepwise-adascale", "stepwise-progress"])
 def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, tmp_path, schedule):
     """The gradient-noise pairs of the steps before a mid-phase checkpoint are in it: the
     resumed fit measures the same noise scale, so it grows the batch (Adaptive) or sets
-    the LR (Stepwise's AdaScale rule) the same way."""
+    the LR (Stepwise's AdaScale rule) the same way; counting progress, its phases run as
+    many epochs. Resumed again from its end, the fit is done: its result, no training."""
     x, _ = make_data(192)
     y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
 
@@ -136,7 +137,11 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
             optimizer=lambda p: torch.optim.SGD(p, lr=0.02),
             schedule=dfl.schedule.Adaptive(8, max_batch=64)
             if schedule == "adaptive"
-            else dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32, 3: 64}, lr_scaling="adascale"),
+            else dfl.schedule.Stepwise(
+                {0: 8, 1: 16, 2: 32, 3: 64},
+                lr_scaling="adascale",
+                scale_invariant=schedule == "stepwise-progress",
+            ),
             window_steps=2,  # pinned: every phase has mid-phase checkpoints, on any machine
         )
 
@@ -148,13 +153,21 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
     resumed = pipe().fit(4, client=client, resume=True, **folder)
 
     def measured(result) -> list:
-        return [
-            (p["global_batch"], p["measured_noise_scale"], p["lr"]) for p in result.history.phases
-        ]
+        keys = ("global_batch", "measured_noise_scale", "lr", "end_epoch", "progress_end")
+        return [tuple(p.get(k) for k in keys) for p in result.history.phases]
 
     assert measured(resumed) == measured(full)
     assert full.history.phases[-1]["global_batch"] > 8
     _assert_same_weights(full.model, resumed.model)
+    if schedule == "stepwise-progress":
+        assert full.history.phases[-1]["progress_end"] >= 4
+        assert full.history.phases[-1]["end_epoch"] > 4  # a gain below B/B0 trains longer
+        done = pipe().fit(4, client=client, resume=True, **folder)
+        assert (
+            done.history.info["already_finished"]["epoch"] == full.history.phases[-1]["end_epoch"]
+        )
+        assert len(done.history.steps) == len(full.history.steps)
+        _assert_same_weights(full.model, done.model)
 
 
 def test_checkpoint_every_is_checked_before_any_work(tmp_path):

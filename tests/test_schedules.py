@@ -129,6 +129,95 @@ def test_stepwise_measures_the_noise_only_for_the_adascale_rules():
         Stepwise({0: 8}, lr_scaling="linear", measure_every=4)
 
 
+def progress_phases(schedule, epochs, measured):
+    """The phases of a fit counting progress, each chosen with ``measured`` (None at
+    first), until the schedule has none left."""
+    out, epoch, previous = [], 0, None
+    while (phase := schedule.next_phase(
+        start_epoch=epoch, total_epochs=epochs, previous=previous,
+        measured=None if previous is None else measured,
+    )) is not None:  # fmt: skip
+        out.append(phase)
+        epoch, previous = phase.end_epoch, phase
+        assert len(out) < 20, "the schedule never ends"
+    return out
+
+
+def test_scale_invariant_stepwise_runs_each_phase_until_its_progress_is_made():
+    """Counting progress, a phase at batch B with gain r makes r*B0/B epochs of progress
+    per epoch of data: it runs the whole epochs that reach the table's next entry, and
+    the fit ends once the asked-for progress is made."""
+    schedule = Stepwise({0: 16, 2: 64, 4: 256}, scale_invariant=True, lr=0.1)
+    assert schedule.counts_progress and not Stepwise({0: 16, 2: 64}).counts_progress
+    got = progress_phases(schedule, 6, measured_after(40, 48.0))
+    gains = [1.0, (1 + 48 / 16) / (1 + 48 / 64), (1 + 48 / 16) / (1 + 48 / 256)]
+    per_epoch = [g * 16 / b for g, b in zip(gains, (16, 64, 256), strict=True)]  # 1, .57, .22
+    assert [p.global_batch for p in got] == [16, 64, 256]
+    assert [p.lr_scale for p in got] == pytest.approx(gains)  # the LR is AdaScale's as ever
+    # phase 0: 2 epochs at B0; phase 1: 2 epochs of progress at 0.57 an epoch -> 4 data
+    # epochs (ceil 3.5), which make 2.29 (to 4.29); phase 2: the 1.71 left at 0.21 -> 9
+    assert [(p.start_epoch, p.end_epoch) for p in got] == [(0, 2), (2, 6), (6, 15)]
+    assert got[1].progress_start == 2.0
+    assert got[1].progress_end == pytest.approx(2 + 4 * per_epoch[1])
+    assert got[2].progress_start == got[1].progress_end
+    assert got[2].progress_end == pytest.approx(got[2].progress_start + 9 * per_epoch[2])
+    assert 6 <= got[2].progress_end < 6 + per_epoch[2]  # ends at the first epoch past 6
+    # progress grows linearly over a phase's epochs of data
+    assert got[1].progress_at(4.0) == pytest.approx(2 + 2 * per_epoch[1])
+    assert Stepwise({0: 16}).next_phase(start_epoch=0, total_epochs=2, previous=None).progress_at(
+        1.0
+    ) is None  # fmt: skip
+
+
+def test_scale_invariant_stepwise_stretches_nothing_where_the_noise_dominates():
+    """A gain of B/B0 (all noise, or |G|^2 not resolved) is a whole epoch of progress per
+    epoch of data: the table's epochs, as without counting progress."""
+    schedule = Stepwise({0: 16, 2: 64, 4: 256}, scale_invariant=True)
+    drowned = PhaseMeasurement(gradient_sq=-0.2, trace_cov=5.0, steps=40, measured_steps=40)
+    for measured in (measured_after(40, 1e12), drowned):
+        got = progress_phases(schedule, 6, measured)
+        assert [(p.start_epoch, p.end_epoch) for p in got] == [(0, 2), (2, 4), (4, 6)]
+        assert got[-1].progress_end == pytest.approx(6.0)
+
+
+def test_scale_invariant_stepwise_keeps_the_last_gain_until_an_estimate_is_trusted():
+    """Without a trusted estimate a phase is credited the previous phase's gain (1 after
+    the first: the longest stretch, B/B0), as its LR keeps the previous scale."""
+    schedule = Stepwise({0: 16, 1: 64, 2: 128}, scale_invariant=True, min_measured_steps=30)
+    got = progress_phases(schedule, 3, measured_after(29, 48.0))  # never trusted
+    assert [(p.start_epoch, p.end_epoch) for p in got] == [(0, 1), (1, 5), (5, 13)]
+    assert [p.lr_scale for p in got] == [1.0, 1.0, 1.0]
+    first = got[0]
+    trusted = schedule.next_phase(
+        start_epoch=1, total_epochs=3, previous=first, measured=measured_after(30, 48.0)
+    )
+    gain = (1 + 48 / 16) / (1 + 48 / 64)
+    kept = schedule.next_phase(
+        start_epoch=trusted.end_epoch, total_epochs=3, previous=trusted, measured=None
+    )
+    per_epoch = (kept.progress_end - kept.progress_start) / (kept.end_epoch - kept.start_epoch)
+    assert per_epoch == pytest.approx(gain * 16 / 128)  # the gain kept, at the new batch
+    # Adam's rule takes the gain's square root for the LR, the gain itself for progress
+    root = Stepwise({0: 16, 1: 64}, lr_scaling="adascale-sqrt", scale_invariant=True)
+    second = progress_phases(root, 2, measured_after(40, 48.0))[1]
+    assert second.lr_scale == pytest.approx(gain**0.5)
+    assert second.progress_end - second.progress_start == pytest.approx(
+        gain * 16 / 64 * (second.end_epoch - second.start_epoch)
+    )
+
+
+def test_scale_invariant_stepwise_is_refused_without_a_measured_gain():
+    for rule in ("linear", "sqrt", "none"):
+        with pytest.raises(dfl.ConfigError, match="scale_invariant=True\\): progress is counted"):
+            Stepwise({0: 8, 1: 16}, lr_scaling=rule, scale_invariant=True)
+    with pytest.raises(dfl.ConfigError, match="scale_invariant=1\\): must be True or False"):
+        Stepwise({0: 8}, scale_invariant=1)
+    with pytest.raises(dfl.ConfigError, match="progress_start"):
+        dfl.schedule.PhaseSpec(
+            index=0, start_epoch=0, end_epoch=1, global_batch=8, progress_start=1.0
+        )
+
+
 def test_fixed_cuts_phases_when_asked():
     assert [(p.start_epoch, p.end_epoch) for p in phases(Fixed(8, epochs_per_phase=2), 5)] == [
         (0, 2),

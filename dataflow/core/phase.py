@@ -25,6 +25,11 @@ class PhaseSpec:
     in LR does not destabilise training. ``noise_scale`` and ``gain`` are for the
     history: the noise-scale estimate an adaptive schedule chose the phase from, and
     the LR gain it applied (None for schedules that do not measure).
+
+    ``progress_start`` and ``progress_end`` (a schedule that counts scale-invariant
+    progress, ``Stepwise(scale_invariant=True)``): the progress made before the phase
+    and after it, in epochs at the first batch; progress grows linearly over the
+    phase's epochs (:meth:`progress_at`). None for the other schedules.
     """
 
     index: int
@@ -36,6 +41,8 @@ class PhaseSpec:
     warmup_steps: int = 0
     noise_scale: float | None = None
     gain: float | None = None
+    progress_start: float | None = None
+    progress_end: float | None = None
 
     def __post_init__(self) -> None:
         if self.end_epoch <= self.start_epoch:
@@ -55,6 +62,22 @@ class PhaseSpec:
             )
         if self.gain is not None and not self.gain > 0:
             raise ConfigError(f"PhaseSpec: gain must be > 0 or None, got {self.gain}")
+        start, end = self.progress_start, self.progress_end
+        if (start is None) != (end is None) or (
+            start is not None and not (math.isfinite(end) and 0 <= start < end)
+        ):
+            raise ConfigError(
+                f"PhaseSpec: progress_start ({start}) and progress_end ({end}) must both be "
+                "None or finite with 0 <= progress_start < progress_end"
+            )
+
+    def progress_at(self, epoch: float) -> float | None:
+        """The scale-invariant progress at ``epoch`` (a fractional epoch of the data inside
+        the phase), or None for a phase that does not count it."""
+        if self.progress_start is None or self.progress_end is None:
+            return None
+        per_epoch = (self.progress_end - self.progress_start) / (self.end_epoch - self.start_epoch)
+        return self.progress_start + (epoch - self.start_epoch) * per_epoch
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,10 @@ class Schedule(Protocol):
     rules) asks the driver to pay for the gradient-norm measurement that feeds
     ``measured.noise_scale``, on every ``measure_interval(phase_steps)``-th step when the
     schedule has that method; both are optional (absent: False), so a schedule
-    written with only ``next_phase`` and ``max_batch`` still fits the protocol.
+    written with only ``next_phase`` and ``max_batch`` still fits the protocol. One
+    whose ``counts_progress`` is True counts ``total_epochs`` in its own units
+    (``Stepwise(scale_invariant=True)``: progress): the fit then ends when
+    ``next_phase`` returns None, not at an epoch of data.
     """
 
     def next_phase(
@@ -134,7 +137,7 @@ class Schedule(Protocol):
         total_epochs: int,
         previous: PhaseSpec | None,
         measured: PhaseMeasurement | None = None,
-    ) -> PhaseSpec: ...
+    ) -> PhaseSpec | None: ...
 
     def max_batch(self) -> int:
         """The largest global batch this schedule can ask for (validated up front)."""

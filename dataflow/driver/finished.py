@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dataflow.checkpoint import ledger_from_state
+from dataflow.checkpoint import ledger_from_state, phase_from_dict
 from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.fit import averaged_model, best_model
 from dataflow.history.result import FitResult, History
@@ -21,12 +21,19 @@ from dataflow.stages.forward import build_model
 from dataflow.stages.update import build_optimizer
 
 
-def is_finished(checkpoint: Any, epochs: int) -> bool:
-    """Whether ``checkpoint`` ends the fit of ``epochs`` asked for: it is at that epoch,
-    or an ``on_epoch`` callback stopped that same fit there (``StopTraining``; the
-    checkpoint written at the stop). A fit asked for another number of epochs trains on
-    from a stop, as ``fit(more, resume=True)`` does."""
-    if checkpoint.epoch == epochs:
+def is_finished(checkpoint: Any, epochs: int, planner: Any = None) -> bool:
+    """Whether ``checkpoint`` ends the fit of ``epochs`` asked for: it is at that epoch
+    (with a schedule that counts progress, ``planner.counts_progress``: at a phase
+    boundary where the schedule has no phase left), or an ``on_epoch`` callback stopped
+    that same fit there (``StopTraining``; the checkpoint written at the stop). A fit
+    asked for another number of epochs trains on from a stop, as ``fit(more,
+    resume=True)`` does."""
+    if planner is not None and planner.counts_progress:
+        previous = phase_from_dict(checkpoint.schedule_state.get("previous"))
+        at_boundary = checkpoint.in_phase is None and previous is not None
+        if at_boundary and planner.next_phase(checkpoint.epoch, epochs, previous) is None:
+            return True
+    elif checkpoint.epoch == epochs:
         return True
     info = checkpoint.history.get("info") or {}
     stop = info.get("stopped_early")

@@ -178,7 +178,8 @@ def build_loop(
             max_replicas=most_replicas(config),
             spatial=config.spatial,
             sync=config.sync,
-            epochs=epochs,
+            # a schedule counting progress ends the fit itself (no phase left)
+            epochs=None if trainer.planner().counts_progress else epochs,
             epoch_review=bool(on_epoch),
             best_every=None if keep_best is None else trainer.metric_every(keep_best.metric),
             scaling=WorkerScaling.of(config, fit_plan.wire_scale)

@@ -357,6 +357,8 @@ class Recorder:
                 noise_scale=phase.noise_scale,
                 gain=phase.gain,
                 measured_noise_scale=self.noise.noise_scale,
+                progress_start=phase.progress_start,
+                progress_end=phase.progress_end,
                 samples_per_second=rates,
                 steps=len(phase_steps),
                 windows=totals[0].windows,

@@ -43,9 +43,10 @@ class Planner:
         total_epochs: int,
         previous: PhaseSpec | None,
         measured: PhaseMeasurement | None = None,
-    ) -> PhaseSpec:
-        """The schedule's next phase; only schedules that measure the gradient noise
-        (``measures_noise``) are given the measurement."""
+    ) -> PhaseSpec | None:
+        """The schedule's next phase (None: the fit is done, for a schedule that counts
+        progress); only schedules that measure the gradient noise (``measures_noise``)
+        are given the measurement."""
         extra: dict[str, Any] = {"measured": measured} if self.measures_noise else {}
         if getattr(self.schedule, "needs_epoch_size", False):  # phases of N steps
             extra.update(num_samples=self.num_samples, drop_last=self.drop_last)
@@ -83,17 +84,25 @@ class Planner:
             micro_batches=self.micro_batches(
                 replicas, memory_cap=memory_cap, measure_every=self.measure_every(count)
             ),
-            lr_decay=self.decay_at(),
+            lr_decay=self.decay_at(phase),
         )
 
-    def decay_at(self) -> Callable[[float], float] | None:
-        """The factor on a step's LR at its progress in epochs (None: no decay)."""
+    @property
+    def counts_progress(self) -> bool:
+        """Whether the fit's epochs count the schedule's progress, not epochs of data."""
+        return bool(getattr(self.schedule, "counts_progress", False))
+
+    def decay_at(self, phase: PhaseSpec | None = None) -> Callable[[float], float] | None:
+        """The factor on a step's LR at its position in epochs of data (None: no decay);
+        in ``phase``'s scale-invariant progress where it counts that."""
         decay = self.lr_decay
         if decay is None:
             return None
         if self.epochs is None:
             raise RuntimeError("Planner(lr_decay=...) needs the fit's epochs (a bug)")
-        return lambda progress: decay.factor(progress, self.epochs)
+        if phase is not None and phase.progress_start is not None:
+            return lambda epoch: decay.factor(phase.progress_at(epoch), self.epochs)
+        return lambda epoch: decay.factor(epoch, self.epochs)
 
     def rest(
         self,

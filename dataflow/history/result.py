@@ -110,10 +110,17 @@ class FitResult:
         runs = len(info.get("segments") or ())
         stopped = info.get("stopped_early")
         epochs = info.get("epochs")
+        trained = f"{epochs} epoch(s)"
         if stopped and h.epochs:  # fewer than asked for: a callback's StopTraining
-            epochs = f"{int(h.epochs[-1]['epoch']) + 1} of {epochs}"
+            trained = f"{int(h.epochs[-1]['epoch']) + 1} of {epochs} epoch(s)"
+        elif h.phases and h.phases[-1].get("progress_end") is not None:  # scale_invariant
+            progress = h.phases[-1]["progress_end"]
+            trained = (
+                f"{h.phases[-1]['end_epoch']} epoch(s) of data ({progress:.2f} epochs of "
+                f"progress, {epochs} asked)"
+            )
         lines = [
-            f"trained {epochs} epoch(s), {len(h.steps)} steps, {samples} samples "
+            f"trained {trained}, {len(h.steps)} steps, {samples} samples "
             f"on {info.get('replicas')} replica(s) in {seconds:.1f} s"
             f"{f' over {runs} runs' if runs > 1 else ''} ({samples / seconds:.0f} samples/s)",
         ]
@@ -128,6 +135,7 @@ class FitResult:
                 f", global batch {phase['global_batch']}, lr {figure(phase['lr'])}, split "
                 f"{phase['local_batches']}, samples/s per replica "
                 f"{[round(v) for v in phase['samples_per_second']]}"
+                + _progress_text(phase)
                 + _captured_text(phase)
                 + _retried_text(phase)
             )
@@ -187,6 +195,13 @@ def _failures_text(info: dict[str, Any], shown: int = 4) -> list[str]:
         more = f" and {len(regroups) - shown} more" if len(regroups) > shown else ""
         lines.append(f"  workers joined: {'; '.join(told)}{more} (history.info['regroups'])")
     return lines
+
+
+def _progress_text(phase: Any) -> str:
+    """The summary's ", progress 2.00-4.39" for a phase that counted scale-invariant progress."""
+    if phase.get("progress_end") is None:
+        return ""
+    return f", progress {phase['progress_start']:.2f}-{phase['progress_end']:.2f}"
 
 
 def _captured_text(phase: Any) -> str:

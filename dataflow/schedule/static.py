@@ -19,6 +19,13 @@ from dataflow.schedule.measured_lr import (
     measure_interval,
     noise_for_gain,
 )
+from dataflow.schedule.progress import (
+    PROGRESS_TOLERANCE,
+    epochs_for_progress,
+    progress_per_epoch,
+    progress_so_far,
+    statistical_gain,
+)
 from dataflow.schedule.rules import LR_RULES, _check_lr, _positive_int
 
 STEPWISE_LR_RULES = (*sorted(LR_RULES), *ADASCALE_RULES)
@@ -90,6 +97,14 @@ class Stepwise:
     measured steps; until then the previous phase's LR scale is kept. An estimate of
     ``|G|²`` that is not positive means the noise dominates: the gain is then ``B/B0``.
 
+    ``scale_invariant=True`` (with the AdaScale rules) counts training in progress, as
+    AdaScale does, not in epochs of data: the table's epochs and the fit's ``epochs``
+    are epochs at the first batch ``B0``, and a phase at batch ``B`` with gain ``r``
+    makes ``r·B0/B`` of them per epoch of data (:mod:`dataflow.schedule.progress`).
+    Each phase then runs as many whole data epochs as its progress needs, an LR decay
+    follows the progress, and the fit ends once ``epochs`` of it are made: a larger
+    batch trains for more epochs instead of stopping short of the small batch's result.
+
     ``lr`` is the base LR (default: the optimizer factory's), the first param group's:
     each other group keeps its ratio to the first. Each phase after the first ramps to
     its new LR over ``warmup_steps`` steps.
@@ -101,6 +116,13 @@ class Stepwise:
     lr: float | None = None
     min_measured_steps: int = DEFAULT_MIN_MEASURED_STEPS
     measure_every: int | str = "auto"
+    scale_invariant: bool = False
+
+    @property
+    def counts_progress(self) -> bool:
+        """Whether the fit's ``epochs`` count scale-invariant progress (the fit then ends
+        when :meth:`next_phase` has no phase left, not at an epoch of data)."""
+        return self.scale_invariant
 
     @property
     def measures_noise(self) -> bool:
@@ -141,6 +163,16 @@ class Stepwise:
                 "measuring the gradient noise is only for lr_scaling='adascale' or "
                 "'adascale-sqrt'; leave measure_every and min_measured_steps out"
             )
+        if not isinstance(self.scale_invariant, bool):
+            raise ConfigError(
+                f"Stepwise(scale_invariant={self.scale_invariant!r}): must be True or False"
+            )
+        if self.scale_invariant and self.lr_scaling not in ADASCALE_RULES:
+            raise ConfigError(
+                f"Stepwise(lr_scaling={self.lr_scaling!r}, scale_invariant=True): progress "
+                "is counted from the gain measured for lr_scaling='adascale' or "
+                "'adascale-sqrt'; use one of those, or leave scale_invariant out"
+            )
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
             raise ConfigError(f"Stepwise(warmup_steps={self.warmup_steps!r}): must be an int >= 0")
         if self.warmup_steps < 0:
@@ -154,32 +186,44 @@ class Stepwise:
         total_epochs: int,
         previous: PhaseSpec | None,
         measured: PhaseMeasurement | None = None,
-    ) -> PhaseSpec:
+    ) -> PhaseSpec | None:
+        """The phase from ``start_epoch`` on. Counting progress (``scale_invariant``),
+        the table and ``total_epochs`` are in progress, and None says the fit is done."""
+        done = progress_so_far(previous) if self.scale_invariant else float(start_epoch)
+        if self.scale_invariant and done >= total_epochs - PROGRESS_TOLERANCE:
+            return None
         starts = sorted(self.batches)
-        current = max(e for e in starts if e <= start_epoch)
-        later = [e for e in starts if e > start_epoch and e < total_epochs]
-        batch = self.batches[current]
+        current = max(e for e in starts if e <= done + PROGRESS_TOLERANCE)
+        later = [e for e in starts if done + PROGRESS_TOLERANCE < e < total_epochs]
+        target = later[0] if later else total_epochs
+        base, batch = self.batches[0], self.batches[current]
         noise = None
         if self.lr_scaling not in ADASCALE_RULES:
-            scale = LR_RULES[self.lr_scaling](batch / self.batches[0])
+            scale = LR_RULES[self.lr_scaling](batch / base)
         elif previous is None or not self.measures_noise:
             scale = 1.0  # the base LR belongs to the first batch (the only one)
         else:
             noise = noise_for_gain(measured, previous, self.min_measured_steps)
-            scale = adascale_scale(
-                self.lr_scaling, noise, self.batches[0], batch, previous.lr_scale
-            )
-            noise = None if noise == math.inf else noise  # (the history keeps plain JSON)
+            scale = adascale_scale(self.lr_scaling, noise, base, batch, previous.lr_scale)
+        epochs, progress = target - start_epoch, None
+        if self.scale_invariant:
+            first = previous is None or not self.measures_noise
+            gain = 1.0 if first else statistical_gain(noise, base, batch, previous)
+            per_epoch = progress_per_epoch(gain, base, batch)
+            epochs = epochs_for_progress(target - done, per_epoch)
+            progress = {"progress_start": done, "progress_end": done + epochs * per_epoch}
+        noise = None if noise == math.inf else noise  # (the history keeps plain JSON)
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
             start_epoch=start_epoch,
-            end_epoch=later[0] if later else total_epochs,
+            end_epoch=start_epoch + epochs,
             global_batch=batch,
             lr=None if self.lr is None else self.lr * scale,
             lr_scale=scale,
             warmup_steps=0 if previous is None else self.warmup_steps,
             noise_scale=noise,
             gain=scale if self.lr_scaling in ADASCALE_RULES else None,
+            **(progress or {}),
         )
 
     def measure_interval(self, phase_steps: int) -> int:
