@@ -125,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how the LR follows the batch (sqrt; adascale: from the measured noise; linear "
         "diverges on this task at B=256)",
     )
+    p.add_argument(
+        "--scale-invariant",
+        action="store_true",
+        help="count --epochs and the table in progress at the first batch (with an adascale "
+        "rule): a grown phase runs the epochs of data its measured gain needs",
+    )
     p.add_argument("--warmup-steps", type=int, default=5, help="LR ramp at each new batch (5)")
     p.add_argument("--width", type=int, default=8, help="channels of the first conv (8)")
     p.add_argument(
@@ -176,7 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. the fit
     table = args.batches or default_table(args.epochs, 16)
     schedule = dfl.schedule.Stepwise(
-        table, lr_scaling=args.lr_scaling, warmup_steps=args.warmup_steps
+        table,
+        lr_scaling=args.lr_scaling,
+        warmup_steps=args.warmup_steps,
+        scale_invariant=args.scale_invariant,
     )
     lr, use_adam = args.lr, args.optimizer == "adam"
 

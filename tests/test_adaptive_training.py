@@ -127,14 +127,17 @@ def test_stepwise_adascale_sets_each_phase_lr_from_the_noise_measured_before_it(
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
 
 
-def test_stepwise_counting_progress_runs_each_phase_as_long_as_its_gain_needs(client):
+@pytest.mark.parametrize("sync", ["synchronous", "local"])
+def test_stepwise_counting_progress_runs_each_phase_as_long_as_its_gain_needs(client, sync):
     """Stepwise(scale_invariant=True): the fit's 3 epochs are of progress at the first
     batch. A phase at batch B with gain r makes r*B0/B of it per epoch of data, so it
     runs the whole epochs of data that reach the table's next entry; the ledger holds
-    every epoch of data trained, each sample once."""
+    every epoch of data trained, each sample once. Under local updates the gain comes
+    from the noise measured once per window."""
     x, y = learnable_data()
     schedule = dfl.schedule.Stepwise({0: 8, 1: 16, 2: 32}, scale_invariant=True)
-    pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, replicas=2)
+    options = dict(sync=dfl.sync.Local(period_steps=1)) if sync == "local" else {}
+    pipe = tiny_pipeline(x, y, optimizer=plain_sgd, schedule=schedule, replicas=2, **options)
     result = pipe.fit(epochs=3, client=client)
     phases = result.history.phases
     assert [p["global_batch"] for p in phases] == [8, 16, 32]
