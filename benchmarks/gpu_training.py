@@ -220,17 +220,19 @@ class Sides:
         return max(walls, default=0.0)
 
 
-def loader_alone(source: Any, batches: list[np.ndarray], cuda: bool) -> dict[str, Any]:
+def loader_alone(
+    source: Any, batches: list[np.ndarray], cuda: bool, threads: int | str = "auto"
+) -> dict[str, Any]:
     """On a worker: how fast the fit's loader delivers ``batches`` of a chunked source with
     nothing else running, as the Load stage reads them (the chunks each decoded once on
-    the "auto" decode threads, each batch assembled in pinned memory and copied to the
+    the fit's ``threads`` decode threads, each batch assembled in pinned memory and copied to the
     GPU on a side stream). Against the memory fit's rate, it says whether a zarr fit can
     keep up at all: one that cannot is bound by the data, not by the engine's host time."""
     from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, auto_decode_threads
     from dataflow.io.device_staging import CudaCopies, DeviceStager
 
     device = torch.device("cuda" if cuda else "cpu")
-    threads = auto_decode_threads(device)
+    threads = auto_decode_threads(device) if threads == "auto" else threads
     stager = DeviceStager(CudaCopies(device)) if cuda else None
     buffers = BatchBuffers(keep=6, pin_memory=cuda)
     started = time.perf_counter()
@@ -251,7 +253,8 @@ def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> di
     if variant["source"] == "zarr":  # one epoch read with nothing else running, first
         epoch = sides.plan()[: max(1, w.samples // w.batch)]
         source = sides.source("zarr")
-        alone = client.submit(loader_alone, source, epoch, sides.device.cuda, pure=False)
+        threads = variant.get("decode_threads", "auto")  # as the fit's Load decodes
+        alone = client.submit(loader_alone, source, epoch, sides.device.cuda, threads, pure=False)
         alone = alone.result()
         print(f"{w.name} {name}: the loader alone: {alone['samples_per_s']:.0f} samples/s")
     result = pipeline(w, sides.source(variant["source"]), sides.device, **options).fit(

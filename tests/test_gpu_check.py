@@ -120,7 +120,7 @@ def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first(bench):
                           "cosmoflow:fit_memory_bf16_cl"]  # fmt: skip
     assert order[-2:] == ["small:dataflow_memory_compiled",
                           "small:torch_loop_resident_bf16_cl_compiled"]  # fmt: skip
-    assert len(order) == len(set(order)) == 28  # every side once
+    assert len(order) == len(set(order)) == 30  # every side once
 
 
 NO_CONFIRM = ("--confirm-rounds", "0")
