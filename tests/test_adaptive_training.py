@@ -14,6 +14,7 @@ from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.driver.recorder import Recorder
+from dataflow.history.report_plots import report_title
 from dataflow.schedule.noise_scale import adascale_gain
 from dataflow.stages.allreduce import loss_scale_of
 
@@ -152,9 +153,9 @@ def test_stepwise_counting_progress_runs_each_phase_as_long_as_its_gain_needs(cl
     assert progress >= 3
     trained = phases[-1]["end_epoch"]
     assert [e["epoch"] for e in result.history.epochs] == list(range(trained))
-    assert result.summary().startswith(
-        f"trained {trained} epoch(s) of data ({progress:.2f} epochs of progress, 3 asked)"
-    )
+    said = f"{trained} epoch(s) of data ({progress:.2f} epochs of progress, 3 asked)"
+    assert result.summary().startswith(f"trained {said}")
+    assert f"  ·  {said}  ·  " in report_title(result.history)  # dataflow report's title
     for epoch in range(trained):
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
 

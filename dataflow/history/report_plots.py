@@ -26,7 +26,7 @@ from dataflow.history.report_data import (
     step_wall_times,
     throughput,
 )
-from dataflow.history.result import History
+from dataflow.history.result import History, epochs_trained
 
 
 def _phase_bounds(history: History, x: np.ndarray) -> list[tuple[float, float, str]]:
@@ -82,7 +82,8 @@ def report_title(history: History) -> str:
     info = history.info
     samples, seconds = throughput(history)
     parts = [f"run {info.get('run_id', '?')}", f"{info.get('replicas', '?')} replica(s)"]
-    parts += [f"{info.get('epochs', len(history.epochs))} epoch(s)", f"{samples:,.0f} samples"]
+    asked = info.get("epochs", len(history.epochs))
+    parts += [epochs_trained(history, asked), f"{samples:,.0f} samples"]
     runs = len(info.get("segments") or ())
     if math.isfinite(seconds) and seconds > 0:  # every run's, when resumed
         over = f" over {runs} runs" if runs > 1 else ""

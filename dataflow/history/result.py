@@ -109,16 +109,7 @@ class FitResult:
         seconds = info.get("train_seconds", 0.0) or float("nan")  # every run's, resumed
         runs = len(info.get("segments") or ())
         stopped = info.get("stopped_early")
-        epochs = info.get("epochs")
-        trained = f"{epochs} epoch(s)"
-        if stopped and h.epochs:  # fewer than asked for: a callback's StopTraining
-            trained = f"{int(h.epochs[-1]['epoch']) + 1} of {epochs} epoch(s)"
-        elif h.phases and h.phases[-1].get("progress_end") is not None:  # scale_invariant
-            progress = h.phases[-1]["progress_end"]
-            trained = (
-                f"{h.phases[-1]['end_epoch']} epoch(s) of data ({progress:.2f} epochs of "
-                f"progress, {epochs} asked)"
-            )
+        trained = epochs_trained(h, info.get("epochs"))
         lines = [
             f"trained {trained}, {len(h.steps)} steps, {samples} samples "
             f"on {info.get('replicas')} replica(s) in {seconds:.1f} s"
@@ -195,6 +186,21 @@ def _failures_text(info: dict[str, Any], shown: int = 4) -> list[str]:
         more = f" and {len(regroups) - shown} more" if len(regroups) > shown else ""
         lines.append(f"  workers joined: {'; '.join(told)}{more} (history.info['regroups'])")
     return lines
+
+
+def epochs_trained(history: History, asked: Any) -> str:
+    """ "12 epoch(s)" of a fit of ``asked`` epochs; "3 of 12 epoch(s)" after a callback's
+    early stop; "40 epoch(s) of data (15.07 epochs of progress, 15 asked)" where the
+    schedule counted scale-invariant progress (its epochs are not the data's)."""
+    if history.info.get("stopped_early") and history.epochs:
+        return f"{int(history.epochs[-1]['epoch']) + 1} of {asked} epoch(s)"
+    last = history.phases[-1] if history.phases else None
+    if last is not None and last.get("progress_end") is not None:
+        return (
+            f"{last['end_epoch']} epoch(s) of data ({last['progress_end']:.2f} epochs of "
+            f"progress, {asked} asked)"
+        )
+    return f"{asked} epoch(s)"
 
 
 def _progress_text(phase: Any) -> str:
