@@ -207,7 +207,10 @@ def fit_one(
     node = graph.add(stages.Backward(), node)
     node = graph.add(stages.AllReduce(), node)
     node = graph.add(stages.Update(optimizer), node)
-    graph.add(stages.Evaluate(dataset.test, metrics=dataset.metrics, every_epochs=epochs), node)
+    # scored once, at the end; a fit counting progress ends at an epoch of data not
+    # known ahead, so it is scored every epoch and the last one read
+    every = 1 if getattr(schedule, "counts_progress", False) else epochs
+    graph.add(stages.Evaluate(dataset.test, metrics=dataset.metrics, every_epochs=every), node)
     trainer = dfl.Trainer(
         graph, schedule=schedule, lr_decay=decay, seed=seed, progress=False, replicas=2
     )
@@ -234,7 +237,9 @@ def fit_one(
                     "noise_scale",
                     "gain",
                     "measured_noise_scale",
+                    "progress_end",
                 )
+                if k in p
             }
             for p in history.phases
         ],
@@ -260,6 +265,8 @@ def adaptive_schedule(args: argparse.Namespace, kind: str) -> Any:
         extra["may_shrink"] = args.adaptive_shrink == "on"
     if args.adaptive_min_efficiency is not None:
         extra["min_efficiency"] = args.adaptive_min_efficiency or None
+    if args.adaptive_scale_invariant:
+        extra["scale_invariant"] = True
     return Adaptive(B0, max_batch=BMAX, **extra)
 
 
@@ -420,6 +427,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive-confirm", action="store_true", help="confirm_growth=True")
     p.add_argument("--adaptive-shrink", choices=("on", "off"), help="override may_shrink")
     p.add_argument("--adaptive-min-efficiency", type=float, default=None, help="override (0: None)")
+    p.add_argument(
+        "--adaptive-scale-invariant",
+        action="store_true",
+        help="scale_invariant=True: the epochs count progress at B0 (more epochs of data)",
+    )
     p.add_argument(
         "--fixed-from",
         help="a JSON file of an earlier run: reuse its Fixed(B0) runs (deterministic for a "

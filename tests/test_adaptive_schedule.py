@@ -45,6 +45,41 @@ def test_phases_chain_over_a_whole_fit():
     assert [p.noise_scale for p in phases[1:]] == [1e6] * 3
 
 
+def test_counting_progress_phases_keep_their_length_and_the_last_reaches_the_progress():
+    """Adaptive(scale_invariant=True): phases stay epochs_per_phase epochs of data; each
+    makes r*B0/B epochs of progress per epoch (r: AdaScale's gain at the estimate it was
+    chosen from); the last is cut to the whole epochs that reach the fit's progress, and
+    then there is no phase left."""
+    schedule = Adaptive(16, max_batch=64, epochs_per_phase=2, scale_invariant=True, **TARGET_ONLY)
+    assert schedule.counts_progress and not Adaptive(16, max_batch=64).counts_progress
+    out, epoch, previous, measured = [], 0, None, None
+    while (phase := schedule.next_phase(
+        start_epoch=epoch, total_epochs=5, previous=previous, measured=measured
+    )) is not None:  # fmt: skip
+        out.append(phase)
+        epoch, previous = phase.end_epoch, phase
+        measured = PhaseMeasurement(noise_scale=48.0, steps=40, measured_steps=40 * len(out))
+    assert [p.global_batch for p in out] == [16, 32, 48, 48]  # x2, then target x 48
+    per_epoch = [1.0] + [adascale_gain(48.0, 16, b) * 16 / b for b in (32, 48, 48)]
+    # progress 0 -> 2 (2 epochs at B0), -> 2 + 2 x 0.8, -> +2 x 0.67; the last needs
+    # (5 - 4.93) / 0.67 -> 1 epoch of data, cut from the phase's 2
+    assert [(p.start_epoch, p.end_epoch) for p in out] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    ends = list(itertools.accumulate(
+        e * r for e, r in zip((2, 2, 2, 1), per_epoch, strict=True)
+    ))  # fmt: skip
+    assert [p.progress_end for p in out] == pytest.approx(ends)
+    assert out[-1].progress_end >= 5 > out[-2].progress_end
+    # the LR rule does not change the progress counted: the gain, not the LR scale
+    root = Adaptive(16, max_batch=64, lr_rule="sqrt", scale_invariant=True, **TARGET_ONLY)
+    second = root.next_phase(
+        start_epoch=1, total_epochs=5, previous=root.next_phase(
+            start_epoch=0, total_epochs=5, previous=None
+        ), measured=PhaseMeasurement(noise_scale=48.0, steps=40, measured_steps=40),
+    )  # fmt: skip
+    assert second.lr_scale == pytest.approx(2**0.5)
+    assert second.progress_end - second.progress_start == pytest.approx(per_epoch[1])
+
+
 def test_batch_follows_target_times_noise_scale_within_bounds():
     schedule = Adaptive(100, max_batch=1000, max_growth=3.0, target=0.5, **TARGET_ONLY)
     # 0.5 × 500 = 250 is within [100, 300]: taken as is.
@@ -314,6 +349,7 @@ def test_phase_spec_and_measurement_validate():
         ({"measure_every": "often"}, dfl.ConfigError, "measure_every='often'"),
         ({"measure_every": True}, dfl.ConfigError, "measure_every=True"),
         ({"measure_every": 2.0}, dfl.ConfigError, "measure_every=2.0"),
+        ({"scale_invariant": 1}, dfl.ConfigError, "scale_invariant=1.*True or False"),
     ],
 )
 def test_adaptive_validates_every_field(kwargs, error, match):

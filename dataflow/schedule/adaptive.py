@@ -21,6 +21,13 @@ from dataflow.schedule.measured_lr import (
     measured_steps,
     trusted_noise_scale,
 )
+from dataflow.schedule.progress import (
+    PROGRESS_TOLERANCE,
+    epochs_for_progress,
+    progress_per_epoch,
+    progress_so_far,
+    statistical_gain,
+)
 from dataflow.schedule.rules import LR_RULES, _finite_number, _positive_int, _round_down
 
 ADAPTIVE_LR_RULES = (*ADASCALE_RULES, *sorted(LR_RULES))
@@ -102,6 +109,15 @@ class Adaptive:
     measuring every step (see ``measured_lr.AUTO_MEASURED_PER_PHASE``). An int measures every
     ``k``-th step whatever the phase; ``min_measured_steps`` counts measured steps, so
     phases shorter than ``k × min_measured_steps`` then wait for later phases' steps.
+
+    ``scale_invariant=True`` counts the fit's ``epochs`` in AdaScale's progress at
+    ``B0``, as ``Stepwise(scale_invariant=True)`` does: a phase at batch ``B`` makes
+    ``r·B0/B`` epochs of progress per epoch of data (``r``: AdaScale's gain at the
+    estimate the phase was chosen from, whatever ``lr_rule``), phases keep their length
+    in epochs of data, the last is cut to the whole epochs that reach ``epochs``, an LR
+    decay follows the progress, and the fit ends once the progress is made. The
+    efficiency bound then no longer guards the score (a batch that buys less per sample
+    trains for more epochs): ``min_efficiency=None`` grows to ``target × B_noise``.
     """
 
     measures_noise: ClassVar[bool] = True
@@ -123,6 +139,7 @@ class Adaptive:
     min_efficiency: float | None
     may_shrink: bool
     measure_every: int | str
+    scale_invariant: bool
 
     def __init__(
         self,
@@ -144,6 +161,7 @@ class Adaptive:
         min_efficiency: float | None = 0.8,
         may_shrink: bool = True,
         measure_every: int | str = "auto",
+        scale_invariant: bool = False,
     ) -> None:
         # A dataclass field cannot be called max_batch: that is the protocol's method.
         values = {
@@ -164,10 +182,17 @@ class Adaptive:
             "min_efficiency": min_efficiency,
             "may_shrink": may_shrink,
             "measure_every": measure_every,
+            "scale_invariant": scale_invariant,
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._validate()
+
+    @property
+    def counts_progress(self) -> bool:
+        """Whether the fit's ``epochs`` count scale-invariant progress (the fit then ends
+        when :meth:`next_phase` has no phase left, not at an epoch of data)."""
+        return self.scale_invariant
 
     @property
     def needs_epoch_size(self) -> bool:
@@ -252,7 +277,7 @@ class Adaptive:
                     f"Adaptive(min_efficiency={self.min_efficiency}): must be in (0, 1] or "
                     "None, the least progress per sample kept relative to initial_batch"
                 )
-        for flag in ("confirm_growth", "may_shrink"):
+        for flag in ("confirm_growth", "may_shrink", "scale_invariant"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(
                     f"Adaptive({flag}={getattr(self, flag)!r}): must be True or False"
@@ -377,35 +402,39 @@ class Adaptive:
         measured: PhaseMeasurement | None = None,
         num_samples: int | None = None,
         drop_last: bool = False,
-    ) -> PhaseSpec:
+    ) -> PhaseSpec | None:
         """The next phase; ``num_samples`` and ``drop_last`` (the training source's
-        samples per epoch and the Load stage's option) count ``steps_per_phase``."""
+        samples per epoch and the Load stage's option) count ``steps_per_phase``.
+        Counting progress (``scale_invariant``), ``total_epochs`` is progress, and None
+        says the fit is done."""
+        done = progress_so_far(previous) if self.scale_invariant else None
+        if done is not None and done >= total_epochs - PROGRESS_TOLERANCE:
+            return None
         if previous is None:
-            batch = self.initial_batch
-            epochs = self.phase_epochs(batch, num_samples, drop_last)
-            return PhaseSpec(
-                index=0,
-                start_epoch=start_epoch,
-                end_epoch=min(total_epochs, start_epoch + epochs),
-                global_batch=batch,
-                lr=self.lr,
-                lr_scale=1.0,
-                gain=1.0,
-            )
-        noise = self.trusted_noise_scale(measured, previous)
-        batch = self.next_batch(previous.global_batch, self.growth_estimate(noise, previous))
-        scale = self.lr_scale(batch, noise, previous.lr_scale)
-        epochs = self.phase_epochs(batch, num_samples, drop_last)
+            batch, scale, noise, gain = self.initial_batch, 1.0, None, 1.0
+        else:
+            noise = self.trusted_noise_scale(measured, previous)
+            batch = self.next_batch(previous.global_batch, self.growth_estimate(noise, previous))
+            scale = self.lr_scale(batch, noise, previous.lr_scale)
+            gain = statistical_gain(noise, self.initial_batch, batch, previous)
+        epochs, progress = self.phase_epochs(batch, num_samples, drop_last), {}
+        if done is None:
+            epochs = min(epochs, total_epochs - start_epoch)
+        else:  # the last phase cut to the whole epochs that reach the fit's progress
+            per_epoch = progress_per_epoch(gain, self.initial_batch, batch)
+            epochs = min(epochs, epochs_for_progress(total_epochs - done, per_epoch))
+            progress = {"progress_start": done, "progress_end": done + epochs * per_epoch}
         return PhaseSpec(
-            index=previous.index + 1,
+            index=0 if previous is None else previous.index + 1,
             start_epoch=start_epoch,
-            end_epoch=min(total_epochs, start_epoch + epochs),
+            end_epoch=start_epoch + epochs,
             global_batch=batch,
             lr=None if self.lr is None else self.lr * scale,
             lr_scale=scale,
-            warmup_steps=self.warmup_steps,
+            warmup_steps=0 if previous is None else self.warmup_steps,
             noise_scale=noise,
             gain=scale,
+            **progress,
         )
 
     def max_batch(self) -> int:
