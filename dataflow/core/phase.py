@@ -27,7 +27,7 @@ class PhaseSpec:
     the LR gain it applied (None for schedules that do not measure).
 
     ``progress_start`` and ``progress_end`` (a schedule that counts scale-invariant
-    progress, ``Stepwise(scale_invariant=True)``): the progress made before the phase
+    progress, ``scale_invariant=True``): the progress made before the phase
     and after it, in epochs at the first batch; progress grows linearly over the
     phase's epochs (:meth:`progress_at`). None for the other schedules.
     """

@@ -126,7 +126,7 @@ class Schedule(Protocol):
     schedule has that method; both are optional (absent: False), so a schedule
     written with only ``next_phase`` and ``max_batch`` still fits the protocol. One
     whose ``counts_progress`` is True counts ``total_epochs`` in its own units
-    (``Stepwise(scale_invariant=True)``: progress): the fit then ends when
+    (``scale_invariant=True``: progress): the fit then ends when
     ``next_phase`` returns None, not at an epoch of data.
     """
 

@@ -250,7 +250,7 @@ class PhaseRecord(Record):
     # Local updates: at each average of the phase, how far the replicas' weights had
     # drifted apart, sum_r w_r |θ_r − θ̄|² / |θ̄|² (``stages.allreduce.weights_drift``)
     drift: list[float] | None = None
-    # Stepwise(scale_invariant=True): the progress (epochs at the first batch) made
+    # scale_invariant=True (Stepwise, Adaptive): the progress (epochs at the first batch) made
     # before the phase and after it
     progress_start: float | None = None
     progress_end: float | None = None
