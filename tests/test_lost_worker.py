@@ -508,12 +508,17 @@ class WitnessPairs(stages.AllReduce):
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(tmp_path, monkeypatch):
+@pytest.mark.parametrize("progress", [False, True], ids=["epochs", "scale-invariant"])
+def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(
+    tmp_path, monkeypatch, progress
+):
     """``Stepwise``'s default LR rule takes each phase's gain from the noise measured
     before it. A worker killed mid-window: the steps of the aborted window are run
     again on the survivors, and the estimate must rest on the pairs of the runs that
     were committed, each step once, never on the aborted run's (a step counted twice, or
-    with a dead replica's norms, would bias the next phase's LR without a trace)."""
+    with a dead replica's norms, would bias the next phase's LR without a trace).
+    Counting progress (``scale_invariant``), the gain also sets how many epochs of data
+    each phase runs: the ledger holds each of them, each sample once."""
     fed: list[tuple] = []
     track = Recorder._track_noise
 
@@ -533,7 +538,9 @@ def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(tmp_path
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
     reduced = g.add(WitnessPairs(str(pairs_dir)), g.add(stages.Backward(), out))
     g.add(stages.Update(sgd), reduced)
-    schedule = dfl.schedule.Stepwise({0: 24, 2: 48, 3: 96}, min_measured_steps=4)
+    schedule = dfl.schedule.Stepwise(
+        {0: 24, 2: 48, 3: 96}, min_measured_steps=4, scale_invariant=progress
+    )
     assert schedule.lr_scaling == "adascale"  # the default
     trainer = dfl.Trainer(
         g,
@@ -553,7 +560,12 @@ def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(tmp_path
     [failure] = result.history.info["failures"]
     commit, resumed_at = failure["commit_step"], failure["resumed_at"]
     assert failure["phase"] == 0 and commit <= 27
-    _assert_exact_ledger(result, 4)
+    phases = result.history.phases
+    _assert_exact_ledger(result, phases[-1]["end_epoch"])  # 4, or more counting progress
+    if progress:  # a gain below B/B0 trains more epochs of data than of progress
+        assert phases[-1]["progress_end"] >= 4
+        below = any(p["gain"] < p["global_batch"] / 24 for p in phases[1:])
+        assert phases[-1]["end_epoch"] > 4 or not below
 
     # What each committed step's replicas measured: a step before the commit from its
     # first run, a step from the commit on from its run after the recovery
@@ -593,7 +605,6 @@ def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(tmp_path
             assert mine[3] == pytest.approx(theirs[3], rel=1e-5)  # |G|^2
 
     # and each later phase's gain is the one of the estimate from those pairs
-    phases = result.history.phases
     for before, after in itertools.pairwise(phases):
         measured = before["measured_noise_scale"]
         assert after["noise_scale"] == (None if measured is None else pytest.approx(measured))
