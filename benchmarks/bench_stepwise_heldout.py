@@ -96,6 +96,12 @@ def fit_variants(
     return run
 
 
+def data_steps(phases: list[dict[str, Any]], epochs: int) -> float:
+    """A grown fit's steps relative to ``Fixed(32)``'s over ``epochs`` (each phase's
+    epochs of data x 32/B; the epochs' last short steps left out)."""
+    return sum(p["epochs"] * 32 / p["batch"] for p in phases) / epochs
+
+
 def summarize(results: dict[str, list[dict[str, Any]]], *, seeds: int, epochs: int) -> None:
     """Mean (floored) scores per dataset and optimizer, differences to ``small`` paired
     seed for seed, and over all datasets per optimizer."""
@@ -112,6 +118,15 @@ def summarize(results: dict[str, list[dict[str, Any]]], *, seeds: int, epochs: i
     print(f"test scores (%; floored at a constant predictor's): small's mean, each rule - "
           f"small paired over {seeds} seed(s); {epochs} epochs")  # fmt: skip
     print(table(rows, ["dataset", "opt", "LR0", "small", *names, "diverged"]))
+    counting = [n for n in names if n.endswith(PROGRESS)]
+    for name in counting:  # what counting progress cost: epochs of data, steps
+        print(f"{name}: epochs of data and steps / Fixed(32)'s, mean (range) over seeds")
+        for key, raw in results.items():
+            epochs_of_data = [sum(p["epochs"] for p in r["phases"][name]) for r in raw]
+            steps = [data_steps(r["phases"][name], epochs) for r in raw]
+            print(f"  {key:14s} {statistics.fmean(epochs_of_data):5.1f} "
+                  f"({min(epochs_of_data)}-{max(epochs_of_data)})  "
+                  f"{statistics.fmean(steps):.2f} ({min(steps):.2f}-{max(steps):.2f})")  # fmt: skip
     for kind in ("sgd", "adam"):
         runs = [floored(r) for key, rs in results.items() if key.endswith(kind) for r in rs]
         for name in names if runs else ():
