@@ -13,7 +13,10 @@ dataset, optimizer and seed, one fit per variant:
   ``lr_scaling``:
   ``linear`` (Goyal et al.), ``sqrt``, ``none`` (Smith et al.: the batch grows in place
   of an LR decay), ``adascale`` and ``adascale-sqrt`` (AdaScale's gain from the
-  gradient noise scale the engine measures; the square root for Adam-like optimizers).
+  gradient noise scale the engine measures; the square root for Adam-like optimizers);
+  ``adascale-progress`` (``--rules``, not in the default set): ``adascale`` counting
+  AdaScale's progress (``scale_invariant=True``), so the 15 epochs are of progress at
+  32 and a grown phase trains the epochs of data its gain needs.
 
 Nothing here was tuned to a variant: LR0 is the small batch's (tuned for
 ``bench_adaptive_heldout.py``, one per dataset and optimizer), and the table is the
