@@ -121,9 +121,7 @@ def test_resume_mid_phase_on_fewer_replicas_keeps_every_sample_once(client, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "schedule", ["adaptive", "adaptive-progress", "stepwise-adascale", "stepwise-progress"]
-)
+@pytest.mark.parametrize("schedule", ["adaptive", "stepwise-adascale", "stepwise-progress"])
 def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, tmp_path, schedule):
     """The gradient-noise pairs of the steps before a mid-phase checkpoint are in it: the
     resumed fit measures the same noise scale, so it grows the batch (Adaptive) or sets
@@ -137,10 +135,8 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
             x,
             y,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.02),
-            schedule=dfl.schedule.Adaptive(
-                8, max_batch=64, scale_invariant=schedule == "adaptive-progress"
-            )
-            if schedule.startswith("adaptive")
+            schedule=dfl.schedule.Adaptive(8, max_batch=64)
+            if schedule == "adaptive"
             else dfl.schedule.Stepwise(
                 {0: 8, 1: 16, 2: 32, 3: 64},
                 lr_scaling="adascale",
@@ -163,10 +159,10 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
     assert measured(resumed) == measured(full)
     assert full.history.phases[-1]["global_batch"] > 8
     _assert_same_weights(full.model, resumed.model)
-    if schedule.endswith("progress"):
+    if schedule == "stepwise-progress":  # (Adaptive counts with the same code: pure tests)
         assert full.history.phases[-1]["progress_end"] >= 4
-        if schedule.startswith("stepwise"):  # a gain below B/B0 trains longer
-            assert full.history.phases[-1]["end_epoch"] > 4
+        below = any(p["gain"] < p["global_batch"] / 8 for p in full.history.phases[1:])
+        assert full.history.phases[-1]["end_epoch"] > 4 or not below  # (it trains longer)
         done = pipe().fit(4, client=client, resume=True, **folder)
         assert (
             done.history.info["already_finished"]["epoch"] == full.history.phases[-1]["end_epoch"]
