@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import dask.config
@@ -82,6 +85,56 @@ def make_data(n: int = 160, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     x = rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
     y = rng.integers(0, 3, size=n).astype(np.int64)
     return x, y
+
+
+def learnable_labels(x: np.ndarray) -> np.ndarray:
+    """Three classes that follow a signal in ``make_data``'s inputs (the mean of a corner
+    of the first channel), so the true gradient is not zero (|G|^2 > 0)."""
+    return np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])
+
+
+def noise_pairs_fed(monkeypatch) -> list[tuple]:
+    """Every gradient-norm pair the driver feeds its noise tracker in this test, as fed
+    (``Recorder._track_noise``, spied on)."""
+    from dataflow.driver.recorder import Recorder
+
+    fed: list[tuple] = []
+    track = Recorder._track_noise
+
+    def spy(recorder, pairs):
+        fed.extend(pairs)
+        return track(recorder, pairs)
+
+    monkeypatch.setattr(Recorder, "_track_noise", spy)
+    return fed
+
+
+def _squared_norm(model: torch.nn.Module) -> float:
+    return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
+
+
+class WitnessPairs(dfl.stages.AllReduce):
+    """AllReduce that also takes every step's pair as the engine did before its norms
+    stayed on the device: floats read inside the step (a host sync each), this replica's
+    |g_r|^2 from its own gradient before the allreduce writes the mean back (fp16's loss
+    scale divided out), the reduced |G|^2 after. One JSON line per step, replica and
+    attempt (a step run again after a loss writes again) in ``pairs.<pid>.jsonl``: step,
+    local batch, |g_r|^2, global batch, |G|^2, wall time."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def run(self, step, grads):
+        from dataflow.stages.allreduce import loss_scale_of
+
+        local_sq = _squared_norm(step.replica.model) / loss_scale_of(step.replica) ** 2
+        out = super().run(step, grads)
+        line = [step.spec.index, step.local_batch, local_sq, step.global_batch]
+        line += [_squared_norm(step.replica.model), time.time()]
+        with open(Path(self.folder) / f"pairs.{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return out
 
 
 def sgd(params):

@@ -5,18 +5,23 @@ the batch and the LR from it."""
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, tiny_pipeline
+from conftest import (
+    TinyCNN,
+    WitnessPairs,
+    learnable_labels,
+    make_data,
+    max_abs_diff,
+    noise_pairs_fed,
+    tiny_pipeline,
+)
 
 import dataflow as dfl
-from dataflow.driver.recorder import Recorder
 from dataflow.history.report_plots import report_title
 from dataflow.schedule.noise_scale import adascale_gain
-from dataflow.stages.allreduce import loss_scale_of
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +29,7 @@ pytestmark = pytest.mark.slow
 def learnable_data(n: int = 192) -> tuple[np.ndarray, np.ndarray]:
     """make_data's inputs with labels that follow a signal in them (so |G|^2 is real)."""
     x, _ = make_data(n)
-    return x, np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])
+    return x, learnable_labels(x)
 
 
 def plain_sgd(params):
@@ -158,30 +163,6 @@ def test_stepwise_counting_progress_runs_each_phase_as_long_as_its_gain_needs(cl
         assert result.ledger.consumed(epoch).tolist() == list(range(192))
 
 
-def squared_norm(model: torch.nn.Module) -> float:
-    return float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
-
-
-class WitnessAllReduce(dfl.stages.AllReduce):
-    """AllReduce that also takes every step's pair as the engine did before its norms
-    stayed on the device: floats read inside the step (a host sync each), this replica's
-    |g_r|^2 from its own gradient before the allreduce writes the mean back (fp16's loss
-    scale divided out), the reduced |G|^2 after; one JSON line per step and replica."""
-
-    def __init__(self, folder: str) -> None:
-        super().__init__()
-        self.folder = folder
-
-    def run(self, step, grads):
-        local_sq = squared_norm(step.replica.model) / loss_scale_of(step.replica) ** 2
-        out = super().run(step, grads)
-        pair = [step.spec.index, step.local_batch, local_sq, step.global_batch]
-        pair.append(squared_norm(step.replica.model))
-        with open(Path(self.folder) / f"replica{step.replica.rank}.jsonl", "a") as f:
-            f.write(json.dumps(pair) + "\n")
-        return out
-
-
 @pytest.mark.parametrize(
     ("precision", "measure_every"), [("fp32", "auto"), ("fp32", 3), ("fp16", "auto")]
 )
@@ -194,21 +175,14 @@ def test_pairs_read_once_per_window_equal_per_step_reads_on_the_measured_steps(
     measures every step of these short phases. In fp16 the loss scale is divided out of
     the local norm as from the reduced one."""
     monkeypatch.setenv("DATAFLOW_ALLOW_CPU_FP16", "1")  # fp16 on the CPU: tests only
-    fed: list[tuple] = []
-    track = Recorder._track_noise
-
-    def spy(recorder, pairs):
-        fed.extend(pairs)
-        return track(recorder, pairs)
-
-    monkeypatch.setattr(Recorder, "_track_noise", spy)
+    fed = noise_pairs_fed(monkeypatch)
     x, y = learnable_data()
     graph = dfl.Graph()
     out = graph.add(
         dfl.stages.Forward(TinyCNN, torch.nn.functional.cross_entropy),
         graph.add(dfl.stages.Load(dfl.io.ArraySource(x, y))),
     )
-    reduced = graph.add(WitnessAllReduce(str(tmp_path)), graph.add(dfl.stages.Backward(), out))
+    reduced = graph.add(WitnessPairs(str(tmp_path)), graph.add(dfl.stages.Backward(), out))
     graph.add(dfl.stages.Update(plain_sgd), reduced)
     schedule = dfl.schedule.Adaptive(8, max_batch=32, measure_every=measure_every)
     options = dict(device="cpu", replicas=2, precision=precision, dry_run=False)
@@ -216,9 +190,9 @@ def test_pairs_read_once_per_window_equal_per_step_reads_on_the_measured_steps(
     history = trainer.fit(epochs=3, client=client).history
 
     witness: dict[int, list] = {}
-    for file in sorted(tmp_path.glob("replica*.jsonl")):
+    for file in sorted(tmp_path.glob("pairs.*.jsonl")):
         for line in file.read_text().splitlines():
-            index, *pair = json.loads(line)
+            index, *pair, _ = json.loads(line)
             witness.setdefault(index, []).append(pair)
     steps = [s["step"] for s in history.steps]
     assert sorted(witness) == steps

@@ -19,14 +19,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
+from conftest import (
+    TinyCNN,
+    WitnessPairs,
+    learnable_labels,
+    make_data,
+    max_abs_diff,
+    noise_pairs_fed,
+    reference_training,
+    sgd,
+)
 from distributed import Client, LocalCluster
 from test_driver_replay import assert_log_replays
 
 import dataflow as dfl
 from dataflow import stages
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
-from dataflow.driver.recorder import Recorder
 from dataflow.planning.plan import resplit_steps
 from dataflow.schedule.balance import Even
 from dataflow.schedule.noise_scale import adascale_gain
@@ -486,27 +494,6 @@ def test_the_driver_hears_of_a_removed_member_without_polling():
         assert not watch.watched
 
 
-class WitnessPairs(stages.AllReduce):
-    """AllReduce that also writes each step's gradient-norm pair as read inside the step
-    (a host sync; the engine's own pairs stay on the device until the window ends):
-    step, local batch, |g_r|^2, global batch, |G|^2, and the wall time, one JSON line
-    per step and replica, every attempt of a step included."""
-
-    def __init__(self, folder: str) -> None:
-        super().__init__()
-        self.folder = folder
-
-    def run(self, step, grads):
-        model = step.replica.model
-        local_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
-        out = super().run(step, grads)
-        reduced_sq = float(sum(p.grad.double().pow(2).sum() for p in model.parameters()))
-        line = [step.spec.index, step.local_batch, local_sq, step.global_batch, reduced_sq]
-        with open(Path(self.folder) / f"pairs.{os.getpid()}.jsonl", "a") as f:
-            f.write(json.dumps([*line, time.time()]) + "\n")
-        return out
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("progress", [False, True], ids=["epochs", "scale-invariant"])
 def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(
@@ -519,16 +506,9 @@ def test_a_lost_worker_leaves_the_noise_estimate_to_the_committed_steps(
     with a dead replica's norms, would bias the next phase's LR without a trace).
     Counting progress (``scale_invariant``), the gain also sets how many epochs of data
     each phase runs: the ledger holds each of them, each sample once."""
-    fed: list[tuple] = []
-    track = Recorder._track_noise
-
-    def spy(recorder, pairs):
-        fed.extend(pairs)
-        return track(recorder, pairs)
-
-    monkeypatch.setattr(Recorder, "_track_noise", spy)
+    fed = noise_pairs_fed(monkeypatch)
     x = make_data(N_SAMPLES)[0]
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # a signal: |G|^2 > 0
+    y = learnable_labels(x)
     pairs_dir = tmp_path / "pairs"
     pairs_dir.mkdir()
     marker = tmp_path / "killed"

@@ -8,7 +8,7 @@ differ between replicas until the phase ends) and dropout (each worker's random 
 import numpy as np
 import pytest
 import torch
-from conftest import make_data, tiny_pipeline
+from conftest import learnable_labels, make_data, tiny_pipeline
 
 import dataflow as dfl
 from dataflow.checkpoint import CheckpointStore
@@ -128,7 +128,7 @@ def test_adaptive_resumed_mid_phase_measures_the_same_noise_and_batches(client, 
     the LR (Stepwise's AdaScale rule) the same way; counting progress, its phases run as
     many epochs. Resumed again from its end, the fit is done: its result, no training."""
     x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
+    y = learnable_labels(x)  # a learnable signal
 
     def pipe() -> dfl.Pipeline:
         return tiny_pipeline(

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
+from conftest import (
+    TinyCNN,
+    learnable_labels,
+    make_data,
+    max_abs_diff,
+    reference_training,
+    tiny_pipeline,
+)
 
 import dataflow as dfl
 from dataflow.core.errors import ConfigError
@@ -307,7 +314,7 @@ def test_a_bf16_allreduce_meets_fp16_loss_scaling_and_the_noise_scale(client, cp
     scale measured is the fp32 wire's to bf16's rounding (the local norms are taken
     from the unscaled fp32 buckets, before the rounding)."""
     x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # a learnable signal
+    y = learnable_labels(x)  # a learnable signal
     options = dict(
         model=Loud,
         precision="fp16",

@@ -8,7 +8,14 @@ the partitioned model exchanges halos over a real gloo group, and the weights af
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, max_abs_diff, reference_training, tiny_pipeline
+from conftest import (
+    TinyCNN,
+    learnable_labels,
+    make_data,
+    max_abs_diff,
+    reference_training,
+    tiny_pipeline,
+)
 
 import dataflow as dfl
 
@@ -65,7 +72,7 @@ def test_adaptive_with_spatial_two_measures_what_one_process_measures(client):
     parts: the measured pairs are summed over the group, so a spatial=2 Adaptive fit
     measures, grows the batch and scales the LR as one process does on the same data."""
     x, _ = make_data(192)
-    y = np.digitize(x[:, 0, :4, :4].mean(axis=(1, 2)), [-0.1, 0.1])  # learnable: a signal
+    y = learnable_labels(x)  # a learnable signal
 
     def fit(**options):
         schedule = dfl.schedule.Adaptive(8, max_batch=64, max_growth=2.0)
