@@ -22,9 +22,8 @@ from dataflow.schedule.measured_lr import (
     trusted_noise_scale,
 )
 from dataflow.schedule.progress import (
-    PROGRESS_TOLERANCE,
-    epochs_for_progress,
-    progress_per_epoch,
+    phase_progress,
+    progress_made,
     progress_so_far,
     statistical_gain,
 )
@@ -408,7 +407,7 @@ class Adaptive:
         Counting progress (``scale_invariant``), ``total_epochs`` is progress, and None
         says the fit is done."""
         done = progress_so_far(previous) if self.scale_invariant else None
-        if done is not None and done >= total_epochs - PROGRESS_TOLERANCE:
+        if done is not None and progress_made(done, total_epochs):
             return None
         if previous is None:
             batch, scale, noise, gain = self.initial_batch, 1.0, None, 1.0
@@ -421,9 +420,9 @@ class Adaptive:
         if done is None:
             epochs = min(epochs, total_epochs - start_epoch)
         else:  # the last phase cut to the whole epochs that reach the fit's progress
-            per_epoch = progress_per_epoch(gain, self.initial_batch, batch)
-            epochs = min(epochs, epochs_for_progress(total_epochs - done, per_epoch))
-            progress = {"progress_start": done, "progress_end": done + epochs * per_epoch}
+            epochs, progress = phase_progress(
+                done, total_epochs, gain, self.initial_batch, batch, most=epochs
+            )
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
             start_epoch=start_epoch,

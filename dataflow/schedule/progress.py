@@ -36,6 +36,24 @@ def epochs_for_progress(progress: float, per_epoch: float) -> int:
     return max(1, math.ceil(progress / per_epoch - PROGRESS_TOLERANCE))
 
 
+def progress_made(done: float, total: float) -> bool:
+    """Whether ``done`` epochs of progress reach the fit's ``total`` (no phase left)."""
+    return done >= total - PROGRESS_TOLERANCE
+
+
+def phase_progress(
+    done: float, target: float, gain: float, base_batch: int, batch: int, most: int | None = None
+) -> tuple[int, dict[str, float]]:
+    """A phase at ``batch`` and ``gain`` that starts at ``done`` epochs of progress: its
+    epochs of data (the whole epochs that reach ``target``, at most ``most``) and the
+    ``PhaseSpec`` fields of the progress before and after it."""
+    per_epoch = progress_per_epoch(gain, base_batch, batch)
+    epochs = epochs_for_progress(target - done, per_epoch)
+    if most is not None:
+        epochs = min(epochs, most)
+    return epochs, {"progress_start": done, "progress_end": done + epochs * per_epoch}
+
+
 def statistical_gain(
     noise_scale: float | None, base_batch: int, batch: int, previous: PhaseSpec | None
 ) -> float:

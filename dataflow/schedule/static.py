@@ -21,8 +21,8 @@ from dataflow.schedule.measured_lr import (
 )
 from dataflow.schedule.progress import (
     PROGRESS_TOLERANCE,
-    epochs_for_progress,
-    progress_per_epoch,
+    phase_progress,
+    progress_made,
     progress_so_far,
     statistical_gain,
 )
@@ -190,7 +190,7 @@ class Stepwise:
         """The phase from ``start_epoch`` on. Counting progress (``scale_invariant``),
         the table and ``total_epochs`` are in progress, and None says the fit is done."""
         done = progress_so_far(previous) if self.scale_invariant else float(start_epoch)
-        if self.scale_invariant and done >= total_epochs - PROGRESS_TOLERANCE:
+        if self.scale_invariant and progress_made(done, total_epochs):
             return None
         starts = sorted(self.batches)
         current = max(e for e in starts if e <= done + PROGRESS_TOLERANCE)
@@ -205,13 +205,11 @@ class Stepwise:
         else:
             noise = noise_for_gain(measured, previous, self.min_measured_steps)
             scale = adascale_scale(self.lr_scaling, noise, base, batch, previous.lr_scale)
-        epochs, progress = target - start_epoch, None
+        epochs, progress = target - start_epoch, {}
         if self.scale_invariant:
             first = previous is None or not self.measures_noise
             gain = 1.0 if first else statistical_gain(noise, base, batch, previous)
-            per_epoch = progress_per_epoch(gain, base, batch)
-            epochs = epochs_for_progress(target - done, per_epoch)
-            progress = {"progress_start": done, "progress_end": done + epochs * per_epoch}
+            epochs, progress = phase_progress(done, target, gain, base, batch)
         noise = None if noise == math.inf else noise  # (the history keeps plain JSON)
         return PhaseSpec(
             index=0 if previous is None else previous.index + 1,
@@ -223,7 +221,7 @@ class Stepwise:
             warmup_steps=0 if previous is None else self.warmup_steps,
             noise_scale=noise,
             gain=scale if self.lr_scaling in ADASCALE_RULES else None,
-            **(progress or {}),
+            **progress,
         )
 
     def measure_interval(self, phase_steps: int) -> int:
