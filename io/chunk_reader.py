@@ -177,23 +177,29 @@ def _gather(
 
 DEFAULT_DECODE_AHEAD = 1  # batches' new chunks decoded ahead of the assembly: one thread
 THREADED_DECODE_AHEAD = 2  # several threads: the next batch's chunks fill a batch's tail
-AUTO_DECODE_THREADS = 4  # decode_threads="auto": at most this many
+AUTO_DECODE_THREADS = 4  # decode_threads="auto" on the CPU: at most this many
+# ... and on a GPU, whose replica leaves the host's other cores idle: a 4 x 128^3 sample is
+# 32 MB, and a fit from memory steps through ~12 GB of it a second on an H200 (one zstd
+# thread decodes ~1 GB/s)
+AUTO_DECODE_THREADS_GPU = 16
 
 
 def auto_decode_threads(device: torch.device | str | None = None) -> int:
-    """``decode_threads="auto"``: ``min(4, cores for this reader)``. The cores are the
-    thread budget torch has here (a replica's: ``threads_per_replica``, else its worker's
-    threads; 1 per worker on the default LocalCluster, where the decode shares the core
-    with the compute); on a GPU, where the host cores are otherwise idle, at least this
-    process's cores shared among the GPUs it sees (one replica each)."""
+    """``decode_threads="auto"``: on the CPU, ``min(4, cores for this reader)``, the
+    cores being the thread budget torch has here (a replica's: ``threads_per_replica``,
+    else its worker's threads; 1 per worker on the default LocalCluster, where the decode
+    shares the core with the compute). On a GPU, where the host cores are otherwise idle,
+    ``min(16, this process's cores per GPU it sees, less the one the replica's own thread
+    keeps busy)``, and at least the torch threads."""
     cores = torch.get_num_threads()
-    if device is not None and torch.device(device).type == "cuda":
-        try:
-            host = len(os.sched_getaffinity(0))
-        except AttributeError:  # no affinity on this platform
-            host = os.cpu_count() or 1
-        cores = max(cores, host // max(1, torch.cuda.device_count()))
-    return max(1, min(AUTO_DECODE_THREADS, cores))
+    if device is None or torch.device(device).type != "cuda":
+        return max(1, min(AUTO_DECODE_THREADS, cores))
+    try:
+        host = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        host = os.cpu_count() or 1
+    per_gpu = host // max(1, torch.cuda.device_count()) - 1
+    return max(1, min(AUTO_DECODE_THREADS_GPU, max(cores, per_gpu)))
 
 
 def check_decode_threads(where: str, value: Any) -> None:
@@ -223,10 +229,12 @@ class _InlineDecoder:
 
 class _PoolDecoder:
     """Decodes jobs (each one batch's new chunks) on ``threads`` threads, in order: at most
-    ``ahead`` jobs decoded or decoding that the assembly has not taken yet, so memory
-    stays bounded. With several threads a job is split into one call per chunk, so its
-    chunks decode at once; the pool takes calls first in, first out, so the chunks of the
-    job the assembly needs next go first. ``ahead=0``: a job starts when it is asked for."""
+    ``ahead`` jobs decoded or decoding that the assembly has not taken yet, or more while
+    those hold fewer chunks than there are threads (at most ``threads`` jobs: each holds a
+    chunk), so memory stays bounded and no thread idles for want of a chunk. With several
+    threads a job is split into one call per chunk, so its chunks decode at once; the
+    pool takes calls first in, first out, so the chunks of the job the assembly needs
+    next go first. ``ahead=0``: a job starts when it is asked for."""
 
     def __init__(
         self,
@@ -238,19 +246,29 @@ class _PoolDecoder:
         self._read = read
         self._jobs = iter(jobs)
         self._ahead = ahead
+        self._threads = threads
         self._split = threads > 1
         self._pending: collections.deque[list[Future]] = collections.deque()
         self._executor = ThreadPoolExecutor(
             max_workers=threads, thread_name_prefix="dataflow-decode"
         )
-        for _ in range(ahead):
-            self._submit()
+        self._fill()
 
-    def _submit(self) -> None:
+    def _fill(self) -> None:
+        """Jobs submitted up to ``ahead`` in flight, then while fewer chunks than threads are."""
+        while len(self._pending) < self._ahead or (
+            self._ahead and sum(map(len, self._pending)) < self._threads
+        ):
+            if not self._submit():
+                return
+
+    def _submit(self) -> bool:
         job = next(self._jobs, None)
-        if job is not None:
-            parts = [[chunk] for chunk in job] if self._split else [job]
-            self._pending.append([self._executor.submit(self._read, part) for part in parts])
+        if job is None:
+            return False
+        parts = [[chunk] for chunk in job] if self._split else [job]
+        self._pending.append([self._executor.submit(self._read, part) for part in parts])
+        return True
 
     def get(self) -> dict[int, Batch]:
         if not self._pending:  # ahead=0: nothing started before the assembly asks
@@ -258,8 +276,7 @@ class _PoolDecoder:
         decoded: dict[int, Batch] = {}
         for future in self._pending.popleft():  # chunk order: the first failing one raises,
             decoded.update(future.result())  # at its batch
-        if self._ahead:
-            self._submit()  # ``ahead`` jobs in flight again
+        self._fill()  # ``ahead`` jobs in flight again, or enough chunks for the threads
         return decoded
 
     def close(self) -> None:

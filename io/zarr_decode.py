@@ -38,6 +38,7 @@ from numcodecs.compat import ensure_ndarray_like
 from zarr.core.buffer import default_buffer_prototype
 
 from dataflow.io.chunk_cache import ChunkCache, Decoding
+from dataflow.io.direct_decode import direct_decoder
 from dataflow.io.fetch import FetchAhead, fetch_now
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import StoreRetry
@@ -126,6 +127,11 @@ class ChunkDecoder:
             steps.append((codec, spec))
             spec = codec.resolve_metadata(spec)
         self._steps = steps[::-1]  # decoding runs the codecs backwards
+        # a whole chunk decoded straight into the read's output where the codecs allow
+        self._decode_into = direct_decoder(self._steps)
+        # the values' type in this machine's order: the ``bytes`` codec's order decides
+        # how the chunk is stored, whatever byte order the array's dtype names
+        self._dtype = np.dtype(spec.dtype.to_native_dtype()).newbyteorder("=")
         self._prototype = prototype
         self._get_sync = getattr(self.store, "get_sync", None)
         self.plans: list[FetchAhead] = []  # epochs' objects fetched ahead (remote stores)
@@ -157,8 +163,37 @@ class ChunkDecoder:
             for (lo, hi), c in zip(bounds, self.chunks, strict=True)
         ]
         objects = list(itertools.product(*ranges))
+        if self._decode_into is not None and self.cache is None and out.dtype == self._dtype:
+            objects = self._decode_whole_chunks(objects, bounds, out)
         self.visit(objects, lambda coords, chunk: self._copy(chunk, coords, bounds, out))
         return out
+
+    def _decode_whole_chunks(
+        self, objects: list[tuple[int, ...]], bounds: Sequence[tuple[int, int]], out: np.ndarray
+    ) -> list[tuple[int, ...]]:
+        """Decode each object whose whole chunk fills one contiguous block of ``out``
+        straight into it (``io.direct_decode``); return the others."""
+        direct, rest = [], []
+        for coords in objects:
+            source, target = self._regions(coords, bounds)
+            whole = all(
+                s.start == 0 and s.stop == c for s, c in zip(source, self.chunks, strict=True)
+            )
+            block = out[target] if whole else None
+            if block is not None and block.flags.c_contiguous:
+                direct.append((self.key(coords), block))
+            else:
+                rest.append(coords)
+        stored = self._fetch([key for key, _ in direct]) if direct else []
+        for (key, block), data in zip(direct, stored, strict=True):
+            if data is None:
+                raise MissingObject(key)
+            try:
+                self._decode_into(data, block)
+            except Exception as exc:
+                raise ObjectDecodeError(key, exc) from exc
+            self.decoded.append(block.nbytes)
+        return rest
 
     def visit(
         self,
@@ -218,12 +253,20 @@ class ChunkDecoder:
         out: np.ndarray,
     ) -> None:
         """The part of ``chunk`` (at ``coords``) inside ``bounds``, into ``out``."""
+        source, target = self._regions(coords, bounds)
+        out[target] = chunk[source]
+
+    def _regions(
+        self, coords: Sequence[int], bounds: Sequence[tuple[int, int]]
+    ) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+        """The part of the chunk at ``coords`` inside ``bounds``: its slices in the chunk
+        and in the read's output."""
         source, target = [], []
         for i, c, (lo, hi) in zip(coords, self.chunks, bounds, strict=True):
             start, stop = max(lo, i * c), min(hi, (i + 1) * c)
             source.append(slice(start - i * c, stop - i * c))
             target.append(slice(start - lo, stop - lo))
-        out[tuple(target)] = chunk[tuple(source)]
+        return tuple(source), tuple(target)
 
     def _fetch(self, keys: list[str]) -> list[Any]:
         """The stored objects ``keys``, fetched again while the store fails in a way that

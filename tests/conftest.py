@@ -287,6 +287,14 @@ def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
 
 
+@pytest.fixture(autouse=True)
+def _sync_debug_mode_reset():
+    """A CUDA test that fails with ``torch.cuda.set_sync_debug_mode("error")`` on must not
+    fail every later one: the mode is process-wide, so it is set back after each test."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_sync_debug_mode("default")
+
 @pytest.fixture(scope="session")
 def client():
     """A real LocalCluster, as fit() starts one: two single-threaded worker processes."""

@@ -67,11 +67,13 @@ def test_every_sample_once_each_chunk_decoded_once_and_batches_as_planned(
                 ledger.record(epoch, rank, got.indices)  # refuses any repeat
             assert set(source.decodes.values()) <= {1}  # each chunk decoded at most once
             # Memory: the batch, plus the shuffle groups it spans, plus two cut chunks; and
-            # the chunks decoded ahead: at most one batch's first-used chunks per step ahead.
+            # the chunks decoded ahead: at most one batch's first-used chunks per job ahead
+            # (decode_ahead jobs, or up to one per thread while they hold fewer chunks).
             group = buffer_chunks * max(chunks)
             biggest = max(spec.local_batches[rank] for spec in epoch_steps)
             live = biggest + 2 * group + 2 * max(chunks)
-            ahead = reader.decode_ahead * (biggest + group + 2 * max(chunks))
+            jobs = max(reader.decode_ahead, reader.decode_threads)
+            ahead = jobs * (biggest + group + 2 * max(chunks))
             assert reader.peak_live_samples <= live + ahead
         planned = sum(spec.global_batch for spec in epoch_steps)
         assert len(ledger.consumed(epoch)) == planned

@@ -187,20 +187,30 @@ def test_decode_threads_is_checked_where_it_is_given(tmp_path):
     assert EpochChunkReader(source, [], decode_threads=2).decode_threads == 2
 
 
-def test_auto_is_at_most_four_of_the_threads_torch_has_here(monkeypatch):
+def test_auto_is_at_most_four_of_the_threads_torch_has_here_and_on_a_gpu_the_idle_cores(
+    monkeypatch,
+):
     before = torch.get_num_threads()
     try:
         for threads, expected in [(1, 1), (3, 3), (8, 4)]:
             torch.set_num_threads(threads)
             assert chunk_reader_module.auto_decode_threads() == expected
             assert chunk_reader_module.auto_decode_threads("cpu") == expected
-        # On a GPU the host's cores are shared among the GPUs, not the torch threads
+        # On a GPU the host's cores are shared among the GPUs, less the replica's own
+        # thread, up to 16, and at least the torch threads
         torch.set_num_threads(1)
         monkeypatch.setattr(chunk_reader_module.os, "sched_getaffinity", lambda pid: range(16))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-        assert chunk_reader_module.auto_decode_threads("cuda") == 2
+        assert chunk_reader_module.auto_decode_threads("cuda") == 1
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+        assert chunk_reader_module.auto_decode_threads("cuda") == 3
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-        assert chunk_reader_module.auto_decode_threads("cuda:0") == 4
+        assert chunk_reader_module.auto_decode_threads("cuda:0") == 15
+        monkeypatch.setattr(chunk_reader_module.os, "sched_getaffinity", lambda pid: range(64))
+        assert chunk_reader_module.auto_decode_threads("cuda:0") == 16
+        torch.set_num_threads(3)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 32)
+        assert chunk_reader_module.auto_decode_threads("cuda:0") == 3
     finally:
         torch.set_num_threads(before)
 
