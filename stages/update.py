@@ -419,7 +419,9 @@ def _all_finite(loss: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
     CPU, 45 against 291 us a step for ResNet-50's 161 tensors at width 2, and 0.23
     against 4.3 ms at width 16, against ``_foreach_norm`` with ord inf before (``timeit``,
     one thread); on a GPU no list of per-tensor norms to stack. A gradient it does not
-    take (a sparse one, devices mixed) is checked tensor by tensor instead."""
+    take (a sparse one, devices mixed) is checked tensor by tensor instead, and so are
+    float64 ones: on CUDA that check flagged finite float64 values near the type's
+    largest (an H200, torch 2.11: a float32 step inside it, it seems)."""
     members = [g for p in params if (g := p.grad) is not None]
     if isinstance(loss, torch.Tensor):
         members.append(loss.detach().reshape(1))
@@ -432,7 +434,11 @@ def _all_finite(loss: Any, params: Sequence[torch.Tensor]) -> torch.Tensor:
     found = torch.zeros(1, dtype=torch.float32, device=device)
     unit = torch.ones(1, dtype=torch.float32, device=device)
     try:
-        for same in by_dtype.values():
+        for dtype, same in by_dtype.items():
+            if dtype == torch.float64:  # exact, and not read: no sync
+                flags = torch.stack([torch.isfinite(m).all() for m in same])
+                found.add_((~flags.all()).to(found.dtype))
+                continue
             torch._amp_foreach_non_finite_check_and_unscale_(same, found, unit)
     except (RuntimeError, NotImplementedError):  # a sparse gradient, devices mixed
         return torch.stack(
