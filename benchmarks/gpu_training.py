@@ -196,9 +196,11 @@ class Sides:
 
         if kind not in self.sources:
             x, y = self.arrays()
-            if kind == "zarr":
-                dfl.io.to_zarr(f"{self.tmp}/{self.w.name}.zarr", x, y)
-                self.sources[kind] = dfl.io.ZarrSource(f"{self.tmp}/{self.w.name}.zarr", y="y")
+            if kind in ("zarr", "zarr_lz4"):  # to_zarr's default codec (zstd), or lz4
+                path = f"{self.tmp}/{self.w.name}.{kind}"
+                codec = {"compressor": "lz4"} if kind == "zarr_lz4" else {}
+                dfl.io.to_zarr(path, x, y, **codec)
+                self.sources[kind] = dfl.io.ZarrSource(path, y="y")
             else:
                 self.sources[kind] = dfl.io.ArraySource(x, y)
         return self.sources[kind]
@@ -250,9 +252,9 @@ def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> di
     w = sides.w
     options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
     alone = None
-    if variant["source"] == "zarr":  # one epoch read with nothing else running, first
+    if variant["source"].startswith("zarr"):  # one epoch read with nothing else running
         epoch = sides.plan()[: max(1, w.samples // w.batch)]
-        source = sides.source("zarr")
+        source = sides.source(variant["source"])
         threads = variant.get("decode_threads", "auto")  # as the fit's Load decodes
         alone = client.submit(loader_alone, source, epoch, sides.device.cuda, threads, pure=False)
         alone = alone.result()

@@ -143,6 +143,11 @@ class ArrayReader:
         """:meth:`read_slab` of every ``(start, stop)`` of ``ranges`` (here one by one)."""
         return [self.read_slab(start, stop) for start, stop in ranges]
 
+    def read_slab_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """:meth:`read_slab` written into ``out`` (``(stop - start, *sample shape)``, the
+        dtype of :meth:`empty`); here a copy, without one where a reader can."""
+        out[...] = self.read_slab(start, stop)
+
     def empty(self) -> np.ndarray:
         """No samples, with this array's sample shape as read and (native) dtype."""
         shape = list(self.read_shape)
@@ -292,6 +297,14 @@ class ZarrArrayReader(ArrayReader):
             shape[self.sample_dim] = stop - start
             block = np.empty(shape, dtype)
         return native(np.moveaxis(self._decode_into(start, stop, block), self.sample_dim, 0))
+
+    def read_slab_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Decoded on this thread straight into ``out`` where the layout allows (samples
+        first, a known layout): whole chunks with no copy at all (``io.direct_decode``)."""
+        if self.resident or self.decoder is None or self.sample_dim != 0:
+            super().read_slab_into(start, stop, out)
+        else:
+            self._decode_into(start, stop, out)
 
     def _decode_into(self, start: int, stop: int, block: np.ndarray) -> np.ndarray:
         """Samples ``[start, stop)`` decoded into ``block`` (storage layout), objects named."""

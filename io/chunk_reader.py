@@ -53,6 +53,7 @@ from dataflow.core.batch import Batch
 from dataflow.core.errors import ChunkMissingError, ConfigError
 from dataflow.core.protocols import ChunkedSource
 from dataflow.io.chunk_index import chunk_index, last_uses
+from dataflow.io.direct_batches import DirectBatches, whole_chunk_spans
 from dataflow.io.store_retry import abandoned_when
 
 # -- output buffers ---------------------------------------------------------------------
@@ -299,7 +300,9 @@ class EpochChunkReader:
     on the iterating thread; None: 1 with one thread, 2 with several, whose threads
     would otherwise wait while a batch's last chunk decodes). ``decode_threads``: the
     threads that decode chunks (``"auto"``: :func:`auto_decode_threads`); the batches
-    do not depend on it.
+    do not depend on it. ``decode_into_batches``: a batch made of whole chunks is
+    decoded straight into its buffers where the source can (``io.direct_batches``; the
+    same batches, without the assembly's copy).
     """
 
     def __init__(
@@ -310,6 +313,7 @@ class EpochChunkReader:
         buffers: BatchBuffers | None = None,
         decode_ahead: int | None = None,
         decode_threads: int | str = "auto",
+        decode_into_batches: bool = True,
     ) -> None:
         if decode_ahead is not None and decode_ahead < 0:
             raise ValueError(f"EpochChunkReader(decode_ahead={decode_ahead}): must be >= 0")
@@ -342,6 +346,18 @@ class EpochChunkReader:
             self.news.append([c for c in touched if c not in seen])
             seen.update(touched)
         self.jobs = [new for new in self.news if new]  # the reads, in order
+        # Batches of whole chunks, decoded straight into their buffers (io.direct_batches)
+        self.direct: DirectBatches | None = None
+        if decode_into_batches and hasattr(source, "read_chunks_into"):
+            spans = [
+                whole_chunk_spans(b, c, t, n, self.last_use, p, self.index)
+                for p, (b, c, t, n) in enumerate(
+                    zip(self.batches, self.chunks, self.touched, self.news, strict=True)
+                )
+            ]
+            if any(s is not None for s in spans):
+                sizes = [len(b) for b in self.batches]
+                self.direct = DirectBatches(source, self.buffers, sizes, spans)
         # A remote store's objects fetched ahead (io.fetch), from iteration on, or started
         # earlier by the epoch before (``then``: the reader of the epoch after this one)
         self.fetching: Any = None
@@ -359,8 +375,13 @@ class EpochChunkReader:
     def _read(self, chunks: list[int]) -> dict[int, Batch]:
         self._hold(self._samples(chunks))  # counted before decoding: the memory is coming
         reading = self._plan.reading(chunks) if self._plan is not None else contextlib.nullcontext()
+        direct = self.direct
         with reading, abandoned_when(self._abandoned):
-            decoded = self.source.read_chunks(chunks)
+            if direct is not None and direct.owns(chunks[0]):  # a job is one batch's chunks
+                blocks = {chunk: direct.blocks(chunk) for chunk in chunks}
+                decoded = self.source.read_chunks_into(chunks, blocks)
+            else:
+                decoded = self.source.read_chunks(chunks)
         with self._lock:  # decode threads may finish together
             self.decoded += len(chunks)
             self.requests += 1
@@ -454,6 +475,8 @@ class EpochChunkReader:
         n = len(indices)
         if n == 0:  # a replica with no share this step: the source's own empty batch
             return self.source.read(indices)
+        if self.direct is not None and position in self.direct:
+            return self.direct.take(position, indices)  # its chunks decoded into it
         rows, positions, parts = [], [], []
         for chunk in self.touched[position]:
             where = np.flatnonzero(chunks == chunk)

@@ -20,9 +20,7 @@ import torch
 import zarr
 
 from dataflow.core.errors import ConfigError, DataError
-from dataflow.io.checksums import checksummed_codecs
-
-COMPRESSORS = ("blosc", "gzip", "zstd")
+from dataflow.io.checksums import check_compressor, checksummed_codecs
 
 
 def _as_numpy(name: str, array: Any) -> np.ndarray:
@@ -65,7 +63,10 @@ def to_zarr(
     Dask-backed variables are written a slab at a time, never whole in memory.
     An existing zarr store at ``path`` is replaced; any other existing, non-empty
     directory is refused (so a wrong path never deletes unrelated files).
-    ``compressor`` is "zstd", "blosc", "gzip" or None; every chunk carries a checksum
+    ``compressor`` is "zstd", "blosc" (zstd inside blosc, with its byte shuffle), "lz4"
+    (blosc's lz4 with its byte shuffle: it compresses floats a little less and decodes
+    2.5x faster a thread than zstd, for fits whose GPU takes GB/s: a 4 x 128^3 sample
+    read at 54 against 21 samples/s on one core), "gzip" or None; every chunk carries a checksum
     that each read verifies (``io.checksums``), so a chunk whose bytes changed on disk
     raises ``ChunkReadError`` instead of training on garbage. ``zarr_format`` is 3 (default)
     or 2, for tools that read only zarr v2; dimension names then go to the
@@ -82,10 +83,7 @@ def to_zarr(
         raise ConfigError(f"to_zarr(zarr_format={zarr_format!r}): use 3 (default) or 2")
     if not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
         raise ConfigError(f"to_zarr(chunk_mb={chunk_mb!r}): must be a positive number, e.g. 8.0")
-    if compressor is not None and compressor not in COMPRESSORS:
-        raise ConfigError(
-            f"to_zarr(compressor={compressor!r}): use one of {sorted(COMPRESSORS)} or None"
-        )
+    check_compressor("to_zarr", compressor)
     if type(x).__name__ == "Dataset" and hasattr(x, "data_vars"):
         if y is not None:
             raise ConfigError("to_zarr(dataset, y): a Dataset carries its targets as variables")

@@ -393,6 +393,28 @@ class ZarrSource(RegionView):
             for i, (chunk, (start, stop)) in enumerate(zip(ordered, ranges, strict=True))
         }
 
+    def part_layouts(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """One sample's shape and dtype of each array read, in :meth:`batch_of`'s order."""
+        return [(e.shape[1:], e.dtype) for e in (r.empty() for r in self._open())]
+
+    def read_chunks_into(
+        self, chunks: Sequence[int], blocks: dict[int, list[np.ndarray]]
+    ) -> dict[int, Batch]:
+        """:meth:`read_chunks`, each chunk's samples written into ``blocks[chunk]`` (one
+        array per :meth:`part_layouts` entry): a batch's own rows (``io.direct_batches``)."""
+        bounds, decoded = self.chunk_bounds, {}
+        for chunk in (int(c) for c in chunks):
+            start, stop = int(bounds[chunk]), int(bounds[chunk + 1])
+            for reader, block in zip(self._open(), blocks[chunk], strict=True):
+                reader.read_slab_into(start, stop, block)
+            tensors = [torch.from_numpy(block) for block in blocks[chunk]]
+            decoded[chunk] = self._batch(tensors, stop - start)
+        return decoded
+
+    def batch_of(self, tensors: list[torch.Tensor], size: int) -> Batch:
+        """A batch of the arrays' ``tensors``, in :meth:`part_layouts`' order."""
+        return self._batch(tensors, size)
+
     def fetch_ahead(
         self, jobs: Sequence[Sequence[int]], after: FetchAhead | None = None
     ) -> FetchAhead | None:

@@ -295,6 +295,7 @@ def _sync_debug_mode_reset():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.set_sync_debug_mode("default")
 
+
 @pytest.fixture(scope="session")
 def client():
     """A real LocalCluster, as fit() starts one: two single-threaded worker processes."""

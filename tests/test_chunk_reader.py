@@ -23,6 +23,11 @@ class CountingZarrSource(ZarrSource):
         self.decodes.update(chunks)
         return super().read_chunks(chunks)
 
+    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
+        self.decodes = getattr(self, "decodes", Counter())
+        self.decodes.update(chunks)
+        return super().read_chunks_into(chunks, blocks)
+
 
 def _steps(n, batch, weights, epochs=1, drop_last=False):
     phase = PhaseSpec(index=0, start_epoch=0, end_epoch=epochs, global_batch=batch)

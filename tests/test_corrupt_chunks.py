@@ -24,7 +24,7 @@ from dataflow.io.checksums import checksum_of
 from dataflow.tools.cli import main
 
 FORMATS = [2, 3]
-COMPRESSORS = ["zstd", "blosc", "gzip", None]
+COMPRESSORS = ["zstd", "blosc", "lz4", "gzip", None]
 
 
 def damage(chunk: Path) -> None:

@@ -148,11 +148,18 @@ class MeetingSource(ZarrSource):
     """Its first ``parties`` chunk reads wait for each other: they pass only if that many
     run at once (a barrier, not a clock: a serial decoder breaks it)."""
 
-    def read_chunks(self, chunks):
+    def _meet(self):
         if self.barrier.n_waiting < self.barrier.parties and not self.met.is_set():
             self.barrier.wait()
             self.met.set()
+
+    def read_chunks(self, chunks):
+        self._meet()
         return super().read_chunks(chunks)
+
+    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
+        self._meet()
+        return super().read_chunks_into(chunks, blocks)
 
 
 def test_three_threads_decode_three_chunks_of_a_batch_at_once(tmp_path):

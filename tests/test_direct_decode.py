@@ -23,10 +23,12 @@ from dataflow.io.zarr_decode import ChunkDecoder, ObjectDecodeError, chunk_decod
 DIRECT = {
     (3, "zstd"): True,
     (3, "blosc"): True,
+    (3, "lz4"): True,
     (3, None): True,  # crc32c alone
     (3, "gzip"): False,
     (2, "zstd"): True,
     (2, "blosc"): False,  # a shuffle filter and crc32 besides the compressor
+    (2, "lz4"): False,
     (2, None): False,  # a crc32 filter
     (2, "gzip"): False,
 }

@@ -38,6 +38,10 @@ class CountingSource(dfl.io.ZarrSource):
         self.decoded = [*getattr(self, "decoded", []), *chunks]
         return super().read_chunks(chunks)
 
+    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
+        self.decoded = [*getattr(self, "decoded", []), *chunks]
+        return super().read_chunks_into(chunks, blocks)
+
 
 def scores(source, model, metrics=METRICS) -> dict[str, float]:
     evaluate = stages.Evaluate(source, metrics=metrics, batch_size=BATCH, transforms=())

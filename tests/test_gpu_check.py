@@ -82,6 +82,7 @@ SEED_RATIOS = {
     "fit_memory_bf16_cl / loop_resident_bf16_cl",
     "fit_zarr_bf16_cl / loop_resident_bf16_cl",
     "fit_zarr_bf16_cl / fit_memory_bf16_cl",
+    "fit_zarr_lz4_bf16_cl / fit_memory_bf16_cl",  # compressor="lz4"
     "fit_zarr_bf16_cl loader alone / fit_memory_bf16_cl",  # can the loader keep up at all
     "fit_memory_bf16_cl / fit_memory_fp32",
     "loop_resident_bf16_cl / loop_resident_fp32",
@@ -120,7 +121,7 @@ def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first(bench):
                           "cosmoflow:fit_memory_bf16_cl"]  # fmt: skip
     assert order[-2:] == ["small:dataflow_memory_compiled",
                           "small:torch_loop_resident_bf16_cl_compiled"]  # fmt: skip
-    assert len(order) == len(set(order)) == 30  # every side once
+    assert len(order) == len(set(order)) == 33  # every side once
 
 
 NO_CONFIRM = ("--confirm-rounds", "0")

@@ -227,6 +227,16 @@ def test_mistakes_name_the_field_and_the_fix(tmp_path, options, error, expected)
     assert not (tmp_path / "dest.zarr").exists()
 
 
+def test_an_unknown_compressor_is_refused_before_anything_is_written(tmp_path):
+    """It was taken for blosc without a word (checksummed_codecs' last branch)."""
+    from dataflow.tools.rechunk import rechunk_store
+
+    src, _ = volume_store(tmp_path / "src.zarr", 3)
+    with pytest.raises(ConfigError, match=r"rechunk_store\(compressor='lz9'\): use one of"):
+        rechunk_store(src, tmp_path / "dest.zarr", "y=4", compressor="lz9")
+    assert not (tmp_path / "dest.zarr").exists()
+
+
 def test_paths_that_are_not_a_store_or_not_free_are_refused(tmp_path):
     src, _ = volume_store(tmp_path / "src.zarr", 3)
     with pytest.raises(SourceFileError, match=r"no zarr store .*nothing.zarr'; check the path"):

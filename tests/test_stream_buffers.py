@@ -21,6 +21,10 @@ class CountingZarrSource(ZarrSource):
         self.requests.append(sorted(chunks))  # list.append: safe from several threads
         return super().read_chunks(chunks)
 
+    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
+        self.requests.append(sorted(chunks))
+        return super().read_chunks_into(chunks, blocks)
+
 
 def _store(tmp_path, n=120, sample=(64, 64), per_chunk=5):
     """Sample ``i`` holds the value ``i`` everywhere: any overwrite shows."""

@@ -40,7 +40,7 @@ from dataflow.core.errors import (
     DataflowError,
 )
 from dataflow.io.array_readers import chunk_read_error
-from dataflow.io.checksums import checksummed_codecs
+from dataflow.io.checksums import check_compressor, checksummed_codecs
 from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 from dataflow.tools.info import _arrays, _names
@@ -156,6 +156,7 @@ def rechunk_store(
         raise ConfigError(f"convert(zarr_format={zarr_format!r}): use 2 or 3")
     if not (isinstance(memory_mb, int | float) and memory_mb > 0):
         raise ConfigError(f"convert(memory_mb={memory_mb!r}): a positive number, e.g. 256")
+    check_compressor("rechunk_store", compressor)
     dest = local_dest(dest)
     node = _open_source(src, storage_options)
     if "://" not in str(src) and _same_or_inside(Path(src), dest):
