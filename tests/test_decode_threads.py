@@ -242,3 +242,31 @@ def test_training_is_bit_identical_with_one_and_three_decode_threads(client, tmp
         assert result.ledger.consumed(1).tolist() == list(range(64))
         models.append(result.model)
     assert max_abs_diff(*models) == 0
+
+
+@pytest.mark.slow
+def test_training_on_whole_chunk_batches_equals_training_on_gathered_ones(client, tmp_path):
+    """One sample a chunk: every batch is decoded straight into its buffers on the
+    workers (io.direct_batches), against the same samples in chunks of three, gathered.
+    Unshuffled, both fits see the same batches: the same model, bit for bit."""
+    x, y = make_data(48)
+    sample = x[0].nbytes
+    models = []
+    for per_chunk in (3, 1):
+        path = to_zarr(tmp_path / f"{per_chunk}.zarr", x, y, chunk_mb=per_chunk * sample / 1e6)
+        source = ZarrSource(path, x="x", y="y", shuffle=False)
+        assert np.diff(source.chunk_bounds).max() == per_chunk
+        pipe = dfl.Pipeline(
+            model=TinyCNN,
+            device="cpu",
+            loss=F.cross_entropy,
+            optimizer=sgd,
+            source=source,
+            schedule=dfl.schedule.Fixed(12),
+            progress=False,
+            decode_threads=2,
+        )
+        result = pipe.fit(epochs=2, client=client)
+        assert result.ledger.consumed(1).tolist() == list(range(48))
+        models.append(result.model)
+    assert max_abs_diff(*models) == 0
