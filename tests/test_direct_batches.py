@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from test_corrupt_chunks import chunk_file, damage
 
 import dataflow as dfl
 from dataflow.io import chunk_reader as chunk_reader_module
 from dataflow.io.chunk_index import RunIndex, last_uses
+from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.direct_batches import whole_chunk_spans
 
 
@@ -102,3 +104,19 @@ def test_a_damaged_chunk_in_a_whole_chunk_batch_is_named(tmp_path):
     assert reader.direct is not None and 0 in reader.direct
     with pytest.raises(dfl.ChunkReadError, match=r"chunk 'x/c/5/0/0/0'.*checksum does not match"):
         list(reader)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_whole_chunk_batches_land_in_pinned_memory_as_the_gathered_ones_do(tmp_path):
+    """On a GPU the batches are assembled in page-locked memory for the side-stream copy:
+    decoded into, they must be too."""
+    source, x, _ = _one_sample_chunks(tmp_path, n=16, shape=(4, 16, 16))
+    batches = [np.arange(0, 8), np.arange(8, 16)]
+    reader = dfl.io.EpochChunkReader(
+        source, batches, buffers=BatchBuffers(pin_memory=True), decode_threads=3
+    )
+    assert reader.direct is not None
+    for got, indices in zip(reader, batches, strict=True):
+        assert got.x.is_pinned() and got.y.is_pinned()
+        np.testing.assert_array_equal(got.x.numpy(), x[indices])
