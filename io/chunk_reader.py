@@ -210,7 +210,8 @@ def check_decode_threads(where: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(
             f"{where}(decode_threads={value!r}): the threads that decode a chunked source's "
-            "chunks; use an int >= 1, or 'auto' (min(4, the cores this reader has))"
+            "chunks; use an int >= 1, or 'auto' (min(4, the cores this reader has); on a GPU, "
+            "up to 16: the host's idle cores)"
         )
 
 
