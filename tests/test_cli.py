@@ -163,6 +163,26 @@ def test_convert_round_trips_npy_and_npz(tmp_path, capsys):
     assert zarr.open_array(str(dest / "images"), mode="r").chunks[1:] == (2, 6, 5)
 
 
+def test_convert_writes_the_codec_asked_for_from_a_file_and_from_a_store(tmp_path):
+    """--compressor lz4 (to feed a GPU from large fields): the file's arrays and a zarr
+    store's rewrite both carry blosc's lz4 with its crc32c, and read back the same."""
+    x, y = fields()
+    np.savez(tmp_path / "f.npz", x=x, y=y)
+    argv = ["convert", str(tmp_path / "f.npz"), str(tmp_path / "f.zarr"), "--compressor", "lz4"]
+    assert main(argv) == 0
+    argv = ["convert", str(tmp_path / "f.zarr"), str(tmp_path / "g.zarr"), "--compressor", "lz4"]
+    assert main(argv) == 0
+    for store in ("f.zarr", "g.zarr"):
+        array = zarr.open_group(str(tmp_path / store), mode="r")["x"]
+        names = [type(c).__name__ for c in array.compressors]
+        assert names == ["BloscCodec", "Crc32cCodec"], (store, names)
+        assert array.compressors[0].cname.value == "lz4"
+        np.testing.assert_array_equal(array[:], x)
+    with pytest.raises(dfl.ConfigError, match=r"convert\(compressor='lz9'\): use one of"):
+        convert(tmp_path / "f.npz", tmp_path / "h.zarr", compressor="lz9")
+    assert not (tmp_path / "h.zarr").exists()
+
+
 def test_convert_moves_a_sample_axis_that_is_not_first(tmp_path):
     x, _ = fields()
     np.save(tmp_path / "last.npy", np.moveaxis(x, 0, -1))  # samples along the last axis

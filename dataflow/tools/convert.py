@@ -21,6 +21,7 @@ import numpy as np
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.history.report import MissingDependencyError
 from dataflow.io import VariableNotFoundError, to_zarr
+from dataflow.io.checksums import check_compressor
 from dataflow.io.store_open import local_path_error
 from dataflow.tools.rechunk import (
     Rechunked,
@@ -81,6 +82,7 @@ def convert(
     chunks: str | dict[str | int, int] | None = None,
     fill_missing: bool = False,
     storage_options: dict[str, Any] | None = None,
+    compressor: str | None = "zstd",
 ) -> Converted | Rechunked:
     """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``,
     or rewrite the zarr store ``src`` (path or fsspec URL) with new ``chunks``.
@@ -95,6 +97,8 @@ def convert(
     ``spatial_chunks``: also chunk each sample for spatial ranks (``to_zarr``'s
     argument): ``{axis of one x sample: length}``, or ``{dimension name: length}``
     for netCDF. ``chunk_mb``: about 8 MB a chunk by default; ``zarr_format``: 3 by default.
+    ``compressor``: ``to_zarr``'s, for both kinds of ``src`` ("zstd" by default; "lz4"
+    decodes ~2.5x faster, for a GPU fit that reads GB/s).
 
     A zarr ``src`` is copied by ``rechunk_store`` (every array, or those named by
     ``x``/``y``, with attributes and dimension names, streamed slab by slab, with
@@ -103,6 +107,7 @@ def convert(
     ``src`` raises ``ChunkMissingError`` unless ``fill_missing``; ``storage_options``:
     fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them; ``dest`` is a local path).
     """
+    check_compressor("convert", compressor)
     if is_zarr_source(src):
         given = {"sample_dim": sample_dim, "chunk_mb": chunk_mb, "spatial_chunks": spatial_chunks}
         for name, value in given.items():
@@ -121,6 +126,7 @@ def convert(
             zarr_format=zarr_format,
             overwrite=overwrite,
             fill_missing=fill_missing,
+            compressor=compressor,
             storage_options=storage_options,
         )
     if storage_options is not None:
@@ -155,7 +161,7 @@ def convert(
         shutil.rmtree(dest)
     if isinstance(sample_dim, str) and sample_dim.lstrip("-").isdigit():
         sample_dim = int(sample_dim)
-    options: dict[str, Any] = {"chunk_mb": chunk_mb}
+    options: dict[str, Any] = {"chunk_mb": chunk_mb, "compressor": compressor}
     if zarr_format != 3:
         options["zarr_format"] = zarr_format
     if spatial_chunks is not None:
