@@ -69,7 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from dataflow.tools.convert import convert
+    from dataflow.tools.convert import convert, parse_spatial_chunks
     from dataflow.tools.rechunk import Rechunked
 
     started = time.perf_counter()
@@ -82,7 +82,7 @@ def _convert(args: argparse.Namespace) -> int:
         chunk_mb=args.chunk_mb,
         zarr_format=args.format,
         overwrite=args.overwrite,
-        spatial_chunks=_spatial_chunks(args.spatial_chunks),
+        spatial_chunks=parse_spatial_chunks(args.spatial_chunks),
         chunks=args.chunks,
         fill_missing=args.fill_missing,
         storage_options=parse_storage_options(args.storage_options),
@@ -104,22 +104,6 @@ def _convert(args: argparse.Namespace) -> int:
     print(f"read it with: {done.snippet()}")
     print(f"check it with: dataflow info {done.dest}")
     return 0
-
-
-def _spatial_chunks(pairs: list[str] | None) -> dict[int | str, int] | None:
-    """``AXIS=LEN`` (an axis of one sample) or ``DIM=LEN`` (a dimension name) pairs."""
-    if not pairs:
-        return None
-    chunks: dict[int | str, int] = {}
-    for pair in pairs:
-        key, _, length = pair.partition("=")
-        if not key or not length.isdigit():
-            raise ConfigError(
-                f"convert(--spatial-chunks {pair}): give AXIS=LEN, e.g. 1=32 to chunk the first "
-                "spatial axis of each sample by 32 (or DIM=LEN with a netCDF dimension name)"
-            )
-        chunks[int(key) if key.isdigit() else key] = int(length)
-    return chunks
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -173,6 +173,23 @@ def convert(
     return _convert_xarray(src, dest, kind, x, y, sample_dim, options)
 
 
+def parse_spatial_chunks(pairs: list[str] | None) -> dict[int | str, int] | None:
+    """``--spatial-chunks``: ``AXIS=LEN`` (an axis of one sample) or ``DIM=LEN`` (a
+    dimension name) pairs."""
+    if not pairs:
+        return None
+    chunks: dict[int | str, int] = {}
+    for pair in pairs:
+        key, _, length = pair.partition("=")
+        if not key or not length.isdigit():
+            raise ConfigError(
+                f"convert(--spatial-chunks {pair}): give AXIS=LEN, e.g. 1=32 to chunk the first "
+                "spatial axis of each sample by 32 (or DIM=LEN with a netCDF dimension name)"
+            )
+        chunks[int(key) if key.isdigit() else key] = int(length)
+    return chunks
+
+
 def _has(module: str) -> bool:
     import importlib.util
 
