@@ -186,13 +186,7 @@ class ChunkDecoder:
                 rest.append(coords)
         stored = self._fetch([key for key, _ in direct]) if direct else []
         for (key, block), data in zip(direct, stored, strict=True):
-            if data is None:
-                raise MissingObject(key)
-            try:
-                self._decode_into(data, block)
-            except Exception as exc:
-                raise ObjectDecodeError(key, exc) from exc
-            self.decoded.append(block.nbytes)
+            self._decoded(key, data, block)
         return rest
 
     def visit(
@@ -235,11 +229,16 @@ class ChunkDecoder:
             for key in mine if cache is not None else ():  # claimed, not decoded:
                 cache.abandon(key)  # the threads waiting for it decode it themselves
 
-    def _decoded(self, key: str, stored: Any) -> np.ndarray:
+    def _decoded(self, key: str, stored: Any, block: np.ndarray | None = None) -> np.ndarray:
+        """The object ``key`` decoded: into a new array, or straight into ``block``."""
         if stored is None:
             raise MissingObject(key)
         try:
-            chunk = self._decode(stored)
+            if block is None:
+                chunk = self._decode(stored)
+            else:
+                self._decode_into(stored, block)
+                chunk = block
         except Exception as exc:
             raise ObjectDecodeError(key, exc) from exc
         self.decoded.append(chunk.nbytes)

@@ -137,6 +137,22 @@ class WitnessPairs(dfl.stages.AllReduce):
         return out
 
 
+class ObservedReads:
+    """Mixed into a real ZarrSource: :meth:`observe` sees every decode request, made
+    through ``read_chunks`` or, for a batch of whole chunks, ``read_chunks_into``."""
+
+    def observe(self, chunks) -> None:
+        raise NotImplementedError
+
+    def read_chunks(self, chunks):
+        self.observe(chunks)
+        return super().read_chunks(chunks)
+
+    def read_chunks_into(self, chunks, blocks):
+        self.observe(chunks)
+        return super().read_chunks_into(chunks, blocks)
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 

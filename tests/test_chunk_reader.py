@@ -5,6 +5,7 @@ from collections import Counter
 import dask.array as da
 import numpy as np
 import pytest
+from conftest import ObservedReads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,18 +16,12 @@ from dataflow.schedule import PhaseSpec
 from dataflow.schedule.balance import proportional_split
 
 
-class CountingZarrSource(ZarrSource):
+class CountingZarrSource(ObservedReads, ZarrSource):
     """A real ZarrSource that counts how often each chunk is decoded."""
 
-    def read_chunks(self, chunks):
+    def observe(self, chunks):
         self.decodes = getattr(self, "decodes", Counter())
         self.decodes.update(chunks)
-        return super().read_chunks(chunks)
-
-    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
-        self.decodes = getattr(self, "decodes", Counter())
-        self.decodes.update(chunks)
-        return super().read_chunks_into(chunks, blocks)
 
 
 def _steps(n, batch, weights, epochs=1, drop_last=False):

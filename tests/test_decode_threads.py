@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zarr
-from conftest import TinyCNN, make_data, max_abs_diff, sgd
+from conftest import ObservedReads, TinyCNN, make_data, max_abs_diff, sgd
 from zarr.codecs import BytesCodec, GzipCodec, TransposeCodec
 
 import dataflow as dfl
@@ -144,22 +144,14 @@ def test_a_corrupt_chunk_fails_at_its_own_batch_with_threads(tmp_path):
     assert got == [list(range(0, 8)), list(range(8, 16))]  # every batch before it
 
 
-class MeetingSource(ZarrSource):
+class MeetingSource(ObservedReads, ZarrSource):
     """Its first ``parties`` chunk reads wait for each other: they pass only if that many
     run at once (a barrier, not a clock: a serial decoder breaks it)."""
 
-    def _meet(self):
+    def observe(self, chunks):
         if self.barrier.n_waiting < self.barrier.parties and not self.met.is_set():
             self.barrier.wait()
             self.met.set()
-
-    def read_chunks(self, chunks):
-        self._meet()
-        return super().read_chunks(chunks)
-
-    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
-        self._meet()
-        return super().read_chunks_into(chunks, blocks)
 
 
 def test_three_threads_decode_three_chunks_of_a_batch_at_once(tmp_path):

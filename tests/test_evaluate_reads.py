@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TinyCNN
+from conftest import ObservedReads, TinyCNN
 from test_evaluate_transforms import last_step
 
 import dataflow as dfl
@@ -29,18 +29,13 @@ def held_out(tmp_path) -> str:
     return dfl.io.to_zarr(str(tmp_path / "held.zarr"), x, y, chunk_mb=0.0115)  # 5 chunks
 
 
-class CountingSource(dfl.io.ZarrSource):
+class CountingSource(ObservedReads, dfl.io.ZarrSource):
     """A real ZarrSource that counts the chunks it is asked to decode."""
 
     decoded: list[int]
 
-    def read_chunks(self, chunks):
+    def observe(self, chunks):
         self.decoded = [*getattr(self, "decoded", []), *chunks]
-        return super().read_chunks(chunks)
-
-    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
-        self.decoded = [*getattr(self, "decoded", []), *chunks]
-        return super().read_chunks_into(chunks, blocks)
 
 
 def scores(source, model, metrics=METRICS) -> dict[str, float]:

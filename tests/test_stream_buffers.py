@@ -8,22 +8,18 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from conftest import ObservedReads
 
 import dataflow as dfl
 from dataflow.io import EpochChunkReader, ZarrSource, stream_batches, to_zarr
 from dataflow.io.chunk_reader import ROW_COPY_BYTES, BatchBuffers
 
 
-class CountingZarrSource(ZarrSource):
+class CountingZarrSource(ObservedReads, ZarrSource):
     """A real ZarrSource that records every decode request."""
 
-    def read_chunks(self, chunks):
+    def observe(self, chunks):
         self.requests.append(sorted(chunks))  # list.append: safe from several threads
-        return super().read_chunks(chunks)
-
-    def read_chunks_into(self, chunks, blocks):  # a batch of whole chunks (io.direct_batches)
-        self.requests.append(sorted(chunks))
-        return super().read_chunks_into(chunks, blocks)
 
 
 def _store(tmp_path, n=120, sample=(64, 64), per_chunk=5):
