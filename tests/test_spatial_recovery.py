@@ -31,6 +31,8 @@ import dataflow as dfl
 from dataflow import stages
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
 from dataflow.core.window import WHOLE
+from dataflow.driver import commands as cmd
+from dataflow.driver.loop import COMMAND_HANDLERS
 from dataflow.planning.plan import resplit_steps
 from dataflow.schedule.balance import Even
 
@@ -381,11 +383,36 @@ def test_the_last_group_broken_saves_the_commit_and_names_the_layout_that_runs(t
     assert max_abs_diff(resumed.model, expected) < 1e-5
 
 
+def _driver_lags_after_its_first_windows(monkeypatch, seconds: float) -> None:
+    """The driver stops for ``seconds`` right after it queues its first windows, as on a
+    loaded machine: it gathers no result meanwhile, and the replicas run whatever they
+    were queued."""
+    queued = COMMAND_HANDLERS[cmd.SubmitWindows]
+    calls = []
+
+    def lagging(loop, c):
+        queued(loop, c)
+        if not calls:
+            time.sleep(seconds)
+        calls.append(c)
+
+    monkeypatch.setitem(COMMAND_HANDLERS, cmd.SubmitWindows, lagging)
+
+
 @pytest.mark.timeout(180)
-def test_the_last_group_broken_with_a_spare_starts_again_from_the_partners_save(tmp_path):
+def test_the_last_group_broken_with_a_spare_starts_again_from_the_partners_save(
+    tmp_path, monkeypatch
+):
     """3 workers: one sample group and a spare. A worker of the group is killed: no group
     is left, but its partner holds the commit; it is saved, and the fit starts again
-    from it on the workers there are (the spare and the partner, or the restarted one)."""
+    from it on the workers there are (the spare and the partner, or the restarted one).
+
+    The driver lags behind the replicas (it gathers nothing for a while after queuing
+    its first windows): the replicas may run only ``WINDOWS_AHEAD`` windows past its
+    commit, so the commit is among those the partner keeps. (When every window was
+    queued at once, a driver that lagged two windows, on a loaded machine, left the
+    partner without the commit: "cannot roll back to step 0".)"""
+    _driver_lags_after_its_first_windows(monkeypatch, seconds=3.0)
     x, y = make_data(N_SAMPLES)
     epochs, folder, marker = 2, tmp_path / "ckpt", tmp_path / "killed"
     with (
@@ -397,8 +424,8 @@ def test_the_last_group_broken_with_a_spare_starts_again_from_the_partners_save(
     assert marker.exists()
     [failure] = result.history.info["failures"]
     # the commit: windows of 2, killed at step 5, so step 4; or step 2 when the driver
-    # had not yet collected the killed worker's result of window [2, 4) (a loaded
-    # machine): a result held by a dead worker is lost with it
+    # had not yet collected the killed worker's result of window [2, 4): a result held by
+    # a dead worker is lost with it, but window [4, 6) is queued only after [0, 2) commits
     commit = failure["commit_step"]
     assert failure["reason"] == "every replica lost" and commit in (2, 4), failure
     assert failure["restarted_from_step"] == commit and failure["replicas_after"] == 1

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-__all__ = ["PEER_WAIT", "THROTTLE", "WindowResult", "compute_seconds"]
+__all__ = ["PEER_WAIT", "THROTTLE", "WINDOWS_AHEAD", "WindowResult", "compute_seconds"]
+
+# How many windows a replica may have queued past the driver's last commit, and so how
+# many commits (the state at a window's start) it keeps: whatever results a lost worker
+# takes with it, the driver's commit is one of them. The driver queues the windows of a
+# plan no further ahead; a replica drops a commit only when this many newer ones exist.
+WINDOWS_AHEAD = 2
 
 # The ``stage_seconds`` key of the time a replica waited on its peers inside a compute
 # stage (``sync_batchnorm``'s reductions in Forward and Backward): kept apart from the

@@ -110,10 +110,11 @@ class BeginPhase:
 
 @dataclass(frozen=True)
 class SubmitWindows:
-    """Queue ``plan``'s windows on every member, each behind the member's last task;
-    plan window ``i`` is fit window ``first_window + i``; after the plan windows in
-    ``checkpoints`` each replica returns its state for a mid-phase checkpoint, and after
-    those in ``weights`` (``keep_best``) its weights and buffers only."""
+    """Queue ``plan``'s windows ``queued`` (plan windows ``[start, stop)``; None: all)
+    on every member, each behind the member's last task; plan window ``i`` is fit
+    window ``first_window + i``; after the plan windows in ``checkpoints`` each replica
+    returns its state for a mid-phase checkpoint, and after those in ``weights``
+    (``keep_best``) its weights and buffers only."""
 
     generation: int
     members: tuple[str, ...]
@@ -121,6 +122,12 @@ class SubmitWindows:
     first_window: int
     checkpoints: frozenset[int] = frozenset()
     weights: frozenset[int] = frozenset()
+    queued: tuple[int, int] | None = None
+
+    def queued_windows(self) -> list[Any]:
+        """The plan's windows this command queues, in order."""
+        start, stop = self.queued or (0, len(self.plan.windows))
+        return list(self.plan.windows[start:stop])
 
 
 @dataclass(frozen=True)

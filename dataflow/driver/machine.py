@@ -318,8 +318,10 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
         if s.releasing:
             return self._window_done_releasing()
         out = self._commit_ready(lost=())
-        if s.windows or s.status != Status.RUNNING:
+        if s.status != Status.RUNNING:
             return out
+        if s.windows:
+            return [*out, *self._queue_ahead()]
         if s.stop_signal is not None and s.planned_until <= s.segment[-1].index:
             return out  # held for a stop: nothing new starts (the phase's end may)
         s.step_seconds = _step_seconds(s.last_results)

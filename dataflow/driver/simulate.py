@@ -191,7 +191,7 @@ class SimulatedExecutor:
         if any(worker not in self.workers for worker in c.members):
             return  # sent to a lost worker (its loss is queued): no member finishes a window
         plan = c.plan
-        for window in plan.windows:
+        for window in c.queued_windows():
             specs = plan.steps[window.first : window.stop]
             wid = c.first_window + window.index
             for rank, worker in enumerate(c.members):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from dataflow.core.window import WINDOWS_AHEAD
 from dataflow.planning.layout import ReplicaGroups
 
 
@@ -86,6 +87,9 @@ class FitState:
     step_seconds: float | None = None  # measured; None: the next plan calibrates
     next_window: int = 0  # the fit-wide number the next window gets
     commit_window: int = 0  # the next window to commit
+    # the first planned window not yet queued on the replicas: at most WINDOWS_AHEAD
+    # windows run or wait past the commit (a replica keeps that many commits)
+    queued_until: int = 0
     windows: dict[int, tuple[Any, Any, bool]] = field(default_factory=dict)  # (plan, window, ckpt)
     pending: dict[int, dict[int, Any]] = field(default_factory=dict)  # window -> rank -> result
     last_results: tuple[Any, ...] = ()  # the last window committed with every result
@@ -139,6 +143,11 @@ def validate_state(s: FitState, config: Any) -> None:
     outside = [w for w in s.windows if not s.commit_window <= w < s.next_window]
     if outside:
         problems.append(f"windows {outside} outside [{s.commit_window}, {s.next_window})")
+    if s.windows and not s.commit_window < s.queued_until <= s.commit_window + WINDOWS_AHEAD:
+        problems.append(
+            f"windows queued until {s.queued_until}, not 1 to {WINDOWS_AHEAD} past the commit "
+            f"window {s.commit_window} (a replica keeps {WINDOWS_AHEAD} commits)"
+        )
     unplanned = [w for w in s.pending if w not in s.windows]
     if unplanned:
         problems.append(f"results pending for windows {unplanned} the machine does not wait for")

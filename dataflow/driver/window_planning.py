@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dataflow.core.window import WINDOWS_AHEAD
 from dataflow.driver import commands as cmd
 from dataflow.planning.plan import Plan, checkpoint_windows
 
@@ -67,12 +68,39 @@ class WindowPlanning:
             s.windows[first + window.index] = (plan, window, window.index in marks)
         s.next_window += len(plan.windows)
         s.planned_until = plan.steps[-1].index + 1
+        s.queued_until = first  # (every window before the plan is committed)
+        return self._queue(min(s.next_window, first + WINDOWS_AHEAD))
+
+    def _queue_ahead(self) -> list[cmd.SubmitWindows]:
+        """After a commit: queue the plan's next windows, up to ``WINDOWS_AHEAD`` past
+        the commit, so a replica never runs further ahead of the driver than the commits
+        it keeps reach back (nothing new while a stop holds the windows or the survivors
+        of a loss finish the one in flight)."""
+        s = self.state
+        stop = min(s.next_window, s.commit_window + WINDOWS_AHEAD)
+        if s.stop_signal is not None or s.releasing or s.queued_until >= stop:
+            return []
+        return [self._queue(stop)]
+
+    def _queue(self, stop: int) -> cmd.SubmitWindows:
+        """The planned fit windows ``[queued_until, stop)``, all of one plan, queued."""
+        s = self.state
+        plan, window, _ = s.windows[s.queued_until]
+        first = s.queued_until - window.index  # the plan's first window, fit-wide
+        # the plan's windows not yet committed that return states for a checkpoint
+        marks = frozenset(
+            w.index
+            for w in plan.windows
+            if (first + w.index) in s.windows and s.windows[first + w.index][2]
+        )
         best = frozenset(
             w.index
             for w in plan.windows
             if w.index not in marks and self._keeps_best(plan.steps[w.stop - 1])
         )
-        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks, best)
+        queued = (s.queued_until - first, stop - first)
+        s.queued_until = stop
+        return cmd.SubmitWindows(s.generation, self.members, plan, first, marks, best, queued)
 
     def _keeps_best(self, step: Any) -> bool:
         """Whether the replicas' states at the end of ``step`` are offered as the best

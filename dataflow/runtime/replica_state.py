@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dataflow.core.rng import capture_rng, restore_rng
+from dataflow.core.window import WINDOWS_AHEAD
 from dataflow.runtime.host_copies import HostArena, HostCopies, host_copy
 from dataflow.runtime.replica_spec import ReplicaState
 from dataflow.stages.averaging import averaged_state_dict
@@ -115,10 +116,11 @@ class StateSide:
             if dropout is not None and state.rng.get("spatial_dropout") is not None:
                 dropout.set_state(state.rng["spatial_dropout"])
 
-    def commit(self, step: int, keep: int = 2) -> None:
+    def commit(self, step: int, keep: int = WINDOWS_AHEAD) -> None:
         """Keep the state before ``step`` (weights, optimizer, random state) in host
-        memory; the last ``keep`` of them, since a peer may die after finishing a
-        window whose result the driver never received."""
+        memory; the last ``keep`` of them. A peer may die holding the results of every
+        window it finished that the driver did not yet receive; the driver queues at
+        most ``WINDOWS_AHEAD`` windows past its commit, so its commit is among them."""
         # not settled: the copies run on the device's stream while the window trains
         arena = self._spare_arena()
         state = self.capture(model=True, optimizer=True, rng=True, settled=False, arena=arena)
