@@ -26,7 +26,15 @@ import numpy as np
 import torch
 from gpu_device import Device
 from gpu_models import parameter_count, sgd
-from gpu_workloads import Workload, in_first, ratios, side_order, targets, uncertain
+from gpu_workloads import (
+    Workload,
+    counts_of,
+    in_first,
+    ratios,
+    side_order,
+    targets,
+    uncertain,
+)
 from measure import steady_boundary, steady_fit
 from records import table
 
@@ -196,10 +204,11 @@ class Sides:
 
         if kind not in self.sources:
             x, y = self.arrays()
-            if kind in ("zarr", "zarr_lz4"):  # to_zarr's default codec (zstd), or lz4
+            if kind.startswith("zarr"):  # to_zarr's default codec (zstd), or lz4
                 path = f"{self.tmp}/{self.w.name}.{kind}"
-                codec = {"compressor": "lz4"} if kind == "zarr_lz4" else {}
-                dfl.io.to_zarr(path, x, y, **codec)
+                codec = {"compressor": "lz4"} if kind.startswith("zarr_lz4") else {}
+                stored = counts_of(x) if kind.endswith("_counts") else x  # int16
+                dfl.io.to_zarr(path, stored, y, **codec)
                 self.sources[kind] = dfl.io.ZarrSource(path, y="y")
             else:
                 self.sources[kind] = dfl.io.ArraySource(x, y)
@@ -264,6 +273,10 @@ def loader_alone(
 def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> dict[str, Any]:
     w = sides.w
     options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
+    if variant["source"].endswith("_counts"):  # int16 counts: log1p on the device
+        from dataflow.ops.transforms import Log1p
+
+        options["transforms"] = [Log1p(dtype=torch.float32)]
     alone = None
     if variant["source"].startswith("zarr"):  # one epoch read with nothing else running
         epoch = sides.plan()[: max(1, w.samples // w.batch)]

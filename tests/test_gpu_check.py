@@ -121,7 +121,7 @@ def test_bench_gpu_runs_captured_bf16_and_its_loop_on_every_model_first(bench):
                           "cosmoflow:fit_memory_bf16_cl"]  # fmt: skip
     assert order[-2:] == ["small:dataflow_memory_compiled",
                           "small:torch_loop_resident_bf16_cl_compiled"]  # fmt: skip
-    assert len(order) == len(set(order)) == 33  # every side once
+    assert len(order) == len(set(order)) == 34  # every side once
 
 
 NO_CONFIRM = ("--confirm-rounds", "0")
@@ -164,9 +164,11 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
         fits = [v for k, v in timed.items() if k.startswith(("fit_", "dataflow_"))]
         assert fits and all({"Forward", "Backward", "Update"} <= set(v["host_ms_per_step"])
                             for v in fits)  # fmt: skip
+    counts = "fit_zarr_lz4_counts_bf16_cl / fit_memory_bf16_cl"  # int16 counts, log1p
     for model in ("resnet50", "cosmoflow"):
-        assert set(run["training"][model]["ratios"]) == SEED_RATIOS
-        assert {f"{model}: {r}" for r in SEED_RATIOS} <= set(run["ratios"])
+        expected = SEED_RATIOS | ({counts} if model == "cosmoflow" else set())
+        assert set(run["training"][model]["ratios"]) == expected
+        assert {f"{model}: {r}" for r in expected} <= set(run["ratios"])
         assert set(run["training"][model]["targets"]) == {
             *TARGETS,
             "bf16 fit / fp32 fit",
