@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import time
@@ -301,6 +302,25 @@ def gloo_pair(store: Any, prefix: str, timeout_s: float = 3600.0) -> list[Any]:
 def max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     sa, sb = a.state_dict(), b.state_dict()
     return max((sa[k] - sb[k]).abs().max().item() for k in sa)
+
+
+def lagging_driver(monkeypatch, lag: Any) -> None:
+    """The fit's driver stops for ``lag(n)`` seconds right after it queues windows the
+    ``n``-th time (0, 1, ...), as on a loaded machine: it gathers no result meanwhile,
+    and the replicas run whatever they were queued."""
+    from dataflow.driver import commands as cmd
+    from dataflow.driver.loop import COMMAND_HANDLERS
+
+    queue = COMMAND_HANDLERS[cmd.SubmitWindows]
+    calls = itertools.count()
+
+    def lagging(loop, command):
+        queue(loop, command)
+        seconds = lag(next(calls))
+        if seconds:
+            time.sleep(seconds)
+
+    monkeypatch.setitem(COMMAND_HANDLERS, cmd.SubmitWindows, lagging)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,10 @@ back, in an evaluation, at a phase's end. Here each fit's kill is drawn from a s
 generator (the step, the replica, and a delay after that step begins, from a thread on
 the replica's worker, so the kill lands between the engine's own events too), under
 each way of training (synchronous, ``Async``, ``Local``, a spatial layout), with and
-without a held-out evaluation, on zarr sources. For every kill the fit must complete
+without a held-out evaluation, on zarr sources, behind a driver that in half the fits
+lags after each time it queues windows (a drawn 0-1 s, as a loaded login node does: it
+gathers no result meanwhile, so the replicas finish windows the driver has not seen
+when the kill lands). For every kill the fit must complete
 within ``RECOVERY_BOUND_S`` of the kill, the loss must be in
 ``history.info["failures"]``, every sample of every epoch trained once, the
 per-replica counts must add up, and every epoch must score the whole held-out set. The
@@ -38,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, make_data, nanny_cluster, sgd
+from conftest import TinyCNN, lagging_driver, make_data, nanny_cluster, sgd
 
 import dataflow as dfl
 from dataflow import stages
@@ -154,9 +157,11 @@ def _check(result, killed: dict, evaluate: bool) -> None:
 @pytest.mark.timeout(KILLS * 240)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_workers_killed_at_random_moments_are_recovered_every_time(
-    soak_client, sources, tmp_path, policy
+    soak_client, sources, tmp_path, monkeypatch, policy
 ):
     rng = np.random.default_rng([SEED, list(POLICIES).index(policy)])
+    lag = {"s": 0.0}  # the driver's pause after it queues windows, drawn per fit
+    lagging_driver(monkeypatch, lambda n: lag["s"])
     replicas = WORKERS // 2 if policy == "spatial" else WORKERS
     last_step = EPOCHS * N_TRAIN // BATCH - 1
     recoveries, resumed, after_end, failures, attempts, partial = [], [], 0, [], 0, 0
@@ -171,13 +176,15 @@ def test_workers_killed_at_random_moments_are_recovered_every_time(
         step = int(rng.integers(1, int(0.8 * last_step)))
         rank = int(rng.integers(0, replicas))
         delay = float(rng.uniform(0.0, 0.2))
+        lag["s"] = float(rng.uniform(0.0, 1.0)) if rng.random() < 0.5 else 0.0
+        what = f"kill {k} (step {step}, rank {rank}, +{delay:.2f} s, lag {lag['s']:.2f} s)"
         marker = tmp_path / f"killed-{k}"
         kill = KillSoon(str(marker), step=step, rank=rank, delay=delay)
         trainer = _trainer(sources, kill, evaluate, policy)
         try:
             result = trainer.fit(epochs=EPOCHS, client=soak_client)
         except Exception as error:  # every kill's outcome is reported
-            failures.append(f"kill {k} (step {step}, rank {rank}, +{delay:.2f} s): {error!r}")
+            failures.append(f"{what}: {error!r}")
             continue
         ended = time.time()
         deadline = time.monotonic() + 30  # the kill's thread writes the marker first
@@ -191,10 +198,10 @@ def test_workers_killed_at_random_moments_are_recovered_every_time(
         try:
             _check(result, killed, evaluate)
         except AssertionError as error:
-            failures.append(f"kill {k} (step {step}, rank {rank}, +{delay:.2f} s): {error}")
+            failures.append(f"{what}: {error}")
             continue
         recoveries.append(ended - killed["time"])
-        drawn.append(f"kill {k} (step {step}, rank {rank}, +{delay:.2f} s, eval {evaluate})")
+        drawn.append(f"{what}, eval {evaluate}")
         stalls = [f for f in result.history.info["failures"] if f.get("reason") == "stalled"]
         if stalls:
             stalled.append(f"{drawn[-1]}: {stalls[0].get('error')}")

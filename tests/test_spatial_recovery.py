@@ -19,6 +19,7 @@ import torch
 from conftest import (
     TinyCNN,
     assert_the_balancer_followed_the_throttle,
+    lagging_driver,
     make_data,
     max_abs_diff,
     reference_training,
@@ -31,8 +32,6 @@ import dataflow as dfl
 from dataflow import stages
 from dataflow.checkpoint import CheckpointStore, ledger_from_state
 from dataflow.core.window import WHOLE
-from dataflow.driver import commands as cmd
-from dataflow.driver.loop import COMMAND_HANDLERS
 from dataflow.planning.plan import resplit_steps
 from dataflow.schedule.balance import Even
 
@@ -383,22 +382,6 @@ def test_the_last_group_broken_saves_the_commit_and_names_the_layout_that_runs(t
     assert max_abs_diff(resumed.model, expected) < 1e-5
 
 
-def _driver_lags_after_its_first_windows(monkeypatch, seconds: float) -> None:
-    """The driver stops for ``seconds`` right after it queues its first windows, as on a
-    loaded machine: it gathers no result meanwhile, and the replicas run whatever they
-    were queued."""
-    queued = COMMAND_HANDLERS[cmd.SubmitWindows]
-    calls = []
-
-    def lagging(loop, c):
-        queued(loop, c)
-        if not calls:
-            time.sleep(seconds)
-        calls.append(c)
-
-    monkeypatch.setitem(COMMAND_HANDLERS, cmd.SubmitWindows, lagging)
-
-
 @pytest.mark.timeout(180)
 def test_the_last_group_broken_with_a_spare_starts_again_from_the_partners_save(
     tmp_path, monkeypatch
@@ -412,7 +395,7 @@ def test_the_last_group_broken_with_a_spare_starts_again_from_the_partners_save(
     commit, so the commit is among those the partner keeps. (When every window was
     queued at once, a driver that lagged two windows, on a loaded machine, left the
     partner without the commit: "cannot roll back to step 0".)"""
-    _driver_lags_after_its_first_windows(monkeypatch, seconds=3.0)
+    lagging_driver(monkeypatch, lambda n: 3.0 if n == 0 else 0.0)  # after the first
     x, y = make_data(N_SAMPLES)
     epochs, folder, marker = 2, tmp_path / "ckpt", tmp_path / "killed"
     with (
