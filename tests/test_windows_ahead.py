@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from test_driver_machine import Driver, W, of, result
 
+import dataflow as dfl
 from dataflow.core.window import WINDOWS_AHEAD
 from dataflow.driver import commands as cmd
 from dataflow.driver import events as ev
@@ -95,3 +96,36 @@ def test_plans_of_any_length_queue_every_window_once(windows):
     for window in range(len(submit.plan.windows)):
         queued += _queued(of(cmd.SubmitWindows, _done(d, submit, window)))
     assert queued == list(range(len(submit.plan.windows)))
+
+
+def test_a_result_for_a_window_never_queued_is_ignored():
+    """Only a queued window can have run: a result naming a later one (a stale or
+    confused report) is not kept, and commits nothing."""
+    d = Driver(window_steps=1)
+    [_, submit] = d.start()
+    assert _done(d, submit, 3) == [] and 3 not in d.state.pending
+    _done(d, submit, 0)
+    _done(d, submit, 1)
+    assert d.state.commit_window == 2  # window 3 was not committed out of nothing
+
+
+@pytest.mark.parametrize(
+    "sync", [dfl.sync.Async(staleness=2), dfl.sync.Local(period_steps=1)], ids=["async", "local"]
+)
+def test_a_loss_after_every_queued_window_finished_regroups_rather_than_release_one_never_queued(
+    sync,
+):
+    """Under Async and Local the survivors of a loss finish the window in flight without
+    the lost replica (a release). When every queued window is done but the lost
+    replica's results, those windows are salvaged and nothing is in flight: the next
+    window was never queued, so no replica could finish it. The survivors regroup from
+    the commit at once. (The fault soak found the machine releasing such a window.)"""
+    d = Driver(window_steps=1, sync=sync)
+    [_, submit] = d.start(workers=W[:3])
+    for window in (0, 1):
+        _done(d, submit, window, ranks=(0, 1))  # replica 2's results lost with it
+    out = d.send(ev.WorkersLost((W[2],)))
+    assert len(of(cmd.CommitWindow, out)) == 2  # windows 0 and 1 salvaged
+    assert not of(cmd.ReleaseReplicas, out)
+    [rollback] = of(cmd.RollBack, out)
+    assert rollback.step == 2 and rollback.members == W[:2]

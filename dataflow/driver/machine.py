@@ -314,6 +314,8 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
         s = self.state
         if event.generation != s.generation or event.window not in s.windows:
             return []  # a window of a group or plan that a recovery replaced
+        if event.window >= s.queued_until:
+            return []  # never queued: no replica can have run it
         s.pending.setdefault(event.window, {}).update(event.results)
         if s.releasing:
             return self._window_done_releasing()

@@ -193,7 +193,8 @@ class LostWorkers:
         it commits (``_end_release``)."""
         s = self.state
         out = self._commit_ready(lost=lost_ranks)
-        if s.commit_window not in s.windows:  # nothing in flight: regroup now
+        if s.commit_window not in s.windows or s.commit_window >= s.queued_until:
+            # nothing in flight (every queued window committed): regroup now
             return out + self._regroup_survivors(event, lost_ranks, after=AfterGroup.REST)
         got = s.pending.get(s.commit_window, {})
         if self._finished_but(got, lost_ranks):

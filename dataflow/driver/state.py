@@ -143,11 +143,16 @@ def validate_state(s: FitState, config: Any) -> None:
     outside = [w for w in s.windows if not s.commit_window <= w < s.next_window]
     if outside:
         problems.append(f"windows {outside} outside [{s.commit_window}, {s.next_window})")
-    if s.windows and not s.commit_window < s.queued_until <= s.commit_window + WINDOWS_AHEAD:
+    if s.windows and s.queued_until > s.commit_window + WINDOWS_AHEAD:
         problems.append(
-            f"windows queued until {s.queued_until}, not 1 to {WINDOWS_AHEAD} past the commit "
-            f"window {s.commit_window} (a replica keeps {WINDOWS_AHEAD} commits)"
+            f"windows queued until {s.queued_until}, more than {WINDOWS_AHEAD} past the "
+            f"commit window {s.commit_window} (a replica keeps {WINDOWS_AHEAD} commits)"
         )
+    if s.releasing and not s.release_window < s.queued_until:
+        problems.append(f"released window {s.release_window} never queued")
+    unqueued = [w for w in s.pending if w >= s.queued_until]
+    if unqueued:
+        problems.append(f"results pending for windows {unqueued} never queued")
     unplanned = [w for w in s.pending if w not in s.windows]
     if unplanned:
         problems.append(f"results pending for windows {unplanned} the machine does not wait for")
