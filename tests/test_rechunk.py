@@ -16,7 +16,8 @@ from dataflow.core.errors import ChunkMissingError, ChunkReadError, ConfigError,
 from dataflow.io.checksums import checksum_of
 from dataflow.tools.cli import main
 from dataflow.tools.convert import convert
-from dataflow.tools.rechunk import Rechunked, SourceFileError, rechunk_store, slab_shape
+from dataflow.tools.rechunk import Rechunked, SourceFileError, rechunk_store
+from dataflow.tools.slabs import slab_shape
 
 
 def volume_store(path, zarr_format=3, names=True):

@@ -87,6 +87,7 @@ def _convert(args: argparse.Namespace) -> int:
         fill_missing=args.fill_missing,
         storage_options=parse_storage_options(args.storage_options),
         compressor=None if args.compressor == "none" else args.compressor,
+        dtypes=args.dtype,
     )
     if isinstance(done, Rechunked):
         print(
@@ -344,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="zstd",
         help="the chunks' codec, each with a checksum (default zstd; lz4 decodes ~2.5x "
         "faster a thread, for a GPU fit that reads GB/s of large fields)",
+    )
+    convert.add_argument(
+        "--dtype",
+        metavar="ARRAY=DTYPE,...",
+        help="a zarr SRC's arrays stored narrower, each value checked (e.g. x=int16 for "
+        "counts held as floats: half the bytes to read; a value that does not fit stops it)",
     )
     convert.add_argument(
         "--overwrite", action="store_true", help="replace DEST if it is an existing zarr store"

@@ -83,6 +83,7 @@ def convert(
     fill_missing: bool = False,
     storage_options: dict[str, Any] | None = None,
     compressor: str | None = "zstd",
+    dtypes: str | dict[str, Any] | None = None,
 ) -> Converted | Rechunked:
     """Convert ``src`` (``.npy``, ``.npz``, HDF5 or netCDF) into the zarr store ``dest``,
     or rewrite the zarr store ``src`` (path or fsspec URL) with new ``chunks``.
@@ -106,6 +107,8 @@ def convert(
     (None: same chunks); ``zarr_format`` defaults to the source's; a chunk absent from
     ``src`` raises ``ChunkMissingError`` unless ``fill_missing``; ``storage_options``:
     fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them; ``dest`` is a local path).
+    ``dtypes`` (a zarr ``src``): arrays stored narrower, e.g. ``"x=int16"`` for counts held
+    as floats, every value checked (``tools.narrowing``).
     """
     check_compressor("convert", compressor)
     if is_zarr_source(src):
@@ -128,9 +131,18 @@ def convert(
             fill_missing=fill_missing,
             compressor=compressor,
             storage_options=storage_options,
+            dtypes=dtypes,
         )
     if storage_options is not None:
         raise ConfigError(local_path_error("convert", src))
+    if dtypes is not None:
+        if not isinstance(dtypes, str):
+            dtypes = ",".join(f"{name}={dtype}" for name, dtype in dtypes.items())
+        raise ConfigError(
+            f"convert(--dtype): stores arrays narrower when it copies a zarr store, and "
+            f"{str(src)!r} is a file; convert it first, then the store: dataflow convert "
+            f"{src} tmp.zarr && dataflow convert tmp.zarr {dest} --dtype {dtypes}"
+        )
     chunk_mb = 8.0 if chunk_mb is None else chunk_mb
     zarr_format = 3 if zarr_format is None else zarr_format
     src, dest = Path(src), local_dest(dest)

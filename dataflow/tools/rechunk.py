@@ -19,8 +19,8 @@ there only when complete, so a failed copy leaves no store that looks whole.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
-import math
 import shutil
 import warnings
 from collections.abc import Mapping, Sequence
@@ -44,6 +44,8 @@ from dataflow.io.checksums import check_compressor, checksummed_codecs
 from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 from dataflow.tools.info import _arrays, _names
+from dataflow.tools.narrowing import check_castable, fill_value_as, narrowed, parse_dtypes
+from dataflow.tools.slabs import slab_shape
 
 DEFAULT_MEMORY_MB = 256.0  # a slab in memory at once (and at least one destination chunk)
 MARKERS = ("zarr.json", ".zgroup", ".zarray")  # what makes a directory a zarr store
@@ -62,12 +64,20 @@ class Rechunked:
     shapes: dict[str, tuple[int, ...]]
     chunks_before: dict[str, tuple[int, ...]]
     chunks_after: dict[str, tuple[int, ...]]
+    # arrays stored narrower: (new dtype, the largest relative change of a value)
+    narrowed: dict[str, tuple[str, float]] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> list[str]:
-        return [
-            f"{name} {shape}: chunks {self.chunks_before[name]} -> {self.chunks_after[name]}"
-            for name, shape in self.shapes.items()
-        ]
+        lines = []
+        for name, shape in self.shapes.items():
+            line = f"{name} {shape}: chunks {self.chunks_before[name]} -> {self.chunks_after[name]}"
+            if name in self.narrowed:
+                dtype, change = self.narrowed[name]
+                line += f", stored as {dtype} " + (
+                    "(every value exact)" if change == 0 else f"(values within {change:.2g})"
+                )
+            lines.append(line)
+        return lines
 
 
 def is_zarr_source(src: str | Path) -> bool:
@@ -143,6 +153,7 @@ def rechunk_store(
     compressor: str | None = "zstd",
     memory_mb: float = DEFAULT_MEMORY_MB,
     storage_options: Mapping[str, Any] | None = None,
+    dtypes: str | Mapping[str, Any] | None = None,
 ) -> Rechunked:
     """Copy the zarr store ``src`` (path or fsspec URL) to the local path ``dest``, with
     ``chunks`` (``{dimension name or axis: length}``; None keeps the chunks: a copy with
@@ -150,8 +161,11 @@ def rechunk_store(
     source's by default. ``fill_missing``: write chunks absent from ``src`` as its fill
     value (only for a store whose writer skipped fill-value chunks on purpose); else
     such a chunk raises ``ChunkMissingError``. ``memory_mb``: the slab copied at once.
-    ``storage_options``: fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them)."""
+    ``storage_options``: fsspec's, for a URL ``src`` (as ``ZarrSource`` takes them).
+    ``dtypes``: arrays stored narrower, ``{"x": "int16"}`` or ``"x=int16"``, each value
+    checked (``tools.narrowing``)."""
     wanted = {} if chunks is None else parse_chunks(chunks)
+    narrow = parse_dtypes(dtypes)
     if zarr_format not in (None, 2, 3):
         raise ConfigError(f"convert(zarr_format={zarr_format!r}): use 2 or 3")
     if not (isinstance(memory_mb, int | float) and memory_mb > 0):
@@ -166,6 +180,16 @@ def rechunk_store(
         )
     check_dest(dest, overwrite)
     chosen = _choose(src, _arrays(node), arrays)
+    unknown = sorted(set(narrow) - {name for name, _ in chosen})
+    if unknown:
+        raise ConfigError(
+            f"convert(--dtype {unknown[0]}=...): no array {unknown[0]!r} among those copied "
+            f"from {str(src)!r}: {[name for name, _ in chosen]}"
+        )
+    for name, array in chosen:
+        if name in narrow:
+            check_castable(name, np.dtype(array.dtype), narrow[name])
+    changes: dict[str, float] = {}
     new = {name: _new_chunks(array, wanted) for name, array in chosen}
     _check_known(src, chosen, wanted)
     fmt = zarr_format or node.metadata.zarr_format
@@ -180,8 +204,9 @@ def rechunk_store(
             root.attrs.update(node.attrs.asdict())
         budget = int(memory_mb * 2**20)
         for name, array in chosen:
-            target = _create(root, partial, node, name, array, new[name], fmt, compressor)
-            _copy(src, name, array, target, budget, fill_missing)
+            dtype = narrow.get(name)
+            target = _create(root, partial, node, name, array, new[name], fmt, compressor, dtype)
+            changes[name] = _copy(src, name, array, target, budget, fill_missing, dtype)
         if node.metadata.zarr_format == fmt and _consolidated(node):
             with warnings.catch_warnings():  # v3's is not in the spec: as the source has it
                 warnings.filterwarnings("ignore", "Consolidated metadata", UserWarning)
@@ -198,6 +223,7 @@ def rechunk_store(
         shapes={name: tuple(int(s) for s in a.shape) for name, a in chosen},
         chunks_before={name: tuple(int(c) for c in a.chunks) for name, a in chosen},
         chunks_after=new,
+        narrowed={name: (str(dtype), changes[name]) for name, dtype in narrow.items()},
     )
 
 
@@ -308,11 +334,12 @@ def _create(
     chunks: tuple[int, ...],
     fmt: int,
     compressor: str | None,
+    narrow: np.dtype | None = None,
 ) -> zarr.Array:
-    """The destination array: the source's shape, dtype, fill value, attributes and
-    dimension names, ``chunks``, checksummed codecs (``io.checksums``), every chunk
-    written (an absent chunk then always means incomplete)."""
-    dtype = np.dtype(array.dtype)
+    """The destination array: the source's shape, dtype (or ``narrow``), fill value,
+    attributes and dimension names, ``chunks``, checksummed codecs (``io.checksums``),
+    every chunk written (an absent chunk then always means incomplete)."""
+    dtype = np.dtype(array.dtype) if narrow is None else narrow
     if dtype.byteorder not in ("=", "|"):
         dtype = dtype.newbyteorder("=")
     names = _names(array)
@@ -326,7 +353,7 @@ def _create(
         chunks=chunks,
         filters=filters,
         compressors=compressors,
-        fill_value=_fill_value(array, fmt),
+        fill_value=_fill_value(array, fmt, dtype),
         attributes=attributes,
         config={"write_empty_chunks": True},
     )
@@ -342,54 +369,13 @@ def _create(
     return parent.create_array(name.split("/")[-1], **options)
 
 
-def _fill_value(array: zarr.Array, fmt: int) -> Any:
-    """The source's fill value; none in a v2 copy of a v3 array: v2 readers (xarray) take
-    it as "missing" and would mask real values equal to it (v3 keeps that in attributes)."""
+def _fill_value(array: zarr.Array, fmt: int, dtype: np.dtype) -> Any:
+    """The source's fill value (as ``dtype``); none in a v2 copy of a v3 array: v2 readers
+    (xarray) take it as "missing" and would mask real values equal to it."""
     if fmt == 2 and array.metadata.zarr_format == 3:
         return None
-    return array.fill_value
-
-
-def slab_shape(
-    shape: Sequence[int],
-    src_chunks: Sequence[int],
-    dst_chunks: Sequence[int],
-    itemsize: int,
-    budget: int,
-) -> tuple[int, ...]:
-    """The box copied at once: a multiple of ``dst_chunks`` along every axis (each
-    destination chunk written once, whole) and, where it fits within ``budget`` bytes, of
-    ``src_chunks`` too (each source chunk decoded once). Over the budget, one axis is cut
-    to the longest multiple of its destination chunk that fits, the axis whose source
-    chunks are then decoded the fewest times; then the box grows, first axis first,
-    while it fits. At least one destination chunk, whatever the budget."""
-    dst = [min(d, s) for d, s in zip(dst_chunks, shape, strict=True)]
-    unit = [
-        s if math.lcm(a, b) >= s else math.lcm(a, b)
-        for s, a, b in zip(shape, src_chunks, dst, strict=True)
-    ]
-
-    def size() -> int:
-        return math.prod(unit) * itemsize
-
-    while size() > budget:
-        options = []  # (times a source chunk is decoded, -bytes, axis, length)
-        for i in (i for i in range(len(shape)) if unit[i] > dst[i]):
-            fits = unit[i] * budget // size() // dst[i] * dst[i]
-            length = max(dst[i], min(fits, unit[i] - dst[i]))
-            decodes = math.ceil(src_chunks[i] / length) + (length % src_chunks[i] != 0)
-            cut = size() // unit[i] * length
-            options.append((cut > budget, decodes, -cut, i, length))
-        if not options:
-            break
-        *_, i, length = min(options)
-        unit[i] = length
-    for i in range(len(shape)):
-        times = budget // max(size(), 1)
-        if times <= 1:
-            break
-        unit[i] = min(shape[i], unit[i] * times)
-    return tuple(unit)
+    same = dtype == np.dtype(array.dtype).newbyteorder("=")
+    return array.fill_value if same else fill_value_as(array.fill_value, dtype)
 
 
 def _copy(
@@ -399,15 +385,19 @@ def _copy(
     target: zarr.Array,
     budget: int,
     fill_missing: bool,
-) -> None:
-    """``array`` into ``target`` slab by slab (``slab_shape``)."""
+    narrow: np.dtype | None = None,
+) -> float:
+    """``array`` into ``target`` slab by slab (``slab_shape``), each slab checked and cast
+    to ``narrow`` if given; returns the largest relative change of a value."""
     shape = tuple(int(s) for s in array.shape)
+    change = 0.0
     if not shape:
         _check_objects(src, name, array, [()], fill_missing)
-        target[...] = array[...]
-        return
+        value = np.asarray(array[...])
+        target[...] = value if narrow is None else narrowed(name, value, narrow, ())[0]
+        return change
     if 0 in shape:
-        return
+        return change
     src_unit = tuple(int(c) for c in (array.shards or array.chunks))
     unit = slab_shape(shape, src_unit, target.chunks, np.dtype(array.dtype).itemsize, budget)
     numeric = np.dtype(array.dtype).kind in "biufc"
@@ -415,7 +405,12 @@ def _copy(
     starts = [range(0, s, u) for s, u in zip(shape, unit, strict=True)]
     for corner in itertools.product(*starts):
         box = tuple(slice(lo, min(lo + u, s)) for lo, u, s in zip(corner, unit, shape, strict=True))
-        target[box] = _read(src, name, array, decoder, box, src_unit, fill_missing)
+        values = _read(src, name, array, decoder, box, src_unit, fill_missing)
+        if narrow is not None:
+            values, moved = narrowed(name, values, narrow, corner)
+            change = max(change, moved)
+        target[box] = values
+    return change
 
 
 def _read(
