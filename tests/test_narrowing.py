@@ -15,7 +15,8 @@ from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.verify import verify_store
 from dataflow.tools.cli import main
 from dataflow.tools.convert import convert
-from dataflow.tools.narrowing import fill_value_as, narrowed, parse_dtypes
+from dataflow.tools.info import store_info
+from dataflow.tools.narrowing import fill_value_as, narrowed, narrower_integer, parse_dtypes
 from dataflow.tools.rechunk import rechunk_store
 
 
@@ -105,3 +106,25 @@ def test_the_command_line_narrows_and_says_so(tmp_path, capsys):
     assert np.array_equal(zarr.open_group(str(dest))["x"][:], x.astype(np.int16))
     assert main(["convert", str(src), str(tmp_path / "c.zarr"), "--dtype", "int16"]) == 1
     assert "name the array for each dtype" in capsys.readouterr().err
+
+
+def test_the_smallest_integer_dtype_that_holds_a_range_is_suggested_only_when_narrower():
+    assert narrower_integer("float32", 0, 18) == np.dtype("int8")
+    assert narrower_integer("float32", 0, 200) == np.dtype("uint8")
+    assert narrower_integer("float32", 0, 40000) == np.dtype("uint16")
+    assert narrower_integer("float32", -3, 40000) is None  # int32: no fewer bytes
+    assert narrower_integer("float32", 0, 70000) is None  # int32 is not narrower
+    assert narrower_integer("float64", 0, 70000) == np.dtype("int32")
+    assert narrower_integer("float32", 0, 5e9) is None
+
+
+def test_info_says_when_a_float_array_holds_counts_and_how_to_store_them_narrower(tmp_path):
+    src, _, _ = counts_store(tmp_path / "counts.zarr")
+    info = store_info(src)
+    x, y = info.arrays
+    assert x.whole_numbers is not None and x.whole_numbers[0] == "int8" and y.whole_numbers is None
+    assert f"`dataflow convert {src} NEW.zarr --dtype x=int8`" in info.format()
+    fractional, _, _ = counts_store(tmp_path / "fractional.zarr", fraction=0.5)
+    assert store_info(fractional).arrays[0].whole_numbers is None
+    narrow = rechunk_store(src, tmp_path / "narrow.zarr", dtypes="x=int8").dest
+    assert "--dtype" not in store_info(narrow).format()  # already integers

@@ -26,6 +26,7 @@ from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import ZarrArrayReader
 from dataflow.io.checksums import checksum_of
 from dataflow.io.store_open import open_zarr
+from dataflow.tools.narrowing import narrower_integer
 from dataflow.tools.storage_flags import storage_flags
 
 
@@ -46,6 +47,9 @@ class ArrayInfo:
     missing_examples: list[str] = field(default_factory=list)
     decode_samples_per_second: float | None = None
     checksum: str | None = None  # what every decode verifies (io.checksums); None: nothing
+    # a float array whose chunks read for the decode estimate held only whole numbers:
+    # (the integer dtype that holds them, their least and largest value)
+    whole_numbers: tuple[str, float, float] | None = None
 
 
 @dataclass
@@ -131,6 +135,16 @@ class StoreInfo:
                 f"copy the store with checksums: `dataflow convert {self.path} NEW.zarr"
                 f"{self.flags}`"
             )
+        for a in self.arrays:
+            if a.whole_numbers is not None:
+                dtype, low, high = a.whole_numbers
+                lines.append(
+                    f"note: {a.name} ({a.dtype}) held only whole numbers, {low:g} to {high:g}, "
+                    f"in the chunks read: as {dtype} it takes "
+                    f"{np.dtype(dtype).itemsize / np.dtype(a.dtype).itemsize:.0%} of the bytes "
+                    f"to read and decode: `dataflow convert {self.path} NEW.zarr --dtype "
+                    f"{a.name}={dtype}{self.flags}` (every value checked as it is copied)"
+                )
         rate = self.decode_samples_per_second
         if rate is not None:
             lines.append(
@@ -191,29 +205,41 @@ def _sample_axis(array: zarr.Array, sample_dim: str | int) -> int | None:
 
 def _decode_rate(
     array: zarr.Array, axis: int, unit: int, present: list[int], budget_s: float
-) -> float | None:
+) -> tuple[float | None, tuple[str, float, float] | None]:
     """Samples/s reading whole chunks (every chunk across the other dimensions) of
     ``present`` chunk indices along ``axis``: a warm-up read, then up to 8 spread over the
-    array until ``budget_s`` is spent."""
+    array until ``budget_s`` is spent; and, for a float array whose chunks read held only
+    whole numbers, the integer dtype that holds them and their range."""
     if not present:
-        return None
+        return None, None
     picks = [present[int(i)] for i in np.unique(np.linspace(0, len(present) - 1, 8).round())]
+    floats = np.dtype(array.dtype).kind == "f"
+    low, high, whole = math.inf, -math.inf, floats
 
-    def read(chunk: int) -> int:
+    def read(chunk: int) -> tuple[int, float]:
+        nonlocal low, high, whole
         region: list[Any] = [slice(None)] * len(array.shape)
         stop = min((chunk + 1) * unit, array.shape[axis])
         region[axis] = slice(chunk * unit, stop)
-        array[tuple(region)]
-        return stop - chunk * unit
+        started = time.perf_counter()
+        values = np.asarray(array[tuple(region)])
+        seconds = time.perf_counter() - started
+        if whole and values.size:  # (outside the timed read)
+            with np.errstate(invalid="ignore"):
+                whole = bool(np.all(values == np.round(values)))  # (NaN, inf: not whole)
+            low, high = min(low, float(values.min())), max(high, float(values.max()))
+        return stop - chunk * unit, seconds
 
     read(picks[0])  # codec set-up, first file open
-    samples, started = 0, time.perf_counter()
+    samples, seconds = 0, 0.0
     for chunk in picks:
-        samples += read(chunk)
-        if time.perf_counter() - started > budget_s:
+        n, took = read(chunk)
+        samples, seconds = samples + n, seconds + took
+        if seconds > budget_s:
             break
-    seconds = time.perf_counter() - started
-    return samples / seconds if seconds > 0 else None
+    rate = samples / seconds if seconds > 0 else None
+    narrower = narrower_integer(array.dtype, low, high) if whole and low <= high else None
+    return rate, None if narrower is None else (str(narrower), low, high)
 
 
 def store_info(
@@ -259,9 +285,9 @@ def store_info(
                 present = [c for c in chunks if c not in bad]
             else:
                 present = chunks
-        rate = None
+        rate = whole = None
         if axis is not None and decode_budget_s > 0:
-            rate = _decode_rate(array, axis, unit_shape[axis], present, decode_budget_s)
+            rate, whole = _decode_rate(array, axis, unit_shape[axis], present, decode_budget_s)
         described.append(
             ArrayInfo(
                 name=name,
@@ -279,6 +305,7 @@ def store_info(
                 missing_examples=examples,
                 decode_samples_per_second=rate,
                 checksum=checksum_of(array),
+                whole_numbers=whole,
             )
         )
     if all(a.samples is None for a in described):

@@ -144,3 +144,15 @@ def fill_value_as(fill: Any, target: np.dtype) -> Any:
         ok = np.isfinite(value) and value == np.round(value) and info.min <= value <= info.max
         return int(value) if ok else 0
     return target.type(value)
+
+
+def narrower_integer(dtype: Any, low: float, high: float) -> np.dtype | None:
+    """The smallest integer dtype of :data:`NARROW` that holds whole numbers in
+    ``[low, high]``, if it has fewer bytes than ``dtype``; else None (``dataflow info``'s
+    suggestion for floats that hold counts)."""
+    for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32"):
+        candidate = np.dtype(name)
+        info = np.iinfo(candidate)
+        if info.min <= low and high <= info.max:
+            return candidate if candidate.itemsize < np.dtype(dtype).itemsize else None
+    return None
