@@ -248,7 +248,8 @@ SEED_FIRST = (
 # CosmoFlow's inputs are particle counts: stored as int16 (half float32's bytes to decode
 # and copy) with lz4, and scaled on the GPU by Transform(Log1p), as CosmoFlow trains on
 # log(1 + counts). Against the float32 fit from memory: what a user with counts gets
-# from streaming them (the loader alone read int16 1.9x float32's samples/s here).
+# from streaming them (the loader alone read int16 with lz4 at 2.1-2.6x float32's
+# samples/s on 2 cores: benchmarks/bench_field_codecs.py).
 COUNTS_FITS = {"fit_zarr_lz4_counts_bf16_cl": {"source": "zarr_lz4_counts", **BF16_CL}}
 COSMO_SEED = {
     "fits": {**SEED_FITS, **COUNTS_FITS},

@@ -340,11 +340,9 @@ class Executor(GroupForming, WorkerArrivals, WindowFailureWatch):
         self.last = self._each(lambda r: request, f"begin-phase-p{c.phase.index}")
 
     def submit_windows(self, c: cmd.SubmitWindows) -> None:
-        plan, queued = c.plan, {w.index for w in c.queued_windows()}
-        for task in plan.tasks():
+        plan = c.plan
+        for task in plan.tasks(c.queued_windows()):
             window = task.window
-            if window.index not in queued:
-                continue
             first = plan.steps[window.first].index
             stop = plan.steps[window.stop - 1].index + 1
             checkpoint, weights = window.index in c.checkpoints, window.index in c.weights

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,10 +242,11 @@ class Plan:
         run = f"-{self.run}" if self.run else ""
         return f"{self.task_prefix(replica)}-{self.tag}{run}-p{self.phase.index}w{window.index}"
 
-    def tasks(self) -> list[TaskSpec]:
+    def tasks(self, windows: Sequence[Window] | None = None) -> list[TaskSpec]:
+        """Each replica's tasks of ``windows`` (default: every window), in window order."""
         out = []
         for r in range(self.replicas):
-            for window in self.windows:
+            for window in self.windows if windows is None else windows:
                 out.append(TaskSpec(key=self.task_key(r, window), replica=r, window=window))
         return out
 

@@ -26,7 +26,7 @@ from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.array_readers import ZarrArrayReader
 from dataflow.io.checksums import checksum_of
 from dataflow.io.store_open import open_zarr
-from dataflow.tools.narrowing import narrower_integer
+from dataflow.tools.narrowing import narrower_integer, not_whole
 from dataflow.tools.storage_flags import storage_flags
 
 
@@ -225,8 +225,7 @@ def _decode_rate(
         values = np.asarray(array[tuple(region)])
         seconds = time.perf_counter() - started
         if whole and values.size:  # (outside the timed read)
-            with np.errstate(invalid="ignore"):
-                whole = bool(np.all(values == np.round(values)))  # (NaN, inf: not whole)
+            whole = not not_whole(values).any()
             low, high = min(low, float(values.min())), max(high, float(values.max()))
         return stop - chunk * unit, seconds
 

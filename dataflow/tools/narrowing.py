@@ -100,7 +100,7 @@ def _to_integer(
 ) -> np.ndarray:
     info = np.iinfo(target)
     if values.dtype.kind == "f":
-        bad = ~np.isfinite(values) | (values != np.round(values))
+        bad = not_whole(values)
         if bad.any():
             raise DataError(
                 f"convert(--dtype {name}={target}): {name}{list(_where(bad, corner))} = "
@@ -117,6 +117,13 @@ def _to_integer(
             "nothing was written. Choose a wider integer dtype"
         )
     return values.astype(target)
+
+
+def not_whole(values: np.ndarray) -> np.ndarray:
+    """Where ``values`` are not whole numbers an integer dtype could hold: fractions,
+    NaN and infinities."""
+    with np.errstate(invalid="ignore"):
+        return ~np.isfinite(values) | (values != np.round(values))
 
 
 def _local(mask: np.ndarray) -> tuple[int, ...]:
@@ -141,7 +148,7 @@ def fill_value_as(fill: Any, target: np.dtype) -> Any:
         return 0
     if target.kind in "iu":
         info = np.iinfo(target)
-        ok = np.isfinite(value) and value == np.round(value) and info.min <= value <= info.max
+        ok = not not_whole(value) and info.min <= value <= info.max
         return int(value) if ok else 0
     return target.type(value)
 

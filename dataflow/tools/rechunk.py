@@ -353,7 +353,7 @@ def _create(
         chunks=chunks,
         filters=filters,
         compressors=compressors,
-        fill_value=_fill_value(array, fmt, dtype),
+        fill_value=_fill_value(array, fmt, narrow),
         attributes=attributes,
         config={"write_empty_chunks": True},
     )
@@ -369,13 +369,12 @@ def _create(
     return parent.create_array(name.split("/")[-1], **options)
 
 
-def _fill_value(array: zarr.Array, fmt: int, dtype: np.dtype) -> Any:
-    """The source's fill value (as ``dtype``); none in a v2 copy of a v3 array: v2 readers
-    (xarray) take it as "missing" and would mask real values equal to it."""
+def _fill_value(array: zarr.Array, fmt: int, narrow: np.dtype | None) -> Any:
+    """The source's fill value (as ``narrow``, if given); none in a v2 copy of a v3 array:
+    v2 readers (xarray) take it as "missing" and would mask real values equal to it."""
     if fmt == 2 and array.metadata.zarr_format == 3:
         return None
-    same = dtype == np.dtype(array.dtype).newbyteorder("=")
-    return array.fill_value if same else fill_value_as(array.fill_value, dtype)
+    return array.fill_value if narrow is None else fill_value_as(array.fill_value, narrow)
 
 
 def _copy(
