@@ -17,8 +17,9 @@ thread, ``io.zarr_decode``; zstd and blosc release the GIL, so the decode rate
 grows with the threads), ahead of the assembly, so decoding overlaps the gather
 and the consumer. With one thread, each batch's new chunks go to the source in one
 request. The gather copies each sample once, straight from its decoded chunk
-into the batch, with numpy (one thread: torch's intra-op threads would compete
-with the decode for the cores), into an output buffer reused from
+into the batch, one Numba call per chunk with the GIL released (``io.row_copy``: the
+replica's step runs beside it and needs the GIL; one thread: more would compete with
+the decode for the cores), into an output buffer reused from
 :class:`BatchBuffers` (fresh memory costs a page fault per 4 KiB on first touch,
 about as much as the copy itself). The batches are the same whatever the thread
 count: each chunk decodes to the same values, and the assembly is in batch order.
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import os
 import sys
 import threading
@@ -54,6 +54,7 @@ from dataflow.core.errors import ChunkMissingError, ConfigError
 from dataflow.core.protocols import ChunkedSource
 from dataflow.io.chunk_index import chunk_index, last_uses
 from dataflow.io.direct_batches import DirectBatches, whole_chunk_spans
+from dataflow.io.row_copy import copy_rows
 from dataflow.io.store_retry import abandoned_when
 
 # -- output buffers ---------------------------------------------------------------------
@@ -137,8 +138,6 @@ class BatchBuffers:
 
 # -- gather -----------------------------------------------------------------------------
 
-ROW_COPY_BYTES = 16 * 2**10  # samples this large are copied one by one, each exactly once
-
 
 def _numpy(value: Any) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
@@ -151,7 +150,9 @@ def _gather(
     n: int,
     buffers: BatchBuffers,
 ) -> Any:
-    """Rows ``rows[i]`` of chunk value ``values[i]`` placed at ``positions[i]`` of a batch."""
+    """Rows ``rows[i]`` of chunk value ``values[i]`` placed at ``positions[i]`` of a batch:
+    each sample copied once, straight into the batch, with the GIL released
+    (``io.row_copy``: the step running beside the assembly needs the GIL)."""
     first = values[0]
     if first is None:
         return None
@@ -162,15 +163,8 @@ def _gather(
     sources = [_numpy(v) for v in values]
     shape, dtype = sources[0].shape[1:], sources[0].dtype
     tensor, out = buffers.take(n, shape, dtype)
-    if math.prod(shape) * dtype.itemsize >= ROW_COPY_BYTES:
-        parts: list[Any] = [None] * n  # one view per sample, in batch order: one copy each
-        for source, local, where in zip(sources, rows, positions, strict=True):
-            for p, r in zip(where.tolist(), local.tolist(), strict=True):
-                parts[p] = source[r : r + 1]
-        np.concatenate(parts, axis=0, out=out)
-    else:  # small samples: per-sample Python work would cost more than a second copy
-        for source, local, where in zip(sources, rows, positions, strict=True):
-            out[where] = source[local]
+    for source, local, where in zip(sources, rows, positions, strict=True):
+        copy_rows(out, source, local, where)
     return tensor
 
 

@@ -15,8 +15,12 @@ allocation and no copy. This holds for the common layouts only, which
 - zarr v2: C order, a dtype in native byte order, no filters, a numcodecs zstd or
   blosc compressor (or none).
 
-The checksums are verified as on the general path: ``crc32c`` by zarr's own codec
-before the decode, zstd's content checksum by libzstd during it.
+The checksums are verified as on the general path: ``crc32c`` before the decode,
+zstd's content checksum by libzstd during it. The ``crc32c`` check runs with the GIL
+released (:func:`crc32c_checked`), where zarr's codec holds it: google_crc32c lets go of
+the GIL only for a ``bytes`` object, and zarr hands it a numpy view. A decode thread
+holding the GIL for the whole CRC of a chunk stalls the replica's step beside it, which
+on a GPU is bound by the host (``benchmarks/bench_loader_gil.py``).
 """
 
 from __future__ import annotations
@@ -79,11 +83,40 @@ def _v2(codec: Any, spec: Any) -> DecodeInto | None:
     return _with_crc(None, compressor)
 
 
+# crc32c of any bytes followed by their own crc32c (little-endian): a CRC's residue
+CRC32C_RESIDUE = 0x48674BC7
+
+
+def crc32c_checked(data: np.ndarray) -> np.ndarray | None:
+    """``data`` (a stored object: bytes, then their crc32c, little-endian) without its
+    checksum, verified with the GIL released; ValueError at a mismatch. None when ``data``
+    is not a view of a whole ``bytes`` object (google_crc32c would hold the GIL then).
+
+    One pass over the whole object, checksum included, gives ``CRC32C_RESIDUE`` exactly
+    when the stored checksum is the data's: for a given prefix, the CRC of the prefix and
+    4 more bytes is a bijection of those bytes. So this check equals zarr's, which
+    computes the CRC of the data and compares."""
+    whole = data.base
+    if not isinstance(whole, bytes) or len(whole) != data.nbytes or len(whole) < 4:
+        return None
+    if data.ndim != 1 or data.ctypes.data != np.frombuffer(whole, np.uint8).ctypes.data:
+        return None
+    import google_crc32c  # zarr v3's dependency, as its crc32c codec is (v2 has neither)
+
+    if google_crc32c.value(whole) != CRC32C_RESIDUE:
+        raise ValueError("Stored and computed checksum do not match (crc32c)")
+    return data[:-4]
+
+
 def _with_crc(crc: tuple[Any, Any] | None, compressor: Any) -> DecodeInto:
     def decode_into(stored: Any, block: np.ndarray) -> None:
-        if crc is not None:  # zarr's codec: raises at a mismatch, returns the inner bytes
-            stored = crc[0]._decode_sync(stored, crc[1])
         data = stored.as_numpy_array() if hasattr(stored, "as_numpy_array") else stored
+        if crc is not None:  # raises at a mismatch; the inner bytes follow
+            inner = crc32c_checked(data) if isinstance(data, np.ndarray) else None
+            if inner is None:  # zarr's codec, holding the GIL for the check
+                stored = crc[0]._decode_sync(stored, crc[1])
+                inner = stored.as_numpy_array() if hasattr(stored, "as_numpy_array") else stored
+            data = inner
         raw = block.reshape(-1).view(np.uint8)
         if compressor is None:
             if data.nbytes != raw.nbytes:

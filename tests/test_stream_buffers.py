@@ -12,7 +12,7 @@ from conftest import ObservedReads
 
 import dataflow as dfl
 from dataflow.io import EpochChunkReader, ZarrSource, stream_batches, to_zarr
-from dataflow.io.chunk_reader import ROW_COPY_BYTES, BatchBuffers
+from dataflow.io.chunk_reader import BatchBuffers
 
 
 class CountingZarrSource(ObservedReads, ZarrSource):
@@ -41,12 +41,11 @@ def _overlap(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
 
-@pytest.mark.parametrize("sample", [(64, 64), (3,)], ids=["row-by-row", "vectorised"])
+@pytest.mark.parametrize("sample", [(64, 64), (3,)], ids=["large-samples", "small-samples"])
 def test_a_held_batch_and_its_views_stay_unchanged_while_later_batches_reuse_buffers(
     tmp_path, sample
 ):
     path, x, y = _store(tmp_path, sample=sample)
-    assert (np.prod(sample) * 4 >= ROW_COPY_BYTES) == (sample == (64, 64))  # both gather paths
     kept, expected, memory, later = [], [], [], []
     for k, batch in enumerate(stream_batches(ZarrSource(path, "x", "y"), 8, prefetch=1)):
         assert np.array_equal(batch.x.numpy(), x[batch.indices])

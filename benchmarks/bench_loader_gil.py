@@ -1,0 +1,218 @@
+"""What the loader's thread costs a step bound by the host (the GIL).
+
+On a GPU the replica's step is bound by the host: hundreds of kernel launches a step,
+each of which gives up the GIL and takes it back. The loader assembles the next batch
+on a thread of its own, beside the step; whatever it does while holding the GIL, the
+step waits for. On the H200 the small CNN's fit from zarr took ~1.1 ms more host time
+a step in Forward and Backward than its fit from memory (issue 37's zarr/memory miss).
+
+The step here is a torch loop made to be bound by the host (a narrow 8-layer MLP,
+batch 4, one torch thread). It is timed alone, then beside a loader reading one epoch on
+a thread of its own, as the Load stage's prefetch thread does. The figure is the step
+time lost per batch the loader delivers: (1 - the step's rate beside / alone) x the
+loader's seconds a batch. The loaders:
+
+* ``memory``: the in-memory source's reads (numpy fancy indexing): the baseline;
+* ``chunked-memory``: the zarr fit's reader (``EpochChunkReader``) over an in-memory
+  ``xarray.Dataset`` cut into 8 MB chunks: its assembly alone, nothing to decode (what
+  the assembly thread does on a GPU host whose decode threads keep up);
+* ``zarr-<codec>``: the same reader over a zarr store: decode and assembly.
+
+All read the fit's own sample plan (its chunk-aware shuffle) of small-CNN samples (3 x
+64 x 64 float32, batches of 256). The reader decodes on its own thread
+(``decode_ahead=0``) unless ``--decode-threads`` says more: on 2 cores the step and the
+loader then have a core each, and what the step loses is the GIL and memory bandwidth,
+not a core. Sides are timed ``--repeats`` times, interleaved; medians are reported.
+
+    python benchmarks/bench_loader_gil.py                  # ~1 minute on 2 cores
+    python benchmarks/bench_loader_gil.py --tiny --out /tmp/g.json   # a smoke run
+
+Appends the run to ``benchmarks/results/loader_gil.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from records import save_run, table  # noqa: E402
+
+import dataflow as dfl  # noqa: E402
+from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader  # noqa: E402
+
+
+class HostBoundStep:
+    """A training step whose time is Python and dispatch: many tiny torch calls."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(4, 32)
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad()
+        self.model(self.x).square().mean().backward()
+        self.optimizer.step()
+
+    def rate(self, seconds: float, done: threading.Event | None = None) -> float:
+        """Steps a second for ``seconds``, or until ``done`` is set."""
+        started, steps = time.perf_counter(), 0
+        while time.perf_counter() - started < seconds and not (done and done.is_set()):
+            self()
+            steps += 1
+        return steps / (time.perf_counter() - started)
+
+
+def plan(source: Any, batch: int) -> list[np.ndarray]:
+    """One epoch of the fit's global batches for ``source`` (its own shuffle)."""
+    pipe = dfl.Pipeline(
+        model=lambda: torch.nn.Linear(1, 1),
+        loss=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        source=source,
+        schedule=dfl.schedule.Fixed(batch),
+    )
+    return [np.concatenate(parts) for parts in pipe.sample_plan(epochs=1, replicas=1)]
+
+
+def read_memory(source: Any, batches: list[np.ndarray], started: threading.Event) -> None:
+    started.set()
+    for indices in batches:
+        source.read(indices)
+
+
+def read_zarr(
+    source: Any, batches: list[np.ndarray], threads: int, started: threading.Event
+) -> None:
+    ahead = {} if threads > 1 else {"decode_ahead": 0}  # one thread: decode inline
+    reader = EpochChunkReader(
+        source, batches, buffers=BatchBuffers(keep=6), decode_threads=threads, **ahead
+    )
+    batches_read = iter(reader)
+    next(batches_read)  # the first batch's decode is not the steady state
+    started.set()
+    for _ in batches_read:
+        pass
+
+
+def beside(step: HostBoundStep | None, read: Any, *args: Any) -> tuple[float, float]:
+    """The step's rate while ``read`` runs on a thread (``step`` None: the main thread
+    waits), and the reader's seconds."""
+    started, done = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read(*args, started)
+        except BaseException as exc:  # raised on the main thread below
+            failed.append(exc)
+        finally:
+            started.set()
+            done.set()
+
+    thread = threading.Thread(target=run, name="loader")
+    thread.start()
+    started.wait()
+    began = time.perf_counter()
+    rate = step.rate(3600.0, done) if step is not None else 0.0
+    thread.join()
+    if failed:
+        raise failed[0]
+    return rate, time.perf_counter() - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--shape", default="3x64x64", help="one sample")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--codecs", nargs="+", default=["zstd", "lz4"])
+    parser.add_argument("--decode-threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a smoke run: 1,024 samples")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args()
+    if args.tiny:
+        args.samples, args.repeats = 1024, 1
+    torch.set_num_threads(1)
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((args.samples, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, args.samples)
+    step = HostBoundStep()
+    step.rate(0.5)  # warm up
+    memory = dfl.io.ArraySource(x, y)
+    sides: dict[str, tuple[Any, ...]] = {"memory": (read_memory, memory, plan(memory, args.batch))}
+    chunked = xr.Dataset({"x": (("sample", "c", "h", "w"), x), "y": (("sample",), y)})
+    chunked = dfl.io.ZarrSource(chunked, x="x", y="y")
+    sides["chunked-memory"] = (read_zarr, chunked, plan(chunked, args.batch), 1)
+    with tempfile.TemporaryDirectory(prefix="loader-gil-") as tmp:
+        for codec in args.codecs:
+            path = f"{tmp}/{codec}.zarr"
+            dfl.io.to_zarr(path, x, y, compressor=codec)
+            source = dfl.io.ZarrSource(path, y="y")
+            batches = plan(source, args.batch)
+            sides[f"zarr-{codec}"] = (read_zarr, source, batches, args.decode_threads)
+        for read, *read_args in sides.values():  # warm up (a kernel's first compile)
+            beside(None, read, *read_args)
+        kept: dict[str, list[float]] = {name: [] for name in sides}
+        lost: dict[str, list[float]] = {name: [] for name in sides}
+        per_batch: dict[str, list[float]] = {name: [] for name in sides}
+        alone: list[float] = []
+        for _ in range(args.repeats):
+            for name, (read, *read_args) in sides.items():
+                batches = len(read_args[1]) - 1  # (each loader's first batch is not timed)
+                alone.append(step.rate(1.0))
+                rate, seconds = beside(step, read, *read_args)
+                kept[name].append(rate / alone[-1])
+                per_batch[name].append(seconds / batches * 1e3)
+                lost[name].append((1 - kept[name][-1]) * per_batch[name][-1])
+    results = [
+        {
+            "side": name,
+            "step_ms_lost_per_batch": statistics.median(lost[name]),
+            "step_ms_lost_repeats": lost[name],
+            "step_kept": statistics.median(kept[name]),
+            "loader_ms_per_batch": statistics.median(per_batch[name]),
+        }
+        for name in sides
+    ]
+    rows = [
+        (
+            r["side"],
+            f"{r['step_ms_lost_per_batch']:.2f}",
+            " ".join(f"{v:.2f}" for v in r["step_ms_lost_repeats"]),
+            f"{r['step_kept']:.2f}",
+            f"{r['loader_ms_per_batch']:.2f}",
+        )
+        for r in results
+    ]
+    header = ("loader", "step ms lost a batch", "repeats", "step kept", "loader ms a batch")
+    print(table(rows, header))
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
+    run = {
+        "label": args.label,
+        "config": config,
+        "step_alone_per_s": statistics.median(alone),
+        "results": results,
+    }
+    print("saved", save_run("loader_gil", run, args.out, overwrite=args.overwrite))
+
+
+if __name__ == "__main__":
+    main()
