@@ -24,6 +24,10 @@ All read the fit's own sample plan (its chunk-aware shuffle) of small-CNN sample
 loader then have a core each, and what the step loses is the GIL and memory bandwidth,
 not a core. Sides are timed ``--repeats`` times, interleaved; medians are reported.
 
+A second table takes the loader's bulk steps one by one, each in a loop beside the step
+(the step's rate kept): the gather and the ``crc32c`` check as they were and as they
+are now, and a plain copy as the floor.
+
     python benchmarks/bench_loader_gil.py                  # ~1 minute on 2 cores
     python benchmarks/bench_loader_gil.py --tiny --out /tmp/g.json   # a smoke run
 
@@ -134,6 +138,41 @@ def beside(step: HostBoundStep | None, read: Any, *args: Any) -> tuple[float, fl
     return rate, time.perf_counter() - began
 
 
+def primitives(batch: int, shape: tuple[int, ...]) -> dict[str, Any]:
+    """The loader's bulk steps, each in a loop on a thread beside the step: the ways
+    before (numpy's ``concatenate`` of one view per sample; zarr's ``crc32c`` codec, which
+    hands google_crc32c a numpy view) and now (``io.row_copy``; the check on the whole
+    stored ``bytes``), with a plain copy of a batch as the floor."""
+    import google_crc32c
+
+    from dataflow.io.direct_decode import crc32c_checked
+    from dataflow.io.row_copy import copy_rows
+
+    rng = np.random.default_rng(1)
+    chunks = [rng.standard_normal((160, *shape), dtype=np.float32) for _ in range(5)]
+    owner, rows = rng.integers(0, 5, batch), rng.integers(0, 160, batch)
+    out = np.empty((batch, *shape), np.float32)
+    views = [chunks[c][r : r + 1] for c, r in zip(owner, rows, strict=True)]
+    parts = [(chunks[c], rows[owner == c], np.flatnonzero(owner == c)) for c in range(5)]
+    stored = chunks[0].tobytes()  # a chunk's object: its bytes, then their crc32c
+    stored += np.uint32(google_crc32c.value(stored)).tobytes()
+    as_stored = np.frombuffer(stored, np.uint8)
+    return {
+        "gather, before: concatenate of views": lambda: np.concatenate(views, axis=0, out=out),
+        "gather, now: copy_rows per chunk": lambda: [copy_rows(out, *p) for p in parts],
+        "crc32c, before: zarr's (a numpy view)": lambda: google_crc32c.value(as_stored[:-4]),
+        "crc32c, now: crc32c_checked": lambda: crc32c_checked(as_stored),
+        "floor: np.copyto of a batch": lambda: np.copyto(out, chunks[0][:1]),
+    }
+
+
+def in_a_loop(work: Any, started: threading.Event, seconds: float = 0.7) -> None:
+    started.set()
+    ends = time.perf_counter() + seconds
+    while time.perf_counter() < ends:
+        work()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=16384)
@@ -204,12 +243,24 @@ def main() -> None:
     ]
     header = ("loader", "step ms lost a batch", "repeats", "step kept", "loader ms a batch")
     print(table(rows, header))
+    steps: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        for name, work in primitives(args.batch, shape).items():
+            alone.append(step.rate(0.7))
+            steps.setdefault(name, []).append(beside(step, in_a_loop, work)[0] / alone[-1])
+    kept_beside = {name: statistics.median(values) for name, values in steps.items()}
+    rows = [
+        (n, f"{kept_beside[n]:.2f}", " ".join(f"{v:.2f}" for v in vs)) for n, vs in steps.items()
+    ]
+    print(table(rows, ("in a loop beside the step", "step kept", "repeats")))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
     run = {
         "label": args.label,
         "config": config,
         "step_alone_per_s": statistics.median(alone),
         "results": results,
+        "primitives_step_kept": kept_beside,
+        "primitives_step_kept_repeats": steps,
     }
     print("saved", save_run("loader_gil", run, args.out, overwrite=args.overwrite))
 

@@ -10,6 +10,11 @@ paths; none times anything.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import google_crc32c
 import numpy as np
 import pytest
@@ -136,3 +141,24 @@ def test_a_written_stores_chunks_take_the_gil_free_check(tmp_path, monkeypatch, 
     for batch in dfl.io.stream_batches(dfl.io.ZarrSource(path), 8, prefetch=1):
         assert np.array_equal(batch.x.numpy(), x[batch.indices])
     assert taken and all(inner is not None for inner in taken)
+
+
+@pytest.mark.slow
+def test_the_loader_benchmark_runs_every_side_against_the_step_alone(tmp_path):
+    """``benchmarks/bench_loader_gil.py --tiny``: each loader and each bulk step beside the
+    host-bound step, against the step alone in the same run."""
+    out = tmp_path / "gil.json"
+    done = subprocess.run(
+        [sys.executable, "bench_loader_gil.py", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1] / "benchmarks",
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [run] = json.loads(out.read_text())["runs"]
+    sides = [r["side"] for r in run["results"]]
+    assert sides == ["memory", "chunked-memory", "zarr-zstd", "zarr-lz4"]
+    assert run["step_alone_per_s"] > 0
+    assert all(r["loader_ms_per_batch"] > 0 for r in run["results"])
+    assert len(run["primitives_step_kept"]) == 5
