@@ -13,8 +13,9 @@ from dataflow.graph import Graph
 from dataflow.history.result import FitResult
 from dataflow.schedule import Fixed, LRDecay, Schedule
 from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
-from dataflow.stages.evaluate import graph_eval_transforms
+from dataflow.stages.evaluate import graph_eval_transforms, is_random
 from dataflow.trainer import Trainer
+from dataflow.trainer_config import TrainerConfig
 
 
 class Pipeline:
@@ -22,6 +23,9 @@ class Pipeline:
 
     ``model`` is a factory called once per replica (a class, or ``lambda: Net()``);
     ``optimizer`` takes the parameters (``lambda p: torch.optim.SGD(p, lr=0.1)``).
+    To train, give ``optimizer``, ``source`` and ``schedule``; a pipeline made without
+    all three (``Pipeline(model=Net, loss=..., transforms=[...])``) scores and writes the
+    outputs of a trained model (:meth:`evaluate`, :meth:`predict`) and trains nothing.
     ``eval_source`` evaluates at the end of every epoch (every ``eval_every`` epochs):
     the held-out loss (``eval_loss``) and each of ``metrics`` (``eval_<name>``; a
     ``"loss"`` entry replaces the training loss function there).
@@ -58,8 +62,8 @@ class Pipeline:
         *,
         model: Callable[[], torch.nn.Module] | torch.nn.Module,
         loss: Callable[..., torch.Tensor],
-        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
-        source: Any,
+        optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
+        source: Any = None,
         transforms: Sequence[Callable[[Any], Any]] = (),
         schedule: Schedule | None = None,
         lr_decay: LRDecay | None = None,
@@ -81,12 +85,33 @@ class Pipeline:
         sync_batchnorm: bool = False,
         **trainer_options: Any,
     ) -> None:
-        if schedule is None:
-            raise ConfigError(
-                "Pipeline(schedule=...) is required, e.g. dataflow.schedule.Fixed(batch_size=64)"
-            )
         if isinstance(transforms, Callable):  # a single transform
             transforms = [transforms]
+        training = {"optimizer": optimizer, "source": source, "schedule": schedule}
+        missing = [name for name, value in training.items() if value is None]
+        if len(missing) == len(training):  # evaluate and predict only
+            if eval_source is not None:
+                raise ConfigError(
+                    "Pipeline(eval_source=...) is scored during a fit: give optimizer=, "
+                    "source= and schedule= to train, or score a model with "
+                    "pipe.evaluate(eval_source, model)"
+                )
+            self.eval_metrics = {"loss": loss, **(metrics or {})}
+            self.graph = None
+            self.trainer = None
+            self.config = TrainerConfig(seed=seed, **trainer_options)
+            self._eval_transforms = tuple(
+                stage for stage in map(Transform, transforms) if not is_random(stage.config.fn)
+            )
+            Forward(model, loss, sync_batchnorm=sync_batchnorm)  # (its checks of both)
+            return
+        if missing:
+            raise ConfigError(
+                f"Pipeline: to train, give optimizer=, source= and schedule= (missing: "
+                f"{', '.join(f'{name}=' for name in missing)}; e.g. schedule="
+                "dataflow.schedule.Fixed(batch_size=64)); to evaluate or predict with a "
+                "trained model only, give none of them"
+            )
         graph = Graph()
         node = graph.add(
             Load(
@@ -123,6 +148,18 @@ class Pipeline:
         self.trainer = Trainer(
             graph, schedule=schedule, lr_decay=lr_decay, seed=seed, **trainer_options
         )
+        self.config = self.trainer.config
+        self._eval_transforms = graph_eval_transforms(graph)
+
+    def _training(self, what: str) -> Trainer:
+        """The trainer, or a ConfigError for a pipeline made to evaluate and predict only."""
+        if self.trainer is None:
+            raise ConfigError(
+                f"Pipeline.{what} needs a pipeline made to train: this one was made without "
+                "optimizer=, source= and schedule= (for evaluate and predict only); give "
+                "them, e.g. schedule=dataflow.schedule.Fixed(batch_size=64)"
+            )
+        return self.trainer
 
     def fit(
         self,
@@ -147,7 +184,7 @@ class Pipeline:
         ``dataflow.KeepBest(...)``): keep the weights of the epoch where that metric was
         best, as ``result.best_model`` and ``best.pt`` in ``checkpoint_dir``.
         """
-        return self.trainer.fit(
+        return self._training("fit").fit(
             epochs,
             client,
             checkpoint_dir=checkpoint_dir,
@@ -179,10 +216,10 @@ class Pipeline:
             model,
             source,
             metrics=metrics or self.eval_metrics,
-            transforms=graph_eval_transforms(self.graph),
+            transforms=self._eval_transforms,
             batch_size=batch_size,
             client=client,
-            device=self.trainer.config.device,
+            device=self.config.device,
         )
 
     def predict(
@@ -220,7 +257,7 @@ class Pipeline:
             source,
             metrics=self.eval_metrics,  # (not computed: predict keeps the outputs)
             batch_size=batch_size,
-            transforms=graph_eval_transforms(self.graph),
+            transforms=self._eval_transforms,
         )
         where = str(out) if "://" in str(out) else str(Path(out).resolve())  # (workers' cwd)
         if blend != "mean" and not stitch:
@@ -228,7 +265,7 @@ class Pipeline:
                 f"predict(blend={blend!r}) weighs overlapping windows when they are put "
                 "back into the field: pass stitch=True too (rows need no blending)"
             )
-        common = dict(name=name, client=client, device=self.trainer.config.device)
+        common = dict(name=name, client=client, device=self.config.device)
         if stitch:
             return predict_field(
                 model,
@@ -243,11 +280,11 @@ class Pipeline:
 
     def sample_plan(self, epochs: int, replicas: int) -> list:
         """Per global step, each replica's sample indices (see ``Trainer.sample_plan``)."""
-        return self.trainer.sample_plan(epochs, replicas)
+        return self._training("sample_plan").sample_plan(epochs, replicas)
 
     def plan(self, epochs: int, replicas: int, *, step_seconds: float | None = None) -> list:
         """The phase plans, without a cluster (``print`` them, or ``to_dot()``)."""
-        return self.trainer.plan(epochs, replicas, step_seconds=step_seconds)
+        return self._training("plan").plan(epochs, replicas, step_seconds=step_seconds)
 
 
 __all__ = ["Fixed", "Pipeline"]

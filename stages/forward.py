@@ -103,12 +103,19 @@ def dtype_mismatch(
         if not value.is_floating_point():
             if error is not None and "type" not in str(error).lower():
                 continue
+            counts = (
+                ""
+                if value.dtype in (torch.bool, torch.uint8)
+                else f"; counts kept as integers (fewer bytes to read and copy) take their "
+                f"log and the cast in one transform on the device: "
+                f"transforms=[dataflow.ops.Log1p(dtype=torch.{want})]"
+            )
             return (
                 f"{field} is {have} but the model's parameters are {want}; cast the data to "
                 f"{want} (when making it: x.astype(numpy.{want}), or a transform: "
                 f"transforms=[lambda x: x.to(torch.{want})], scaled too for 8-bit images: "
                 f"lambda x: x.to(torch.{want}) / 255), or cast in the model's forward "
-                "(x = x.float())"
+                f"(x = x.float()){counts}"
             )
         if value.dtype == expected:
             continue

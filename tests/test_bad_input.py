@@ -76,7 +76,7 @@ def test_trainer_options(options, message):
 
 
 def test_missing_schedule_and_bad_epochs():
-    with pytest.raises(dfl.ConfigError, match=r"schedule=\.\.\.\) is required"):
+    with pytest.raises(dfl.ConfigError, match=r"to train, give .* \(missing: schedule=;"):
         pipeline(schedule=None)
     with pytest.raises(dfl.ConfigError, match=r"epochs must be an int >= 1"):
         pipeline().fit(epochs=0)

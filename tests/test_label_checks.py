@@ -183,8 +183,10 @@ def test_a_label_per_pixel_is_named_with_its_position() -> None:
 def test_integer_inputs_are_named_like_float64_ones(dtype: type) -> None:
     x, y = make_data(64)
     want = np.dtype(dtype).name if dtype is not np.bool_ else "bool"
-    with pytest.raises(dfl.DataError, match=rf"^x is {want} but the model's parameters are "):
+    with pytest.raises(dfl.DataError, match=rf"^x is {want} but the model's parameters are ") as e:
         tiny_pipeline(x.astype(dtype), y).trainer._dry_run()
+    counts = "transforms=[dataflow.ops.Log1p(dtype=torch.float32)]"
+    assert (counts in str(e.value)) == (dtype is np.int64)  # counts, not images or masks
 
 
 def test_a_model_that_casts_integer_inputs_trains() -> None:
