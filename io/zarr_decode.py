@@ -38,7 +38,7 @@ from numcodecs.compat import ensure_ndarray_like
 from zarr.core.buffer import default_buffer_prototype
 
 from dataflow.io.chunk_cache import ChunkCache, Decoding
-from dataflow.io.direct_decode import direct_decoder
+from dataflow.io.direct_decode import crc32c_decoded, direct_decoder
 from dataflow.io.fetch import FetchAhead, fetch_now
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import StoreRetry
@@ -302,6 +302,8 @@ class ChunkDecoder:
         for codec, spec in self._steps:
             if _is_v2(codec):
                 data = _decode_v2(codec, data, spec)
+            elif type(codec).__name__ == "Crc32cCodec":  # checked without the GIL if it can
+                data = crc32c_decoded(codec, data, spec)
             else:
                 data = codec._decode_sync(data, spec)
         return data.as_numpy_array()

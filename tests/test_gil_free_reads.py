@@ -128,9 +128,10 @@ def test_only_a_view_of_a_whole_bytes_object_takes_the_gil_free_check():
 
 @pytest.mark.parametrize("compressor", ["lz4", "blosc", None])
 def test_a_written_stores_chunks_take_the_gil_free_check(tmp_path, monkeypatch, compressor):
-    """zarr's local store hands the decode a view of the object's ``bytes``: if a zarr
-    release stops doing so, the check falls back to zarr's codec (holding the GIL), and
-    this test says so."""
+    """Whole chunks (decoded in place) and cut ones (through zarr's codecs) alike. zarr's
+    local store hands the decode a view of the object's ``bytes``: if a zarr release
+    stops doing so, the check falls back to zarr's codec (holding the GIL), and this test
+    says so."""
     x = np.random.default_rng(5).standard_normal((40, 3, 16, 16), dtype=np.float32)
     path = dfl.io.to_zarr(tmp_path / "s.zarr", x, compressor=compressor, chunk_mb=0.05)
     taken = []
@@ -138,9 +139,12 @@ def test_a_written_stores_chunks_take_the_gil_free_check(tmp_path, monkeypatch, 
     monkeypatch.setattr(
         direct_decode, "crc32c_checked", lambda data: taken.append(checked(data)) or taken[-1]
     )
-    for batch in dfl.io.stream_batches(dfl.io.ZarrSource(path), 8, prefetch=1):
+    source = dfl.io.ZarrSource(path)
+    for batch in dfl.io.stream_batches(source, 8, prefetch=1):  # whole chunks, decoded in place
         assert np.array_equal(batch.x.numpy(), x[batch.indices])
-    assert taken and all(inner is not None for inner in taken)
+    whole = len(taken)
+    assert np.array_equal(source.read(np.arange(2, 5)).x, x[2:5])  # a cut chunk: zarr's codecs
+    assert whole and len(taken) > whole and all(inner is not None for inner in taken)
 
 
 @pytest.mark.slow
