@@ -47,17 +47,19 @@ N_SAMPLES = 480
 class KillOnce(stages.Stage):
     """Test stage: SIGKILLs its own worker process at step ``step`` on replica ``rank``
     (None: on every replica, each with its own marker ``marker.<rank>``), once per
-    ``marker`` file (written first, with the time of the kill)."""
+    ``marker`` file (written first, with the time of the kill). ``or_later``: at the
+    first step from ``step`` on that the replica runs (under sample leases a faster
+    replica may take over its part of ``step``; never the window's last step's)."""
 
-    def __init__(self, marker: str, *, step: int, rank: int | None) -> None:
+    def __init__(self, marker: str, *, step: int, rank: int | None, or_later: bool = False) -> None:
         super().__init__("KillOnce")
-        self.marker, self.step, self.rank = marker, step, rank
+        self.marker, self.step, self.rank, self.or_later = marker, step, rank, or_later
 
     def run(self, step: stages.StepContext, batch: stages.Batch) -> stages.Batch:
         rank = step.replica.rank
         marker = self.marker if self.rank is not None else f"{self.marker}.{rank}"
         if (
-            step.spec.index == self.step
+            (step.spec.index == self.step or (self.or_later and step.spec.index > self.step))
             and self.rank in (rank, None)
             and step.replica.world_size > 1
             and not os.path.exists(marker)
@@ -87,11 +89,23 @@ class WaitForWorkers(stages.Stage):
         return batch
 
 
-def _trainer(x, y, *, marker=None, kill_step=0, kill_rank=1, wait_step=None, seed=0, **options):
+def _trainer(
+    x,
+    y,
+    *,
+    marker=None,
+    kill_step=0,
+    kill_rank=1,
+    kill_or_later=False,
+    wait_step=None,
+    seed=0,
+    **options,
+):
     g = dfl.Graph()
     batch = g.add(stages.Load(dfl.io.ArraySource(x, y)))
     if marker is not None:
-        batch = g.add(KillOnce(marker, step=kill_step, rank=kill_rank), batch)
+        kill = KillOnce(marker, step=kill_step, rank=kill_rank, or_later=kill_or_later)
+        batch = g.add(kill, batch)
     if wait_step is not None:
         batch = g.add(WaitForWorkers(step=wait_step, count=3), batch)
     out = g.add(stages.Forward(TinyCNN, torch.nn.functional.cross_entropy), batch)
@@ -419,10 +433,11 @@ def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(
     tmp_path, leases, servers
 ):
     """``Async(staleness=1)``, replica 2 (no store shard) killed while it computes step
-    27: nothing is rolled back. The survivors finish the window in flight without it,
-    train again at the window's end the parts the store never applied (at least the
-    one it had in flight; under leases the others took over its unclaimed parts
-    already), commit the window and regroup from its end. Every sample is still
+    27 (with leases, the first step from 27 on that it computes: the others may take
+    over its part of 27): nothing is rolled back. The survivors finish the window in
+    flight without it, train again at the window's end the parts the store never applied
+    (at least the one it had in flight; under leases the others took over its unclaimed
+    parts already), commit the window and regroup from its end. Every sample is still
     trained once per epoch. With 2 servers each shard hands out what it lacks."""
     x, y = make_data(N_SAMPLES)
     sync = dfl.sync.Async(staleness=1, leases=leases, servers=servers)
@@ -431,7 +446,9 @@ def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(
         Client(cluster) as client,
     ):
         marker = tmp_path / "killed"
-        trainer = _trainer(x, y, marker=str(marker), kill_step=27, kill_rank=2, sync=sync)
+        trainer = _trainer(
+            x, y, marker=str(marker), kill_step=27, kill_rank=2, kill_or_later=leases, sync=sync
+        )
         result = trainer.fit(epochs=2, client=client)
     assert marker.exists()
     [failure] = result.history.info["failures"]
@@ -446,12 +463,14 @@ def test_a_lost_replica_under_async_updates_costs_only_its_update_in_flight(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("leases", [False, True])
 def test_a_lost_replica_under_local_updates_keeps_the_period(tmp_path, leases):
-    """``Local(period_steps=6)``, replica 2 killed in step 27 of the window [24, 30):
-    nothing is rolled back. The survivors end their period, hand in their states at the
-    store on replica 0, train again the parts replica 2 trained and never handed in
-    (without leases: its parts of steps 24-29; with leases, what it had claimed), and
-    average among themselves; the window commits and they regroup from its end. Every
-    sample is still trained once per epoch."""
+    """``Local(period_steps=6)``, replica 2 killed in step 27 of the window [24, 30) (with
+    leases, in the first of steps 27-29 it runs: a faster replica may have taken over its
+    parts of 27 and 28, never of 29, the window's last): nothing is rolled back. The
+    survivors end their period, hand in their states at the store on replica 0, train
+    again the parts replica 2 trained and never handed in (without leases: its parts of
+    steps 24-29; with leases, what it had claimed), and average among themselves; the
+    window commits and they regroup from its end. Every sample is still trained once
+    per epoch."""
     x, y = make_data(N_SAMPLES)
     sync = dfl.sync.Local(period_steps=6, leases=leases)
     with (
@@ -459,7 +478,9 @@ def test_a_lost_replica_under_local_updates_keeps_the_period(tmp_path, leases):
         Client(cluster) as client,
     ):
         marker = tmp_path / "killed"
-        trainer = _trainer(x, y, marker=str(marker), kill_step=27, kill_rank=2, sync=sync)
+        trainer = _trainer(
+            x, y, marker=str(marker), kill_step=27, kill_rank=2, kill_or_later=leases, sync=sync
+        )
         result = trainer.fit(epochs=2, client=client)
     assert marker.exists()
     [failure] = result.history.info["failures"]

@@ -129,3 +129,6 @@ def test_a_loss_after_every_queued_window_finished_regroups_rather_than_release_
     assert not of(cmd.ReleaseReplicas, out)
     [rollback] = of(cmd.RollBack, out)
     assert rollback.step == 2 and rollback.members == W[:2]
+    [record] = [c.record for c in of(cmd.RecordFailure, out)]  # nothing was rolled back
+    assert record["kept_window"] and record["window_steps_lost"] == 0, record
+    assert record["commit_step"] == 2 and record["retrained_parts"] == 0, record

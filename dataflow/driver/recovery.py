@@ -194,8 +194,12 @@ class LostWorkers:
         s = self.state
         out = self._commit_ready(lost=lost_ranks)
         if s.commit_window not in s.windows or s.commit_window >= s.queued_until:
-            # nothing in flight (every queued window committed): regroup now
-            return out + self._regroup_survivors(event, lost_ranks, after=AfterGroup.REST)
+            # nothing in flight (every queued window committed): regroup now, with nothing
+            # rolled back, as when the survivors finish a released window
+            kept = {"window_steps_lost": 0, "kept_window": True, "retrained_parts": 0}
+            return out + self._regroup_survivors(
+                event, lost_ranks, after=AfterGroup.REST, kept=kept
+            )
         got = s.pending.get(s.commit_window, {})
         if self._finished_but(got, lost_ranks):
             # The survivors finished it, but it was not salvaged: its held-out scores
