@@ -50,6 +50,7 @@ _LAZY = {
 }
 _SUBMODULES = {  # the public subpackages, at their homes
     "balance": "dataflow.schedule.balance",
+    "checkpoint": "dataflow.checkpoint",
     "costmodel": "dataflow.costmodel",
     "errors": "dataflow.errors",
     "io": "dataflow.io",

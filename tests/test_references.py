@@ -94,3 +94,28 @@ def test_every_document_the_code_and_docs_cite_is_in_the_repository():
             if name not in OUTPUTS and not any((base / name).is_file() for base in bases):
                 missing.append((str(path.relative_to(ROOT)), name))
     assert not missing, f"these documents are not in the repository: {sorted(missing)}"
+
+
+def test_every_dfl_name_the_docs_use_resolves_after_a_bare_import():
+    """``dfl.checkpoint.load_best(...)`` in the README: a name the package only has once
+    another module imported it (a fit imports ``dataflow.checkpoint``) works in the fit's
+    script and fails in a later one. Every ``dfl.<name>`` of the docs is one the package
+    has right after ``import dataflow as dfl``, or one it imports on first use (its
+    ``_LAZY`` and ``_SUBMODULES``), checked in a fresh interpreter before any is used."""
+    import subprocess
+    import sys
+
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = {n for doc in docs for n in re.findall(r"\bdfl\.([A-Za-z_]\w*)", doc.read_text())}
+    names = sorted(found)
+    assert "checkpoint" in names and "Pipeline" in names
+    check = (
+        "import dataflow as dfl\n"
+        "known = set(vars(dfl)) | set(dfl._LAZY) | set(dfl._SUBMODULES)\n"
+        f"print([n for n in {names!r} if n not in known])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"names the docs use that dataflow lacks: {done.stdout}"
