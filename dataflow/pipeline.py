@@ -87,6 +87,8 @@ class Pipeline:
     ) -> None:
         if isinstance(transforms, Callable):  # a single transform
             transforms = [transforms]
+        # what evaluate() scores a trained model by: the held-out loss and the metrics
+        self.eval_metrics = {"loss": loss, **(metrics or {})}
         training = {"optimizer": optimizer, "source": source, "schedule": schedule}
         missing = [name for name, value in training.items() if value is None]
         if len(missing) == len(training):  # evaluate and predict only
@@ -96,7 +98,6 @@ class Pipeline:
                     "source= and schedule= to train, or score a model with "
                     "pipe.evaluate(eval_source, model)"
                 )
-            self.eval_metrics = {"loss": loss, **(metrics or {})}
             self.graph = None
             self.trainer = None
             self.config = TrainerConfig(seed=seed, **trainer_options)
@@ -142,8 +143,6 @@ class Pipeline:
             graph.add(Evaluate(eval_source, metrics=metrics, every_epochs=eval_every), node)
         elif metrics:
             raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
-        # what evaluate() scores a trained model by: the held-out loss and the metrics
-        self.eval_metrics = {"loss": loss, **(metrics or {})}
         self.graph = graph
         self.trainer = Trainer(
             graph, schedule=schedule, lr_decay=lr_decay, seed=seed, **trainer_options

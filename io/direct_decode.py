@@ -108,26 +108,25 @@ def crc32c_checked(data: np.ndarray) -> np.ndarray | None:
     return data[:-4]
 
 
+def _as_array(data: Any) -> Any:
+    return data.as_numpy_array() if hasattr(data, "as_numpy_array") else data
+
+
 def crc32c_decoded(codec: Any, stored: Any, spec: Any) -> Any:
     """zarr's ``crc32c`` codec's decode of ``stored`` (a zarr buffer): its inner bytes,
     checked with the GIL released where :func:`crc32c_checked` can, else by the codec."""
-    data = stored.as_numpy_array() if hasattr(stored, "as_numpy_array") else None
+    data = _as_array(stored)
     inner = crc32c_checked(data) if isinstance(data, np.ndarray) else None
     if inner is None:  # zarr's codec, holding the GIL for the check
         return codec._decode_sync(stored, spec)
     return spec.prototype.buffer.from_array_like(inner)
 
 
-def _as_array(data: Any) -> Any:
-    return data.as_numpy_array() if hasattr(data, "as_numpy_array") else data
-
-
 def _with_crc(crc: tuple[Any, Any] | None, compressor: Any) -> DecodeInto:
     def decode_into(stored: Any, block: np.ndarray) -> None:
-        data = _as_array(stored)
         if crc is not None:  # raises at a mismatch; the inner bytes follow
-            inner = crc32c_checked(data) if isinstance(data, np.ndarray) else None
-            data = _as_array(crc[0]._decode_sync(stored, crc[1])) if inner is None else inner
+            stored = crc32c_decoded(crc[0], stored, crc[1])
+        data = _as_array(stored)
         raw = block.reshape(-1).view(np.uint8)
         if compressor is None:
             if data.nbytes != raw.nbytes:

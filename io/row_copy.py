@@ -1,21 +1,17 @@
 """Copy a batch's rows out of a decoded chunk, with the GIL released.
 
 The chunk reader assembles each batch on its own thread while the replica's thread
-runs the step. On a GPU that step is bound by the host: hundreds of kernel launches,
-each of which gives up the GIL and must take it back. Whatever the assembly does while
-holding the GIL, the step waits for. numpy's ``concatenate`` of one view per sample
-(the assembly's row copy before this module) holds it for the whole copy: on the
-2-core development machine a host-bound torch loop beside it kept 0.57 of its rate,
-against 0.90 beside this kernel, which copies as fast (``benchmarks/bench_loader_gil.py``).
-On the H200, the zarr fit's Forward and Backward took 1.1 ms more host time a step
-than the fit from memory: about what that copy of 256 samples of 49 KB holds the GIL.
-
-:func:`copy_rows` is one Numba call per chunk and batch (``nogil``), moving whole rows
-as the widest unsigned words their size and addresses allow; arrays it cannot view so
+runs the step, which on a GPU is bound by the host (hundreds of kernel launches, each
+giving up the GIL and taking it back). Before this module the assembly made one numpy
+view per sample and joined them with ``concatenate``: Python work per sample, and a GIL
+release and re-take per sample's copy. :func:`copy_rows` is one Numba call per chunk
+and batch (``nogil``), moving whole rows as the widest unsigned words their size and
+addresses allow: the assembly alone takes 2.6 ms a batch of 256 small-CNN samples
+against 4.4 before on the 2-core development machine (``benchmarks/bench_loader_gil.py``,
+which also measures what a host-bound step loses beside it). Arrays it cannot view so
 (not C-contiguous, objects), and copies too small to be worth a call, take numpy's
-fancy indexing instead. Indices are checked
-inside the kernel before anything is written, so a bad one is an error, never a write
-out of bounds.
+fancy indexing instead. Indices are checked inside the kernel before anything is
+written, so a bad one is an error, never a write out of bounds.
 """
 
 from __future__ import annotations
