@@ -120,7 +120,7 @@ def run_shares(
     the shares done or running stay as they are."""
     from dataflow.runtime.cluster import client_or_local_cluster
 
-    with client_or_local_cluster(client, announce=False) as active:
+    with client_or_local_cluster(client, device=device, announce=False) as active:
         check_client(active)
         workers = available_workers(active)
         if not workers:

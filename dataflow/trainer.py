@@ -273,7 +273,12 @@ class Trainer:
         if self.config.dry_run:
             self._dry_run()
         with (
-            client_or_local_cluster(client, announce=self.config.progress) as active,
+            client_or_local_cluster(
+                client,
+                device=self.config.device,
+                needed=(self.config.replicas or 1) * self.config.spatial,
+                announce=self.config.progress,
+            ) as active,
             # Dask's default-client lookups (distributed.wait) find the fit's client: one
             # connected to an address or a cluster object is not Dask's default
             active.as_current(),

@@ -47,6 +47,20 @@ def test_two_replicas_on_one_gpu_reduce_through_gloo_and_warn(client):
     assert max_abs_diff(result.model, expected) <= 1e-4
 
 
+def test_workers_claim_the_gpus_this_node_has_by_uuid(tmp_path):
+    """The names a worker's GPU claim locks (runtime/gpu_claim.py) are the GPUs' UUIDs,
+    one per visible GPU; on a one-GPU node a second claim shares it."""
+    from dataflow.runtime.gpu_claim import claim_gpu, visible_gpu_ids
+
+    ids = visible_gpu_ids()
+    assert len(ids) == torch.cuda.device_count() and len(set(ids)) == len(ids)
+    claims = [claim_gpu(ids, tmp_path) for _ in range(len(ids) + 1)]
+    assert sorted(c.index for c in claims[:-1]) == list(range(len(ids)))
+    assert claims[-1].sharers == 1
+    for claim in claims:
+        claim.release()
+
+
 def test_sync_batchnorm_on_one_gpu_equals_the_cpu_loop_on_an_uneven_split(client):
     """sync_batchnorm's reductions on CUDA tensors (gloo through the host: two replicas
     share the GPU), a replica with no samples in the last step taking part."""

@@ -109,6 +109,24 @@ def start_local_cluster(n_workers: int) -> LocalCluster:
         raise ConfigError(MAIN_GUARD_HINT) from exc
 
 
+def embedded_worker_count(device: str, *, cores: int, gpus: int, needed: int = 1) -> int:
+    """How many worker processes an embedded LocalCluster starts: one per GPU where the
+    fit trains on GPUs (a replica per GPU: more would share one, and NCCL refuses two
+    ranks on a GPU), or one for ``device="cuda:K"``, at least ``needed`` (the workers a
+    fixed replica count or a spatial layout asks for); one per core on the CPU. Pure."""
+    if gpus < 1 or device.startswith("cpu"):
+        return cores
+    return max(1 if ":" in device else gpus, needed)
+
+
+def _gpus_here() -> int:
+    """The GPUs torch sees in this process (counted without starting CUDA where the
+    driver's NVML allows)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _worker_preloads() -> list[str]:
     """Dask's configured worker preloads, and the one that makes the embedded cluster's
     workers ignore Ctrl-C (the driver stops them: ``runtime/interrupt.py``)."""
@@ -142,16 +160,23 @@ def check_scheduler(address: str) -> None:
 
 @contextlib.contextmanager
 def client_or_local_cluster(
-    client: Client | Cluster | str | None, *, n_workers: int | None = None, announce: bool = True
+    client: Client | Cluster | str | None,
+    *,
+    n_workers: int | None = None,
+    device: str = "auto",
+    needed: int = 1,
+    announce: bool = True,
 ) -> Iterator[Client]:
     """The client to run on, for the block:
 
     - a ``distributed.Client``: as is (left open: it is the caller's);
     - a scheduler address (``"tcp://10.0.0.5:8786"``) or a cluster object (``LocalCluster``,
       dask-jobqueue's ``SLURMCluster``): a Client connected to it, closed after the block;
-    - ``None``: a LocalCluster (one single-threaded process per core), closed after;
-      its workers do not log the engine's failed tasks, which the fit raises itself,
-      and ignore Ctrl-C: a KeyboardInterrupt in the block closes it in bounded time.
+    - ``None``: a LocalCluster, closed after: ``n_workers`` single-threaded processes,
+      by default one per GPU where the work runs on ``device``'s GPUs (at least
+      ``needed``), else one per core (:func:`embedded_worker_count`); its workers do
+      not log the engine's failed tasks, which the fit raises itself, and ignore
+      Ctrl-C: a KeyboardInterrupt in the block closes it in bounded time.
 
     A KeyboardInterrupt in the block leaves one line that says so (``interrupt.py``).
     """
@@ -170,7 +195,10 @@ def client_or_local_cluster(
         return
     if client is not None:
         raise ConfigError(_not_a_client(client))
-    n = n_workers or os.cpu_count() or 1
+    gpus = 0 if device.startswith("cpu") else _gpus_here()
+    n = n_workers or embedded_worker_count(
+        device, cores=os.cpu_count() or 1, gpus=gpus, needed=needed
+    )
     with contextlib.ExitStack() as closing:
         cluster = start_local_cluster(n)
         closing.callback(cluster.close)
@@ -179,7 +207,8 @@ def client_or_local_cluster(
         local.register_plugin(QuietEngineFailuresPlugin())  # a replica's error: once
         if announce:
             print(
-                f"dataflow: LocalCluster with {n} worker process(es); "
+                f"dataflow: LocalCluster with {n} worker process(es)"
+                f"{', one per GPU' if gpus and n == gpus and not n_workers else ''}; "
                 f"dashboard {local.dashboard_link}"
             )
         try:

@@ -15,6 +15,7 @@ from distributed import WorkerPlugin, get_worker
 
 from dataflow.ps.service import HANDLER, ShardRegistry
 from dataflow.runtime.cluster import QuietEngineFailures
+from dataflow.runtime.gpu_claim import ClaimOnce
 
 PLUGIN_NAME = "dataflow"
 _INSTALLING = threading.Lock()  # guards installing the plugin only; its state is per worker
@@ -48,11 +49,15 @@ class DataflowWorkerPlugin(WorkerPlugin):
         # registry's data plane; Dask's RPC handler carries control (fail)
         self.ps = ShardRegistry()
         worker.handlers[HANDLER] = self.ps.handle_rpc
+        # The GPU this worker trains on when it sees several: taken on first use, held
+        # for the worker's life (runtime/gpu_claim.py)
+        self.gpu = ClaimOnce()
 
     def teardown(self, worker: Any) -> None:
         for run_id in list(self.replicas):
             self.close_run(run_id)
         self.ps.close()
+        self.gpu.release()
 
     def replica(self, run_id: str) -> Any:
         try:
@@ -116,6 +121,15 @@ def current_plugin() -> DataflowWorkerPlugin:
     nanny restarted mid-fit gets it without a round trip to the driver.
     """
     return plugin_of(get_worker())
+
+
+def running_plugin() -> DataflowWorkerPlugin | None:
+    """:func:`current_plugin` inside a Dask worker; ``None`` elsewhere (the driver)."""
+    try:
+        worker = get_worker()
+    except ValueError:
+        return None
+    return plugin_of(worker)
 
 
 def plugin_of(worker: Any) -> DataflowWorkerPlugin:

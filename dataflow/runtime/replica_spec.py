@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from dataflow.graph import Graph
+from dataflow.runtime.plugin import running_plugin
 
 
 @dataclass
@@ -131,8 +132,21 @@ def resolve_device(requested: str, rank: int) -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(requested)
     if device.type == "cuda" and device.index is None:
-        # dask-cuda gives each worker one visible GPU; otherwise spread ranks over GPUs.
-        device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        device = torch.device("cuda", gpu_index(rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
+
+
+def gpu_index(rank: int) -> int:
+    """The GPU this process trains on: its only one; in a Dask worker that sees several,
+    the one it claimed for its life (``runtime/gpu_claim.py``: distinct per worker on a
+    host, whatever the rank); else (the driver, no lock to take) ``rank`` modulo the
+    GPUs seen."""
+    count = max(1, torch.cuda.device_count())
+    if count > 1:
+        plugin = running_plugin()
+        claim = None if plugin is None else plugin.gpu.get()
+        if claim is not None:
+            return claim.index
+    return rank % count

@@ -267,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=4000, help="training samples")
     demo.add_argument("--eval-samples", type=int, default=1000, help="held-out samples")
     demo.add_argument("--size", type=int, default=32, help="field side length in pixels")
-    demo.add_argument("--workers", type=int, default=None, help="worker processes (default: cores)")
+    demo.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: one per core or GPU)"
+    )
     demo.add_argument("--replicas", type=int, default=None, help="default: every worker")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
