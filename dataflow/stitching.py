@@ -15,11 +15,13 @@ stitched into y's field instead: each output goes where its window's y lies, so 
 model's forecasts make one map per predicted time, whatever x folds into its channels.
 An output of the window's own shape (a per-cell regression against y) is one channel.
 
-The field is written chunked along its first patch axis (the "rows"). On a
-``distributed.Client`` each worker takes a contiguous share of whole row chunks and
-computes every window that touches its rows, so no two workers write one chunk and no
-sum crosses the network: a window over a share's edge is computed by both neighbours,
-each keeping its own rows of it. A share is worked in parts of at most ``memory_mb`` of
+The field is written chunked along one patch axis (the "rows"): the one with the most
+window positions (:func:`share_axis`), so that a volume one window spans in depth is cut
+across, not into slabs that every window touches. On a ``distributed.Client`` each
+worker takes a contiguous share of whole row chunks and computes every window that
+touches its rows, so no two workers write one chunk and no sum crosses the network: a
+window over a share's edge is computed by both neighbours, each keeping its own rows of
+it. A share is worked in parts of at most ``memory_mb`` of
 sums, each part again with the windows that touch it. Decisions (which windows touch
 which rows, where each output lands) are pure functions of the source's geometry.
 """
@@ -43,7 +45,7 @@ from dataflow.io.writer import create_field_array
 from dataflow.runtime.replica_spec import resolve_device
 from dataflow.stages.evaluate import Evaluate
 
-__all__ = ["FieldLayout", "field_layout", "predict_field"]
+__all__ = ["FieldLayout", "field_layout", "predict_field", "share_axis"]
 
 DEFAULT_MEMORY_MB = 1024.0  # a share's sums held at once, per worker
 BLENDS = ("mean", "gaussian")
@@ -66,22 +68,26 @@ class FieldLayout:
     # per cell of a window's output (its spatial dims), the weight of its value (None:
     # every cell 1, a plain mean)
     weights: np.ndarray | None = None
+    share: int = 0  # the patch axis (of patch_dims) the writes and shares are cut along
 
     @property
     def rows_dim(self) -> int:
-        """The field dim the writes and shares are cut along: the first patch axis."""
-        return self.patch_dims[0]
+        """The field dim the writes and shares are cut along: patch axis ``share``."""
+        return self.patch_dims[self.share]
 
     @property
     def rows(self) -> int:
         return self.field[self.rows_dim]
 
-    def windows_touching(self, lo: int, hi: int) -> tuple[int, int]:
-        """The windows ``[first, stop)`` whose rows meet ``[lo, hi)``: the corners are in
-        C order, so their first coordinate never decreases."""
-        starts = self.corners[:, 0]
-        first = int(np.searchsorted(starts, lo - self.patch[0] + 1, side="left"))
-        return first, int(np.searchsorted(starts, hi, side="left"))
+    def windows_touching(self, lo: int, hi: int) -> np.ndarray:
+        """The windows (ascending indices) whose rows meet ``[lo, hi)``. Along the first
+        patch axis they are one run: the corners are in C order, so their first
+        coordinate never decreases."""
+        starts, length = self.corners[:, self.share], self.patch[self.share]
+        if self.share == 0:
+            first = int(np.searchsorted(starts, lo - length + 1, side="left"))
+            return np.arange(first, int(np.searchsorted(starts, hi, side="left")))
+        return np.flatnonzero((starts > lo - length) & (starts < hi))
 
     def place(self, corner: np.ndarray, lo: int, hi: int) -> tuple[tuple, tuple] | None:
         """(field index, output index) of the window at ``corner`` within rows
@@ -89,15 +95,24 @@ class FieldLayout:
         field, out = [slice(None)] * len(self.field), [slice(None)] * len(self.field)
         for j, (dim, length) in enumerate(zip(self.patch_dims, self.patch, strict=True)):
             start, stop = int(corner[j]), int(corner[j]) + length
-            if j == 0:
+            if j == self.share:
                 start, stop = max(start, lo), min(stop, hi)
                 if start >= stop:
                     return None
                 field[dim] = slice(start - lo, stop - lo)
-                out[dim] = slice(start - int(corner[0]), stop - int(corner[0]))
+                out[dim] = slice(start - int(corner[j]), stop - int(corner[j]))
             else:
                 field[dim] = slice(start, stop)
         return tuple(field), tuple(out)
+
+
+def share_axis(corners: np.ndarray) -> int:
+    """The patch axis (column of ``corners``) to cut the field's writes and the workers'
+    shares along: the one with the most distinct window starts, the first of those. A
+    thin axis (a volume's depth that one window spans) would hand every share every
+    window, each computed by every worker for a slab of its rows. Pure."""
+    counts = [len(np.unique(corners[:, j])) for j in range(corners.shape[1])]
+    return min(range(len(counts)), key=lambda j: (-counts[j], j))
 
 
 def gaussian_weights(window: tuple[int, ...], patch_dims: tuple[int, ...]) -> np.ndarray:
@@ -153,14 +168,16 @@ def field_layout(source: Any, blend: str = "mean") -> FieldLayout:
     window = tuple(
         patch[patch_dims.index(d)] if d in patch_dims else n for d, n in enumerate(field)
     )
+    corners = np.asarray(source.corners, dtype=np.int64)
     return FieldLayout(
         field=field,
         patch_dims=patch_dims,
         patch=patch,
-        corners=np.asarray(source.corners, dtype=np.int64),
+        corners=corners,
         window=window,
         dimension_names=None if dims is None else ("channel", *(str(dims[a]) for a in unfolded)),
         weights=gaussian_weights(window, patch_dims) if blend == "gaussian" else None,
+        share=share_axis(corners),
     )
 
 
@@ -179,14 +196,16 @@ def _forecast_layout(source: Any, geometry: Any, blend: str) -> FieldLayout:
     shift = np.asarray(geometry.y_shift, dtype=np.int64)
     dims = geometry.dims  # y's names are x's where y has x's dims (a forecast of x's own)
     same = dims is not None and len(dims) == len(field) and axes == tuple(geometry.axes)
+    corners = np.asarray(source.corners, dtype=np.int64) + shift[None]
     return FieldLayout(
         field=field,
         patch_dims=axes,
         patch=tuple(int(n) for n in geometry.y_extent),
-        corners=np.asarray(source.corners, dtype=np.int64) + shift[None],
+        corners=corners,
         window=window,
         dimension_names=("channel", *map(str, dims)) if same else None,
         weights=gaussian_weights(window, axes) if blend == "gaussian" else None,
+        share=share_axis(corners),
     )
 
 
@@ -339,9 +358,11 @@ def stitch_share(
         rows[layout.rows_dim] = stop - start
         sums = None
         counts = np.zeros(rows, dtype=np.float64)  # (the weights summed per cell)
-        first, last = layout.windows_touching(start, stop)
-        if last > first:
-            with contextlib.closing(stage.outputs(scored, place_on, first, last)) as outputs:
+        windows = layout.windows_touching(start, stop)
+        if len(windows):
+            first, last = int(windows[0]), int(windows[-1]) + 1
+            reading = stage.outputs(scored, place_on, first, last, only=windows)
+            with contextlib.closing(reading) as outputs:
                 for indices, _, output in outputs:
                     output = _with_channels(layout, output)
                     if sums is None:

@@ -248,13 +248,15 @@ class Evaluate(Stage):
             sums[prefix + key] += value * batch.size
 
     def outputs(
-        self, model: Any, device: Any, lo: int, hi: int
+        self, model: Any, device: Any, lo: int, hi: int, *, only: np.ndarray | None = None
     ) -> Iterator[tuple[np.ndarray, Any, Any]]:
-        """The held-out samples ``[lo, hi)`` in batches, each prepared (on ``device``,
-        the evaluation transforms applied) and run through ``model`` in eval mode without
-        gradients: ``(indices, batch, output)``, a non-finite output refused naming its
-        samples. ``model`` is back in train mode when the iteration ends or is closed."""
-        batches = held_out_batches(self.source, lo, hi, self.config.batch_size)
+        """The held-out samples ``[lo, hi)`` (those of them in ``only``, ascending, when
+        given: a stitched field's windows over a share) in batches, each prepared (on
+        ``device``, the evaluation transforms applied) and run through ``model`` in eval
+        mode without gradients: ``(indices, batch, output)``, a non-finite output refused
+        naming its samples. ``model`` is back in train mode when the iteration ends or is
+        closed."""
+        batches = held_out_batches(self.source, lo, hi, self.config.batch_size, only=only)
         reading = self._held_out_reading(batches, device)
         self._reading = reading
         interrupted = getattr(self, "_interrupted", None)
@@ -388,18 +390,27 @@ def _bad_rows(values: list[torch.Tensor], size: int) -> torch.Tensor:
     return bad
 
 
-def held_out_batches(source: Any, lo: int, hi: int, size: int) -> list[np.ndarray]:
-    """The held-out samples ``[lo, hi)`` in batches of ``size``: in index order, or for a
-    source whose chunks are sets of samples (``chunk_members``: a ``PatchSource``'s
-    units of windows) unit by unit, so that one unit is decoded at a time and once (in
-    index order a unit's windows are spread over the whole shard, and every unit
-    would stay decoded until its last window's batch). The sums do not depend on the
-    order (up to float rounding); the order is fixed, so neither do the scores."""
+def held_out_batches(
+    source: Any, lo: int, hi: int, size: int, *, only: np.ndarray | None = None
+) -> list[np.ndarray]:
+    """The held-out samples ``[lo, hi)`` (of them, those in ``only``) in batches of
+    ``size``: in index order, or for a source whose chunks are sets of samples
+    (``chunk_members``: a ``PatchSource``'s units of windows) unit by unit, so that one
+    unit is decoded at a time and once (in index order a unit's windows are spread over
+    the whole shard, and every unit would stay decoded until its last window's batch).
+    The sums do not depend on the order (up to float rounding); the order is fixed, so
+    neither do the scores."""
     members = source_chunk_members(source)
     if members is None:
-        return [np.arange(start, min(hi, start + size)) for start in range(lo, hi, size)]
-    order = np.concatenate([np.asarray(m, dtype=np.int64) for m in members])
-    order = order[(order >= lo) & (order < hi)]
+        if only is None:
+            return [np.arange(start, min(hi, start + size)) for start in range(lo, hi, size)]
+        order = np.asarray(only, dtype=np.int64)
+        order = order[(order >= lo) & (order < hi)]
+    else:
+        order = np.concatenate([np.asarray(m, dtype=np.int64) for m in members])
+        order = order[(order >= lo) & (order < hi)]
+        if only is not None:
+            order = order[np.isin(order, only)]
     return [order[start : start + size] for start in range(0, len(order), size)]
 
 

@@ -24,6 +24,7 @@ from dataflow.stitching import (
     add_window,
     averaged,
     gaussian_weights,
+    share_axis,
 )
 
 
@@ -43,9 +44,43 @@ def test_the_windows_touching_a_row_range_are_those_brute_force_finds(seed):
     layout = FieldLayout((rows,), (0,), (patch,), starts[:, None].astype(np.int64))
     lo = int(rng.integers(0, rows))
     hi = int(rng.integers(lo + 1, rows + 1))
-    first, stop = layout.windows_touching(lo, hi)
     touching = [i for i, c in enumerate(starts) if c < hi and c + patch > lo]
-    assert list(range(first, stop)) == touching
+    assert layout.windows_touching(lo, hi).tolist() == touching
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_windows_touching_rows_of_a_later_patch_axis_are_those_brute_force_finds(seed):
+    """Shares cut along the second patch axis: the windows meeting a range of its rows
+    are not one run of indices (the corners are in C order), and each lands clipped to
+    the range along that axis only."""
+    rng = np.random.default_rng(seed)
+    field, patch = (
+        (int(rng.integers(4, 12)), int(rng.integers(10, 40))),
+        (3, int(rng.integers(1, 8))),
+    )
+    grid = [np.arange(0, field[d] - patch[d] + 1, int(rng.integers(1, 4))) for d in range(2)]
+    corners = np.stack(np.meshgrid(*grid, indexing="ij"), -1).reshape(-1, 2).astype(np.int64)
+    layout = FieldLayout(field, (0, 1), patch, corners, window=patch, share=1)
+    assert layout.rows_dim == 1 and layout.rows == field[1]
+    lo = int(rng.integers(0, field[1]))
+    hi = int(rng.integers(lo + 1, field[1] + 1))
+    touching = [i for i, c in enumerate(corners) if c[1] < hi and c[1] + patch[1] > lo]
+    assert layout.windows_touching(lo, hi).tolist() == touching
+    for index in touching:
+        field_at, out_at = layout.place(corners[index], lo, hi)
+        rows = range(*field_at[1].indices(hi - lo))
+        assert rows.start + lo >= max(lo, corners[index][1]) and len(rows) >= 1
+        assert field_at[0] == slice(int(corners[index][0]), int(corners[index][0]) + 3)
+        assert out_at[1].stop - out_at[1].start == len(rows)
+
+
+def test_the_shares_are_cut_along_the_axis_with_the_most_window_positions():
+    """A volume one window spans in depth (one start along axis 0) is cut across its
+    rows, not into depth slabs that every window touches; ties keep the first axis."""
+    depth = np.stack(np.meshgrid([0], [0, 8, 16], [0, 8], indexing="ij"), -1).reshape(-1, 3)
+    assert share_axis(depth) == 1
+    square = np.stack(np.meshgrid([0, 4], [0, 4], indexing="ij"), -1).reshape(-1, 2)
+    assert share_axis(square) == 0
 
 
 def test_overlapping_windows_average_and_parts_of_rows_join_to_the_whole():
@@ -56,7 +91,7 @@ def test_overlapping_windows_average_and_parts_of_rows_join_to_the_whole():
 
     def part(lo, hi):
         sums, counts = np.zeros((1, hi - lo)), np.zeros(hi - lo, dtype=np.int32)
-        for index in range(*layout.windows_touching(lo, hi)):
+        for index in layout.windows_touching(lo, hi):
             add_window(sums, counts, layout, layout.corners[index], outputs[index], lo, hi)
         return averaged(sums, counts)
 
@@ -156,6 +191,43 @@ def test_a_volume_with_a_folded_level_axis_and_3d_windows(tmp_path):
     assert np.isnan(got[:, ~covered]).all()
 
 
+def write_slab(tmp_path):
+    """A volume thin in depth: 8 x 40 x 24, chunked (8, 16, 8)."""
+    rng = np.random.default_rng(2)
+    vol = rng.normal(size=(8, 40, 24)).astype(np.float32)
+    array = zarr.open_array(
+        str(tmp_path / "slab.zarr"), mode="w", shape=vol.shape, chunks=(8, 16, 8), dtype=np.float32
+    )
+    array[...] = vol
+    return tmp_path / "slab.zarr", vol
+
+
+def slab_windows(path):
+    """Windows as deep as the slab, every 6 x 4 cells across it."""
+    return dfl.io.PatchSource(path, patch={0: 8, 1: 8, 2: 8}, stride={0: 8, 1: 6, 2: 4})
+
+
+def test_a_slab_one_window_deep_is_written_in_parts_across_its_rows(tmp_path):
+    """One window spans the slab's depth, so its field is cut along its second axis (the
+    most window positions): written 5 rows a chunk, summed 5 rows a part, each part with
+    the windows touching it (not one run of indices), and equal to the model on the
+    whole slab wherever a window covers it."""
+    path, vol = write_slab(tmp_path)
+    source = slab_windows(path)
+    model = _pointwise(1, 2, 3)
+    row = 2 * 8 * 24  # channels x depth x width cells
+    parts = dict(chunk_mb=5 * row * 4 / 1e6, memory_mb=5 * (row // 2) * 3 * 8 / 1e6)
+    array = _stitched(source, model, tmp_path / "slab_out.zarr", **parts)
+    assert array.shape == (2, 8, 40, 24) and array.chunks == (2, 8, 5, 24)
+    with torch.no_grad():
+        want = model(torch.from_numpy(vol)[None, None])[0].numpy()
+    got = array[...]
+    covered = _covered(vol.shape, source.corners, (8, 8, 8))
+    assert (~covered).any() and covered[:, :38, :].all()
+    np.testing.assert_allclose(got[:, covered], want[:, covered], rtol=1e-5, atol=1e-6)
+    assert np.isnan(got[:, ~covered]).all()
+
+
 def test_what_cannot_be_stitched_is_named(tmp_path):
     path, _ = write_2d(tmp_path)
     source = tiles(path)
@@ -246,3 +318,24 @@ def test_workers_stitch_their_own_rows_as_one_process_does(client, tmp_path):
     assert there.chunks == (3, 16, 48)
     np.testing.assert_allclose(there[...], here[...], rtol=1e-6, atol=1e-6, equal_nan=True)
     assert np.isfinite(here[:, :63, :44]).all()
+
+
+@pytest.mark.slow  # real worker processes
+def test_workers_stitch_a_slab_across_its_rows_as_one_process_does(client, tmp_path):
+    """A slab one window deep is shared across its second axis: two workers write the
+    field this process writes (3x3x3 padded convolutions: real averages at the edges)."""
+    path, _ = write_slab(tmp_path)
+    source = slab_windows(path)
+    torch.manual_seed(0)
+    model = torch.nn.Conv3d(1, 2, 3, padding=1)
+    pipe = seg_pipeline(source)
+    options = dict(stitch=True, chunk_mb=10 * 2 * 8 * 24 * 4 / 1e6)  # 10-row chunks
+    with pytest.warns(RuntimeWarning):
+        pipe.predict(source, model, tmp_path / "here.zarr", **options)
+    with pytest.warns(RuntimeWarning):
+        pipe.predict(source, model, tmp_path / "there.zarr", client=client, **options)
+    here = zarr.open_group(str(tmp_path / "here.zarr"))["prediction"]
+    there = zarr.open_group(str(tmp_path / "there.zarr"))["prediction"]
+    assert there.chunks == (2, 8, 10, 24)
+    np.testing.assert_allclose(there[...], here[...], rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert np.isfinite(here[:, :, :38]).all()
