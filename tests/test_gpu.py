@@ -61,6 +61,17 @@ def test_workers_claim_the_gpus_this_node_has_by_uuid(tmp_path):
         claim.release()
 
 
+def test_an_embedded_cluster_starts_one_worker_per_gpu():
+    """fit(client=None) on a GPU machine: one worker (one replica) per GPU, none shared,
+    where a worker per core would have put them all on the GPUs together."""
+    x, y = make_data(64)
+    result = tiny_pipeline(x, y, device="cuda", **FP32).fit(epochs=1, client=None)
+    workers = result.history.info["workers"]
+    assert len(workers) == torch.cuda.device_count()
+    assert not any(w["shared_gpu"] for w in workers)
+    assert len({w["device"] for w in workers}) == len(workers)
+
+
 def test_sync_batchnorm_on_one_gpu_equals_the_cpu_loop_on_an_uneven_split(client):
     """sync_batchnorm's reductions on CUDA tensors (gloo through the host: two replicas
     share the GPU), a replica with no samples in the last step taking part."""
