@@ -81,11 +81,14 @@ def free_slot(held: set[int]) -> int:
 
 def lock_directory() -> Path:
     """Where the claims' lock files live: ``$DATAFLOW_GPU_LOCK_DIR``, else a folder of
-    this user's in the host's temporary directory (node-local on clusters)."""
+    this user's in ``/dev/shm`` (node-local memory, one per host, whatever ``$TMPDIR``
+    each batch job was given), else in the temporary directory."""
     chosen = os.environ.get(LOCK_DIR_ENV)
     if chosen:
         return Path(chosen)
-    return Path(tempfile.gettempdir()) / f"dataflow-gpus-{os.getuid()}"
+    shared = Path("/dev/shm")
+    base = shared if shared.is_dir() and os.access(shared, os.W_OK) else None
+    return Path(base or tempfile.gettempdir()) / f"dataflow-gpus-{os.getuid()}"
 
 
 def claim_gpu(gpu_ids: Sequence[str], directory: Path | None = None) -> GpuClaim | None:
