@@ -152,6 +152,28 @@ async def _removed(cluster, address: str) -> None:
     cluster._update_worker_status("remove", address)
 
 
+def test_an_embedded_workers_heartbeat_to_a_closed_scheduler_is_not_printed() -> None:
+    """The Ctrl-C test's one line was followed, once in CI, by a worker's heartbeat
+    traceback: the scheduler (in the driver's process) had closed the connection. Such a
+    heartbeat is dropped; one that times out (a stalled driver), and other errors, stay."""
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from dataflow.runtime.interrupt import SchedulerClosedHeartbeat
+
+    def record(message: str, error: BaseException | None) -> logging.LogRecord:
+        exc_info = None if error is None else (type(error), error, None)
+        return logging.LogRecord("distributed.worker", logging.ERROR, "", 0, message, (), exc_info)
+
+    heartbeat = "Failed to communicate with scheduler during heartbeat."
+    keep = SchedulerClosedHeartbeat().filter
+    assert not keep(record(heartbeat, CommClosedError("in <TCP (closed)>: Stream is closed")))
+    assert keep(record(heartbeat, TimeoutError("timed out")))
+    assert keep(record("Compute Failed", CommClosedError("closed")))
+    assert keep(record(heartbeat, None))
+
+
 def test_the_embedded_cluster_outlives_a_worker_removed_twice():
     """A SIGKILLed worker can reach the cluster's watch of the scheduler as removed twice
     (dask/distributed issue 5407). The stock LocalCluster's watch dies on the second,

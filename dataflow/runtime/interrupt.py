@@ -36,6 +36,24 @@ def dask_setup(worker: Any) -> None:
         # the job; the driver saves the fit and stops it (driver/stop_signals.py), and
         # the workers, in the driver's process group, must not die of it first
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    worker_logger = logging.getLogger("distributed.worker")
+    if not any(isinstance(f, SchedulerClosedHeartbeat) for f in worker_logger.filters):
+        worker_logger.addFilter(SchedulerClosedHeartbeat())
+
+
+class SchedulerClosedHeartbeat(logging.Filter):
+    """Drops an embedded worker's "Failed to communicate with scheduler during heartbeat"
+    when the scheduler's side of the connection was closed: the scheduler runs in the
+    driver's process, so that only happens as the driver closes the cluster (a Ctrl-C,
+    the fit's end), where it printed a traceback after the one line a Ctrl-C leaves. A
+    heartbeat that times out (a stalled driver) is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "during heartbeat" not in str(record.msg) or not record.exc_info:
+            return True
+        from distributed.comm.core import CommClosedError
+
+        return not isinstance(record.exc_info[1], CommClosedError)
 
 
 def say_interrupted(what: str) -> None:
