@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from dataflow.core import kinds
-from dataflow.core.errors import CollectiveError, ConfigError, DataError, GraphError
+from dataflow.core.errors import CollectiveError, ConfigError, GraphError
 from dataflow.core.window import WHOLE
 from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import EpochChunkReader, auto_decode_threads
@@ -31,6 +31,7 @@ from dataflow.io.sharding import source_chunk_members
 from dataflow.stages.averaging import SwappedIn
 from dataflow.stages.base import Stage, StepContext
 from dataflow.stages.forward import Forward, call_model
+from dataflow.stages.held_out_checks import check_finite, metric_error
 from dataflow.stages.transform import Transform
 
 
@@ -244,7 +245,7 @@ class Evaluate(Stage):
         for key, fn in self.config.metrics.items():
             value = float(fn(output) if y is None else fn(output, y))
             if not math.isfinite(value):
-                raise _metric_error(self.source, prefix + key, value, indices)
+                raise metric_error(self.source, prefix + key, value, indices)
             sums[prefix + key] += value * batch.size
 
     def outputs(
@@ -370,26 +371,6 @@ def _marked_whole(summed: dict[str, float]) -> dict[str, float]:
     return summed
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The floating tensors of an output or a batch field (a tensor, a tuple, a dict)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() or value.is_complex() else []
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _bad_rows(values: list[torch.Tensor], size: int) -> torch.Tensor:
-    """Per sample (dimension 0): whether any of ``values`` is NaN or inf there."""
-    bad = torch.zeros(size, dtype=torch.bool)
-    for t in values:
-        if t.ndim and t.shape[0] == size:
-            bad |= ~torch.isfinite(t).reshape(size, -1).all(dim=1).cpu()
-    return bad
-
-
 def held_out_batches(
     source: Any, lo: int, hi: int, size: int, *, only: np.ndarray | None = None
 ) -> list[np.ndarray]:
@@ -412,58 +393,6 @@ def held_out_batches(
         if only is not None:
             order = order[np.isin(order, only)]
     return [order[start : start + size] for start in range(0, len(order), size)]
-
-
-def _named(indices: np.ndarray) -> str:
-    """Held-out samples, as an error names them: a range, or the first few."""
-    first, last = int(indices[0]), int(indices[-1])
-    if last - first + 1 == len(indices) and (np.diff(indices) == 1).all():
-        return f"{first} to {last}"
-    shown = ", ".join(str(int(i)) for i in indices[:5])
-    return f"{shown}{', ...' if len(indices) > 5 else ''} ({len(indices)} samples)"
-
-
-def check_finite(source: Any, indices: np.ndarray, batch: Any, output: Any) -> None:
-    """Raise a DataError naming the first held-out sample whose model output or target is
-    NaN or inf (the held-out loss would be NaN, and the other metrics scored on it). One
-    ``isfinite`` over the batch's output and float targets; the sample is found only then.
-    ``indices``: the batch's samples' indices in ``source``."""
-    if all(bool(torch.isfinite(t).all()) for t in (*_tensors(output), *_tensors(batch.y))):
-        return
-    y_bad = _bad_rows(_tensors(batch.y), batch.size)
-    rows = (_bad_rows(_tensors(output), batch.size) | y_bad).nonzero().flatten().tolist()
-    rows = rows or [0]  # an output without a sample dimension: the batch's first
-    index = int(indices[rows[0]])
-    if y_bad[rows[0]]:
-        cause = "its y holds NaN or inf"
-    elif _bad_rows(_tensors(batch.x), batch.size)[rows[0]]:
-        cause = "its x (as the model receives it) holds NaN or inf"
-    else:
-        cause = "the model's output for it is NaN or inf, though its x is finite"
-    others = ""
-    if len(rows) > 1:
-        shown = ", ".join(str(int(indices[r])) for r in rows[1:6])
-        others = (
-            f" Other such samples of the same batch: {shown}{', ...' if len(rows) > 6 else ''}."
-        )
-    error = DataError(
-        f"held-out sample {index} of eval_source {source!r}: {cause}, so the held-out loss "
-        f"and metrics would be NaN; fix or drop sample {index} in the held-out data (the "
-        f"finite samples: numpy.isfinite(x).reshape(len(x), -1).all(axis=1)).{others}"
-    )
-    error.index, error.source = index, repr(source)
-    raise error
-
-
-def _metric_error(source: Any, key: str, value: float, indices: np.ndarray) -> DataError:
-    error = DataError(
-        f"metric {key!r} is {value} on held-out samples {_named(indices)} of "
-        f"eval_source {source!r}, though the model's outputs and the targets there are "
-        "finite: the metric is not finite on them (a division by zero, a log of 0?); make "
-        "it finite on every batch"
-    )
-    error.index, error.source = int(indices[0]), repr(source)
-    return error
 
 
 def bind_evaluations(graph: Any) -> None:
