@@ -32,6 +32,7 @@ Appends the run to ``benchmarks/results/stitch.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -54,24 +55,28 @@ from dataflow.evaluation import contiguous_shares  # noqa: E402
 from dataflow.io.writer import create_field_array  # noqa: E402
 
 
-class Seg2d(torch.nn.Module):
+class Seg(torch.nn.Module):
+    """Two padded convolutions: an output per cell of the window (``conv``: 2-D or 3-D)."""
+
+    conv: type = torch.nn.Conv2d
+    widths: tuple[int, int, int] = (2, 16, 3)
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Conv2d(2, 16, 3, padding=1)
-        self.b = torch.nn.Conv2d(16, 3, 3, padding=1)
+        c_in, hidden, c_out = self.widths
+        self.a = self.conv(c_in, hidden, 3, padding=1)
+        self.b = self.conv(hidden, c_out, 3, padding=1)
 
     def forward(self, x):
         return self.b(F.relu(self.a(x)))
 
 
-class Seg3d(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Conv3d(1, 8, 3, padding=1)
-        self.b = torch.nn.Conv3d(8, 2, 3, padding=1)
+class Seg2d(Seg):
+    pass
 
-    def forward(self, x):
-        return self.b(F.relu(self.a(x)))
+
+class Seg3d(Seg):
+    conv, widths = torch.nn.Conv3d, (1, 8, 2)
 
 
 def workloads(root: str, size: int) -> dict[str, tuple]:
@@ -151,18 +156,18 @@ def engine(pipe, source, model, out: str, batch: int, client=None) -> str:
     return out
 
 
-def windows_computed(source, workers: int, share=None) -> tuple[int, int]:
-    """(windows the shares run, windows) for ``workers`` shares of whole row chunks, as
-    ``predict_field`` cuts them (``share``: force the cut's patch axis)."""
+def windows_computed(source, workers: int, written: str, share=None) -> tuple[int, int]:
+    """(windows the shares run, windows) for ``workers`` shares of whole row chunks of
+    the field ``predict_field`` wrote at ``written`` (``share``: the cut's patch axis,
+    when forced)."""
     layout = stitching.field_layout(source)
     if share is not None:
-        layout = stitching.FieldLayout(**{**layout.__dict__, "share": share})
-    row_cells = int(np.prod(layout.field)) // layout.rows
-    channels = 3 if len(layout.field) == 2 else 2
-    per_chunk = int(min(layout.rows, max(1, 8e6 // (row_cells * channels * 4))))
-    computed = 0
-    for lo, hi in contiguous_shares(layout.rows, workers, per_chunk):
-        computed += len(layout.windows_touching(lo, hi))
+        layout = dataclasses.replace(layout, share=share)
+    per_chunk = zarr.open_group(written)["prediction"].chunks[1 + layout.rows_dim]
+    computed = sum(
+        len(layout.windows_touching(lo, hi))
+        for lo, hi in contiguous_shares(layout.rows, workers, per_chunk)
+    )
     return computed, len(layout.corners)
 
 
@@ -229,8 +234,9 @@ def main() -> None:
                 )
             seconds = best_of(args.repeats, sides)
             computed = {
-                "engine, 2 workers": windows_computed(source, 2),
-                "slab, depth cut, 2 workers": windows_computed(source, 2, share=0),
+                side: windows_computed(source, 2, fields[side], share=share)
+                for side, share in (("engine, 2 workers", None), ("slab, depth cut, 2 workers", 0))
+                if side in fields
             }
             for side, t in seconds.items():
                 ran, windows = computed.get(side, (source.num_samples, source.num_samples))

@@ -297,6 +297,25 @@ def test_a_forecast_is_stitched_where_its_y_windows_lie(tmp_path, blend):
         np.testing.assert_allclose(got[:, t + 2], want, rtol=1e-5, atol=1e-6)
 
 
+def _here_and_there(source, model, client, tmp_path, chunk_mb: float):
+    """The field stitched in this process and on ``client``'s workers (each warns of the
+    cells no window covers)."""
+    pipe = seg_pipeline(source)
+    fields = []
+    for name, where in (("here", None), ("there", client)):
+        with pytest.warns(RuntimeWarning):
+            pipe.predict(
+                source,
+                model,
+                tmp_path / f"{name}.zarr",
+                stitch=True,
+                chunk_mb=chunk_mb,
+                client=where,
+            )
+        fields.append(zarr.open_group(str(tmp_path / f"{name}.zarr"))["prediction"])
+    return fields
+
+
 @pytest.mark.slow  # real worker processes
 def test_workers_stitch_their_own_rows_as_one_process_does(client, tmp_path):
     """On the cluster each worker takes whole row chunks and computes every window that
@@ -307,14 +326,8 @@ def test_workers_stitch_their_own_rows_as_one_process_does(client, tmp_path):
     source = tiles(path)
     torch.manual_seed(0)
     model = SegNet()
-    pipe = seg_pipeline(source)
-    options = dict(stitch=True, chunk_mb=16 * 48 * 3 * 4 / 1e6)  # 16-row chunks: 4 of them
-    with pytest.warns(RuntimeWarning):
-        pipe.predict(source, model, tmp_path / "here.zarr", **options)
-    with pytest.warns(RuntimeWarning):
-        pipe.predict(source, model, tmp_path / "there.zarr", client=client, **options)
-    here = zarr.open_group(str(tmp_path / "here.zarr"))["prediction"]
-    there = zarr.open_group(str(tmp_path / "there.zarr"))["prediction"]
+    chunk_mb = 16 * 48 * 3 * 4 / 1e6  # 16-row chunks: 4 of them
+    here, there = _here_and_there(source, model, client, tmp_path, chunk_mb)
     assert there.chunks == (3, 16, 48)
     np.testing.assert_allclose(there[...], here[...], rtol=1e-6, atol=1e-6, equal_nan=True)
     assert np.isfinite(here[:, :63, :44]).all()
@@ -328,14 +341,8 @@ def test_workers_stitch_a_slab_across_its_rows_as_one_process_does(client, tmp_p
     source = slab_windows(path)
     torch.manual_seed(0)
     model = torch.nn.Conv3d(1, 2, 3, padding=1)
-    pipe = seg_pipeline(source)
-    options = dict(stitch=True, chunk_mb=10 * 2 * 8 * 24 * 4 / 1e6)  # 10-row chunks
-    with pytest.warns(RuntimeWarning):
-        pipe.predict(source, model, tmp_path / "here.zarr", **options)
-    with pytest.warns(RuntimeWarning):
-        pipe.predict(source, model, tmp_path / "there.zarr", client=client, **options)
-    here = zarr.open_group(str(tmp_path / "here.zarr"))["prediction"]
-    there = zarr.open_group(str(tmp_path / "there.zarr"))["prediction"]
+    chunk_mb = 10 * 2 * 8 * 24 * 4 / 1e6  # 10-row chunks
+    here, there = _here_and_there(source, model, client, tmp_path, chunk_mb)
     assert there.chunks == (2, 8, 10, 24)
     np.testing.assert_allclose(there[...], here[...], rtol=1e-6, atol=1e-6, equal_nan=True)
     assert np.isfinite(here[:, :, :38]).all()
