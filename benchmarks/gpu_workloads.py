@@ -397,6 +397,11 @@ def ratios(workload: Workload, out: dict[str, Any]) -> dict[str, float]:
             found[f"{target.numerator} loader alone / {target.denominator}"] = (
                 alone["samples_per_s"] / memory
             )
+        codec = (alone or {}).get("decode_only")
+        if codec:  # the loader against its codec's ceiling: the reader's own loss
+            found[f"{target.numerator} loader alone / its decode only"] = (
+                alone["samples_per_s"] / codec["samples_per_s"]
+            )
     return found
 
 

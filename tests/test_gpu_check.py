@@ -84,6 +84,7 @@ SEED_RATIOS = {
     "fit_zarr_bf16_cl / fit_memory_bf16_cl",
     "fit_zarr_lz4_bf16_cl / fit_memory_bf16_cl",  # compressor="lz4"
     "fit_zarr_bf16_cl loader alone / fit_memory_bf16_cl",  # can the loader keep up at all
+    "fit_zarr_bf16_cl loader alone / its decode only",  # the reader against its codec
     "fit_memory_bf16_cl / fit_memory_fp32",
     "loop_resident_bf16_cl / loop_resident_fp32",
 }
@@ -181,6 +182,9 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     assert "dataflow_zarr loader alone / dataflow_memory" in small["ratios"]
     alone = small["dataflow_zarr"]["loader_alone"]  # one epoch, read on the worker
     assert alone["samples"] == 8 and alone["samples_per_s"] > 0 and alone["decode_threads"] >= 1
+    codec = alone["decode_only"]  # every chunk the epoch touches, decoded once
+    assert codec["samples"] == 8 and codec["chunks"] >= 1 and codec["samples_per_s"] > 0
+    assert "dataflow_zarr loader alone / its decode only" in small["ratios"]
     assert set(small["targets"]) == {*TARGETS, "Adaptive / Fixed", *CAPTURED_TARGETS}
     assert len(run["targets"]) == 20
     for label, target in run["targets"].items():
