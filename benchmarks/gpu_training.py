@@ -232,7 +232,11 @@ class Sides:
 
 
 def loader_alone(
-    source: Any, batches: list[np.ndarray], cuda: bool, threads: int | str = "auto"
+    source: Any,
+    batches: list[np.ndarray],
+    cuda: bool,
+    threads: int | str = "auto",
+    pinned: bool = True,
 ) -> dict[str, Any]:
     """On a worker: how fast the fit's loader delivers ``batches`` of a chunked source with
     nothing else running, as the Load stage reads them (the chunks each decoded once on
@@ -245,7 +249,7 @@ def loader_alone(
     device = torch.device("cuda" if cuda else "cpu")
     threads = auto_decode_threads(device) if threads == "auto" else threads
     stager = DeviceStager(CudaCopies(device)) if cuda else None
-    buffers = BatchBuffers(keep=6, pin_memory=cuda)
+    buffers = BatchBuffers(keep=6, pin_memory=cuda and pinned)  # pinned=False: pageable
     started = time.perf_counter()
     first = None  # when the first batch was staged: the rate counts from there (a short
     # epoch's first batch, decoded with nothing ahead, halved CosmoFlow's figure)
@@ -271,6 +275,40 @@ def loader_alone(
     }
 
 
+def loader_by_threads(
+    source: Any, batches: list[np.ndarray], cuda: bool, counts: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """On a worker: :func:`loader_alone` at each decode thread count of ``counts`` up to
+    the "auto" count, and at "auto" itself; on CUDA, also the "auto" read into pageable
+    buffers. How the loader and its codec scale with threads: on the H200 the small
+    CNN's loader read 3.2x one thread's rate with 15."""
+    from dataflow.io.chunk_reader import auto_decode_threads
+
+    most = auto_decode_threads(torch.device("cuda" if cuda else "cpu"))
+    rows = []
+    for threads in sorted({*(t for t in counts if t < most), most}):
+        rows.append({"pinned": cuda, **loader_alone(source, batches, cuda, threads)})
+    if cuda:
+        rows.append({"pinned": False, **loader_alone(source, batches, cuda, most, pinned=False)})
+    return rows
+
+
+def loader_table(rows: list[dict[str, Any]]) -> str:
+    header = ("decode threads", "pinned", "loader samples/s", "decode only samples/s")
+    return table(
+        [
+            (
+                str(r["decode_threads"]),
+                "yes" if r["pinned"] else "no",
+                f"{r['samples_per_s']:.0f}",
+                f"{r['decode_only']['samples_per_s']:.0f}",
+            )
+            for r in rows
+        ],
+        header,
+    )
+
+
 def decode_only(source: Any, batches: list[np.ndarray], threads: int) -> dict[str, Any]:
     """The codec's own ceiling for the loader above: every chunk of the epoch decoded once
     on ``threads`` threads (one ``read_chunks`` call a chunk, nothing assembled, copied or
@@ -292,7 +330,8 @@ def decode_only(source: Any, batches: list[np.ndarray], threads: int) -> dict[st
 
 def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> dict[str, Any]:
     w = sides.w
-    options = {**w.fit_options, **{k: v for k, v in variant.items() if k != "source"}}
+    bench_only = ("source", "loader_threads")  # what the bench reads, not the Pipeline
+    options = {**w.fit_options, **{k: v for k, v in variant.items() if k not in bench_only}}
     if variant["source"].endswith("_counts"):  # int16 counts: log1p on the device
         from dataflow.ops.transforms import Log1p
 
@@ -304,6 +343,13 @@ def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> di
         threads = variant.get("decode_threads", "auto")  # as the fit's Load decodes
         alone = client.submit(loader_alone, source, epoch, sides.device.cuda, threads, pure=False)
         alone = alone.result()
+        sweep = variant.get("loader_threads")
+        if sweep and name not in sides.out:  # once a side: its repeats read the same
+            alone["by_threads"] = client.submit(
+                loader_by_threads, source, epoch, sides.device.cuda, sweep, pure=False
+            ).result()
+            print(f"{w.name} {name}: the loader alone by decode threads:")
+            print(loader_table(alone["by_threads"]))
         print(
             f"{w.name} {name}: the loader alone: {alone['samples_per_s']:.0f} samples/s; "
             f"its chunks decoded alone: {alone['decode_only']['samples_per_s']:.0f}"

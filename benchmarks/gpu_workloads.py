@@ -113,7 +113,9 @@ SMALL_FITS: dict[str, dict[str, Any]] = {
     "dataflow_memory_fp32": {"source": "memory", "precision": "fp32", "channels_last": False},
     "dataflow_memory": {"source": "memory"},  # uploaded to the GPU once (data_on_device)
     "dataflow_memory_host": {"source": "memory", "data_on_device": False},
-    "dataflow_zarr": {"source": "zarr"},
+    # loader_threads: the loader alone also at 1, 2, 4 and 8 decode threads besides
+    # "auto" (and pageable at "auto" on CUDA), each against its codec's own rate
+    "dataflow_zarr": {"source": "zarr", "loader_threads": (1, 2, 4, 8)},
     # why zarr / memory missed (0.763, H200): the decode threads against the host-bound
     # step (one thread instead of "auto"), and the same read under a captured step
     "dataflow_zarr_decode1": {"source": "zarr", "decode_threads": 1},

@@ -185,6 +185,12 @@ def test_bench_gpu_runs_every_model_and_side_on_the_cpu(tmp_path):
     codec = alone["decode_only"]  # every chunk the epoch touches, decoded once
     assert codec["samples"] == 8 and codec["chunks"] >= 1 and codec["samples_per_s"] > 0
     assert "dataflow_zarr loader alone / its decode only" in small["ratios"]
+    sweep = alone["by_threads"]  # 1, 2, 4, 8 decode threads up to "auto", then "auto"
+    assert [r["decode_threads"] for r in sweep] == sorted(
+        {*(t for t in (1, 2, 4, 8) if t < alone["decode_threads"]), alone["decode_threads"]}
+    )
+    assert all(r["samples_per_s"] > 0 and r["decode_only"]["samples_per_s"] > 0 for r in sweep)
+    assert not any(r["pinned"] for r in sweep)  # the CPU: no pinned memory, no pageable row
     assert set(small["targets"]) == {*TARGETS, "Adaptive / Fixed", *CAPTURED_TARGETS}
     assert len(run["targets"]) == 20
     for label, target in run["targets"].items():
@@ -266,3 +272,28 @@ def test_bench_gpu_confirms_targets_near_their_bar_with_interleaved_runs(bench, 
     assert zarr["runs"] == {"dataflow_zarr": 1, "dataflow_memory": 3}
     far = probe["targets"]["fit / hand loop, fp32"]
     assert far["value"] == pytest.approx(0.6) and far["met"] is False and "runs" not in far
+
+
+def test_the_loader_sweep_reads_every_thread_count_up_to_auto(bench, tmp_path, monkeypatch):
+    """``loader_by_threads`` on a small store: one row per count below "auto", then
+    "auto"; each read the epoch's samples, and decoded each chunk the epoch touches once."""
+    import numpy as np
+    import torch
+
+    import dataflow as dfl
+    from dataflow.io.chunk_index import chunk_index
+
+    training, _ = bench
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # "auto" on the CPU: 3
+    x = np.arange(64 * 16, dtype=np.float32).reshape(64, 1, 4, 4)
+    dfl.io.to_zarr(tmp_path / "s.zarr", x, np.zeros(64, np.int64), chunk_mb=0.0005)
+    source = dfl.io.ZarrSource(tmp_path / "s.zarr", y="y")
+    index = chunk_index(source)
+    batches = [np.arange(0, 32), np.arange(32, 64)[::-1]]
+    rows = training.loader_by_threads(source, batches, False, (1, 2, 4, 8))
+    assert [r["decode_threads"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["samples"] == 64 and not row["pinned"]
+        assert row["decode_only"]["samples"] == 64
+        assert row["decode_only"]["chunks"] == len(np.unique(index.of(np.arange(64)))) > 2
+    assert "decode threads" in training.loader_table(rows)
