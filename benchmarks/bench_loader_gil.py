@@ -54,7 +54,8 @@ sys.path.insert(0, str(HERE))
 from records import save_run, table  # noqa: E402
 
 import dataflow as dfl  # noqa: E402
-from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader  # noqa: E402
+from dataflow.io.batch_buffers import BatchBuffers  # noqa: E402
+from dataflow.io.chunk_reader import EpochChunkReader  # noqa: E402
 
 
 class HostBoundStep:

@@ -243,7 +243,8 @@ def loader_alone(
     the fit's ``threads`` decode threads, each batch assembled in pinned memory and copied to the
     GPU on a side stream). Against the memory fit's rate, it says whether a zarr fit can
     keep up at all: one that cannot is bound by the data, not by the engine's host time."""
-    from dataflow.io.chunk_reader import BatchBuffers, EpochChunkReader, auto_decode_threads
+    from dataflow.io.batch_buffers import BatchBuffers
+    from dataflow.io.chunk_reader import EpochChunkReader, auto_decode_threads
     from dataflow.io.device_staging import CudaCopies, DeviceStager
 
     device = torch.device("cuda" if cuda else "cpu")

@@ -12,7 +12,7 @@ from typing import Any
 
 _LAZY = {
     "ArraySource": "dataflow.io.array_source",
-    "BatchBuffers": "dataflow.io.chunk_reader",
+    "BatchBuffers": "dataflow.io.batch_buffers",
     "EpochChunkReader": "dataflow.io.chunk_reader",
     "LabelError": "dataflow.io.labels",
     "NormalizationStats": "dataflow.io.normalization",

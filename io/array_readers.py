@@ -41,8 +41,8 @@ from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
 from dataflow.core.errors import ChunkMissingError, ChunkReadError, StoreAccessError
+from dataflow.io.batch_buffers import BatchBuffers
 from dataflow.io.checksums import is_checksum_mismatch
-from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
 from dataflow.io.region import chunk_range
 from dataflow.io.store_access import store_access_error

@@ -3,7 +3,7 @@
 Memory stays within ``depth`` batches whatever the dataset size. An exception in
 the loader thread is re-raised in the consumer at the batch it belongs to. The
 loader thread keeps no reference to a batch once it is queued, so a batch's output
-buffer (``io.chunk_reader.BatchBuffers``) is free again as soon as the consumer
+buffer (``io.batch_buffers.BatchBuffers``) is free again as soon as the consumer
 drops it.
 
 A loader closed while interrupted is not waited for (its item may be a read stuck for

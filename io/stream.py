@@ -7,7 +7,7 @@ reader: to inspect a store, evaluate a model, or measure read speed
 
 A batch's tensors live in a reused output buffer that is handed out again only
 once nothing refers to the batch, or to any view or array made from it
-(``io.chunk_reader.BatchBuffers``): keeping batches (``list(stream_batches(...))``)
+(``io.batch_buffers.BatchBuffers``): keeping batches (``list(stream_batches(...))``)
 is safe, and dropping each one after use lets the next reuse its memory.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError
+from dataflow.io.batch_buffers import BatchBuffers
 from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import (
-    BatchBuffers,
     EpochChunkReader,
     check_decode_threads,
 )

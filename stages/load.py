@@ -10,9 +10,9 @@ import numpy as np
 from dataflow.core import kinds
 from dataflow.core.errors import CollectiveError, ConfigError
 from dataflow.core.protocols import Source, missing_members
+from dataflow.io.batch_buffers import BatchBuffers
 from dataflow.io.chunk_index import is_chunked
 from dataflow.io.chunk_reader import (
-    BatchBuffers,
     EpochChunkReader,
     auto_decode_threads,
     check_decode_threads,
@@ -89,7 +89,7 @@ class Load(Stage):
     Batches are assembled into output buffers that are reused (no fresh memory per
     batch), but only once nothing refers to a batch any more: stages downstream may
     keep a batch, or views of it, as long as they like
-    (:class:`dataflow.io.chunk_reader.BatchBuffers`).
+    (:class:`dataflow.io.batch_buffers.BatchBuffers`).
     On CUDA they are assembled straight into pinned memory from torch's caching host
     allocator, which reuses pinned blocks once the asynchronous copies reading them
     have finished, and copied to the device on a side stream, ``prefetch`` batches
@@ -186,8 +186,9 @@ class Load(Stage):
             shuffle=getattr(self.source, "shuffle", True),
             buffer_chunks=self.config.buffer_chunks,
         )
-        # One epoch ahead: a remote store's next epoch is fetched while this one ends
-        # (EpochChunkReader.then), so its first GETs are not waited for at its start
+        # One epoch ahead (EpochChunkReader.then): a remote store's next epoch is fetched
+        # while this one ends, and its first chunks decode once this one's are all
+        # decoded, so neither its first GETs nor its first decodes are waited for
         mine_per_epoch = (
             (epoch_steps, [step_parts[rank] for step_parts in parts])
             for _, epoch_steps, parts in epochs
@@ -217,9 +218,9 @@ class Load(Stage):
                     if close is not None:  # stops the reader's decode thread early
                         close()
                 current, reader = following, after
-        finally:  # an epoch started ahead and never read: what it fetched is dropped
+        finally:  # an epoch started ahead and never read: its fetches and reads stop
             if after is not None:
-                after.close_fetching()
+                after.close_unread()
 
     def _epoch_reader(self, mine: list[np.ndarray]) -> EpochChunkReader | None:
         """The reader of an epoch of this replica's batches ``mine`` (a chunked source)."""

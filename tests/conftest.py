@@ -8,6 +8,8 @@ import functools
 import itertools
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -493,3 +495,18 @@ def pytest_runtest_makereport(item, call):
         call.stop,
         item.user_properties,
     )
+
+
+def run_benchmark(script: str, out: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """``python benchmarks/<script> *args --out <out>`` in a subprocess (a benchmark's
+    smoke run, usually ``--tiny``): the one run it saved, after asserting it exited 0."""
+    done = subprocess.run(
+        [sys.executable, script, *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parents[1] / "benchmarks",
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    [run] = json.loads(Path(out).read_text())["runs"]
+    return run

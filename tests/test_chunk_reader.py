@@ -5,7 +5,7 @@ from collections import Counter
 import dask.array as da
 import numpy as np
 import pytest
-from conftest import ObservedReads
+from conftest import ObservedReads, run_benchmark
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +141,81 @@ def test_a_corrupt_chunk_in_the_stream_is_named(tmp_path):
     (path / "x" / "c" / "3" / "0").write_bytes(b"garbage" * 10)
     with pytest.raises(dfl.ChunkReadError, match=r"'x/c/3/0'.*corrupt"):
         list(dfl.io.stream_batches(ZarrSource(path, "x"), 4))
+
+
+def _two_epochs(tmp_path, name="s.zarr"):
+    """A 103-sample store of 10-sample chunks, and two epochs of its batches of 16."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(103, 2, 4)).astype(np.float32)
+    path = dfl.io.to_zarr(tmp_path / name, x, rng.integers(0, 5, 103), chunk_mb=320 / 1e6)
+    source = ZarrSource(path, "x", "y")
+    orders = [
+        [b.indices.copy() for b in dfl.io.stream_batches(source, 16, seed=3, epoch=e)]
+        for e in (0, 1)
+    ]
+    return path, x, orders
+
+
+def test_the_next_epoch_decodes_its_first_chunks_before_this_one_ends(tmp_path):
+    """``then`` (as ``Load`` chains a phase's epochs): once this epoch's chunks are all
+    decoded, the next epoch's reads start (its first batch then waits for no round of
+    decodes); both epochs' batches are the same as read apart, each chunk decoded once."""
+    path, x, orders = _two_epochs(tmp_path)
+    first = EpochChunkReader(CountingZarrSource(path, "x", "y"), orders[0], decode_threads=2)
+    second_source = CountingZarrSource(path, "x", "y")
+    second = EpochChunkReader(second_source, orders[1], decode_threads=2)
+    first.then = second
+    batches = iter(first)
+    got = [next(batches) for _ in orders[0]]  # the whole first epoch taken, not yet ended
+    assert second._early is not None and not isinstance(second._early, Exception)
+    assert next(batches, None) is None
+    got += list(second)
+    assert second._early is None  # the early reads were the ones iterated
+    assert sorted(second_source.decodes) == list(range(11))
+    assert set(second_source.decodes.values()) == {1}
+    assert second.decoded == 11
+    for batch, indices in zip(got, orders[0] + orders[1], strict=True):
+        assert np.array_equal(batch.indices, indices)
+        assert np.array_equal(batch.x.numpy(), x[indices])
+
+
+def test_a_chunk_missing_from_the_next_epoch_fails_it_at_its_start_not_this_one(tmp_path):
+    """The next epoch's check runs early, but what it finds is raised where it was
+    before: at the next epoch's start, after every batch of this one."""
+    path, _, orders = _two_epochs(tmp_path)
+    broken, _, _ = _two_epochs(tmp_path, "broken.zarr")
+    (broken / "x" / "c" / "4" / "0" / "0").unlink()
+    first = EpochChunkReader(ZarrSource(path, "x", "y"), orders[0], decode_threads=2)
+    second = EpochChunkReader(ZarrSource(broken, "x", "y"), orders[1], decode_threads=2)
+    first.then = second
+    assert len(list(first)) == len(orders[0])
+    assert isinstance(second._early, dfl.ChunkMissingError)  # found while the first ended
+    with pytest.raises(dfl.ChunkMissingError, match=r"'x/c/4/0/0'"):
+        next(iter(second))
+
+
+def test_an_epoch_started_early_and_never_read_stops_its_reads(tmp_path):
+    """``close_unread`` (a window aborted before the next epoch): its decode threads end."""
+    import threading
+
+    path, _, orders = _two_epochs(tmp_path)
+    first = EpochChunkReader(ZarrSource(path, "x", "y"), orders[0], decode_threads=2)
+    second = EpochChunkReader(ZarrSource(path, "x", "y"), orders[1], decode_threads=2)
+    first.then = second
+    assert len(list(first)) == len(orders[0])
+    assert second._early is not None
+    second.close_unread()
+    assert second._early is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("dataflow-decode")]
+
+
+@pytest.mark.slow
+def test_the_epoch_chain_benchmark_runs_both_sides(tmp_path):
+    """``benchmarks/bench_epoch_chain.py --tiny``: chained and apart epochs per codec,
+    each with its first-batch wait and rate against apart's in the same run."""
+    run = run_benchmark("bench_epoch_chain.py", tmp_path / "chain.json", "--tiny")
+    sides = [(r["codec"], r["side"]) for r in run["results"]]
+    assert sides == [("zstd", "apart"), ("zstd", "chained"), ("lz4", "apart"), ("lz4", "chained")]
+    for r in run["results"]:
+        assert r["first_batch_wait_ms"] >= 0 and r["samples_per_s"] > 0
+        assert r["rate_vs_apart"] == 1.0 if r["side"] == "apart" else r["rate_vs_apart"] > 0

@@ -5,15 +5,10 @@ held in memory: the narrow store changes what is read, not what is trained."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from conftest import TinyCNN, max_abs_diff, tiny_pipeline
+from conftest import TinyCNN, max_abs_diff, run_benchmark, tiny_pipeline
 
 import dataflow as dfl
 
@@ -40,16 +35,9 @@ def test_int16_counts_from_an_lz4_store_train_as_their_float32_log_in_memory(cli
 def test_the_codec_benchmark_runs_and_compares_with_the_default_store(tmp_path):
     """``benchmarks/bench_field_codecs.py --tiny``: every codec and dtype read, each
     against the default store (float32, zstd) at the same thread count."""
-    out = tmp_path / "codecs.json"
-    done = subprocess.run(
-        [sys.executable, "bench_field_codecs.py", "--tiny", "--threads", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=Path(__file__).resolve().parents[1] / "benchmarks",
+    run = run_benchmark(
+        "bench_field_codecs.py", tmp_path / "codecs.json", "--tiny", "--threads", "1", timeout=120
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    [run] = json.loads(out.read_text())["runs"]
     cases = {(r["codec"], r["dtype"]) for r in run["results"]}
     assert cases == {(c, d) for c in ("zstd", "lz4") for d in ("float32", "int16", "float16")}
     for r in run["results"]:

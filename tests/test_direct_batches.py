@@ -10,8 +10,8 @@ from test_corrupt_chunks import chunk_file, damage
 
 import dataflow as dfl
 from dataflow.io import chunk_reader as chunk_reader_module
+from dataflow.io.batch_buffers import BatchBuffers
 from dataflow.io.chunk_index import RunIndex, last_uses
-from dataflow.io.chunk_reader import BatchBuffers
 from dataflow.io.direct_batches import whole_chunk_spans
 
 

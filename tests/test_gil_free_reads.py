@@ -10,14 +10,10 @@ paths; none times anything.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import google_crc32c
 import numpy as np
 import pytest
+from conftest import run_benchmark
 
 import dataflow as dfl
 from dataflow.io import direct_decode
@@ -151,16 +147,7 @@ def test_a_written_stores_chunks_take_the_gil_free_check(tmp_path, monkeypatch, 
 def test_the_loader_benchmark_runs_every_side_against_the_step_alone(tmp_path):
     """``benchmarks/bench_loader_gil.py --tiny``: each loader and each bulk step beside the
     host-bound step, against the step alone in the same run."""
-    out = tmp_path / "gil.json"
-    done = subprocess.run(
-        [sys.executable, "bench_loader_gil.py", "--tiny", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[1] / "benchmarks",
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    [run] = json.loads(out.read_text())["runs"]
+    run = run_benchmark("bench_loader_gil.py", tmp_path / "gil.json", "--tiny")
     sides = [r["side"] for r in run["results"]]
     assert sides == ["memory", "chunked-memory", "zarr-zstd", "zarr-lz4"]
     assert run["step_alone_per_s"] > 0

@@ -12,7 +12,7 @@ from conftest import ObservedReads
 
 import dataflow as dfl
 from dataflow.io import EpochChunkReader, ZarrSource, stream_batches, to_zarr
-from dataflow.io.chunk_reader import BatchBuffers
+from dataflow.io.batch_buffers import BatchBuffers
 
 
 class CountingZarrSource(ObservedReads, ZarrSource):
