@@ -313,8 +313,9 @@ def loader_table(rows: list[dict[str, Any]]) -> str:
 def decode_only(source: Any, batches: list[np.ndarray], threads: int) -> dict[str, Any]:
     """The codec's own ceiling for the loader above: every chunk of the epoch decoded once
     on ``threads`` threads (one ``read_chunks`` call a chunk, nothing assembled, copied or
-    staged). A loader near this rate is bound by the codec (a faster codec or a narrower
-    dtype is the next step); one well below it loses time in the reader itself."""
+    staged), the faster of two passes (one pass of the small CNN's epoch ranged 21k-32k
+    samples/s on 2 cores). A loader near this rate is bound by the codec (a faster codec
+    or a narrower dtype is the next step); one well below it loses time in the reader."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dataflow.io.chunk_index import chunk_index
@@ -322,11 +323,13 @@ def decode_only(source: Any, batches: list[np.ndarray], threads: int) -> dict[st
     index = chunk_index(source)
     chunks = sorted({int(c) for b in batches for c in index.of(b)})
     samples = int(sum(index.size(c) for c in chunks))
-    started = time.perf_counter()
+    passes = []
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="decode-only") as pool:
-        decoded = sum(1 for _ in pool.map(lambda c: source.read_chunks([c]), chunks))
-    seconds = time.perf_counter() - started
-    return {"samples_per_s": samples / seconds, "chunks": decoded, "samples": samples}
+        for _ in range(2):
+            started = time.perf_counter()
+            decoded = sum(1 for _ in pool.map(lambda c: source.read_chunks([c]), chunks))
+            passes.append(samples / (time.perf_counter() - started))
+    return {"samples_per_s": max(passes), "passes": passes, "chunks": decoded, "samples": samples}
 
 
 def run_fit(sides: Sides, name: str, variant: dict[str, Any], client: Any) -> dict[str, Any]:
