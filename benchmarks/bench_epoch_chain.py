@@ -31,31 +31,15 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from records import save_run, table  # noqa: E402
+from workloads import fit_batches  # noqa: E402
 
 import dataflow as dfl  # noqa: E402
 from dataflow.io.batch_buffers import BatchBuffers  # noqa: E402
 from dataflow.io.chunk_reader import EpochChunkReader  # noqa: E402
-
-
-def epochs_of(source: dfl.io.ZarrSource, batch: int, epochs: int) -> list[list[np.ndarray]]:
-    """The batches of each epoch of a ``Fixed(batch)`` fit on one replica."""
-    pipe = dfl.Pipeline(
-        model=lambda: torch.nn.Linear(1, 1),
-        loss=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-        source=source,
-        schedule=dfl.schedule.Fixed(batch),
-        device="cpu",
-        progress=False,
-    )
-    plan = [np.concatenate(parts) for parts in pipe.sample_plan(epochs=epochs, replicas=1)]
-    per_epoch = len(plan) // epochs
-    return [plan[e * per_epoch : (e + 1) * per_epoch] for e in range(epochs)]
 
 
 def read_epochs(
@@ -112,7 +96,7 @@ def main() -> None:
             chunk_mb = 0.01 if args.tiny else 8.0  # the tiny run: several chunks an epoch
             dfl.io.to_zarr(path, x, y, compressor=codec, chunk_mb=chunk_mb)
             source = dfl.io.ZarrSource(path, y="y")
-            epochs = epochs_of(source, args.batch, args.epochs)
+            epochs = fit_batches(source, args.batch, args.epochs)
             buffers = BatchBuffers(keep=6)
             read_epochs(source, epochs[:2], args.threads, 0.0, True, buffers)  # warm up
             runs: dict[str, list[tuple[float, float]]] = {"apart": [], "chained": []}

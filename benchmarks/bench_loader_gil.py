@@ -52,6 +52,7 @@ import xarray as xr
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from records import save_run, table  # noqa: E402
+from workloads import fit_batches  # noqa: E402
 
 import dataflow as dfl  # noqa: E402
 from dataflow.io.batch_buffers import BatchBuffers  # noqa: E402
@@ -79,18 +80,6 @@ class HostBoundStep:
             self()
             steps += 1
         return steps / (time.perf_counter() - started)
-
-
-def plan(source: Any, batch: int) -> list[np.ndarray]:
-    """One epoch of the fit's global batches for ``source`` (its own shuffle)."""
-    pipe = dfl.Pipeline(
-        model=lambda: torch.nn.Linear(1, 1),
-        loss=torch.nn.functional.mse_loss,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        source=source,
-        schedule=dfl.schedule.Fixed(batch),
-    )
-    return [np.concatenate(parts) for parts in pipe.sample_plan(epochs=1, replicas=1)]
 
 
 def read_memory(source: Any, batches: list[np.ndarray], started: threading.Event) -> None:
@@ -197,16 +186,17 @@ def main() -> None:
     step = HostBoundStep()
     step.rate(0.5)  # warm up
     memory = dfl.io.ArraySource(x, y)
-    sides: dict[str, tuple[Any, ...]] = {"memory": (read_memory, memory, plan(memory, args.batch))}
+    [memory_batches] = fit_batches(memory, args.batch)
+    sides: dict[str, tuple[Any, ...]] = {"memory": (read_memory, memory, memory_batches)}
     chunked = xr.Dataset({"x": (("sample", "c", "h", "w"), x), "y": (("sample",), y)})
     chunked = dfl.io.ZarrSource(chunked, x="x", y="y")
-    sides["chunked-memory"] = (read_zarr, chunked, plan(chunked, args.batch), 1)
+    sides["chunked-memory"] = (read_zarr, chunked, fit_batches(chunked, args.batch)[0], 1)
     with tempfile.TemporaryDirectory(prefix="loader-gil-") as tmp:
         for codec in args.codecs:
             path = f"{tmp}/{codec}.zarr"
             dfl.io.to_zarr(path, x, y, compressor=codec)
             source = dfl.io.ZarrSource(path, y="y")
-            batches = plan(source, args.batch)
+            batches = fit_batches(source, args.batch)[0]
             sides[f"zarr-{codec}"] = (read_zarr, source, batches, args.decode_threads)
         for read, *read_args in sides.values():  # warm up (a kernel's first compile)
             beside(None, read, *read_args)

@@ -176,3 +176,20 @@ class Workload:
     @property
     def steps(self) -> int:
         return self.steps_per_epoch * self.epochs
+
+
+def fit_batches(source: Any, batch: int, epochs: int = 1) -> list[list[np.ndarray]]:
+    """Per epoch, the global batches a ``Fixed(batch)`` fit of ``source`` on one replica
+    reads (the engine's own shuffle): what a loader benchmark reads as the fit would."""
+    import dataflow as dfl
+
+    pipe = dfl.Pipeline(
+        model=lambda: torch.nn.Linear(1, 1),
+        loss=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        source=source,
+        schedule=dfl.schedule.Fixed(batch),
+    )
+    plan = [np.concatenate(parts) for parts in pipe.sample_plan(epochs=epochs, replicas=1)]
+    per_epoch = len(plan) // epochs
+    return [plan[e * per_epoch : (e + 1) * per_epoch] for e in range(epochs)]
