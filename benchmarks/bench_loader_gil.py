@@ -156,7 +156,7 @@ def primitives(batch: int, shape: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def in_a_loop(work: Any, started: threading.Event, seconds: float = 0.7) -> None:
+def in_a_loop(work: Any, seconds: float, started: threading.Event) -> None:
     started.set()
     ends = time.perf_counter() + seconds
     while time.perf_counter() < ends:
@@ -171,20 +171,25 @@ def main() -> None:
     parser.add_argument("--codecs", nargs="+", default=["zstd", "lz4"])
     parser.add_argument("--decode-threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="a smoke run: 1,024 samples")
+    parser.add_argument(
+        "--step-seconds", type=float, default=1.0, help="each timing of the step alone"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="a smoke run: 1,024 samples, 0.1 s timings"
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
     if args.tiny:
-        args.samples, args.repeats = 1024, 1
+        args.samples, args.repeats, args.step_seconds = 1024, 1, 0.1
     torch.set_num_threads(1)
     shape = tuple(int(v) for v in args.shape.split("x"))
     rng = np.random.default_rng(0)
     x = rng.standard_normal((args.samples, *shape), dtype=np.float32)
     y = rng.integers(0, 10, args.samples)
     step = HostBoundStep()
-    step.rate(0.5)  # warm up
+    step.rate(args.step_seconds / 2)  # warm up
     memory = dfl.io.ArraySource(x, y)
     [memory_batches] = fit_batches(memory, args.batch)
     sides: dict[str, tuple[Any, ...]] = {"memory": (read_memory, memory, memory_batches)}
@@ -207,7 +212,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, (read, *read_args) in sides.items():
                 batches = len(read_args[1]) - 1  # (each loader's first batch is not timed)
-                alone.append(step.rate(1.0))
+                alone.append(step.rate(args.step_seconds))
                 rate, seconds = beside(step, read, *read_args)
                 kept[name].append(rate / alone[-1])
                 per_batch[name].append(seconds / batches * 1e3)
@@ -237,8 +242,9 @@ def main() -> None:
     steps: dict[str, list[float]] = {}
     for _ in range(args.repeats):
         for name, work in primitives(args.batch, shape).items():
-            alone.append(step.rate(0.7))
-            steps.setdefault(name, []).append(beside(step, in_a_loop, work)[0] / alone[-1])
+            alone.append(step.rate(0.7 * args.step_seconds))
+            kept_step = beside(step, in_a_loop, work, 0.7 * args.step_seconds)[0]
+            steps.setdefault(name, []).append(kept_step / alone[-1])
     kept_beside = {name: statistics.median(values) for name, values in steps.items()}
     rows = [
         (n, f"{kept_beside[n]:.2f}", " ".join(f"{v:.2f}" for v in vs)) for n, vs in steps.items()

@@ -27,6 +27,7 @@ from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
+from dataflow.io.xarray_backing import check_complete, is_xarray_data, unmodified_zarr_array
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -76,6 +77,8 @@ class PatchArray:
             self.array = array
             self.fill_value: Any = array.fill_value  # what a region never written reads as
         else:
+            if is_xarray_data(array):  # read through xarray: its zarr arrays checked whole
+                check_complete(array, "PatchSource", field, name)
             data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
             self.array = data
             chunks = getattr(data, "chunks", None) if _is_dask_array(data) else None
@@ -227,12 +230,17 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
 
 
 def raw_zarr(store: Any, names: list[str]) -> Any:
-    """A zarr-backed xarray Dataset as its zarr store's path (read raw: chunk-aware, and
-    missing chunks are caught), as ``ZarrSource`` reads it; anything else unchanged."""
+    """A zarr-backed xarray Dataset as its zarr store's path, and a DataArray that is an
+    unmodified view of a zarr array as that array (each read raw: chunk-aware, and
+    missing chunks are caught), as ``ZarrSource`` reads them; anything else unchanged."""
     if _is_xarray_dataset(store):
         backing = _zarr_backing(store, names)
         if backing is not None:
             return backing
+    if _is_data_array(store):
+        array = unmodified_zarr_array(store)
+        if array is not None:
+            return array
     return store
 
 

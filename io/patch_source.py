@@ -237,7 +237,7 @@ class PatchSource(RegionView):
         patch extent, bytes per cell of the patch dims)``."""
         g = self.geometry
         if self.shuffle:
-            chunks = first.unit or tuple(g.extents)  # no storage chunks: the whole array
+            chunks = first.unit or first.shape  # no storage chunks: the whole array
             unit = [int(chunks[a]) for a in g.axes]
             target = self.block or DEFAULT_BLOCK_WINDOWS
             factor = block_factor(unit, g.stride, g.extents, target)

@@ -53,6 +53,7 @@ from dataflow.io.region import (
 )
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
+from dataflow.io.xarray_backing import check_complete, is_xarray_data
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -326,6 +327,8 @@ class ZarrSource(RegionView):
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
             return ZarrArrayReader(field, array, axis, self.retry_s)
+        if is_xarray_data(array):  # read through xarray: its zarr arrays checked whole
+            check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
         if _is_dask_array(data):
             return DaskArrayReader(field, name, data, axis)

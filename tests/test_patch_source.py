@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import dataflow as dfl
 from dataflow.core.batch import Batch
@@ -454,9 +455,7 @@ def test_shuffled_windows_train_each_window_once_per_epoch_and_evaluate_on_windo
     assert all(np.isfinite(e["eval_loss"]) for e in result.history.epochs)
 
 
-def test_a_zarr_backed_xarray_dataset_is_read_as_raw_zarr_and_a_dataarray_through_its_data(
-    tmp_path,
-):
+def test_a_zarr_backed_xarray_dataset_and_dataarray_are_read_as_raw_zarr(tmp_path):
     xr = pytest.importorskip("xarray")
     field = np.arange(10 * 16 * 12, dtype=np.float32).reshape(10, 16, 12)
     dataset = xr.Dataset({"t": (("time", "lat", "lon"), field)})
@@ -465,6 +464,7 @@ def test_a_zarr_backed_xarray_dataset_is_read_as_raw_zarr_and_a_dataarray_throug
     raw = dfl.io.PatchSource(ds, "t", patch={"lat": 8, "lon": 6}, shuffle=False)
     assert raw.store == str(tmp_path / "d.zarr")  # missing chunks are caught
     data = dfl.io.PatchSource(ds["t"], patch={"lat": 8, "lon": 6}, shuffle=False)
+    assert isinstance(data.store, zarr.Array) and data.store.path == "t"  # caught too
     expected = precut(field, raw.corners, (8, 6), (1, 2))
     assert raw.sample_shape == data.sample_shape == (1, 10, 8, 6)
     for source in (raw, data):

@@ -373,3 +373,15 @@ def test_chunk_cache_mb_must_be_a_number_of_mb(tmp_path):
     for bad in (-1, "256", True):
         with pytest.raises(dfl.errors.ConfigError, match=r"chunk_cache_mb=.*number >= 0"):
             dfl.io.PatchSource(path, "a", patch={"lat": 8, "lon": 8}, chunk_cache_mb=bad)
+
+
+def test_an_array_in_memory_cut_along_its_last_axes_is_shuffled_as_one_block():
+    """No storage chunks: the block is the whole array (it used to index the patch
+    extents by the array's axes, an IndexError for patch dims after the first)."""
+    field = np.arange(3 * 16 * 12, dtype=np.float32).reshape(3, 16, 12)
+    source = dfl.io.PatchSource(field, patch={1: 8, 2: 6})
+    assert source.num_samples == 4
+    got = source.read(np.arange(4)).x.numpy()[:, 0]
+    corners = source.corners.tolist()
+    expected = [field[:, a : a + 8, b : b + 6] for a, b in corners]
+    np.testing.assert_array_equal(got, np.stack(expected))

@@ -1,0 +1,155 @@
+"""xarray data read from zarr is checked for missing chunks as a raw zarr read is.
+
+xarray reads a chunk absent from the store as the array's fill value (NaN for these
+floats, 0 for the int16 counts), which a fit would train on. A DataArray that is an
+unmodified view of a zarr array is read raw (each read checks the chunks it decodes);
+data sliced, scaled or computed since is checked whole when the source is built. Real
+zarr stores on disk, opened lazily by xarray (``chunks=None``) and through dask
+(``open_zarr``'s default).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import zarr
+
+import dataflow as dfl
+from dataflow.core.errors import ChunkMissingError
+from dataflow.io.xarray_backing import unmodified_zarr_array, zarr_arrays_behind
+
+xr = pytest.importorskip("xarray")
+
+OPENED = {"dask": {}, "lazy": None}  # open_dataset's chunks=: a dask graph, or adapters
+PATCH = {"lat": 8, "lon": 8}
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A zarr store as xarray writes it: a float field and int16 counts over (time, lat,
+    lon), chunked (5, 8, 8), and a packed variable (CF ``scale_factor``); its path."""
+    rng = np.random.default_rng(0)
+    dims = ("time", "lat", "lon")
+    dataset = xr.Dataset(
+        {
+            "t": (dims, rng.random((20, 16, 16), dtype=np.float32)),
+            "counts": (dims, rng.integers(1, 5, (20, 16, 16)).astype(np.int16)),
+            "packed": (dims, 0.1 + rng.random((20, 16, 16))),  # (never 0 once packed)
+        }
+    )
+    encoding = {name: {"chunks": (5, 8, 8)} for name in dataset.data_vars}
+    encoding["packed"].update(dtype="int16", scale_factor=0.001, _FillValue=-1)
+    path = tmp_path / "fields.zarr"
+    dataset.to_zarr(path, encoding=encoding, consolidated=False)
+    return path
+
+
+def opened(path, how: str):
+    return xr.open_dataset(path, engine="zarr", chunks=OPENED[how], consolidated=False)
+
+
+def lose(path, name: str) -> str:
+    """Delete one chunk of array ``name``; its key."""
+    key = f"{name}/c/1/0/1"
+    os.remove(path / key)
+    return key
+
+
+@pytest.mark.parametrize("how", OPENED)
+@pytest.mark.parametrize("name", ["t", "counts"])
+def test_a_data_array_straight_from_zarr_is_read_raw_and_a_missing_chunk_is_named(store, how, name):
+    ds = opened(store, how)
+    array = unmodified_zarr_array(ds[name])
+    assert isinstance(array, zarr.Array) and array.path == name
+    source = dfl.io.PatchSource(ds[name], patch=PATCH, shuffle=False)
+    assert source.store is array or source.store.path == name  # read raw, not via xarray
+    via_dataset = dfl.io.PatchSource(ds, name, patch=PATCH, shuffle=False)
+    every = np.arange(source.num_samples)
+    assert np.array_equal(source.read(every).x.numpy(), via_dataset.read(every).x.numpy())
+    travelled = pickle.loads(pickle.dumps(source))  # as a worker gets it
+    assert np.array_equal(travelled.read(every).x.numpy(), source.read(every).x.numpy())
+    key = lose(store, name)
+    ds = opened(store, how)
+    source = dfl.io.PatchSource(ds[name], patch=PATCH, shuffle=False)
+    with pytest.raises(ChunkMissingError, match=key):
+        source.read(every)
+
+
+def _sliced_data_array(ds, name):
+    return dfl.io.PatchSource(ds[name].isel(time=slice(0, 15)), patch=PATCH)
+
+
+def _sliced_dataset_patches(ds, name):
+    return dfl.io.PatchSource(ds.isel(time=slice(0, 15)), name, patch=PATCH)
+
+
+def _sliced_dataset_samples(ds, name):
+    return dfl.io.ZarrSource(ds.isel(time=slice(0, 15)), x=name, sample_dim="time")
+
+
+def _computed_data_array(ds, name):
+    return dfl.io.PatchSource(ds[name] * 2, patch=PATCH)
+
+
+BUILT = {
+    "a sliced DataArray (PatchSource)": _sliced_data_array,
+    "a sliced Dataset (PatchSource)": _sliced_dataset_patches,
+    "a sliced Dataset (ZarrSource)": _sliced_dataset_samples,
+}
+
+
+@pytest.mark.parametrize("how", OPENED)
+@pytest.mark.parametrize("build", BUILT.values(), ids=BUILT)
+@pytest.mark.parametrize("name", ["t", "counts", "packed"])
+def test_xarray_data_sliced_or_scaled_since_is_checked_whole_when_the_source_is_built(
+    store, how, build, name
+):
+    """Not a view of the stored array (a slice; CF unpacking for ``packed``): read
+    through xarray, but only once every chunk of the array behind it exists. Complete,
+    it reads what xarray reads; one chunk gone, it is refused naming the chunk and the
+    fill value xarray would have given, before anything is read."""
+    ds = opened(store, how)
+    assert unmodified_zarr_array(ds[name].isel(time=slice(0, 15))) is None
+    source = build(ds, name)
+    batch = source.read(np.arange(4))
+    assert np.isfinite(batch.x.numpy()).all() and (batch.x.numpy() != 0).all()
+    key = lose(store, name)
+    fill = {"t": "nan", "counts": "0", "packed": "0"}[name]  # (stored, before unpacking)
+    with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\({fill}\\)"):
+        build(opened(store, how), name)
+
+
+def test_computed_data_is_checked_through_its_dask_graph(store):
+    ds = opened(store, "dask")
+    computed = ds["t"] * 2
+    assert unmodified_zarr_array(computed) is None
+    assert [a.path for a in zarr_arrays_behind(computed)] == ["t"]
+    assert unmodified_zarr_array(ds["t"].chunk({"time": 10})) is None  # a rechunk
+    _computed_data_array(ds, "t")  # complete: built
+    key = lose(store, "t")
+    with pytest.raises(ChunkMissingError, match=key):
+        _computed_data_array(opened(store, "dask"), "t")
+
+
+def test_a_packed_variable_is_never_read_raw(store):
+    """Raw, ``packed`` would be int16 counts of 0.001: xarray's unpacked floats are read."""
+    ds = opened(store, "lazy")
+    assert unmodified_zarr_array(ds["packed"]) is None
+    source = dfl.io.PatchSource(ds["packed"], patch=PATCH, shuffle=False)
+    expected = ds["packed"].values[:, :8, :8]
+    np.testing.assert_array_equal(source.read(np.arange(1)).x.numpy()[0, 0], expected)
+
+
+def test_data_read_from_zarr_into_memory_warns_that_it_cannot_be_checked(store):
+    loaded = opened(store, "lazy")["t"].isel(time=slice(0, 15)).load()
+    assert zarr_arrays_behind(loaded) == []
+    with pytest.warns(RuntimeWarning, match="in memory now.*pass the Dataset"):
+        dfl.io.PatchSource(loaded, patch=PATCH)
+    in_memory = xr.DataArray(np.ones((4, 8, 8), np.float32), dims=("time", "lat", "lon"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # data never in a store: nothing to say
+        dfl.io.PatchSource(in_memory, patch=PATCH)
