@@ -59,7 +59,9 @@ class _BoxObjects(ZarrArrayReader):
 class PatchArray:
     """One array of a ``PatchSource`` (``field``: ``"x"``, ``"x[1]"``, ``"y"``, ``"mask"``)."""
 
-    def __init__(self, field: str, name: str, array: Any, label: str) -> None:
+    def __init__(
+        self, field: str, name: str, array: Any, label: str, check_xarray: bool = True
+    ) -> None:
         _check_dtype(field, name, array.dtype, label)
         self.field = field
         self.name = name
@@ -77,7 +79,7 @@ class PatchArray:
             self.array = array
             self.fill_value: Any = array.fill_value  # what a region never written reads as
         else:
-            if is_xarray_data(array):  # read through xarray: its zarr arrays checked whole
+            if check_xarray and is_xarray_data(array):  # read through xarray: checked whole
                 check_complete(array, "PatchSource", field, name)
             data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
             self.array = data
@@ -252,8 +254,11 @@ def is_single_array(store: Any) -> bool:
     )
 
 
-def open_member(store: Any, field: str, name: Any, label: str) -> PatchArray:
-    """Array ``name`` of a group or Dataset (``field`` names the argument)."""
+def open_member(
+    store: Any, field: str, name: Any, label: str, check_xarray: bool = True
+) -> PatchArray:
+    """Array ``name`` of a group or Dataset (``field`` names the argument);
+    ``check_xarray``: xarray data's zarr arrays checked whole (once, on the driver)."""
     if not isinstance(name, str):
         raise DataError(f"PatchSource({field}=...): must be an array name (str), got {name!r}")
     if _is_xarray_dataset(store):
@@ -266,15 +271,15 @@ def open_member(store: Any, field: str, name: Any, label: str) -> PatchArray:
             f"are {available}"
         )
     array = store.variables[name] if _is_xarray_dataset(store) else store[name]
-    return PatchArray(field, name, array, label)
+    return PatchArray(field, name, array, label, check_xarray)
 
 
-def open_single(store: Any, label: str) -> PatchArray:
+def open_single(store: Any, label: str, check_xarray: bool = True) -> PatchArray:
     """The store that is one array (zarr, numpy, dask, an xarray DataArray) as x, named
     by its path in the store (a store's root array: by the store)."""
     name = getattr(store, "path", None) or getattr(store, "name", None)
     name = str(label if name in (None, "", "/") else name)
-    return PatchArray("x", name, store, label)
+    return PatchArray("x", name, store, label, check_xarray)
 
 
 def enclosing(windows: Sequence[Window]) -> tuple[list[int], list[int]]:

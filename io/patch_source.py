@@ -171,7 +171,9 @@ class PatchSource(RegionView):
         self.retry_s = retry_seconds("PatchSource", retry_s)
         self._arrays: list[PatchArray] | None = None
         self._remote: Any = None  # a remote store's arrays, opened on the driver
+        self._xarray_checked = False  # xarray data's stored chunks: checked on the driver
         arrays = open_with_retries(self._open, self.retry_s, "PatchSource", self.store)
+        self._xarray_checked = True  # (a worker reopening it does not list them again)
         mask_array = mask
         if isinstance(mask, str):
             mask_array = self._member("mask", mask).read_all()
@@ -208,7 +210,7 @@ class PatchSource(RegionView):
                     f"PatchSource: store {label} is a single array, which is x itself; pass "
                     "x=None, or open its group (or an xarray.Dataset) to name x and y"
                 )
-            arrays = [open_single(opened, label)]
+            arrays = [open_single(opened, label, not self._xarray_checked)]
         else:
             if not x_names or x_names[0] is None:
                 raise ConfigError(
@@ -230,7 +232,7 @@ class PatchSource(RegionView):
         return arrays
 
     def _member(self, field: str, name: Any) -> PatchArray:
-        return open_member(self._opened, field, name, self._label)
+        return open_member(self._opened, field, name, self._label, not self._xarray_checked)
 
     def _unit_plan(self, first: PatchArray) -> tuple[str, tuple[int, ...], int]:
         """How windows group into units: ``("block", block shape, 0)`` or ``("run", x's

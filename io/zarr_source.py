@@ -223,7 +223,9 @@ class ZarrSource(RegionView):
         self.retry_s = retry_seconds("ZarrSource", retry_s)
         self._readers: list[ArrayReader] | None = None
         self._region: Bounds | None = None  # see region()
+        self._xarray_checked = False  # xarray data's stored chunks: checked on the driver
         readers = open_with_retries(self._open, self.retry_s, "ZarrSource", self.store)
+        self._xarray_checked = True  # (a worker reopening it does not list them again)
         if len({r.num_samples for r in readers}) != 1:
             counts = ", ".join(f"{r.field} ({r.name!r}) has {r.num_samples}" for r in readers)
             raise DataError(
@@ -327,7 +329,7 @@ class ZarrSource(RegionView):
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
             return ZarrArrayReader(field, array, axis, self.retry_s)
-        if is_xarray_data(array):  # read through xarray: its zarr arrays checked whole
+        if is_xarray_data(array) and not self._xarray_checked:  # read through xarray
             check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
         if _is_dask_array(data):

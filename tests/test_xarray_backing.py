@@ -153,3 +153,23 @@ def test_data_read_from_zarr_into_memory_warns_that_it_cannot_be_checked(store):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # data never in a store: nothing to say
         dfl.io.PatchSource(in_memory, patch=PATCH)
+
+
+@pytest.mark.parametrize("build", BUILT.values(), ids=BUILT)
+def test_the_store_is_listed_once_on_the_driver_not_again_where_the_source_travels(
+    store, build, monkeypatch
+):
+    from dataflow.io import xarray_backing
+
+    listed = []
+    absent_objects = xarray_backing.absent_objects
+    monkeypatch.setattr(
+        xarray_backing, "absent_objects", lambda a: listed.append(a.path) or absent_objects(a)
+    )
+    source = build(opened(store, "dask"), "t")
+    assert listed == ["t"]
+    travelled = pickle.loads(pickle.dumps(source))  # as a worker gets it
+    np.testing.assert_array_equal(
+        travelled.read(np.arange(3)).x.numpy(), source.read(np.arange(3)).x.numpy()
+    )
+    assert listed == ["t"]
