@@ -27,7 +27,12 @@ from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
-from dataflow.io.xarray_backing import check_complete, is_xarray_data, unmodified_zarr_array
+from dataflow.io.xarray_backing import (
+    check_complete,
+    is_data_array,
+    is_xarray_data,
+    unmodified_zarr_array,
+)
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -42,10 +47,6 @@ from dataflow.io.zarr_source import (
 
 E = TypeVar("E", bound=Exception)
 Window = tuple[np.ndarray, tuple[int, ...]]  # windows' low corners (n, ndim) and shape
-
-
-def _is_data_array(value: Any) -> bool:
-    return type(value).__name__ == "DataArray" and hasattr(value, "dims")
 
 
 class _BoxObjects(ZarrArrayReader):
@@ -222,7 +223,7 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
         return _open_zarr(store, storage_options, "PatchSource"), str(store)
     if isinstance(store, (zarr.Array, zarr.Group)) or _is_xarray_dataset(store):
         return store, _label(store)
-    if _is_dask_array(store) or isinstance(store, np.ndarray) or _is_data_array(store):
+    if _is_dask_array(store) or isinstance(store, np.ndarray) or is_data_array(store):
         return store, f"{type(store).__name__}{tuple(store.shape)}"
     raise DataError(
         f"PatchSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL such "
@@ -239,7 +240,7 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
         backing = _zarr_backing(store, names)
         if backing is not None:
             return backing
-    if _is_data_array(store):
+    if is_data_array(store):
         array = unmodified_zarr_array(store)
         if array is not None:
             return array
@@ -250,7 +251,7 @@ def is_single_array(store: Any) -> bool:
     return (
         isinstance(store, (zarr.Array, np.ndarray))
         or _is_dask_array(store)
-        or _is_data_array(store)
+        or is_data_array(store)
     )
 
 

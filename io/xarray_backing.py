@@ -49,6 +49,10 @@ def is_xarray_data(value: Any) -> bool:
     return type(value).__module__.startswith("xarray.") and hasattr(value, "encoding")
 
 
+def is_data_array(value: Any) -> bool:
+    return type(value).__name__ == "DataArray" and hasattr(value, "dims")
+
+
 def _backend_data(value: Any) -> Any:
     """The data behind a DataArray or Variable (its lazy adapters or dask array, never
     loaded), or ``value`` itself."""

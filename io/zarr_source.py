@@ -53,7 +53,12 @@ from dataflow.io.region import (
 )
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
-from dataflow.io.xarray_backing import check_complete, is_xarray_data
+from dataflow.io.xarray_backing import (
+    check_complete,
+    is_data_array,
+    is_xarray_data,
+    unmodified_zarr_array,
+)
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -78,6 +83,8 @@ def _label(store: Any) -> str:
         return f"xarray.Dataset({', '.join(map(str, store.data_vars))})"
     if _is_dask_array(store):
         return f"dask.array{tuple(store.shape)}"
+    if is_data_array(store):
+        return f"xarray.DataArray({store.name!r}, shape {tuple(store.shape)})"
     return str(store)
 
 
@@ -172,6 +179,10 @@ def _names(field: str, value: Any) -> list[Any]:
 class ZarrSource(RegionView):
     """Samples along ``sample_dim`` of arrays ``x`` (and ``y``) of a chunked store.
 
+    ``store``: a path or fsspec URL, an opened zarr group or array, an xarray Dataset
+    (one opened from zarr is read raw) or DataArray, or a dask array; a single array
+    is x itself. xarray data read through xarray has the chunks of the zarr arrays
+    behind it checked when the source is built (``io.xarray_backing``).
     ``x``: an array name, or a list of names for several inputs (batches then hold
     a tuple, and the model is called as ``model(*x)``). ``y``: a name, or None for
     unsupervised training. ``sample_dim``: the axis (int) or dimension name (str,
@@ -206,6 +217,8 @@ class ZarrSource(RegionView):
             backing = _zarr_backing(store, [*_names("x", x), *_names("y", y)])
             if backing is not None:
                 store = backing  # read raw zarr: chunk-aware, and missing chunks are caught
+        elif is_data_array(store):  # the zarr array it is a view of, read raw, if any
+            store = unmodified_zarr_array(store) or store
         self.store = store
         self.x_name = x
         self.y_name = y
@@ -264,14 +277,14 @@ class ZarrSource(RegionView):
             opened = getattr(self, "_opened", None)  # a remote store's, from the driver
             store = _open_zarr(store, self.storage_options) if opened is None else opened
         elif not isinstance(store, (zarr.Array, zarr.Group)) and not (
-            _is_xarray_dataset(store) or _is_dask_array(store)
+            _is_xarray_dataset(store) or _is_dask_array(store) or is_data_array(store)
         ):
             raise DataError(
                 f"ZarrSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL "
                 "such as 'file:///data/x.zarr', an opened zarr.Array / zarr.Group, an "
-                "xarray.Dataset or a dask.array"
+                "xarray.Dataset or DataArray, or a dask.array"
             )
-        single = isinstance(store, zarr.Array) or _is_dask_array(store)
+        single = isinstance(store, zarr.Array) or _is_dask_array(store) or is_data_array(store)
         x_names = _names("x", self.x_name)
         if single:
             if self.y_name is not None or len(x_names) > 1:
@@ -279,7 +292,8 @@ class ZarrSource(RegionView):
                     f"ZarrSource: store {label} is a single array, which is x itself; open its "
                     "group (or pass an xarray.Dataset) to name x and y"
                 )
-            readers = [self._reader("x", "<array>", store, label)]
+            name = str(store.name) if is_data_array(store) else "<array>"
+            readers = [self._reader("x", name, store, label)]
         else:
             if not x_names:
                 raise DataError(

@@ -72,11 +72,20 @@ def test_a_data_array_straight_from_zarr_is_read_raw_and_a_missing_chunk_is_name
     assert np.array_equal(source.read(every).x.numpy(), via_dataset.read(every).x.numpy())
     travelled = pickle.loads(pickle.dumps(source))  # as a worker gets it
     assert np.array_equal(travelled.read(every).x.numpy(), source.read(every).x.numpy())
+    samples = dfl.io.ZarrSource(ds[name], sample_dim="time", shuffle=False)
+    assert isinstance(samples.store, zarr.Array)
+    by_name = dfl.io.ZarrSource(ds, x=name, sample_dim="time", shuffle=False)
+    np.testing.assert_array_equal(
+        samples.read(np.arange(20)).x.numpy(), by_name.read(np.arange(20)).x.numpy()
+    )
     key = lose(store, name)
     ds = opened(store, how)
     source = dfl.io.PatchSource(ds[name], patch=PATCH, shuffle=False)
     with pytest.raises(ChunkMissingError, match=key):
         source.read(every)
+    samples = dfl.io.ZarrSource(ds[name], sample_dim="time", shuffle=False)
+    with pytest.raises(ChunkMissingError, match=key):
+        samples.read(np.arange(20))
 
 
 def _sliced_data_array(ds, name):
@@ -91,6 +100,10 @@ def _sliced_dataset_samples(ds, name):
     return dfl.io.ZarrSource(ds.isel(time=slice(0, 15)), x=name, sample_dim="time")
 
 
+def _sliced_data_array_samples(ds, name):
+    return dfl.io.ZarrSource(ds[name].isel(time=slice(0, 15)), sample_dim="time")
+
+
 def _computed_data_array(ds, name):
     return dfl.io.PatchSource(ds[name] * 2, patch=PATCH)
 
@@ -99,6 +112,7 @@ BUILT = {
     "a sliced DataArray (PatchSource)": _sliced_data_array,
     "a sliced Dataset (PatchSource)": _sliced_dataset_patches,
     "a sliced Dataset (ZarrSource)": _sliced_dataset_samples,
+    "a sliced DataArray (ZarrSource)": _sliced_data_array_samples,
 }
 
 
