@@ -249,9 +249,7 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
 
 def is_single_array(store: Any) -> bool:
     return (
-        isinstance(store, (zarr.Array, np.ndarray))
-        or _is_dask_array(store)
-        or is_data_array(store)
+        isinstance(store, (zarr.Array, np.ndarray)) or _is_dask_array(store) or is_data_array(store)
     )
 
 
