@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import zarr
 
 from dataflow.core.errors import ChunkMissingError
@@ -149,14 +150,26 @@ def unmodified_zarr_array(value: Any) -> zarr.Array | None:
         array = _unmodified_chain(roots[0]) if len(roots) == 1 else None
     else:
         array = _unmodified_chain(data)
-    if array is None:
-        return None
+    return array if array is not None and reads_as_stored(value, array) else None
+
+
+def reads_as_stored(value: Any, array: zarr.Array) -> bool:
+    """Whether xarray's values of ``value`` (a DataArray or Variable) are ``array``'s
+    as stored: the same shape and dtype, no CF unpacking (``scale_factor``,
+    ``add_offset``) and no CF masking, which xarray applies and a raw read would not (a
+    ``_FillValue`` or ``missing_value`` of -999 or 1e20 read as NaN; a float fill value
+    of NaN already is NaN)."""
     if tuple(array.shape) != tuple(value.shape) or array.dtype != value.dtype:
-        return None
+        return False
     encoding = getattr(value, "encoding", {}) or {}
     if {"scale_factor", "add_offset"} & set(encoding):
-        return None
-    return array
+        return False
+    floating = np.issubdtype(array.dtype, np.floating)
+    for key in ("_FillValue", "missing_value"):
+        fills = np.atleast_1d(encoding.get(key, [])).tolist()
+        if not all(f is None or (floating and f != f) for f in fills):  # (f != f: NaN)
+            return False
+    return True
 
 
 def from_zarr(value: Any) -> bool:

@@ -57,6 +57,7 @@ from dataflow.io.xarray_backing import (
     check_complete,
     is_data_array,
     is_xarray_data,
+    reads_as_stored,
     unmodified_zarr_array,
 )
 
@@ -111,7 +112,8 @@ def _open_zarr(
 
 def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
     """The zarr store an xarray Dataset was opened from, if reading it raw gives the same
-    values: same shapes, and no CF scaling (xarray would apply it, raw zarr would not)."""
+    values (``io.xarray_backing.reads_as_stored``: no CF unpacking or masking, which
+    xarray would apply and raw zarr would not)."""
     source = dataset.encoding.get("source")
     if not isinstance(source, str):
         return None
@@ -123,9 +125,7 @@ def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
         variable = dataset.variables.get(name)
         if variable is None or name not in group.array_keys():
             return None
-        if tuple(group[name].shape) != tuple(variable.shape):
-            return None
-        if {"scale_factor", "add_offset"} & set(variable.encoding):
+        if not reads_as_stored(variable, group[name]):
             return None
     return source
 

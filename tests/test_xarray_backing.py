@@ -187,3 +187,30 @@ def test_the_store_is_listed_once_on_the_driver_not_again_where_the_source_trave
         travelled.read(np.arange(3)).x.numpy(), source.read(np.arange(3)).x.numpy()
     )
     assert listed == ["t"]
+
+
+def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
+    """int16 with ``_FillValue=-999`` (xarray: float32, NaN there) and float32 with
+    ``_FillValue=1e20`` (NaN there): read raw, both would train on -999 and 1e20. They
+    are read through xarray, so the masked cells are NaN: refused by a PatchSource's
+    ``nan="refuse"``, a zero and a mask channel under ``nan="mask"``."""
+    field = np.arange(4 * 8 * 8, dtype=np.float32).reshape(4, 8, 8) + 1
+    masked = field.astype(np.int16)
+    masked[1, 2, 3] = -999
+    far = field.copy()
+    far[2, 5, 6] = 1e20
+    dims = ("time", "lat", "lon")
+    dataset = xr.Dataset({"masked": (dims, masked), "far": (dims, far)})
+    encoding = {"masked": {"_FillValue": -999}, "far": {"_FillValue": 1e20}}
+    dataset.to_zarr(tmp_path / "cf.zarr", encoding=encoding, consolidated=False)
+    ds = xr.open_zarr(tmp_path / "cf.zarr", consolidated=False)
+    for name, (t, i, j) in {"masked": (1, 2, 3), "far": (2, 5, 6)}.items():
+        assert unmodified_zarr_array(ds[name]) is None
+        samples = dfl.io.ZarrSource(ds, x=name, sample_dim="time", shuffle=False)
+        x = samples.read(np.arange(4)).x.numpy()
+        assert np.isnan(x[t, i, j]) and np.isfinite(np.delete(x.ravel(), t * 64 + i * 8 + j)).all()
+        with pytest.raises(dfl.DataError, match="holds NaN"):
+            dfl.io.PatchSource(ds, name, patch={"time": 1}, shuffle=False).read(np.arange(4))
+        windows = dfl.io.PatchSource(ds[name], patch={"time": 1}, nan="mask", shuffle=False)
+        x = windows.read(np.arange(4)).x.numpy()  # (window, channel + mask, 1, lat, lon)
+        assert x[t, 0, 0, i, j] == 0 and x[t, 1, 0, i, j] == 0 and x[t, 1].sum() == 63
