@@ -30,7 +30,7 @@ from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_p
 from dataflow.io.xarray_backing import (
     check_complete,
     is_data_array,
-    is_xarray_data,
+    may_read_zarr,
     unmodified_zarr_array,
 )
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
@@ -80,7 +80,7 @@ class PatchArray:
             self.array = array
             self.fill_value: Any = array.fill_value  # what a region never written reads as
         else:
-            if check_xarray and is_xarray_data(array):  # read through xarray: checked whole
+            if check_xarray and may_read_zarr(array):  # xarray or dask: checked whole
                 check_complete(array, "PatchSource", field, name)
             data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
             self.array = data
@@ -240,7 +240,7 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
         backing = _zarr_backing(store, names)
         if backing is not None:
             return backing
-    if is_data_array(store):
+    if is_data_array(store) or _is_dask_array(store):
         array = unmodified_zarr_array(store)
         if array is not None:
             return array

@@ -1,10 +1,11 @@
-"""Which zarr arrays an xarray object reads, so that data reaching the engine through
-xarray is checked for missing chunks as a raw zarr read is.
+"""Which zarr arrays an xarray object (or a dask array) reads, so that data reaching
+the engine through xarray or dask is checked for missing chunks as a raw zarr read is.
 
 xarray reads a zarr-backed variable lazily, through a chain of its indexing adapters
 that ends in its ``ZarrArrayWrapper`` (``open_dataset(..., chunks=None)``), or through a
 dask array whose graph holds that chain (``open_zarr``'s default). A chunk absent from
 the store reads there as the array's fill value, unseen: a fit would train on it.
+``dask.array.from_zarr`` is the same with the zarr array itself at the graph's root.
 Two answers, for two uses:
 
 * :func:`unmodified_zarr_array`: the zarr array a ``DataArray`` is an unmodified view
@@ -50,6 +51,11 @@ def is_xarray_data(value: Any) -> bool:
     return type(value).__module__.startswith("xarray.") and hasattr(value, "encoding")
 
 
+def may_read_zarr(value: Any) -> bool:
+    """Whether ``value`` is xarray data or a dask array: it may read zarr arrays lazily."""
+    return is_xarray_data(value) or _is_dask(value)
+
+
 def is_data_array(value: Any) -> bool:
     return type(value).__name__ == "DataArray" and hasattr(value, "dims")
 
@@ -71,6 +77,8 @@ def _chain(adapter: Any) -> Iterator[Any]:
 
 
 def _zarr_of(wrapper: Any) -> zarr.Array | None:
+    if isinstance(wrapper, zarr.Array):  # dask.array.from_zarr's root
+        return wrapper
     if type(wrapper).__name__ != "ZarrArrayWrapper":
         return None
     try:

@@ -56,7 +56,7 @@ from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_se
 from dataflow.io.xarray_backing import (
     check_complete,
     is_data_array,
-    is_xarray_data,
+    may_read_zarr,
     reads_as_stored,
     unmodified_zarr_array,
 )
@@ -217,7 +217,7 @@ class ZarrSource(RegionView):
             backing = _zarr_backing(store, [*_names("x", x), *_names("y", y)])
             if backing is not None:
                 store = backing  # read raw zarr: chunk-aware, and missing chunks are caught
-        elif is_data_array(store):  # the zarr array it is a view of, read raw, if any
+        elif is_data_array(store) or _is_dask_array(store):  # a zarr array's view: raw
             store = unmodified_zarr_array(store) or store
         self.store = store
         self.x_name = x
@@ -343,7 +343,7 @@ class ZarrSource(RegionView):
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
             return ZarrArrayReader(field, array, axis, self.retry_s)
-        if is_xarray_data(array) and not self._xarray_checked:  # read through xarray
+        if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask
             check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
         if _is_dask_array(data):

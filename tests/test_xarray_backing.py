@@ -214,3 +214,23 @@ def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
         windows = dfl.io.PatchSource(ds[name], patch={"time": 1}, nan="mask", shuffle=False)
         x = windows.read(np.arange(4)).x.numpy()  # (window, channel + mask, 1, lat, lon)
         assert x[t, 0, 0, i, j] == 0 and x[t, 1, 0, i, j] == 0 and x[t, 1].sum() == 63
+
+
+def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked_whole(store):
+    """``dask.array.from_zarr``: the zarr array at the graph's root. Unchanged, it is read
+    raw; sliced, it is read through dask once every chunk behind it exists."""
+    import dask.array
+
+    stored = dask.array.from_zarr(str(store), component="counts")
+    source = dfl.io.ZarrSource(stored, shuffle=False)
+    assert isinstance(source.store, zarr.Array)
+    np.testing.assert_array_equal(source.read(np.arange(20)).x.numpy(), stored.compute())
+    sliced = dfl.io.PatchSource(stored[:15], patch={1: 8, 2: 8})  # complete: built
+    assert sliced.num_samples == 4
+    key = lose(store, "counts")
+    stored = dask.array.from_zarr(str(store), component="counts")
+    with pytest.raises(ChunkMissingError, match=key):
+        dfl.io.ZarrSource(stored, shuffle=False).read(np.arange(20))
+    for build in (dfl.io.ZarrSource, lambda a: dfl.io.PatchSource(a, patch={1: 8, 2: 8})):
+        with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\(0\\)"):
+            build(stored[:15])
