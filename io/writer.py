@@ -21,6 +21,7 @@ import zarr
 
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.checksums import check_compressor, checksummed_codecs
+from dataflow.io.xarray_backing import check_complete
 
 
 def _as_numpy(name: str, array: Any) -> np.ndarray:
@@ -215,6 +216,7 @@ def _dataset_arrays(dataset: Any, sample_dim: str | None) -> dict[str, tuple[Any
                 f"to_zarr: variable {name!r} has dtype {dtype}, which is not numeric; "
                 f"convert it first, e.g. dataset[{name!r}].astype('float32')"
             )
+        check_complete(variable, "to_zarr", "dataset", str(name))  # no fill value copied
         arrays[str(name)] = (variable.data, variable.dims.index(sample_dim), variable.dims)
     if not arrays:
         raise DataError(f"to_zarr: no data variable of the dataset has dimension {sample_dim!r}")

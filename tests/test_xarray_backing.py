@@ -234,3 +234,12 @@ def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked_whole(stor
     for build in (dfl.io.ZarrSource, lambda a: dfl.io.PatchSource(a, patch={1: 8, 2: 8})):
         with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\(0\\)"):
             build(stored[:15])
+
+
+def test_to_zarr_refuses_to_copy_a_dataset_missing_a_chunk_into_fill_values(store, tmp_path):
+    """Copied, the fill value would be written as data, and the copy complete: the
+    check would never see it again."""
+    dfl.io.to_zarr(tmp_path / "copy.zarr", opened(store, "dask")[["t"]], sample_dim="time")
+    key = lose(store, "t")
+    with pytest.raises(ChunkMissingError, match=f"to_zarr\\(dataset='t'\\).*'{key}'"):
+        dfl.io.to_zarr(tmp_path / "copy.zarr", opened(store, "dask")[["t"]], sample_dim="time")
