@@ -105,7 +105,7 @@ def _is_dask(data: Any) -> bool:
 
 
 def zarr_arrays_behind(value: Any) -> list[zarr.Array]:
-    """Every zarr array the xarray ``value`` (a DataArray or a Variable) reads from,
+    """Every zarr array ``value`` (a DataArray, a Variable or a dask array) reads from,
     however it was sliced or computed since; none for data in memory."""
     data = _backend_data(value)
     roots = _dask_roots(data) if _is_dask(data) else [data]
