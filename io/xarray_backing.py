@@ -225,7 +225,8 @@ def check_complete(value: Any, source: str, field: str, name: str) -> None:
                 f"of zarr array {array.path or name!r} in store "
                 f"{str(array.store_path.store)!r} are missing, the first {absent[0]!r}; "
                 f"xarray reads a missing chunk as the fill value ({fill!r}), which would be "
-                "trained on (or copied) unseen. Re-write or re-copy the store (zarr skips "
+                "trained on (or copied) unseen (the whole array is checked, not only what "
+                "a slice of it reads). Re-write or re-copy the store (zarr skips "
                 "all-fill-value chunks unless written with write_empty_chunks=True, as "
                 "dataflow.io.to_zarr does)"
             )
