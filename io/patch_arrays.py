@@ -32,6 +32,7 @@ from dataflow.io.xarray_backing import (
     is_data_array,
     may_read_zarr,
     unmodified_zarr_array,
+    zarr_backing,
 )
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
@@ -42,7 +43,6 @@ from dataflow.io.zarr_source import (
     _is_xarray_dataset,
     _label,
     _open_zarr,
-    _zarr_backing,
 )
 
 E = TypeVar("E", bound=Exception)
@@ -237,7 +237,7 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
     unmodified view of a zarr array as that array (each read raw: chunk-aware, and
     missing chunks are caught), as ``ZarrSource`` reads them; anything else unchanged."""
     if _is_xarray_dataset(store):
-        backing = _zarr_backing(store, names)
+        backing = zarr_backing(store, names)
         if backing is not None:
             return backing
     if is_data_array(store) or _is_dask_array(store):

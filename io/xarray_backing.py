@@ -180,6 +180,50 @@ def reads_as_stored(value: Any, array: zarr.Array) -> bool:
     return True
 
 
+def group_behind(dataset: Any, names: list[str]) -> zarr.Group | None:
+    """The zarr group whose arrays the Dataset's variables ``names`` are unmodified
+    views of (:func:`unmodified_zarr_array`), opened on the very store object xarray
+    opened (a remote store with its storage options); None unless all of them are, in
+    one group of one store."""
+    variables = [dataset.variables.get(name) for name in names]
+    arrays = [None if v is None else unmodified_zarr_array(v) for v in variables]
+    if not arrays or any(a is None for a in arrays):
+        return None
+    stores = {id(a.store_path.store) for a in arrays}
+    parents = {a.path.rpartition("/")[0] for a in arrays}
+    if len(stores) != 1 or len(parents) != 1:
+        return None
+    store = arrays[0].store_path.store
+    try:
+        group = zarr.open_group(store=store, path=parents.pop(), mode="r")
+    except Exception:  # not opened as a group: read through xarray
+        return None
+    return group if set(names) <= set(group.array_keys()) else None
+
+
+def zarr_backing(dataset: Any, names: list[str]) -> str | zarr.Group | None:
+    """The zarr store an xarray Dataset was opened from, if reading it raw gives the same
+    values (:func:`reads_as_stored`: no CF unpacking or masking, which
+    xarray would apply and raw zarr would not): its path, or, where the path alone does
+    not open it (a remote store opened with storage options), the group its variables'
+    arrays belong to, on the store object xarray opened."""
+    source = dataset.encoding.get("source")
+    if isinstance(source, str):
+        try:
+            group = zarr.open_group(source, mode="r")
+        except Exception:  # not a zarr store, or not without its options: see below
+            group = None
+        if group is not None:
+            for name in names:
+                variable = dataset.variables.get(name)
+                if variable is None or name not in group.array_keys():
+                    return None
+                if not reads_as_stored(variable, group[name]):
+                    return None
+            return source
+    return group_behind(dataset, names)
+
+
 def from_zarr(value: Any) -> bool:
     """Whether the xarray ``value``'s encoding says it was read from a zarr store."""
     encoding = getattr(value, "encoding", None) or {}

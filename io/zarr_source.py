@@ -57,8 +57,8 @@ from dataflow.io.xarray_backing import (
     check_complete,
     is_data_array,
     may_read_zarr,
-    reads_as_stored,
     unmodified_zarr_array,
+    zarr_backing,
 )
 
 
@@ -108,26 +108,6 @@ def _open_zarr(
         if refused is None or isinstance(refused, StoreUnavailableError):
             raise
         raise refused from exc
-
-
-def _zarr_backing(dataset: Any, names: list[str]) -> str | None:
-    """The zarr store an xarray Dataset was opened from, if reading it raw gives the same
-    values (``io.xarray_backing.reads_as_stored``: no CF unpacking or masking, which
-    xarray would apply and raw zarr would not)."""
-    source = dataset.encoding.get("source")
-    if not isinstance(source, str):
-        return None
-    try:
-        group = zarr.open_group(source, mode="r")
-    except Exception:  # not a zarr store, or gone: read through xarray
-        return None
-    for name in names:
-        variable = dataset.variables.get(name)
-        if variable is None or name not in group.array_keys():
-            return None
-        if not reads_as_stored(variable, group[name]):
-            return None
-    return source
 
 
 def _dimension_names(array: Any) -> tuple[str, ...] | None:
@@ -214,7 +194,7 @@ class ZarrSource(RegionView):
         if isinstance(y, (list, tuple)):
             raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
         if _is_xarray_dataset(store):
-            backing = _zarr_backing(store, [*_names("x", x), *_names("y", y)])
+            backing = zarr_backing(store, [*_names("x", x), *_names("y", y)])
             if backing is not None:
                 store = backing  # read raw zarr: chunk-aware, and missing chunks are caught
         elif is_data_array(store) or _is_dask_array(store):  # a zarr array's view: raw

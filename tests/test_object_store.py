@@ -251,3 +251,30 @@ def test_a_fit_from_s3_has_an_exact_ledger_and_leaves_no_credentials_behind(
         assert SECRET not in text
     for path in written:
         assert SECRET.encode() not in path.read_bytes(), path
+
+
+def test_a_dataset_opened_from_s3_with_its_options_is_read_raw_from_that_store(s3, proxy, tmp_path):
+    """``xr.open_zarr(url, storage_options=...)``: its path alone does not open the store,
+    so the arrays behind its variables name the group, on the store xarray opened. Read
+    raw (fetched ahead, each object's GET its existence check), it equals the local
+    store, also where the source travels; an object deleted is named, not read as 0."""
+    xr = pytest.importorskip("xarray")
+    x, y = make_data(128)
+    local = tmp_path / "fields.zarr"
+    dataset = xr.Dataset({"x": (("s", "c", "h", "w"), x), "y": (("s",), y)})
+    dataset.to_zarr(local, encoding={"x": {"chunks": (16, 1, 8, 8)}}, consolidated=False)
+    url = s3.upload(local, "xarray-fields.zarr")
+    opened = xr.open_zarr(url, storage_options=s3.storage_options, consolidated=False)
+    remote = dfl.io.ZarrSource(opened, x="x", y="y", sample_dim="s", shuffle=False)
+    assert isinstance(remote.store, zarr.Group)  # raw, not through xarray
+    assert SECRET not in repr(remote) and KEY not in repr(remote)
+    here = dfl.io.ZarrSource(xr.open_zarr(local, consolidated=False), x="x", y="y", sample_dim="s")
+    assert here.store == str(local)
+    every = np.arange(128)
+    for source in (remote, pickle.loads(pickle.dumps(remote))):
+        batch, want = source.read(every), here.read(every)
+        assert torch.equal(batch.x, want.x) and torch.equal(batch.y, want.y)
+    s3.delete("xarray-fields.zarr/x/c/2/0/0/0")
+    gone = dfl.io.ZarrSource(opened, x="x", y="y", sample_dim="s", shuffle=False)
+    with pytest.raises(dfl.ChunkMissingError, match="x/c/2/0/0/0"):
+        gone.read(every)
