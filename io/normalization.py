@@ -34,9 +34,9 @@ from dataflow.io.patch_arrays import (
     open_member,
     open_single,
     open_store,
-    raw_zarr,
 )
 from dataflow.io.windows import box_chunks
+from dataflow.io.xarray_backing import raw_zarr
 
 log = logging.getLogger(__name__)
 

@@ -29,18 +29,16 @@ from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.xarray_backing import (
     check_complete,
+    is_dask_array,
     is_data_array,
+    is_xarray_dataset,
     may_read_zarr,
-    unmodified_zarr_array,
-    zarr_backing,
 )
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
     _check_dtype,
     _dimension_names,
-    _is_dask_array,
-    _is_xarray_dataset,
     _label,
     _open_zarr,
 )
@@ -84,7 +82,7 @@ class PatchArray:
                 check_complete(array, "PatchSource", field, name)
             data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
             self.array = data
-            chunks = getattr(data, "chunks", None) if _is_dask_array(data) else None
+            chunks = getattr(data, "chunks", None) if is_dask_array(data) else None
             self.unit = tuple(int(c[0]) for c in chunks) if chunks else None
             self.fill_value = None
 
@@ -179,7 +177,7 @@ class PatchArray:
         selection = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi, strict=True))
         if self.reader is None:
             data = self.array[selection]
-            if _is_dask_array(data):  # inside a Dask worker: never a nested distributed compute
+            if is_dask_array(data):  # inside a Dask worker: never a nested distributed compute
                 data = data.compute(scheduler="synchronous")
             return native(np.asarray(data))
         reader = self.reader
@@ -221,9 +219,9 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
     label for messages; a path or URL is opened as ``ZarrSource`` opens it."""
     if isinstance(store, (str, Path)):
         return _open_zarr(store, storage_options, "PatchSource"), str(store)
-    if isinstance(store, (zarr.Array, zarr.Group)) or _is_xarray_dataset(store):
+    if isinstance(store, (zarr.Array, zarr.Group)) or is_xarray_dataset(store):
         return store, _label(store)
-    if _is_dask_array(store) or isinstance(store, np.ndarray) or is_data_array(store):
+    if is_dask_array(store) or isinstance(store, np.ndarray) or is_data_array(store):
         return store, f"{type(store).__name__}{tuple(store.shape)}"
     raise DataError(
         f"PatchSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL such "
@@ -232,24 +230,9 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
     )
 
 
-def raw_zarr(store: Any, names: list[str]) -> Any:
-    """A zarr-backed xarray Dataset as its zarr store's path, and a DataArray that is an
-    unmodified view of a zarr array as that array (each read raw: chunk-aware, and
-    missing chunks are caught), as ``ZarrSource`` reads them; anything else unchanged."""
-    if _is_xarray_dataset(store):
-        backing = zarr_backing(store, names)
-        if backing is not None:
-            return backing
-    if is_data_array(store) or _is_dask_array(store):
-        array = unmodified_zarr_array(store)
-        if array is not None:
-            return array
-    return store
-
-
 def is_single_array(store: Any) -> bool:
     return (
-        isinstance(store, (zarr.Array, np.ndarray)) or _is_dask_array(store) or is_data_array(store)
+        isinstance(store, (zarr.Array, np.ndarray)) or is_dask_array(store) or is_data_array(store)
     )
 
 
@@ -260,7 +243,7 @@ def open_member(
     ``check_xarray``: xarray data's zarr arrays checked whole (once, on the driver)."""
     if not isinstance(name, str):
         raise DataError(f"PatchSource({field}=...): must be an array name (str), got {name!r}")
-    if _is_xarray_dataset(store):
+    if is_xarray_dataset(store):
         available = sorted(map(str, store.variables))
     else:
         available = sorted(store.array_keys())
@@ -269,7 +252,7 @@ def open_member(
             f"PatchSource({field}={name!r}): no array {name!r} in {label}; the arrays there "
             f"are {available}"
         )
-    array = store.variables[name] if _is_xarray_dataset(store) else store[name]
+    array = store.variables[name] if is_xarray_dataset(store) else store[name]
     return PatchArray(field, name, array, label, check_xarray)
 
 

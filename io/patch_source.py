@@ -45,7 +45,6 @@ from dataflow.io.patch_arrays import (
     open_member,
     open_single,
     open_store,
-    raw_zarr,
     read_windows,
     stored_arrays,
 )
@@ -60,6 +59,7 @@ from dataflow.io.windows import (
     block_units,
     run_units,
 )
+from dataflow.io.xarray_backing import raw_zarr
 
 
 class PatchSource(RegionView):

@@ -46,6 +46,14 @@ _PASS_THROUGH = {
 _ZARR_ENCODING = {"compressors", "compressor", "serializer", "shards"}
 
 
+def is_xarray_dataset(value: Any) -> bool:
+    return type(value).__name__ == "Dataset" and hasattr(value, "data_vars")
+
+
+def is_dask_array(value: Any) -> bool:
+    return type(value).__module__.startswith("dask.array") and hasattr(value, "chunks")
+
+
 def is_xarray_data(value: Any) -> bool:
     """Whether ``value`` is an xarray DataArray or Variable."""
     return type(value).__module__.startswith("xarray.") and hasattr(value, "encoding")
@@ -53,7 +61,7 @@ def is_xarray_data(value: Any) -> bool:
 
 def may_read_zarr(value: Any) -> bool:
     """Whether ``value`` is xarray data or a dask array: it may read zarr arrays lazily."""
-    return is_xarray_data(value) or _is_dask(value)
+    return is_xarray_data(value) or is_dask_array(value)
 
 
 def is_data_array(value: Any) -> bool:
@@ -100,15 +108,11 @@ def _dask_roots(data: Any) -> list[Any]:
     return roots
 
 
-def _is_dask(data: Any) -> bool:
-    return type(data).__module__.startswith("dask.") and hasattr(data, "__dask_graph__")
-
-
 def zarr_arrays_behind(value: Any) -> list[zarr.Array]:
     """Every zarr array ``value`` (a DataArray, a Variable or a dask array) reads from,
     however it was sliced or computed since; none for data in memory."""
     data = _backend_data(value)
-    roots = _dask_roots(data) if _is_dask(data) else [data]
+    roots = _dask_roots(data) if is_dask_array(data) else [data]
     found: dict[int, zarr.Array] = {}
     for root in roots:
         for adapter in _chain(root):
@@ -149,7 +153,7 @@ def unmodified_zarr_array(value: Any) -> zarr.Array | None:
     view of: all of it, in its dtype, with no CF decoding or arithmetic in between (a
     dask array straight from ``open_zarr``: its graph is the read alone); else None."""
     data = _backend_data(value)
-    if _is_dask(data):
+    if is_dask_array(data):
         name = getattr(data, "name", None)
         layers = set(getattr(data.__dask_graph__(), "layers", {}))
         if layers != {name, f"original-{name}"}:
@@ -224,6 +228,19 @@ def zarr_backing(dataset: Any, names: list[str]) -> str | zarr.Group | None:
     return group_behind(dataset, names)
 
 
+def raw_zarr(store: Any, names: list[str]) -> Any:
+    """What the sources read instead of ``store`` where its values are a zarr store's as
+    stored (each read then raw: chunk-aware, and missing chunks are caught): a
+    zarr-backed Dataset as its store (:func:`zarr_backing`), a DataArray or dask array
+    that is an unmodified view of a zarr array as that array; anything else unchanged."""
+    if is_xarray_dataset(store):
+        backing = zarr_backing(store, names)
+        return store if backing is None else backing
+    if is_data_array(store) or is_dask_array(store):
+        return unmodified_zarr_array(store) or store
+    return store
+
+
 def from_zarr(value: Any) -> bool:
     """Whether the xarray ``value``'s encoding says it was read from a zarr store."""
     encoding = getattr(value, "encoding", None) or {}
@@ -274,7 +291,7 @@ def check_complete(value: Any, source: str, field: str, name: str) -> None:
                 "all-fill-value chunks unless written with write_empty_chunks=True, as "
                 "dataflow.io.to_zarr does)"
             )
-    if not arrays and from_zarr(value) and not _is_dask(_backend_data(value)):
+    if not arrays and from_zarr(value) and not is_dask_array(_backend_data(value)):
         warnings.warn(
             f"{source}({field}={name!r}): this xarray data was read from a zarr store but "
             "is in memory now, so a chunk missing from the store (read as its fill value) "

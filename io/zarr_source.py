@@ -55,10 +55,11 @@ from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
 from dataflow.io.xarray_backing import (
     check_complete,
+    is_dask_array,
     is_data_array,
+    is_xarray_dataset,
     may_read_zarr,
-    unmodified_zarr_array,
-    zarr_backing,
+    raw_zarr,
 )
 
 
@@ -69,20 +70,12 @@ class VariableNotFoundError(DataError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _is_xarray_dataset(value: Any) -> bool:
-    return type(value).__name__ == "Dataset" and hasattr(value, "data_vars")
-
-
-def _is_dask_array(value: Any) -> bool:
-    return type(value).__module__.startswith("dask.array") and hasattr(value, "chunks")
-
-
 def _label(store: Any) -> str:
     if isinstance(store, (zarr.Array, zarr.Group)):
         return str(store.store_path)
-    if _is_xarray_dataset(store):
+    if is_xarray_dataset(store):
         return f"xarray.Dataset({', '.join(map(str, store.data_vars))})"
-    if _is_dask_array(store):
+    if is_dask_array(store):
         return f"dask.array{tuple(store.shape)}"
     if is_data_array(store):
         return f"xarray.DataArray({store.name!r}, shape {tuple(store.shape)})"
@@ -193,13 +186,8 @@ class ZarrSource(RegionView):
             )
         if isinstance(y, (list, tuple)):
             raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
-        if _is_xarray_dataset(store):
-            backing = zarr_backing(store, [*_names("x", x), *_names("y", y)])
-            if backing is not None:
-                store = backing  # read raw zarr: chunk-aware, and missing chunks are caught
-        elif is_data_array(store) or _is_dask_array(store):  # a zarr array's view: raw
-            store = unmodified_zarr_array(store) or store
-        self.store = store
+        # a zarr store's values as stored: read raw, chunk-aware, missing chunks caught
+        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)])
         self.x_name = x
         self.y_name = y
         self.sample_dim = sample_dim
@@ -257,14 +245,14 @@ class ZarrSource(RegionView):
             opened = getattr(self, "_opened", None)  # a remote store's, from the driver
             store = _open_zarr(store, self.storage_options) if opened is None else opened
         elif not isinstance(store, (zarr.Array, zarr.Group)) and not (
-            _is_xarray_dataset(store) or _is_dask_array(store) or is_data_array(store)
+            is_xarray_dataset(store) or is_dask_array(store) or is_data_array(store)
         ):
             raise DataError(
                 f"ZarrSource(store=...): got {type(store).__name__}; pass a path, an fsspec URL "
                 "such as 'file:///data/x.zarr', an opened zarr.Array / zarr.Group, an "
                 "xarray.Dataset or DataArray, or a dask.array"
             )
-        single = isinstance(store, zarr.Array) or _is_dask_array(store) or is_data_array(store)
+        single = isinstance(store, zarr.Array) or is_dask_array(store) or is_data_array(store)
         x_names = _names("x", self.x_name)
         if single:
             if self.y_name is not None or len(x_names) > 1:
@@ -303,7 +291,7 @@ class ZarrSource(RegionView):
 
     @staticmethod
     def _available(store: Any) -> list[str]:
-        if _is_xarray_dataset(store):
+        if is_xarray_dataset(store):
             return sorted(map(str, store.variables))
         return sorted(store.array_keys())
 
@@ -316,7 +304,7 @@ class ZarrSource(RegionView):
                 f"ZarrSource({field}={name!r}): no array {name!r} in {label}; "
                 f"the arrays there are {available}"
             )
-        return store.variables[name] if _is_xarray_dataset(store) else store[name]
+        return store.variables[name] if is_xarray_dataset(store) else store[name]
 
     def _reader(self, field: str, name: str, array: Any, label: str) -> ArrayReader:
         _check_dtype(field, name, array.dtype, label)
@@ -326,7 +314,7 @@ class ZarrSource(RegionView):
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask
             check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array
-        if _is_dask_array(data):
+        if is_dask_array(data):
             return DaskArrayReader(field, name, data, axis)
         chunks = getattr(array, "encoding", {}).get("chunks")
         unit = chunks[axis] if chunks else max(1, (8 * 2**20) // max(1, _sample_bytes(array, axis)))
