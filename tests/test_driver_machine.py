@@ -273,6 +273,24 @@ def test_every_replica_lost_restarts_from_the_newest_checkpoint_within_the_budge
     assert isinstance(fail, cmd.Fail) and fail.restarts_from == 0
 
 
+def test_replicas_lost_one_event_at_a_time_restart_waiting_for_as_many_as_the_fit_had():
+    """Two workers killed at once reach the driver as two losses: the first regroups the
+    survivor (its layout shrinks to one), the second leaves none before that group
+    formed. The restart still waits a little for the two replicas the fit ran with, not
+    the one of a group that never formed (it restarted on one worker, found 2026-12-02)."""
+    d = Driver(checkpoints=True)
+    _, calibration = d.start()
+    d.finish_plan(calibration)
+    out = d.send(ev.WorkersLost(W[:1]))
+    [form] = of(cmd.FormGroup, out)
+    assert form.members == W[1:2]
+    assert d.send(ev.WorkersLost(W[1:2]))[-1] == cmd.AwaitRestart(1, 2, 60.0, 10.0)
+    out = d.send(ev.RestartPoint(step=0, workers=("tcp://c",)))  # one came back in time
+    assert of(cmd.FormGroup, out)[0].members == ("tcp://c",)
+    # lost again before that group formed: the fit has one replica since the restart
+    assert d.send(ev.WorkersLost(("tcp://c",))) == [cmd.AwaitRestart(1, 1, 60.0, 10.0)]
+
+
 def test_a_loss_while_restarting_goes_on_with_the_workers_left():
     d = Driver(checkpoints=True)
     d.start()

@@ -173,6 +173,7 @@ class FitMachine(LostWorkers, WindowFailures, WindowPlanning, StopOnSignal):
         if event.generation != s.generation or s.status != Status.FORMING:
             return []
         after, s.forming, s.joining, s.group_retries = s.after_group, Forming.REGROUP, (), 0
+        s.formed_replicas = s.layout.replicas
         if after == AfterGroup.END:
             s.status = Status.ENDING
             return [cmd.EndPhase(s.generation, self.members)]

@@ -279,7 +279,7 @@ class LostWorkers:
             # Wait for workers: start again from the newest checkpoint or, with none (or
             # no checkpoint folder), from step 0, rather than fail a fit they could finish
             self._restarting(record)
-            return [*out, self._await_restart(s.layout.replicas)]
+            return [*out, self._await_restart(max(s.layout.replicas, s.formed_replicas))]
         record = self._failure("lost workers", lost, replicas_after=survivors.replicas)
         record.update(kept or {})
         in_segment = after == AfterGroup.REST
@@ -374,7 +374,7 @@ class LostWorkers:
             # every worker lost before any step: wait for workers, start again from the
             # newest checkpoint (a resumed fit's, a restart's) or, with none, from step 0
             self._restarting(self._failure("every replica lost", lost))
-            return [self._await_restart(s.layout.replicas)]
+            return [self._await_restart(max(s.layout.replicas, s.formed_replicas))]
         before, s.layout = s.layout, survivors
         joiners = self._joinable()  # spares the fit may take (elastic, up to its cap)
         s.layout = before  # (the failure record counts the replicas it had)
@@ -463,6 +463,7 @@ class LostWorkers:
         arrived = set(back)
         s.available = tuple(w for w in s.available if w not in arrived)
         s.layout = self._groups(tuple(workers))
+        s.formed_replicas = s.layout.replicas  # (what the fit has from here on)
         s.available = (*s.available, *back[len(workers) :])
         if not s.layout.replicas:  # too few workers for one group (a spatial layout)
             s.status = Status.FAILED

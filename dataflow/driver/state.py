@@ -121,6 +121,10 @@ class FitState:
     readmittable: tuple[str, ...] = ()
     readmitted: tuple[str, ...] = ()
     lost_everything: Any = None  # the FailureRecord of a restart (every replica lost)
+    # Replicas of the last group formed (or started again): what a restart waits a
+    # little for when every replica is lost, even if a regroup after a first loss had
+    # shrunk the layout before the last one went (workers die one event at a time)
+    formed_replicas: int = 0
     # Asynchronous updates: replicas lost while the survivors finish the window in
     # flight (fit-wide number ``release_window``) without them, and their workers
     releasing: tuple[int, ...] = ()
