@@ -78,6 +78,9 @@ class ArrayReader:
         self.num_samples = self.shape[sample_dim]
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.cuts: dict[int, tuple[int, int]] = {}  # array axis -> [lo, hi): see restrict
+        # Where this reader's array starts in the stored one: a box of it (a slice made in
+        # xarray, io.xarray_slices) reads as an array of its own, from 0 along every axis
+        self.origin = (0,) * len(self.shape)
         self.resident = False  # set by the source for small arrays beside the inputs
         self._resident: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -103,12 +106,18 @@ class ArrayReader:
         self.cuts = dict(cuts)
         self.nbytes = math.prod(self.read_shape) * self.dtype.itemsize
 
+    def _stored(self, axis: int) -> tuple[int, int]:
+        """``[lo, hi)`` read along ``axis`` in the stored array's coordinates: the cut, or
+        the whole axis, moved to where the reader's array starts."""
+        lo, hi = self.cuts.get(axis, (0, self.shape[axis]))
+        return lo + self.origin[axis], hi + self.origin[axis]
+
     def _selection(self, start: int, stop: int) -> tuple[slice, ...]:
-        """Samples ``[start, stop)`` and, on the cut axes, only the cut."""
-        region = [
-            slice(*self.cuts[a]) if a in self.cuts else slice(None) for a in range(len(self.shape))
-        ]
-        region[self.sample_dim] = slice(start, stop)
+        """Samples ``[start, stop)`` and, on the cut axes, only the cut (in the stored
+        array's coordinates)."""
+        region = [slice(*self._stored(a)) for a in range(len(self.shape))]
+        at = self.origin[self.sample_dim]
+        region[self.sample_dim] = slice(start + at, stop + at)
         return tuple(region)
 
     def missing(self, chunks: Sequence[int]) -> list[str]:
@@ -156,12 +165,24 @@ class ArrayReader:
 
 
 class ZarrArrayReader(ArrayReader):
-    """A zarr array; the storage unit is the shard when the array is sharded."""
+    """A zarr array, or the box ``[lo, hi)`` of one (``box``, per axis: a slice of it
+    made in xarray), read as an array of its own; the storage unit is the shard when the
+    array is sharded."""
 
     def __init__(
-        self, field: str, array: zarr.Array, sample_dim: int, retry_s: float = DEFAULT_RETRY_S
+        self,
+        field: str,
+        array: zarr.Array,
+        sample_dim: int,
+        retry_s: float = DEFAULT_RETRY_S,
+        box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__(field, array.path or "<array>", array, sample_dim)
+        if box is not None:
+            self.origin = tuple(int(lo) for lo in box[0])
+            self.shape = tuple(int(hi) - lo for lo, hi in zip(self.origin, box[1], strict=True))
+            self.num_samples = self.shape[sample_dim]
+            self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         # Reads retried while the store fails in a way that passes (io.store_retry)
         self.retry = StoreRetry(retry_s)
         self.unit = (array.shards or array.chunks)[sample_dim]
@@ -176,7 +197,16 @@ class ZarrArrayReader(ArrayReader):
 
     @functools.cached_property
     def bounds(self) -> np.ndarray:
-        return regular_bounds(self.num_samples, self.unit)
+        """The stored chunks' edges along the sample dim, from where the reader's array
+        starts (a box's first and last chunks may be partial)."""
+        at, n = self.origin[self.sample_dim], self.num_samples
+        inner = np.arange((at // self.unit + 1) * self.unit, at + n, self.unit) - at
+        return np.concatenate([[0], inner, [n]]).astype(np.int64)
+
+    def _chunk_of(self, sample: int) -> int:
+        """The chunk (in :attr:`bounds` numbering) holding ``sample``."""
+        at = self.origin[self.sample_dim]
+        return (sample + at) // self.unit - at // self.unit
 
     def _key(self, coords: tuple[int, ...]) -> str:
         key = self.array.metadata.encode_chunk_key(coords)
@@ -186,13 +216,11 @@ class ZarrArrayReader(ArrayReader):
         """Coordinates of the stored objects a read of ``chunks`` (along the sample dim)
         touches: across the other axes, all of them, or on a cut axis those it intersects."""
         unit = self.array.shards or self.array.chunks
-        grid: list[Any] = [
-            chunk_range(*self.cuts.get(a, (0, s)), c)
-            for a, (s, c) in enumerate(zip(self.shape, unit, strict=True))
-        ]
+        grid: list[Any] = [chunk_range(*self._stored(a), c) for a, c in enumerate(unit)]
+        first = self.origin[self.sample_dim] // self.unit  # the stored chunk of bounds' 0
         coords = []
         for chunk in chunks:
-            grid[self.sample_dim] = [chunk]
+            grid[self.sample_dim] = [first + chunk]
             coords.extend(itertools.product(*grid))
         return coords
 
@@ -326,7 +354,7 @@ class ZarrArrayReader(ArrayReader):
 
     def _first_key(self, start: int) -> str:
         """The first stored object a read from sample ``start`` takes."""
-        return self._key(self._grid([start // self.unit])[0])
+        return self._key(self._grid([self._chunk_of(start)])[0])
 
     def _raise_if_refused(self, key: str, exc: Exception, who: str = "ZarrSource") -> None:
         """A store that refused a read of zarr's (or failed for longer than the retries)
@@ -340,15 +368,12 @@ class ZarrArrayReader(ArrayReader):
         """Re-read object by object to name the one that fails to decode."""
         self._raise_if_refused(self._first_key(start), exc)
         unit = self.array.shards or self.array.chunks
-        first, last = start // self.unit, (stop - 1) // self.unit
+        first, last = self._chunk_of(start), self._chunk_of(stop - 1)
         for coords in self._grid(range(first, last + 1)):
-            region = tuple(  # the chunk, within the cut where there is one
+            region = tuple(  # the chunk, within the cut (or box) where there is one
                 slice(max(i * u, lo), min((i + 1) * u, hi))
                 for i, u, (lo, hi) in zip(
-                    coords,
-                    unit,
-                    (self.cuts.get(a, (0, s)) for a, s in enumerate(self.shape)),
-                    strict=True,
+                    coords, unit, (self._stored(a) for a in range(len(unit))), strict=True
                 )
             )
             try:

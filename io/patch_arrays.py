@@ -27,13 +27,13 @@ from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
 from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
-from dataflow.io.xarray_backing import (
-    check_complete,
+from dataflow.io.xarray_adapters import (
     is_dask_array,
     is_data_array,
     is_xarray_dataset,
     may_read_zarr,
 )
+from dataflow.io.xarray_backing import check_complete
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,

@@ -6,19 +6,21 @@ that ends in its ``ZarrArrayWrapper`` (``open_dataset(..., chunks=None)``), or t
 dask array whose graph holds that chain (``open_zarr``'s default). A chunk absent from
 the store reads there as the array's fill value, unseen: a fit would train on it.
 ``dask.array.from_zarr`` is the same with the zarr array itself at the graph's root.
-Two answers, for two uses:
+Three answers, for three uses:
 
-* :func:`unmodified_zarr_array`: the zarr array a ``DataArray`` is an unmodified view
-  of (the whole array, no CF decoding, no arithmetic), which the sources then read raw,
-  each read checked, as they read a zarr-backed ``Dataset``;
-* :func:`check_complete`: for xarray data that is not such a view (sliced, scaled,
-  computed), every stored object of every zarr array it reads must exist, asked once
-  with one listing per array.
+* :func:`raw_zarr`: what the sources read instead of a zarr-backed Dataset, or of a
+  DataArray that is all of a zarr array unchanged (:func:`unmodified_zarr_array`): the
+  store or the array, read raw, each read checked;
+* ``io.xarray_slices.zarr_box``: the box of a zarr array a sliced variable reads
+  (``ds.sel(time=slice(...))``), which ``ZarrSource`` then reads raw as well;
+* :func:`check_complete`: for xarray data that is neither (scaled, computed, sliced
+  with a step), every stored object of every zarr array it reads must exist (only
+  those of the box it reads, where it reads one), asked once with one listing per
+  array.
 
-The adapters are xarray's internals (``Variable._data``, ``.array``, ``.key``,
-``ZarrArrayWrapper.get_array``), recognised by their class names: a version of xarray
-that changes them makes both answers "none found" (the data is then read as it was
-before, through xarray), never a wrong array.
+How xarray holds its data is in ``io.xarray_adapters``: a version of xarray that
+changes it makes every answer "none found" (the data is then read as it was before,
+through xarray, and checked whole), never a wrong array.
 """
 
 from __future__ import annotations
@@ -26,162 +28,30 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import zarr
 
 from dataflow.core.errors import ChunkMissingError
-
-# The adapters a lazily opened variable's data passes through unchanged: caching,
-# copy-on-write, indexing (identity keys only), the implicit-to-explicit bridge dask uses.
-_PASS_THROUGH = {
-    "MemoryCachedArray",
-    "CopyOnWriteArray",
-    "LazilyIndexedArray",
-    "ImplicitToExplicitIndexingAdapter",
-}
-# Keys of a variable's encoding that only xarray's zarr backend writes
-_ZARR_ENCODING = {"compressors", "compressor", "serializer", "shards"}
-
-
-def is_xarray_dataset(value: Any) -> bool:
-    return type(value).__name__ == "Dataset" and hasattr(value, "data_vars")
-
-
-def is_dask_array(value: Any) -> bool:
-    return type(value).__module__.startswith("dask.array") and hasattr(value, "chunks")
-
-
-def is_xarray_data(value: Any) -> bool:
-    """Whether ``value`` is an xarray DataArray or Variable."""
-    return type(value).__module__.startswith("xarray.") and hasattr(value, "encoding")
-
-
-def may_read_zarr(value: Any) -> bool:
-    """Whether ``value`` is xarray data or a dask array: it may read zarr arrays lazily."""
-    return is_xarray_data(value) or is_dask_array(value)
-
-
-def is_data_array(value: Any) -> bool:
-    return type(value).__name__ == "DataArray" and hasattr(value, "dims")
-
-
-def _backend_data(value: Any) -> Any:
-    """The data behind a DataArray or Variable (its lazy adapters or dask array, never
-    loaded), or ``value`` itself."""
-    variable = getattr(value, "variable", value)
-    return getattr(variable, "_data", value)
-
-
-def _chain(adapter: Any) -> Iterator[Any]:
-    """``adapter`` and each array it wraps (``.array``), outermost first."""
-    seen: set[int] = set()
-    while adapter is not None and id(adapter) not in seen:
-        seen.add(id(adapter))
-        yield adapter
-        adapter = getattr(adapter, "array", None)
-
-
-def _zarr_of(wrapper: Any) -> zarr.Array | None:
-    if isinstance(wrapper, zarr.Array):  # dask.array.from_zarr's root
-        return wrapper
-    if type(wrapper).__name__ != "ZarrArrayWrapper":
-        return None
-    try:
-        array = wrapper.get_array()
-    except Exception:  # another xarray version's wrapper
-        return None
-    return array if isinstance(array, zarr.Array) else None
-
-
-def _dask_roots(data: Any) -> list[Any]:
-    """The adapters a dask array's graph starts from (``from_array``'s ``original-``
-    layers: xarray's default, ``inline_array=False``)."""
-    graph = data.__dask_graph__()
-    layers = getattr(graph, "layers", {})
-    roots = []
-    for name, layer in layers.items():
-        if str(name).startswith("original-"):
-            roots += [getattr(value, "value", value) for value in dict(layer).values()]
-    return roots
-
-
-def zarr_arrays_behind(value: Any) -> list[zarr.Array]:
-    """Every zarr array ``value`` (a DataArray, a Variable or a dask array) reads from,
-    however it was sliced or computed since; none for data in memory."""
-    data = _backend_data(value)
-    roots = _dask_roots(data) if is_dask_array(data) else [data]
-    found: dict[int, zarr.Array] = {}
-    for root in roots:
-        for adapter in _chain(root):
-            array = _zarr_of(adapter)
-            if array is not None:
-                found.setdefault(id(array), array)
-    return list(found.values())
-
-
-def _identity_key(adapter: Any, shape: tuple[int, ...]) -> bool:
-    """Whether a ``LazilyIndexedArray``'s key selects the whole array, in order."""
-    key = getattr(getattr(adapter, "key", None), "tuple", None)
-    if key is None or len(key) != len(shape):
-        return False
-    for k, n in zip(key, shape, strict=True):
-        if not isinstance(k, slice) or k.indices(n) != (0, n, 1):
-            return False
-    return True
-
-
-def _unmodified_chain(root: Any) -> zarr.Array | None:
-    """The zarr array at the end of ``root``'s chain, when every adapter on the way
-    passes the data through unchanged."""
-    for adapter in _chain(root):
-        array = _zarr_of(adapter)
-        if array is not None:
-            return array
-        kind = type(adapter).__name__
-        if kind not in _PASS_THROUGH:
-            return None
-        if kind == "LazilyIndexedArray" and not _identity_key(adapter, adapter.array.shape):
-            return None
-    return None
+from dataflow.io.region import chunk_range
+from dataflow.io.xarray_adapters import (
+    backend_data,
+    from_zarr,
+    is_dask_array,
+    is_data_array,
+    is_xarray_dataset,
+    reads_as_stored,
+    zarr_arrays_behind,
+)
+from dataflow.io.xarray_slices import ZarrBox, zarr_box
 
 
 def unmodified_zarr_array(value: Any) -> zarr.Array | None:
-    """The zarr array the xarray ``value`` (a DataArray or Variable) is an unmodified
-    view of: all of it, in its dtype, with no CF decoding or arithmetic in between (a
-    dask array straight from ``open_zarr``: its graph is the read alone); else None."""
-    data = _backend_data(value)
-    if is_dask_array(data):
-        name = getattr(data, "name", None)
-        layers = set(getattr(data.__dask_graph__(), "layers", {}))
-        if layers != {name, f"original-{name}"}:
-            return None
-        roots = _dask_roots(data)
-        array = _unmodified_chain(roots[0]) if len(roots) == 1 else None
-    else:
-        array = _unmodified_chain(data)
-    return array if array is not None and reads_as_stored(value, array) else None
-
-
-def reads_as_stored(value: Any, array: zarr.Array) -> bool:
-    """Whether xarray's values of ``value`` (a DataArray or Variable) are ``array``'s
-    as stored: the same shape and dtype, no CF unpacking (``scale_factor``,
-    ``add_offset``) and no CF masking, which xarray applies and a raw read would not (a
-    ``_FillValue`` or ``missing_value`` of -999 or 1e20 read as NaN; a float fill value
-    of NaN already is NaN)."""
-    if tuple(array.shape) != tuple(value.shape) or array.dtype != value.dtype:
-        return False
-    encoding = getattr(value, "encoding", {}) or {}
-    if {"scale_factor", "add_offset"} & set(encoding):
-        return False
-    floating = np.issubdtype(array.dtype, np.floating)
-    for key in ("_FillValue", "missing_value"):
-        fills = np.atleast_1d(encoding.get(key, [])).tolist()
-        if not all(f is None or (floating and f != f) for f in fills):  # (f != f: NaN)
-            return False
-    return True
+    """The zarr array the xarray ``value`` (a DataArray or Variable) or dask array is an
+    unmodified view of: all of it, in its dtype, with no CF decoding, slicing or
+    arithmetic in between; else None."""
+    box = zarr_box(value)
+    return box.array if box is not None and box.whole else None
 
 
 def group_behind(dataset: Any, names: list[str]) -> zarr.Group | None:
@@ -241,24 +111,21 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
     return store
 
 
-def from_zarr(value: Any) -> bool:
-    """Whether the xarray ``value``'s encoding says it was read from a zarr store."""
-    encoding = getattr(value, "encoding", None) or {}
-    return bool(_ZARR_ENCODING & set(encoding))
-
-
-def _object_grid(array: zarr.Array) -> list[range]:
-    """The coordinates of ``array``'s stored objects along each axis."""
+def _object_grid(array: zarr.Array, box: ZarrBox | None = None) -> list[range]:
+    """The coordinates of ``array``'s stored objects along each axis (those holding any
+    of ``box``, where given)."""
     unit = array.shards or array.chunks
+    if box is not None:
+        return [chunk_range(lo, hi, c) for lo, hi, c in zip(box.lo, box.hi, unit, strict=True)]
     return [range(math.ceil(s / c)) for s, c in zip(array.shape, unit, strict=True)]
 
 
-def absent_objects(array: zarr.Array) -> list[str]:
-    """The keys of ``array``'s stored objects (chunks, or shards) absent from its store:
-    one listing of the array's prefix."""
+def absent_objects(array: zarr.Array, box: ZarrBox | None = None) -> list[str]:
+    """The keys of ``array``'s stored objects (chunks, or shards) absent from its store
+    (of those holding any of ``box``, where given): one listing of the array's prefix."""
     from zarr.core.sync import sync
 
-    grid = _object_grid(array)
+    grid = _object_grid(array, box)
     prefix = f"{array.path}/" if array.path else ""
     store = array.store_path.store
 
@@ -274,24 +141,25 @@ def check_complete(value: Any, source: str, field: str, name: str) -> None:
     """Raise ``ChunkMissingError`` naming the first stored object absent from a zarr
     array that the xarray ``value`` (``field``, variable ``name``) reads; warn when it
     was read from zarr but is in memory now, where nothing can be checked."""
-    arrays = zarr_arrays_behind(value)
+    box = zarr_box(value)  # a slice reads only its box: only its chunks must exist
+    arrays = [box.array] if box is not None else zarr_arrays_behind(value)
     for array in arrays:
-        absent = absent_objects(array)
+        absent = absent_objects(array, box)
         if absent:
-            total = math.prod(len(axis) for axis in _object_grid(array))
+            total = math.prod(len(axis) for axis in _object_grid(array, box))
+            which = "the slice reads" if box is not None else "stored"
             fill = array.fill_value
             fill = fill.item() if hasattr(fill, "item") else fill
             raise ChunkMissingError(
-                f"{source}({field}={name!r}): {len(absent)} of the {total} stored chunks "
+                f"{source}({field}={name!r}): {len(absent)} of the {total} chunks {which} "
                 f"of zarr array {array.path or name!r} in store "
                 f"{str(array.store_path.store)!r} are missing, the first {absent[0]!r}; "
                 f"xarray reads a missing chunk as the fill value ({fill!r}), which would be "
-                "trained on (or copied) unseen (the whole array is checked, not only what "
-                "a slice of it reads). Re-write or re-copy the store (zarr skips "
+                "trained on (or copied) unseen. Re-write or re-copy the store (zarr skips "
                 "all-fill-value chunks unless written with write_empty_chunks=True, as "
                 "dataflow.io.to_zarr does)"
             )
-    if not arrays and from_zarr(value) and not is_dask_array(_backend_data(value)):
+    if not arrays and from_zarr(value) and not is_dask_array(backend_data(value)):
         warnings.warn(
             f"{source}({field}={name!r}): this xarray data was read from a zarr store but "
             "is in memory now, so a chunk missing from the store (read as its fill value) "

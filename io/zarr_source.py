@@ -53,14 +53,14 @@ from dataflow.io.region import (
 )
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, open_with_retries, retry_seconds
-from dataflow.io.xarray_backing import (
-    check_complete,
+from dataflow.io.xarray_adapters import (
     is_dask_array,
     is_data_array,
     is_xarray_dataset,
     may_read_zarr,
-    raw_zarr,
 )
+from dataflow.io.xarray_backing import check_complete, raw_zarr
+from dataflow.io.xarray_slices import zarr_box
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -311,6 +311,9 @@ class ZarrSource(RegionView):
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
             return ZarrArrayReader(field, array, axis, self.retry_s)
+        box = zarr_box(array) if may_read_zarr(array) else None
+        if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
+            return ZarrArrayReader(field, box.array, axis, self.retry_s, (box.lo, box.hi))
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask
             check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array

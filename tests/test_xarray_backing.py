@@ -20,7 +20,8 @@ import zarr
 
 import dataflow as dfl
 from dataflow.core.errors import ChunkMissingError
-from dataflow.io.xarray_backing import unmodified_zarr_array, zarr_arrays_behind
+from dataflow.io.xarray_adapters import zarr_arrays_behind
+from dataflow.io.xarray_backing import unmodified_zarr_array
 
 xr = pytest.importorskip("xarray")
 
@@ -96,12 +97,12 @@ def _sliced_dataset_patches(ds, name):
     return dfl.io.PatchSource(ds.isel(time=slice(0, 15)), name, patch=PATCH)
 
 
-def _sliced_dataset_samples(ds, name):
-    return dfl.io.ZarrSource(ds.isel(time=slice(0, 15)), x=name, sample_dim="time")
+def _strided_dataset_samples(ds, name):  # (a slice with step 1: read raw, test_xarray_slices)
+    return dfl.io.ZarrSource(ds.isel(time=slice(0, 20, 2)), x=name, sample_dim="time")
 
 
-def _sliced_data_array_samples(ds, name):
-    return dfl.io.ZarrSource(ds[name].isel(time=slice(0, 15)), sample_dim="time")
+def _strided_data_array_samples(ds, name):
+    return dfl.io.ZarrSource(ds[name].isel(time=slice(0, 20, 2)), sample_dim="time")
 
 
 def _computed_data_array(ds, name):
@@ -111,21 +112,22 @@ def _computed_data_array(ds, name):
 BUILT = {
     "a sliced DataArray (PatchSource)": _sliced_data_array,
     "a sliced Dataset (PatchSource)": _sliced_dataset_patches,
-    "a sliced Dataset (ZarrSource)": _sliced_dataset_samples,
-    "a sliced DataArray (ZarrSource)": _sliced_data_array_samples,
+    "a strided Dataset (ZarrSource)": _strided_dataset_samples,
+    "a strided DataArray (ZarrSource)": _strided_data_array_samples,
 }
 
 
 @pytest.mark.parametrize("how", OPENED)
 @pytest.mark.parametrize("build", BUILT.values(), ids=BUILT)
 @pytest.mark.parametrize("name", ["t", "counts", "packed"])
-def test_xarray_data_sliced_or_scaled_since_is_checked_whole_when_the_source_is_built(
+def test_xarray_data_sliced_or_scaled_since_is_checked_when_the_source_is_built(
     store, how, build, name
 ):
-    """Not a view of the stored array (a slice; CF unpacking for ``packed``): read
-    through xarray, but only once every chunk of the array behind it exists. Complete,
-    it reads what xarray reads; one chunk gone, it is refused naming the chunk and the
-    fill value xarray would have given, before anything is read."""
+    """Not all of the stored array (a slice, a stride; CF unpacking for ``packed``):
+    read through xarray, but only once every chunk it reads exists (a slice's box, or
+    the whole array behind it). Complete, it reads what xarray reads; one chunk gone,
+    it is refused naming the chunk and the fill value xarray would have given, before
+    anything is read."""
     ds = opened(store, how)
     assert unmodified_zarr_array(ds[name].isel(time=slice(0, 15))) is None
     source = build(ds, name)
@@ -178,7 +180,9 @@ def test_the_store_is_listed_once_on_the_driver_not_again_where_the_source_trave
     listed = []
     absent_objects = xarray_backing.absent_objects
     monkeypatch.setattr(
-        xarray_backing, "absent_objects", lambda a: listed.append(a.path) or absent_objects(a)
+        xarray_backing,
+        "absent_objects",
+        lambda a, box=None: listed.append(a.path) or absent_objects(a, box),
     )
     source = build(opened(store, "dask"), "t")
     assert listed == ["t"]
@@ -216,9 +220,10 @@ def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
         assert x[t, 0, 0, i, j] == 0 and x[t, 1, 0, i, j] == 0 and x[t, 1].sum() == 63
 
 
-def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked_whole(store):
+def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked(store):
     """``dask.array.from_zarr``: the zarr array at the graph's root. Unchanged, it is read
-    raw; sliced, it is read through dask once every chunk behind it exists."""
+    raw; sliced, a ZarrSource reads its box raw too (each read checked), a PatchSource
+    reads it through dask once every chunk of the box exists."""
     import dask.array
 
     stored = dask.array.from_zarr(str(store), component="counts")
@@ -231,9 +236,10 @@ def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked_whole(stor
     stored = dask.array.from_zarr(str(store), component="counts")
     with pytest.raises(ChunkMissingError, match=key):
         dfl.io.ZarrSource(stored, shuffle=False).read(np.arange(20))
-    for build in (dfl.io.ZarrSource, lambda a: dfl.io.PatchSource(a, patch={1: 8, 2: 8})):
-        with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\(0\\)"):
-            build(stored[:15])
+    with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\(0\\)"):
+        dfl.io.PatchSource(stored[:15], patch={1: 8, 2: 8})
+    with pytest.raises(ChunkMissingError, match=key):
+        dfl.io.ZarrSource(stored[:15], shuffle=False).read(np.arange(15))
 
 
 def test_to_zarr_refuses_to_copy_a_dataset_missing_a_chunk_into_fill_values(store, tmp_path):

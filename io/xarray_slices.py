@@ -1,0 +1,188 @@
+"""The box of a zarr array that a sliced xarray variable reads, so that a split made in
+xarray (``ds.sel(time=slice("1990", "2010"))``, ``ds.isel(lat=slice(0, 64))``) is read
+raw: only the chunks the box touches are fetched and checked, a missing one outside it
+refuses nothing, and a remote store's chunks are fetched ahead as for a whole array.
+
+xarray slices lazily in one of two places, each followed back to the zarr array here:
+
+* the key of its ``LazilyIndexedArray`` (``open_dataset(..., chunks=None)``): one tuple
+  of slices over the zarr array;
+* a dask ``getitem`` over the blocks of the read (``open_zarr``'s default): every block
+  of the sliced array is traced back, task by task (``Alias`` for a whole block,
+  ``getitem`` for part of one, ``getter`` for the read of the zarr array's region), and
+  the blocks must tile one box in order.
+
+Only a box (slices with step 1, no integer index, no transpose) with nothing else
+between it and the zarr array counts; anything else (a step, arithmetic, a rechunk, CF
+unpacking, a dask or xarray version whose internals differ) gives None, and the data
+is read through xarray and checked whole (``io.xarray_backing``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from dataflow.io.xarray_adapters import (
+    PASS_THROUGH,
+    adapter_chain,
+    backend_data,
+    dask_roots,
+    decodes_nothing,
+    is_dask_array,
+    zarr_of,
+)
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # [lo, hi) per axis
+# dask's tasks that read a block of the from_array source (dask.array.core)
+_GETTERS = {"getter", "getter_nofancy", "getter_inline"}
+
+
+@dataclass(frozen=True)
+class ZarrBox:
+    """``array[lo[0]:hi[0], lo[1]:hi[1], ...]``: what an xarray variable reads, as stored;
+    ``dims``: the variable's dimension names."""
+
+    array: zarr.Array
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    dims: tuple[str, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(h - lo for lo, h in zip(self.lo, self.hi, strict=True))
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    @property
+    def whole(self) -> bool:
+        return self.shape == tuple(self.array.shape)
+
+
+def zarr_box(value: Any) -> ZarrBox | None:
+    """The box of a zarr array the xarray ``value`` (a DataArray or Variable) or dask
+    array reads unchanged (whole, or sliced with step 1); None for anything else."""
+    data = backend_data(value)
+    found = _dask_box(data) if is_dask_array(data) else _lazy_box(data)
+    if found is None:
+        return None
+    array, (lo, hi) = found
+    box = ZarrBox(array, lo, hi, getattr(value, "dims", None))
+    if box.shape != tuple(value.shape) or not decodes_nothing(value, array):
+        return None
+    return box
+
+
+def _slices_box(key: Any, shape: tuple[int, ...]) -> Box | None:
+    """``[lo, hi)`` per axis of a key of slices with step 1 over an array of ``shape``."""
+    key = getattr(key, "value", key)  # a dask DataNode
+    if not isinstance(key, tuple) or len(key) != len(shape):
+        return None
+    lo, hi = [], []
+    for k, n in zip(key, shape, strict=True):
+        if not isinstance(k, slice):
+            return None
+        start, stop, step = k.indices(n)
+        if step != 1 or stop <= start:
+            return None
+        lo.append(start)
+        hi.append(stop)
+    return tuple(lo), tuple(hi)
+
+
+def _lazy_box(root: Any) -> tuple[zarr.Array, Box] | None:
+    """The zarr array at the end of ``root``'s adapters and the box their one indexing
+    key selects (the whole array where none does), when nothing else is in between."""
+    box = None
+    for adapter in adapter_chain(root):
+        array = zarr_of(adapter)
+        if array is not None:
+            whole = (0,) * array.ndim, tuple(int(s) for s in array.shape)
+            return array, whole if box is None else box
+        kind = type(adapter).__name__
+        if kind not in PASS_THROUGH:
+            return None
+        if kind == "LazilyIndexedArray":
+            inner = getattr(adapter.array, "shape", None)
+            key = getattr(getattr(adapter, "key", None), "tuple", None)
+            if box is not None or inner is None:
+                return None  # two keys in one chain: xarray composes them into one
+            box = _slices_box(key, tuple(inner))
+            if box is None:
+                return None
+    return None
+
+
+def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
+    """The zarr array behind a dask array and the box its blocks tile, traced task by
+    task from each block back to the read of the whole array."""
+    roots = dask_roots(data)
+    read = _lazy_box(roots[0]) if len(roots) == 1 else None
+    if read is None or read[1] != ((0,) * read[0].ndim, tuple(read[0].shape)):
+        return None  # the read itself must be of the whole array
+    array = read[0]
+    layers = data.__dask_graph__().layers
+    original = next(name for name in layers if str(name).startswith("original-"))
+    tasks: dict[Any, Any] = {}
+    for layer in layers.values():
+        tasks.update(dict(layer))
+    traced: dict[Any, Box | None] = {}
+
+    def box_of(key: Any, depth: int = 0) -> Box | None:
+        if key not in traced:
+            traced[key] = _trace(tasks.get(key), original, array, box_of, depth)
+        return traced[key]
+
+    chunks = data.chunks
+    first = box_of((data.name, *([0] * len(chunks))))
+    if first is None:
+        return None
+    lo = first[0]
+    offsets = [np.concatenate([[0], np.cumsum(c)]).tolist() for c in chunks]
+    for index in itertools.product(*(range(len(c)) for c in chunks)):
+        expected = (
+            tuple(o + offsets[a][i] for a, (o, i) in enumerate(zip(lo, index, strict=True))),
+            tuple(o + offsets[a][i + 1] for a, (o, i) in enumerate(zip(lo, index, strict=True))),
+        )
+        if box_of((data.name, *index)) != expected:
+            return None
+    return array, (lo, tuple(o + n for o, n in zip(lo, data.shape, strict=True)))
+
+
+def _trace(task: Any, original: str, array: zarr.Array, box_of: Any, depth: int) -> Box | None:
+    """The box of ``array`` one task computes: an alias of a block, a step-1 slice of a
+    block, or the read of a region of the whole array; None for any other task."""
+    if task is None or depth > 64:
+        return None
+    kind = type(task).__name__
+    if kind == "Alias":
+        target = getattr(task, "target", None)
+        return box_of(getattr(target, "key", target), depth + 1)
+    if kind != "Task" or getattr(task, "kwargs", None):
+        return None
+    name = getattr(getattr(task, "func", None), "__name__", "")
+    args = getattr(task, "args", ())
+    if len(args) != 2 or type(args[0]).__name__ != "TaskRef":
+        return None
+    source = args[0].key
+    if name in _GETTERS and source == original:
+        return _slices_box(args[1], tuple(int(s) for s in array.shape))
+    if name == "getitem":
+        parent = box_of(source, depth + 1)
+        if parent is None:
+            return None
+        extents = tuple(h - lo for lo, h in zip(*parent, strict=True))
+        part = _slices_box(args[1], extents)
+        if part is None:
+            return None
+        return (
+            tuple(p + s for p, s in zip(parent[0], part[0], strict=True)),
+            tuple(p + s for p, s in zip(parent[0], part[1], strict=True)),
+        )
+    return None

@@ -1,0 +1,211 @@
+"""A split made in xarray is read raw: ``ZarrSource(ds.sel(time=slice(...)), ...)``.
+
+The box a sliced variable reads is traced back to its zarr array, through xarray's
+lazy indexing key (``chunks=None``) or task by task through dask's graph
+(``open_zarr``'s default); the source then reads that box of the array raw, so only
+the chunks it touches are fetched and checked: a chunk missing outside the slice
+refuses nothing, one inside is named at the read. Anything not a box (a step, an
+integer index, a transpose, arithmetic, CF unpacking) is read through xarray and
+checked whole, as before. Real zarr stores on disk, as xarray writes them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import dataflow as dfl
+from dataflow.core.errors import ChunkMissingError
+from dataflow.io.array_readers import ZarrArrayReader
+from dataflow.io.xarray_slices import zarr_box
+
+xr = pytest.importorskip("xarray")
+
+OPENED = {"dask": {}, "lazy": None}  # open_dataset's chunks=: a dask graph, or adapters
+
+
+@pytest.fixture
+def store(tmp_path):
+    """(time 20, lat 16, lon 16) fields chunked (5, 8, 8): a float field ``t``, int16
+    ``counts``, a CF-packed ``packed``, and a per-time label ``label`` chunked 5; time
+    has a coordinate (days), so ``sel`` slices by label."""
+    rng = np.random.default_rng(0)
+    dims = ("time", "lat", "lon")
+    dataset = xr.Dataset(
+        {
+            "t": (dims, rng.random((20, 16, 16), dtype=np.float32) + 1),
+            "counts": (dims, rng.integers(1, 5, (20, 16, 16)).astype(np.int16)),
+            "packed": (dims, 0.1 + rng.random((20, 16, 16))),
+            "label": (("time",), np.arange(20, dtype=np.float32) + 1),
+        },
+        coords={"time": np.arange(100, 120)},
+    )
+    encoding = {name: {"chunks": (5, 8, 8)} for name in ("t", "counts", "packed")}
+    encoding["packed"].update(dtype="int16", scale_factor=0.001, _FillValue=-1)
+    encoding["label"] = {"chunks": (5,)}
+    path = tmp_path / "fields.zarr"
+    dataset.to_zarr(path, encoding=encoding, consolidated=False)
+    return path
+
+
+def opened(path, how: str):
+    return xr.open_dataset(path, engine="zarr", chunks=OPENED[how], consolidated=False)
+
+
+def readers(source):
+    return source._open()
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_the_box_a_slice_reads_is_traced_to_the_zarr_array(store, how):
+    ds = opened(store, how)
+    box = zarr_box(ds["t"].isel(time=slice(3, 17)))
+    assert box.array.path == "t" and (box.lo, box.hi) == ((3, 0, 0), (17, 16, 16))
+    assert box.dims == ("time", "lat", "lon") and not box.whole
+    box = zarr_box(ds["t"].sel(time=slice(104, 111)).isel(lat=slice(2, 11)))  # by label
+    assert (box.lo, box.hi) == ((4, 2, 0), (12, 11, 16))
+    box = zarr_box(ds["t"].isel(time=slice(2, 18)).isel(time=slice(1, 9)))  # twice
+    assert (box.lo, box.hi) == ((3, 0, 0), (11, 16, 16))
+    assert zarr_box(ds["t"]).whole and zarr_box(ds["label"][5:10]).lo == (5,)
+    not_boxes = {
+        "a step": ds["t"].isel(time=slice(0, 20, 2)),
+        "an integer index": ds["t"].isel(lat=3),
+        "a transpose": ds["t"].transpose("lon", "lat", "time"),
+        "arithmetic": ds["t"].isel(time=slice(0, 10)) * 2,
+        "CF unpacking": ds["packed"].isel(time=slice(0, 10)),
+        "an index array": ds["t"].isel(time=[3, 1, 2]),
+        "a reversal": ds["t"].isel(time=slice(None, None, -1)),
+    }
+    for why, value in not_boxes.items():
+        assert zarr_box(value) is None, why
+
+
+def test_a_rechunked_slice_is_not_a_box(store):
+    ds = opened(store, "dask")
+    assert zarr_box(ds["t"].isel(time=slice(3, 17)).chunk({"time": 7})) is None
+
+
+@pytest.mark.parametrize("how", OPENED)
+@pytest.mark.parametrize("name", ["t", "counts"])
+def test_a_sliced_dataset_is_read_raw_and_reads_what_xarray_reads(store, how, name):
+    ds = opened(store, how)
+    part = ds.sel(time=slice(103, 116))  # samples 3..16: chunk edges at 5, 10, 15
+    source = dfl.io.ZarrSource(part, x=name, y="label", sample_dim="time", shuffle=False)
+    assert all(isinstance(r, ZarrArrayReader) for r in readers(source))
+    assert source.num_samples == 14
+    np.testing.assert_array_equal(source.chunk_bounds, [0, 2, 7, 12, 14])
+    every = np.arange(14)
+    batch = source.read(every)
+    np.testing.assert_array_equal(batch.x.numpy(), part[name].values)
+    np.testing.assert_array_equal(batch.y.numpy(), part["label"].values)
+    shuffled = np.random.default_rng(1).permutation(14)
+    np.testing.assert_array_equal(source.read(shuffled).x.numpy(), part[name].values[shuffled])
+    travelled = pickle.loads(pickle.dumps(source))  # as a worker gets it
+    np.testing.assert_array_equal(travelled.read(every).x.numpy(), batch.x.numpy())
+    single = dfl.io.ZarrSource(ds[name][3:17], sample_dim="time", shuffle=False)  # a DataArray
+    assert isinstance(readers(single)[0], ZarrArrayReader)
+    np.testing.assert_array_equal(single.read(every).x.numpy(), batch.x.numpy())
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_a_slice_across_the_sample_and_a_region_of_it_read_only_their_box(store, how):
+    """Sliced along lat too, and a region of that: the region's coordinates are the
+    slice's, and the array read is the box inside the box."""
+    ds = opened(store, how)
+    part = ds.isel(time=slice(6, 19), lat=slice(3, 14))
+    source = dfl.io.ZarrSource(part, x="t", sample_dim="time", shuffle=False)
+    assert source.sample_shape == (11, 16)
+    np.testing.assert_array_equal(source.read(np.arange(13)).x.numpy(), part["t"].values)
+    region = source.region({0: (2, 9), 1: (4, 12)})
+    np.testing.assert_array_equal(
+        region.read(np.arange(13)).x.numpy(), part["t"].values[:, 2:9, 4:12]
+    )
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_a_chunk_missing_outside_the_slice_refuses_nothing_and_one_inside_is_named(store, how):
+    os.remove(store / "t" / "c" / "3" / "0" / "1")  # samples 15..19: outside 3..14
+    part = opened(store, how).isel(time=slice(3, 15))
+    source = dfl.io.ZarrSource(part, x="t", y="label", sample_dim="time", shuffle=False)
+    np.testing.assert_array_equal(source.read(np.arange(12)).x.numpy(), part["t"].values)
+    os.remove(store / "t" / "c" / "1" / "1" / "0")  # samples 5..9, inside
+    source = dfl.io.ZarrSource(
+        opened(store, how).isel(time=slice(3, 15)), x="t", sample_dim="time", shuffle=False
+    )  # built: only the chunks a read decodes are checked, at the read
+    source.read(np.arange(2))  # samples 3, 4: chunk 0
+    with pytest.raises(ChunkMissingError, match="t/c/1/1/0"):
+        source.read(np.arange(12))
+    with pytest.raises(ChunkMissingError, match="t/c/1/1/0"):
+        source.check_chunks([1])  # (view chunk 1: samples 5..9)
+    source.check_chunks([0, 2])
+
+
+def test_a_dask_array_from_zarr_sliced_is_read_raw(store):
+    import dask.array
+
+    stored = dask.array.from_zarr(str(store), component="counts")
+    source = dfl.io.ZarrSource(stored[4:13, 8:], shuffle=False)
+    assert isinstance(readers(source)[0], ZarrArrayReader)
+    np.testing.assert_array_equal(source.read(np.arange(9)).x.numpy(), stored[4:13, 8:].compute())
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_a_patch_source_or_a_copy_of_a_slice_checks_only_the_chunks_the_slice_reads(
+    store, how, tmp_path
+):
+    """Read through xarray (PatchSource) or copied (to_zarr), a slice is checked when
+    built, for the chunks of its box only: one missing outside it refuses nothing."""
+    os.remove(store / "t" / "c" / "3" / "0" / "1")  # samples 15..19
+    part = opened(store, how).isel(time=slice(0, 15))
+    patches = dfl.io.PatchSource(part, "t", patch={"lat": 8, "lon": 8}, shuffle=False)
+    first = patches.read(np.arange(4)).x.numpy()[0, 0]  # (window, channel, time, lat, lon)
+    np.testing.assert_array_equal(first, part["t"].values[:, :8, :8])
+    part = opened(store, how).isel(time=slice(0, 15))  # (the read above cached the values)
+    copied = dfl.io.to_zarr(tmp_path / "copy.zarr", part[["t", "label"]], sample_dim="time")
+    np.testing.assert_array_equal(
+        xr.open_zarr(copied, consolidated=False)["t"].values, part["t"].values
+    )
+    with pytest.raises(ChunkMissingError, match=r"1 of the 16 chunks the slice reads.*t/c/3/0/1"):
+        dfl.io.PatchSource(opened(store, how).isel(time=slice(0, 16)), "t", patch={"lat": 8})
+
+
+@pytest.mark.slow
+def test_a_fit_on_a_split_made_in_xarray_trains_and_scores_exactly_that_split(client, tmp_path):
+    """Train on ``sel(sample=slice(16, 63))``, score on the samples before it: the
+    model equals one process's training on exactly those samples (the slice starts on
+    a chunk edge, so the chunk-aware shuffle sees the chunks a store of them has), every
+    sample of the slice is trained once an epoch, and a chunk missing outside both
+    slices refuses nothing."""
+    import torch.nn.functional as F
+    from conftest import TinyCNN, make_data, max_abs_diff, reference_training, sgd
+
+    x, y = make_data(64)
+    dataset = xr.Dataset(
+        {"x": (("sample", "c", "h", "w"), x), "y": (("sample",), y)},
+        coords={"sample": np.arange(64)},
+    )
+    encoding = {"x": {"chunks": (8, 1, 8, 8)}, "y": {"chunks": (8,)}}
+    dataset.to_zarr(tmp_path / "all.zarr", encoding=encoding, consolidated=False)
+    ds = xr.open_zarr(tmp_path / "all.zarr", consolidated=False)
+    train = ds.sel(sample=slice(16, 63))
+    held_out = ds.isel(sample=slice(0, 16))
+    pipe = dfl.Pipeline(
+        model=TinyCNN,
+        device="cpu",
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ZarrSource(train, x="x", y="y", sample_dim="sample"),
+        eval_source=dfl.io.ZarrSource(held_out, x="x", y="y", sample_dim="sample", shuffle=False),
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+    )
+    result = pipe.fit(epochs=2, client=client)
+    batches = pipe.sample_plan(epochs=2, replicas=2)
+    expected = reference_training(x[16:], y[16:], batches=batches, seed=0)
+    assert max_abs_diff(result.model, expected) <= 1e-5
+    for epoch in range(2):
+        assert result.ledger.consumed(epoch).tolist() == list(range(48))
+    assert all(np.isfinite(e["eval_loss"]) for e in result.history.epochs)
