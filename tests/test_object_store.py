@@ -278,3 +278,12 @@ def test_a_dataset_opened_from_s3_with_its_options_is_read_raw_from_that_store(s
     gone = dfl.io.ZarrSource(opened, x="x", y="y", sample_dim="s", shuffle=False)
     with pytest.raises(dfl.ChunkMissingError, match="x/c/2/0/0/0"):
         gone.read(every)
+    # A split of it (xarray's slice) reads its box raw from the same store, fetched
+    # ahead; the object deleted (samples 32..47) is outside this split: nothing refused
+    split = dfl.io.ZarrSource(opened.isel(s=slice(48, 120)), x="x", y="y", sample_dim="s")
+    for source in (split, pickle.loads(pickle.dumps(split))):
+        main = max(source._open(), key=lambda r: r.nbytes)
+        assert main.fetches_ahead  # (a remote zarr array, decoded here)
+        batch = source.read(np.arange(72))
+        assert torch.equal(batch.x, torch.from_numpy(x[48:120]))
+        assert torch.equal(batch.y, torch.from_numpy(y[48:120]))

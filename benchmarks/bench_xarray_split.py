@@ -1,0 +1,121 @@
+"""One epoch of a split made in xarray (``ZarrSource(ds.isel(time=slice(...)), ...)``):
+read raw (its box of the stored array, ``dataflow.io.xarray_slices``) against the same
+split read through xarray and dask (the reader the source used before the box was
+traced: the baseline in the same run), and against a store that holds only the split
+(the ceiling: what a user who copied the split out would read).
+
+The store: random float32 ``(--steps, --side, --side)`` written by xarray, chunked
+``(8, 64, 64)``, opened with ``xarray.open_zarr`` (dask); the split: steps ``--first``
+(3: not on a chunk edge, so its first chunk is partial and batches of 32 straddle
+chunks, where the copy's line up with them; 8: on an edge) to 3/4 of the way. Each side
+reads every sample once, in order, in batches of 32, through the engine's chunk reader
+(``decode_threads=1``: one core's rate).
+
+    python benchmarks/bench_xarray_split.py                  # 1,024 steps of 128 x 128
+    python benchmarks/bench_xarray_split.py --steps 4096
+    python benchmarks/bench_xarray_split.py --steps 4096 --first 8   # on a chunk edge
+
+Prints each side's samples/s (median of ``--repeats``, interleaved) and the ratios, and
+appends the run to ``benchmarks/results/xarray_split.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from records import save_run, table  # noqa: E402
+
+
+def epoch_seconds(source, batch: int = 32) -> float:
+    """Every sample of ``source`` once, in order, through the chunk reader."""
+    import numpy as np
+
+    from dataflow.io.chunk_reader import EpochChunkReader
+
+    n = source.num_samples
+    batches = [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
+    started = time.perf_counter()
+    for _ in EpochChunkReader(source, batches, decode_threads=1):
+        pass
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=1024, help="time steps (1024)")
+    parser.add_argument("--side", type=int, default=128, help="lat and lon (128)")
+    parser.add_argument("--first", type=int, default=3, help="the split's first step (3)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args()
+
+    import dask.array
+    import xarray as xr
+
+    import dataflow as dfl
+    from dataflow.io import zarr_source
+
+    chunks = (8, 64, 64)
+    first, stop = args.first, 3 * args.steps // 4
+    with tempfile.TemporaryDirectory(prefix="xarray-split-") as tmp:
+        path = f"{tmp}/fields.zarr"
+        shape = (args.steps, args.side, args.side)
+        field = dask.array.random.default_rng(0).standard_normal(shape, chunks=chunks)
+        dataset = xr.Dataset({"t": (("time", "lat", "lon"), field.astype("float32"))})
+        dataset.to_zarr(path, consolidated=False, encoding={"t": {"chunks": chunks}})
+        split = xr.open_zarr(path, consolidated=False).isel(time=slice(first, stop))
+        copied = xr.Dataset({"t": split["t"].chunk({"time": 8})})
+        copied.to_zarr(f"{tmp}/split.zarr", consolidated=False, encoding={"t": {"chunks": chunks}})
+
+        def raw():
+            return dfl.io.ZarrSource(split, x="t", sample_dim="time", shuffle=False)
+
+        def through_xarray():
+            traced = zarr_source.zarr_box
+            zarr_source.zarr_box = lambda value: None  # the reader before the box was traced
+            try:
+                return dfl.io.ZarrSource(split, x="t", sample_dim="time", shuffle=False)
+            finally:
+                zarr_source.zarr_box = traced
+
+        def copy():
+            return dfl.io.ZarrSource(f"{tmp}/split.zarr", x="t", sample_dim="time", shuffle=False)
+
+        sides = {"raw box": raw, "through xarray": through_xarray, "store of the split": copy}
+        seconds: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.repeats):
+            for name, build in sides.items():
+                seconds[name].append(epoch_seconds(build()))
+    samples = stop - first
+    rate = {name: samples / statistics.median(s) for name, s in seconds.items()}
+    rows = [(name, f"{rate[name]:,.0f}") for name in sides]
+    rows += [
+        ("raw box / through xarray", f"{rate['raw box'] / rate['through xarray']:.2f}"),
+        ("raw box / store of the split", f"{rate['raw box'] / rate['store of the split']:.2f}"),
+    ]
+    print(f"split of {samples} of {args.steps} steps, {args.side} x {args.side} float32")
+    print(table(rows, ("side", "samples/s")))
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
+    run = {
+        "label": args.label,
+        "config": config,
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": rate,
+        "raw_over_xarray": rate["raw box"] / rate["through xarray"],
+        "raw_over_copy": rate["raw box"] / rate["store of the split"],
+    }
+    print("saved", save_run("xarray_split", run, args.out, overwrite=args.overwrite))
+
+
+if __name__ == "__main__":
+    main()
