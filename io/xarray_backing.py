@@ -147,7 +147,7 @@ def check_complete(value: Any, source: str, field: str, name: str) -> None:
         absent = absent_objects(array, box)
         if absent:
             total = math.prod(len(axis) for axis in _object_grid(array, box))
-            which = "the slice reads" if box is not None else "stored"
+            which = "stored" if box is None or box.whole else "the slice reads"
             fill = array.fill_value
             fill = fill.item() if hasattr(fill, "item") else fill
             raise ChunkMissingError(

@@ -209,3 +209,25 @@ def test_a_fit_on_a_split_made_in_xarray_trains_and_scores_exactly_that_split(cl
     for epoch in range(2):
         assert result.ledger.consumed(epoch).tolist() == list(range(48))
     assert all(np.isfinite(e["eval_loss"]) for e in result.history.epochs)
+
+
+@pytest.mark.parametrize("layout", ["zarr v2", "sharded"])
+def test_a_split_of_a_v2_or_a_sharded_store_is_read_raw_too(tmp_path, layout):
+    """zarr format 2, and shards of 4 chunks (which the engine leaves to zarr's own
+    read): the box is read from where it starts, its edges the stored objects'."""
+    rng = np.random.default_rng(3)
+    field = rng.random((24, 8, 8), dtype=np.float32)
+    dataset = xr.Dataset({"t": (("time", "lat", "lon"), field)})
+    if layout == "zarr v2":
+        options = dict(zarr_format=2, encoding={"t": {"chunks": (8, 8, 8)}})
+    else:
+        options = dict(encoding={"t": {"chunks": (2, 8, 8), "shards": (8, 8, 8)}})
+    dataset.to_zarr(tmp_path / "f.zarr", consolidated=False, **options)
+    part = xr.open_zarr(tmp_path / "f.zarr", consolidated=False).isel(time=slice(5, 21))
+    source = dfl.io.ZarrSource(part, x="t", sample_dim="time", shuffle=False)
+    (reader,) = readers(source)
+    assert isinstance(reader, ZarrArrayReader)
+    assert (reader.decoder is None) == (layout == "sharded")  # (zarr's own read)
+    np.testing.assert_array_equal(source.chunk_bounds, [0, 3, 11, 16])  # (shard: 8 steps)
+    np.testing.assert_array_equal(source.read(np.arange(16)).x.numpy(), field[5:21])
+    np.testing.assert_array_equal(source.read(np.array([15, 0, 7])).x.numpy(), field[[20, 5, 12]])
