@@ -169,11 +169,14 @@ def where_this_runs() -> str:
     """This process, as a user finds it in the cluster's logs: its Dask worker's address
     if it is one, else the host and process id."""
     from distributed import Worker, get_worker
+    from distributed.core import Status
 
     try:
         return f"worker {get_worker().address}"
     except ValueError:  # not a task's thread: a reader's, or no worker at all
-        workers = [w for w in list(Worker._instances) if w.address]
+        # (a worker closed in this process may linger in the weak set until collected)
+        live = (Status.running, Status.paused)
+        workers = [w for w in list(Worker._instances) if w.address and w.status in live]
         if len(workers) == 1:  # (a worker process holds one)
             return f"worker {workers[0].address}"
     return f"process {os.getpid()} on {socket.gethostname()}"
