@@ -86,9 +86,10 @@ print('numpy', numpy.__version__, 'dask', dask.__version__, 'zarr', zarr.__versi
 # after --budget-s, then adds the kernels only if they fit)
 # shellcheck disable=SC2086  # bench_args is a list of words
 run bench 200 "$python" benchmarks/bench_gpu.py --out "$out/gpu.json" $bench_args
-# a test module whose import fails on the node (a package it lacks) costs only its own tests
-run gpu_tests 100 "$python" -m pytest -m gpu -q -p no:cacheprovider --timeout=60 \
-    --continue-on-collection-errors tests
+# a test module whose import fails on the node (a package it lacks) costs only its own tests;
+# in one process (one GPU; and the node has no pytest-xdist: pyproject's -n is dropped)
+run gpu_tests 100 "$python" -m pytest -o "addopts=-ra --strict-markers" -m gpu -q \
+    -p no:cacheprovider --timeout=60 --continue-on-collection-errors tests
 # where a fit's host time goes (the fit was host-bound on the H100: see benchmarks/README.md)
 run profile 40 "$python" benchmarks/profile_gpu.py --out "$out/profile" --top 30 --epochs 4
 echo "== gpu_check: $failed step(s) failed after $SECONDS s; logs and gpu.json in $out"
