@@ -447,6 +447,10 @@ class Lag(stages.Stage):
         self.count += 1
         last = step.spec.index == stop - 1 and step.part is None
         if replica.rank == 0:
+            if self.at == "start" and self.until == "last" and step.owner != 0:
+                # a part taken over: not before replica 1 began one of its own (started
+                # late on a loaded machine, it would find all of them taken)
+                self._wait_for(lambda: (self.folder / f"slow-begun-{first}").exists(), first)
             marker = "begun" if self.at == "start" else "pushed"
             (self.folder / f"{marker}-{first}-{self.count}").touch()
             if self.at == "pushed":
@@ -454,12 +458,18 @@ class Lag(stages.Stage):
             if last and self.at == "start":
                 (self.folder / f"last-{first}").touch()
         elif (self.at == "start" and self.count == 1) or (self.until == "bound" and not last):
-            deadline = time.monotonic() + 120  # a bound on a real condition, not a pause
-            while not self._leader_is_stuck(step, first):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"replica 0 never got stuck in window {first}")
-                time.sleep(0.01)
+            if self.at == "start" and self.count == 1:
+                (self.folder / f"slow-begun-{first}").touch()
+            self._wait_for(lambda: self._leader_is_stuck(step, first), first)
         return value
+
+    @staticmethod
+    def _wait_for(condition, first: int) -> None:
+        deadline = time.monotonic() + 120  # a bound on a real condition, not a pause
+        while not condition():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the other replica never got there in window {first}")
+            time.sleep(0.01)
 
     def _leader_is_stuck(self, step: stages.StepContext, first: int) -> bool:
         if self.until == "last":
@@ -645,7 +655,9 @@ def test_local_updates_with_leases_let_the_fast_replica_train_more(client, tmp_p
     (phase,) = result.history.phases
     # each period of 4 steps (leases hand out 3 parts a replica, then each trains its
     # own part of the last): replica 1 holds its first part until replica 0 took its
-    # other 2, so replica 0 trains 3 + 2 + 1 parts of 8 samples, replica 1 1 + 1
+    # other 2 (replica 0 takes none before replica 1 began one: CI, 2026-12-02, found
+    # replica 1 started late with all 3 taken), so replica 0 trains 3 + 2 + 1 parts of
+    # 8 samples, replica 1 1 + 1
     assert phase.samples_trained == [4 * 6 * 8, 4 * 2 * 8], phase.samples_trained
     for epoch in range(2):
         assert sorted(result.ledger.consumed(epoch).tolist()) == list(range(128))
