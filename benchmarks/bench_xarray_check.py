@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from records import save_run, table  # noqa: E402
+from xarray_fields import write_fields  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +41,6 @@ def main() -> None:
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
 
-    import dask.array
     import xarray as xr
 
     from dataflow.io.xarray_backing import check_complete
@@ -48,10 +48,7 @@ def main() -> None:
     chunks = (8, 32, 32)
     with tempfile.TemporaryDirectory(prefix="xarray-check-") as tmp:
         path = f"{tmp}/fields.zarr"
-        shape = (args.steps, args.side, args.side)
-        field = dask.array.random.default_rng(0).standard_normal(shape, chunks=chunks)
-        dataset = xr.Dataset({"t": (("time", "lat", "lon"), field.astype("float32"))})
-        dataset.to_zarr(path, consolidated=False, encoding={"t": {"chunks": chunks}})
+        write_fields(path, args.steps, args.side, chunks)
         sliced = xr.open_zarr(path, consolidated=False)["t"].isel(time=slice(0, args.steps // 2))
         stored = -(-args.steps // 8) * (-(-args.side // 32)) ** 2
         check_s, read_s = [], []

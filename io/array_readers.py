@@ -66,21 +66,30 @@ def native(block: np.ndarray) -> np.ndarray:
 
 
 class ArrayReader:
-    """Common part: sample dim, names, residency of small arrays, reads by index."""
+    """Common part: sample dim, names, residency of small arrays, reads by index.
+    ``box``: ``[lo, hi)`` per axis of ``array``, read as an array of its own (a slice of
+    it made in xarray, ``io.xarray_slices``); None: all of it."""
 
-    def __init__(self, field: str, name: str, array: Any, sample_dim: int) -> None:
+    def __init__(
+        self,
+        field: str,
+        name: str,
+        array: Any,
+        sample_dim: int,
+        box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> None:
         self.field = field  # "x", "y", "x[1]": how the user named it in ZarrSource(...)
         self.name = name
         self.array = array
         self.sample_dim = sample_dim
-        self.shape = tuple(int(s) for s in array.shape)
+        lo, hi = box if box is not None else ((0,) * len(array.shape), array.shape)
+        # Where this reader's array starts in the stored one, per axis
+        self.origin = tuple(int(a) for a in lo)
+        self.shape = tuple(int(b) - a for a, b in zip(self.origin, hi, strict=True))
         self.dtype = np.dtype(array.dtype)
         self.num_samples = self.shape[sample_dim]
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.cuts: dict[int, tuple[int, int]] = {}  # array axis -> [lo, hi): see restrict
-        # Where this reader's array starts in the stored one: a box of it (a slice made in
-        # xarray, io.xarray_slices) reads as an array of its own, from 0 along every axis
-        self.origin = (0,) * len(self.shape)
         self.resident = False  # set by the source for small arrays beside the inputs
         self._resident: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -165,9 +174,8 @@ class ArrayReader:
 
 
 class ZarrArrayReader(ArrayReader):
-    """A zarr array, or the box ``[lo, hi)`` of one (``box``, per axis: a slice of it
-    made in xarray), read as an array of its own; the storage unit is the shard when the
-    array is sharded."""
+    """A zarr array, or a ``box`` of one (see :class:`ArrayReader`); the storage unit is
+    the shard when the array is sharded."""
 
     def __init__(
         self,
@@ -177,12 +185,7 @@ class ZarrArrayReader(ArrayReader):
         retry_s: float = DEFAULT_RETRY_S,
         box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
     ) -> None:
-        super().__init__(field, array.path or "<array>", array, sample_dim)
-        if box is not None:
-            self.origin = tuple(int(lo) for lo in box[0])
-            self.shape = tuple(int(hi) - lo for lo, hi in zip(self.origin, box[1], strict=True))
-            self.num_samples = self.shape[sample_dim]
-            self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        super().__init__(field, array.path or "<array>", array, sample_dim, box)
         # Reads retried while the store fails in a way that passes (io.store_retry)
         self.retry = StoreRetry(retry_s)
         self.unit = (array.shards or array.chunks)[sample_dim]
