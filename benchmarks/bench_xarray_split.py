@@ -1,4 +1,5 @@
-"""One epoch of a split made in xarray (``ZarrSource(ds.isel(time=slice(...)), ...)``):
+"""One epoch of a split made in xarray (``ZarrSource(ds.isel(time=slice(...)), ...)``, or
+with ``--source patch`` ``PatchSource``'s windows of it, 4 steps x 64 x 64 each):
 read raw (its box of the stored array, ``dataflow.io.xarray_slices``) against the same
 split read through xarray and dask (the reader the source used before the box was
 traced: the baseline in the same run), and against a store that holds only the split
@@ -14,6 +15,7 @@ reads every sample once, in order, in batches of 32, through the engine's chunk 
     python benchmarks/bench_xarray_split.py                  # 1,024 steps of 128 x 128
     python benchmarks/bench_xarray_split.py --steps 4096
     python benchmarks/bench_xarray_split.py --steps 4096 --first 8   # on a chunk edge
+    python benchmarks/bench_xarray_split.py --source patch           # windows of the split
 
 Prints each side's samples/s (median of ``--repeats``, interleaved, after one untimed
 epoch of each side) and the ratios, and
@@ -55,6 +57,9 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=128, help="lat and lon (128)")
     parser.add_argument("--first", type=int, default=3, help="the split's first step (3)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--source", choices=("zarr", "patch"), default="zarr", help="ZarrSource or PatchSource"
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
     parser.add_argument("--overwrite", action="store_true")
@@ -63,7 +68,7 @@ def main() -> None:
     import xarray as xr
 
     import dataflow as dfl
-    from dataflow.io import zarr_source
+    from dataflow.io import patch_arrays, zarr_source
 
     chunks = (8, 64, 64)
     first, stop = args.first, 3 * args.steps // 4
@@ -74,19 +79,26 @@ def main() -> None:
         copied = xr.Dataset({"t": split["t"].chunk({"time": 8})})
         copied.to_zarr(f"{tmp}/split.zarr", consolidated=False, encoding={"t": {"chunks": chunks}})
 
+        def source(store):
+            if args.source == "patch":
+                patch = {"time": 4, "lat": 64, "lon": 64}
+                return dfl.io.PatchSource(store, "t", patch=patch, shuffle=False)
+            return dfl.io.ZarrSource(store, x="t", sample_dim="time", shuffle=False)
+
         def raw():
-            return dfl.io.ZarrSource(split, x="t", sample_dim="time", shuffle=False)
+            return source(split)
 
         def through_xarray():
-            traced = zarr_source.zarr_box
-            zarr_source.zarr_box = lambda value: None  # the reader before the box was traced
+            module = patch_arrays if args.source == "patch" else zarr_source
+            traced = module.zarr_box
+            module.zarr_box = lambda value: None  # the reader before the box was traced
             try:
-                return dfl.io.ZarrSource(split, x="t", sample_dim="time", shuffle=False)
+                return source(split)
             finally:
-                zarr_source.zarr_box = traced
+                module.zarr_box = traced
 
         def copy():
-            return dfl.io.ZarrSource(f"{tmp}/split.zarr", x="t", sample_dim="time", shuffle=False)
+            return source(f"{tmp}/split.zarr")
 
         sides = {"raw box": raw, "through xarray": through_xarray, "store of the split": copy}
         for build in sides.values():  # untimed: the first epoch compiles the row copy
@@ -95,14 +107,17 @@ def main() -> None:
         for _ in range(args.repeats):
             for name, build in sides.items():
                 seconds[name].append(epoch_seconds(build()))
-    samples = stop - first
+    samples = raw().num_samples
     rate = {name: samples / statistics.median(s) for name, s in seconds.items()}
     rows = [(name, f"{rate[name]:,.0f}") for name in sides]
     rows += [
         ("raw box / through xarray", f"{rate['raw box'] / rate['through xarray']:.2f}"),
         ("raw box / store of the split", f"{rate['raw box'] / rate['store of the split']:.2f}"),
     ]
-    print(f"split of {samples} of {args.steps} steps, {args.side} x {args.side} float32")
+    what = "windows" if args.source == "patch" else "steps"
+    print(
+        f"split of {samples} {what} ({stop - first} of {args.steps} steps), {args.side}^2 float32"
+    )
     print(table(rows, ("side", "samples/s")))
     config = {k: v for k, v in vars(args).items() if k not in ("out", "overwrite")}
     run = {

@@ -164,7 +164,16 @@ def _open(store: Any, names: list[Any], options: Any) -> tuple[list[PatchArray],
 
 
 def _fingerprint(label: str, arrays: Sequence[PatchArray]) -> str:
-    described = [label] + [[a.name, list(a.shape), list(a.unit or ()), a.dtype.str] for a in arrays]
+    described = [label] + [
+        [
+            a.name,
+            list(a.shape),
+            list(a.unit or ()),
+            a.dtype.str,
+            *([list(a.origin)] * any(a.origin)),
+        ]
+        for a in arrays
+    ]  # (a split's origin: two splits of one shape are two sets of statistics)
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 
@@ -176,16 +185,20 @@ def _target(path: str | os.PathLike | None) -> Path | None:
 
 
 def _boxes(array: PatchArray) -> list[tuple[list[int], list[int]]]:
-    """The array's stored chunks as boxes ``(lo, hi)`` (slabs along axis 0 without)."""
+    """The array's stored chunks as boxes ``(lo, hi)`` (slabs along axis 0 without); a
+    split of a stored array (``origin``): the parts of the stored chunks it holds."""
     shape = array.shape
     unit = array.unit
     if unit is None:
         row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * array.dtype.itemsize)
         unit = (max(1, SLAB_BYTES // row), *shape[1:])
+    origin = array.origin
     boxes = []
-    for coords in box_chunks([0] * len(shape), shape, unit):
-        lo = [c * u for c, u in zip(coords, unit, strict=True)]
-        hi = [min(s, a + u) for s, a, u in zip(shape, lo, unit, strict=True)]
+    for coords in box_chunks(origin, [o + s for o, s in zip(origin, shape, strict=True)], unit):
+        lo = [max(0, c * u - o) for c, u, o in zip(coords, unit, origin, strict=True)]
+        hi = [
+            min(s, (c + 1) * u - o) for c, u, o, s in zip(coords, unit, origin, shape, strict=True)
+        ]
         boxes.append((lo, hi))
     return boxes
 

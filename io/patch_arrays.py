@@ -8,8 +8,12 @@ touch to :meth:`PatchArray.read_windows` to copy their parts straight into the w
 (no bounding box), or zarr's own read of the windows' bounding box for layouts it does
 not know (sharding), with a missing object raising ``ChunkMissingError`` and a corrupt one
 ``ChunkReadError`` naming it; ``missing`` asks the store whether each object a read
-decodes exists (``ZarrArrayReader.missing``). Any other array (numpy, dask, an xarray
-variable not backed by zarr) is read with ``numpy.asarray``: it has no chunks to miss.
+decodes exists (``ZarrArrayReader.missing``). An xarray variable or dask array that is a
+box of a zarr array (all of it, or a split: ``ds.sel(time=slice("1990", "2010"))``,
+``io.xarray_slices``) is that zarr array read raw from the box's origin: every window,
+chunk list, fetch plan and cut is moved by it here, so the source sees the box alone.
+Any other array (numpy, dask, an xarray variable not backed by zarr, or one CF-unpacked
+or sliced with a step) is read with ``numpy.asarray``: through xarray, checked whole.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataflow.io.xarray_adapters import (
     may_read_zarr,
 )
 from dataflow.io.xarray_backing import check_complete
+from dataflow.io.xarray_slices import zarr_box
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -70,6 +75,11 @@ class PatchArray:
         self.dims = _dimension_names(array) if isinstance(array, zarr.Array) else None
         if self.dims is None:
             self.dims = tuple(getattr(array, "dims", ())) or None
+        # where this array's cell 0 is in the zarr array read (a box of it: a split)
+        self.origin: tuple[int, ...] = (0,) * len(self.shape)
+        box = zarr_box(array) if may_read_zarr(array) else None
+        if box is not None:
+            array, self.origin = box.array, box.lo
         self.reader: _BoxObjects | None = None
         if isinstance(array, zarr.Array):
             self.reader = _BoxObjects(field, array, 0)
@@ -122,10 +132,19 @@ class PatchArray:
         if self.cuts_from_chunks(windows):
             touched: set[tuple[int, ...]] = set()
             for los, shape in windows:
-                touched |= window_chunks(los, shape, self.unit)
+                touched |= window_chunks(self._stored(los), shape, self.unit)
             return sorted(touched)
         lo, hi = enclosing(windows)
-        return box_chunks(lo, hi, self.unit)
+        return box_chunks(self._stored(lo), self._stored(hi), self.unit)
+
+    def _stored(self, at: Any) -> Any:
+        """Coordinates of this array (low corners ``(n, ndim)``, or one point) where they
+        are in the zarr array read: moved by :attr:`origin`."""
+        if not any(self.origin):
+            return at
+        if isinstance(at, np.ndarray):
+            return at + np.asarray(self.origin, dtype=at.dtype)
+        return [int(a) + o for a, o in zip(at, self.origin, strict=True)]
 
     @property
     def fetches_ahead(self) -> bool:
@@ -150,7 +169,8 @@ class PatchArray:
         ``out``: one copy per window byte and no bounding box, each chunk taken once for
         all the cuts (x and y of one array). Only where :attr:`cuts_direct`."""
         decoder = self.reader.decoder
-        pieces = window_pieces([(los, shape) for los, shape, _ in cuts], decoder.chunks)
+        windows = [(self._stored(los), shape) for los, shape, _ in cuts]
+        pieces = window_pieces(windows, decoder.chunks)
         outs = [out for *_, out in cuts]
 
         def take(coords: tuple[int, ...], chunk: np.ndarray) -> None:
@@ -174,6 +194,7 @@ class PatchArray:
 
     def read_box(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis, native byte order."""
+        lo, hi = self._stored(lo), self._stored(hi)
         selection = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi, strict=True))
         if self.reader is None:
             data = self.array[selection]

@@ -246,12 +246,17 @@ class PatchSource(RegionView):
             return ("block", tuple(u * factor for u in unit), 0)
         return ("run", tuple(g.patch), g.cell_bytes)
 
+    @property
+    def _stored_origin(self) -> list[int]:
+        """Where the patch dims' cell 0 is in the stored array x reads (a split of it)."""
+        return [self._open()[0].origin[a] for a in self.geometry.axes]
+
     @functools.cached_property
     def chunk_members(self) -> list[np.ndarray]:
         """The windows (sample indices, sorted) each read unit holds."""
         kind, shape, cell_bytes = self._plan
         if kind == "block":
-            return block_units(self.corners, shape)
+            return block_units(self.corners, shape, self._stored_origin)
         return run_units(self.corners, shape, cell_bytes)
 
     @functools.cached_property
@@ -262,7 +267,7 @@ class PatchSource(RegionView):
         kind, shape, _ = self._plan
         if kind != "block":
             return None
-        return block_groups(self.corners, self.chunk_members, shape)
+        return block_groups(self.corners, self.chunk_members, shape, origin=self._stored_origin)
 
     # -- the Source contract ------------------------------------------------------
     @property

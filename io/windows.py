@@ -94,12 +94,16 @@ def block_factor(
         factor += 1
 
 
-def block_units(corners: np.ndarray, block: Sequence[int]) -> list[np.ndarray]:
+def block_units(
+    corners: np.ndarray, block: Sequence[int], origin: Sequence[int] | None = None
+) -> list[np.ndarray]:
     """Window indices (rows of ``corners``, C order) grouped by the block of shape
-    ``block`` that holds their corner; blocks in C order, each unit's indices sorted."""
+    ``block`` that holds their corner; blocks in C order, each unit's indices sorted.
+    ``origin``: where corner 0 is in the stored array (a box of it), so that blocks
+    follow the stored chunks' edges, not the box's."""
     if len(corners) == 0:
         return []
-    ids = corners // np.asarray(block, dtype=np.int64)
+    ids = _aligned(corners, block, origin) // np.asarray(block, dtype=np.int64)
     if ids.shape[1] == 0:
         return [np.arange(len(corners), dtype=np.int64)]
     key = np.ravel_multi_index(tuple(ids.T), tuple(int(m) + 1 for m in ids.max(axis=0)))
@@ -109,7 +113,11 @@ def block_units(corners: np.ndarray, block: Sequence[int]) -> list[np.ndarray]:
 
 
 def block_groups(
-    corners: np.ndarray, units: Sequence[np.ndarray], block: Sequence[int], span: int = 2
+    corners: np.ndarray,
+    units: Sequence[np.ndarray],
+    block: Sequence[int],
+    span: int = 2,
+    origin: Sequence[int] | None = None,
 ) -> list[int]:
     """A group id per unit of :func:`block_units`: the super-block of ``span`` blocks
     along each dim that holds it (``span ** d`` neighbouring blocks, which share the
@@ -117,9 +125,18 @@ def block_groups(
     if not units or corners.shape[1] == 0:
         return [0] * len(units)
     first = corners[np.asarray([int(u[0]) for u in units], dtype=np.int64)]
-    ids = first // (np.asarray(block, dtype=np.int64) * span)
+    group = np.asarray(block, dtype=np.int64) * span
+    ids = _aligned(first, group, origin) // group
     _, dense = np.unique(ids, axis=0, return_inverse=True)
     return [int(g) for g in np.asarray(dense).reshape(-1)]
+
+
+def _aligned(corners: np.ndarray, block: Any, origin: Sequence[int] | None) -> np.ndarray:
+    """``corners`` moved by ``origin`` modulo ``block``: blocks counted from ``-origin``
+    (the stored array's edges) number as from 0, and ids stay as small as the box's."""
+    if origin is None or not any(origin):
+        return corners
+    return corners + np.asarray(origin, dtype=np.int64) % np.asarray(block, dtype=np.int64)
 
 
 def bounding_box(corners: np.ndarray, extent: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,8 @@ Three answers, for three uses:
   DataArray that is all of a zarr array unchanged (:func:`unmodified_zarr_array`): the
   store or the array, read raw, each read checked;
 * ``io.xarray_slices.zarr_box``: the box of a zarr array a sliced variable reads
-  (``ds.sel(time=slice(...))``), which ``ZarrSource`` then reads raw as well;
+  (``ds.sel(time=slice(...))``), which both sources then read raw as well
+  (``PatchSource`` moves its windows by the box's origin, ``io.patch_arrays``);
 * :func:`check_complete`: for xarray data that is neither (scaled, computed, sliced
   with a step), every stored object of every zarr array it reads must exist (only
   those of the box it reads, where it reads one), asked once with one listing per

@@ -287,3 +287,15 @@ def test_a_dataset_opened_from_s3_with_its_options_is_read_raw_from_that_store(s
         batch = source.read(np.arange(72))
         assert torch.equal(batch.x, torch.from_numpy(x[48:120]))
         assert torch.equal(batch.y, torch.from_numpy(y[48:120]))
+    # PatchSource alike: windows of the split cut from its stored chunks, fetched ahead
+    tiles = dfl.io.PatchSource(opened.isel(s=slice(48, 120)), "x", patch={"h": 4, "w": 4})
+    for source in (tiles, pickle.loads(pickle.dumps(tiles))):
+        (array,) = source._open()
+        assert array.fetches_ahead and array.origin == (48, 0, 0, 0)
+        fetching = source.fetch_ahead([range(len(source.chunk_members))])
+        assert fetching is not None
+        fetching.close()
+        batch = source.read(np.arange(source.num_samples))
+        for k in range(source.num_samples):
+            h, w = source.corner(k)
+            assert torch.equal(batch.x[k, 0], torch.from_numpy(x[48:120, :, h : h + 4, w : w + 4]))

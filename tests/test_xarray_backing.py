@@ -2,7 +2,8 @@
 
 xarray reads a chunk absent from the store as the array's fill value (NaN for these
 floats, 0 for the int16 counts), which a fit would train on. A DataArray that is an
-unmodified view of a zarr array is read raw (each read checks the chunks it decodes);
+unmodified view of a zarr array, or a box of one (a slice with step 1), is read raw (each
+read checks the chunks it decodes);
 data sliced, scaled or computed since is checked whole when the source is built. Real
 zarr stores on disk, opened lazily by xarray (``chunks=None``) and through dask
 (``open_zarr``'s default).
@@ -89,12 +90,20 @@ def test_a_data_array_straight_from_zarr_is_read_raw_and_a_missing_chunk_is_name
         samples.read(np.arange(20))
 
 
-def _sliced_data_array(ds, name):
+def _sliced_data_array(ds, name):  # (a box: read raw, below and test_patch_splits)
     return dfl.io.PatchSource(ds[name].isel(time=slice(0, 15)), patch=PATCH)
 
 
 def _sliced_dataset_patches(ds, name):
     return dfl.io.PatchSource(ds.isel(time=slice(0, 15)), name, patch=PATCH)
+
+
+def _strided_data_array(ds, name):
+    return dfl.io.PatchSource(ds[name].isel(time=slice(0, 20, 2)), patch=PATCH)
+
+
+def _strided_dataset_patches(ds, name):
+    return dfl.io.PatchSource(ds.isel(time=slice(0, 20, 2)), name, patch=PATCH)
 
 
 def _strided_dataset_samples(ds, name):  # (a slice with step 1: read raw, test_xarray_slices)
@@ -110,8 +119,8 @@ def _computed_data_array(ds, name):
 
 
 BUILT = {
-    "a sliced DataArray (PatchSource)": _sliced_data_array,
-    "a sliced Dataset (PatchSource)": _sliced_dataset_patches,
+    "a strided DataArray (PatchSource)": _strided_data_array,
+    "a strided Dataset (PatchSource)": _strided_dataset_patches,
     "a strided Dataset (ZarrSource)": _strided_dataset_samples,
     "a strided DataArray (ZarrSource)": _strided_data_array_samples,
 }
@@ -123,13 +132,12 @@ BUILT = {
 def test_xarray_data_sliced_or_scaled_since_is_checked_when_the_source_is_built(
     store, how, build, name
 ):
-    """Not all of the stored array (a slice, a stride; CF unpacking for ``packed``):
-    read through xarray, but only once every chunk it reads exists (a slice's box, or
-    the whole array behind it). Complete, it reads what xarray reads; one chunk gone,
-    it is refused naming the chunk and the fill value xarray would have given, before
-    anything is read."""
+    """Not a box of the stored array (a stride; CF unpacking for ``packed``): read
+    through xarray, but only once every chunk it reads exists. Complete, it reads what
+    xarray reads; one chunk gone, it is refused naming the chunk and the fill value
+    xarray would have given, before anything is read."""
     ds = opened(store, how)
-    assert unmodified_zarr_array(ds[name].isel(time=slice(0, 15))) is None
+    assert unmodified_zarr_array(ds[name].isel(time=slice(0, 20, 2))) is None
     source = build(ds, name)
     batch = source.read(np.arange(4))
     assert np.isfinite(batch.x.numpy()).all() and (batch.x.numpy() != 0).all()
@@ -137,6 +145,30 @@ def test_xarray_data_sliced_or_scaled_since_is_checked_when_the_source_is_built(
     fill = {"t": "nan", "counts": "0", "packed": "0"}[name]  # (stored, before unpacking)
     with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\({fill}\\)"):
         build(opened(store, how), name)
+
+
+SLICED = {"DataArray": _sliced_data_array, "Dataset": _sliced_dataset_patches}
+
+
+@pytest.mark.parametrize("how", OPENED)
+@pytest.mark.parametrize("build", SLICED.values(), ids=SLICED)
+@pytest.mark.parametrize("name", ["t", "counts", "packed"])
+def test_windows_of_a_slice_are_read_raw_and_a_missing_chunk_named_at_the_read(
+    store, how, build, name
+):
+    """A slice with step 1 (``t``, ``counts``): windows of its box read raw, so nothing
+    is listed when the source is built and a missing chunk is named where a read
+    decodes it. ``packed`` (CF unpacking) is read through xarray, checked when built."""
+    source = build(opened(store, how), name)
+    assert [a.cuts_direct for a in source._open()] == [name != "packed"]
+    key = lose(store, name)
+    if name == "packed":
+        with pytest.raises(ChunkMissingError, match=key):
+            build(opened(store, how), name)
+        return
+    source = build(opened(store, how), name)
+    with pytest.raises(ChunkMissingError, match=f"PatchSource.*'{key}'"):
+        source.read(np.arange(4))
 
 
 def test_computed_data_is_checked_through_its_dask_graph(store):
@@ -222,8 +254,7 @@ def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
 
 def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked(store):
     """``dask.array.from_zarr``: the zarr array at the graph's root. Unchanged, it is read
-    raw; sliced, a ZarrSource reads its box raw too (each read checked), a PatchSource
-    reads it through dask once every chunk of the box exists."""
+    raw; sliced, both sources read its box raw too (each read checked)."""
     import dask.array
 
     stored = dask.array.from_zarr(str(store), component="counts")
@@ -236,8 +267,8 @@ def test_a_dask_array_from_zarr_is_read_raw_and_a_slice_of_it_checked(store):
     stored = dask.array.from_zarr(str(store), component="counts")
     with pytest.raises(ChunkMissingError, match=key):
         dfl.io.ZarrSource(stored, shuffle=False).read(np.arange(20))
-    with pytest.raises(ChunkMissingError, match=f"the first '{key}'.*fill value \\(0\\)"):
-        dfl.io.PatchSource(stored[:15], patch={1: 8, 2: 8})
+    with pytest.raises(ChunkMissingError, match=key):
+        dfl.io.PatchSource(stored[:15], patch={1: 8, 2: 8}).read(np.arange(4))
     with pytest.raises(ChunkMissingError, match=key):
         dfl.io.ZarrSource(stored[:15], shuffle=False).read(np.arange(15))
 

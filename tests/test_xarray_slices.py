@@ -156,8 +156,9 @@ def test_a_dask_array_from_zarr_sliced_is_read_raw(store):
 def test_a_patch_source_or_a_copy_of_a_slice_checks_only_the_chunks_the_slice_reads(
     store, how, tmp_path
 ):
-    """Read through xarray (PatchSource) or copied (to_zarr), a slice is checked when
-    built, for the chunks of its box only: one missing outside it refuses nothing."""
+    """Read raw (PatchSource: windows of the box, ``tests/test_patch_splits.py``) or
+    copied through xarray (to_zarr: checked when built, the box's chunks only), a chunk
+    missing outside the slice refuses nothing; one inside is named."""
     os.remove(store / "t" / "c" / "3" / "0" / "1")  # samples 15..19
     part = opened(store, how).isel(time=slice(0, 15))
     patches = dfl.io.PatchSource(part, "t", patch={"lat": 8, "lon": 8}, shuffle=False)
@@ -168,8 +169,12 @@ def test_a_patch_source_or_a_copy_of_a_slice_checks_only_the_chunks_the_slice_re
     np.testing.assert_array_equal(
         xr.open_zarr(copied, consolidated=False)["t"].values, part["t"].values
     )
+    part = opened(store, how).isel(time=slice(0, 16))
     with pytest.raises(ChunkMissingError, match=r"1 of the 16 chunks the slice reads.*t/c/3/0/1"):
-        dfl.io.PatchSource(opened(store, how).isel(time=slice(0, 16)), "t", patch={"lat": 8})
+        dfl.io.to_zarr(tmp_path / "copy2.zarr", part[["t", "label"]], sample_dim="time")
+    patches = dfl.io.PatchSource(part, "t", patch={"lat": 8}, shuffle=False)
+    with pytest.raises(ChunkMissingError, match=r"PatchSource.*t/c/3/0/1"):
+        patches.read(np.arange(2))
 
 
 @pytest.mark.slow

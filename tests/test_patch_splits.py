@@ -1,0 +1,142 @@
+"""Windows of a split made in xarray are read raw: ``PatchSource(ds.isel(lat=slice(5,
+45)), ...)`` reads the box of each zarr array the split holds, moved by the box's
+origin, so only the chunks the windows touch are decoded and checked; its read units
+(blocks) follow the stored chunks' edges, not the split's; a chunk missing outside the
+split refuses nothing. Real zarr stores on disk, written by xarray.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_patch_source import precut, seg_pipeline
+
+import dataflow as dfl
+from dataflow.core.errors import ChunkMissingError
+
+xr = pytest.importorskip("xarray")
+
+OPENED = {"dask": {}, "lazy": None}  # open_dataset's chunks=: a dask graph, or adapters
+GRID = dict(patch={"lat": 8, "lon": 8}, stride={"lat": 5, "lon": 6})
+SPLIT = slice(5, 45)  # lat 5..44: stored chunk rows 0-2 of 16 (not on their edges)
+
+
+@pytest.fixture
+def fields(tmp_path):
+    """Two 64 x 48 fields ``a``, ``b`` and labels ``lab``, chunked 16 x 16, written by
+    xarray (lat has a coordinate); returns the store and the arrays."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(64, 48)).astype(np.float32)
+    b = rng.normal(size=(64, 48)).astype(np.float32)
+    data = {"a": a, "b": b, "lab": ((a + b) > 0).astype(np.int64) + (a > 1).astype(np.int64)}
+    dims = ("lat", "lon")
+    dataset = xr.Dataset({k: (dims, v) for k, v in data.items()}, coords={"lat": np.arange(64)})
+    path = tmp_path / "fields.zarr"
+    dataset.to_zarr(path, encoding={k: {"chunks": (16, 16)} for k in data}, consolidated=False)
+    return path, data
+
+
+def opened(path, how: str):
+    return xr.open_dataset(path, engine="zarr", chunks=OPENED[how], consolidated=False)
+
+
+def split_tiles(path, how: str = "dask", **options):
+    part = opened(path, how).isel(lat=SPLIT)
+    return dfl.io.PatchSource(part, ["a", "b"], "lab", **{**GRID, **options})
+
+
+def by_hand(data, source):
+    """The split's windows cut from the arrays in memory: x (n, 2, 8, 8) and y."""
+    x = np.stack([precut(data[k][SPLIT], source.corners, (8, 8), (0, 1)) for k in "ab"], 1)
+    return x, precut(data["lab"][SPLIT], source.corners, (8, 8), (0, 1))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("how", OPENED)
+def test_windows_of_a_split_are_read_raw_and_are_the_windows_of_the_split(fields, how, shuffle):
+    path, data = fields
+    source = split_tiles(path, how, shuffle=shuffle)
+    for array in source._open():
+        assert array.cuts_direct and array.origin == (5, 0)  # raw, not through xarray
+    assert source.num_samples == 7 * 7  # (corners 0, 5, ..., 30 of the 40 rows)
+    x, y = by_hand(data, source)
+    every = np.arange(source.num_samples)
+    batch = source.read(every)
+    np.testing.assert_array_equal(batch.x.numpy(), x)
+    np.testing.assert_array_equal(batch.y.numpy(), y)
+    order = np.random.default_rng(1).permutation(source.num_samples)[:9]
+    np.testing.assert_array_equal(source.read(order).x.numpy(), x[order])
+    streamed = list(dfl.io.stream_batches(source, 7, seed=2))
+    indices = np.concatenate([b.indices for b in streamed])
+    assert sorted(indices.tolist()) == every.tolist()  # every window once an epoch
+    np.testing.assert_array_equal(np.concatenate([b.x.numpy() for b in streamed]), x[indices])
+
+
+def test_a_split_s_read_units_follow_the_stored_chunks_edges(fields):
+    """Shuffled, a unit is a block of stored chunks: its windows' corners, moved by the
+    split's origin, fall in one stored block (not in one block of the split)."""
+    path, _ = fields
+    source = split_tiles(path, shuffle=True)
+    kind, block, _ = source._plan
+    assert kind == "block"
+    origin = np.asarray([5, 0])
+    for members in source.chunk_members:
+        stored = (source.corners[members] + origin) // np.asarray(block)
+        assert len(np.unique(stored, axis=0)) == 1
+    # the first stored block row holds the split's corners 0..10 (lat 5..15 stored)
+    first = source.chunk_members[0]
+    assert source.corners[first][:, 0].max() < block[0] - 5
+
+
+def test_a_chunk_missing_outside_the_split_refuses_nothing_one_inside_is_named(fields):
+    path, data = fields
+    os.remove(path / "a" / "c" / "3" / "1")  # lat 48..63: outside the split
+    source = split_tiles(path, shuffle=False)
+    x, _ = by_hand(data, source)
+    np.testing.assert_array_equal(source.read(np.arange(source.num_samples)).x.numpy(), x)
+    os.remove(path / "b" / "c" / "1" / "0")  # lat 16..31, lon 0..15: inside
+    source = split_tiles(path, shuffle=False)  # (nothing listed when built)
+    units = range(len(source.chunk_members))
+    with pytest.raises(ChunkMissingError, match=r"PatchSource.*b/c/1/0"):
+        source.check_chunks(units)
+    with pytest.raises(ChunkMissingError, match=r"b/c/1/0"):
+        source.read(np.arange(source.num_samples))
+
+
+def test_the_statistics_of_a_split_are_the_split_s_and_kept_apart_from_another(fields, tmp_path):
+    path, data = fields
+    stats = dfl.io.normalization_stats(split_tiles(path))
+    for k, name in enumerate("ab"):
+        assert stats.mean[k] == pytest.approx(float(data[name][SPLIT].mean()), rel=1e-6)
+        assert stats.std[k] == pytest.approx(float(data[name][SPLIT].std()), rel=1e-5)
+    assert stats.count == (40 * 48, 40 * 48)
+    kept = tmp_path / "run"
+    assert dfl.io.normalization_stats(split_tiles(path), path=kept) == stats
+    other = dfl.io.PatchSource(opened(path, "dask").isel(lat=slice(20, 60)), ["a", "b"], **GRID)
+    measured = dfl.io.normalization_stats(other, path=kept)  # same shape, another split
+    assert measured.fingerprint != stats.fingerprint
+    assert measured.mean[0] == pytest.approx(float(data["a"][20:60].mean()), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_fit_on_windows_of_a_split_equals_the_fit_on_them_cut_by_hand(client, fields):
+    """Unshuffled windows of the split (C order) train as the same windows pre-cut in
+    memory; shuffled, every window of the split is trained once an epoch, scored on a
+    held-out split read raw as well."""
+    path, data = fields
+    source = split_tiles(path, shuffle=False)
+    x, y = by_hand(data, source)
+    cut = seg_pipeline(dfl.io.ArraySource(x, y, shuffle=False)).fit(epochs=2, client=client)
+    windows = seg_pipeline(source).fit(epochs=2, client=client)
+    for name, tensor in cut.model.state_dict().items():
+        assert torch.allclose(windows.model.state_dict()[name], tensor, atol=1e-6), name
+    held_out = dfl.io.PatchSource(
+        opened(path, "dask").isel(lat=slice(48, 64)), ["a", "b"], "lab", **GRID, shuffle=False
+    )
+    shuffled = seg_pipeline(split_tiles(path), eval_source=held_out).fit(epochs=2, client=client)
+    for epoch in range(2):
+        assert shuffled.ledger.consumed(epoch).tolist() == list(range(source.num_samples))
+    assert [e["held_out_samples"] for e in shuffled.history.epochs] == [2 * 7] * 2
