@@ -140,3 +140,22 @@ def test_a_fit_on_windows_of_a_split_equals_the_fit_on_them_cut_by_hand(client, 
     for epoch in range(2):
         assert shuffled.ledger.consumed(epoch).tolist() == list(range(source.num_samples))
     assert [e["held_out_samples"] for e in shuffled.history.epochs] == [2 * 7] * 2
+
+
+def test_a_region_of_a_split_s_windows_and_a_planned_chunk_cache_read_the_same_cells(fields):
+    """Features that meet a split: a spatial rank's region of each window (decoding
+    only the stored chunks that part touches), and a chunk cache smaller than the
+    arrays (planned from the epoch's order of units, keyed by stored chunks)."""
+    path, data = fields
+    source = split_tiles(path, shuffle=True)
+    x, y = by_hand(data, source)
+    every = np.arange(source.num_samples)
+    part = source.region({1: (0, 4), 2: (2, 8)})  # (channels, lat, lon) of each window
+    np.testing.assert_array_equal(part.read(every).x.numpy(), x[:, :, 0:4, 2:8])
+    cached = split_tiles(path, shuffle=True, chunk_cache_mb=0.004)  # 4 KB: 4 stored chunks
+    assert cached.plan_reads([range(len(cached.chunk_members))]) is not None
+    streamed = list(dfl.io.stream_batches(cached, 5, seed=4))
+    indices = np.concatenate([b.indices for b in streamed])
+    assert sorted(indices.tolist()) == every.tolist()
+    np.testing.assert_array_equal(np.concatenate([b.x.numpy() for b in streamed]), x[indices])
+    np.testing.assert_array_equal(np.concatenate([b.y.numpy() for b in streamed]), y[indices])
