@@ -53,6 +53,8 @@ def describe_targets(source: Any) -> str:
         where = _label(source.store)
         if isinstance(source.store, (str, Path)) or hasattr(source.store, "store_path"):
             where = f"the zarr store {where!r}"
+        elif where.startswith("split of "):  # a split made in xarray (io.xarray_slices)
+            where = f"the {where}"
         return f"array {source.y_name!r} of {where}"
     if isinstance(source, ArraySource):
         return f"y of {source!r}"

@@ -38,7 +38,7 @@ from dataflow.io.xarray_adapters import (
     may_read_zarr,
 )
 from dataflow.io.xarray_backing import check_complete
-from dataflow.io.xarray_slices import zarr_box
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, zarr_box
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -74,10 +74,12 @@ class PatchArray:
         self.dtype = np.dtype(array.dtype)
         self.dims = _dimension_names(array) if isinstance(array, zarr.Array) else None
         if self.dims is None:
-            self.dims = tuple(getattr(array, "dims", ())) or None
+            self.dims = tuple(getattr(array, "dims", None) or ()) or None
         # where this array's cell 0 is in the zarr array read (a box of it: a split)
         self.origin: tuple[int, ...] = (0,) * len(self.shape)
-        box = zarr_box(array) if may_read_zarr(array) else None
+        box = array if isinstance(array, ZarrBox) else None  # traced on the driver
+        if box is None and may_read_zarr(array):
+            box = zarr_box(array)
         if box is not None:
             array, self.origin = box.array, box.lo
         self.reader: _BoxObjects | None = None
@@ -240,7 +242,9 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
     label for messages; a path or URL is opened as ``ZarrSource`` opens it."""
     if isinstance(store, (str, Path)):
         return _open_zarr(store, storage_options, "PatchSource"), str(store)
-    if isinstance(store, (zarr.Array, zarr.Group)) or is_xarray_dataset(store):
+    if isinstance(store, (zarr.Array, zarr.Group, ZarrSplit, ZarrBox)):
+        return store, _label(store)
+    if is_xarray_dataset(store):
         return store, _label(store)
     if is_dask_array(store) or isinstance(store, np.ndarray) or is_data_array(store):
         return store, f"{type(store).__name__}{tuple(store.shape)}"
@@ -253,7 +257,9 @@ def open_store(store: Any, storage_options: dict[str, Any] | None) -> tuple[Any,
 
 def is_single_array(store: Any) -> bool:
     return (
-        isinstance(store, (zarr.Array, np.ndarray)) or is_dask_array(store) or is_data_array(store)
+        isinstance(store, (zarr.Array, np.ndarray, ZarrBox))
+        or is_dask_array(store)
+        or is_data_array(store)
     )
 
 
@@ -266,6 +272,8 @@ def open_member(
         raise DataError(f"PatchSource({field}=...): must be an array name (str), got {name!r}")
     if is_xarray_dataset(store):
         available = sorted(map(str, store.variables))
+    elif isinstance(store, ZarrSplit):
+        available = sorted(store.boxes)
     else:
         available = sorted(store.array_keys())
     if name not in available:
@@ -273,7 +281,10 @@ def open_member(
             f"PatchSource({field}={name!r}): no array {name!r} in {label}; the arrays there "
             f"are {available}"
         )
-    array = store.variables[name] if is_xarray_dataset(store) else store[name]
+    if isinstance(store, ZarrSplit):
+        array = store.boxes[name]
+    else:
+        array = store.variables[name] if is_xarray_dataset(store) else store[name]
     return PatchArray(field, name, array, label, check_xarray)
 
 

@@ -60,6 +60,7 @@ from dataflow.io.windows import (
     run_units,
 )
 from dataflow.io.xarray_backing import raw_zarr
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit
 
 
 class PatchSource(RegionView):
@@ -473,7 +474,9 @@ class PatchSource(RegionView):
 
     def __repr__(self) -> str:
         g = self.geometry
-        store = self.store if isinstance(self.store, str) else type(self.store).__name__
+        store = self.store
+        if not isinstance(store, (str, ZarrSplit, ZarrBox)):
+            store = type(store).__name__
         region = "" if self._region is None else f", region={self._region}"
         return (
             f"PatchSource({str(store)!r}, x={self.x_name!r}, y={self.y_name!r}, "

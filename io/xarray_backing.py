@@ -10,10 +10,11 @@ Three answers, for three uses:
 
 * :func:`raw_zarr`: what the sources read instead of a zarr-backed Dataset, or of a
   DataArray that is all of a zarr array unchanged (:func:`unmodified_zarr_array`): the
-  store or the array, read raw, each read checked;
-* ``io.xarray_slices.zarr_box``: the box of a zarr array a sliced variable reads
-  (``ds.sel(time=slice(...))``), which both sources then read raw as well
-  (``PatchSource`` moves its windows by the box's origin, ``io.patch_arrays``);
+  store or the array, read raw, each read checked; and for a split made in xarray
+  (``ds.sel(time=slice(...))``), the box of a zarr array each variable reads
+  (``io.xarray_slices.zarr_box``, gathered in a ``ZarrSplit``), which both sources
+  then read raw as well (``PatchSource`` moves its windows by the box's origin,
+  ``io.patch_arrays``);
 * :func:`check_complete`: for xarray data that is neither (scaled, computed, sliced
   with a step), every stored object of every zarr array it reads must exist (only
   those of the box it reads, where it reads one), asked once with one listing per
@@ -44,7 +45,7 @@ from dataflow.io.xarray_adapters import (
     reads_as_stored,
     zarr_arrays_behind,
 )
-from dataflow.io.xarray_slices import ZarrBox, zarr_box
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, zarr_box
 
 
 def unmodified_zarr_array(value: Any) -> zarr.Array | None:
@@ -55,14 +56,12 @@ def unmodified_zarr_array(value: Any) -> zarr.Array | None:
     return box.array if box is not None and box.whole else None
 
 
-def group_behind(dataset: Any, names: list[str]) -> zarr.Group | None:
-    """The zarr group whose arrays the Dataset's variables ``names`` are unmodified
-    views of (:func:`unmodified_zarr_array`), opened on the very store object xarray
-    opened (a remote store with its storage options); None unless all of them are, in
-    one group of one store."""
-    variables = [dataset.variables.get(name) for name in names]
-    arrays = [None if v is None else unmodified_zarr_array(v) for v in variables]
-    if not arrays or any(a is None for a in arrays):
+def group_of(boxes: list[ZarrBox], names: list[str]) -> zarr.Group | None:
+    """The zarr group whose arrays ``boxes`` take whole (named ``names``), opened on the
+    very store object xarray opened (a remote store with its storage options); None
+    unless all of them are whole arrays of one group of one store."""
+    arrays = [box.array for box in boxes if box.whole]
+    if not arrays or len(arrays) != len(boxes):
         return None
     stores = {id(a.store_path.store) for a in arrays}
     parents = {a.path.rpartition("/")[0] for a in arrays}
@@ -71,44 +70,61 @@ def group_behind(dataset: Any, names: list[str]) -> zarr.Group | None:
     store = arrays[0].store_path.store
     try:
         group = zarr.open_group(store=store, path=parents.pop(), mode="r")
-    except Exception:  # not opened as a group: read through xarray
+    except Exception:  # not opened as a group: read as the arrays' boxes
         return None
     return group if set(names) <= set(group.array_keys()) else None
 
 
-def zarr_backing(dataset: Any, names: list[str]) -> str | zarr.Group | None:
-    """The zarr store an xarray Dataset was opened from, if reading it raw gives the same
-    values (:func:`reads_as_stored`: no CF unpacking or masking, which
-    xarray would apply and raw zarr would not): its path, or, where the path alone does
-    not open it (a remote store opened with storage options), the group its variables'
-    arrays belong to, on the store object xarray opened."""
+def zarr_path_backing(dataset: Any, names: list[str]) -> str | None:
+    """The path of the zarr store an xarray Dataset was opened from, if reading it raw
+    gives the same values (:func:`reads_as_stored`: all of each array, and no CF unpacking
+    or masking, which xarray would apply and raw zarr would not); None where the path
+    alone does not open it (a remote store opened with storage options) or differs."""
     source = dataset.encoding.get("source")
-    if isinstance(source, str):
-        try:
-            group = zarr.open_group(source, mode="r")
-        except Exception:  # not a zarr store, or not without its options: see below
-            group = None
-        if group is not None:
-            for name in names:
-                variable = dataset.variables.get(name)
-                if variable is None or name not in group.array_keys():
-                    return None
-                if not reads_as_stored(variable, group[name]):
-                    return None
-            return source
-    return group_behind(dataset, names)
+    if not isinstance(source, str):
+        return None
+    try:
+        group = zarr.open_group(source, mode="r")
+    except Exception:  # not a zarr store, or not without its options
+        return None
+    for name in names:
+        variable = dataset.variables.get(name)
+        if variable is None or name not in group.array_keys():
+            return None
+        if not reads_as_stored(variable, group[name]):
+            return None
+    return source
 
 
 def raw_zarr(store: Any, names: list[str]) -> Any:
     """What the sources read instead of ``store`` where its values are a zarr store's as
-    stored (each read then raw: chunk-aware, and missing chunks are caught): a
-    zarr-backed Dataset as its store (:func:`zarr_backing`), a DataArray or dask array
-    that is an unmodified view of a zarr array as that array; anything else unchanged."""
+    stored (each read then raw: chunk-aware, and missing chunks are caught), traced here
+    once (on the driver: what this returns travels to the workers without the xarray
+    objects and their dask graphs):
+
+    * a Dataset: the path it was opened from (:func:`zarr_path_backing`), else the group
+      its variables are all of (:func:`group_of`), else, where each is a box of a zarr
+      array (a split made in xarray), those boxes (``ZarrSplit``);
+    * a DataArray or dask array: the zarr array it is all of, or the box of one it is;
+    * anything else, or any variable read otherwise (CF unpacking, a stride): unchanged.
+    """
     if is_xarray_dataset(store):
-        backing = zarr_backing(store, names)
-        return store if backing is None else backing
+        path = zarr_path_backing(store, names)
+        if path is not None:
+            return path
+        variables = [store.variables.get(name) for name in names]
+        if not names or any(v is None for v in variables):
+            return store
+        boxes = [zarr_box(v) for v in variables]
+        if any(box is None for box in boxes):
+            return store
+        group = group_of(boxes, names)  # type: ignore[arg-type]
+        return ZarrSplit(dict(zip(names, boxes, strict=True))) if group is None else group
     if is_data_array(store) or is_dask_array(store):
-        return unmodified_zarr_array(store) or store
+        box = zarr_box(store)
+        if box is None:
+            return store
+        return box.array if box.whole else box
     return store
 
 

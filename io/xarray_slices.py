@@ -64,6 +64,42 @@ class ZarrBox:
     def whole(self) -> bool:
         return self.shape == tuple(self.array.shape)
 
+    @property
+    def name(self) -> str:
+        """The array's name in its store (its path's last part)."""
+        return self.array.path.rpartition("/")[2] or str(self.array.store_path)
+
+    @property
+    def cuts(self) -> str:
+        """``[time 3:765]``: the axes it does not take whole (by name where known)."""
+        dims = self.dims or tuple(f"axis {a}" for a in range(len(self.lo)))
+        cuts = [
+            f"{dim} {lo}:{hi}"
+            for dim, lo, hi, n in zip(dims, self.lo, self.hi, self.array.shape, strict=True)
+            if (lo, hi) != (0, n)
+        ]
+        return f"[{', '.join(cuts)}]"
+
+    def __str__(self) -> str:
+        """``file:///data/era5.zarr/t2m[time 3:765]``."""
+        return f"{self.array.store_path}{self.cuts}"
+
+
+@dataclass(frozen=True)
+class ZarrSplit:
+    """What a split made in xarray reads (each variable a box of a zarr array), decided
+    once where the source is built. A source holds it instead of the Dataset: it travels
+    to the workers as the arrays and their boxes, with no dask graph to pickle and trace
+    again there (a graph of a million blocks takes tens of seconds to trace), and it
+    names the boxes in messages."""
+
+    boxes: dict[str, ZarrBox]
+
+    def __str__(self) -> str:
+        stores = sorted({str(b.array.store_path.store) for b in self.boxes.values()})
+        boxes = ", ".join(f"{box.name}{box.cuts}" for box in self.boxes.values())
+        return f"split of {', '.join(map(repr, stores))}: {boxes}"
+
 
 def zarr_box(value: Any) -> ZarrBox | None:
     """The box of a zarr array the xarray ``value`` (a DataArray or Variable) or dask

@@ -60,7 +60,7 @@ from dataflow.io.xarray_adapters import (
     may_read_zarr,
 )
 from dataflow.io.xarray_backing import check_complete, raw_zarr
-from dataflow.io.xarray_slices import zarr_box
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, zarr_box
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -73,6 +73,8 @@ class VariableNotFoundError(DataError, KeyError):
 def _label(store: Any) -> str:
     if isinstance(store, (zarr.Array, zarr.Group)):
         return str(store.store_path)
+    if isinstance(store, (ZarrSplit, ZarrBox)):
+        return str(store)
     if is_xarray_dataset(store):
         return f"xarray.Dataset({', '.join(map(str, store.data_vars))})"
     if is_dask_array(store):
@@ -244,7 +246,7 @@ class ZarrSource(RegionView):
         if isinstance(store, (str, Path)):
             opened = getattr(self, "_opened", None)  # a remote store's, from the driver
             store = _open_zarr(store, self.storage_options) if opened is None else opened
-        elif not isinstance(store, (zarr.Array, zarr.Group)) and not (
+        elif not isinstance(store, (zarr.Array, zarr.Group, ZarrSplit, ZarrBox)) and not (
             is_xarray_dataset(store) or is_dask_array(store) or is_data_array(store)
         ):
             raise DataError(
@@ -252,7 +254,8 @@ class ZarrSource(RegionView):
                 "such as 'file:///data/x.zarr', an opened zarr.Array / zarr.Group, an "
                 "xarray.Dataset or DataArray, or a dask.array"
             )
-        single = isinstance(store, zarr.Array) or is_dask_array(store) or is_data_array(store)
+        single = isinstance(store, (zarr.Array, ZarrBox))
+        single = single or is_dask_array(store) or is_data_array(store)
         x_names = _names("x", self.x_name)
         if single:
             if self.y_name is not None or len(x_names) > 1:
@@ -260,7 +263,9 @@ class ZarrSource(RegionView):
                     f"ZarrSource: store {label} is a single array, which is x itself; open its "
                     "group (or pass an xarray.Dataset) to name x and y"
                 )
-            name = str(store.name) if is_data_array(store) else "<array>"
+            name = (
+                str(store.name) if is_data_array(store) or isinstance(store, ZarrBox) else "<array>"
+            )
             readers = [self._reader("x", name, store, label)]
         else:
             if not x_names:
@@ -293,6 +298,8 @@ class ZarrSource(RegionView):
     def _available(store: Any) -> list[str]:
         if is_xarray_dataset(store):
             return sorted(map(str, store.variables))
+        if isinstance(store, ZarrSplit):
+            return sorted(store.boxes)
         return sorted(store.array_keys())
 
     def _member(self, store: Any, field: str, name: Any, label: str) -> Any:
@@ -304,6 +311,8 @@ class ZarrSource(RegionView):
                 f"ZarrSource({field}={name!r}): no array {name!r} in {label}; "
                 f"the arrays there are {available}"
             )
+        if isinstance(store, ZarrSplit):
+            return store.boxes[name]
         return store.variables[name] if is_xarray_dataset(store) else store[name]
 
     def _reader(self, field: str, name: str, array: Any, label: str) -> ArrayReader:
@@ -311,7 +320,9 @@ class ZarrSource(RegionView):
         axis = _sample_axis(field, name, array, self.sample_dim, label)
         if isinstance(array, zarr.Array):
             return ZarrArrayReader(field, array, axis, self.retry_s)
-        box = zarr_box(array) if may_read_zarr(array) else None
+        box = array if isinstance(array, ZarrBox) else None  # traced on the driver
+        if box is None and may_read_zarr(array):
+            box = zarr_box(array)
         if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
             return ZarrArrayReader(field, box.array, axis, self.retry_s, (box.lo, box.hi))
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask

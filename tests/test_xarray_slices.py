@@ -110,6 +110,33 @@ def test_a_sliced_dataset_is_read_raw_and_reads_what_xarray_reads(store, how, na
     np.testing.assert_array_equal(single.read(every).x.numpy(), batch.x.numpy())
 
 
+@pytest.mark.parametrize("kind", ["ZarrSource", "PatchSource"])
+def test_a_split_is_traced_once_where_built_and_travels_as_its_boxes(store, kind, monkeypatch):
+    """The driver traces each variable's dask graph once; the source holds the arrays'
+    boxes (not the Dataset: no dask graph pickled), so a worker's copy opens without
+    tracing anything, and its repr names the boxes."""
+    from dataflow.io import xarray_slices
+
+    traced = []
+    trace = xarray_slices._dask_box
+    monkeypatch.setattr(xarray_slices, "_dask_box", lambda d: traced.append(d.name) or trace(d))
+    part = opened(store, "dask").isel(time=slice(3, 17), lat=slice(0, 8))
+    if kind == "ZarrSource":
+        source = dfl.io.ZarrSource(part, x="t", y="label", sample_dim="time", shuffle=False)
+    else:
+        source = dfl.io.PatchSource(part, "t", patch={"lat": 4, "lon": 8}, shuffle=False)
+    assert len(traced) == (2 if kind == "ZarrSource" else 1)  # (t and label, once each)
+    assert isinstance(source.store, xarray_slices.ZarrSplit)
+    assert f"split of 'file://{store}': t[time 3:17, lat 0:8]" in repr(source)
+    every = np.arange(source.num_samples)
+    want = source.read(every).x.numpy()
+    blob = pickle.dumps(source)
+    assert b"dask" not in blob and len(blob) < 20_000, len(blob)
+    monkeypatch.setattr(xarray_slices, "_dask_box", None)  # a worker: nothing to trace
+    travelled = pickle.loads(blob)
+    np.testing.assert_array_equal(travelled.read(every).x.numpy(), want)
+
+
 @pytest.mark.parametrize("how", OPENED)
 def test_a_slice_across_the_sample_and_a_region_of_it_read_only_their_box(store, how):
     """Sliced along lat too, and a region of that: the region's coordinates are the
