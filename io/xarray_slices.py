@@ -166,13 +166,22 @@ def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
     layers = data.__dask_graph__().layers
     original = next(name for name in layers if str(name).startswith("original-"))
     tasks: dict[Any, Any] = {}
+    reads: dict[Any, Any] = {}  # from_array's read layers, by name: their block slices
     for layer in layers.values():
-        tasks.update(dict(layer))
+        slices = _read_slices(layer, original)
+        if slices is None:
+            tasks.update(dict(layer))
+        else:  # never built block by block (most of a trace's time, at 10^5 blocks)
+            reads[layer.output] = slices
     traced: dict[Any, Box | None] = {}
+    shape = tuple(int(s) for s in array.shape)
 
     def box_of(key: Any, depth: int = 0) -> Box | None:
         if key not in traced:
-            traced[key] = _trace(tasks.get(key), original, array, box_of, depth)
+            if isinstance(key, tuple) and key and key[0] in reads:
+                traced[key] = _read_box(reads[key[0]], key[1:], shape)
+            else:
+                traced[key] = _trace(tasks.get(key), original, array, box_of, depth)
         return traced[key]
 
     chunks = data.chunks
@@ -189,6 +198,44 @@ def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
         if box_of((data.name, *index)) != expected:
             return None
     return array, (lo, tuple(o + n for o, n in zip(lo, data.shape, strict=True)))
+
+
+def _read_slices(layer: Any, original: str) -> Any:
+    """The slices of each block that a ``Blockwise`` layer made by ``from_array`` reads
+    of ``original`` (its ``ArraySliceDep``), known without building its tasks: the
+    layer's one task template ``getter(original, slices of the block)`` and nothing
+    else; None for any other layer (its tasks are then traced one by one)."""
+    if type(layer).__name__ != "Blockwise":
+        return None
+    task = getattr(layer, "task", None)
+    deps = getattr(layer, "io_deps", None) or {}
+    indices = getattr(layer, "indices", None)
+    if type(task).__name__ != "Task" or getattr(task, "kwargs", None) or len(deps) != 1:
+        return None
+    if getattr(getattr(task, "func", None), "__name__", "") not in _GETTERS:
+        return None
+    args = [getattr(a, "key", None) for a in getattr(task, "args", ())]
+    if args != ["__dask_blockwise__0", "__dask_blockwise__1"] or not indices or len(indices) != 2:
+        return None
+    (source, source_index), (dep_name, dep_index) = indices
+    (dep,) = deps.values()
+    if getattr(source, "key", None) != original or source_index is not None:
+        return None
+    if dep_name not in deps or tuple(dep_index) != tuple(layer.output_indices):
+        return None
+    if type(dep).__name__ != "ArraySliceDep" or layer.new_axes or layer.concatenate:
+        return None
+    return dep if getattr(layer, "output_blocks", None) is None else None
+
+
+def _read_box(slices: Any, index: tuple, shape: tuple[int, ...]) -> Box | None:
+    """The box block ``index`` of a ``from_array`` read layer (:func:`_read_slices`) reads."""
+    numblocks = getattr(slices, "numblocks", None)
+    if numblocks is None or len(index) != len(numblocks):
+        return None
+    if not all(isinstance(i, int) and 0 <= i < n for i, n in zip(index, numblocks, strict=True)):
+        return None
+    return _slices_box(slices[index], shape)
 
 
 def _trace(task: Any, original: str, array: zarr.Array, box_of: Any, depth: int) -> Box | None:

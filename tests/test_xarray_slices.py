@@ -83,6 +83,37 @@ def test_the_box_a_slice_reads_is_traced_to_the_zarr_array(store, how):
         assert zarr_box(value) is None, why
 
 
+@pytest.mark.parametrize("chunks", [{}, {"time": 10}, {"time": 15, "lat": 16}])
+def test_the_read_layer_s_blocks_are_known_without_building_it_and_trace_the_same(
+    store, chunks, monkeypatch
+):
+    """``from_array``'s read layer (a ``Blockwise``) gives each block's slices without
+    building its tasks; traced task by task instead, every box is the same."""
+    from dataflow.io import xarray_slices
+
+    ds = xr.open_dataset(store, engine="zarr", chunks=chunks, consolidated=False)
+    parts = [
+        ds["t"],
+        ds["t"].isel(time=slice(3, 17)),
+        ds["t"].isel(time=slice(6, 19), lat=slice(3, 14)),
+        ds["counts"][5:10],
+        ds["t"].isel(time=slice(0, 20, 2)),
+    ]
+    found = [zarr_box(part) for part in parts]
+    layers = ds["t"].data.__dask_graph__().layers
+    original = next(name for name in layers if str(name).startswith("original-"))
+    assert any(xarray_slices._read_slices(layer, original) is not None for layer in layers.values())
+    monkeypatch.setattr(xarray_slices, "_read_slices", lambda layer, original: None)
+    assert [zarr_box(part) for part in parts] == found
+    assert [None if f is None else (f.lo, f.hi) for f in found] == [
+        ((0, 0, 0), (20, 16, 16)),
+        ((3, 0, 0), (17, 16, 16)),
+        ((6, 3, 0), (19, 14, 16)),
+        ((5, 0, 0), (10, 16, 16)),
+        None,
+    ]
+
+
 def test_a_rechunked_slice_is_not_a_box(store):
     ds = opened(store, "dask")
     assert zarr_box(ds["t"].isel(time=slice(3, 17)).chunk({"time": 7})) is None
