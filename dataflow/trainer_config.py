@@ -43,6 +43,11 @@ class TrainerConfig:
     # replica finished and go on; below min_workers the fit stops with WorkerLostError.
     recover_lost_workers: bool = True
     min_workers: int = 1
+    # Every replica lost at once (a node, a job of a batch system): how long the fit waits
+    # for min_workers to come back (dask-jobqueue's adapt starting jobs again, a nanny
+    # restarting its worker) before failing, then how long more for as many as it had.
+    restart_wait_s: float = 60.0
+    restart_gather_s: float = 10.0
     relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
@@ -189,7 +194,13 @@ class TrainerConfig:
         )
         if self.threads_per_replica is not None and self.threads_per_replica < 1:
             raise ConfigError(f"threads_per_replica must be >= 1, got {self.threads_per_replica}")
-        for name in ("window_seconds", "collective_timeout_s", "scale_timeout_s"):
+        for name in (
+            "window_seconds",
+            "collective_timeout_s",
+            "scale_timeout_s",
+            "restart_wait_s",
+            "restart_gather_s",
+        ):
             value = getattr(self, name)
             if name == "window_seconds" and value is None:
                 continue
@@ -222,6 +233,12 @@ class TrainerConfig:
             )
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if not self.restart_wait_s > 0 or self.restart_gather_s < 0:
+            raise ConfigError(
+                f"restart_wait_s={self.restart_wait_s}, restart_gather_s={self.restart_gather_s}: "
+                "seconds the fit waits for workers when every replica is lost (> 0), then for "
+                "as many as it had (>= 0)"
+            )
         self.stop_signals = _stop_signals(self.stop_signals)
         if (
             isinstance(self.min_workers, bool)

@@ -349,3 +349,21 @@ def test_scores_summed_over_the_group_are_recorded_once_not_per_replica():
     first, second = loop.recorder.history.epochs
     assert first.held_out_samples == 300 and first.metrics == {"eval_loss": 0.5}
     assert second.held_out_samples == 300 and second.metrics == {"eval_loss": 0.5}
+
+
+def test_every_replica_lost_and_none_back_waits_restart_wait_s_and_says_so():
+    """``restart_wait_s`` and ``restart_gather_s`` (a batch system slow to start jobs
+    again) reach the machine's wait; none back in it, the error names the option."""
+    t = trainer(restart_wait_s=300.0, restart_gather_s=30.0)
+    executor = SimulatedExecutor(list(WORKERS[:2]), load=t.load, seed=t.config.seed)
+    loop = build_loop(t, executor, epochs=3, order=t.graph.validate(replicas=2))
+    waits = []
+    executor.await_restart = lambda *args: waits.append(args[2:]) or None  # none come back
+    executor.faults = lambda n: ("lose_all", None) if n == 7 else None
+    with pytest.raises(WorkerLostError, match=r"came back in restart_wait_s=300 s.*raise it"):
+        loop.run(list(WORKERS[:2]))
+    assert waits == [(300.0, 30.0)]
+    with pytest.raises(dfl.ConfigError, match="restart_wait_s=0"):
+        trainer(restart_wait_s=0)
+    with pytest.raises(dfl.ConfigError, match="restart_gather_s"):
+        trainer(restart_gather_s=-1)

@@ -290,7 +290,8 @@ class Fail:
     checkpoint used up if not None) naming where the work done so far is kept, and,
     in a spatial layout, the layout the ``workers_left`` could run; ``not_recovering``:
     the fit was told not to recover (``recover_lost_workers=False``); ``stopped_by``: a
-    stop signal ended it (``FitStopped``), after the commit was saved."""
+    stop signal ended it (``FitStopped``), after the commit was saved; ``waited_s``:
+    every replica was lost and no worker came back in that long (``restart_wait_s``)."""
 
     error: BaseException | None = None
     lost: tuple[str, ...] = ()
@@ -302,6 +303,7 @@ class Fail:
     workers_left: int | None = None  # live workers the fit could still use (spatial)
     not_recovering: bool = False
     stopped_by: str | None = None  # a stop signal's name: no failure, the fit was told to
+    waited_s: float | None = None  # every replica lost: none came back in this long
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,8 @@ def build_loop(
             window_steps=config.window_steps,
             min_workers=config.min_workers,
             recover_lost_workers=config.recover_lost_workers,
+            restart_wait_s=config.restart_wait_s,
+            restart_gather_s=config.restart_gather_s,
             roll_back_non_finite=trainer.rolls_back_non_finite,
             checkpoints=store is not None,
             checkpoint_every=every,

@@ -25,7 +25,7 @@ from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.checkpoints import CheckpointWriter, ResumePoint
 from dataflow.driver.epoch_callbacks import EpochCallbacks
 from dataflow.driver.executor import Executor
-from dataflow.driver.failure_lines import failure_line
+from dataflow.driver.failure_lines import failure_line, lost_workers_message
 from dataflow.driver.group_forming import SetupRefused
 from dataflow.driver.machine import FitMachine
 from dataflow.driver.recorder import Recorder
@@ -34,7 +34,6 @@ from dataflow.driver.stop_signals import StopSignals, stopped_error
 from dataflow.driver.worker_notes import record_workers
 from dataflow.history.result import History
 from dataflow.io.ledger import SampleLedger
-from dataflow.planning.layout import fewer_workers_hint
 from dataflow.planning.plan import phase_line
 from dataflow.runtime.replica import ReplicaState
 from dataflow.schedule.noise_scale import NoiseScaleTracker
@@ -434,44 +433,15 @@ class FitLoop:
         if c.stopped_by is not None:
             store = None if self.writer is None else self.writer.store
             raise stopped_error(c.stopped_by, c.commit_step, self.saved_path, store)
-        spatial = self.machine.config.spatial
-        remain = f"{c.remain} remain but min_workers={self.min_workers}"
-        if spatial > 1 and c.workers_left is not None:  # name the layout they could run
-            hint = fewer_workers_hint(spatial, c.workers_left, self.min_workers)
-            remain = f"{c.remain} sample group(s) remain: {hint}"
-        elif c.starting:
-            remain = f"{c.remain} remain (min_workers={self.min_workers})"
-        if c.not_recovering:
-            remain = "recover_lost_workers=False: a lost worker stops the fit"
-        if c.starting:
-            raise WorkerLostError(
-                f"lost worker(s) {', '.join(c.lost)} while starting the fit; {remain}"
-            )
-        if self.saved_path is not None:
-            where = (
-                f"A checkpoint of step {c.commit_step} (the last window every replica "
-                f"finished) was written to {self.saved_path}; "
-            )
-        elif self.writer is not None:
-            newest = self.writer.store.latest()
-            where = (
-                f"The newest checkpoint is {newest}; "
-                if newest is not None
-                else f"No checkpoint was written yet in {self.writer.store.directory}; "
-            )
-        else:
-            where = "No checkpoint_dir was given, so the work done is lost; "
-        message = (
-            f"lost worker(s) {', '.join(c.lost)} in phase {c.phase}; {remain}. {where}fit(..., "
-            "checkpoint_dir=..., resume=True) continues from the newest checkpoint once "
-            "workers are back"
+        store = None if self.writer is None else self.writer.store
+        message = lost_workers_message(
+            c,
+            min_workers=self.min_workers,
+            config=self.machine.config,
+            saved_path=self.saved_path,
+            newest=None if store is None or self.saved_path else store.latest(),
+            folder=None if store is None else store.directory,
         )
-        if c.restarts_from is not None:
-            message += (
-                f" (the fit started again from the checkpoint of step {c.restarts_from} "
-                f"{self.machine.config.max_restarts} times and lost every replica each "
-                "time before the next checkpoint)"
-            )
         if not c.remain:  # what the fit's clean-up talks to: the live ones (partners)
             alive = set(self.executor.available())
             self.executor.members = tuple(w for w in self.executor.members if w in alive)

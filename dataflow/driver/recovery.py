@@ -447,6 +447,7 @@ class LostWorkers:
                     remain=0,
                     phase=record.get("phase"),
                     restarts_from=step if exhausted else None,
+                    waited_s=None if exhausted else config.restart_wait_s,
                 )
             ]
         s.restarts[step] = s.restarts.get(step, 0) + 1
