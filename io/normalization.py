@@ -165,15 +165,10 @@ def _open(store: Any, names: list[Any], options: Any) -> tuple[list[PatchArray],
 
 def _fingerprint(label: str, arrays: Sequence[PatchArray]) -> str:
     described = [label] + [
-        [
-            a.name,
-            list(a.shape),
-            list(a.unit or ()),
-            a.dtype.str,
-            *([list(a.origin)] * any(a.origin)),
-        ]
+        [a.name, list(a.shape), list(a.unit or ()), a.dtype.str]
+        + ([] if a.where is None else [list(a.where)])
         for a in arrays
-    ]  # (a split's origin: two splits of one shape are two sets of statistics)
+    ]  # (a split's box: two splits of one shape are two sets of statistics)
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 

@@ -29,6 +29,7 @@ import zarr
 
 from dataflow.core.errors import DataError
 from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
+from dataflow.io.box_map import BoxMap
 from dataflow.io.fetch import is_remote
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.xarray_adapters import (
@@ -75,18 +76,20 @@ class PatchArray:
         self.dims = _dimension_names(array) if isinstance(array, zarr.Array) else None
         if self.dims is None:
             self.dims = tuple(getattr(array, "dims", None) or ()) or None
-        # where this array's cell 0 is in the zarr array read (a box of it: a split)
-        self.origin: tuple[int, ...] = (0,) * len(self.shape)
+        # where this array lies in the zarr array read (a box of it: a split made in xarray)
+        self.box = BoxMap.identity(len(self.shape))
         box = array if isinstance(array, ZarrBox) else None  # traced on the driver
         if box is None and may_read_zarr(array):
             box = zarr_box(array)
         if box is not None:
-            array, self.origin = box.array, box.lo
+            array, self.box = box.array, BoxMap(box.lo, box.dropped)
         self.reader: _BoxObjects | None = None
+        self._stored_unit: tuple[int, ...] | None = None  # (over the stored array's axes)
         if isinstance(array, zarr.Array):
             self.reader = _BoxObjects(field, array, 0)
             self.reader.name = name
-            self.unit: tuple[int, ...] | None = tuple(array.shards or array.chunks)
+            self._stored_unit = tuple(array.shards or array.chunks)
+            self.unit: tuple[int, ...] | None = self.box.seen(self._stored_unit)
             self.array = array
             self.fill_value: Any = array.fill_value  # what a region never written reads as
         else:
@@ -129,24 +132,26 @@ class PatchArray:
         """The stored objects (coordinates on the grid of :attr:`unit`, C order) that a
         read of ``windows`` decodes: the chunks the windows touch when cut directly,
         else every object of their bounding box (none: no stored objects)."""
-        if self.unit is None:
+        unit = self._stored_unit
+        if unit is None:
             return []
         if self.cuts_from_chunks(windows):
             touched: set[tuple[int, ...]] = set()
             for los, shape in windows:
-                touched |= window_chunks(self._stored(los), shape, self.unit)
+                touched |= window_chunks(self.box.corners(los), self.box.shape(shape), unit)
             return sorted(touched)
-        lo, hi = enclosing(windows)
-        return box_chunks(self._stored(lo), self._stored(hi), self.unit)
+        return box_chunks(*self.box.box(*enclosing(windows)), unit)
 
-    def _stored(self, at: Any) -> Any:
-        """Coordinates of this array (low corners ``(n, ndim)``, or one point) where they
-        are in the zarr array read: moved by :attr:`origin`."""
-        if not any(self.origin):
-            return at
-        if isinstance(at, np.ndarray):
-            return at + np.asarray(self.origin, dtype=at.dtype)
-        return [int(a) + o for a, o in zip(at, self.origin, strict=True)]
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """Where this array's cell 0 is in the zarr array read (a split of it), per axis."""
+        return self.box.origin
+
+    @property
+    def where(self) -> tuple[int, ...] | None:
+        """The low corner of the box of the stored array read, over the stored axes
+        (an axis taken at one index: that index); None where all of it is read."""
+        return self.box.lo if self.box.moves else None
 
     @property
     def fetches_ahead(self) -> bool:
@@ -171,9 +176,9 @@ class PatchArray:
         ``out``: one copy per window byte and no bounding box, each chunk taken once for
         all the cuts (x and y of one array). Only where :attr:`cuts_direct`."""
         decoder = self.reader.decoder
-        windows = [(self._stored(los), shape) for los, shape, _ in cuts]
+        windows = [(self.box.corners(los), self.box.shape(shape)) for los, shape, _ in cuts]
         pieces = window_pieces(windows, decoder.chunks)
-        outs = [out for *_, out in cuts]
+        outs = [self.box.rows(out) for *_, out in cuts]  # (over the stored axes)
 
         def take(coords: tuple[int, ...], chunk: np.ndarray) -> None:
             for k, source, target in pieces[coords]:
@@ -196,7 +201,10 @@ class PatchArray:
 
     def read_box(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis, native byte order."""
-        lo, hi = self._stored(lo), self._stored(hi)
+        return self.box.squeeze(self._read_stored(*self.box.box(lo, hi)))
+
+    def _read_stored(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
+        """``array[lo:hi]`` over every axis of the array read (the stored one)."""
         selection = tuple(slice(int(a), int(b)) for a, b in zip(lo, hi, strict=True))
         if self.reader is None:
             data = self.array[selection]
@@ -213,13 +221,14 @@ class PatchArray:
         try:
             return native(np.asarray(reader.retry.run(lambda: self.array[selection])))
         except Exception as exc:  # name the object that fails (zarr's own read: sharding)
-            assert self.unit is not None
-            objects = box_chunks(lo, hi, self.unit)
+            unit = self._stored_unit
+            assert unit is not None
+            objects = box_chunks(lo, hi, unit)
             reader._raise_if_refused(reader._key(objects[0]), exc, "PatchSource")
             for coords in objects:
                 part = tuple(
                     slice(max(a, i * u), min(b, (i + 1) * u))
-                    for i, u, a, b in zip(coords, self.unit, lo, hi, strict=True)
+                    for i, u, a, b in zip(coords, unit, lo, hi, strict=True)
                 )
                 try:
                     self.array[part]

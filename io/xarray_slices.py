@@ -38,23 +38,32 @@ from dataflow.io.xarray_adapters import (
 )
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # [lo, hi) per axis
+# [lo, hi) per axis of the stored array, and the axes taken at one index (dropped)
+Traced = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 # dask's tasks that read a block of the from_array source (dask.array.core)
 _GETTERS = {"getter", "getter_nofancy", "getter_inline"}
 
 
 @dataclass(frozen=True)
 class ZarrBox:
-    """``array[lo[0]:hi[0], lo[1]:hi[1], ...]``: what an xarray variable reads, as stored;
-    ``dims``: the variable's dimension names."""
+    """``array[lo[0]:hi[0], lo[1]:hi[1], ...]``: what an xarray variable reads, as stored,
+    with the axes ``dropped`` (taken at one index, ``ds.sel(level=500)``: ``hi = lo + 1``)
+    left out of its shape; ``dims``: the variable's dimension names."""
 
     array: zarr.Array
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     dims: tuple[str, ...] | None = None
+    dropped: tuple[int, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(h - lo for lo, h in zip(self.lo, self.hi, strict=True))
+        """The variable's shape: the box's, the dropped axes left out."""
+        return tuple(
+            h - lo
+            for axis, (lo, h) in enumerate(zip(self.lo, self.hi, strict=True))
+            if axis not in self.dropped
+        )
 
     @property
     def dtype(self) -> np.dtype:
@@ -62,7 +71,7 @@ class ZarrBox:
 
     @property
     def whole(self) -> bool:
-        return self.shape == tuple(self.array.shape)
+        return not self.dropped and self.shape == tuple(self.array.shape)
 
     @property
     def name(self) -> str:
@@ -71,18 +80,29 @@ class ZarrBox:
 
     @property
     def cuts(self) -> str:
-        """``[time 3:765]``: the axes it does not take whole (by name where known)."""
-        dims = self.dims or tuple(f"axis {a}" for a in range(len(self.lo)))
+        """``[time 3:765, level 2]``: the axes it does not take whole (by the stored
+        array's dimension names where it has them)."""
+        dims = stored_dims(self.array) or tuple(f"axis {a}" for a in range(len(self.lo)))
         cuts = [
-            f"{dim} {lo}:{hi}"
-            for dim, lo, hi, n in zip(dims, self.lo, self.hi, self.array.shape, strict=True)
-            if (lo, hi) != (0, n)
+            f"{dim} {lo}" if axis in self.dropped else f"{dim} {lo}:{hi}"
+            for axis, (dim, lo, hi, n) in enumerate(
+                zip(dims, self.lo, self.hi, self.array.shape, strict=True)
+            )
+            if (lo, hi) != (0, n) or axis in self.dropped
         ]
         return f"[{', '.join(cuts)}]"
 
     def __str__(self) -> str:
         """``file:///data/era5.zarr/t2m[time 3:765]``."""
         return f"{self.array.store_path}{self.cuts}"
+
+
+def stored_dims(array: zarr.Array) -> tuple[str, ...] | None:
+    """A zarr array's dimension names (zarr v3's, or xarray's ``_ARRAY_DIMENSIONS`` in v2)."""
+    names = getattr(array.metadata, "dimension_names", None)
+    if names is None:
+        names = array.attrs.get("_ARRAY_DIMENSIONS")
+    return None if names is None else tuple(names)
 
 
 @dataclass(frozen=True)
@@ -108,20 +128,28 @@ def zarr_box(value: Any) -> ZarrBox | None:
     found = _dask_box(data) if is_dask_array(data) else _lazy_box(data)
     if found is None:
         return None
-    array, (lo, hi) = found
-    box = ZarrBox(array, lo, hi, getattr(value, "dims", None))
+    array, (lo, hi, dropped) = found
+    box = ZarrBox(array, lo, hi, getattr(value, "dims", None), dropped)
     if box.shape != tuple(value.shape) or not decodes_nothing(value, array):
         return None
     return box
 
 
-def _slices_box(key: Any, shape: tuple[int, ...]) -> Box | None:
-    """``[lo, hi)`` per axis of a key of slices with step 1 over an array of ``shape``."""
+def _slices_box(key: Any, shape: tuple[int, ...]) -> Traced | None:
+    """``[lo, hi)`` per axis of a key of slices with step 1 (or an index: that axis
+    dropped, ``hi = lo + 1``) over an array of ``shape``."""
     key = getattr(key, "value", key)  # a dask DataNode
     if not isinstance(key, tuple) or len(key) != len(shape):
         return None
-    lo, hi = [], []
-    for k, n in zip(key, shape, strict=True):
+    lo, hi, dropped = [], [], []
+    for axis, (k, n) in enumerate(zip(key, shape, strict=True)):
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            if not -n <= k < n:
+                return None
+            lo.append(int(k) % n)
+            hi.append(int(k) % n + 1)
+            dropped.append(axis)
+            continue
         if not isinstance(k, slice):
             return None
         start, stop, step = k.indices(n)
@@ -129,17 +157,31 @@ def _slices_box(key: Any, shape: tuple[int, ...]) -> Box | None:
             return None
         lo.append(start)
         hi.append(stop)
-    return tuple(lo), tuple(hi)
+    return tuple(lo), tuple(hi), tuple(dropped)
 
 
-def _lazy_box(root: Any) -> tuple[zarr.Array, Box] | None:
+def _within(parent: Traced, key: Any) -> Traced | None:
+    """``key`` (slices and indices over ``parent``'s axes that are not dropped) applied
+    to the box ``parent``: the box it selects, in the stored array's coordinates."""
+    lo, hi, dropped = parent
+    kept = [a for a in range(len(lo)) if a not in dropped]
+    part = _slices_box(key, tuple(hi[a] - lo[a] for a in kept))
+    if part is None:
+        return None
+    new_lo, new_hi = list(lo), list(hi)
+    for j, axis in enumerate(kept):
+        new_lo[axis], new_hi[axis] = lo[axis] + part[0][j], lo[axis] + part[1][j]
+    return tuple(new_lo), tuple(new_hi), tuple(sorted((*dropped, *(kept[j] for j in part[2]))))
+
+
+def _lazy_box(root: Any) -> tuple[zarr.Array, Traced] | None:
     """The zarr array at the end of ``root``'s adapters and the box their one indexing
     key selects (the whole array where none does), when nothing else is in between."""
     box = None
     for adapter in adapter_chain(root):
         array = zarr_of(adapter)
         if array is not None:
-            whole = (0,) * array.ndim, tuple(int(s) for s in array.shape)
+            whole = (0,) * array.ndim, tuple(int(s) for s in array.shape), ()
             return array, whole if box is None else box
         kind = type(adapter).__name__
         if kind not in PASS_THROUGH:
@@ -155,12 +197,12 @@ def _lazy_box(root: Any) -> tuple[zarr.Array, Box] | None:
     return None
 
 
-def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
+def _dask_box(data: Any) -> tuple[zarr.Array, Traced] | None:
     """The zarr array behind a dask array and the box its blocks tile, traced task by
     task from each block back to the read of the whole array."""
     roots = dask_roots(data)
     read = _lazy_box(roots[0]) if len(roots) == 1 else None
-    if read is None or read[1] != ((0,) * read[0].ndim, tuple(read[0].shape)):
+    if read is None or read[1] != ((0,) * read[0].ndim, tuple(read[0].shape), ()):
         return None  # the read itself must be of the whole array
     array = read[0]
     layers = data.__dask_graph__().layers
@@ -173,10 +215,10 @@ def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
             tasks.update(dict(layer))
         else:  # never built block by block (most of a trace's time, at 10^5 blocks)
             reads[layer.output] = slices
-    traced: dict[Any, Box | None] = {}
+    traced: dict[Any, Traced | None] = {}
     shape = tuple(int(s) for s in array.shape)
 
-    def box_of(key: Any, depth: int = 0) -> Box | None:
+    def box_of(key: Any, depth: int = 0) -> Traced | None:
         if key not in traced:
             if isinstance(key, tuple) and key and key[0] in reads:
                 traced[key] = _read_box(reads[key[0]], key[1:], shape)
@@ -188,16 +230,22 @@ def _dask_box(data: Any) -> tuple[zarr.Array, Box] | None:
     first = box_of((data.name, *([0] * len(chunks))))
     if first is None:
         return None
-    lo = first[0]
+    lo, _, dropped = first
+    kept = [a for a in range(len(lo)) if a not in dropped]
+    if len(kept) != len(chunks):
+        return None
     offsets = [np.concatenate([[0], np.cumsum(c)]).tolist() for c in chunks]
     for index in itertools.product(*(range(len(c)) for c in chunks)):
-        expected = (
-            tuple(o + offsets[a][i] for a, (o, i) in enumerate(zip(lo, index, strict=True))),
-            tuple(o + offsets[a][i + 1] for a, (o, i) in enumerate(zip(lo, index, strict=True))),
-        )
-        if box_of((data.name, *index)) != expected:
+        block_lo, block_hi = list(lo), [a + 1 for a in lo]  # (dropped axes: as the first)
+        for j, axis in enumerate(kept):
+            block_lo[axis] = lo[axis] + offsets[j][index[j]]
+            block_hi[axis] = lo[axis] + offsets[j][index[j] + 1]
+        if box_of((data.name, *index)) != (tuple(block_lo), tuple(block_hi), dropped):
             return None
-    return array, (lo, tuple(o + n for o, n in zip(lo, data.shape, strict=True)))
+    hi = [a + 1 for a in lo]
+    for j, axis in enumerate(kept):
+        hi[axis] = lo[axis] + int(data.shape[j])
+    return array, (lo, tuple(hi), dropped)
 
 
 def _read_slices(layer: Any, original: str) -> Any:
@@ -228,7 +276,7 @@ def _read_slices(layer: Any, original: str) -> Any:
     return dep if getattr(layer, "output_blocks", None) is None else None
 
 
-def _read_box(slices: Any, index: tuple, shape: tuple[int, ...]) -> Box | None:
+def _read_box(slices: Any, index: tuple, shape: tuple[int, ...]) -> Traced | None:
     """The box block ``index`` of a ``from_array`` read layer (:func:`_read_slices`) reads."""
     numblocks = getattr(slices, "numblocks", None)
     if numblocks is None or len(index) != len(numblocks):
@@ -238,9 +286,9 @@ def _read_box(slices: Any, index: tuple, shape: tuple[int, ...]) -> Box | None:
     return _slices_box(slices[index], shape)
 
 
-def _trace(task: Any, original: str, array: zarr.Array, box_of: Any, depth: int) -> Box | None:
-    """The box of ``array`` one task computes: an alias of a block, a step-1 slice of a
-    block, or the read of a region of the whole array; None for any other task."""
+def _trace(task: Any, original: str, array: zarr.Array, box_of: Any, depth: int) -> Traced | None:
+    """The box of ``array`` one task computes: an alias of a block, a step-1 slice (or an
+    index) of a block, or the read of a region of the whole array; None for any other."""
     if task is None or depth > 64:
         return None
     kind = type(task).__name__
@@ -258,14 +306,5 @@ def _trace(task: Any, original: str, array: zarr.Array, box_of: Any, depth: int)
         return _slices_box(args[1], tuple(int(s) for s in array.shape))
     if name == "getitem":
         parent = box_of(source, depth + 1)
-        if parent is None:
-            return None
-        extents = tuple(h - lo for lo, h in zip(*parent, strict=True))
-        part = _slices_box(args[1], extents)
-        if part is None:
-            return None
-        return (
-            tuple(p + s for p, s in zip(parent[0], part[0], strict=True)),
-            tuple(p + s for p, s in zip(parent[0], part[1], strict=True)),
-        )
+        return None if parent is None else _within(parent, args[1])
     return None

@@ -60,7 +60,7 @@ from dataflow.io.xarray_adapters import (
     may_read_zarr,
 )
 from dataflow.io.xarray_backing import check_complete, raw_zarr
-from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, zarr_box
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, stored_dims, zarr_box
 
 
 class VariableNotFoundError(DataError, KeyError):
@@ -107,10 +107,7 @@ def _open_zarr(
 
 def _dimension_names(array: Any) -> tuple[str, ...] | None:
     if isinstance(array, zarr.Array):
-        names = getattr(array.metadata, "dimension_names", None)
-        if names is None:
-            names = array.attrs.get("_ARRAY_DIMENSIONS")
-        return None if names is None else tuple(names)
+        return stored_dims(array)
     return getattr(array, "dims", None)
 
 
@@ -189,7 +186,7 @@ class ZarrSource(RegionView):
         if isinstance(y, (list, tuple)):
             raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
         # a zarr store's values as stored: read raw, chunk-aware, missing chunks caught
-        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)])
+        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)], drops=False)
         self.x_name = x
         self.y_name = y
         self.sample_dim = sample_dim
@@ -323,6 +320,8 @@ class ZarrSource(RegionView):
         box = array if isinstance(array, ZarrBox) else None  # traced on the driver
         if box is None and may_read_zarr(array):
             box = zarr_box(array)
+            if box is not None and box.dropped:  # (an axis at one index: through xarray)
+                box = None
         if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
             return ZarrArrayReader(field, box.array, axis, self.retry_s, (box.lo, box.hi))
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask

@@ -159,3 +159,53 @@ def test_a_region_of_a_split_s_windows_and_a_planned_chunk_cache_read_the_same_c
     assert sorted(indices.tolist()) == every.tolist()
     np.testing.assert_array_equal(np.concatenate([b.x.numpy() for b in streamed]), x[indices])
     np.testing.assert_array_equal(np.concatenate([b.y.numpy() for b in streamed]), y[indices])
+
+
+@pytest.fixture
+def levels(tmp_path):
+    """A field on pressure levels: ``t`` (time 6, level 4, lat 32, lon 24) chunked
+    (2, 2, 16, 8), written by xarray with a level coordinate."""
+    rng = np.random.default_rng(5)
+    t = rng.normal(size=(6, 4, 32, 24)).astype(np.float32)
+    dataset = xr.Dataset(
+        {"t": (("time", "level", "lat", "lon"), t)}, coords={"level": [1000, 850, 500, 250]}
+    )
+    path = tmp_path / "levels.zarr"
+    dataset.to_zarr(path, encoding={"t": {"chunks": (2, 2, 16, 8)}}, consolidated=False)
+    return path, t
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("how", OPENED)
+def test_windows_of_one_level_are_read_raw_from_the_stored_chunks(levels, how, shuffle):
+    """``ds.sel(level=500)`` (an axis at one index, dropped): windows of ``(time, lat,
+    lon)`` cut from the stored 4-D chunks of that level; a ZarrSource of it reads it
+    through xarray (checked), the same values."""
+    path, t = levels
+    part = opened(path, how).sel(level=500).isel(lat=slice(3, 29))
+    patch = {"time": 2, "lat": 8, "lon": 8}
+    source = dfl.io.PatchSource(part, "t", patch=patch, shuffle=shuffle)
+    (array,) = source._open()
+    assert array.cuts_direct and array.where == (0, 2, 3, 0) and array.origin == (0, 3, 0)
+    assert str(source.store).endswith("t[level 2, lat 3:29]")
+    field = t[:, 2, 3:29]
+    every = np.arange(source.num_samples)
+    want = precut(field, source.corners, (2, 8, 8), (0, 1, 2))
+    np.testing.assert_array_equal(source.read(every).x.numpy()[:, 0], want)
+    streamed = list(dfl.io.stream_batches(source, 5, seed=1))
+    indices = np.concatenate([b.indices for b in streamed])
+    assert sorted(indices.tolist()) == every.tolist()
+    np.testing.assert_array_equal(
+        np.concatenate([b.x.numpy() for b in streamed])[:, 0], want[indices]
+    )
+    samples = dfl.io.ZarrSource(part, x="t", sample_dim="time", shuffle=False)
+    np.testing.assert_array_equal(samples.read(np.arange(6)).x.numpy(), field)
+    stats = dfl.io.normalization_stats(source)
+    other = dfl.io.normalization_stats(
+        dfl.io.PatchSource(
+            opened(path, how).sel(level=850).isel(lat=slice(3, 29)), "t", patch=patch
+        )
+    )
+    assert stats.mean[0] == pytest.approx(float(field.mean()), rel=1e-5)
+    assert other.mean[0] == pytest.approx(float(t[:, 1, 3:29].mean()), rel=1e-5)
+    assert other.fingerprint != stats.fingerprint

@@ -70,9 +70,13 @@ def test_the_box_a_slice_reads_is_traced_to_the_zarr_array(store, how):
     box = zarr_box(ds["t"].isel(time=slice(2, 18)).isel(time=slice(1, 9)))  # twice
     assert (box.lo, box.hi) == ((3, 0, 0), (11, 16, 16))
     assert zarr_box(ds["t"]).whole and zarr_box(ds["label"][5:10]).lo == (5,)
+    box = zarr_box(ds["t"].isel(lat=3).isel(time=slice(2, 9)))  # an axis at one index
+    assert (box.lo, box.hi, box.dropped) == ((2, 3, 0), (9, 4, 16), (1,))
+    assert box.shape == (7, 16) and box.dims == ("time", "lon") and not box.whole
+    box = zarr_box(ds["t"].isel(time=slice(4, 12)).isel(time=-1, lon=slice(8, 16)))
+    assert (box.lo, box.hi, box.dropped, box.shape) == ((11, 0, 8), (12, 16, 16), (0,), (16, 8))
     not_boxes = {
         "a step": ds["t"].isel(time=slice(0, 20, 2)),
-        "an integer index": ds["t"].isel(lat=3),
         "a transpose": ds["t"].transpose("lon", "lat", "time"),
         "arithmetic": ds["t"].isel(time=slice(0, 10)) * 2,
         "CF unpacking": ds["packed"].isel(time=slice(0, 10)),
