@@ -11,6 +11,7 @@ import random
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -460,7 +461,10 @@ class Lag(stages.Stage):
         elif (self.at == "start" and self.count == 1) or (self.until == "bound" and not last):
             if self.at == "start" and self.count == 1:
                 (self.folder / f"slow-begun-{first}").touch()
-            self._wait_for(lambda: self._leader_is_stuck(step, first), first)
+            # after its push: judged only once that push reached every shard (overlap:
+            # still on its way, it may free replica 0's held push the moment it lands)
+            mine = (step.spec.index, step.owner) if self.at == "pushed" else None
+            self._wait_for(lambda: self._leader_is_stuck(step, first, mine), first)
         return value
 
     @staticmethod
@@ -471,15 +475,17 @@ class Lag(stages.Stage):
                 raise RuntimeError(f"the other replica never got there in window {first}")
             time.sleep(0.01)
 
-    def _leader_is_stuck(self, step: stages.StepContext, first: int) -> bool:
+    def _leader_is_stuck(self, step: stages.StepContext, first: int, mine: Any = None) -> bool:
         if self.until == "last":
             return (self.folder / f"last-{first}").exists()
         from distributed import get_client
 
         store = step.replica.parameter_store
-        found = get_client().run(_leader_at_the_gate, store.run_id, first)
+        found = get_client().run(_leader_at_the_gate, store.run_id, first, mine)
         states = [state for shards in found.values() for state in shards]
         if len(states) < len(store.ranges):  # a shard does not serve this window yet
+            return False
+        if any(state == ("awaiting",) for state in states):  # replica 1's push on its way
             return False
         if all(state[0] == "finished" for state in states):
             return True
@@ -499,10 +505,13 @@ class Lag(stages.Stage):
         return begun > pushed or (self.folder / f"last-{first}").exists()
 
 
-async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> list[tuple]:
+async def _leader_at_the_gate(
+    run_id: str, window: int, mine: Any = None, dask_worker=None
+) -> list[tuple]:
     """Replica 0 at each of this worker's shards serving ``window``: ("finished",),
     ("held", (step, owner)) (pushed that part, and the staleness bound keeps the push
-    from applying) or ("free",). Read on the store loop, which alone changes a shard."""
+    from applying) or ("free",); ("awaiting",) where replica 1's part ``mine`` has not
+    reached the shard yet. Read on the store loop, which alone changes a shard."""
     plugin = dask_worker.plugins.get("dataflow")
     if plugin is None or not plugin.ps.shards:
         return []
@@ -512,7 +521,10 @@ async def _leader_at_the_gate(run_id: str, window: int, dask_worker=None) -> lis
         for (run, _), shard in list(plugin.ps.shards.items()):
             if run == run_id and shard.window == window:
                 gate = shard.gate
-                if 0 in gate.finished:
+                arrived = {push.part for push in shard.pushes.values()} | shard.applied_parts
+                if mine is not None and tuple(mine) not in arrived:
+                    states.append(("awaiting",))
+                elif 0 in gate.finished:
                     states.append(("finished",))
                 elif 0 in gate.pending and not gate.may_apply():
                     states.append(("held", tuple(shard.pushes[0].part)))
