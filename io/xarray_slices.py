@@ -9,13 +9,17 @@ xarray slices lazily in one of two places, each followed back to the zarr array 
   of slices over the zarr array;
 * a dask ``getitem`` over the blocks of the read (``open_zarr``'s default): every block
   of the sliced array is traced back, task by task (``Alias`` for a whole block,
-  ``getitem`` for part of one, ``getter`` for the read of the zarr array's region), and
-  the blocks must tile one box in order.
+  ``getitem`` for part of one, ``getter`` for the read of the zarr array's region: known
+  from ``from_array``'s ``Blockwise`` layer without building its tasks), and the blocks
+  must tile one box in order.
 
-Only a box (slices with step 1, no integer index, no transpose) with nothing else
-between it and the zarr array counts; anything else (a step, arithmetic, a rechunk, CF
-unpacking, a dask or xarray version whose internals differ) gives None, and the data
-is read through xarray and checked whole (``io.xarray_backing``).
+Only a box (slices with step 1, or an integer index: ``ds.sel(level=500)``, that axis
+``dropped``; no transpose) with nothing else between it and the zarr array counts;
+anything else (a step, arithmetic, a rechunk, CF unpacking, a dask or xarray version
+whose internals differ) gives None, and the data is read through xarray and checked
+whole (``io.xarray_backing``). The trace runs once, where a source is built: a source
+holds the boxes it found (:class:`ZarrSplit`), not the Dataset, so it travels to the
+workers without the dask graph.
 """
 
 from __future__ import annotations
