@@ -68,7 +68,10 @@ def native(block: np.ndarray) -> np.ndarray:
 class ArrayReader:
     """Common part: sample dim, names, residency of small arrays, reads by index.
     ``box``: ``[lo, hi)`` per axis of ``array``, read as an array of its own (a slice of
-    it made in xarray, ``io.xarray_slices``); None: all of it."""
+    it made in xarray, ``io.xarray_slices``); None: all of it. ``dropped``: axes of the
+    box taken at one index (``ds.sel(level=500)``): read as stored, then left out of
+    every sample the reads return (a view); the source names axes without them
+    (:attr:`seen_shape`, :meth:`restrict`)."""
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class ArrayReader:
         array: Any,
         sample_dim: int,
         box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        dropped: tuple[int, ...] = (),
     ) -> None:
         self.field = field  # "x", "y", "x[1]": how the user named it in ZarrSource(...)
         self.name = name
@@ -90,6 +94,11 @@ class ArrayReader:
         self.num_samples = self.shape[sample_dim]
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.cuts: dict[int, tuple[int, int]] = {}  # array axis -> [lo, hi): see restrict
+        self.dropped = tuple(dropped)
+        self._kept = [a for a in range(len(self.shape)) if a not in self.dropped]
+        others = [a for a in range(len(self.shape)) if a != sample_dim]
+        # where the dropped axes are in a slab (samples first, then the other axes)
+        self._slab_dropped = tuple(1 + others.index(a) for a in self.dropped)
         self.resident = False  # set by the source for small arrays beside the inputs
         self._resident: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -101,7 +110,27 @@ class ArrayReader:
     @property
     def sample_shape(self) -> tuple[int, ...]:
         """One sample's shape in storage order, sample axis removed, whole (before cuts)."""
-        return tuple(n for a, n in enumerate(self.shape) if a != self.sample_dim)
+        return tuple(
+            n for a, n in enumerate(self.shape) if a != self.sample_dim and a not in self.dropped
+        )
+
+    @property
+    def seen_shape(self) -> tuple[int, ...]:
+        """The array's shape as the source sees it (the dropped axes left out)."""
+        return tuple(self.shape[a] for a in self._kept)
+
+    @property
+    def seen_sample_dim(self) -> int:
+        """The sample axis among :attr:`seen_shape`'s."""
+        return self._kept.index(self.sample_dim)
+
+    def _seen(self, slab: np.ndarray) -> np.ndarray:
+        """A slab (samples first) with the dropped axes left out (a view)."""
+        return np.squeeze(slab, axis=self._slab_dropped) if self.dropped else slab
+
+    def _stored_rows(self, out: np.ndarray) -> np.ndarray:
+        """An output slab as the source sees it, viewed with the dropped axes put back."""
+        return np.expand_dims(out, self._slab_dropped) if self.dropped else out
 
     @property
     def read_shape(self) -> tuple[int, ...]:
@@ -111,8 +140,9 @@ class ArrayReader:
         )
 
     def restrict(self, cuts: dict[int, tuple[int, int]]) -> None:
-        """Read only ``[lo, hi)`` along each array axis of ``cuts`` (before the first read)."""
-        self.cuts = dict(cuts)
+        """Read only ``[lo, hi)`` along each array axis of ``cuts`` (the axes of
+        :attr:`seen_shape`), before the first read."""
+        self.cuts = {self._kept[a]: cut for a, cut in cuts.items()}
         self.nbytes = math.prod(self.read_shape) * self.dtype.itemsize
 
     def _stored(self, axis: int) -> tuple[int, int]:
@@ -154,8 +184,8 @@ class ArrayReader:
                 if self._resident is None:
                     whole = self._read(0, self.num_samples)
                     self._resident = native(np.moveaxis(whole, self.sample_dim, 0))
-            return self._resident[start:stop]
-        return native(np.moveaxis(self._read(start, stop), self.sample_dim, 0))
+            return self._seen(self._resident[start:stop])
+        return self._seen(native(np.moveaxis(self._read(start, stop), self.sample_dim, 0)))
 
     def read_slabs(self, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
         """:meth:`read_slab` of every ``(start, stop)`` of ``ranges`` (here one by one)."""
@@ -168,8 +198,11 @@ class ArrayReader:
 
     def empty(self) -> np.ndarray:
         """No samples, with this array's sample shape as read and (native) dtype."""
-        shape = list(self.read_shape)
-        shape.pop(self.sample_dim)
+        shape = [
+            n
+            for a, n in enumerate(self.read_shape)
+            if a != self.sample_dim and a not in self.dropped
+        ]
         return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
 
 
@@ -184,8 +217,9 @@ class ZarrArrayReader(ArrayReader):
         sample_dim: int,
         retry_s: float = DEFAULT_RETRY_S,
         box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        dropped: tuple[int, ...] = (),
     ) -> None:
-        super().__init__(field, array.path or "<array>", array, sample_dim, box)
+        super().__init__(field, array.path or "<array>", array, sample_dim, box, dropped)
         # Reads retried while the store fails in a way that passes (io.store_retry)
         self.retry = StoreRetry(retry_s)
         self.unit = (array.shards or array.chunks)[sample_dim]
@@ -294,7 +328,7 @@ class ZarrArrayReader(ArrayReader):
         if self.resident:
             return super().read_slabs(ranges)
         if self.decoder is not None:
-            return [self._decode(start, stop) for start, stop in ranges]
+            return [self._seen(self._decode(start, stop)) for start, stop in ranges]
         array = self.array.async_array
         outs = [self._out(stop - start) for start, stop in ranges]
 
@@ -316,7 +350,7 @@ class ZarrArrayReader(ArrayReader):
                 f"ZarrSource: reading array {self.name!r} failed ({exc}); every chunk read "
                 "alone succeeded, so the store may be changing underneath: retry, or re-copy it"
             ) from exc
-        return [native(np.moveaxis(np.asarray(b), self.sample_dim, 0)) for b in blocks]
+        return [self._seen(native(np.moveaxis(np.asarray(b), self.sample_dim, 0))) for b in blocks]
 
     def _decode(self, start: int, stop: int) -> np.ndarray:
         """Samples ``[start, stop)``, decoded on this thread (see ``io.zarr_decode``)."""
@@ -335,7 +369,7 @@ class ZarrArrayReader(ArrayReader):
         if self.resident or self.decoder is None or self.sample_dim != 0:
             super().read_slab_into(start, stop, out)
         else:
-            self._decode_into(start, stop, out)
+            self._decode_into(start, stop, self._stored_rows(out))
 
     def _decode_into(self, start: int, stop: int, block: np.ndarray) -> np.ndarray:
         """Samples ``[start, stop)`` decoded into ``block`` (storage layout), objects named."""

@@ -96,7 +96,7 @@ def zarr_path_backing(dataset: Any, names: list[str]) -> str | None:
     return source
 
 
-def raw_zarr(store: Any, names: list[str], drops: bool = True) -> Any:
+def raw_zarr(store: Any, names: list[str]) -> Any:
     """What the sources read instead of ``store`` where its values are a zarr store's as
     stored (each read then raw: chunk-aware, and missing chunks are caught), traced here
     once (on the driver: what this returns travels to the workers without the xarray
@@ -107,9 +107,6 @@ def raw_zarr(store: Any, names: list[str], drops: bool = True) -> Any:
       array (a split made in xarray), those boxes (``ZarrSplit``);
     * a DataArray or dask array: the zarr array it is all of, or the box of one it is;
     * anything else, or any variable read otherwise (CF unpacking, a stride): unchanged.
-
-    ``drops``: whether the reader takes a box with an axis at one index (``sel(level=
-    500)``: ``PatchSource`` does, ``ZarrSource`` reads it through xarray).
     """
     if is_xarray_dataset(store):
         path = zarr_path_backing(store, names)
@@ -119,13 +116,13 @@ def raw_zarr(store: Any, names: list[str], drops: bool = True) -> Any:
         if not names or any(v is None for v in variables):
             return store
         boxes = [zarr_box(v) for v in variables]
-        if any(box is None or (box.dropped and not drops) for box in boxes):
+        if any(box is None for box in boxes):
             return store
         group = group_of(boxes, names)  # type: ignore[arg-type]
         return ZarrSplit(dict(zip(names, boxes, strict=True))) if group is None else group
     if is_data_array(store) or is_dask_array(store):
         box = zarr_box(store)
-        if box is None or (box.dropped and not drops):
+        if box is None:
             return store
         return box.array if box.whole else box
     return store

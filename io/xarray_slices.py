@@ -94,7 +94,7 @@ class ZarrBox:
             )
             if (lo, hi) != (0, n) or axis in self.dropped
         ]
-        return f"[{', '.join(cuts)}]"
+        return f"[{', '.join(cuts)}]" if cuts else ""
 
     def __str__(self) -> str:
         """``file:///data/era5.zarr/t2m[time 3:765]``."""

@@ -186,7 +186,7 @@ class ZarrSource(RegionView):
         if isinstance(y, (list, tuple)):
             raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
         # a zarr store's values as stored: read raw, chunk-aware, missing chunks caught
-        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)], drops=False)
+        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)])
         self.x_name = x
         self.y_name = y
         self.sample_dim = sample_dim
@@ -281,7 +281,8 @@ class ZarrSource(RegionView):
         if self._region is not None:
             for reader in readers:
                 if reader.field != "y":  # targets are never cut
-                    reader.restrict(array_cuts(self._region, reader.shape, reader.sample_dim))
+                    cuts = array_cuts(self._region, reader.seen_shape, reader.seen_sample_dim)
+                    reader.restrict(cuts)
         if isinstance(self.store, (str, Path)):
             self._opened = opened_remote(store, [r.array for r in readers])
         main = max((r for r in readers if r.field != "y"), key=lambda r: r.nbytes)
@@ -320,10 +321,11 @@ class ZarrSource(RegionView):
         box = array if isinstance(array, ZarrBox) else None  # traced on the driver
         if box is None and may_read_zarr(array):
             box = zarr_box(array)
-            if box is not None and box.dropped:  # (an axis at one index: through xarray)
-                box = None
         if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
-            return ZarrArrayReader(field, box.array, axis, self.retry_s, (box.lo, box.hi))
+            kept = [a for a in range(len(box.lo)) if a not in box.dropped]
+            return ZarrArrayReader(
+                field, box.array, kept[axis], self.retry_s, (box.lo, box.hi), box.dropped
+            )
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask
             check_complete(array, "ZarrSource", field, name)
         data = getattr(array, "data", array) if not isinstance(array, np.ndarray) else array

@@ -179,8 +179,8 @@ def levels(tmp_path):
 @pytest.mark.parametrize("how", OPENED)
 def test_windows_of_one_level_are_read_raw_from_the_stored_chunks(levels, how, shuffle):
     """``ds.sel(level=500)`` (an axis at one index, dropped): windows of ``(time, lat,
-    lon)`` cut from the stored 4-D chunks of that level; a ZarrSource of it reads it
-    through xarray (checked), the same values."""
+    lon)`` cut from the stored 4-D chunks of that level; a ZarrSource of it reads its
+    samples raw too (``test_xarray_slices.py``), the same values."""
     path, t = levels
     part = opened(path, how).sel(level=500).isel(lat=slice(3, 29))
     patch = {"time": 2, "lat": 8, "lon": 8}

@@ -298,3 +298,42 @@ def test_a_split_of_a_v2_or_a_sharded_store_is_read_raw_too(tmp_path, layout):
     np.testing.assert_array_equal(source.chunk_bounds, [0, 3, 11, 16])  # (shard: 8 steps)
     np.testing.assert_array_equal(source.read(np.arange(16)).x.numpy(), field[5:21])
     np.testing.assert_array_equal(source.read(np.array([15, 0, 7])).x.numpy(), field[[20, 5, 12]])
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_samples_of_one_level_are_read_raw_and_a_missing_chunk_of_another_refuses_nothing(
+    tmp_path, how
+):
+    """``ds.sel(level=500)``: the level axis is taken at one index, read as stored and
+    left out of every sample (shuffled reads, a region, the sample axis not first);
+    a chunk missing at another level refuses nothing, one of this level is named."""
+    rng = np.random.default_rng(2)
+    t = rng.normal(size=(12, 4, 16, 12)).astype(np.float32)
+    labels = rng.integers(0, 3, 12)
+    dataset = xr.Dataset(
+        {"t": (("time", "level", "lat", "lon"), t), "y": (("time",), labels)},
+        coords={"level": [1000, 850, 500, 250]},
+    )
+    path = tmp_path / "levels.zarr"
+    dataset.to_zarr(path, encoding={"t": {"chunks": (4, 2, 8, 8)}}, consolidated=False)
+    os.remove(path / "t" / "c" / "1" / "0" / "0" / "0")  # levels 1000 and 850
+    part = opened(path, how).sel(level=500)
+    source = dfl.io.ZarrSource(part, x="t", y="y", sample_dim="time", shuffle=False)
+    (reader, _) = readers(source)
+    assert isinstance(reader, ZarrArrayReader) and reader.dropped == (1,)
+    assert source.sample_shape == (16, 12) and "t[level 2], y" in repr(source)
+    order = np.random.default_rng(3).permutation(12)
+    batch = source.read(order)
+    np.testing.assert_array_equal(batch.x.numpy(), t[order, 2])
+    np.testing.assert_array_equal(batch.y.numpy(), labels[order])
+    region = source.region({0: (3, 11), 1: (2, 9)})
+    np.testing.assert_array_equal(region.read(np.arange(12)).x.numpy(), t[:, 2, 3:11, 2:9])
+    across = dfl.io.ZarrSource(part, x="t", sample_dim="lat", shuffle=False)
+    np.testing.assert_array_equal(across.read(np.arange(16)).x.numpy(), t[:, 2].transpose(1, 0, 2))
+    os.remove(path / "t" / "c" / "2" / "1" / "1" / "1")  # levels 500 and 250, samples 8..11
+    source = dfl.io.ZarrSource(
+        opened(path, how).sel(level=500), x="t", y="y", sample_dim="time", shuffle=False
+    )
+    np.testing.assert_array_equal(source.read(np.arange(8)).x.numpy(), t[:8, 2])
+    with pytest.raises(ChunkMissingError, match="t/c/2/1/1/1"):
+        source.read(np.arange(12))
