@@ -40,10 +40,10 @@ import zarr
 from zarr.core.buffer.cpu import NDBuffer
 from zarr.core.sync import sync
 
-from dataflow.core.errors import ChunkMissingError, ChunkReadError, StoreAccessError
+from dataflow.core.errors import ChunkReadError
 from dataflow.io.batch_buffers import BatchBuffers
-from dataflow.io.checksums import is_checksum_mismatch
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, is_remote
+from dataflow.io.read_errors import chunk_read_error, missing_chunk_error
 from dataflow.io.region import chunk_range
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, StoreRetry
@@ -452,37 +452,6 @@ class MemoryArrayReader(ArrayReader):
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.array[self._selection(start, stop)])
-
-
-def chunk_read_error(
-    array: zarr.Array, name: str, key: str, exc: Exception
-) -> ChunkReadError | StoreAccessError:
-    """Chunk ``key`` of ``array`` did not decode: which, in which store, and what to do
-    (a store that refused the read is not a corrupt chunk: ``io.store_access``)."""
-    refused = store_access_error("ZarrSource", array, key, exc)
-    if refused is not None:
-        return refused
-    why = (
-        "its checksum does not match: the chunk is corrupt (its bytes changed after the "
-        "store was written)"
-        if is_checksum_mismatch(exc)
-        else "the file is corrupt or truncated"
-    )
-    return ChunkReadError(
-        f"ZarrSource: chunk {key!r} of array {name!r} in store "
-        f"{str(array.store_path.store)!r} could not be read or decoded ({exc}); {why}. "
-        "Re-write (or re-convert) the store, or restore that chunk file from a copy"
-    )
-
-
-def missing_chunk_error(reader: ArrayReader, missing: list[str]) -> ChunkMissingError:
-    return ChunkMissingError(
-        f"ZarrSource: array {reader.name!r} has no chunk {missing[0]!r} "
-        f"({len(missing)} missing among those this epoch reads); the store is incomplete, and "
-        "zarr would return fill values instead. Re-write or re-copy the store (zarr skips "
-        "all-fill-value chunks unless written with write_empty_chunks=True, as "
-        "dataflow.io.to_zarr does)"
-    )
 
 
 def fetch_ahead(

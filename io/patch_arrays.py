@@ -28,9 +28,10 @@ import numpy as np
 import zarr
 
 from dataflow.core.errors import DataError
-from dataflow.io.array_readers import ZarrArrayReader, missing_chunk_error, native
+from dataflow.io.array_readers import ZarrArrayReader, native
 from dataflow.io.box_map import BoxMap
 from dataflow.io.fetch import is_remote
+from dataflow.io.read_errors import missing_chunk_error
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.xarray_adapters import (
     is_dask_array,

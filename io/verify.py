@@ -25,8 +25,8 @@ import zarr
 from zarr.core.sync import sync
 
 from dataflow.core.errors import ConfigError, DataError
-from dataflow.io.array_readers import chunk_read_error
 from dataflow.io.checksums import checksum_of
+from dataflow.io.read_errors import chunk_read_error
 from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 

@@ -38,12 +38,12 @@ from dataflow.io.array_readers import (
     MemoryArrayReader,
     ZarrArrayReader,
     fetch_ahead,
-    missing_chunk_error,
 )
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
 from dataflow.io.metadata_check import corrupt_metadata
+from dataflow.io.read_errors import missing_chunk_error
 from dataflow.io.region import (
     Bounds,
     RegionView,

@@ -39,8 +39,8 @@ from dataflow.core.errors import (
     DataError,
     DataflowError,
 )
-from dataflow.io.array_readers import chunk_read_error
 from dataflow.io.checksums import check_compressor, checksummed_codecs
+from dataflow.io.read_errors import chunk_read_error
 from dataflow.io.store_open import open_zarr
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 from dataflow.tools.info import _arrays, _names
