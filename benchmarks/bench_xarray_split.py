@@ -16,6 +16,7 @@ reads every sample once, in order, in batches of 32, through the engine's chunk 
     python benchmarks/bench_xarray_split.py --steps 4096
     python benchmarks/bench_xarray_split.py --steps 4096 --first 8   # on a chunk edge
     python benchmarks/bench_xarray_split.py --source patch           # windows of the split
+    python benchmarks/bench_xarray_split.py --levels 4               # and one level of 4
 
 Prints each side's samples/s (median of ``--repeats``, interleaved, after one untimed
 epoch of each side) and the ratios, and
@@ -60,6 +61,12 @@ def main() -> None:
     parser.add_argument(
         "--source", choices=("zarr", "patch"), default="zarr", help="ZarrSource or PatchSource"
     )
+    parser.add_argument(
+        "--levels",
+        type=int,
+        default=0,
+        help="a level axis of this many (chunked 2 a chunk), the split taking level 1 of it",
+    )
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default=None)
     parser.add_argument("--overwrite", action="store_true")
@@ -68,14 +75,17 @@ def main() -> None:
     import xarray as xr
 
     import dataflow as dfl
-    from dataflow.io import patch_arrays, zarr_source
+    from dataflow.io import patch_arrays, xarray_backing, zarr_source
 
     chunks = (8, 64, 64)
     first, stop = args.first, 3 * args.steps // 4
     with tempfile.TemporaryDirectory(prefix="xarray-split-") as tmp:
         path = f"{tmp}/fields.zarr"
-        write_fields(path, args.steps, args.side, chunks)
+        stored = (8, 2, 64, 64) if args.levels else chunks
+        write_fields(path, args.steps, args.side, stored, args.levels)
         split = xr.open_zarr(path, consolidated=False).isel(time=slice(first, stop))
+        if args.levels:
+            split = split.isel(level=1)
         copied = xr.Dataset({"t": split["t"].chunk({"time": 8})})
         copied.to_zarr(f"{tmp}/split.zarr", consolidated=False, encoding={"t": {"chunks": chunks}})
 
@@ -89,18 +99,24 @@ def main() -> None:
             return source(split)
 
         def through_xarray():
-            module = patch_arrays if args.source == "patch" else zarr_source
-            traced = module.zarr_box
-            module.zarr_box = lambda value: None  # the reader before the box was traced
+            # the reader before the box was traced: no box found, where the source is
+            # built (xarray_backing) nor where its arrays open (zarr_source, patch_arrays)
+            modules = (xarray_backing, zarr_source, patch_arrays)
+            traced = [module.zarr_box for module in modules]
+            for module in modules:
+                module.zarr_box = lambda value: None
             try:
                 return source(split)
             finally:
-                module.zarr_box = traced
+                for module, trace in zip(modules, traced, strict=True):
+                    module.zarr_box = trace
 
         def copy():
             return source(f"{tmp}/split.zarr")
 
         sides = {"raw box": raw, "through xarray": through_xarray, "store of the split": copy}
+        main = max(through_xarray()._open(), key=lambda r: getattr(r, "nbytes", 0))
+        assert not getattr(main, "cuts_direct", False) and type(main).__name__ != "ZarrArrayReader"
         for build in sides.values():  # untimed: the first epoch compiles the row copy
             epoch_seconds(build())
         seconds: dict[str, list[float]] = {name: [] for name in sides}
