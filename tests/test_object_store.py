@@ -281,6 +281,7 @@ def test_a_dataset_opened_from_s3_with_its_options_is_read_raw_from_that_store(s
     # A split of it (xarray's slice) reads its box raw from the same store, fetched
     # ahead; the object deleted (samples 32..47) is outside this split: nothing refused
     split = dfl.io.ZarrSource(opened.isel(s=slice(48, 120)), x="x", y="y", sample_dim="s")
+    assert "x[s 48:120]" in repr(split) and SECRET not in repr(split) and KEY not in repr(split)
     for source in (split, pickle.loads(pickle.dumps(split))):
         main = max(source._open(), key=lambda r: r.nbytes)
         assert main.fetches_ahead  # (a remote zarr array, decoded here)
