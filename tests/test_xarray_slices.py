@@ -337,3 +337,25 @@ def test_samples_of_one_level_are_read_raw_and_a_missing_chunk_of_another_refuse
     np.testing.assert_array_equal(source.read(np.arange(8)).x.numpy(), t[:8, 2])
     with pytest.raises(ChunkMissingError, match="t/c/2/1/1/1"):
         source.read(np.arange(12))
+
+
+def test_a_dataset_merged_from_two_stores_is_read_raw_from_each(tmp_path):
+    """Variables kept in stores of their own (one per variable, as reanalyses often
+    are), merged in xarray and split: each is read raw from its own store."""
+    rng = np.random.default_rng(4)
+    t = rng.normal(size=(20, 8, 8)).astype(np.float32)
+    z = rng.normal(size=(20, 8, 8)).astype(np.float32)
+    dims = ("time", "lat", "lon")
+    for name, field in (("t", t), ("z", z)):
+        xr.Dataset({name: (dims, field)}).to_zarr(
+            tmp_path / f"{name}.zarr", encoding={name: {"chunks": (5, 8, 8)}}, consolidated=False
+        )
+    merged = xr.merge([opened(tmp_path / f"{name}.zarr", "dask") for name in ("t", "z")])
+    source = dfl.io.ZarrSource(
+        merged.isel(time=slice(2, 18)), x=["t", "z"], sample_dim="time", shuffle=False
+    )
+    assert all(isinstance(r, ZarrArrayReader) for r in readers(source))
+    assert "t.zarr" in repr(source) and "z.zarr" in repr(source)
+    x_t, x_z = source.read(np.arange(16)).x  # (one input per array)
+    np.testing.assert_array_equal(x_t.numpy(), t[2:18])
+    np.testing.assert_array_equal(x_z.numpy(), z[2:18])
