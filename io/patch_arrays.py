@@ -32,6 +32,7 @@ from dataflow.io.array_readers import ZarrArrayReader, native
 from dataflow.io.box_map import BoxMap
 from dataflow.io.fetch import is_remote
 from dataflow.io.read_errors import missing_chunk_error
+from dataflow.io.region import chunk_range
 from dataflow.io.windows import box_chunks, cut_windows, window_chunks, window_pieces
 from dataflow.io.xarray_adapters import (
     is_dask_array,
@@ -142,6 +143,19 @@ class PatchArray:
                 touched |= window_chunks(self.box.corners(los), self.box.shape(shape), unit)
             return sorted(touched)
         return box_chunks(*self.box.box(*enclosing(windows)), unit)
+
+    @property
+    def decoded_bytes(self) -> int:
+        """The bytes of every stored chunk this array reads, decoded: its own where it is
+        the whole stored array, more for a split (a chunk holds cells outside it, and all
+        the levels of one level taken)."""
+        own = math.prod(self.shape) * self.dtype.itemsize
+        unit = self._stored_unit
+        if unit is None or not self.box.moves:
+            return own
+        lo, hi = self.box.box([0] * len(self.shape), self.shape)
+        chunks = math.prod(len(chunk_range(a, b, u)) for a, b, u in zip(lo, hi, unit, strict=True))
+        return chunks * math.prod(unit) * self.dtype.itemsize
 
     @property
     def origin(self) -> tuple[int, ...]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -421,7 +420,7 @@ class PatchSource(RegionView):
         chunk reader closes it."""
         decoders = [a.reader.decoder for a in self._open() if a.reader is not None]
         cache = next((d.cache for d in decoders if d is not None and d.cache is not None), None)
-        whole = {a.name: math.prod(a.shape) * a.dtype.itemsize for a in self._open()}
+        whole = {a.name: a.decoded_bytes for a in self._open()}  # (the stored chunks')
         if cache is None or sum(whole.values()) <= cache.max_bytes:
             return None
         units = [int(c) for job in jobs for c in job]

@@ -209,3 +209,19 @@ def test_windows_of_one_level_are_read_raw_from_the_stored_chunks(levels, how, s
     assert stats.mean[0] == pytest.approx(float(field.mean()), rel=1e-5)
     assert other.mean[0] == pytest.approx(float(t[:, 1, 3:29].mean()), rel=1e-5)
     assert other.fingerprint != stats.fingerprint
+
+
+def test_a_level_s_chunk_cache_counts_the_stored_chunks_it_decodes(levels):
+    """One level of four, chunked two levels a chunk: its stored chunks decode twice its
+    own bytes, so a cache that holds the level but not its chunks plans the epoch."""
+    path, _ = levels
+    part = opened(path, "dask").sel(level=500)
+    patch = {"time": 2, "lat": 8, "lon": 8}
+    (array,) = dfl.io.PatchSource(part, "t", patch=patch)._open()
+    own = 6 * 32 * 24 * 4
+    assert array.decoded_bytes == 2 * own
+    between = 1.5 * own / 2**20
+    source = dfl.io.PatchSource(part, "t", patch=patch, chunk_cache_mb=between)
+    assert source.plan_reads([range(len(source.chunk_members))]) is not None
+    whole = dfl.io.PatchSource(part, "t", patch=patch, chunk_cache_mb=3 * own / 2**20)
+    assert whole.plan_reads([range(len(whole.chunk_members))]) is None  # kept across epochs
