@@ -47,6 +47,7 @@ from dataflow.io.read_errors import chunk_read_error, missing_chunk_error
 from dataflow.io.region import chunk_range
 from dataflow.io.store_access import store_access_error
 from dataflow.io.store_retry import DEFAULT_RETRY_S, StoreRetry
+from dataflow.io.xarray_slices import decoded
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError, chunk_decoder
 
 RESIDENT_BYTES = 64 * 2**20
@@ -71,7 +72,8 @@ class ArrayReader:
     it made in xarray, ``io.xarray_slices``); None: all of it. ``dropped``: axes of the
     box taken at one index (``ds.sel(level=500)``): read as stored, then left out of
     every sample the reads return (a view); the source names axes without them
-    (:attr:`seen_shape`, :meth:`restrict`)."""
+    (:attr:`seen_shape`, :meth:`restrict`). ``decode``: xarray's CF decoding of the
+    stored values (``io.xarray_slices.decoded``), applied to every slab read."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class ArrayReader:
         sample_dim: int,
         box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         dropped: tuple[int, ...] = (),
+        decode: tuple[Any, ...] = (),
     ) -> None:
         self.field = field  # "x", "y", "x[1]": how the user named it in ZarrSource(...)
         self.name = name
@@ -95,6 +98,11 @@ class ArrayReader:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self.cuts: dict[int, tuple[int, int]] = {}  # array axis -> [lo, hi): see restrict
         self.dropped = tuple(dropped)
+        self.decode = tuple(decode)
+        # what reads return: the stored dtype, decoded (packed int16 read as float)
+        self.out_dtype = decoded(
+            self.decode, np.empty(0, native(np.empty(0, self.dtype)).dtype)
+        ).dtype
         self._kept = [a for a in range(len(self.shape)) if a not in self.dropped]
         others = [a for a in range(len(self.shape)) if a != sample_dim]
         # where the dropped axes are in a slab (samples first, then the other axes)
@@ -125,8 +133,9 @@ class ArrayReader:
         return self._kept.index(self.sample_dim)
 
     def _seen(self, slab: np.ndarray) -> np.ndarray:
-        """A slab (samples first) with the dropped axes left out (a view)."""
-        return np.squeeze(slab, axis=self._slab_dropped) if self.dropped else slab
+        """A slab (samples first) with the dropped axes left out (a view), decoded."""
+        slab = np.squeeze(slab, axis=self._slab_dropped) if self.dropped else slab
+        return decoded(self.decode, slab) if self.decode else slab
 
     def _stored_rows(self, out: np.ndarray) -> np.ndarray:
         """An output slab as the source sees it, viewed with the dropped axes put back."""
@@ -203,7 +212,7 @@ class ArrayReader:
             for a, n in enumerate(self.read_shape)
             if a != self.sample_dim and a not in self.dropped
         ]
-        return np.empty((0, *shape), dtype=native(np.empty(0, self.dtype)).dtype)
+        return np.empty((0, *shape), dtype=self.out_dtype)
 
 
 class ZarrArrayReader(ArrayReader):
@@ -218,8 +227,9 @@ class ZarrArrayReader(ArrayReader):
         retry_s: float = DEFAULT_RETRY_S,
         box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
         dropped: tuple[int, ...] = (),
+        decode: tuple[Any, ...] = (),
     ) -> None:
-        super().__init__(field, array.path or "<array>", array, sample_dim, box, dropped)
+        super().__init__(field, array.path or "<array>", array, sample_dim, box, dropped, decode)
         # Reads retried while the store fails in a way that passes (io.store_retry)
         self.retry = StoreRetry(retry_s)
         self.unit = (array.shards or array.chunks)[sample_dim]
@@ -366,7 +376,7 @@ class ZarrArrayReader(ArrayReader):
     def read_slab_into(self, start: int, stop: int, out: np.ndarray) -> None:
         """Decoded on this thread straight into ``out`` where the layout allows (samples
         first, a known layout): whole chunks with no copy at all (``io.direct_decode``)."""
-        if self.resident or self.decoder is None or self.sample_dim != 0:
+        if self.resident or self.decoder is None or self.sample_dim != 0 or self.decode:
             super().read_slab_into(start, stop, out)
         else:
             self._decode_into(start, stop, self._stored_rows(out))

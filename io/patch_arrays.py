@@ -41,7 +41,7 @@ from dataflow.io.xarray_adapters import (
     may_read_zarr,
 )
 from dataflow.io.xarray_backing import check_complete
-from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, zarr_box
+from dataflow.io.xarray_slices import ZarrBox, ZarrSplit, decoded, zarr_box
 from dataflow.io.zarr_decode import MissingObject, ObjectDecodeError
 from dataflow.io.zarr_source import (
     VariableNotFoundError,
@@ -83,8 +83,9 @@ class PatchArray:
         box = array if isinstance(array, ZarrBox) else None  # traced on the driver
         if box is None and may_read_zarr(array):
             box = zarr_box(array)
+        self.decode: tuple[Any, ...] = ()  # xarray's CF decoding (io.xarray_slices.decoded)
         if box is not None:
-            array, self.box = box.array, BoxMap(box.lo, box.dropped)
+            array, self.box, self.decode = box.array, BoxMap(box.lo, box.dropped), box.decode
         self.reader: _BoxObjects | None = None
         self._stored_unit: tuple[int, ...] | None = None  # (over the stored array's axes)
         if isinstance(array, zarr.Array):
@@ -115,8 +116,9 @@ class PatchArray:
     @property
     def cuts_direct(self) -> bool:
         """Whether windows are cut straight from the decoded storage chunks
-        (:meth:`read_windows`): a zarr array decoded here (``io.zarr_decode``)."""
-        return self.reader is not None and self.reader.decoder is not None
+        (:meth:`read_windows`): a zarr array decoded here (``io.zarr_decode``), its values
+        as stored (a CF-packed one has its windows' box read, unpacked, then cut)."""
+        return self.reader is not None and self.reader.decoder is not None and not self.decode
 
     def cuts_from_chunks(self, windows: Sequence[Window]) -> bool:
         """Whether ``windows`` are cut straight from the decoded chunks: where
@@ -155,7 +157,7 @@ class PatchArray:
             return own
         lo, hi = self.box.box([0] * len(self.shape), self.shape)
         chunks = math.prod(len(chunk_range(a, b, u)) for a, b, u in zip(lo, hi, unit, strict=True))
-        return chunks * math.prod(unit) * self.dtype.itemsize
+        return chunks * math.prod(unit) * np.dtype(self.array.dtype).itemsize
 
     @property
     def origin(self) -> tuple[int, ...]:
@@ -182,7 +184,7 @@ class PatchArray:
         if not self.fetches_ahead:
             return []
         decoder = self.reader.decoder
-        nbytes = math.prod(decoder.chunks) * self.dtype.itemsize
+        nbytes = math.prod(decoder.chunks) * np.dtype(self.array.dtype).itemsize
         return [(decoder.store, decoder.key(coords), nbytes) for coords in objects]
 
     def read_windows(self, cuts: Sequence[tuple[np.ndarray, Sequence[int], np.ndarray]]) -> None:
@@ -216,7 +218,8 @@ class PatchArray:
 
     def read_box(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis, native byte order."""
-        return self.box.squeeze(self._read_stored(*self.box.box(lo, hi)))
+        block = self.box.squeeze(self._read_stored(*self.box.box(lo, hi)))
+        return decoded(self.decode, block) if self.decode else block
 
     def _read_stored(self, lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:
         """``array[lo:hi]`` over every axis of the array read (the stored one)."""
@@ -229,7 +232,8 @@ class PatchArray:
         reader = self.reader
         if reader.decoder is not None:
             out = np.empty(
-                [b - a for a, b in zip(lo, hi, strict=True)], self.dtype.newbyteorder("=")
+                [b - a for a, b in zip(lo, hi, strict=True)],
+                np.dtype(self.array.dtype).newbyteorder("="),
             )
             with self._named_errors():
                 return reader.decoder.read(selection, out)

@@ -106,7 +106,7 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
       its variables are all of (:func:`group_of`), else, where each is a box of a zarr
       array (a split made in xarray), those boxes (``ZarrSplit``);
     * a DataArray or dask array: the zarr array it is all of, or the box of one it is;
-    * anything else, or any variable read otherwise (CF unpacking, a stride): unchanged.
+    * anything else, or any variable read otherwise (a stride, arithmetic): unchanged.
     """
     if is_xarray_dataset(store):
         path = zarr_path_backing(store, names)

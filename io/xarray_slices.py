@@ -15,8 +15,10 @@ xarray slices lazily in one of two places, each followed back to the zarr array 
 
 Only a box (slices with step 1, or an integer index: ``ds.sel(level=500)``, that axis
 ``dropped``; no transpose) with nothing else between it and the zarr array counts;
-anything else (a step, arithmetic, a rechunk, CF unpacking, a dask or xarray version
-whose internals differ) gives None, and the data is read through xarray and checked
+xarray's CF decoding on the way (unpacking, masking) is kept as the very functions it
+applies (``ZarrBox.decode``: the readers apply them to every slab read). Anything else
+(a step, arithmetic, a rechunk, a dask or xarray version whose internals differ) gives
+None, and the data is read through xarray and checked
 whole (``io.xarray_backing``). The trace runs once, where a source is built: a source
 holds the boxes it found (:class:`ZarrSplit`), not the Dataset, so it travels to the
 workers without the dask graph.
@@ -59,6 +61,9 @@ class ZarrBox:
     hi: tuple[int, ...]
     dims: tuple[str, ...] | None = None
     dropped: tuple[int, ...] = ()
+    # xarray's CF decoding of the stored values (unpacking, masking), innermost first:
+    # the very functions its lazy arrays apply (:func:`decoded`); () for none
+    decode: tuple[Any, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -71,11 +76,13 @@ class ZarrBox:
 
     @property
     def dtype(self) -> np.dtype:
-        return self.array.dtype
+        """The variable's dtype: the stored one, decoded (``float64`` of packed ``int16``)."""
+        return decoded(self.decode, np.zeros(0, self.array.dtype)).dtype
 
     @property
     def whole(self) -> bool:
-        return not self.dropped and self.shape == tuple(self.array.shape)
+        """All of the stored array, read as stored."""
+        return not self.dropped and not self.decode and self.shape == tuple(self.array.shape)
 
     @property
     def name(self) -> str:
@@ -99,6 +106,22 @@ class ZarrBox:
     def __str__(self) -> str:
         """``file:///data/era5.zarr/t2m[time 3:765]``."""
         return f"{self.array.store_path}{self.cuts}"
+
+
+def decoded(decode: tuple[Any, ...], raw: np.ndarray) -> np.ndarray:
+    """``raw`` stored values as xarray decodes them (``ZarrBox.decode``, innermost first):
+    the same functions on the same values, elementwise, so a slab at a time gives what
+    xarray gives for the whole array, bit for bit."""
+    for func in decode:
+        raw = func(raw)
+    return np.asarray(raw)
+
+
+# xarray's CF decoders (``xarray.coding.variables``) applied through its lazy
+# ``_ElementwiseFunctionArray``: unpacking (``scale_factor``, ``add_offset``) and masking
+# (``_FillValue``, ``missing_value`` as NaN). Any other elementwise function (times,
+# booleans, ``_Unsigned``) is not traced: read through xarray
+_CF_DECODERS = {"_scale_offset_decoding", "_apply_mask"}
 
 
 def stored_dims(array: zarr.Array) -> tuple[str, ...] | None:
@@ -132,10 +155,12 @@ def zarr_box(value: Any) -> ZarrBox | None:
     found = _dask_box(data) if is_dask_array(data) else _lazy_box(data)
     if found is None:
         return None
-    array, (lo, hi, dropped) = found
-    box = ZarrBox(array, lo, hi, getattr(value, "dims", None), dropped)
-    if box.shape != tuple(value.shape) or not decodes_nothing(value, array):
+    array, (lo, hi, dropped), decode = found
+    box = ZarrBox(array, lo, hi, getattr(value, "dims", None), dropped, decode)
+    if box.shape != tuple(value.shape) or box.dtype != value.dtype:
         return None
+    if not decode and not decodes_nothing(value, array):
+        return None  # (xarray decodes it some other way)
     return box
 
 
@@ -178,16 +203,23 @@ def _within(parent: Traced, key: Any) -> Traced | None:
     return tuple(new_lo), tuple(new_hi), tuple(sorted((*dropped, *(kept[j] for j in part[2]))))
 
 
-def _lazy_box(root: Any) -> tuple[zarr.Array, Traced] | None:
-    """The zarr array at the end of ``root``'s adapters and the box their one indexing
-    key selects (the whole array where none does), when nothing else is in between."""
-    box = None
+def _lazy_box(root: Any) -> tuple[zarr.Array, Traced, tuple[Any, ...]] | None:
+    """The zarr array at the end of ``root``'s adapters, the box their one indexing key
+    selects (the whole array where none does) and xarray's CF decoding on the way
+    (innermost first), when nothing else is in between."""
+    box, decode = None, []
     for adapter in adapter_chain(root):
         array = zarr_of(adapter)
         if array is not None:
             whole = (0,) * array.ndim, tuple(int(s) for s in array.shape), ()
-            return array, whole if box is None else box
+            return array, whole if box is None else box, tuple(reversed(decode))
         kind = type(adapter).__name__
+        if kind == "_ElementwiseFunctionArray":
+            func = getattr(adapter, "func", None)
+            if getattr(getattr(func, "func", None), "__name__", "") not in _CF_DECODERS:
+                return None
+            decode.append(func)
+            continue
         if kind not in PASS_THROUGH:
             return None
         if kind == "LazilyIndexedArray":
@@ -201,14 +233,14 @@ def _lazy_box(root: Any) -> tuple[zarr.Array, Traced] | None:
     return None
 
 
-def _dask_box(data: Any) -> tuple[zarr.Array, Traced] | None:
+def _dask_box(data: Any) -> tuple[zarr.Array, Traced, tuple[Any, ...]] | None:
     """The zarr array behind a dask array and the box its blocks tile, traced task by
     task from each block back to the read of the whole array."""
     roots = dask_roots(data)
     read = _lazy_box(roots[0]) if len(roots) == 1 else None
     if read is None or read[1] != ((0,) * read[0].ndim, tuple(read[0].shape), ()):
         return None  # the read itself must be of the whole array
-    array = read[0]
+    array, decode = read[0], read[2]
     layers = data.__dask_graph__().layers
     original = next(name for name in layers if str(name).startswith("original-"))
     tasks: dict[Any, Any] = {}
@@ -249,7 +281,7 @@ def _dask_box(data: Any) -> tuple[zarr.Array, Traced] | None:
     hi = [a + 1 for a in lo]
     for j, axis in enumerate(kept):
         hi[axis] = lo[axis] + int(data.shape[j])
-    return array, (lo, tuple(hi), dropped)
+    return array, (lo, tuple(hi), dropped), decode
 
 
 def _read_slices(layer: Any, original: str) -> Any:

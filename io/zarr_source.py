@@ -324,7 +324,13 @@ class ZarrSource(RegionView):
         if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
             kept = [a for a in range(len(box.lo)) if a not in box.dropped]
             return ZarrArrayReader(
-                field, box.array, kept[axis], self.retry_s, (box.lo, box.hi), box.dropped
+                field,
+                box.array,
+                kept[axis],
+                self.retry_s,
+                (box.lo, box.hi),
+                box.dropped,
+                box.decode,
             )
         if may_read_zarr(array) and not self._xarray_checked:  # xarray or dask
             check_complete(array, "ZarrSource", field, name)

@@ -3,8 +3,8 @@
 xarray reads a chunk absent from the store as the array's fill value (NaN for these
 floats, 0 for the int16 counts), which a fit would train on. A DataArray that is an
 unmodified view of a zarr array, or a box of one (a slice with step 1), is read raw (each
-read checks the chunks it decodes);
-data sliced, scaled or computed since is checked whole when the source is built. Real
+read checks the chunks it decodes), CF-decoded by xarray's own functions where xarray
+decodes it; data strided or computed since is checked whole when the source is built. Real
 zarr stores on disk, opened lazily by xarray (``chunks=None``) and through dask
 (``open_zarr``'s default).
 """
@@ -156,16 +156,13 @@ SLICED = {"DataArray": _sliced_data_array, "Dataset": _sliced_dataset_patches}
 def test_windows_of_a_slice_are_read_raw_and_a_missing_chunk_named_at_the_read(
     store, how, build, name
 ):
-    """A slice with step 1 (``t``, ``counts``): windows of its box read raw, so nothing
-    is listed when the source is built and a missing chunk is named where a read
-    decodes it. ``packed`` (CF unpacking) is read through xarray, checked when built."""
+    """A slice with step 1: windows of its box read raw (``packed``: the box read,
+    unpacked as xarray unpacks it, then cut), so nothing is listed when the source is
+    built and a missing chunk is named where a read decodes it."""
     source = build(opened(store, how), name)
-    assert [a.cuts_direct for a in source._open()] == [name != "packed"]
+    (array,) = source._open()
+    assert array.reader is not None and array.cuts_direct == (name != "packed")
     key = lose(store, name)
-    if name == "packed":
-        with pytest.raises(ChunkMissingError, match=key):
-            build(opened(store, how), name)
-        return
     source = build(opened(store, how), name)
     with pytest.raises(ChunkMissingError, match=f"PatchSource.*'{key}'"):
         source.read(np.arange(4))
@@ -183,13 +180,23 @@ def test_computed_data_is_checked_through_its_dask_graph(store):
         _computed_data_array(opened(store, "dask"), "t")
 
 
-def test_a_packed_variable_is_never_read_raw(store):
-    """Raw, ``packed`` would be int16 counts of 0.001: xarray's unpacked floats are read."""
-    ds = opened(store, "lazy")
-    assert unmodified_zarr_array(ds["packed"]) is None
+@pytest.mark.parametrize("how", OPENED)
+def test_a_packed_variable_is_read_raw_and_unpacked_as_xarray_unpacks_it(store, how):
+    """Stored, ``packed`` is int16 counts of 0.001: read raw (chunk-aware, each read
+    checked), then unpacked by xarray's own decoding functions, slab by slab, so the
+    values are xarray's bit for bit, in its dtype, by either source."""
+    ds = opened(store, how)
+    assert unmodified_zarr_array(ds["packed"]) is None  # (not its stored values)
+    expected = opened(store, how)["packed"].values
     source = dfl.io.PatchSource(ds["packed"], patch=PATCH, shuffle=False)
-    expected = ds["packed"].values[:, :8, :8]
-    np.testing.assert_array_equal(source.read(np.arange(1)).x.numpy()[0, 0], expected)
+    (array,) = source._open()
+    assert array.reader is not None and array.decode and array.dtype == np.float64
+    x = source.read(np.arange(4)).x.numpy()  # (window, channel, time, lat, lon)
+    np.testing.assert_array_equal(x[1, 0], expected[:, :8, 8:])
+    samples = dfl.io.ZarrSource(ds, x="packed", sample_dim="time", shuffle=False)
+    (reader,) = samples._open()
+    assert reader.decode and reader.empty().dtype == np.float64
+    np.testing.assert_array_equal(samples.read(np.arange(20)).x.numpy(), expected)
 
 
 def test_data_read_from_zarr_into_memory_warns_that_it_cannot_be_checked(store):
@@ -225,11 +232,12 @@ def test_the_store_is_listed_once_on_the_driver_not_again_where_the_source_trave
     assert listed == ["t"]
 
 
-def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
+def test_cf_masked_variables_are_masked_as_xarray_masks_them(tmp_path):
     """int16 with ``_FillValue=-999`` (xarray: float32, NaN there) and float32 with
-    ``_FillValue=1e20`` (NaN there): read raw, both would train on -999 and 1e20. They
-    are read through xarray, so the masked cells are NaN: refused by a PatchSource's
-    ``nan="refuse"``, a zero and a mask channel under ``nan="mask"``."""
+    ``_FillValue=1e20`` (NaN there): their stored values would train on -999 and 1e20.
+    Read raw, they are masked by xarray's own function, so the masked cells are NaN:
+    refused by a PatchSource's ``nan="refuse"``, a zero and a mask channel under
+    ``nan="mask"``."""
     field = np.arange(4 * 8 * 8, dtype=np.float32).reshape(4, 8, 8) + 1
     masked = field.astype(np.int16)
     masked[1, 2, 3] = -999
@@ -243,6 +251,7 @@ def test_cf_masked_variables_read_as_xarray_reads_them_never_raw(tmp_path):
     for name, (t, i, j) in {"masked": (1, 2, 3), "far": (2, 5, 6)}.items():
         assert unmodified_zarr_array(ds[name]) is None
         samples = dfl.io.ZarrSource(ds, x=name, sample_dim="time", shuffle=False)
+        assert samples._open()[0].decode  # (raw, then masked)
         x = samples.read(np.arange(4)).x.numpy()
         assert np.isnan(x[t, i, j]) and np.isfinite(np.delete(x.ravel(), t * 64 + i * 8 + j)).all()
         with pytest.raises(dfl.DataError, match="holds NaN"):
