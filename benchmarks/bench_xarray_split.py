@@ -17,6 +17,7 @@ reads every sample once, in order, in batches of 32, through the engine's chunk 
     python benchmarks/bench_xarray_split.py --steps 4096 --first 8   # on a chunk edge
     python benchmarks/bench_xarray_split.py --source patch           # windows of the split
     python benchmarks/bench_xarray_split.py --levels 4               # and one level of 4
+    python benchmarks/bench_xarray_split.py --packed                 # CF-packed int16
 
 Prints each side's samples/s (median of ``--repeats``, interleaved, after one untimed
 epoch of each side) and the ratios, and
@@ -62,6 +63,9 @@ def main() -> None:
         "--source", choices=("zarr", "patch"), default="zarr", help="ZarrSource or PatchSource"
     )
     parser.add_argument(
+        "--packed", action="store_true", help="the store CF-packed int16 (xarray unpacks it)"
+    )
+    parser.add_argument(
         "--levels",
         type=int,
         default=0,
@@ -82,7 +86,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="xarray-split-") as tmp:
         path = f"{tmp}/fields.zarr"
         stored = (8, 2, 64, 64) if args.levels else chunks
-        write_fields(path, args.steps, args.side, stored, args.levels)
+        write_fields(path, args.steps, args.side, stored, args.levels, args.packed)
         split = xr.open_zarr(path, consolidated=False).isel(time=slice(first, stop))
         if args.levels:
             split = split.isel(level=1)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 
 def write_fields(
-    path: str, steps: int, side: int, chunks: tuple[int, ...], levels: int = 0
+    path: str, steps: int, side: int, chunks: tuple[int, ...], levels: int = 0, packed: bool = False
 ) -> None:
     """Variable ``t`` at ``path``, chunked ``chunks`` (4 of them with ``levels``),
-    computed chunk by chunk by dask."""
+    computed chunk by chunk by dask; ``packed``: stored as CF-packed int16 (``scale_factor``
+    and ``add_offset``, as ERA5's netCDF files are), which xarray unpacks to float32."""
     import dask.array
     import xarray as xr
 
@@ -17,4 +18,7 @@ def write_fields(
     dims = ("time", "level", "lat", "lon") if levels else ("time", "lat", "lon")
     field = dask.array.random.default_rng(0).standard_normal(shape, chunks=chunks)
     dataset = xr.Dataset({"t": (dims, field.astype("float32"))})
-    dataset.to_zarr(path, consolidated=False, encoding={"t": {"chunks": chunks}})
+    encoding = {"chunks": chunks}
+    if packed:
+        encoding.update(dtype="int16", scale_factor=0.001, add_offset=0.0, _FillValue=-32767)
+    dataset.to_zarr(path, consolidated=False, encoding={"t": encoding})
