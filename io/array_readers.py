@@ -376,8 +376,10 @@ class ZarrArrayReader(ArrayReader):
     def read_slab_into(self, start: int, stop: int, out: np.ndarray) -> None:
         """Decoded on this thread straight into ``out`` where the layout allows (samples
         first, a known layout): whole chunks with no copy at all (``io.direct_decode``)."""
-        if self.resident or self.decoder is None or self.sample_dim != 0 or self.decode:
+        if self.resident or self.decoder is None or self.sample_dim != 0:
             super().read_slab_into(start, stop, out)
+        elif self.decode:  # CF-decoded: decoded here into a slab of its own, then unpacked
+            out[...] = self.read_slabs([(start, stop)])[0]
         else:
             self._decode_into(start, stop, self._stored_rows(out))
 

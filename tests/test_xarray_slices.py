@@ -360,3 +360,26 @@ def test_a_dataset_merged_from_two_stores_is_read_raw_from_each(tmp_path):
     x_t, x_z = source.read(np.arange(16)).x  # (one input per array)
     np.testing.assert_array_equal(x_t.numpy(), t[2:18])
     np.testing.assert_array_equal(x_z.numpy(), z[2:18])
+
+
+def test_whole_chunk_batches_of_a_packed_variable_are_unpacked_as_xarray_unpacks_them(tmp_path):
+    """One sample a chunk (a batch of whole chunks, decoded straight into the batch's
+    buffer when stored values are read as they are): a packed variable is decoded into a
+    slab of its own, then unpacked into the batch, a masked cell NaN as in xarray."""
+    from dataflow.io.chunk_reader import EpochChunkReader
+
+    rng = np.random.default_rng(6)
+    field = 0.1 + rng.random((12, 16, 16))
+    field[3, 2, 2] = np.nan
+    encoding = {"chunks": (1, 16, 16), "dtype": "int16", "scale_factor": 0.001, "_FillValue": -1}
+    xr.Dataset({"p": (("time", "lat", "lon"), field)}).to_zarr(
+        tmp_path / "p.zarr", encoding={"p": encoding}, consolidated=False
+    )
+    want = opened(tmp_path / "p.zarr", "dask")["p"].values
+    source = dfl.io.ZarrSource(
+        opened(tmp_path / "p.zarr", "dask"), x="p", sample_dim="time", shuffle=False
+    )
+    batches = [np.arange(i, i + 4) for i in range(0, 12, 4)]
+    got = [b.x.numpy() for b in EpochChunkReader(source, batches, decode_threads=2)]
+    np.testing.assert_array_equal(np.concatenate(got), want)
+    assert np.isnan(want[3, 2, 2]) and got[0].dtype == want.dtype
