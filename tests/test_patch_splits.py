@@ -225,3 +225,41 @@ def test_a_level_s_chunk_cache_counts_the_stored_chunks_it_decodes(levels):
     assert source.plan_reads([range(len(source.chunk_members))]) is not None
     whole = dfl.io.PatchSource(part, "t", patch=patch, chunk_cache_mb=3 * own / 2**20)
     assert whole.plan_reads([range(len(whole.chunk_members))]) is None  # kept across epochs
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_one_level_of_a_packed_field_split_reads_as_xarray_reads_it(tmp_path, how):
+    """Every trace at once: a split in time, one level, CF-packed int16 with a fill
+    value: both sources read it raw and give xarray's values (NaN where masked)."""
+    rng = np.random.default_rng(8)
+    field = rng.normal(size=(10, 3, 16, 16))
+    field[4, 1, 5, 5] = np.nan
+    encoding = {"chunks": (2, 2, 8, 8), "dtype": "int16", "scale_factor": 0.01, "_FillValue": -9999}
+    xr.Dataset({"t": (("time", "level", "lat", "lon"), field)}).to_zarr(
+        tmp_path / "packed.zarr", encoding={"t": encoding}, consolidated=False
+    )
+
+    def split(ds):
+        return ds.isel(time=slice(1, 9), level=1)
+
+    want = split(opened(tmp_path / "packed.zarr", how))["t"].values
+    samples = dfl.io.ZarrSource(
+        split(opened(tmp_path / "packed.zarr", how)), x="t", sample_dim="time", shuffle=False
+    )
+    (reader,) = samples._open()
+    assert reader.dropped == (1,) and reader.decode
+    np.testing.assert_array_equal(samples.read(np.arange(8)).x.numpy(), want)
+    windows = dfl.io.PatchSource(
+        split(opened(tmp_path / "packed.zarr", how)),
+        "t",
+        patch={"lat": 8, "lon": 8},
+        shuffle=False,
+        nan="mask",
+    )
+    (array,) = windows._open()
+    assert array.decode and array.where == (1, 1, 0, 0)
+    x = windows.read(np.arange(4)).x.numpy()  # (window, value + mask, time, 8, 8)
+    masked = np.nan_to_num(want)
+    np.testing.assert_array_equal(x[0, 0], masked[:, :8, :8])
+    np.testing.assert_array_equal(x[3, 0], masked[:, 8:, 8:])
+    assert x[0, 1, 3, 5, 5] == 0 and np.isnan(want[3, 5, 5])  # (time 4 is the split's 3)
