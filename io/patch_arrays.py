@@ -116,9 +116,8 @@ class PatchArray:
     @property
     def cuts_direct(self) -> bool:
         """Whether windows are cut straight from the decoded storage chunks
-        (:meth:`read_windows`): a zarr array decoded here (``io.zarr_decode``), its values
-        as stored (a CF-packed one has its windows' box read, unpacked, then cut)."""
-        return self.reader is not None and self.reader.decoder is not None and not self.decode
+        (:meth:`read_windows`): a zarr array decoded here (``io.zarr_decode``)."""
+        return self.reader is not None and self.reader.decoder is not None
 
     def cuts_from_chunks(self, windows: Sequence[Window]) -> bool:
         """Whether ``windows`` are cut straight from the decoded chunks: where
@@ -197,9 +196,11 @@ class PatchArray:
         pieces = window_pieces(windows, decoder.chunks)
         outs = [self.box.rows(out) for *_, out in cuts]  # (over the stored axes)
 
+        decode = self.decode  # (CF-packed: each piece unpacked as xarray unpacks it)
+
         def take(coords: tuple[int, ...], chunk: np.ndarray) -> None:
             for k, source, target in pieces[coords]:
-                outs[k][target] = chunk[source]
+                outs[k][target] = decoded(decode, chunk[source]) if decode else chunk[source]
 
         with self._named_errors():
             decoder.visit(list(pieces), take)

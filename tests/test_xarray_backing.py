@@ -156,12 +156,12 @@ SLICED = {"DataArray": _sliced_data_array, "Dataset": _sliced_dataset_patches}
 def test_windows_of_a_slice_are_read_raw_and_a_missing_chunk_named_at_the_read(
     store, how, build, name
 ):
-    """A slice with step 1: windows of its box read raw (``packed``: the box read,
-    unpacked as xarray unpacks it, then cut), so nothing is listed when the source is
-    built and a missing chunk is named where a read decodes it."""
+    """A slice with step 1: windows of its box read raw (``packed``: each piece of a
+    chunk unpacked as xarray unpacks it), so nothing is listed when the source is built
+    and a missing chunk is named where a read decodes it."""
     source = build(opened(store, how), name)
     (array,) = source._open()
-    assert array.reader is not None and array.cuts_direct == (name != "packed")
+    assert array.cuts_direct and bool(array.decode) == (name == "packed")
     key = lose(store, name)
     source = build(opened(store, how), name)
     with pytest.raises(ChunkMissingError, match=f"PatchSource.*'{key}'"):
