@@ -43,7 +43,6 @@ from dataflow.io.xarray_adapters import (
     zarr_of,
 )
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # [lo, hi) per axis
 # [lo, hi) per axis of the stored array, and the axes taken at one index (dropped)
 Traced = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 # dask's tasks that read a block of the from_array source (dask.array.core)
@@ -68,11 +67,12 @@ class ZarrBox:
     @property
     def shape(self) -> tuple[int, ...]:
         """The variable's shape: the box's, the dropped axes left out."""
-        return tuple(
-            h - lo
-            for axis, (lo, h) in enumerate(zip(self.lo, self.hi, strict=True))
-            if axis not in self.dropped
-        )
+        return tuple(self.hi[a] - self.lo[a] for a in self.kept)
+
+    @property
+    def kept(self) -> list[int]:
+        """The stored axes the variable has (all but the dropped ones), in order."""
+        return [a for a in range(len(self.lo)) if a not in self.dropped]
 
     @property
     def dtype(self) -> np.dtype:

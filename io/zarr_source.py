@@ -322,11 +322,10 @@ class ZarrSource(RegionView):
         if box is None and may_read_zarr(array):
             box = zarr_box(array)
         if box is not None:  # a slice of a zarr array made in xarray or dask: read raw
-            kept = [a for a in range(len(box.lo)) if a not in box.dropped]
             return ZarrArrayReader(
                 field,
                 box.array,
-                kept[axis],
+                box.kept[axis],  # (the stored axis of the variable's sample axis)
                 self.retry_s,
                 (box.lo, box.hi),
                 box.dropped,
