@@ -15,7 +15,7 @@ xarray slices lazily in one of two places, each followed back to the zarr array 
 
 Only a box (slices with step 1, or an integer index: ``ds.sel(level=500)``, that axis
 ``dropped``; no transpose) with nothing else between it and the zarr array counts;
-xarray's CF decoding on the way (unpacking, masking) is kept as the very functions it
+xarray's CF decoding on the way (unpacking, masking, `_Unsigned`) is kept as the very functions it
 applies (``ZarrBox.decode``: the readers apply them to every slab read). Anything else
 (a step, arithmetic, a rechunk, a dask or xarray version whose internals differ) gives
 None, and the data is read through xarray and checked
@@ -120,8 +120,24 @@ def decoded(decode: tuple[Any, ...], raw: np.ndarray) -> np.ndarray:
 # xarray's CF decoders (``xarray.coding.variables``) applied through its lazy
 # ``_ElementwiseFunctionArray``: unpacking (``scale_factor``, ``add_offset``) and masking
 # (``_FillValue``, ``missing_value`` as NaN). Any other elementwise function (times,
-# booleans, ``_Unsigned``) is not traced: read through xarray
+# booleans) is not traced: read through xarray
 _CF_DECODERS = {"_scale_offset_decoding", "_apply_mask"}
+
+
+def _is_cf_decoder(func: Any) -> bool:
+    """One of :data:`_CF_DECODERS`, or ``_Unsigned``'s reinterpretation of the stored
+    integers (netCDF's unsigned bytes kept as signed: ``partial(np.asarray, dtype=u1)``,
+    a cast of each value alone, so a slab at a time casts as the whole array does)."""
+    inner = getattr(func, "func", None)
+    if getattr(inner, "__name__", "") in _CF_DECODERS:
+        return True
+    keywords = getattr(func, "keywords", None) or {}
+    return (
+        inner is np.asarray
+        and not getattr(func, "args", ())
+        and set(keywords) == {"dtype"}
+        and np.dtype(keywords["dtype"]).kind in "iu"
+    )
 
 
 def stored_dims(array: zarr.Array) -> tuple[str, ...] | None:
@@ -216,7 +232,7 @@ def _lazy_box(root: Any) -> tuple[zarr.Array, Traced, tuple[Any, ...]] | None:
         kind = type(adapter).__name__
         if kind == "_ElementwiseFunctionArray":
             func = getattr(adapter, "func", None)
-            if getattr(getattr(func, "func", None), "__name__", "") not in _CF_DECODERS:
+            if not _is_cf_decoder(func):
                 return None
             decode.append(func)
             continue

@@ -263,3 +263,27 @@ def test_one_level_of_a_packed_field_split_reads_as_xarray_reads_it(tmp_path, ho
     np.testing.assert_array_equal(x[0, 0], masked[:, :8, :8])
     np.testing.assert_array_equal(x[3, 0], masked[:, 8:, 8:])
     assert x[0, 1, 3, 5, 5] == 0 and np.isnan(want[3, 5, 5])  # (time 4 is the split's 3)
+
+
+@pytest.mark.parametrize("how", OPENED)
+def test_unsigned_bytes_stored_as_signed_are_windowed_raw_as_xarray_reads_them(tmp_path, how):
+    """netCDF's ``_Unsigned`` (a satellite product's bytes 0-255 kept as int8, 255 a fill
+    value): the windows of a split are cut from the stored chunks, cast to unsigned and
+    masked as xarray does, NaN read as 0 with the mask channel."""
+    rng = np.random.default_rng(9)
+    field = rng.integers(0, 255, (6, 16, 16)).astype(np.uint8)
+    field[2, 3, 3] = 255
+    encoding = {"chunks": (2, 8, 8), "dtype": "int8", "_Unsigned": "true", "_FillValue": -1}
+    xr.Dataset({"b": (("time", "lat", "lon"), field)}).to_zarr(
+        tmp_path / "bytes.zarr", encoding={"b": encoding}, consolidated=False
+    )
+    want = opened(tmp_path / "bytes.zarr", how).isel(time=slice(1, 5))["b"].values
+    split = opened(tmp_path / "bytes.zarr", how).isel(time=slice(1, 5))  # (not loaded)
+    assert want.dtype == np.float32 and np.nanmax(want) > 127 and np.isnan(want[1, 3, 3])
+    windows = dfl.io.PatchSource(split, "b", patch={"lat": 8, "lon": 8}, shuffle=False, nan="mask")
+    (array,) = windows._open()
+    assert array.decode  # read raw, decoded piece by piece
+    x = windows.read(np.arange(4)).x.numpy()  # (window, value + mask, time, 8, 8)
+    np.testing.assert_array_equal(x[0, 0], np.nan_to_num(want[:, :8, :8]))
+    np.testing.assert_array_equal(x[3, 0], want[:, 8:, 8:])
+    assert x[0, 1, 1, 3, 3] == 0 and x[0, 1].sum() == 4 * 64 - 1

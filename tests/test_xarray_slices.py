@@ -30,7 +30,8 @@ OPENED = {"dask": {}, "lazy": None}  # open_dataset's chunks=: a dask graph, or 
 @pytest.fixture
 def store(tmp_path):
     """(time 20, lat 16, lon 16) fields chunked (5, 8, 8): a float field ``t``, int16
-    ``counts``, a CF-packed ``packed``, and a per-time label ``label`` chunked 5; time
+    ``counts``, a CF-packed ``packed``, unsigned bytes stored as signed ``unsigned``
+    (netCDF's ``_Unsigned``, 255 masked), and a per-time label ``label`` chunked 5; time
     has a coordinate (days), so ``sel`` slices by label."""
     rng = np.random.default_rng(0)
     dims = ("time", "lat", "lon")
@@ -39,12 +40,14 @@ def store(tmp_path):
             "t": (dims, rng.random((20, 16, 16), dtype=np.float32) + 1),
             "counts": (dims, rng.integers(1, 5, (20, 16, 16)).astype(np.int16)),
             "packed": (dims, 0.1 + rng.random((20, 16, 16))),
+            "unsigned": (dims, rng.integers(0, 256, (20, 16, 16)).astype(np.uint8)),
             "label": (("time",), np.arange(20, dtype=np.float32) + 1),
         },
         coords={"time": np.arange(100, 120)},
     )
-    encoding = {name: {"chunks": (5, 8, 8)} for name in ("t", "counts", "packed")}
+    encoding = {name: {"chunks": (5, 8, 8)} for name in ("t", "counts", "packed", "unsigned")}
     encoding["packed"].update(dtype="int16", scale_factor=0.001, _FillValue=-1)
+    encoding["unsigned"].update(dtype="int8", _Unsigned="true", _FillValue=-1)
     encoding["label"] = {"chunks": (5,)}
     path = tmp_path / "fields.zarr"
     dataset.to_zarr(path, encoding=encoding, consolidated=False)
@@ -77,6 +80,8 @@ def test_the_box_a_slice_reads_is_traced_to_the_zarr_array(store, how):
     assert (box.lo, box.hi, box.dropped, box.shape) == ((11, 0, 8), (12, 16, 16), (0,), (16, 8))
     box = zarr_box(ds["packed"].isel(time=slice(0, 10)))  # CF-packed: unpacked as xarray does
     assert box.decode and not box.whole and box.dtype == np.float64
+    box = zarr_box(ds["unsigned"].isel(time=slice(0, 10)))  # _Unsigned: cast, then masked
+    assert len(box.decode) == 2 and box.dtype == np.float32 and box.array.dtype == np.int8
     not_boxes = {
         "a step": ds["t"].isel(time=slice(0, 20, 2)),
         "a transpose": ds["t"].transpose("lon", "lat", "time"),
@@ -125,7 +130,7 @@ def test_a_rechunked_slice_is_not_a_box(store):
 
 
 @pytest.mark.parametrize("how", OPENED)
-@pytest.mark.parametrize("name", ["t", "counts", "packed"])
+@pytest.mark.parametrize("name", ["t", "counts", "packed", "unsigned"])
 def test_a_sliced_dataset_is_read_raw_and_reads_what_xarray_reads(store, how, name):
     ds = opened(store, how)
     part = ds.sel(time=slice(103, 116))  # samples 3..16: chunk edges at 5, 10, 15
