@@ -48,6 +48,12 @@ class TrainerConfig:
     # restarting its worker) before failing, then how long more for as many as it had.
     restart_wait_s: float = 60.0
     restart_gather_s: float = 10.0
+    # How often the fit starts again from one checkpoint when every replica is lost before
+    # the next one is written (a node that keeps failing: torchrun's --max-restarts), and
+    # how often a phase is redone after a collective timed out on a live but slow peer
+    # before that replica is dropped (or the fit stops, naming collective_timeout_s).
+    max_restarts: int = 3
+    max_stalls: int = 3
     relax_malloc: bool = True  # undo Dask's MALLOC_TRIM_THRESHOLD_ in replica workers
     freeze_gc: bool = True  # gc.freeze() the workers' long-lived objects after setup
     pause_dask_profiler: bool = True  # no 10 ms stack sampling of replica workers while fitting
@@ -239,6 +245,16 @@ class TrainerConfig:
                 "seconds the fit waits for workers when every replica is lost (> 0), then for "
                 "as many as it had (>= 0)"
             )
+        for name, what in (
+            (
+                "max_restarts",
+                "times the fit starts again from one checkpoint when every replica is lost",
+            ),
+            ("max_stalls", "redos of a phase after a collective timed out on a live peer"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0 ({what}; 0: none), got {value!r}")
         self.stop_signals = _stop_signals(self.stop_signals)
         if (
             isinstance(self.min_workers, bool)

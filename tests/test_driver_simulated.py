@@ -367,3 +367,24 @@ def test_every_replica_lost_and_none_back_waits_restart_wait_s_and_says_so():
         trainer(restart_wait_s=0)
     with pytest.raises(dfl.ConfigError, match="restart_gather_s"):
         trainer(restart_gather_s=-1)
+
+
+def test_max_restarts_bounds_the_restarts_from_one_checkpoint_and_the_error_names_it():
+    """Every replica lost twice before any checkpoint (a job requeued onto a node that
+    fails again): the default budget (3) restarts from step 0 both times and finishes;
+    ``max_restarts=1`` stops at the second loss, the error naming the option."""
+    requeues = {7: ("requeue", None), 14: ("requeue", None)}
+    loop, _ = simulate(trainer(), epochs=3, faults=requeues.get)
+    restarts = [f for f in loop.recorder.history.info["failures"] if "restarted_from_step" in f]
+    assert [f["restarted_from_step"] for f in restarts] == [0, 0]
+    with pytest.raises(WorkerLostError, match=r"from step 0 once .* max_restarts=1 allows no"):
+        simulate(trainer(max_restarts=1), epochs=3, faults=requeues.get)
+    loop, _ = simulate(trainer(max_restarts=0), epochs=3)  # 0: no restart needed, none made
+    with pytest.raises(dfl.ConfigError, match=r"max_restarts must be an int >= 0 .*got -1"):
+        trainer(max_restarts=-1)
+    with pytest.raises(dfl.ConfigError, match=r"max_stalls must be an int >= 0 .*got 1.5"):
+        trainer(max_stalls=1.5)
+    t = trainer(max_stalls=5)
+    executor = SimulatedExecutor(list(WORKERS[:2]), load=t.load, seed=t.config.seed)
+    loop = build_loop(t, executor, epochs=1, order=t.graph.validate(replicas=2))
+    assert loop.machine.config.max_stalls == 5  # (its use: test_driver_machine.py)

@@ -101,9 +101,10 @@ def lost_workers_message(
         "workers are back"
     )
     if c.restarts_from is not None:
+        n = config.max_restarts
         message += (
-            f" (the fit started again from the checkpoint of step {c.restarts_from} "
-            f"{config.max_restarts} times and lost every replica each time before the "
-            "next checkpoint)"
+            f" (the fit started again from step {c.restarts_from} "
+            f"{'once' if n == 1 else f'{n} times'} and lost every replica each time before "
+            f"the next checkpoint: max_restarts={n} allows no more)"
         )
     return message

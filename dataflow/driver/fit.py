@@ -173,6 +173,8 @@ def build_loop(
             recover_lost_workers=config.recover_lost_workers,
             restart_wait_s=config.restart_wait_s,
             restart_gather_s=config.restart_gather_s,
+            max_restarts=config.max_restarts,
+            max_stalls=config.max_stalls,
             roll_back_non_finite=trainer.rolls_back_non_finite,
             checkpoints=store is not None,
             checkpoint_every=every,

@@ -147,7 +147,8 @@ def stalled_error(error: Any, rank: int, stalls: int) -> BaseException:
         "stayed alive: some replica's step takes longer than the timeout (a data stall: a "
         "store throttling or failing, its reads retried for the source's retry_s; a slow "
         "file system; a long pause). Raise Trainer(collective_timeout_s=...) above the "
-        "longest stall, e.g. above the source's retry_s"
+        "longest stall, e.g. above the source's retry_s (or max_stalls, to redo the phase "
+        "more often)"
     )
     # (a replayed log holds the error's name and message, not the exception)
     failure.__cause__ = error if isinstance(error, BaseException) else None
