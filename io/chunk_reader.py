@@ -431,8 +431,12 @@ class EpochChunkReader:
     def _stop_missing(self, fetching: Any) -> None:
         """A GET fetched ahead found an object absent (``io.fetch``): stop the epoch before
         its next batch, with the source's own error naming it (its check, asked again now
-        that the plan is closed, sends the HEADs the plan's GETs had stood in for)."""
+        that the plans are closed, sends the HEADs the plans' GETs had stood in for: the
+        next epoch's too, started ahead from this one's and never read now that this one
+        stops; left open, it would still stand in for the object, and the check find it)."""
         fetching.close()
+        if self.then is not None:
+            self.then.close_unread()
         self.source.check_chunks(sorted(self.last_use))
         raise ChunkMissingError(
             f"{type(self.source).__name__}: the stored object {fetching.missing[0]!r} was "

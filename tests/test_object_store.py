@@ -300,3 +300,36 @@ def test_a_dataset_opened_from_s3_with_its_options_is_read_raw_from_that_store(s
         for k in range(source.num_samples):
             h, w = source.corner(k)
             assert torch.equal(batch.x[k, 0], torch.from_numpy(x[48:120, :, h : h + 4, w : w + 4]))
+
+
+def test_an_object_missing_while_the_next_epoch_is_fetched_ahead_is_named_as_missing(
+    s3, proxy, tmp_path
+):
+    """The 404 of an epoch whose next epoch is already fetched ahead (its plan GETs the
+    same objects): the error says the object is missing, with the fix, and not that the
+    store changed underneath (the next plan no longer stands in for the check)."""
+    x, y = make_data(512)
+    path = dfl.io.to_zarr(tmp_path / "late.zarr", x, y, chunk_mb=0.01)
+    here = dfl.io.ZarrSource(path, x="x", y="y")
+    orders = [
+        [b.indices.copy() for b in dfl.io.stream_batches(here, 32, seed=3, epoch=e)] for e in (0, 1)
+    ]
+    jobs = EpochChunkReader(here, orders[0]).jobs
+    assert len(jobs) >= 3  # the first batch decodes without it (one thread: inline)
+    late = jobs[-1][0]  # first decoded in a later batch
+    hole = f"x/c/{late}/0/0/0"
+    url = s3.upload(path, "late.zarr")
+    s3.delete(f"late.zarr/{hole}")
+    remote = dfl.io.ZarrSource(url, x="x", y="y", storage_options=s3.storage_options)
+    first, second = (EpochChunkReader(remote, order, decode_threads=1) for order in orders)
+    first.then = second
+    first.start_fetching()
+    second.start_fetching(after=first.fetching)  # as once the first has asked for all
+    deadline = time.monotonic() + 60
+    while not first.fetching.missing:  # the 404 is in before the first batch
+        assert time.monotonic() < deadline, "the GET of the deleted object never answered"
+        time.sleep(0.01)
+    with pytest.raises(dfl.ChunkMissingError, match=rf"{hole}") as raised:
+        list(first)
+    assert "changing underneath" not in str(raised.value)
+    assert second.fetching._closed
