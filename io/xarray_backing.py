@@ -75,11 +75,14 @@ def group_of(boxes: list[ZarrBox], names: list[str]) -> zarr.Group | None:
     return group if set(names) <= set(group.array_keys()) else None
 
 
-def zarr_path_backing(dataset: Any, names: list[str]) -> str | None:
+def zarr_path_backing(dataset: Any, names: list[str], boxes: list[ZarrBox]) -> str | None:
     """The path of the zarr store an xarray Dataset was opened from, if reading it raw
-    gives the same values (:func:`reads_as_stored`: all of each array, and no CF unpacking
-    or masking, which xarray would apply and raw zarr would not); None where the path
-    alone does not open it (a remote store opened with storage options) or differs."""
+    gives the same values: each variable's data (``names``) still all of that store's
+    array of its name, as stored (``boxes``: each variable traced by
+    :func:`~dataflow.io.xarray_slices.zarr_box`: no CF unpacking or masking, and nothing
+    computed or loaded since: ``ds.assign(t=ds.t * 2)`` and ``ds.load()`` keep the
+    Dataset's ``encoding["source"]``, not its values); None where the path alone does not
+    open it (a remote store opened with storage options) or differs."""
     source = dataset.encoding.get("source")
     if not isinstance(source, str):
         return None
@@ -87,12 +90,18 @@ def zarr_path_backing(dataset: Any, names: list[str]) -> str | None:
         group = zarr.open_group(source, mode="r")
     except Exception:  # not a zarr store, or not without its options
         return None
-    for name in names:
+    for name, box in zip(names, boxes, strict=True):
         variable = dataset.variables.get(name)
         if variable is None or name not in group.array_keys():
             return None
-        if not reads_as_stored(variable, group[name]):
+        stored = group[name]
+        if not box.whole or not reads_as_stored(variable, stored):
             return None
+        if (box.array.path, str(box.array.store_path.store)) != (
+            stored.path,
+            str(stored.store_path.store),
+        ):
+            return None  # another store's array under this name
     return source
 
 
@@ -109,15 +118,15 @@ def raw_zarr(store: Any, names: list[str]) -> Any:
     * anything else, or any variable read otherwise (a stride, arithmetic): unchanged.
     """
     if is_xarray_dataset(store):
-        path = zarr_path_backing(store, names)
-        if path is not None:
-            return path
         variables = [store.variables.get(name) for name in names]
         if not names or any(v is None for v in variables):
             return store
-        boxes = [zarr_box(v) for v in variables]
+        boxes = [zarr_box(v) for v in variables]  # (each traced once, here)
         if any(box is None for box in boxes):
             return store
+        path = zarr_path_backing(store, names, boxes)  # type: ignore[arg-type]
+        if path is not None:
+            return path
         group = group_of(boxes, names)  # type: ignore[arg-type]
         return ZarrSplit(dict(zip(names, boxes, strict=True))) if group is None else group
     if is_data_array(store) or is_dask_array(store):

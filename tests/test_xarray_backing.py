@@ -199,6 +199,39 @@ def test_a_packed_variable_is_read_raw_and_unpacked_as_xarray_unpacks_it(store, 
     np.testing.assert_array_equal(samples.read(np.arange(20)).x.numpy(), expected)
 
 
+@pytest.mark.parametrize("how", OPENED)
+def test_a_dataset_whose_variables_changed_since_it_was_opened_reads_the_changed_values(
+    store, how, tmp_path
+):
+    """``ds.assign(t=ds.t * 2)``, a variable of another store under the same name, and
+    ``ds.load()`` edited in memory all keep the Dataset's ``encoding["source"]``: each
+    source and ``normalization_stats`` read the values the Dataset holds, not the store's
+    (they were read raw from the path before: silently the stored values)."""
+    ds = opened(store, how)
+    other = tmp_path / "other.zarr"
+    xr.Dataset({"t": ds["t"] + 10}).to_zarr(other, consolidated=False)
+    loaded = opened(store, how).load()
+    loaded["t"].values[:] = 3.0
+    changed = {
+        "assigned": ds.assign(t=ds["t"] * 2),
+        "another store's": ds.assign(t=opened(other, how)["t"]),
+        "loaded and edited": loaded,
+    }
+    for why, dataset in changed.items():
+        want = dataset["t"].values
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (in memory: cannot be checked, said elsewhere)
+            samples = dfl.io.ZarrSource(dataset, x="t", sample_dim="time", shuffle=False)
+            windows = dfl.io.PatchSource(dataset, "t", patch=PATCH, shuffle=False)
+            stats = dfl.io.normalization_stats(windows)
+        np.testing.assert_array_equal(samples.read(np.arange(20)).x.numpy(), want, err_msg=why)
+        x = windows.read(np.arange(4)).x.numpy()  # (window, channel, time, lat, lon)
+        np.testing.assert_array_equal(x[1, 0], want[:, :8, 8:], err_msg=why)
+        assert stats.mean[0] == pytest.approx(want.astype(np.float64).mean(), rel=1e-6), why
+    unchanged = dfl.io.ZarrSource(opened(store, how), x="t", sample_dim="time")
+    assert isinstance(unchanged.store, str)  # (still read raw from its path)
+
+
 def test_data_read_from_zarr_into_memory_warns_that_it_cannot_be_checked(store):
     loaded = opened(store, "lazy")["t"].isel(time=slice(0, 15)).load()
     assert zarr_arrays_behind(loaded) == []
