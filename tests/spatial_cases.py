@@ -68,12 +68,17 @@ def compare(group: Any, case: dict[str, Any]) -> dict[str, float]:
     part = SpatialModule(model, group, case["dims"], case.get("weights"))
     part.train(case.get("train", True))
     x.requires_grad_(True)
-    ref_out = model(x)
+    # autocast="bf16": the forward under CPU autocast, as a precision="bf16" fit runs it
+    # (bf16 activations, so bf16 halos)
+    autocast = case.get("autocast") == "bf16"
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        ref_out = model(x).float()
     probe = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7), dtype=dtype)
     probe = probe.to(device)
     (ref_out * probe).sum().backward()
     mine = region(x.detach(), group, case["dims"], case.get("weights")).requires_grad_(True)
-    out = part(mine)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = part(mine).float()
     (out * probe).sum().backward()
     errors = {
         "output": float(

@@ -125,6 +125,21 @@ def test_dropout_masks_agree_across_the_group(pool2):
     assert any(v == 0.0 for v in first) or len(first) < 4
 
 
+def test_bf16_autocast_activations_exchange_their_halos_as_the_whole_model_computes(pool2):
+    """``precision="bf16"`` on the CPU: the activations are bf16, so are the halo slabs
+    (packed by torch there: the Numba kernel takes float32 and float64 only). The
+    partitioned stack equals the whole one to bf16's rounding (a wrong halo is off by
+    the activations' own size)."""
+    layers = [
+        ("conv", dict(out=4, kernel_size=3, padding=1)),
+        ("relu", {}),
+        ("conv", dict(out=2, kernel_size=3, padding=1)),
+    ]
+    case = dict(seed=3, nd=2, channels=2, shape=(2, 2, 12, 10), dims=(2,), layers=layers)
+    for errors in pool2.run(spatial_cases.compare, {**case, "autocast": "bf16"}):
+        assert errors["output"] < 2e-2 and errors["grad"] < 2e-2, errors
+
+
 @pytest.mark.parametrize(
     ("name", "says"),
     [

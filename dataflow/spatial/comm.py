@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dataflow.ops.halo import pack_halo
+from dataflow.ops.halo import PACK_HALO, pack_halo
 from dataflow.spatial.geometry import Exchange, Interval, coords_of, rank_of
 
 
@@ -92,8 +92,10 @@ def _pack(x: torch.Tensor, dim: int, width: int, offset: int) -> torch.Tensor:
     """The slab to send. On a GPU torch's strided copy: measured on an H100
     (``benchmarks/bench_gpu.py``), the Numba kernel's launch from Python costs 0.26-0.53
     ms per slab against torch's 0.02-0.04 ms for the same copy, and a layer sends
-    several slabs per step. On the CPU the Numba kernel (parallel over rows)."""
-    if x.is_cuda:
+    several slabs per step. On the CPU the Numba kernel (parallel over rows), for the
+    dtypes it takes (float32, float64); bf16 activations (``precision="bf16"``, which Numba
+    has no type for) by torch's copy."""
+    if x.is_cuda or x.dtype not in PACK_HALO.dtypes:
         return x.narrow(dim, offset, width).contiguous()
     return pack_halo(x, dim, width, "low", offset=offset)
 
