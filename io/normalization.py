@@ -8,7 +8,10 @@ and the sum of squared deviations in float64 (chunks combined exactly, as in Cha
 al.'s parallel update), and leaves NaN out (as ``PatchSource(nan="mask")`` reads them:
 not data). With ``path`` the result is written as JSON and read back on the next call
 whose store and variables match: a fingerprint of each array's name, shape, chunks
-and dtype and the store's label, so a changed store is measured again.
+and dtype, the store's label, and the values of three of its chunks (the first, the
+middle and the last: a store written again with other values or other CF packing is
+measured again, for three chunk reads, not a pass over the store); ``refresh=True``
+measures again whatever the fingerprint says.
 ``dataflow.ops.Standardize.from_stats(stats, source)`` applies them on the device, one
 mean and std per channel of the source's samples (:meth:`NormalizationStats.per_channel`).
 """
@@ -98,6 +101,7 @@ def normalization_stats(
     path: str | os.PathLike | None = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    refresh: bool = False,
 ) -> NormalizationStats:
     """Mean and std of each of ``variables`` (default: the source's x arrays) over the
     whole store, in one streaming pass over its chunks.
@@ -105,7 +109,8 @@ def normalization_stats(
     ``source_or_store``: a ``PatchSource`` or ``ZarrSource`` (its store and storage
     options), or what ``PatchSource`` takes as a store. ``path``: a JSON file, or a
     folder (the run's) to hold ``normalization.json``; statistics found there for the
-    same store and variables are returned without reading the store."""
+    same store and variables (and the same values in three sampled chunks) are returned
+    without reading the store, unless ``refresh``."""
     store, options = source_or_store, storage_options
     if hasattr(source_or_store, "num_samples") and hasattr(source_or_store, "store"):
         store = source_or_store.store
@@ -116,12 +121,13 @@ def normalization_stats(
     arrays, label = _open(store, names, options)
     fingerprint = _fingerprint(label, arrays)
     target = _target(path)
-    if target is not None and target.is_file():
+    if target is not None and target.is_file() and not refresh:
         try:
             kept = NormalizationStats.from_json(target)
         except (ValueError, TypeError, KeyError):
             kept = None
         if kept is not None and kept.fingerprint == fingerprint:
+            log.info("normalization: reusing %s (same store, variables and sampled chunks)", target)
             return kept
         log.info("normalization: %s describes another store or variables; measuring", target)
     moments = [_moments(array) for array in arrays]
@@ -169,7 +175,27 @@ def _fingerprint(label: str, arrays: Sequence[PatchArray]) -> str:
         + ([] if a.where is None else [list(a.where)])
         for a in arrays
     ]  # (a split's box: two splits of one shape are two sets of statistics)
-    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(described).encode())
+    for array in arrays:  # the values, as read (decoded): a store written again differs
+        for box in _sampled_boxes(array):
+            digest.update(np.ascontiguousarray(array.read_box(*box)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _sampled_boxes(array: PatchArray) -> list[tuple[list[int], list[int]]]:
+    """The boxes (as :func:`_boxes` gives them) of the chunks holding the array's first,
+    middle and last cell, found without listing every chunk (a store may hold millions)."""
+    shape, unit, origin = array.shape, _unit(array), array.origin
+    boxes: list[tuple[list[int], list[int]]] = []
+    for point in ([0] * len(shape), [s // 2 for s in shape], [s - 1 for s in shape]):
+        coords = [(p + o) // u for p, o, u in zip(point, origin, unit, strict=True)]
+        lo = [max(0, c * u - o) for c, u, o in zip(coords, unit, origin, strict=True)]
+        hi = [
+            min(s, (c + 1) * u - o) for c, u, o, s in zip(coords, unit, origin, shape, strict=True)
+        ]
+        if (lo, hi) not in boxes and all(h > low for low, h in zip(lo, hi, strict=True)):
+            boxes.append((lo, hi))
+    return boxes
 
 
 def _target(path: str | os.PathLike | None) -> Path | None:
@@ -182,12 +208,7 @@ def _target(path: str | os.PathLike | None) -> Path | None:
 def _boxes(array: PatchArray) -> list[tuple[list[int], list[int]]]:
     """The array's stored chunks as boxes ``(lo, hi)`` (slabs along axis 0 without); a
     split of a stored array (``origin``): the parts of the stored chunks it holds."""
-    shape = array.shape
-    unit = array.unit
-    if unit is None:
-        row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * array.dtype.itemsize)
-        unit = (max(1, SLAB_BYTES // row), *shape[1:])
-    origin = array.origin
+    shape, unit, origin = array.shape, _unit(array), array.origin
     boxes = []
     for coords in box_chunks(origin, [o + s for o, s in zip(origin, shape, strict=True)], unit):
         lo = [max(0, c * u - o) for c, u, o in zip(coords, unit, origin, strict=True)]
@@ -196,6 +217,15 @@ def _boxes(array: PatchArray) -> list[tuple[list[int], list[int]]]:
         ]
         boxes.append((lo, hi))
     return boxes
+
+
+def _unit(array: PatchArray) -> tuple[int, ...]:
+    """The array's stored chunk shape (slabs of ``SLAB_BYTES`` along axis 0 without)."""
+    if array.unit is not None:
+        return tuple(array.unit)
+    shape = array.shape
+    row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * array.dtype.itemsize)
+    return (max(1, SLAB_BYTES // row), *shape[1:])
 
 
 def _chunk_moments(data: np.ndarray) -> tuple[int, float, float]:

@@ -238,8 +238,18 @@ def test_normalization_stats_equal_numpy_over_the_whole_arrays_and_are_kept_besi
     # kept: the next call reads the file, not the store; another store is measured again
     kept = run / "normalization.json"
     assert dfl.io.NormalizationStats.from_json(kept) == stats
-    group["a"][0, 0] = 1e6  # the file wins while the store's arrays look the same
+    # the file wins while the store's arrays look the same: their shapes, chunks, dtypes
+    # and the values of their first, middle and last chunks (a chunk between changed)
+    group["a"][20, 20] = 1e6
     assert dfl.io.normalization_stats(source, path=run) == stats
+    remeasured = dfl.io.normalization_stats(source, path=run, refresh=True)
+    assert remeasured.mean[0] != stats.mean[0] and remeasured.fingerprint == stats.fingerprint
+    group["a"][20, 20] = data["a"][20, 20]
+    group["a"][0, 0] = 1e6  # the store written again: its first chunk differs
+    changed = dfl.io.normalization_stats(source, path=run)
+    assert changed.mean[0] > stats.mean[0] and changed.fingerprint != stats.fingerprint
+    group["a"][0, 0] = data["a"][0, 0]
+    assert dfl.io.normalization_stats(source, path=run) == stats  # (measured again: the same)
     other = dfl.io.normalization_stats(path, ["a", "b"], path=run)
     assert other.variables == ("a", "b") and other.fingerprint != stats.fingerprint
     assert dfl.io.NormalizationStats.from_json(kept) == other
