@@ -39,6 +39,7 @@ from dataflow.stages import Forward, Load, Update
 from dataflow.stages.base import PhaseContext
 from dataflow.stages.evaluate import bind_evaluations
 from dataflow.stages.forward import build_model
+from dataflow.stages.held_out_checks import check_held_out_chunks
 from dataflow.trainer_config import TrainerConfig, check_options
 
 __all__ = ["Trainer", "TrainerConfig"]
@@ -272,6 +273,9 @@ class Trainer:
             raise ConfigError(f"capture=True: {blocker}; use capture=False with this graph")
         if self.config.dry_run:
             self._dry_run()
+        for stage in self.graph:  # a missing held-out chunk named now, not after an epoch
+            if stage.kind == kinds.EVALUATE and getattr(stage, "source", None) is not None:
+                check_held_out_chunks(stage.source)
         with (
             client_or_local_cluster(
                 client,

@@ -37,7 +37,7 @@ def chunk_read_error(
 def missing_chunk_error(reader: Any, missing: list[str]) -> ChunkMissingError:
     return ChunkMissingError(
         f"ZarrSource: array {reader.name!r} has no chunk {missing[0]!r} "
-        f"({len(missing)} missing among those this epoch reads); the store is incomplete, and "
+        f"({len(missing)} missing among the chunks checked); the store is incomplete, and "
         "zarr would return fill values instead. Re-write or re-copy the store (zarr skips "
         "all-fill-value chunks unless written with write_empty_chunks=True, as "
         "dataflow.io.to_zarr does)"

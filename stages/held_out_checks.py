@@ -1,7 +1,8 @@
 """What a held-out batch is refused for, naming the sample: a NaN or inf in its
 target, its input or the model's output (the held-out loss would be NaN), or a metric
 that is not finite on finite outputs. Used by :class:`~dataflow.stages.evaluate.Evaluate`
-as it scores and predicts."""
+as it scores and predicts; and, before a fit starts, the held-out set's chunks checked
+to exist (:func:`check_held_out_chunks`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,22 @@ import numpy as np
 import torch
 
 from dataflow.core.errors import DataError
+from dataflow.io.chunk_index import is_chunked
 
-__all__ = ["check_finite", "metric_error"]
+__all__ = ["check_finite", "check_held_out_chunks", "metric_error"]
+
+
+def check_held_out_chunks(source: Any) -> None:
+    """Raise ``ChunkMissingError`` naming the first stored object of the held-out
+    ``source`` that is absent, before the fit starts: the evaluation's own check comes at
+    the first epoch's end, after a whole epoch of training (hours on a large set). One
+    concurrent existence check per object, on the driver; a source that is not chunked
+    (in memory) has nothing to check."""
+    if not is_chunked(source):
+        return
+    members = getattr(source, "chunk_members", None)
+    chunks = len(members) if members is not None else len(source.chunk_bounds) - 1
+    source.check_chunks(range(chunks))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -187,3 +187,43 @@ def test_a_nan_output_on_a_held_out_window_names_that_window(tmp_path):
 
     with pytest.raises(dfl.DataError, match=rf"held-out sample {window} of eval_source"):
         scores(source, NaNOnThatWindow(), TILE_METRICS)
+
+
+@pytest.mark.parametrize("kind", ["zarr", "patch"])
+def test_a_missing_held_out_chunk_is_named_before_the_fit_starts(tmp_path, kind):
+    """The evaluation's own check comes at the first epoch's end, after a whole epoch of
+    training: a held-out chunk missing is named before any worker is asked for (the
+    fit's client is an address nobody listens at: reaching for it would fail otherwise)."""
+    import zarr
+    from conftest import make_data, sgd
+
+    x, y = make_data(64)
+    train = dfl.io.to_zarr(tmp_path / "train.zarr", x, y, chunk_mb=0.001)
+    if kind == "zarr":
+        held = held_out(tmp_path)
+        hole = "x/c/3/0/0/0"
+        os.remove(os.path.join(held, hole))
+        eval_source = dfl.io.ZarrSource(held, x="x", y="y", shuffle=False)
+    else:
+        field = tmp_path / "field.zarr"
+        group = zarr.open_group(field, mode="w")
+        values = np.random.default_rng(0).normal(size=(16, 8, 8)).astype(np.float32)
+        group.create_array("f", shape=values.shape, dtype=values.dtype, chunks=(4, 8, 8))[:] = (
+            values
+        )
+        hole = "f/c/2/0/0"
+        os.remove(field / hole)
+        eval_source = dfl.io.PatchSource(field, "f", "f", patch={0: 4}, shuffle=False)
+    pipe = dfl.Pipeline(
+        model=TinyCNN,
+        device="cpu",
+        loss=F.cross_entropy,
+        optimizer=sgd,
+        source=dfl.io.ZarrSource(train, x="x", y="y"),
+        eval_source=eval_source,
+        schedule=dfl.schedule.Fixed(16),
+        progress=False,
+        dry_run=False,
+    )
+    with pytest.raises(dfl.ChunkMissingError, match=f"'{hole}'.*among the chunks checked"):
+        pipe.fit(epochs=1, client="tcp://127.0.0.1:1")
