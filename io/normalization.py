@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from dataflow.core.errors import ConfigError, DataError
+from dataflow.io.cf_stores import cf_decoded
 from dataflow.io.patch_arrays import (
     PatchArray,
     is_single_array,
@@ -157,7 +158,9 @@ def _x_names(source: Any) -> list[Any]:
 
 
 def _open(store: Any, names: list[Any], options: Any) -> tuple[list[PatchArray], str]:
-    opened, label = open_store(raw_zarr(store, [n for n in names if n]), options)
+    named = [n for n in names if n]
+    decoded = cf_decoded(store, named, options, "normalization_stats")  # as the sources read
+    opened, label = open_store(raw_zarr(decoded, named), options)
     if names == [None]:
         if not is_single_array(opened):
             raise ConfigError(

@@ -31,6 +31,7 @@ import torch
 
 from dataflow.core.batch import Batch
 from dataflow.core.errors import ConfigError, DataError
+from dataflow.io.cf_stores import cf_decoded
 from dataflow.io.chunk_cache import DEFAULT_CHUNK_CACHE_MB, CachePlan, ChunkCache
 from dataflow.io.chunk_index import MEMBER_INDEX
 from dataflow.io.chunk_reader import EpochChunkReader
@@ -145,7 +146,9 @@ class PatchSource(RegionView):
             raise ConfigError(f"PatchSource(y={y!r}): y is one array name (or None)")
         names = [n for n in ([*x] if isinstance(x, (list, tuple)) else [x]) if isinstance(n, str)]
         extra = [n for n in (y, mask) if isinstance(n, str)]
-        self.store = raw_zarr(store, [*names, *extra])
+        # CF-packed or masked arrays of a path: read decoded, as xarray reads them
+        decoded = cf_decoded(store, [*names, *extra], storage_options, "PatchSource")
+        self.store = raw_zarr(decoded, [*names, *extra])
         self.x_name = x
         self.y_name = y
         self.shuffle = bool(shuffle)

@@ -159,9 +159,15 @@ class ZarrSplit:
     boxes: dict[str, ZarrBox]
 
     def __str__(self) -> str:
+        """``split of 'file:///era5.zarr': t[time 0:96], tp (CF-decoded)``; ``arrays of``
+        where nothing is cut (a store read decoded)."""
         stores = sorted({str(b.array.store_path.store) for b in self.boxes.values()})
-        boxes = ", ".join(f"{box.name}{box.cuts}" for box in self.boxes.values())
-        return f"split of {', '.join(map(repr, stores))}: {boxes}"
+        boxes = ", ".join(
+            f"{box.name}{box.cuts}{' (CF-decoded)' if box.decode else ''}"
+            for box in self.boxes.values()
+        )
+        kind = "split" if any(box.cuts for box in self.boxes.values()) else "arrays"
+        return f"{kind} of {', '.join(map(repr, stores))}: {boxes}"
 
 
 def zarr_box(value: Any) -> ZarrBox | None:

@@ -39,6 +39,7 @@ from dataflow.io.array_readers import (
     ZarrArrayReader,
     fetch_ahead,
 )
+from dataflow.io.cf_stores import cf_decoded
 from dataflow.io.chunk_reader import EpochChunkReader
 from dataflow.io.credentials import StorageOptions
 from dataflow.io.fetch import DEFAULT_FETCH_AHEAD_MB, FetchAhead, megabytes, opened_remote
@@ -186,7 +187,9 @@ class ZarrSource(RegionView):
         if isinstance(y, (list, tuple)):
             raise DataError(f"ZarrSource(y={y!r}): y is one array name (or None)")
         # a zarr store's values as stored: read raw, chunk-aware, missing chunks caught
-        self.store = raw_zarr(store, [*_names("x", x), *_names("y", y)])
+        names = [*_names("x", x), *_names("y", y)]
+        # CF-packed or masked arrays of a path: read decoded, as xarray reads them
+        self.store = raw_zarr(cf_decoded(store, names, storage_options, "ZarrSource"), names)
         self.x_name = x
         self.y_name = y
         self.sample_dim = sample_dim

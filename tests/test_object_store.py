@@ -333,3 +333,26 @@ def test_an_object_missing_while_the_next_epoch_is_fetched_ahead_is_named_as_mis
         list(first)
     assert "changing underneath" not in str(raised.value)
     assert second.fetching._closed
+
+
+def test_a_cf_packed_store_on_s3_read_by_its_url_gives_xarray_s_values(s3, proxy, tmp_path):
+    """ERA5's packing in an object store, given by its URL and storage options: read
+    decoded (masked cell NaN), as xarray reads the local copy; no credential printed."""
+    xr = pytest.importorskip("xarray")
+    field = 0.1 + np.random.default_rng(2).random((12, 8, 8))
+    field[5, 1, 1] = np.nan
+    encoding = {"t": {"dtype": "int16", "scale_factor": 0.001, "_FillValue": -1}}
+    local = tmp_path / "packed.zarr"
+    xr.Dataset({"t": (("time", "lat", "lon"), field)}).to_zarr(
+        local,
+        encoding={**encoding, "t": {**encoding["t"], "chunks": (4, 8, 8)}},
+        consolidated=False,
+    )
+    url = s3.upload(local, "packed.zarr")
+    source = dfl.io.ZarrSource(
+        url, x="t", sample_dim="time", shuffle=False, storage_options=s3.storage_options
+    )
+    want = xr.open_dataset(local, engine="zarr", chunks=None, consolidated=False)["t"].values
+    np.testing.assert_array_equal(source.read(np.arange(12)).x.numpy(), want)
+    assert np.isnan(want[5, 1, 1]) and "(CF-decoded)" in repr(source)
+    assert SECRET not in repr(source) and SECRET not in str(source.storage_options)
