@@ -21,6 +21,7 @@ import zarr
 
 from dataflow.core.errors import ConfigError, DataError
 from dataflow.io.checksums import check_compressor, checksummed_codecs
+from dataflow.io.dataset_metadata import json_attrs, write_metadata
 from dataflow.io.xarray_backing import check_complete
 
 
@@ -108,7 +109,10 @@ def to_zarr(
     group = _new_group(path, zarr_format, "to_zarr")
     for name, (array, axis, dims) in arrays.items():
         codecs = checksummed_codecs(compressor, zarr_format, np.dtype(array.dtype))
-        _write_array(group, name, array, axis, dims, chunk_mb, codecs, splits.get(name, {}))
+        attrs = json_attrs(x[name].attrs) if type(x).__name__ == "Dataset" else None
+        _write_array(group, name, array, axis, dims, chunk_mb, codecs, splits.get(name, {}), attrs)
+    if type(x).__name__ == "Dataset":  # what xarray needs to read it back as it was
+        write_metadata(group, x, arrays, compressor)
     return path
 
 
@@ -284,9 +288,11 @@ def _write_array(
     chunk_mb: float,
     codecs: tuple[tuple[Any, ...], tuple[Any, ...]],
     splits: dict[int, int],
+    attrs: Mapping[str, Any] | None = None,
 ) -> None:
-    """Create ``name`` chunked along ``axis`` (and by ``splits`` within a sample); write
-    ~64 MB slabs."""
+    """Create ``name`` chunked along ``axis`` (and by ``splits`` within a sample), with
+    the attributes ``attrs``; write ~64 MB slabs."""
+    attrs = dict(attrs or {})
     shape = tuple(int(s) for s in array.shape)
     n = shape[axis]
     if n == 0:
@@ -309,7 +315,7 @@ def _write_array(
         filters=codecs[0],
         compressors=codecs[1],
         dimension_names=None if v2 else names,
-        attributes={"_ARRAY_DIMENSIONS": names} if v2 and names else None,
+        attributes={**attrs, **({"_ARRAY_DIMENSIONS": names} if v2 and names else {})},
         # v2 readers (xarray) take a fill value as "missing" and would mask real zeros
         **({"fill_value": None} if v2 else {}),
         config={"write_empty_chunks": True},  # an absent chunk always means incomplete

@@ -105,8 +105,10 @@ def test_convert_round_trips_a_netcdf_file(tmp_path, capsys):
             "params": (("time", "param"), params),
             "mask": (("lat", "lon"), np.ones((6, 5), np.float32)),  # no sample dimension
         },
-        coords={"time": np.arange(30)},
+        coords={"time": np.arange("2000-01-01", 30, dtype="datetime64[D]")},
+        attrs={"title": "a simulation"},
     )
+    dataset["density"].attrs.update(units="g cm-3", long_name="density")
     src = tmp_path / "sim.nc"
     try:
         dataset.to_netcdf(src)
@@ -118,7 +120,7 @@ def test_convert_round_trips_a_netcdf_file(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "sample_dim='time'" in printed and "dataflow info" in printed
     group = zarr.open_group(str(dest), mode="r")
-    assert sorted(group.array_keys()) == ["density", "params"]
+    assert sorted(group.array_keys()) == ["density", "params", "time"]  # time: a coordinate
     density = group["density"]
     assert density.metadata.dimension_names == ("time", "channel", "lat", "lon")
     assert density.chunks[1:] == (2, 6, 5) and density.chunks[0] < 30  # whole samples
@@ -128,6 +130,13 @@ def test_convert_round_trips_a_netcdf_file(tmp_path, capsys):
     np.testing.assert_allclose(got_y, params)
     reopened = xarray.open_zarr(dest, consolidated=False)
     np.testing.assert_array_equal(reopened["density"].values, x)
+    # coordinates and attributes kept: a split by date, as on the netCDF file
+    split = reopened.sel(time=slice("2000-01-11", "2000-01-20"))
+    np.testing.assert_array_equal(split["density"].values, x[10:20])
+    assert reopened["density"].attrs == {"units": "g cm-3", "long_name": "density"}
+    assert reopened.attrs == {"title": "a simulation"}
+    assert main(["info", str(dest)]) == 0
+    assert "30 samples along axis 0" in capsys.readouterr().out  # (time: a coordinate)
 
 
 def test_convert_finds_the_sample_dimension_and_every_variable(tmp_path):

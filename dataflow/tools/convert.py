@@ -459,8 +459,7 @@ def _convert_xarray(
                 f"{sample_dim!r} (they have {[list(dataset[n].dims) for n in lacking]}); "
                 "drop them from --x/--y or pick another --sample-dim"
             )
-        subset = dataset[chosen].drop_vars(list(dataset[chosen].coords))
-        to_zarr(dest, subset, sample_dim=sample_dim, **options)
+        to_zarr(dest, dataset[chosen], sample_dim=sample_dim, **options)  # (its coordinates)
         shapes = {n: tuple(int(s) for s in dataset[n].shape) for n in chosen}
         left_out = tuple(n for n in available if n not in chosen)
     return Converted(dest, shapes, tuple(names), target, sample_dim, left_out)

@@ -193,13 +193,17 @@ def _arrays(node: Any) -> list[tuple[str, zarr.Array]]:
 
 
 def _sample_axis(array: zarr.Array, sample_dim: str | int) -> int | None:
+    """The array's axis along ``sample_dim`` (None: it has none). By axis number, an
+    xarray coordinate (1-D, named as its dimension: ``lat``, ``time``) has no samples."""
     if not array.shape:
         return None
+    names = getattr(array.metadata, "dimension_names", None)
+    if names is None:
+        names = array.attrs.get("_ARRAY_DIMENSIONS")
     if isinstance(sample_dim, str):
-        names = getattr(array.metadata, "dimension_names", None)
-        if names is None:
-            names = array.attrs.get("_ARRAY_DIMENSIONS")
         return list(names).index(sample_dim) if names and sample_dim in names else None
+    if names is not None and list(names) == [array.basename]:
+        return None
     return sample_dim if -len(array.shape) <= sample_dim < len(array.shape) else None
 
 
