@@ -142,7 +142,12 @@ class Pipeline:
             metrics = {"loss": loss, **(metrics or {})}
             graph.add(Evaluate(eval_source, metrics=metrics, every_epochs=eval_every), node)
         elif metrics:
-            raise ConfigError("Pipeline(metrics=...) needs eval_source=... to evaluate on")
+            raise ConfigError(
+                "Pipeline(metrics=...) needs eval_source=... to evaluate on during the fit; "
+                "to score a test set after it instead, give them to pipe.evaluate(test, "
+                "model, metrics={'loss': loss, ...}), or to a pipeline made to evaluate "
+                "only (without optimizer=, source= and schedule=)"
+            )
         self.graph = graph
         self.trainer = Trainer(
             graph, schedule=schedule, lr_decay=lr_decay, seed=seed, **trainer_options

@@ -169,7 +169,11 @@ def _open(store: Any, names: list[Any], options: Any) -> tuple[list[PatchArray],
             )
         return [open_single(opened, label)], label
     fields = [f"variables[{i}]" for i in range(len(names))]
-    return [open_member(opened, f, n, label) for f, n in zip(fields, names, strict=True)], label
+    arrays = [
+        open_member(opened, f, n, label, caller="normalization_stats")
+        for f, n in zip(fields, names, strict=True)
+    ]
+    return arrays, label
 
 
 def _fingerprint(label: str, arrays: Sequence[PatchArray]) -> str:

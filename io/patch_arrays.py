@@ -293,12 +293,17 @@ def is_single_array(store: Any) -> bool:
 
 
 def open_member(
-    store: Any, field: str, name: Any, label: str, check_xarray: bool = True
+    store: Any,
+    field: str,
+    name: Any,
+    label: str,
+    check_xarray: bool = True,
+    caller: str = "PatchSource",
 ) -> PatchArray:
-    """Array ``name`` of a group or Dataset (``field`` names the argument);
+    """Array ``name`` of a group or Dataset (``caller``'s argument ``field``);
     ``check_xarray``: xarray data's zarr arrays checked whole (once, on the driver)."""
     if not isinstance(name, str):
-        raise DataError(f"PatchSource({field}=...): must be an array name (str), got {name!r}")
+        raise DataError(f"{caller}({field}=...): must be an array name (str), got {name!r}")
     if is_xarray_dataset(store):
         available = sorted(map(str, store.variables))
     elif isinstance(store, ZarrSplit):
@@ -307,7 +312,7 @@ def open_member(
         available = sorted(store.array_keys())
     if name not in available:
         raise VariableNotFoundError(
-            f"PatchSource({field}={name!r}): no array {name!r} in {label}; the arrays there "
+            f"{caller}({field}={name!r}): no array {name!r} in {label}; the arrays there "
             f"are {available}"
         )
     if isinstance(store, ZarrSplit):

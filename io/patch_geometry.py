@@ -301,7 +301,18 @@ def _y_axes(
         y_axes = axes
     else:
         y_axes = ()
-    if not y_axes or any(y.shape[b] != shape[a] for a, b in zip(axes, y_axes, strict=True)):
+    differ = [
+        f"{_name(dims, a)}: y {y.shape[b]}, x {shape[a]}"
+        for a, b in zip(axes, y_axes or axes, strict=True)
+        if y_axes and y.shape[b] != shape[a]
+    ]
+    if differ:  # found, but of another length
+        raise ConfigError(
+            f"PatchSource(y={y.name!r}): y's extent differs from x's along the patch "
+            f"dim(s) ({'; '.join(differ)}), so its windows could not be cut where x's are; "
+            "write y over the same grid as x (or cut x to y's extent, e.g. a split of both)"
+        )
+    if not y_axes:
         raise ConfigError(
             f"PatchSource(y={y.name!r}): y has shape {y.shape} (dims {y.dims}), x {shape} "
             f"(dims {dims}); y needs each patch dim ({', '.join(patch_dims)}) as long as x's, "

@@ -117,9 +117,16 @@ def _sample_axis(field: str, name: str, array: Any, sample_dim: int | str, label
     if isinstance(sample_dim, str):
         dims = _dimension_names(array)
         if dims is None or sample_dim not in dims:
+            coordinate = dims is not None and tuple(dims) == (name,)
             raise DataError(
                 f"ZarrSource(sample_dim={sample_dim!r}): {field} ({name!r} in {label}) has "
                 f"dimensions {dims}; name one of those, or give the sample axis as an int"
+                + (
+                    f" ({name!r} is a coordinate, the labels of dimension {name!r}: did you "
+                    "mean a data variable?)"
+                    if coordinate
+                    else ""
+                )
             )
         return dims.index(sample_dim)
     if ndim == 0 or not -ndim <= sample_dim < ndim:

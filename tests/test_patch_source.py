@@ -315,11 +315,25 @@ def test_every_mistake_is_a_config_error_naming_the_argument(tmp_path):
     bad.create_array(
         "lab3", shape=(64, 40), chunks=(16, 16), dtype=np.int64, dimension_names=("lat", "lon")
     )
-    config_error(
-        r"y='lab3'.*each patch dim \(lat, lon\) as long as x's.*dimension_names",
+    config_error(  # named dims, another length: which dim, and both lengths
+        r"y='lab3'.*extent differs from x's along the patch dim\(s\) \(lon: y 40, x 48\)",
         path,
         "a",
         "lab3",
+        patch=p,
+    )
+    bad.create_array(
+        "lab_other",
+        shape=(64, 48),
+        chunks=(16, 16),
+        dtype=np.int64,
+        dimension_names=("lat", "depth"),
+    )
+    config_error(
+        r"y='lab_other'.*each patch dim \(lat, lon\) as long as x's.*dimension_names",
+        path,
+        "a",
+        "lab_other",
         patch=p,
     )
 
