@@ -80,9 +80,10 @@ class StoreCheck:
 
     def format(self) -> str:
         chunks = sum(a.chunks for a in self.arrays)
-        lines = [
-            f"verify {self.path}: decoded all {chunks} chunk(s) of {len(self.arrays)} array(s)"
-        ]
+        failed = len(self.problems)
+        counted = f"{chunks} chunk(s) of {len(self.arrays)} array(s)"
+        done = f"decoded all {counted}" if not failed else f"{counted}, {failed} with a problem"
+        lines = [f"verify {self.path}: {done}" + (" (below)" if failed else "")]
         rows = [("array", "chunks", "checksum", "min", "max", "mean")]
         for a in self.arrays:
             values = ("-" if v is None else f"{v:.6g}" for v in (a.min, a.max, a.mean))

@@ -171,11 +171,12 @@ class PatchAdvice:
                 f"{a.suggested_chunks_per_window_max}, one when it sits on the chunk grid, and "
                 f"decodes {_bytes(a.suggested_bytes_read_per_window)} read alone)"
             )
-        if changes:
+        if changes or any(a.read_factor > 4 for a in self.arrays):
             lines.append(
                 "  (read alone: one window at a time, as a DataLoader reads crops; PatchSource "
                 "reads a block of chunks once for all the windows in it, so chunks of about "
-                "1-16 MB cost few requests and decode each chunk at most 2^d times an epoch)"
+                "1-16 MB cost few requests and decode each chunk at most 2^d times an epoch, "
+                "however many x window a lone read would decode)"
             )
         if changes and self.rewrite:
             lines.append(f"rewrite the store with them:\n  {self.rewrite}")
