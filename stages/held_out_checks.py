@@ -14,7 +14,7 @@ import torch
 from dataflow.core.errors import DataError
 from dataflow.io.chunk_index import is_chunked
 
-__all__ = ["check_finite", "check_held_out_chunks", "metric_error"]
+__all__ = ["check_finite", "check_held_out_chunks", "metric_error", "non_finite_inputs"]
 
 
 def check_held_out_chunks(source: Any) -> None:
@@ -53,10 +53,37 @@ def _bad_rows(values: list[torch.Tensor], size: int) -> torch.Tensor:
 def _named(indices: np.ndarray) -> str:
     """Held-out samples, as an error names them: a range, or the first few."""
     first, last = int(indices[0]), int(indices[-1])
+    if len(indices) == 1:
+        return str(first)
     if last - first + 1 == len(indices) and (np.diff(indices) == 1).all():
         return f"{first} to {last}"
     shown = ", ".join(str(int(i)) for i in indices[:5])
     return f"{shown}{', ...' if len(indices) > 5 else ''} ({len(indices)} samples)"
+
+
+def non_finite_inputs(batches: list[Any]) -> str | None:
+    """Where a training step that went non-finite holds NaN or inf in its data: the
+    samples (their indices in the source) whose ``x`` or ``y`` does, in ``batches`` (the
+    step's batches in graph order: as read, then as transformed), or None. Asked only
+    once a step has failed, so it costs the steady steps nothing."""
+    for position, batch in enumerate(batches):
+        if batch.indices is None or not batch.size:
+            continue
+        bad_x = _bad_rows(_tensors(batch.x), batch.size)
+        bad_y = _bad_rows(_tensors(batch.y), batch.size)
+        rows = (bad_x | bad_y).nonzero().flatten().tolist()
+        if not rows:
+            continue
+        fields = [f for f, bad in (("x", bad_x), ("y", bad_y)) if bad[rows].any()]
+        where = "as read" if position == 0 else "after the transforms"
+        samples = _named(np.asarray(batch.indices)[rows])
+        return (
+            f"the step's data holds NaN or inf ({' and '.join(fields)} {where}) in sample(s) "
+            f"{samples} of the source: a masked or missing value (a CF _FillValue read as "
+            "NaN, a gap in the record)? Fill or drop those samples, or give the model a mask "
+            "(PatchSource(nan='mask'))"
+        )
+    return None
 
 
 def check_finite(source: Any, indices: np.ndarray, batch: Any, output: Any) -> None:

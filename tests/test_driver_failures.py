@@ -84,6 +84,25 @@ def test_a_root_cause_non_finite_step_rolls_back_in_place():
     assert not of(cmd.StopWindows, out)[0].leave_group and d.state.lr_factor == 0.5
 
 
+def test_the_replica_whose_batch_held_the_nan_is_the_root_cause_of_a_non_finite_step():
+    """Every replica stops at the non-finite step (the reduced gradient is NaN on all);
+    only the one whose own batch held the NaN can name the samples, so its error is the
+    one reported, live or replayed from the log."""
+    from dataflow.driver.root_cause import root_cause
+
+    plain = NonFiniteError("non-finite loss or gradient at step 3 on replica 0")
+    named = NonFiniteError(
+        "non-finite loss or gradient at step 3 on replica 1. Found: the step's data holds "
+        "NaN or inf (x as read) in sample(s) 37 of the source"
+    )
+    later = NonFiniteError("non-finite ... Found: the step's data holds NaN or inf in 9")
+    failures = [((2, 0), plain), ((2, 1), named), ((3, 0), later)]
+    assert root_cause(failures) == 1
+    assert root_cause([(k, ErrorInfo.of(e)) for k, e in failures]) == 1
+    assert root_cause([((2, 0), plain), ((3, 1), later)]) == 0  # the earliest window first
+    assert root_cause([((2, 0), ECHO), ((2, 1), plain)]) == 1  # (echoes still go last)
+
+
 def test_a_logged_window_failure_replays_to_the_same_root_cause():
     """The log holds each failure's error as text with the names of its classes, so the
     replayed machine tells the echo from the real error as the live one did."""

@@ -190,6 +190,21 @@ def test_the_one_replica_verdict_sees_every_nan_and_inf_and_changes_no_gradient(
     assert not bool(_all_finite(loss(1.0), list(embedding.parameters())))
 
 
+def test_the_samples_whose_data_is_not_finite_are_named():
+    from dataflow.core.batch import Batch
+    from dataflow.stages.held_out_checks import non_finite_inputs
+
+    x = torch.zeros(4, 1, 2, 2)
+    read = Batch(x=x, y=torch.zeros(4), size=4, indices=np.array([10, 11, 12, 13]))
+    assert non_finite_inputs([read]) is None
+    transformed = Batch(x=x.clone(), y=torch.zeros(4), size=4, indices=read.indices)
+    transformed.x[2, 0, 1, 1] = float("inf")  # (a transform's log of 0)
+    assert "(x after the transforms) in sample(s) 12 of" in non_finite_inputs([read, transformed])
+    read.y[1] = float("nan")
+    read.x[3, 0, 0, 0] = float("nan")
+    assert "(x and y as read) in sample(s) 11, 13 (2 samples)" in non_finite_inputs([read])
+
+
 def test_raise_still_stops_at_the_step_before_anything_changes():
     runtime, _ = in_process(poisoned_graph(steps={1}, on_non_finite="raise"), epochs=1)
     try:
@@ -327,7 +342,12 @@ def test_skip_keeps_batchnorm_statistics_and_records_the_skipped_steps(client, s
 def test_a_nan_stops_the_fit_before_the_update_and_names_the_step(client):
     x, y = data_with_a_nan()
     pipe = tiny_pipeline(x, y, dry_run=False)
-    with pytest.raises(NonFiniteError, match=r"step \d+ \(epoch 0, phase 0\).*no update"):
+    # ... and names the sample whose data is not finite (read on the replica that held it)
+    with pytest.raises(
+        NonFiniteError,
+        match=r"step \d+ \(epoch 0, phase 0\).*no update.*data holds NaN or inf \(x as read\)"
+        r" in sample\(s\) 37 of the source",
+    ):
         pipe.fit(epochs=1, client=client)
 
 

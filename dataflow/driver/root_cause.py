@@ -52,13 +52,26 @@ def acted_on(event: ev.WindowFailed) -> ev.WindowFailed:
     )
 
 
+# A replica whose own batch held the NaN says so (``held_out_checks.non_finite_inputs``);
+# its peers, which only received the non-finite reduced gradient, cannot
+_NAMES_THE_DATA = re.compile(r"data holds NaN or inf")
+
+
 def root_cause(failures: Sequence[tuple[tuple[int, int], Any]]) -> int | None:
     """The index in ``failures`` (``((window, rank), error)``, an error None where it
-    could not be read) of the one to report; None when no error could be read."""
+    could not be read) of the one to report; None when no error could be read. Among the
+    earliest window's real failures, one that names the data behind a non-finite step
+    goes first (every replica stops at that step; one of them holds the bad samples)."""
     readable = sorted((key, i) for i, (key, error) in enumerate(failures) if error is not None)
     real = [(key, i) for key, i in readable if not is_echo(failures[i][1])]
     chosen = (real or readable)[:1]
-    return chosen[0][1] if chosen else None
+    if not chosen:
+        return None
+    window = chosen[0][0][0]
+    for (w, _), i in real:
+        if w == window and _NAMES_THE_DATA.search(str(failures[i][1])):  # (or ErrorInfo)
+            return i
+    return chosen[0][1]
 
 
 # Errors a replica raises when a peer or the cluster went away under it: a collective's

@@ -29,6 +29,7 @@ from dataflow.runtime.window_parts import (
     micro_batch_groups,
 )
 from dataflow.stages.base import Batch, Gradients, PhaseContext, ReplicaContext, StepContext
+from dataflow.stages.held_out_checks import non_finite_inputs
 
 __all__ = ["ReplicaRuntime", "ReplicaSpec", "ReplicaState", "resolve_device"]
 
@@ -243,6 +244,10 @@ class ReplicaRuntime(StateSide, StoreSide):
             # stops at the same step, so the group stays usable for the rollback.
             if not isinstance(exc, NonFiniteError):
                 self.abort()
+            else:  # name the samples whose data is not finite, where the step holds them
+                found = non_finite_inputs([v for v in values.values() if isinstance(v, Batch)])
+                if found is not None and exc.args:  # (in the message: the driver prefers it)
+                    exc.args = (f"{exc.args[0]}. Found: {found}", *exc.args[1:])
             raise
         elapsed = time.perf_counter() - t
         if (waited := step.replica.peer_wait_s - waited) > 0.0:  # on peers, inside the stage
