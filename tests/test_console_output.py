@@ -117,7 +117,12 @@ def test_an_error_on_a_worker_is_shown_once(tmp_path):
     assert out.count("dataflow.core.errors.ReplicaError: replica") == 1, out[-3000:]
     # the worker's error: its traceback's last line and the ReplicaError's message
     assert out.count("ValueError: boom on the worker") == 2, out[-3000:]
-    assert out.rstrip().endswith("failed: ValueError: boom on the worker"), out[-3000:]
+    # ... which says where it failed: the stage, the replica and the step
+    last = out.rstrip().splitlines()[-1]
+    assert re.search(
+        r"failed \(in stage 'Forward' on replica \d, step \d+\): ValueError: boom on the worker$",
+        last,
+    ), out[-3000:]
 
 
 def test_the_summary_rounds_its_floats():

@@ -103,6 +103,10 @@ def as_replica_error(exc: BaseException, rank: int, worker: str) -> BaseExceptio
     """dataflow's own errors as they are; anything else as a ReplicaError naming where."""
     if isinstance(exc, Exception) and type(exc).__module__.startswith("dataflow"):
         return exc
-    error = ReplicaError(f"replica {rank} on worker {worker} failed: {type(exc).__name__}: {exc}")
+    notes = getattr(exc, "__notes__", None) or []  # where: "in stage 'Transform' ..., step 4"
+    where = f" ({'; '.join(map(str, notes))})" if notes else ""
+    error = ReplicaError(
+        f"replica {rank} on worker {worker} failed{where}: {type(exc).__name__}: {exc}"
+    )
     error.__cause__ = exc
     return error

@@ -69,9 +69,15 @@ def root_cause(failures: Sequence[tuple[tuple[int, int], Any]]) -> int | None:
         return None
     window = chosen[0][0][0]
     for (w, _), i in real:
-        if w == window and _NAMES_THE_DATA.search(str(failures[i][1])):  # (or ErrorInfo)
+        if w == window and names_the_data(failures[i][1]):
             return i
     return chosen[0][1]
+
+
+def names_the_data(error: Any) -> bool:
+    """Whether ``error`` (or its ``log.ErrorInfo``) names the samples whose data made a
+    step non-finite: the replica that read them says so, its peers cannot."""
+    return _NAMES_THE_DATA.search(str(error)) is not None
 
 
 # Errors a replica raises when a peer or the cluster went away under it: a collective's

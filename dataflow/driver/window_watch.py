@@ -21,8 +21,12 @@ from dataflow.core.errors import NonFiniteError, ReplicaError, as_replica_error
 from dataflow.driver import events as ev
 from dataflow.driver.membership import FAILURE_GRACE_S, Lost, exception_now, tell
 from dataflow.driver.memory import is_out_of_memory
-from dataflow.driver.root_cause import is_wait_timeout, may_echo_a_loss
+from dataflow.driver.root_cause import is_wait_timeout, may_echo_a_loss, names_the_data
 from dataflow.runtime import tasks as remote
+
+# A non-finite step stops every replica at once: how long the driver waits for the one
+# whose batch held the NaN (its error names the samples) when another's came first
+NON_FINITE_WAIT_S = 2.0
 
 
 class WindowFailureWatch:
@@ -73,6 +77,13 @@ class WindowFailureWatch:
             error: BaseException = ReplicaError(f"window {window} of replica {rank} was cancelled")
         elif isinstance(first, NonFiniteError):
             error = first
+            # every replica stops at that step; the one whose batch held the NaN names the
+            # samples (root_cause prefers it): its error is in within moments, if not first
+            ranks = {r for _, r, _ in self.windows.values()} | {rank}
+            if not names_the_data(first) and len(ranks) > 1:
+                failures = self._failures(
+                    future, rank, window, wait_s=NON_FINITE_WAIT_S, this_window=True
+                )
         else:  # the machine picks the root cause among every failure seen
             error = as_replica_error(first, rank, self._worker(rank))
             # the peers had the grace to fail too: their errors are in, or they are slow
@@ -112,13 +123,16 @@ class WindowFailureWatch:
         return slow
 
     def _failures(
-        self, first: Any, rank: int, window: int, wait_s: float
+        self, first: Any, rank: int, window: int, wait_s: float, this_window: bool = False
     ) -> tuple[ev.WindowFailure, ...]:
         """Every window failed once the others had ``wait_s`` more to fail too (what is
         left of the failure grace; none when ``first``'s error is the replica's own: the
         peers' echoes add nothing), each error as the fit reports it, for the machine to
-        pick the root cause among (a peer's "connection closed" is only an echo)."""
+        pick the root cause among (a peer's "connection closed" is only an echo).
+        ``this_window``: only the other replicas' parts of ``first``'s window."""
         futures = {first: (self.generation, rank, window), **self.windows}
+        if this_window:
+            futures = {f: key for f, key in futures.items() if key[2] == window}
         with contextlib.suppress(TimeoutError, CancelledError):
             wait(list(futures), timeout=wait_s)
         failures = []
