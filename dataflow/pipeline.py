@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from dataflow.schedule import Fixed, LRDecay, Schedule
 from dataflow.stages import AllReduce, Backward, Evaluate, Forward, Load, Transform, Update
 from dataflow.stages.evaluate import graph_eval_transforms, is_random
 from dataflow.trainer import Trainer
-from dataflow.trainer_config import TrainerConfig
+from dataflow.trainer_config import TrainerConfig, check_options
 
 
 class Pipeline:
@@ -85,6 +86,8 @@ class Pipeline:
         sync_batchnorm: bool = False,
         **trainer_options: Any,
     ) -> None:
+        own = [name for name in inspect.signature(Pipeline).parameters if name != "trainer_options"]
+        check_options(trainer_options, own=own, caller="Pipeline")  # a typo of either kind
         if isinstance(transforms, Callable):  # a single transform
             transforms = [transforms]
         # what evaluate() scores a trained model by: the held-out loss and the metrics

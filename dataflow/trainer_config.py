@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,16 +345,21 @@ class TrainerConfig:
             )
 
 
-def check_options(options: dict[str, Any]) -> None:
-    """Unknown options are named, with the closest valid one (a typo is the usual cause)."""
-    valid = [f.name for f in dataclasses.fields(TrainerConfig)]
+def check_options(options: dict[str, Any], own: Sequence[str] = (), caller: str = "") -> None:
+    """Unknown options are named, with the closest valid one (a typo is the usual cause).
+    ``own``: the caller's own parameters (``Pipeline``'s), valid too and listed first."""
+    fields = [f.name for f in dataclasses.fields(TrainerConfig)]
+    valid = [*own, *(name for name in fields if name not in own)]
     for name, value in options.items():
         if name not in valid:
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"unknown option {name}={value!r}{hint} Valid options: {', '.join(valid)}"
+            lists = (
+                f"{caller}'s own: {', '.join(own)}; and how the fit runs: {', '.join(fields)}"
+                if own
+                else ", ".join(fields)
             )
+            raise ConfigError(f"unknown option {name}={value!r}{hint}. Valid options: {lists}")
 
 
 def _slows(value: Any) -> bool:

@@ -465,6 +465,19 @@ CAUGHT = [
         dfl.ConfigError,
         r"replica=2.*did you mean 'replicas'",
     ),
+    Mistake(  # one of the Pipeline's own parameters, misspelled
+        "misspelled-pipeline-parameter",
+        lambda _: pipe(ema_decya=0.99),
+        dfl.ConfigError,
+        r"^unknown option ema_decya=0\.99; did you mean 'ema_decay'\?\. Valid options: "
+        r"Pipeline's own: model, loss, .*ema_decay.*; and how the fit runs: seed, ",
+    ),
+    Mistake(
+        "unknown-option-far-from-any",
+        lambda _: pipe(zzz=1),
+        dfl.ConfigError,
+        r"^unknown option zzz=1\. Valid options: ",
+    ),
     Mistake(
         "schedule-class-not-instance",
         lambda _: fit(schedule=dfl.schedule.Fixed),
