@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from distributed import Client
 
 from dataflow.callbacks import as_keep_best, check_callbacks
 from dataflow.checkpoint import Checkpoint, CheckpointStore, fingerprint
 from dataflow.core import kinds
-from dataflow.core.errors import BatchSizeError, ConfigError
+from dataflow.core.errors import BatchSizeError, ConfigError, DataError
 from dataflow.core.phase import PhaseSpec
 from dataflow.core.protocols import Schedule
 from dataflow.driver.fit import run_fit
@@ -411,6 +412,13 @@ class Trainer:
         finally:
             runtime.close()
         self.load.labels = labels.for_workers()
+        in_memory = getattr(self.source, "y", None)  # (an ArraySource: every label, now)
+        if self.load.labels is not None and isinstance(in_memory, torch.Tensor):
+            try:
+                self.load.labels.check(in_memory, np.arange(len(in_memory)))
+            except DataError as exc:
+                exc.add_note("in the dry run: every label of the in-memory source, checked")
+                raise
 
 
 def _check_checkpoint_every(every: Any, directory: Any) -> None:
