@@ -165,6 +165,16 @@ def test_an_evaluation_of_part_of_the_held_out_set_is_said_in_the_report_and_sum
     assert "epoch 3: the evaluation scored 200 of 300 held-out samples" in summary
 
 
+def test_an_early_stop_is_said_in_the_report_as_in_the_summary(tmp_path):
+    history = adaptive_history()
+    history.info["stopped_early"] = {"after_epoch": 2, "reason": "eval_loss did not improve"}
+    write_report(history, tmp_path / "report")
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "**Stopped early after epoch 2**: eval_loss did not improve." in report
+    summary = dfl.FitResult(model=None, history=history).summary()
+    assert "stopped early after epoch 2: eval_loss did not improve" in summary
+
+
 def test_the_kept_weights_epoch_is_named_in_the_report_and_marked_in_the_plot(tmp_path):
     """keep_best: report.md and the summary name the kept epoch and its value; the
     training figure draws one more legend entry, the kept epoch's line."""

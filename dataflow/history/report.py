@@ -235,6 +235,11 @@ def write_report(history_or_path: History | str | Path, out_dir: str | Path) -> 
         "",
         *([f"{skipped[0].upper()}{skipped[1:]}.", ""] if skipped else []),
         *(
+            [f"**Stopped early after epoch {stop['after_epoch']}**: {stop['reason']}.", ""]
+            if (stop := history.info.get("stopped_early"))
+            else []
+        ),
+        *(
             f"**Epoch {p['epoch']}'s evaluation scored {p['scored']} of {p['held_out']} "
             "held-out samples** (a lost worker took its share's scores with it).\n"
             for p in history.info.get("partial_evaluations") or ()
