@@ -46,13 +46,28 @@ from dataflow.trainer_config import TrainerConfig, check_options
 __all__ = ["Trainer", "TrainerConfig"]
 
 
-def check_sync_batchnorm(graph: Graph, config: TrainerConfig) -> None:
+def check_sync_batchnorm(graph: Graph, config: TrainerConfig, measures_noise: bool) -> None:
     """``sync_batchnorm=True`` only where every replica runs every step's forward at once:
-    synchronous sample-parallel training, eager (a ConfigError naming the clash)."""
+    synchronous sample-parallel training, eager (a ConfigError naming the clash); and not
+    with a schedule that measures the gradient noise scale (``measures_noise``): each
+    replica's gradient then depends on the others' batch statistics, so it is no gradient
+    of its own samples alone, and the noise estimate from the two (small-batch |g|^2
+    against the global batch's) is wrong: |G|^2 came out below 0 in every phase on a
+    BatchNorm CNN, so ``Adaptive`` never grew the batch and AdaScale's gain took the
+    linear rule, silently."""
     if not any(getattr(s.config, "sync_batchnorm", False) for s in graph if isinstance(s, Forward)):
         return
     clash = None
-    if config.settles_at_window_end:
+    if measures_noise:
+        clash = (
+            "a schedule that measures the gradient noise scale (Adaptive, or Stepwise with "
+            "lr_scaling='adascale', its default): with statistics over every replica, no "
+            "replica's gradient is one of its own samples alone, which the measurement "
+            "needs (it read the noise as unresolvable, so Adaptive would never grow the "
+            "batch and AdaScale would scale the LR linearly); give Stepwise a fixed rule "
+            "(lr_scaling='linear', 'sqrt' or 'none'), or use sync_batchnorm=False"
+        )
+    elif config.settles_at_window_end:
         clash = (
             f"sync={type(config.sync).__name__}: its replicas run their steps apart, "
             "while the statistics are reduced over every replica at once"
@@ -120,7 +135,7 @@ class Trainer:
         policies = {s.config.on_non_finite for s in graph if isinstance(s, Update)}
         self.skips_non_finite = "skip" in policies
         self.rolls_back_non_finite = "rollback" in policies
-        check_sync_batchnorm(graph, self.config)
+        check_sync_batchnorm(graph, self.config, self.measures_noise)
         # ema_decay: a moving average of the weights, kept in the optimizer's state
         self.averages_weights = any(
             s.config.ema_decay is not None for s in graph if isinstance(s, Update)

@@ -266,6 +266,9 @@ def test_a_replica_waiting_on_a_slow_peer_in_batchnorm_counts_the_wait_apart():
         (dict(sync=dfl.sync.Local(period_steps=2)), "sync=Local"),
         (dict(sync=dfl.sync.Async(staleness=1)), "sync=Async"),
         (dict(compile=True), "compile=True"),
+        # the noise scale needs each replica's gradient of its own samples alone
+        (dict(schedule=dfl.schedule.Adaptive(8, max_batch=32)), "a schedule that measures"),
+        (dict(schedule=dfl.schedule.Stepwise({0: 8, 1: 16})), "a schedule that measures"),
     ],
 )
 def test_where_replicas_do_not_run_each_forward_together_it_is_refused(options, clash):
@@ -274,6 +277,8 @@ def test_where_replicas_do_not_run_each_forward_together_it_is_refused(options, 
         tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm=True, **options)
     with pytest.raises(ConfigError, match="sync_batchnorm='yes'"):
         tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm="yes")
+    fixed_rule = dfl.schedule.Stepwise({0: 8, 1: 16}, lr_scaling="linear")  # measures nothing
+    tiny_pipeline(x, y, model=BatchNormCNN, sync_batchnorm=True, schedule=fixed_rule)
 
 
 @pytest.mark.slow
