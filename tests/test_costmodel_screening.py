@@ -49,6 +49,19 @@ def test_a_batch_far_off_the_line_through_the_others_is_discarded():
     assert "20.0x below the line through the other batches" in screened.discarded[0]["reason"]
 
 
+def test_an_end_batch_of_three_is_not_judged_by_the_line_through_the_other_two():
+    """The recorded case (3 workers, a loaded 2-core machine): 15.7 ms at batch 21, 14.1
+    at 37, 35.9 at 64. The line through the last two gives 1.2 ms at 21, so batch 21 was
+    discarded, and the fit on the two left had a negative intercept (-14 ms). Three
+    batches judge only their middle one; 37's median is raised to 21's instead."""
+    samples = {21: [0.0157] * 5, 37: [0.0141] * 5, 64: [0.0359] * 5}
+    screened = screen(samples)
+    assert screened.points == ((21, 0.0157), (37, 0.0157), (64, 0.0359))
+    assert [(d["batch"], d["action"]) for d in screened.discarded] == [(37, "raised")]
+    four = {8: [step(8)] * 3, 16: [step(16)] * 3, 24: [step(24)] * 3, 32: [step(32) * 20] * 3}
+    assert [p[0] for p in screen(four).points] == [8, 16, 24]  # four: an end is judged
+
+
 def test_a_larger_batch_never_runs_faster_and_says_so():
     screened = screen({8: [step(8)] * 3, 16: [step(8) * 0.9] * 3})
     assert screened.points == ((8, step(8)), (16, step(8)))

@@ -11,7 +11,10 @@ samples and says which it dropped and why:
    their medians stays), or both kept, as suspect, when there are none;
 2. across batches: with three batches or more, a batch whose median is more than
    ``ratio`` times off the line through the other batches' medians is discarded
-   (the worst first, while three remain);
+   (the worst first, while three remain); with three, only the middle one is judged (a
+   line through two points, extrapolated to a third beyond them, moves with either
+   point's noise: 15.7 ms at batch 21 was once discarded as 13x above the 1.2 ms that
+   the line through 14.1 ms at 37 and 35.9 ms at 64 gave there);
 3. in batch order: a larger batch never takes less time; a median below a smaller
    batch's is raised to it (and reported).
 
@@ -122,7 +125,10 @@ def screen(
     medians = {b: statistics.median(v) for b, v in kept.items() if v}
     while len(medians) >= 3:  # 2: a batch far off the line through the others
         worst, off, expected = None, math.log(ratio), 0.0
+        ends = (min(medians), max(medians))
         for batch, middle in medians.items():
+            if len(medians) == 3 and batch in ends:
+                continue  # a line through two points, extrapolated: it judges nothing
             line = _line_at({b: m for b, m in medians.items() if b != batch}, batch)
             if line is not None and abs(math.log(middle / line)) > off:
                 worst, off, expected = batch, abs(math.log(middle / line)), line
