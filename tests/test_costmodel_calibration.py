@@ -106,6 +106,13 @@ def test_the_steady_step_time_leaves_out_the_first_windows():
     assert steady_step_seconds(windows) == pytest.approx(2.0 / 8)
     assert steady_step_seconds(windows[:3]) == pytest.approx(1.0 / 4)  # keeps two windows
     assert steady_step_seconds(windows[:1]) is None
+    # the recorded case: the first fused windows committed 3 ms apart (the driver took both
+    # at once), 26 steps each of ~38 ms: counted from the first, 24 ms a step
+    bunched = [(0.5, 1), (0.6, 1), (2.049, 26), (2.052, 26), (3.04, 26), (4.03, 26)]
+    naive = steady_step_seconds(bunched)
+    assert naive == pytest.approx((4.03 - 2.049) / 78)  # 25 ms: the window's time lost
+    assert steady_step_seconds(bunched, step_median=0.038) == pytest.approx((4.03 - 2.052) / 52)
+    assert steady_step_seconds(windows, step_median=0.25) == pytest.approx(2.0 / 8)  # spaced
 
 
 def test_an_implausible_steady_step_is_discarded_and_said():

@@ -404,7 +404,9 @@ class Recorder:
     def _measured_step_seconds(self, phase: Any) -> tuple[float | None, str | None]:
         steps = self.history.steps
         seconds = [s["seconds"] for s in steps if s["phase"] == phase.index]
-        return plausible_step_seconds(steady_step_seconds(self.phase_windows), seconds)
+        median = float(np.median(seconds)) if seconds else None
+        steady = steady_step_seconds(self.phase_windows, step_median=median)
+        return plausible_step_seconds(steady, seconds)
 
     def _predicted(self, phase: Any, first: Any) -> dict[str, Any] | None:
         """The cost model's step at this phase's replicas, batch and split."""

@@ -12,17 +12,29 @@ from dataflow.driver.machine import MachineConfig
 
 
 def steady_step_seconds(
-    windows: list[tuple[float, int]], skip: int = MachineConfig.calibration_steps + 1
+    windows: list[tuple[float, int]],
+    skip: int = MachineConfig.calibration_steps + 1,
+    step_median: float | None = None,
 ) -> float | None:
     """A phase's steady step time on the driver's clock: from the commit of window
     ``skip - 1`` to that of the last window, per step committed in between. The phase's
     one-step calibration windows and the first fused window (whose start waits on the
     driver's plan) are left out; so is everything before the first window (setup, the
     phase's start), and the end of the phase. Fewer windows: as many are left out as
-    leaves two; one window: None (the caller uses the steps' median)."""
+    leaves two; one window: None (the caller uses the steps' median). With
+    ``step_median`` (the replicas' median step), a window committed with the one before
+    it (under half its steps' time after it: the driver took both at once) moves the
+    start on past it, while two windows remain: counted from the earlier commit, its
+    steps would be counted without their time (24 ms a step where the replicas took 38)."""
     if len(windows) < 2:
         return None
     start = min(skip, len(windows) - 1) - 1
+    if step_median is not None and step_median > 0:
+        while start + 2 < len(windows):
+            (then, _), (now, steps) = windows[start], windows[start + 1]
+            if now - then >= 0.5 * steps * step_median:
+                break
+            start += 1
     steps = sum(n for _, n in windows[start + 1 :])
     seconds = windows[-1][0] - windows[start][0]
     return seconds / steps if steps > 0 and seconds > 0 else None
