@@ -146,7 +146,8 @@ def test_a_failing_replica_fails_the_fit_loudly_and_frees_the_cluster(client, mo
     out = g.add(stages.Forward(TinyCNN, F.cross_entropy), batch)
     g.add(stages.Update(sgd), g.add(stages.AllReduce(), g.add(stages.Backward(), out)))
     trainer = dfl.Trainer(g, schedule=dfl.schedule.Fixed(8), progress=False, dry_run=False)
-    with pytest.raises(dfl.ReplicaError, match=r"replica 1 .* failed: RuntimeError: disk on fire"):
+    where = r"\(in stage 'FailOnReplica' on replica 1, step 3\)"  # (its note, in the message)
+    with pytest.raises(dfl.ReplicaError, match=rf"replica 1 .* failed {where}: RuntimeError: disk"):
         trainer.fit(epochs=2, client=client)
     # Replica 0 was blocked in an allreduce: the abort must have released it.
     x, y = make_data(64)

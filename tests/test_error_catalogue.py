@@ -656,6 +656,13 @@ CLUSTER_CAUGHT = [
         r"^replicas=3 but the client has 2 worker\(s\); start more workers or lower replicas",
     ),
     Mistake(
+        "min-workers-above-the-cluster",
+        lambda client, _: pipe(min_workers=3).fit(1, client=client),
+        dfl.ConfigError,
+        r"^min_workers=3, but the fit would start on 2 replica\(s\), below the fewest it may "
+        r"go on with; start more workers",
+    ),
+    Mistake(
         "model-factory-raises-on-a-replica",
         lambda client, _: pipe(model=failing_factory, dry_run=False).fit(1, client=client),
         FactoryError,  # the factory's own error, re-raised on the driver by Dask

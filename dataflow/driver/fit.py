@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 
 from dataflow.core import kinds
+from dataflow.core.errors import ConfigError
 from dataflow.core.precision import capture_simulated, cpu_fp16_allowed
 from dataflow.driver.best_weights import BestWeights
 from dataflow.driver.checkpoints import CheckpointWriter
@@ -46,6 +47,13 @@ def run_fit(
     run_id = f"fit{uuid.uuid4().hex[:12]}"
     size = config.spatial
     workers = starting_workers(available_workers(client), config.replicas, size, config.max_workers)
+    if config.min_workers > len(workers) // size:  # below its own floor from the start
+        kind = "sample group(s)" if size > 1 else "replica(s)"
+        raise ConfigError(
+            f"min_workers={config.min_workers}, but the fit would start on "
+            f"{len(workers) // size} {kind}, below the fewest it may go on with; start more "
+            "workers (or wait for them: client.wait_for_workers(n)) or lower min_workers"
+        )
     order = trainer.graph.validate(replicas=len(workers) // size)
     fit_plan = plan_from_cost_model(trainer, len(workers) // size, epochs)
     spec = ReplicaSpec(
